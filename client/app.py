@@ -1,0 +1,45 @@
+"""fedswarm's Flower ClientApp: one app serves every registered algorithm.
+
+Flower's plain ``train`` message runs local SGD and returns the new model (FedAvg).
+A message of type ``train.<name>`` is dispatched to the client update that strategy
+``<name>`` registered (compressed deltas with error feedback, gossip steps, ...).
+
+The node's partition comes from its node config (``partition-id``, ``num-partitions``),
+set by the simulation engines or by ``fedswarm client``; the run config from Flower's
+``run_config``, overridden by the keys the server sends in each message's ``config``.
+"""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedswarm.local import local_fit
+from fedswarm.strategies import registry
+from fedswarm.wire import vector_to_arrayrecord
+
+__all__ = ["app"]
+
+app = ClientApp()
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Plain local training: the reply carries the new model and the example count."""
+    cfg, trainer, _, res = local_fit(msg, context)
+    metrics = MetricRecord({"num-examples": res.num_examples, "train_loss": res.loss, "steps": res.steps})
+    return Message(RecordDict({"arrays": vector_to_arrayrecord(res.flat), "metrics": metrics}), reply_to=msg)
+
+
+def _dispatch(entry: registry.StrategyEntry):
+    def handler(msg: Message, context: Context) -> Message:
+        content = entry.client_update(msg, context)
+        return Message(content, reply_to=msg)
+
+    handler.__name__ = f"train_{entry.name}"
+    return handler
+
+
+for _entry in registry.entries():
+    if _entry.client_update is not None:
+        app.train(_entry.name)(_dispatch(_entry))

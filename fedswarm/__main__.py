@@ -1,0 +1,3 @@
+from fedswarm.cli import main
+
+main()

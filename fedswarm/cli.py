@@ -1,0 +1,216 @@
+"""The ``fedswarm`` command line.
+
+Every command explains itself with ``--help``. Bad config keys or values print one line
+naming the key and what is allowed, and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+
+from fedswarm.config import ConfigError, RunConfig, load_config, parse_set
+
+app = typer.Typer(
+    name="fedswarm",
+    help="Federated and decentralized learning on Flower: simulate, deploy, watch.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+console = Console()
+err_console = Console(stderr=True)
+
+DB_HELP = "Run store: an SQLite path or a database URL (default: $FEDSWARM_DB, else ./fedswarm.db)."
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print one clear line and exit (2 for bad input)."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def quiet_flower(verbose: bool) -> None:
+    level = logging.INFO if verbose else logging.ERROR
+    for name in ("flwr", "ray"):
+        logging.getLogger(name).setLevel(level)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+# --------------------------------------------------------------------------------------
+# sim
+# --------------------------------------------------------------------------------------
+@app.command(no_args_is_help=False)
+def sim(
+    strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help="Strategy name (see `fedswarm strategies`). Default: fedavg."),
+    task: Optional[str] = typer.Option(None, "--task", "-t", help="Task: digits-mlp (default), digits-cnn, synthetic-logreg, mnist, cifar10, femnist, or module:function."),
+    clients: Optional[int] = typer.Option(None, "--clients", "-n", help="Number of clients (default 20)."),
+    rounds: Optional[int] = typer.Option(None, "--rounds", "-r", help="Number of rounds (default 10)."),
+    fraction: Optional[float] = typer.Option(None, "--fraction", help="Fraction of clients sampled per round, in (0, 1] (default 1)."),
+    partition: Optional[str] = typer.Option(None, "--partition", "-p", help="Data split: iid (default), dirichlet:ALPHA, shards:K."),
+    local_epochs: Optional[int] = typer.Option(None, "--local-epochs", help="Local epochs per round (default 2)."),
+    local_steps: Optional[int] = typer.Option(None, "--local-steps", help="Local SGD steps per round; overrides --local-epochs."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Local minibatch size (default 16)."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Client learning rate (default 0.3)."),
+    momentum: Optional[float] = typer.Option(None, "--momentum", help="Client SGD momentum in [0, 1) (default 0)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for init, split and sampling (default 0)."),
+    engine: Optional[str] = typer.Option(None, "--engine", "-e", help="inprocess (default, no Ray) or flower (Flower's Simulation Engine on Ray)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Torch device: cpu (default), auto, cuda, cuda:N, mps."),
+    name: Optional[str] = typer.Option(None, "--name", help="A label for the run."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="Strategy hyperparameter KEY=VALUE (repeatable)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="A TOML run config; command-line options override it."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write DIR/result.json (and DIR/accuracy.png)."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="Record into this existing run of the store (used by the dashboard)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and Ray's logs."),
+) -> None:
+    """Simulate a federation on this machine: progress bar, summary table, result.json.
+
+    Example: fedswarm sim --strategy fedavg --clients 20 --rounds 10 --partition iid --out out
+    """
+    from fedswarm.strategies import registry
+
+    cli_values = {
+        "strategy": strategy, "task": task, "clients": clients, "rounds": rounds, "fraction": fraction,
+        "partition": partition, "local_epochs": local_epochs, "local_steps": local_steps,
+        "batch_size": batch_size, "lr": lr, "momentum": momentum, "seed": seed, "engine": engine,
+        "device": device, "name": name,
+    }
+    try:
+        values: dict[str, Any] = load_config(config) if config else {}
+        values.update({k: v for k, v in cli_values.items() if v is not None})
+        params = dict(values.get("params", {}) or {})
+        params.update(parse_set(set_))
+        values["params"] = params
+        cfg = RunConfig.build(values)
+        cfg.params = registry.resolve_params(cfg.strategy, cfg.params)
+        from fedswarm.tasks import get_task
+
+        get_task(cfg.task)
+    except ConfigError as exc:
+        fail(str(exc))
+    quiet_flower(verbose)
+    from fedswarm.sim.run import run_simulation_cli
+
+    status = run_simulation_cli(cfg, db=db, run_id=run_id, out=out, console=console)
+    if status == "failed":
+        raise typer.Exit(1)
+
+
+# --------------------------------------------------------------------------------------
+# runs, strategies
+# --------------------------------------------------------------------------------------
+@app.command()
+def runs(
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    limit: int = typer.Option(50, "--limit", min=1, help="How many runs, newest first."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """List the runs in the store: status, strategy, progress, accuracy, bytes."""
+    from fedswarm.sim.report import runs_table
+    from fedswarm.store import Store
+
+    store = Store(db)
+    rows = [store.export_result(r.id) for r in store.list_runs(limit)]
+    if as_json:
+        print(json.dumps([{"run_id": r["run_id"], "config": r["config"], "summary": r["summary"]} for r in rows],
+                         indent=2, default=str))
+        return
+    if not rows:
+        console.print(f"No runs in {store.url}. Start one with [bold]fedswarm sim[/].")
+        return
+    console.print(runs_table(store, rows))
+
+
+@app.command()
+def strategies(
+    as_json: bool = typer.Option(False, "--json", help="Print the catalog as JSON (the dashboard's form is built from it)."),
+) -> None:
+    """Every registered strategy, codec and task, with hyperparameters and defaults."""
+    from fedswarm.sim.report import catalog, catalog_tables
+
+    cat = catalog()
+    if as_json:
+        print(json.dumps(cat, indent=2, default=str))
+        return
+    for table in catalog_tables(cat):
+        console.print(table)
+
+
+# --------------------------------------------------------------------------------------
+# client
+# --------------------------------------------------------------------------------------
+@app.command()
+def client(
+    superlink: str = typer.Option(..., "--superlink", help="The SuperLink's Fleet API address, HOST:PORT."),
+    partition_id: int = typer.Option(0, "--partition-id", min=0, help="Which data partition this node trains on."),
+    num_partitions: int = typer.Option(1, "--num-partitions", min=1, help="How many partitions the data is split into."),
+    device_class: Optional[str] = typer.Option(None, "--device-class", help="Device class reported to the server (default: probed)."),
+    insecure: bool = typer.Option(False, "--insecure", help="Connect without TLS (loopback tests and demos only)."),
+    root_certificates: Optional[Path] = typer.Option(None, "--root-certificates", help="CA certificate for TLS."),
+    clientappio_port: Optional[int] = typer.Option(None, "--clientappio-port", help="Local port for the SuperNode's ClientAppIo API (default: Flower's)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the flower-supernode command and exit."),
+) -> None:
+    """Join a federation: start a Flower SuperNode that runs fedswarm's ClientApp."""
+    from fedswarm.client.supernode import supernode_command
+
+    if partition_id >= num_partitions:
+        fail(f"invalid value for 'partition-id': must be < num-partitions ({num_partitions}) (got {partition_id})")
+    if not insecure and root_certificates is None:
+        fail("TLS needs --root-certificates CA.pem (or pass --insecure for a loopback demo)")
+    cmd = supernode_command(superlink, partition_id, num_partitions, device_class=device_class,
+                            insecure=insecure, root_certificates=root_certificates,
+                            clientappio_port=clientappio_port)
+    if dry_run:
+        print(" ".join(cmd))
+        return
+    os.execvp(cmd[0], cmd)
+
+
+# --------------------------------------------------------------------------------------
+# bench, dashboard
+# --------------------------------------------------------------------------------------
+@app.command()
+def bench(
+    name: str = typer.Argument(..., help="Benchmark: engines, codecs, compression, decentralized, dashboard."),
+    out: Path = typer.Option(Path("bench"), "--out", "-o", help="Writes DIR/NAME.json and DIR/NAME.png."),
+    quick: bool = typer.Option(False, "--quick", help="A smaller run that finishes in under two minutes on 2 cores."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and Ray's logs."),
+) -> None:
+    """Run a benchmark: prints a table, writes JSON and a PNG, compares side by side in one run."""
+    from fedswarm.sim.benchmarks import BENCHMARKS, run_benchmark
+
+    if name not in BENCHMARKS:
+        fail(f"unknown benchmark '{name}' (available: {', '.join(BENCHMARKS)})")
+    quiet_flower(verbose)
+    run_benchmark(name, out, quick=quick, console=console)
+
+
+@app.command()
+def dashboard(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8080, "--port", min=1, max=65535, help="Port to listen on."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
+    """Open the web dashboard: start, watch, pause and stop runs; see every node."""
+    try:
+        from fedswarm.web.app import run as run_dashboard
+    except ImportError as exc:
+        fail(f"the dashboard is not available: {exc}", code=1)
+    run_dashboard(host=host, port=port, db=db)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,199 @@
+"""The run config: one pydantic schema for the CLI, TOML files, the dashboard form and
+Flower's ``run_config``.
+
+Unknown keys and out-of-range values are rejected with :class:`ConfigError`, whose
+message names the key and what is allowed, so the CLI can print one line and exit 2.
+Strategy hyperparameters (``params``) are checked against the strategy's registry entry
+by :func:`fedswarm.strategies.registry.resolve_params`.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = ["RunConfig", "ConfigError", "parse_partition", "load_config", "parse_set"]
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message is one line fit to show a user."""
+
+
+_PARTITION_RE = re.compile(r"^(iid|dirichlet:(?P<alpha>[0-9.eE+-]+)|shards:(?P<k>[0-9]+))$")
+
+
+def parse_partition(spec: str) -> tuple[str, float | int | None]:
+    """``iid`` -> ("iid", None); ``dirichlet:0.5`` -> ("dirichlet", 0.5);
+    ``shards:2`` -> ("shards", 2)."""
+    m = _PARTITION_RE.match(spec.strip())
+    if not m:
+        raise ValueError("must be 'iid', 'dirichlet:ALPHA' (ALPHA > 0) or 'shards:K' (K >= 1)")
+    if m.group("alpha") is not None:
+        alpha = float(m.group("alpha"))
+        if not alpha > 0:
+            raise ValueError("dirichlet ALPHA must be > 0")
+        return "dirichlet", alpha
+    if m.group("k") is not None:
+        k = int(m.group("k"))
+        if k < 1:
+            raise ValueError("shards K must be >= 1")
+        return "shards", k
+    return "iid", None
+
+
+class RunConfig(BaseModel):
+    """Everything that defines a run. Same seed and config give the same model."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    name: str | None = Field(None, description="A label for the run in the store and dashboard.")
+    task: str = Field(
+        "digits-mlp",
+        description="Model + data: a built-in task name (see `fedswarm strategies`) or 'module:function'.",
+    )
+    strategy: str = Field("fedavg", description="A registered strategy name.")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Strategy hyperparameters (`--set key=value`)."
+    )
+    clients: int = Field(20, ge=1, le=1_000_000, description="Number of clients (partitions).")
+    rounds: int = Field(10, ge=1, le=1_000_000, description="Number of server rounds.")
+    fraction: float = Field(
+        1.0, gt=0.0, le=1.0, description="Fraction of clients sampled each round."
+    )
+    partition: str = Field(
+        "iid", description="How data is split: 'iid', 'dirichlet:ALPHA' or 'shards:K'."
+    )
+    local_epochs: int = Field(2, ge=1, le=10_000, description="Local epochs per round.")
+    local_steps: int | None = Field(
+        None, ge=1, le=1_000_000, description="Local SGD steps per round (overrides local_epochs)."
+    )
+    batch_size: int = Field(16, ge=1, le=1_000_000, description="Local minibatch size.")
+    lr: float = Field(0.3, gt=0.0, le=100.0, description="Client learning rate.")
+    momentum: float = Field(0.0, ge=0.0, lt=1.0, description="Client SGD momentum.")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for model init, data split and sampling.")
+    engine: Literal["inprocess", "flower"] = Field(
+        "inprocess", description="'inprocess' (no Ray, default) or 'flower' (Flower's Simulation Engine)."
+    )
+    test_fraction: float = Field(
+        0.2, gt=0.0, lt=1.0, description="Share of the task's data held out as the global test set."
+    )
+    devices: str | None = Field(
+        None, description="Device classes of the nodes for the time model, e.g. 'gpu:4,edge-wifi:12' (see sim/timemodel.py)."
+    )
+    profiles: str | None = Field(None, description="A TOML file of device/link profiles merged over the built-in ones.")
+    topology: str = Field("ring", description="Gossip topology for decentralized strategies: ring, torus, exp, onepeer-exp, complete, random:D, edges:PATH.")
+    device: str = Field("cpu", description="Torch device for training: 'cpu', 'cuda', 'cuda:N', 'mps' or 'auto'.")
+
+    @field_validator("partition")
+    @classmethod
+    def _check_partition(cls, v: str) -> str:
+        parse_partition(v)
+        return v.strip()
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if not re.match(r"^(cpu|auto|mps|cuda(:[0-9]+)?)$", v):
+            raise ValueError("must be 'cpu', 'auto', 'mps', 'cuda' or 'cuda:N'")
+        return v
+
+    @classmethod
+    def build(cls, values: dict[str, Any]) -> "RunConfig":
+        """Validate ``values``; raise :class:`ConfigError` with one clear line on failure."""
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc)) from None
+
+    @classmethod
+    def allowed_keys(cls) -> list[str]:
+        return list(cls.model_fields)
+
+    def to_flat(self) -> dict[str, Any]:
+        """The config as a flat dict of scalars (Flower's ``run_config`` needs scalars):
+        strategy params become ``params.KEY``."""
+        out: dict[str, Any] = {}
+        for k, v in self.model_dump().items():
+            if k == "params":
+                out.update({f"params.{pk}": pv for pk, pv in v.items()})
+            elif v is not None:
+                out[k] = v
+        return out
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> "RunConfig":
+        values: dict[str, Any] = {}
+        params: dict[str, Any] = {}
+        for k, v in flat.items():
+            if k.startswith("params."):
+                params[k[len("params.") :]] = v
+            else:
+                values[k] = v
+        if params:
+            values["params"] = params
+        return cls.build(values)
+
+
+def _describe(exc: ValidationError) -> str:
+    """One line per problem, naming the key and what is allowed."""
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "config"
+        if err["type"] == "extra_forbidden":
+            allowed = ", ".join(RunConfig.allowed_keys())
+            lines.append(f"unknown key '{key}' (allowed keys: {allowed})")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        field = RunConfig.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+        got = err.get("input")
+        hint = f" [{field.description}]" if field is not None and field.description else ""
+        lines.append(f"invalid value for '{key}': {msg} (got {got!r}){hint}")
+    return "; ".join(lines)
+
+
+def parse_value(text: str) -> Any:
+    """Turn a command-line string into a bool, int, float or string."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_set(items: list[str] | None) -> dict[str, Any]:
+    """``["k=v", ...]`` from ``--set`` into a dict of typed values."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"invalid --set '{item}': expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        k = k.strip()
+        if not k:
+            raise ConfigError(f"invalid --set '{item}': empty key")
+        out[k] = parse_value(v)
+    return out
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """Read a TOML run config; a ``[params]`` table holds strategy hyperparameters."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist")
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file '{p}' is not valid TOML: {exc}") from None

@@ -1,0 +1,409 @@
+"""The run store: every runtime writes it, the dashboard reads it.
+
+SQLAlchemy 2.0; an SQLite file by default (``--db PATH_OR_URL`` or ``FEDSWARM_DB``),
+PostgreSQL by URL. Tables (DESIGN.md, "Run store"): runs, rounds, node_rounds, nodes,
+events, checkpoints, controls. ``result.json`` is an export of one run
+(:meth:`Store.export_result`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+    select,
+)
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+__all__ = [
+    "Base",
+    "Run",
+    "Round",
+    "NodeRound",
+    "Node",
+    "Event",
+    "Checkpoint",
+    "Control",
+    "Store",
+    "default_db_url",
+    "RUN_STATUSES",
+]
+
+RUN_STATUSES = ("pending", "running", "paused", "finished", "failed", "stopped")
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    name: Mapped[str | None] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), default="pending", index=True)
+    strategy: Mapped[str] = mapped_column(String(64), default="")
+    task: Mapped[str] = mapped_column(String(200), default="")
+    engine: Mapped[str] = mapped_column(String(32), default="")
+    config: Mapped[dict] = mapped_column(JSON, default=dict)
+    seed: Mapped[int] = mapped_column(Integer, default=0)
+    code_version: Mapped[str] = mapped_column(String(64), default="")
+    total_rounds: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+    started_at: Mapped[dt.datetime | None] = mapped_column(DateTime)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime)
+    error: Mapped[str | None] = mapped_column(Text)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    summary: Mapped[dict] = mapped_column(JSON, default=dict)
+
+
+class Round(Base):
+    __tablename__ = "rounds"
+    __table_args__ = (UniqueConstraint("run_id", "round"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    round: Mapped[int] = mapped_column(Integer)
+    train_loss: Mapped[float | None] = mapped_column(Float)
+    test_loss: Mapped[float | None] = mapped_column(Float)
+    test_accuracy: Mapped[float | None] = mapped_column(Float)
+    bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
+    wall_s: Mapped[float] = mapped_column(Float, default=0.0)
+    sim_time_s: Mapped[float | None] = mapped_column(Float)
+    num_clients: Mapped[int] = mapped_column(Integer, default=0)
+    metrics: Mapped[dict] = mapped_column(JSON, default=dict)  # anything else (consensus_distance, ...)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+
+
+class NodeRound(Base):
+    __tablename__ = "node_rounds"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    round: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[str] = mapped_column(String(64))
+    bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
+    num_examples: Mapped[int | None] = mapped_column(Integer)
+    train_loss: Mapped[float | None] = mapped_column(Float)
+    device_class: Mapped[str | None] = mapped_column(String(64))
+    policy: Mapped[dict] = mapped_column(JSON, default=dict)
+    status: Mapped[str] = mapped_column(String(16), default="ok")  # ok | failed | rejected
+    reason: Mapped[str | None] = mapped_column(Text)
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), default="supernode")  # supernode | peer | sim
+    run_id: Mapped[str | None] = mapped_column(String(36), index=True)
+    device_class: Mapped[str | None] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), default="online")
+    info: Mapped[dict] = mapped_column(JSON, default=dict)
+    rejected_updates: Mapped[int] = mapped_column(Integer, default=0)
+    last_seen: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+
+
+class Event(Base):
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str | None] = mapped_column(String(36), index=True)
+    ts: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+    kind: Mapped[str] = mapped_column(String(32))
+    message: Mapped[str] = mapped_column(Text, default="")
+    data: Mapped[dict] = mapped_column(JSON, default=dict)
+    actor: Mapped[str | None] = mapped_column(String(64))
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    round: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+
+
+class Control(Base):
+    """A request to a running run: pause, resume, stop, add_rounds, policy."""
+
+    __tablename__ = "controls"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    payload: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+    applied_at: Mapped[dt.datetime | None] = mapped_column(DateTime)
+    actor: Mapped[str | None] = mapped_column(String(64))
+
+
+CONTROL_KINDS = ("pause", "resume", "stop", "add_rounds", "policy")
+
+
+def default_db_url() -> str:
+    """``FEDSWARM_DB`` if set, else ``./fedswarm.db``."""
+    return os.environ.get("FEDSWARM_DB") or "fedswarm.db"
+
+
+def to_url(path_or_url: str | os.PathLike) -> str:
+    s = str(path_or_url)
+    if "://" in s:
+        return s
+    return f"sqlite:///{Path(s).expanduser().resolve()}"
+
+
+class Store:
+    """A handle on the run store. Thread-safe; one per process is enough."""
+
+    def __init__(self, path_or_url: str | os.PathLike | None = None):
+        self.url = to_url(path_or_url or default_db_url())
+        kwargs: dict[str, Any] = {"future": True}
+        if self.url.startswith("sqlite"):
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        self.engine: Engine = create_engine(self.url, **kwargs)
+        if self.url.startswith("sqlite"):
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        Base.metadata.create_all(self.engine)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        with self._sessions() as s:
+            try:
+                yield s
+                s.commit()
+            except BaseException:
+                s.rollback()
+                raise
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- runs --------------------------------------------------------------------------
+    def create_run(self, config: dict, *, name: str | None = None, run_id: str | None = None,
+                   status: str = "pending") -> str:
+        rid = run_id or uuid.uuid4().hex[:12]
+        with self.session() as s:
+            s.add(Run(
+                id=rid,
+                name=name or config.get("name"),
+                status=status,
+                strategy=str(config.get("strategy", "")),
+                task=str(config.get("task", "")),
+                engine=str(config.get("engine", "")),
+                config=config,
+                seed=int(config.get("seed", 0)),
+                code_version=_code_version(),
+                total_rounds=int(config.get("rounds", 0)),
+            ))
+        self.add_event(rid, "created", f"run {rid} created")
+        return rid
+
+    def get_run(self, run_id: str) -> Run | None:
+        with self.session() as s:
+            return s.get(Run, run_id)
+
+    def list_runs(self, limit: int = 100) -> list[Run]:
+        with self.session() as s:
+            return list(s.scalars(select(Run).order_by(Run.created_at.desc()).limit(limit)))
+
+    def update_run(self, run_id: str, **fields: Any) -> None:
+        with self.session() as s:
+            run = s.get(Run, run_id)
+            if run is None:
+                raise KeyError(f"no run {run_id!r} in the store")
+            for k, v in fields.items():
+                setattr(run, k, v)
+
+    def set_status(self, run_id: str, status: str, *, error: str | None = None) -> None:
+        if status not in RUN_STATUSES:
+            raise ValueError(f"unknown run status {status!r}")
+        fields: dict[str, Any] = {"status": status}
+        if status == "running":
+            run = self.get_run(run_id)
+            if run is not None and run.started_at is None:
+                fields["started_at"] = _now()
+        if status in ("finished", "failed", "stopped"):
+            fields["finished_at"] = _now()
+        if error is not None:
+            fields["error"] = error
+        self.update_run(run_id, **fields)
+        self.add_event(run_id, "status", f"run is {status}" + (f": {error}" if error else ""))
+
+    # -- rounds ------------------------------------------------------------------------
+    def add_round(self, run_id: str, round: int, **fields: Any) -> None:
+        known = {c.name for c in Round.__table__.columns} - {"id", "run_id", "round", "created_at"}
+        extra = {k: v for k, v in fields.items() if k not in known}
+        cols = {k: v for k, v in fields.items() if k in known}
+        metrics = dict(cols.pop("metrics", {}) or {})
+        metrics.update(extra)
+        with self.session() as s:
+            s.add(Round(run_id=run_id, round=round, metrics=metrics, **cols))
+
+    def rounds(self, run_id: str, since: int = -1) -> list[Round]:
+        with self.session() as s:
+            q = select(Round).where(Round.run_id == run_id, Round.round > since).order_by(Round.round)
+            return list(s.scalars(q))
+
+    def add_node_rounds(self, run_id: str, round: int, rows: list[dict]) -> None:
+        with self.session() as s:
+            for r in rows:
+                s.add(NodeRound(run_id=run_id, round=round, **r))
+
+    def node_rounds(self, run_id: str) -> list[NodeRound]:
+        with self.session() as s:
+            q = select(NodeRound).where(NodeRound.run_id == run_id).order_by(NodeRound.round, NodeRound.node_id)
+            return list(s.scalars(q))
+
+    # -- nodes -------------------------------------------------------------------------
+    def upsert_node(self, node_id: str, **fields: Any) -> None:
+        with self.session() as s:
+            node = s.get(Node, node_id)
+            if node is None:
+                node = Node(id=node_id)
+                s.add(node)
+            for k, v in fields.items():
+                setattr(node, k, v)
+            node.last_seen = _now()
+
+    def list_nodes(self, run_id: str | None = None) -> list[Node]:
+        with self.session() as s:
+            q = select(Node).order_by(Node.last_seen.desc())
+            if run_id is not None:
+                q = q.where(Node.run_id == run_id)
+            return list(s.scalars(q))
+
+    # -- events, checkpoints, controls -------------------------------------------------
+    def add_event(self, run_id: str | None, kind: str, message: str = "", *,
+                  data: dict | None = None, actor: str | None = None) -> None:
+        with self.session() as s:
+            s.add(Event(run_id=run_id, kind=kind, message=message, data=data or {}, actor=actor))
+
+    def events(self, run_id: str | None = None, limit: int = 200) -> list[Event]:
+        with self.session() as s:
+            q = select(Event).order_by(Event.id.desc()).limit(limit)
+            if run_id is not None:
+                q = q.where(Event.run_id == run_id)
+            return list(s.scalars(q))
+
+    def add_checkpoint(self, run_id: str, round: int, path: str) -> None:
+        with self.session() as s:
+            s.add(Checkpoint(run_id=run_id, round=round, path=path))
+
+    def latest_checkpoint(self, run_id: str) -> Checkpoint | None:
+        with self.session() as s:
+            q = select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.round.desc())
+            return s.scalars(q).first()
+
+    def add_control(self, run_id: str, kind: str, payload: dict | None = None, *,
+                    actor: str | None = None) -> int:
+        if kind not in CONTROL_KINDS:
+            raise ValueError(f"unknown control {kind!r} (allowed: {', '.join(CONTROL_KINDS)})")
+        with self.session() as s:
+            c = Control(run_id=run_id, kind=kind, payload=payload or {}, actor=actor)
+            s.add(c)
+            s.flush()
+            cid = c.id
+        self.add_event(run_id, f"control.{kind}", f"{kind} requested", data=payload or {}, actor=actor)
+        return cid
+
+    def pending_controls(self, run_id: str) -> list[Control]:
+        with self.session() as s:
+            q = select(Control).where(Control.run_id == run_id, Control.applied_at.is_(None)).order_by(Control.id)
+            return list(s.scalars(q))
+
+    def mark_applied(self, control_id: int) -> None:
+        with self.session() as s:
+            c = s.get(Control, control_id)
+            if c is not None:
+                c.applied_at = _now()
+
+    # -- export ------------------------------------------------------------------------
+    def export_result(self, run_id: str) -> dict:
+        """The run as the ``result.json`` of the output contract (DESIGN.md)."""
+        run = self.get_run(run_id)
+        if run is None:
+            raise KeyError(f"no run {run_id!r} in the store")
+        rows = []
+        for r in self.rounds(run_id):
+            row = {
+                "round": r.round,
+                "train_loss": r.train_loss,
+                "test_loss": r.test_loss,
+                "test_accuracy": r.test_accuracy,
+                "bytes_up": int(r.bytes_up),
+                "bytes_down": int(r.bytes_down),
+                "wall_s": r.wall_s,
+                "sim_time_s": r.sim_time_s,
+                "num_clients": r.num_clients,
+            }
+            row.update(r.metrics or {})
+            rows.append(row)
+        accs = [r["test_accuracy"] for r in rows if r["test_accuracy"] is not None and r["round"] > 0]
+        summary = {
+            "status": run.status,
+            "rounds": len([r for r in rows if r["round"] > 0]),
+            "final_test_accuracy": accs[-1] if accs else None,
+            "best_test_accuracy": max(accs) if accs else None,
+            "total_bytes_up": sum(r["bytes_up"] for r in rows),
+            "total_bytes_down": sum(r["bytes_down"] for r in rows),
+            "wall_s": sum(r["wall_s"] for r in rows),
+        }
+        sims = [r["sim_time_s"] for r in rows if r["sim_time_s"] is not None]
+        summary["sim_time_s"] = sum(sims) if sims else None
+        summary.update({k: v for k, v in (run.summary or {}).items() if k not in summary})
+        return {
+            "run_id": run.id,
+            "config": run.config,
+            "code_version": run.code_version,
+            "rounds": rows,
+            "summary": summary,
+        }
+
+    def write_result(self, run_id: str, out_dir: str | os.PathLike) -> Path:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "result.json"
+        path.write_text(json.dumps(self.export_result(run_id), indent=2, default=str))
+        return path
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.close()
+
+
+def _code_version() -> str:
+    from fedswarm import __version__
+
+    return __version__

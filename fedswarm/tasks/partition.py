@@ -1,0 +1,102 @@
+"""Splitting a task's training pool across clients, through flwr-datasets partitioners.
+
+Specs: ``iid``, ``dirichlet:ALPHA`` (label skew; smaller ALPHA is more skewed) and
+``shards:K`` (each client gets K label-sorted shards, McMahan et al. 2017).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import warnings
+
+import numpy as np
+
+from fedswarm.config import parse_partition
+
+__all__ = ["partition_indices"]
+
+
+def _labels_key(labels: np.ndarray) -> str:
+    return hashlib.sha1(np.ascontiguousarray(labels).tobytes()).hexdigest()
+
+
+def partition_indices(labels: np.ndarray, spec: str, num_partitions: int, seed: int) -> list[np.ndarray]:
+    """Indices into the training pool for each of ``num_partitions`` clients."""
+    labels = np.asarray(labels)
+    return list(_cached(_labels_key(labels), labels.tobytes(), str(labels.dtype), spec, num_partitions, seed))
+
+
+@functools.lru_cache(maxsize=32)
+def _cached(_key: str, raw: bytes, dtype: str, spec: str, num_partitions: int, seed: int) -> tuple[np.ndarray, ...]:
+    try:
+        from datasets import Dataset
+        from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, ShardPartitioner
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise RuntimeError(
+            "partitioning needs flwr-datasets: install fedswarm with the 'sim' extra "
+            "(pip install 'fedswarm[sim]')"
+        ) from exc
+    labels = np.frombuffer(raw, dtype=dtype)
+    n = labels.size
+    if num_partitions > n:
+        raise ValueError(f"cannot split {n} training examples across {num_partitions} clients")
+    kind, arg = parse_partition(spec)
+    ds = Dataset.from_dict({"idx": np.arange(n), "label": labels.astype(np.int64)})
+    if kind == "iid":
+        part = IidPartitioner(num_partitions=num_partitions)
+        ds = ds.shuffle(seed=seed)
+    elif kind == "dirichlet":
+        part = _dirichlet(ds, num_partitions, float(arg), seed, n)
+    else:
+        shard_size = n // (num_partitions * int(arg))
+        if shard_size < 1:
+            raise ValueError(f"shards:{arg} needs at least {num_partitions * int(arg)} examples, there are {n}")
+        part = ShardPartitioner(
+            num_partitions=num_partitions, partition_by="label", num_shards_per_partition=int(arg),
+            shard_size=shard_size, seed=seed,
+        )
+    if kind != "dirichlet":
+        part.dataset = ds
+    out = []
+    for pid in range(num_partitions):
+        idx = np.asarray(_load(part, pid, kind)["idx"], dtype=np.int64)
+        if idx.size == 0:
+            raise ValueError(f"partition '{spec}' left client {pid} with no data; use fewer clients or a larger ALPHA")
+        out.append(idx)
+    return tuple(out)
+
+
+def _dirichlet(ds, num_partitions: int, alpha: float, seed: int, n: int):
+    """A Dirichlet partitioner that has found a split where every client has data.
+
+    flwr-datasets resamples until each partition has ``min_partition_size`` examples and
+    gives up after 10 tries; with small ALPHA and many clients we relax the minimum
+    (down to one example) rather than fail."""
+    from flwr_datasets.partitioner import DirichletPartitioner
+
+    wanted = max(1, min(10, n // (4 * num_partitions)))
+    last: Exception | None = None
+    for min_size in sorted({wanted, max(1, wanted // 2), 1}, reverse=True):
+        part = DirichletPartitioner(
+            num_partitions=num_partitions, partition_by="label", alpha=alpha,
+            min_partition_size=min_size, self_balancing=False, seed=seed,
+        )
+        part.dataset = ds
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                part.load_partition(0)  # triggers the split
+            return part
+        except ValueError as exc:
+            last = exc
+    raise ValueError(
+        f"dirichlet:{alpha} could not give each of {num_partitions} clients at least one example "
+        f"({last}); use fewer clients or a larger ALPHA"
+    )
+
+
+def _load(part, pid: int, kind: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return part.load_partition(pid)

@@ -1,0 +1,118 @@
+"""Wire format and byte accounting.
+
+A :class:`Payload` is what a codec produces: a small dict of numpy arrays plus scalar
+metadata. It converts losslessly to and from Flower records (an ``ArrayRecord`` for the
+arrays, a ``ConfigRecord`` for the metadata), so it travels inside any Flower
+``Message``. Sizes are always measured on the serialized message
+(:func:`message_nbytes`), never computed from a formula: the formula is a test oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common.serde import message_to_proto, recorddict_to_proto
+
+__all__ = [
+    "Payload",
+    "PayloadError",
+    "message_nbytes",
+    "recorddict_nbytes",
+    "vector_to_arrayrecord",
+    "arrayrecord_to_vector",
+]
+
+# Keys a payload occupies inside a RecordDict.
+PAYLOAD_ARRAYS = "payload"
+PAYLOAD_META = "payload.meta"
+
+_ALLOWED_DTYPES = {
+    np.dtype(t) for t in ("float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")
+}
+
+
+class PayloadError(ValueError):
+    """A payload that is malformed: wrong keys, shapes, dtypes, non-finite values or too big."""
+
+
+@dataclass
+class Payload:
+    """A codec's message: named arrays and scalar metadata (codec name, shapes, seeds)."""
+
+    arrays: dict[str, np.ndarray]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_records(self, content: RecordDict | None = None) -> RecordDict:
+        """Put this payload into ``content`` (a new RecordDict if None) and return it."""
+        content = RecordDict() if content is None else content
+        rec = ArrayRecord()
+        for k, v in self.arrays.items():
+            arr = v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+            rec[k] = Array(np.ascontiguousarray(arr))
+        content[PAYLOAD_ARRAYS] = rec
+        content[PAYLOAD_META] = ConfigRecord(dict(self.meta))
+        return content
+
+    @classmethod
+    def from_records(cls, content: RecordDict, max_bytes: int | None = None) -> "Payload":
+        """Read a payload back, checking that it is well formed. Raises :class:`PayloadError`."""
+        if PAYLOAD_ARRAYS not in content.array_records:
+            raise PayloadError(f"message has no '{PAYLOAD_ARRAYS}' ArrayRecord")
+        if PAYLOAD_META not in content.config_records:
+            raise PayloadError(f"message has no '{PAYLOAD_META}' ConfigRecord")
+        rec = content.array_records[PAYLOAD_ARRAYS]
+        if max_bytes is not None and rec.count_bytes() > max_bytes:
+            raise PayloadError(f"payload is {rec.count_bytes()} bytes, the limit is {max_bytes}")
+        arrays = {}
+        for k in rec.keys():
+            try:
+                arr = rec[k].numpy()
+            except Exception as exc:  # corrupt bytes or unknown dtype
+                raise PayloadError(f"payload array '{k}' cannot be read: {exc}") from None
+            if arr.dtype not in _ALLOWED_DTYPES:
+                raise PayloadError(f"payload array '{k}' has dtype {arr.dtype}, not allowed")
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                raise PayloadError(f"payload array '{k}' has non-finite values")
+            arrays[k] = arr
+        return cls(arrays=arrays, meta=dict(content.config_records[PAYLOAD_META]))
+
+
+def message_nbytes(message: Message) -> int:
+    """Bytes of the message as Flower serializes it for the wire (protobuf, metadata included)."""
+    return message_to_proto(message).ByteSize()
+
+
+def recorddict_nbytes(content: RecordDict) -> int:
+    """Bytes of a RecordDict as serialized (the content of a message, no metadata)."""
+    return recorddict_to_proto(content).ByteSize()
+
+
+def vector_to_arrayrecord(vec: torch.Tensor | np.ndarray, key: str = "vector") -> ArrayRecord:
+    """A flat float32 vector as a one-array ArrayRecord."""
+    arr = vec.detach().cpu().numpy() if isinstance(vec, torch.Tensor) else np.asarray(vec)
+    return ArrayRecord({key: Array(np.ascontiguousarray(arr.astype(np.float32, copy=False)))})
+
+
+def arrayrecord_to_vector(rec: ArrayRecord, d: int | None = None) -> torch.Tensor:
+    """The inverse of :func:`vector_to_arrayrecord`; the record's arrays are concatenated in
+    order, so a Flower-style per-tensor record of a model converts too. Checks length and
+    finiteness; raises :class:`PayloadError`."""
+    parts = []
+    for k in rec.keys():
+        try:
+            arr = rec[k].numpy()
+        except Exception as exc:
+            raise PayloadError(f"array '{k}' cannot be read: {exc}") from None
+        if arr.dtype.kind != "f":
+            raise PayloadError(f"array '{k}' has dtype {arr.dtype}, expected floating point")
+        parts.append(arr.reshape(-1).astype(np.float32, copy=False))
+    vec = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    if d is not None and vec.size != d:
+        raise PayloadError(f"parameter vector has {vec.size} values, the model has {d}")
+    if not np.isfinite(vec).all():
+        raise PayloadError("parameter vector has non-finite values")
+    return torch.from_numpy(vec.copy())

@@ -1,0 +1,106 @@
+"""fedswarm's Flower ServerApp: runs any registered strategy and records every round.
+
+``flwr run .`` on this project starts it; fedswarm's engines call :func:`run_server`
+with their own Grid. The run config comes from Flower's ``run_config`` (the
+``[tool.flwr.app.config]`` table of pyproject.toml plus ``--run-config`` overrides);
+two extra keys are not part of the run config itself: ``db`` (the store's path or URL,
+else ``FEDSWARM_DB``, else ./fedswarm.db) and ``run-id`` (record into an existing run).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import traceback
+from typing import Callable
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedswarm.config import RunConfig
+from fedswarm.params import ParamLayout, get_flat
+from fedswarm.store import Store
+from fedswarm.strategies import registry
+from fedswarm.tasks import get_task
+from fedswarm.train import evaluate_flat, resolve_device, task_data
+from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
+from fedswarm.server.metered_grid import MeteredGrid, Traffic
+from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
+
+__all__ = ["app", "run_server", "split_run_config"]
+
+log = logging.getLogger("fedswarm.server")
+
+# Seconds a round may wait for replies before it goes on without the missing ones.
+ROUND_TIMEOUT_S = 600.0
+
+
+def split_run_config(run_config: dict) -> tuple[RunConfig, str | None, str | None]:
+    """Flower's run_config -> (RunConfig, db, run_id)."""
+    rc = dict(run_config)
+    db = rc.pop("db", None) or None
+    run_id = rc.pop("run-id", None) or None
+    return RunConfig.from_flat(rc), db, run_id
+
+
+def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
+               listeners: list[RoundListener] | None = None,
+               sim_time: Callable[[int, Traffic], float | None] | None = None) -> str:
+    """Run ``cfg.strategy`` for ``cfg.rounds`` rounds over ``grid``; return the final status.
+
+    ``sim_time(round, traffic)``, given by a simulation engine, returns the simulated time
+    the round would take on the nodes' device classes (the time model)."""
+    random.seed(cfg.seed)  # Flower's node sampling uses the random module
+    torch.manual_seed(cfg.seed)
+    entry = registry.get(cfg.strategy)
+    params = registry.resolve_params(cfg.strategy, cfg.params)
+    task = get_task(cfg.task)
+    device = resolve_device(cfg.device)
+    model = task.model(cfg.seed).to(device)
+    layout = ParamLayout.from_module(model)
+    data = task_data(cfg)
+
+    def evaluate(arrays: ArrayRecord) -> tuple[float, float]:
+        flat = arrayrecord_to_vector(arrays, layout.d)
+        return evaluate_flat(task, model, flat, data.test_x, data.test_y, device)
+
+    strategy = entry.build(params, registry.BuildContext(cfg, layout))
+    metered = MeteredGrid(grid)
+    recorder = RoundRecorder(store, run_id, metered, evaluate, listeners=listeners, sim_time=sim_time)
+    arrays = vector_to_arrayrecord(get_flat(model))
+    train_config = ConfigRecord(cfg.to_flat())
+    store.set_status(run_id, "running")
+    status = "finished"
+    try:
+        rounds = cfg.rounds
+        while rounds > 0:
+            recorder.reset_clock()
+            result = strategy.start(metered, arrays, num_rounds=rounds, timeout=ROUND_TIMEOUT_S,
+                                    train_config=train_config, evaluate_fn=recorder)
+            arrays = result.arrays if result.arrays is not None else arrays
+            recorder.offset = recorder.last_round
+            rounds, recorder.extra_rounds = recorder.extra_rounds, 0
+    except StopRun as stop:
+        status = "stopped"
+        store.set_status(run_id, "stopped", error=None)
+        store.add_event(run_id, "stopped", str(stop))
+        return status
+    except BaseException as exc:
+        store.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
+        store.add_event(run_id, "error", traceback.format_exc()[-4000:])
+        raise
+    store.set_status(run_id, status)
+    return status
+
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    cfg, db, run_id = split_run_config(context.run_config)
+    store = Store(db)
+    if run_id is None or store.get_run(run_id) is None:
+        run_id = store.create_run(cfg.model_dump(), run_id=run_id)
+    run_server(grid, cfg, store=store, run_id=run_id)

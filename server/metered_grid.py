@@ -1,0 +1,131 @@
+"""A Grid wrapper that measures every message that crosses it.
+
+Bytes down are the serialized size of each message the ServerApp pushes; bytes up the
+size of each reply it pulls. Per node, per round. Works over any Grid: Flower's
+deployment and simulation grids, and fedswarm's in-process grid.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from flwr.app import Message
+from flwr.common.serde import metadata_to_proto, recorddict_to_proto
+from flwr.serverapp import Grid
+
+__all__ = ["MeteredGrid", "Traffic", "serialized_size"]
+
+
+def _varint_len(n: int) -> int:
+    size = 1
+    while n >= 0x80:
+        n >>= 7
+        size += 1
+    return size
+
+
+def _field_len(n: int) -> int:
+    """Bytes of a length-delimited protobuf field with a one-byte tag."""
+    return 1 + _varint_len(n) + n
+
+
+def serialized_size(message: Message, content_cache: dict[int, int] | None = None) -> int:
+    """The size of ``message`` as Flower's protobuf ``Message`` (what goes on the wire).
+
+    Equal to ``message_to_proto(message).ByteSize()``; the content's size is cached by
+    object identity so a record broadcast to many nodes is serialized once."""
+    total = _field_len(metadata_to_proto(message.metadata).ByteSize())
+    if message.has_error():
+        from flwr.common.serde import error_to_proto
+
+        total += _field_len(error_to_proto(message.error).ByteSize())
+    elif message.has_content():
+        key = id(message.content)
+        if content_cache is not None and key in content_cache:
+            size = content_cache[key]
+        else:
+            size = recorddict_to_proto(message.content).ByteSize()
+            if content_cache is not None:
+                content_cache[key] = size
+        total += _field_len(size)
+    return total
+
+
+@dataclass
+class Traffic:
+    """What crossed the grid since the last :meth:`MeteredGrid.take`."""
+
+    bytes_up: int = 0
+    bytes_down: int = 0
+    node_up: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    node_down: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    replies: list[Message] = field(default_factory=list)
+
+
+class MeteredGrid(Grid):
+    """Delegates to ``inner`` and counts serialized bytes both ways."""
+
+    def __init__(self, inner: Grid):
+        self.inner = inner
+        self._lock = threading.Lock()
+        self._traffic = Traffic()
+
+    # -- accounting --------------------------------------------------------------------
+    def take(self) -> Traffic:
+        """Return the traffic so far and start counting afresh."""
+        with self._lock:
+            t, self._traffic = self._traffic, Traffic()
+        return t
+
+    def _count_down(self, messages: list[Message]) -> None:
+        cache: dict[int, int] = {}
+        with self._lock:
+            for m in messages:
+                n = serialized_size(m, cache)
+                self._traffic.bytes_down += n
+                self._traffic.node_down[m.metadata.dst_node_id] += n
+
+    def _count_up(self, replies: list[Message]) -> None:
+        with self._lock:
+            for m in replies:
+                n = serialized_size(m)
+                self._traffic.bytes_up += n
+                self._traffic.node_up[m.metadata.src_node_id] += n
+                self._traffic.replies.append(m)
+
+    # -- Grid --------------------------------------------------------------------------
+    def set_run(self, run):  # type: ignore[override]
+        self.inner.set_run(run)
+
+    @property
+    def run(self):  # type: ignore[override]
+        return self.inner.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # type: ignore[override]
+        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.inner.get_node_ids()
+
+    def get_nodes(self):  # type: ignore[override]
+        return self.inner.get_nodes()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        msgs = list(messages)
+        self._count_down(msgs)
+        return self.inner.push_messages(msgs)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        replies = list(self.inner.pull_messages(message_ids))
+        self._count_up(replies)
+        return replies
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        msgs = list(messages)
+        self._count_down(msgs)
+        replies = list(self.inner.send_and_receive(msgs, timeout=timeout))
+        self._count_up(replies)
+        return replies

@@ -1,0 +1,143 @@
+"""Records every round to the run store and obeys controls between rounds.
+
+:class:`RoundRecorder` is passed to ``Strategy.start`` as its ``evaluate_fn``: Flower
+calls it after every round with the new global arrays. It evaluates the model on the
+held-out test set, reads what crossed the :class:`MeteredGrid` that round, writes the
+round and per-node rows, tells listeners (progress bars), and then applies pending
+controls from the store (pause blocks until resume, stop ends the run, add_rounds
+extends it).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from flwr.app import ArrayRecord, MetricRecord
+
+from fedswarm.store import Store
+from fedswarm.wire import arrayrecord_to_vector
+from fedswarm.server.metered_grid import MeteredGrid
+
+__all__ = ["RoundRecorder", "StopRun", "RoundListener"]
+
+RoundListener = Callable[[int, dict[str, Any]], None]
+
+
+class StopRun(Exception):
+    """Raised between rounds when a stop control arrives."""
+
+
+class RoundRecorder:
+    def __init__(
+        self,
+        store: Store,
+        run_id: str,
+        grid: MeteredGrid,
+        evaluate: Callable[[Any], tuple[float, float]],
+        *,
+        listeners: list[RoundListener] | None = None,
+        sim_time: Callable[[int, Any], float | None] | None = None,
+        poll_s: float = 0.2,
+    ):
+        self.store = store
+        self.run_id = run_id
+        self.grid = grid
+        self.evaluate = evaluate
+        self.listeners = list(listeners or [])
+        self.sim_time = sim_time
+        self.poll_s = poll_s
+        self.offset = 0  # rounds done by earlier calls of Strategy.start (add_rounds)
+        self.extra_rounds = 0
+        self.last_round = 0
+        self._notes: dict[str, Any] = {}
+        self._t_last = time.perf_counter()
+
+    def note(self, **metrics: Any) -> None:
+        """Strategies that override ``start()`` call this before ``evaluate_fn`` to add to
+        the round's row: ``sim_time_s``, ``consensus_distance``, or any other metric."""
+        self._notes.update(metrics)
+
+    def reset_clock(self) -> None:
+        self._t_last = time.perf_counter()
+
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        rnd = self.offset + server_round
+        if server_round == 0 and self.offset > 0:
+            return None  # round 0 of a continuation is the last round, already recorded
+        traffic = self.grid.take()
+        wall_s = time.perf_counter() - self._t_last
+        test_loss, test_acc = self.evaluate(arrays)
+        train_loss, num_examples, node_rows = self._replies(traffic)
+        row = {
+            "train_loss": train_loss,
+            "test_loss": test_loss,
+            "test_accuracy": test_acc,
+            "bytes_up": traffic.bytes_up,
+            "bytes_down": traffic.bytes_down,
+            "wall_s": wall_s if server_round > 0 else 0.0,
+            "sim_time_s": self.sim_time(rnd, traffic) if (self.sim_time and server_round > 0) else None,
+            "num_clients": len(node_rows),
+        }
+        notes, self._notes = self._notes, {}
+        row.update(notes)
+        self.store.add_round(self.run_id, rnd, **row)
+        if node_rows:
+            self.store.add_node_rounds(self.run_id, rnd, node_rows)
+        self.last_round = rnd
+        for listener in self.listeners:
+            listener(rnd, row)
+        self._apply_controls()
+        self._t_last = time.perf_counter()  # time paused does not count as round time
+        return MetricRecord({"test_loss": test_loss, "test_accuracy": test_acc})
+
+    def _replies(self, traffic) -> tuple[float | None, int, list[dict]]:
+        loss_sum, n_sum, rows = 0.0, 0, []
+        for msg in traffic.replies:
+            node = msg.metadata.src_node_id
+            row: dict[str, Any] = {
+                "node_id": str(node),
+                "bytes_up": int(traffic.node_up.get(node, 0)),
+                "bytes_down": int(traffic.node_down.get(node, 0)),
+            }
+            if msg.has_error():
+                row.update(status="failed", reason=msg.error.reason[:2000])
+            else:
+                metrics = next(iter(msg.content.metric_records.values()), None)
+                if metrics is not None:
+                    n = int(metrics.get("num-examples", 0))
+                    loss = metrics.get("train_loss")
+                    row["num_examples"] = n
+                    if loss is not None:
+                        row["train_loss"] = float(loss)
+                        loss_sum += float(loss) * n
+                        n_sum += n
+                    if "rejected" in metrics and metrics["rejected"]:
+                        row.update(status="rejected")
+            rows.append(row)
+        return (loss_sum / n_sum if n_sum else None), n_sum, rows
+
+    # -- controls ----------------------------------------------------------------------
+    def _apply_controls(self) -> None:
+        paused = False
+        while True:
+            for c in self.store.pending_controls(self.run_id):
+                self.store.mark_applied(c.id)
+                if c.kind == "stop":
+                    raise StopRun(f"stopped by {c.actor or 'a control'} after round {self.last_round}")
+                if c.kind == "pause" and not paused:
+                    paused = True
+                    self.store.set_status(self.run_id, "paused")
+                elif c.kind == "resume" and paused:
+                    paused = False
+                    self.store.set_status(self.run_id, "running")
+                elif c.kind == "add_rounds":
+                    n = int(c.payload.get("rounds", 0))
+                    if n > 0:
+                        self.extra_rounds += n
+                        run = self.store.get_run(self.run_id)
+                        self.store.update_run(self.run_id, total_rounds=(run.total_rounds if run else 0) + n)
+                        self.store.add_event(self.run_id, "rounds_added", f"{n} rounds added")
+            if not paused:
+                return
+            time.sleep(self.poll_s)

@@ -1,0 +1,33 @@
+"""The benchmark registry behind ``fedswarm bench NAME``.
+
+Each benchmark is a module with ``run(out_dir: Path, quick: bool) -> list[dict]`` that
+prints its table and writes ``out_dir/NAME.json`` and ``out_dir/NAME.png``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from rich.console import Console
+
+__all__ = ["BENCHMARKS", "run_benchmark"]
+
+BENCHMARKS = {
+    "engines": "fedswarm.sim.bench_engines",
+    "codecs": "fedswarm.sim.bench_codecs",
+    "decentralized": "fedswarm.sim.bench_decentralized",
+    "dashboard": "fedswarm.sim.bench_dashboard",
+}
+
+
+def run_benchmark(name: str, out: Path, *, quick: bool, console: Console) -> list[dict]:
+    try:
+        mod = importlib.import_module(BENCHMARKS[name])
+    except ImportError as exc:
+        console.print(f"[bold red]error:[/] benchmark '{name}' is not available: {exc}")
+        raise SystemExit(1)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = mod.run(out, quick=quick)
+    console.print(f"wrote {out / (name + '.json')} and {out / (name + '.png')}")
+    return rows

@@ -1,0 +1,69 @@
+"""The Flower engine: fedswarm's ServerApp and ClientApp on Flower's Simulation Engine (Ray).
+
+For many cores, GPUs and clusters. Each virtual SuperNode runs fedswarm's ClientApp in a
+Ray actor; the ServerApp runs in a thread of this process and records into the store,
+exactly as on the in-process engine. Same seed and config give the same model on both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedswarm.config import RunConfig
+from fedswarm.store import Store
+from fedswarm.server.app import run_server
+from fedswarm.server.recorder import RoundListener
+
+__all__ = ["run_flower"]
+
+
+def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None,
+               num_cpus_per_client: float = 1.0, num_gpus_per_client: float = 0.0) -> str:
+    """Run one simulation on Flower's Simulation Engine; returns the final run status."""
+    try:
+        from flwr.simulation import run_simulation
+    except ImportError as exc:  # pragma: no cover
+        raise RuntimeError("--engine flower needs Flower's simulation extra: pip install 'fedswarm[sim]'") from exc
+    from fedswarm.client.app import app as client_app
+
+    server_app = ServerApp()
+
+    @server_app.main()
+    def _main(grid: Grid, context: Context) -> None:
+        run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners)
+
+    backend_config = {
+        "client_resources": {"num_cpus": num_cpus_per_client, "num_gpus": num_gpus_per_client},
+        "init_args": {
+            "num_cpus": os.cpu_count() or 1,
+            "log_to_driver": False,
+            "include_dashboard": False,
+        },
+    }
+    # One intra-op thread per actor (Ray workers inherit this environment): the actors
+    # already use every core between them.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    flwr_logger = logging.getLogger("flwr")
+    level = flwr_logger.level
+    flwr_logger.setLevel(logging.WARNING)
+    try:
+        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg.clients,
+                       backend_config=backend_config)
+    except Exception as exc:
+        run = store.get_run(run_id)
+        if run is not None and run.status in ("pending", "running", "paused"):
+            store.set_status(run_id, "failed", error=f"Flower's Simulation Engine failed: {exc}")
+        raise
+    finally:
+        flwr_logger.setLevel(level)
+    run = store.get_run(run_id)
+    status = run.status if run is not None else "failed"
+    if status == "running":  # the ServerApp thread died without recording why
+        store.set_status(run_id, "failed", error="the ServerApp stopped without finishing (see the log above)")
+        status = "failed"
+    return status

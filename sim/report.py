@@ -1,0 +1,163 @@
+"""Tables and plots for people: run summaries, the run list, the strategy catalog."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from fedswarm.config import RunConfig
+from fedswarm.store import Store
+
+__all__ = ["summary_table", "runs_table", "catalog", "catalog_tables", "plot_run"]
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def _fmt(x: Any, spec: str = ".4f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def summary_table(result: dict) -> Table:
+    s = result["summary"]
+    rows = [r for r in result["rounds"] if r["round"] > 0]
+    t = Table(title=f"run {result['run_id']} — {s.get('status')}", show_header=False)
+    t.add_column("", style="bold")
+    t.add_column("")
+    t.add_row("rounds", str(s.get("rounds")))
+    t.add_row("final test accuracy", _fmt(s.get("final_test_accuracy")))
+    t.add_row("best test accuracy", _fmt(s.get("best_test_accuracy")))
+    t.add_row("final test loss", _fmt(rows[-1]["test_loss"] if rows else None))
+    t.add_row("bytes up (total)", _fmt_bytes(s.get("total_bytes_up")))
+    t.add_row("bytes down (total)", _fmt_bytes(s.get("total_bytes_down")))
+    t.add_row("rounds wall time", f"{s.get('wall_s', 0):.2f} s")
+    if rows:
+        t.add_row("mean round wall time", f"{sum(r['wall_s'] for r in rows) / len(rows):.3f} s")
+    if s.get("sim_time_s") is not None:
+        t.add_row("simulated time (time model)", f"{s['sim_time_s']:.2f} s")
+    if s.get("process_wall_s") is not None:
+        t.add_row("process wall time", f"{s['process_wall_s']:.2f} s")
+    return t
+
+
+def runs_table(store: Store, results: list[dict]) -> Table:
+    runs = [store.get_run(res["run_id"]) for res in results]
+    named = any(r.name for r in runs)
+    t = Table(title=f"runs in {store.url}")
+    cols = ["run"] + (["name"] if named else []) + ["status", "strategy", "task", "engine", "rounds",
+                                                    "final acc", "bytes up", "created"]
+    for col in cols:
+        t.add_column(col, no_wrap=col in ("run", "created", "status", "rounds"))
+    for res, run in zip(results, runs):
+        s = res["summary"]
+        cells = [res["run_id"]] + ([run.name or ""] if named else []) + [
+            run.status, run.strategy, run.task, run.engine,
+            f"{s['rounds']}/{run.total_rounds}", _fmt(s.get("final_test_accuracy"), ".3f"),
+            _fmt_bytes(s.get("total_bytes_up")), run.created_at.strftime("%m-%d %H:%M"),
+        ]
+        t.add_row(*cells)
+    return t
+
+
+def catalog() -> dict:
+    """Every strategy, codec and task with its hyperparameters: the source of the CLI
+    listing and the dashboard's new-run form."""
+    from fedswarm.strategies import registry
+    from fedswarm.tasks import TASKS
+
+    def hp(h) -> dict:
+        return {"name": h.name, "default": h.default, "help": h.help, "allowed": h.allowed()}
+
+    out: dict[str, Any] = {
+        "strategies": [
+            {"name": e.name, "description": e.description, "kind": e.kind, "paper": e.paper,
+             "message_type": e.message_type, "hyperparams": [hp(h) for h in e.hyperparams]}
+            for e in registry.entries()
+        ],
+        "codecs": [],
+        "tasks": [{"name": t.name, "description": t.description} for t in TASKS.values()],
+        "config": RunConfig.model_json_schema(),
+    }
+    try:
+        from fedswarm.strategies import codecs
+
+        for name, cls in sorted(codecs.CODECS.items()):
+            params = getattr(cls, "hyperparams", ()) or ()
+            out["codecs"].append({
+                "name": name, "description": (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "",
+                "hyperparams": [hp(h) if hasattr(h, "allowed") else dict(h) for h in params],
+            })
+    except ImportError:
+        pass
+    return out
+
+
+def catalog_tables(cat: dict) -> list[Table]:
+    tables = []
+    t = Table(title="strategies (fedswarm sim --strategy NAME --set KEY=VALUE)")
+    for col in ("name", "kind", "description", "hyperparameters (default; allowed)"):
+        t.add_column(col)
+    for s in cat["strategies"]:
+        hps = "\n".join(f"{h['name']}={h['default']!r} ({h['allowed']}): {h['help']}" for h in s["hyperparams"]) or "-"
+        t.add_row(s["name"], s["kind"], s["description"], hps)
+    tables.append(t)
+    if cat["codecs"]:
+        c = Table(title="codecs (for compressed strategies: --set codec=NAME)")
+        for col in ("name", "description", "hyperparameters"):
+            c.add_column(col)
+        for s in cat["codecs"]:
+            hps = "\n".join(f"{h['name']}={h['default']!r} ({h['allowed']})" for h in s["hyperparams"]) or "-"
+            c.add_row(s["name"], s["description"], hps)
+        tables.append(c)
+    k = Table(title="tasks (--task NAME)")
+    k.add_column("name")
+    k.add_column("description")
+    for s in cat["tasks"]:
+        k.add_row(s["name"], s["description"])
+    tables.append(k)
+    return tables
+
+
+def plot_run(result: dict, path: Path) -> Path | None:
+    """Test accuracy per round and against cumulative uplink bytes."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [r for r in result["rounds"] if r["test_accuracy"] is not None]
+    if not rows:
+        return None
+    rounds = [r["round"] for r in rows]
+    acc = [r["test_accuracy"] for r in rows]
+    cum, total = [], 0
+    for r in rows:
+        total += r["bytes_up"]
+        cum.append(total / 1e6)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(rounds, acc, marker="o")
+    a.set_xlabel("round")
+    a.set_ylabel("test accuracy")
+    a.grid(alpha=0.3)
+    b.plot(cum, acc, marker="o")
+    b.set_xlabel("cumulative uplink (MB, measured on serialized messages)")
+    b.set_ylabel("test accuracy")
+    b.grid(alpha=0.3)
+    cfg = result.get("config", {})
+    fig.suptitle(f"{cfg.get('strategy')} on {cfg.get('task')}: {cfg.get('clients')} clients, {cfg.get('partition')}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,101 @@
+"""Running one simulation from the command line: store row, engine, progress bar,
+summary table, ``result.json`` and a plot."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fedswarm.config import RunConfig
+from fedswarm.store import Store
+from fedswarm.sim.report import plot_run, summary_table
+
+__all__ = ["run_engine", "run_simulation_cli"]
+
+# Models below this many parameters train faster on one intra-op thread.
+SMALL_MODEL = 1_000_000
+
+
+def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | None = None) -> str:
+    """Run ``cfg`` on its engine, recording into ``run_id``; return the final status."""
+    if cfg.engine == "flower":
+        from fedswarm.sim.flower_engine import run_flower
+
+        return run_flower(cfg, store=store, run_id=run_id, listeners=listeners)
+    from fedswarm.sim.inprocess import run_inprocess
+
+    if cfg.device == "cpu":
+        torch.set_num_threads(1)  # tiny models: thread fan-out costs more than it gains
+    return run_inprocess(cfg, store=store, run_id=run_id, listeners=listeners)
+
+
+def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, out: Path | None,
+                       console: Console) -> str:
+    store = Store(db)
+    if run_id is not None:
+        run = store.get_run(run_id)
+        if run is None:
+            raise SystemExit(f"error: no run '{run_id}' in {store.url}")
+        store.update_run(run_id, config=cfg.model_dump(), strategy=cfg.strategy, task=cfg.task,
+                         engine=cfg.engine, total_rounds=cfg.rounds)
+    else:
+        run_id = store.create_run(cfg.model_dump(), name=cfg.name)
+    import os
+
+    store.update_run(run_id, pid=os.getpid())
+    console.print(f"run [bold]{run_id}[/]: {cfg.strategy} on {cfg.task}, {cfg.clients} clients, "
+                  f"{cfg.rounds} rounds, partition {cfg.partition}, engine {cfg.engine} -> {store.url}")
+    t0 = time.perf_counter()
+    progress = Progress(
+        TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
+        TextColumn("acc {task.fields[acc]}"), TextColumn("up {task.fields[up]}"),
+        TimeElapsedColumn(), console=console, transient=False,
+    )
+    status = "failed"
+    with progress:
+        bar = progress.add_task("rounds", total=cfg.rounds, acc="-", up="0 B")
+        totals = {"up": 0}
+
+        def on_round(rnd: int, row: dict[str, Any]) -> None:
+            if rnd == 0:
+                return
+            totals["up"] += row.get("bytes_up") or 0
+            run = store.get_run(run_id)
+            total = run.total_rounds if run is not None else cfg.rounds
+            acc = row.get("test_accuracy")
+            progress.update(bar, completed=rnd, total=total, acc=f"{acc:.3f}" if acc is not None else "-",
+                            up=human_bytes(totals["up"]))
+
+        try:
+            status = run_engine(cfg, store=store, run_id=run_id, listeners=[on_round])
+        except KeyboardInterrupt:
+            store.set_status(run_id, "stopped", error="interrupted from the keyboard")
+            status = "stopped"
+        except Exception as exc:  # recorded in the store by the server; show one line
+            run = store.get_run(run_id)
+            if run is not None and run.status not in ("failed", "stopped"):
+                store.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
+            console.print(f"[bold red]run failed:[/] {type(exc).__name__}: {exc}")
+            status = "failed"
+    result = store.export_result(run_id)
+    result["summary"]["process_wall_s"] = time.perf_counter() - t0
+    store.update_run(run_id, summary={"process_wall_s": result["summary"]["process_wall_s"]})
+    console.print(summary_table(result))
+    if out is not None:
+        path = store.write_result(run_id, out)
+        png = plot_run(result, Path(out) / "accuracy.png")
+        console.print(f"wrote {path}" + (f" and {png}" if png else ""))
+    return status
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

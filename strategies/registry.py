@@ -1,0 +1,192 @@
+"""The strategy registry: name -> (strategy builder, client update, hyperparameters, description).
+
+The CLI (`fedswarm strategies`, `fedswarm sim --strategy NAME --set key=value`), the
+dashboard's new-run form and the docs are generated from it. A strategy module registers
+itself at import with :func:`register`; :func:`load_builtin` imports every built-in one.
+
+A *client update* is a plain function the ClientApp dispatches to by message type
+(``train.<name>``), so one ClientApp serves every algorithm::
+
+    def client_update(msg: Message, context: Context) -> RecordDict
+
+It returns the reply's content. ``fedswarm.local.local_fit(msg, context)`` does the
+common part (config, partition, local SGD); ``context.state`` is the node's memory
+across rounds (error-feedback residuals, momentum, ...). Strategies whose clients do plain local training (FedAvg) use
+Flower's own ``train`` message type and need no client update of their own.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from fedswarm.config import ConfigError
+
+__all__ = [
+    "HyperParam",
+    "StrategyEntry",
+    "register",
+    "get",
+    "names",
+    "entries",
+    "resolve_params",
+    "load_builtin",
+]
+
+
+@dataclass(frozen=True)
+class HyperParam:
+    """One strategy hyperparameter, with its default, type and allowed range."""
+
+    name: str
+    default: Any
+    help: str
+    ge: float | None = None
+    le: float | None = None
+    gt: float | None = None
+    lt: float | None = None
+    choices: tuple[Any, ...] | None = None
+
+    @property
+    def type(self) -> type:
+        return type(self.default)
+
+    def allowed(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        parts = []
+        if self.gt is not None:
+            parts.append(f"> {self.gt}")
+        if self.ge is not None:
+            parts.append(f">= {self.ge}")
+        if self.lt is not None:
+            parts.append(f"< {self.lt}")
+        if self.le is not None:
+            parts.append(f"<= {self.le}")
+        kind = self.type.__name__
+        return f"{kind} " + " and ".join(parts) if parts else kind
+
+    def check(self, value: Any, strategy: str) -> Any:
+        """Coerce ``value`` to this parameter's type and check its range."""
+        where = f"invalid value for '{strategy}.{self.name}'"
+        t = self.type
+        try:
+            if t is bool:
+                if isinstance(value, str):
+                    if value.lower() not in ("true", "false"):
+                        raise ValueError
+                    value = value.lower() == "true"
+                elif not isinstance(value, bool):
+                    raise ValueError
+            elif t is int:
+                if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                    raise ValueError
+                value = int(value)
+            elif t is float:
+                if isinstance(value, bool):
+                    raise ValueError
+                value = float(value)
+            elif t is str:
+                value = str(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {self.allowed()} (got {value!r})") from None
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(f"{where}: expected {self.allowed()} (got {value!r})")
+        bad = (
+            (self.ge is not None and value < self.ge)
+            or (self.le is not None and value > self.le)
+            or (self.gt is not None and value <= self.gt)
+            or (self.lt is not None and value >= self.lt)
+        )
+        if bad:
+            raise ConfigError(f"{where}: expected {self.allowed()} (got {value!r})")
+        return value
+
+
+@dataclass(frozen=True)
+class StrategyEntry:
+    """A registered algorithm.
+
+    ``build(params, ctx)`` returns a Flower ``Strategy``; ``params`` are the resolved
+    hyperparameters and ``ctx`` a :class:`BuildContext` with the run config and the model
+    layout. ``client_update`` is None when clients use Flower's plain ``train`` message.
+    """
+
+    name: str
+    description: str
+    build: Callable[..., Any]
+    hyperparams: tuple[HyperParam, ...] = ()
+    client_update: Callable[..., Any] | None = None
+    kind: str = "federated"  # "federated" | "decentralized"
+    paper: str = ""
+
+    @property
+    def message_type(self) -> str:
+        """The Flower message type the strategy's train messages carry."""
+        return "train" if self.client_update is None else f"train.{self.name}"
+
+    def defaults(self) -> dict[str, Any]:
+        return {h.name: h.default for h in self.hyperparams}
+
+
+@dataclass
+class BuildContext:
+    """What a strategy builder may need besides its hyperparameters."""
+
+    config: Any  # fedswarm.config.RunConfig
+    layout: Any  # fedswarm.params.ParamLayout
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, StrategyEntry] = {}
+
+# Modules that register built-in strategies when imported.
+_BUILTIN_MODULES = ("fedswarm.strategies.fedavg",)
+
+
+def register(entry: StrategyEntry) -> StrategyEntry:
+    if entry.name in _REGISTRY and _REGISTRY[entry.name] is not entry:
+        raise ValueError(f"strategy {entry.name!r} is already registered")
+    _REGISTRY[entry.name] = entry
+    return entry
+
+
+def load_builtin() -> None:
+    for mod in _BUILTIN_MODULES:
+        importlib.import_module(mod)
+
+
+def names() -> list[str]:
+    load_builtin()
+    return sorted(_REGISTRY)
+
+
+def entries() -> list[StrategyEntry]:
+    load_builtin()
+    return [_REGISTRY[n] for n in sorted(_REGISTRY)]
+
+
+def get(name: str) -> StrategyEntry:
+    load_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown strategy '{name}' (available: {', '.join(sorted(_REGISTRY))})"
+        ) from None
+
+
+def resolve_params(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Defaults of strategy ``name`` updated with ``overrides``, every value checked."""
+    entry = get(name)
+    known = {h.name: h for h in entry.hyperparams}
+    out = entry.defaults()
+    for key, value in overrides.items():
+        if key not in known:
+            allowed = ", ".join(known) or "none"
+            raise ConfigError(
+                f"unknown parameter '{key}' for strategy '{name}' (allowed: {allowed})"
+            )
+        out[key] = known[key].check(value, name)
+    return out
