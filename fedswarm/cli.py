@@ -26,7 +26,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
-console = Console()
+# Pipes and CI logs get wide tables instead of 80-column wrapping.
+console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
 
 DB_HELP = "Run store: an SQLite path or a database URL (default: $FEDSWARM_DB, else ./fedswarm.db)."
@@ -199,13 +200,17 @@ def dashboard(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8080, "--port", min=1, max=65535, help="Port to listen on."),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    superlink: Optional[str] = typer.Option(None, "--superlink", help="A SuperLink connection name from Flower's config.toml, for the nodes and federation pages (or $FEDSWARM_SUPERLINK)."),
 ) -> None:
-    """Open the web dashboard: start, watch, pause and stop runs; see every node."""
+    """Open the web dashboard: start, watch, pause and stop runs; see every node.
+
+    The admin account is created at first start: its password is $FEDSWARM_ADMIN_PASSWORD,
+    or a generated one printed once."""
     try:
         from fedswarm.web.app import run as run_dashboard
     except ImportError as exc:
         fail(f"the dashboard is not available: {exc}", code=1)
-    run_dashboard(host=host, port=port, db=db)
+    run_dashboard(host=host, port=port, db=db, superlink=superlink)
 
 
 def main() -> None:

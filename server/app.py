@@ -103,4 +103,6 @@ def main(grid: Grid, context: Context) -> None:
     store = Store(db)
     if run_id is None or store.get_run(run_id) is None:
         run_id = store.create_run(cfg.model_dump(), run_id=run_id)
+    # Started by a SuperLink (`flwr run`), not by a fedswarm simulation engine.
+    store.update_run(run_id, engine="deployment")
     run_server(grid, cfg, store=store, run_id=run_id)

@@ -131,6 +131,12 @@ class RoundRecorder:
                 elif c.kind == "resume" and paused:
                     paused = False
                     self.store.set_status(self.run_id, "running")
+                elif c.kind == "policy":
+                    # Recorded, not silently dropped: per-device-class policies are applied
+                    # by strategies that read them (the weak-devices work), not by this loop.
+                    self.store.add_event(self.run_id, "policy_not_applied",
+                                         "policy change recorded; this run's strategy does not apply "
+                                         "per-device-class policies yet", data=c.payload)
                 elif c.kind == "add_rounds":
                     n = int(c.payload.get("rounds", 0))
                     if n > 0:

@@ -56,7 +56,7 @@ def runs_table(store: Store, results: list[dict]) -> Table:
     cols = ["run"] + (["name"] if named else []) + ["status", "strategy", "task", "engine", "rounds",
                                                     "final acc", "bytes up", "created"]
     for col in cols:
-        t.add_column(col, no_wrap=col in ("run", "created", "status", "rounds"))
+        t.add_column(col, no_wrap=True)
     for res, run in zip(results, runs):
         s = res["summary"]
         cells = [res["run_id"]] + ([run.name or ""] if named else []) + [

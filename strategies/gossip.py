@@ -1,0 +1,121 @@
+"""Decentralized (gossip) algorithms: one object per algorithm, and their registry.
+
+Every algorithm has three steps shared by all runtimes: a local step, what a node sends,
+and how a node mixes what it received (see :mod:`fedswarm.strategies.gossip_base`)::
+
+    algo = make_algorithm("d2")
+    topo = make_topology("ring", 5)
+    algo.check_topology(topo)
+    state = algo.init_state(x0)                 # x0: [n, d]
+    for t in range(T):
+        grads = ...                             # [n, d], at state.x
+        algo.local_step(state, grads, lr)
+        algo.mix(state, algo.message(state), topo.mixing_matrix(t))
+
+:data:`ALGORITHMS` maps a name to its class, hyperparameters (with defaults and ranges,
+checked by :func:`make_algorithm`) and description, for the CLI and the dashboard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fedswarm.strategies.gossip_async import ADPSGD, bipartite_split, pair_mixing_matrix, pairwise_average
+from fedswarm.strategies.gossip_base import DecentralizedAlgorithm, GossipState, consensus_distance
+from fedswarm.strategies.gossip_sync import D2, DPSGD, DSGDm, QGDSGDm
+from fedswarm.strategies.registry import HyperParam
+
+__all__ = [
+    "GossipState",
+    "DecentralizedAlgorithm",
+    "DPSGD",
+    "D2",
+    "DSGDm",
+    "QGDSGDm",
+    "ADPSGD",
+    "pairwise_average",
+    "pair_mixing_matrix",
+    "bipartite_split",
+    "consensus_distance",
+    "AlgorithmEntry",
+    "ALGORITHMS",
+    "make_algorithm",
+]
+
+
+@dataclass(frozen=True)
+class AlgorithmEntry:
+    """A registered decentralized algorithm."""
+
+    name: str
+    cls: type[DecentralizedAlgorithm]
+    hyperparams: tuple[HyperParam, ...]
+    description: str
+    paper: str
+    synchronous: bool = True
+
+    def defaults(self) -> dict[str, Any]:
+        return {h.name: h.default for h in self.hyperparams}
+
+
+_WD = HyperParam("weight_decay", 0.0, "L2 weight decay added to the gradient (wd·x)", ge=0.0)
+_BETA = HyperParam("momentum", 0.9, "momentum factor β", ge=0.0, lt=1.0)
+_NESTEROV = HyperParam("nesterov", False, "Nesterov momentum (epfml's scripts use it) instead of heavy ball")
+
+ALGORITHMS: dict[str, AlgorithmEntry] = {
+    e.name: e
+    for e in (
+        AlgorithmEntry(
+            "dpsgd", DPSGD,
+            (HyperParam("order", "cta", "'cta': x ← Wx − ηg (the paper); 'atc': x ← W(x − ηg)",
+                        choices=("cta", "atc")), _WD),
+            "D-PSGD: gossip the models with neighbours, then a local SGD step",
+            "Lian et al., NeurIPS 2017, arXiv:1705.09056",
+        ),
+        AlgorithmEntry(
+            "d2", D2, (_WD,),
+            "D²: D-PSGD with a correction that removes the bias of heterogeneous data "
+            "(needs λ_min(W) > -1/3)",
+            "Tang et al., ICML 2018, arXiv:1803.07068",
+        ),
+        AlgorithmEntry(
+            "dsgdm", DSGDm, (_BETA, _NESTEROV, _WD),
+            "DSGDm: D-PSGD with local momentum",
+            "baseline of Lin et al., ICML 2021, arXiv:2102.04761",
+        ),
+        AlgorithmEntry(
+            "qgm", QGDSGDm,
+            (_BETA, HyperParam("mu", 0.9, "averaging factor μ of the quasi-global momentum buffer",
+                               ge=0.0, lt=1.0), _NESTEROV, _WD),
+            "QG-DSGDm: momentum from the model's displacement after gossip, robust to non-IID data",
+            "Lin, Karimireddy, Stich, Jaggi, ICML 2021, arXiv:2102.04761",
+        ),
+        AlgorithmEntry(
+            "adpsgd", ADPSGD, (_WD,),
+            "AD-PSGD: asynchronous pairwise averaging between active and passive nodes",
+            "Lian, Zhang, Zhang, Liu, ICML 2018, arXiv:1710.06952",
+            synchronous=False,
+        ),
+    )
+}
+
+
+def make_algorithm(name: str, **params: Any) -> DecentralizedAlgorithm:
+    """Build algorithm ``name`` with ``params`` over its defaults, each value checked
+    against its range (ValueError naming the parameter otherwise)."""
+    try:
+        entry = ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown decentralized algorithm '{name}' (available: {', '.join(ALGORITHMS)})"
+        ) from None
+    known = {h.name: h for h in entry.hyperparams}
+    values = entry.defaults()
+    for key, value in params.items():
+        if key not in known:
+            raise ValueError(
+                f"unknown parameter '{key}' for '{name}' (allowed: {', '.join(known) or 'none'})"
+            )
+        values[key] = known[key].check(value, name)
+    return entry.cls(**values)

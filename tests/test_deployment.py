@@ -1,0 +1,80 @@
+"""A real Flower SuperLink and two SuperNodes on loopback run fedswarm's Flower App."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedswarm.store import Store
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.integration
+
+
+def _spawn(cmd, log, env):
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _stop(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+@pytest.mark.skipif(shutil.which("flower-superlink") is None, reason="flwr is not installed")
+def test_superlink_two_supernodes_two_rounds(tmp_path):
+    env = dict(os.environ, FLWR_HOME=str(tmp_path / "flwr"), PYTHONUNBUFFERED="1")
+    (tmp_path / "flwr").mkdir()
+    port = free_port()
+    (tmp_path / "flwr" / "config.toml").write_text(
+        f'[superlink]\ndefault = "test"\n\n[superlink.test]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
+    )
+    db = tmp_path / "store.db"
+    procs = []
+    log = open(tmp_path / "processes.log", "w")
+    try:
+        procs.append(_spawn(["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+                             "--database", str(tmp_path / "state.db"),
+                             "--disable-runtime-dependency-installation"], log, env))
+        time.sleep(3)
+        for i in range(2):
+            cmd = [sys.executable, "-m", "fedswarm", "client", "--superlink", f"127.0.0.1:{port}", "--insecure",
+                   "--partition-id", str(i), "--num-partitions", "2", "--device-class", "cpu",
+                   "--clientappio-port", str(free_port())]
+            procs.append(_spawn(cmd, log, env))
+        started = subprocess.run(
+            ["flwr", "run", str(ROOT), "test", "--run-config", f"rounds=2 clients=2 db='{db}'"],
+            capture_output=True, text=True, env=env, timeout=120,
+        )
+        assert started.returncode == 0, started.stdout + started.stderr
+        deadline = time.time() + 240
+        rounds = []
+        while time.time() < deadline:
+            if db.exists():
+                store = Store(db)
+                runs = store.list_runs()
+                if runs and runs[0].status in ("finished", "failed"):
+                    rounds = store.rounds(runs[0].id)
+                    break
+                store.close()
+            time.sleep(2)
+        log.flush()
+        assert runs and runs[0].status == "finished", (tmp_path / "processes.log").read_text()[-4000:]
+        assert runs[0].engine == "deployment"
+        done = [r for r in rounds if r.round > 0]
+        assert len(done) == 2
+        assert all(r.num_clients == 2 and r.bytes_up > 4 * 4810 * 2 for r in done)
+        assert done[-1].test_accuracy > 0.5
+    finally:
+        _stop(procs)
+        log.close()

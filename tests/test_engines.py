@@ -1,0 +1,148 @@
+"""The engines: same seed and config give the same model; rounds are recorded; controls
+act between rounds; a failing client costs its update, not the run."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from fedswarm.config import RunConfig
+from fedswarm.sim.inprocess import run_inprocess
+from fedswarm.store import Store
+
+
+def _final_model(cfg, store):
+    captured = {}
+
+    def grab(rnd, row):
+        captured[rnd] = row
+
+    rid = store.create_run(cfg.model_dump())
+    if cfg.engine == "flower":
+        from fedswarm.sim.flower_engine import run_flower
+
+        status = run_flower(cfg, store=store, run_id=rid, listeners=[grab])
+    else:
+        status = run_inprocess(cfg, store=store, run_id=rid, listeners=[grab])
+    return rid, status, captured
+
+
+def test_fedavg_inprocess_reaches_accuracy(store):
+    cfg = RunConfig(clients=10, rounds=5, seed=3)
+    rid, status, rows = _final_model(cfg, store)
+    assert status == "finished"
+    res = store.export_result(rid)
+    assert [r["round"] for r in res["rounds"]] == list(range(6))
+    assert res["summary"]["final_test_accuracy"] > 0.85
+    # every round moved the model to all 10 clients and back: 4 bytes per parameter at least
+    for r in res["rounds"][1:]:
+        assert r["num_clients"] == 10
+        assert 10 * 4 * 4810 < r["bytes_down"] < 10 * (4 * 4810 + 2000)
+        assert 10 * 4 * 4810 < r["bytes_up"] < 10 * (4 * 4810 + 2000)
+    assert len(store.node_rounds(rid)) == 50
+
+
+@pytest.mark.integration
+def test_engines_give_the_same_model(tmp_path):
+    """In-process and Flower's Simulation Engine (Ray): same accuracy and loss every round."""
+    base = dict(clients=4, rounds=3, seed=5, partition="dirichlet:0.5")
+    s1, s2 = Store(tmp_path / "a.db"), Store(tmp_path / "b.db")
+    _, st1, rows1 = _final_model(RunConfig(**base, engine="inprocess"), s1)
+    _, st2, rows2 = _final_model(RunConfig(**base, engine="flower"), s2)
+    assert st1 == st2 == "finished"
+    for rnd in range(4):
+        assert rows1[rnd]["test_loss"] == pytest.approx(rows2[rnd]["test_loss"], rel=1e-5, abs=1e-6)
+        assert rows1[rnd]["test_accuracy"] == pytest.approx(rows2[rnd]["test_accuracy"], abs=1e-9)
+        if rnd:
+            assert rows1[rnd]["train_loss"] == pytest.approx(rows2[rnd]["train_loss"], rel=1e-5)
+
+
+def test_failing_client_costs_only_its_update(store, monkeypatch):
+    import fedswarm.local as local
+
+    real = local.trainer_for
+
+    def flaky(cfg, pid, n):
+        if pid == 1:
+            raise RuntimeError("node 1 lost its disk")
+        return real(cfg, pid, n)
+
+    monkeypatch.setattr(local, "trainer_for", flaky)
+    rid, status, _ = _final_model(RunConfig(clients=3, rounds=2), store)
+    assert status == "finished"
+    rows = store.node_rounds(rid)
+    failed = [r for r in rows if r.status == "failed"]
+    assert len(failed) == 2 and "lost its disk" in failed[0].reason
+    assert all(r.num_clients == 3 for r in store.rounds(rid)[1:])
+
+
+def test_controls_pause_add_rounds_stop(store):
+    cfg = RunConfig(clients=2, rounds=3)
+    rid = store.create_run(cfg.model_dump())
+    store.add_control(rid, "add_rounds", {"rounds": 2})
+    seen = []
+
+    def listener(rnd, row):
+        seen.append(rnd)
+        if rnd == 1:
+            store.add_control(rid, "pause")
+            threading.Timer(0.6, lambda: store.add_control(rid, "resume")).start()
+        if rnd == 4:
+            store.add_control(rid, "stop", actor="tester")
+
+    t = time.perf_counter()
+    status = run_inprocess(cfg, store=store, run_id=rid, listeners=[listener])
+    assert status == "stopped"
+    assert seen == [0, 1, 2, 3, 4]  # 3 rounds + 2 added, stopped after round 4 of 5
+    assert time.perf_counter() - t > 0.5  # the pause held the run
+    assert store.get_run(rid).total_rounds == 5
+    kinds = [e.kind for e in store.events(rid)]
+    assert "rounds_added" in kinds and "stopped" in kinds
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "fedswarm", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def test_cli_sim_writes_result_and_runs_lists_it(tmp_path):
+    out = tmp_path / "out"
+    r = _cli("sim", "--clients", "6", "--rounds", "3", "--out", str(out), "--db", str(tmp_path / "s.db"),
+             cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    res = json.loads((out / "result.json").read_text())
+    assert set(res) >= {"run_id", "config", "rounds", "summary"}
+    row = res["rounds"][-1]
+    assert set(row) >= {"round", "train_loss", "test_loss", "test_accuracy", "bytes_up", "bytes_down", "wall_s",
+                        "sim_time_s"}
+    assert set(res["summary"]) >= {"final_test_accuracy", "best_test_accuracy", "total_bytes_up",
+                                   "total_bytes_down", "wall_s"}
+    assert (out / "accuracy.png").stat().st_size > 1000
+    assert "final test accuracy" in r.stdout
+    listing = _cli("runs", "--db", str(tmp_path / "s.db"), "--json", cwd=tmp_path)
+    assert json.loads(listing.stdout)[0]["run_id"] == res["run_id"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--clients", "0"], "'clients'"),
+    (["--set", "nope=1"], "unknown parameter 'nope'"),
+    (["--strategy", "warp"], "unknown strategy 'warp'"),
+    (["--partition", "dirichlet:-1"], "'partition'"),
+])
+def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, needle):
+    r = _cli("sim", *args, "--db", str(tmp_path / "s.db"), cwd=tmp_path)
+    assert r.returncode == 2
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_cli_strategies_json(tmp_path):
+    r = _cli("strategies", "--json", cwd=tmp_path)
+    cat = json.loads(r.stdout)
+    assert "fedavg" in [s["name"] for s in cat["strategies"]]
+    assert "digits-mlp" in [t["name"] for t in cat["tasks"]]
+    assert "clients" in cat["config"]["properties"]

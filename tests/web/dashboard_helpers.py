@@ -1,0 +1,108 @@
+"""Helpers shared by the dashboard tests (imported by conftest.py and the test modules)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from fastapi.testclient import TestClient
+
+HERE = Path(__file__).resolve().parent
+ADMIN_PW = "admin-password-1"
+VIEWER_PW = "viewer-password-1"
+FAKE_RUNNER = [sys.executable, str(HERE / "fake_runner.py")]
+FAKE_CATALOG = [sys.executable, str(HERE / "fake_catalog.py")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def login(client: TestClient, username: str, password: str) -> str:
+    """Log in through the form; returns the session's CSRF token."""
+    page = client.get("/login")
+    token = re.search(r'name="csrf_token" value="([^"]+)"', page.text).group(1)
+    r = client.post("/login", data={"username": username, "password": password, "csrf_token": token,
+                                    "next": "/runs"}, follow_redirects=False)
+    assert r.status_code == 303, r.text
+    page = client.get("/runs")
+    return re.search(r'name="csrf-token" content="([^"]+)"', page.text).group(1)
+
+
+def make_token(app, role: str, run_id: str | None = None) -> str:
+    _, token = app.state.ctx.accounts.create_token(f"{role}-test", role, run_id, "test")
+    return token
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def wait_for(pred, timeout: float = 15.0, interval: float = 0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+class Server:
+    """A dashboard served by uvicorn in its own process."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, db: Path, log: Path):
+        self.proc, self.port, self.db, self.log = proc, port, db, log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def start_server(tmp_path: Path, fake: bool, poll: float = 0.3, env: dict | None = None) -> Server:
+    port, db, log = free_port(), tmp_path / "server.db", tmp_path / "server.log"
+    cmd = [sys.executable, str(HERE / "serve.py"), "--db", str(db), "--port", str(port), "--poll", str(poll),
+           "--admin-password", ADMIN_PW] + (["--fake"] if fake else [])
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    server = Server(proc, port, db, log)
+    try:
+        wait_for(lambda: _up(server), timeout=30, interval=0.2)
+    except AssertionError:
+        server.stop()
+        raise AssertionError("dashboard did not start:\n" + log.read_text()[-3000:])
+    return server
+
+
+def _up(server: Server) -> bool:
+    if server.proc.poll() is not None:
+        raise AssertionError("dashboard exited:\n" + server.log.read_text()[-3000:])
+    try:
+        return httpx.get(server.url + "/api/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def kill_runs(store) -> None:
+    """Kill any run process a test left behind (each run has its own process group)."""
+    for run in store.list_runs():
+        if run.pid:
+            try:
+                os.killpg(run.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass

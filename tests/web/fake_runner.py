@@ -1,0 +1,75 @@
+"""A stand-in for ``python -m fedswarm sim --run-id``: writes rounds to the store and obeys
+controls like the real ServerApp, without torch. Tests point the dashboard's runner here.
+
+Usage: fake_runner.py sim --db URL --run-id ID --config TOML
+Environment: FAKE_ROUND_S (seconds per round, default 0.15), FAKE_FAIL=1 (exit 1 at once).
+"""
+
+import argparse
+import math
+import os
+import sys
+import time
+import tomllib
+
+from fedswarm.store import Store
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd")
+    ap.add_argument("--db", required=True)
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--config", required=True)
+    args = ap.parse_args()
+    if os.environ.get("FAKE_FAIL"):
+        print("fake runner: failing on purpose", file=sys.stderr)
+        return 1
+    with open(args.config, "rb") as f:
+        cfg = tomllib.load(f)
+    store = Store(args.db)
+    rid = args.run_id
+    store.update_run(rid, pid=os.getpid())
+    store.set_status(rid, "running")
+    total = int(cfg.get("rounds", 3))
+    delay = float(os.environ.get("FAKE_ROUND_S", "0.15"))
+    print(f"fake runner: run {rid}, {total} rounds, strategy {cfg.get('strategy')}", flush=True)
+    rnd, paused = 0, False
+    while True:
+        for c in store.pending_controls(rid):
+            if c.kind == "pause":
+                paused = True
+                store.set_status(rid, "paused")
+            elif c.kind == "resume":
+                paused = False
+                store.set_status(rid, "running")
+            elif c.kind == "stop":
+                store.mark_applied(c.id)
+                store.set_status(rid, "stopped")
+                return 0
+            elif c.kind == "add_rounds":
+                total += int(c.payload["rounds"])
+                store.update_run(rid, total_rounds=total)
+            store.mark_applied(c.id)
+        if paused:
+            time.sleep(0.05)
+            continue
+        if rnd >= total:
+            break
+        rnd += 1
+        time.sleep(delay)
+        acc = 1 - 0.9 * math.exp(-rnd / 3)
+        store.add_round(rid, rnd, train_loss=2.3 * math.exp(-rnd / 4), test_loss=2.4 * math.exp(-rnd / 4),
+                        test_accuracy=acc, bytes_up=1000 * int(cfg.get("clients", 4)),
+                        bytes_down=2000 * int(cfg.get("clients", 4)), wall_s=delay, sim_time_s=2 * delay,
+                        num_clients=int(cfg.get("clients", 4)))
+        store.add_node_rounds(rid, rnd, [{"node_id": f"n{i}", "bytes_up": 1000, "bytes_down": 2000,
+                                          "device_class": "edge-wifi" if i % 2 else "datacenter"}
+                                         for i in range(int(cfg.get("clients", 4)))])
+        print(f"round {rnd}: accuracy {acc:.3f}", flush=True)
+    store.set_status(rid, "finished")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Serve the dashboard for tests in its own process (uvicorn on 127.0.0.1).
+
+Usage: serve.py --db PATH --port N [--fake] [--poll S]
+With --fake, runs are started by fake_runner.py and the catalog comes from fake_catalog.py;
+without it, by the real ``python -m fedswarm`` (what the browser test uses).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from fedswarm.web.app import create_app
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--db", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--fake", action="store_true")
+    ap.add_argument("--poll", type=float, default=0.3)
+    ap.add_argument("--admin-password", default="admin-password-1")
+    args = ap.parse_args()
+    kw = {}
+    if args.fake:
+        kw = dict(runner=[sys.executable, str(HERE / "fake_runner.py")],
+                  catalog_cmd=[sys.executable, str(HERE / "fake_catalog.py")])
+    app = create_app(args.db, admin_password=args.admin_password, poll_interval_s=args.poll, **kw)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""/api: health, who am I, runs (list, start, detail, rounds, live stream, log) and controls."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+import fedswarm
+from fedswarm.web import live, queries, schemas
+from fedswarm.web.accounts import Principal
+from fedswarm.web.deps import WebContext, get_ctx, require_admin, require_reader
+from fedswarm.web.launcher import log_tail
+from fedswarm.web.runs_service import RunError
+
+router = APIRouter(prefix="/api")
+RunId = Path(max_length=64, description="a run id, as listed by GET /api/runs")
+ERRORS = {401: {"model": schemas.Message}, 403: {"model": schemas.Message},
+          404: {"model": schemas.Message}, 409: {"model": schemas.Message}}
+
+
+def _run(ctx: WebContext, run_id: str):
+    try:
+        return ctx.runs.get(run_id)
+    except RunError as exc:
+        raise HTTPException(exc.status_code, exc.detail) from None
+
+
+@router.get("/health", response_model=schemas.Health, tags=["meta"])
+def health(ctx: WebContext = Depends(get_ctx)) -> schemas.Health:
+    """Liveness: the app answers and the store is reachable. Needs no login."""
+    with ctx.store.engine.connect() as conn:
+        conn.exec_driver_sql("SELECT 1")
+    return schemas.Health(version=fedswarm.__version__, store=ctx.store.engine.dialect.name)
+
+
+@router.get("/whoami", response_model=schemas.Whoami, responses=ERRORS, tags=["meta"])
+def whoami(p: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)) -> schemas.Whoami:
+    return schemas.Whoami(name=p.name, role=p.role, csrf_token=ctx.csrf(p))
+
+
+@router.get("/runs", response_model=list[schemas.RunOut], responses=ERRORS, tags=["runs"])
+def list_runs(limit: int = Query(200, ge=1, le=1000), _: Principal = Depends(require_reader),
+              ctx: WebContext = Depends(get_ctx)) -> list[schemas.RunOut]:
+    """Runs, newest first, with progress, accuracy and bytes."""
+    return queries.run_summaries(ctx.store, limit=limit)
+
+
+@router.post("/runs", response_model=schemas.RunOut, status_code=201, tags=["runs"],
+             responses=ERRORS | {422: {"model": schemas.Message}, 503: {"model": schemas.Message}})
+def start_run(body: schemas.StartRunIn, p: Principal = Depends(require_admin),
+              ctx: WebContext = Depends(get_ctx)) -> schemas.RunOut:
+    """Start a simulation in its own process (it survives a dashboard restart)."""
+    try:
+        run = ctx.runs.start(body.config, actor=p.name)
+    except RunError as exc:
+        raise HTTPException(exc.status_code, exc.detail) from None
+    return queries.run_summary(ctx.store, run)
+
+
+@router.get("/runs/{run_id}", response_model=schemas.RunDetailOut, responses=ERRORS, tags=["runs"])
+def get_run(run_id: str = RunId, _: Principal = Depends(require_reader),
+            ctx: WebContext = Depends(get_ctx)) -> schemas.RunDetailOut:
+    """A run: config, progress, per-node table, controls, policies and recent events."""
+    return queries.run_detail(ctx.store, _run(ctx, run_id))
+
+
+@router.get("/runs/{run_id}/rounds", response_model=list[schemas.RoundOut], responses=ERRORS, tags=["runs"])
+def get_rounds(run_id: str = RunId, since: int = Query(-1, ge=-1, le=2**31 - 1,
+                                                      description="only rounds after this one"),
+               _: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)) -> list[schemas.RoundOut]:
+    _run(ctx, run_id)
+    return queries.rounds(ctx.store, run_id, since=since)
+
+
+class LogOut(BaseModel):
+    run_id: str
+    log: str
+
+
+@router.get("/runs/{run_id}/log", response_model=LogOut, responses=ERRORS, tags=["runs"])
+def get_log(run_id: str = RunId, _: Principal = Depends(require_reader),
+            ctx: WebContext = Depends(get_ctx)) -> LogOut:
+    """The last lines the run's process printed (runs started from this dashboard)."""
+    _run(ctx, run_id)
+    return LogOut(run_id=run_id, log=log_tail(ctx.runs.log_path(run_id)))
+
+
+@router.get("/runs/{run_id}/stream", include_in_schema=False)
+async def stream_run(request: Request, run_id: str = RunId, since: int = Query(-1, ge=-1),
+                     _: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)):
+    """Server-sent events: `round` for each finished round, `status` on status changes."""
+    _run(ctx, run_id)
+    last = request.headers.get("last-event-id", "")
+    since = max(since, int(last)) if last.isdigit() else since
+    return _sse(live.stream(ctx.hub, ctx.store, run_id, since, request.is_disconnected))
+
+
+@router.get("/stream", include_in_schema=False)
+async def stream_all(request: Request, _: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)):
+    """Server-sent events for every run: `run` (its new summary), `round`, `status`."""
+    return _sse(live.stream(ctx.hub, ctx.store, None, -1, request.is_disconnected))
+
+
+def _sse(body) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _control(ctx: WebContext, run_id: str, kind: str, actor: str, payload: dict | None = None) -> schemas.ActionOut:
+    try:
+        cid, detail = ctx.runs.control(run_id, kind, actor, payload)
+    except RunError as exc:
+        raise HTTPException(exc.status_code, exc.detail) from None
+    return schemas.ActionOut(run_id=run_id, action=kind, control_id=cid, detail=detail)
+
+
+@router.post("/runs/{run_id}/pause", response_model=schemas.ActionOut, responses=ERRORS, tags=["control"])
+def pause(run_id: str = RunId, p: Principal = Depends(require_admin), ctx: WebContext = Depends(get_ctx)):
+    """Pause after the current round (the run waits until resumed)."""
+    return _control(ctx, run_id, "pause", p.name)
+
+
+@router.post("/runs/{run_id}/resume", response_model=schemas.ActionOut, responses=ERRORS, tags=["control"])
+def resume(run_id: str = RunId, p: Principal = Depends(require_admin), ctx: WebContext = Depends(get_ctx)):
+    return _control(ctx, run_id, "resume", p.name)
+
+
+@router.post("/runs/{run_id}/stop", response_model=schemas.ActionOut, responses=ERRORS, tags=["control"])
+def stop(run_id: str = RunId, force: bool = Query(False, description="terminate the process now"),
+         p: Principal = Depends(require_admin), ctx: WebContext = Depends(get_ctx)):
+    """Stop after the current round; with force, terminate the run's process at once."""
+    if force:
+        try:
+            return schemas.ActionOut(run_id=run_id, action="kill", detail=ctx.runs.force_stop(run_id, p.name))
+        except RunError as exc:
+            raise HTTPException(exc.status_code, exc.detail) from None
+    return _control(ctx, run_id, "stop", p.name)
+
+
+@router.post("/runs/{run_id}/add_rounds", response_model=schemas.ActionOut, responses=ERRORS, tags=["control"])
+def add_rounds(body: schemas.AddRoundsIn, run_id: str = RunId, p: Principal = Depends(require_admin),
+               ctx: WebContext = Depends(get_ctx)):
+    """Raise the run's number of rounds by `rounds`."""
+    return _control(ctx, run_id, "add_rounds", p.name, {"rounds": body.rounds})
+
+
+@router.get("/events", response_model=list[schemas.EventOut], responses=ERRORS, tags=["meta"])
+def events(limit: int = Query(100, ge=1, le=1000), run_id: str | None = Query(None, max_length=64),
+           _: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)):
+    """The audit trail: every action with its actor, newest first."""
+    return [schemas.EventOut.model_validate(e) for e in ctx.store.events(run_id, limit=limit)]

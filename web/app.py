@@ -1,0 +1,125 @@
+"""The fedswarm dashboard: a FastAPI app over the run store.
+
+``create_app(db_url)`` builds it; ``run(host, port, db)`` serves it with uvicorn (what
+``fedswarm dashboard`` calls). The app imports only the core store and config, never torch
+or flwr: the strategy catalog, runs and the Flower federation are reached in subprocesses.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+import fedswarm
+from fedswarm.store import Base, Store
+from fedswarm.web import auth_models  # noqa: F401  (registers the web tables on Base)
+from fedswarm.web import api_admin, api_ingest, api_nodes, api_runs, pages_misc, pages_runs
+from fedswarm.web.accounts import Accounts, LoginThrottle
+from fedswarm.web.catalog import Catalog
+from fedswarm.web.deps import LoginRequired, WebContext
+from fedswarm.web.federation import Federation
+from fedswarm.web.live import Hub
+from fedswarm.web.middleware import SecurityHeaders
+from fedswarm.web.runs_service import RunService
+from fedswarm.web.schemas import clean
+from fedswarm.web.settings import Settings
+
+__all__ = ["create_app", "run"]
+
+HERE = Path(__file__).resolve().parent
+log = logging.getLogger("fedswarm.web")
+
+
+def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: str | None = None,
+               admin_password: str | None = None, secret_key: str | None = None,
+               runner: list[str] | None = None, catalog_cmd: list[str] | None = None,
+               poll_interval_s: float = 0.3, secure_cookies: bool = False,
+               announce: Any = print) -> FastAPI:
+    """The dashboard app over the store at ``db_url`` (a path or an SQLAlchemy URL).
+
+    On first start (no users yet) it creates user ``admin`` with ``admin_password``, else
+    ``FEDSWARM_ADMIN_PASSWORD``, else a generated password passed once to ``announce``.
+    ``runner`` and ``catalog_cmd`` replace ``python -m fedswarm`` (tests use fakes).
+    """
+    kw: dict[str, Any] = dict(superlink=superlink, admin_password=admin_password, secret_key=secret_key,
+                              poll_interval_s=poll_interval_s, secure_cookies=secure_cookies)
+    if runner is not None:
+        kw["runner"] = list(runner)
+    if catalog_cmd is not None:
+        kw["catalog_cmd"] = list(catalog_cmd)
+    settings = Settings.build(db_url, runs_dir, **kw)
+    store = Store(settings.db_url)
+    Base.metadata.create_all(store.engine)  # the web tables, if the store was made before them
+    accounts = Accounts(store, settings.session_hours)
+    generated = accounts.ensure_admin(settings.admin_password)
+    if generated:
+        announce(f"fedswarm dashboard: created user 'admin' with password {generated} (shown once)")
+    catalog = Catalog(settings.catalog_cmd)
+    ctx = WebContext(store=store, settings=settings, accounts=accounts,
+                     runs=RunService(store, settings, catalog), catalog=catalog,
+                     hub=Hub(store, settings.poll_interval_s), federation=Federation(settings),
+                     key=accounts.signing_key(settings.secret_key),
+                     templates=Jinja2Templates(directory=str(HERE / "templates")))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        catalog.start()
+        await ctx.hub.start()
+        try:
+            yield
+        finally:
+            await ctx.hub.stop()
+
+    app = FastAPI(title="fedswarm dashboard", version=fedswarm.__version__, lifespan=lifespan,
+                  description="Start, watch and steer federated and decentralized runs. "
+                              "Authenticate with the session cookie (plus X-CSRF-Token on writes) "
+                              "or `Authorization: Bearer <token>`.")
+    app.state.ctx = ctx
+    app.state.throttle = LoginThrottle()
+    app.add_middleware(SecurityHeaders)
+    app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
+    for module in (api_runs, api_nodes, api_ingest, api_admin, pages_runs, pages_misc):
+        app.include_router(module.router)
+    _install_handlers(app, ctx)
+    return app
+
+
+def _install_handlers(app: FastAPI, ctx: WebContext) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError):
+        # FastAPI's own handler echoes the input back, and JSON cannot carry a NaN input.
+        return JSONResponse({"detail": clean(jsonable_encoder(exc.errors()))}, status_code=422)
+
+    @app.exception_handler(LoginRequired)
+    async def to_login(request: Request, exc: LoginRequired):
+        return RedirectResponse(f"/login?next={exc.next_url}", status_code=303)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        if request.url.path.startswith("/api") or request.url.path.startswith("/static"):
+            return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+        return ctx.templates.TemplateResponse(request, "error.html", {"detail": exc.detail, "user": None,
+                                                                     "csrf": None, "message": None},
+                                              status_code=exc.status_code)
+
+
+def run(host: str = "127.0.0.1", port: int = 8080, db: str | None = None, *,
+        superlink: str | None = None, runs_dir: str | Path | None = None, log_level: str = "info") -> None:
+    """Serve the dashboard until interrupted (``fedswarm dashboard``)."""
+    import uvicorn
+
+    from fedswarm.store import default_db_url
+
+    app = create_app(db or default_db_url(), superlink=superlink, runs_dir=runs_dir)
+    print(f"fedswarm dashboard on http://{host}:{port}  (store: {app.state.ctx.store.url})", file=sys.stderr)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)

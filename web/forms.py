@@ -1,0 +1,53 @@
+"""The new-run form: its fields from the catalog, and the config it posts."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fedswarm.config import parse_set, parse_value
+from fedswarm.web.catalog import CatalogData, FieldSpec, config_fields
+
+__all__ = ["config_from_form", "form_fields"]
+
+
+def form_fields(cat: CatalogData) -> list[FieldSpec]:
+    return config_fields(cat.config_schema)
+
+
+def _convert(text: str, spec: FieldSpec) -> Any:
+    """A form string as the field's type; a bad one is passed on for RunConfig to name."""
+    try:
+        if spec.kind == "int":
+            return int(text)
+        if spec.kind == "float":
+            return float(text)
+        if spec.kind == "bool":
+            return text.lower() in ("true", "on", "1", "yes")
+        if spec.kind == "json":
+            return json.loads(text)
+    except ValueError:
+        return text
+    return text
+
+
+def config_from_form(form: dict[str, str], cat: CatalogData) -> dict[str, Any]:
+    """The raw config (validated later by the run service) from the posted form."""
+    raw: dict[str, Any] = {}
+    for key in ("task", "strategy"):
+        if form.get(key, "").strip():
+            raw[key] = form[key].strip()
+    for spec in form_fields(cat):
+        text = form.get(spec.name)
+        if text is None or not text.strip():
+            continue  # empty: the field's default
+        raw[spec.name] = _convert(text.strip(), spec)
+    prefix = f"p.{raw.get('strategy', '')}."
+    params = {k[len(prefix):]: parse_value(v.strip()) for k, v in form.items()
+              if k.startswith(prefix) and v.strip()}
+    extra = [line.strip() for line in form.get("params_extra", "").splitlines() if line.strip()]
+    if extra:
+        params.update(parse_set(extra))  # ConfigError names the bad line
+    if params:
+        raw["params"] = params
+    return raw

@@ -1,0 +1,129 @@
+"""Starting runs as detached processes, and telling whether their process still lives.
+
+A run started from the dashboard is ``RUNNER sim --db URL --run-id ID --config TOML`` in
+its own session (``start_new_session=True``), so it survives a dashboard restart; its
+stdout and stderr go to ``RUNS_DIR/ID/run.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+__all__ = ["to_toml", "spawn_run", "pid_alive", "terminate", "log_tail"]
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # JSON string escapes are valid TOML basic-string escapes
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()
+                               if x is not None) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def _toml_key(k: str) -> str:
+    return k if k.replace("_", "").replace("-", "").isalnum() else json.dumps(k)
+
+
+def to_toml(config: dict[str, Any]) -> str:
+    """A run config as TOML: RunConfig keys at top level, dicts (``params``, ...) as tables."""
+    lines: list[str] = []
+    tables = {k: v for k, v in config.items() if isinstance(v, dict)}
+    for k, v in config.items():
+        if v is not None and k not in tables:
+            lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
+    for k, table in tables.items():
+        lines.append(f"\n[{_toml_key(k)}]")
+        for tk, tv in table.items():
+            if tv is not None:
+                lines.append(f"{_toml_key(tk)} = {_toml_value(tv)}")
+    return "\n".join(lines) + "\n"
+
+
+def spawn_run(runner: list[str], db_url: str, run_id: str, config: dict[str, Any],
+              runs_dir: Path) -> tuple[int, Path]:
+    """Write the run's TOML, start the runner detached; return (pid, log path)."""
+    run_dir = runs_dir / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    toml_path = run_dir / "config.toml"
+    toml_path.write_text(to_toml(config))
+    log_path = run_dir / "run.log"
+    cmd = [*runner, "sim", "--db", db_url, "--run-id", run_id, "--config", str(toml_path)]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=str(run_dir), close_fds=True)
+    return proc.pid, log_path
+
+
+def pid_alive(pid: int | None) -> bool:
+    """True while the process lives; reaps it first if it is our own exited child."""
+    if not pid or pid <= 0:
+        return False
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    except ChildProcessError:
+        pass  # not our child (started by an earlier dashboard): ask the kernel instead
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+
+
+def terminate(pid: int | None) -> bool:
+    """SIGTERM the run's process group (it has its own session). True if signalled."""
+    if not pid_alive(pid):
+        return False
+    try:
+        os.killpg(pid, signal.SIGTERM)  # type: ignore[arg-type]
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, signal.SIGTERM)  # type: ignore[arg-type]
+        except OSError:
+            return False
+    return True
+
+
+def log_tail(path: Path, max_bytes: int = 8000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""

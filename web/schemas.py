@@ -1,0 +1,265 @@
+"""Pydantic models for every request and response of the JSON API."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from fedswarm.store import RUN_STATUSES
+
+ID_PATTERN = r"^[A-Za-z0-9_.:@-]{1,64}$"
+RUN_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,36}$"
+DISPLAY_STATUSES = (*RUN_STATUSES, "lost")
+MAX_JSON_BYTES = 64_000
+
+
+def clean(v: Any) -> Any:
+    """Non-finite floats become None (JSON has no NaN), recursively."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {str(k): clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [clean(x) for x in v]
+    return v
+
+
+def _small_json(v: dict) -> dict:
+    if len(json.dumps(v, default=str)) > MAX_JSON_BYTES:
+        raise ValueError(f"must serialize to at most {MAX_JSON_BYTES} bytes of JSON")
+    return v
+
+
+class Out(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class Message(Out):
+    detail: str
+
+
+class Health(Out):
+    status: Literal["ok"] = "ok"
+    version: str
+    store: str = Field(description="sqlite or postgresql")
+
+
+class Whoami(Out):
+    name: str
+    role: str
+    csrf_token: str | None = Field(None, description="send as X-CSRF-Token with cookie-authenticated writes")
+
+
+# -- runs ------------------------------------------------------------------------------
+class RunOut(Out):
+    id: str
+    name: str | None
+    status: str
+    display_status: str = Field(description="status, or 'lost' when the run's process is gone")
+    strategy: str
+    task: str
+    engine: str
+    total_rounds: int
+    rounds_done: int = 0
+    last_round: int | None = None
+    test_accuracy: float | None = None
+    best_test_accuracy: float | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    created_at: dt.datetime | None = None
+    started_at: dt.datetime | None = None
+    finished_at: dt.datetime | None = None
+    error: str | None = None
+    pid: int | None = None
+
+
+class RoundOut(Out):
+    round: int
+    train_loss: float | None = None
+    test_loss: float | None = None
+    test_accuracy: float | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    wall_s: float | None = None
+    sim_time_s: float | None = None
+    num_clients: int = 0
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    created_at: dt.datetime | None = None
+
+    @field_validator("train_loss", "test_loss", "test_accuracy", "wall_s", "sim_time_s", "metrics",
+                     mode="before")
+    @classmethod
+    def _finite(cls, v: Any) -> Any:
+        return clean(v)
+
+
+class NodeStatsOut(Out):
+    node_id: str
+    device_class: str | None = None
+    rounds: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    rejected: int = 0
+    failed: int = 0
+    last_round: int | None = None
+    last_seen: dt.datetime | None = None
+    last_reason: str | None = None
+
+
+class ControlOut(Out):
+    id: int
+    kind: str
+    payload: dict[str, Any]
+    created_at: dt.datetime | None = None
+    applied_at: dt.datetime | None = None
+    actor: str | None = None
+
+
+class EventOut(Out):
+    id: int
+    run_id: str | None
+    ts: dt.datetime
+    kind: str
+    message: str
+    actor: str | None = None
+
+
+class RunDetailOut(RunOut):
+    config: dict[str, Any]
+    seed: int
+    code_version: str
+    summary: dict[str, Any]
+    nodes: list[NodeStatsOut]
+    controls: list[ControlOut]
+    policies: dict[str, dict[str, Any]]
+    events: list[EventOut]
+
+    @field_validator("summary", "config", mode="before")
+    @classmethod
+    def _finite(cls, v: Any) -> Any:
+        return clean(v or {})
+
+
+class StartRunIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    config: dict[str, Any] = Field(description="RunConfig keys (see `fedswarm strategies --json`); "
+                                   "strategy hyperparameters under 'params'")
+
+
+class AddRoundsIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rounds: int = Field(ge=1, le=100_000, description="rounds to add to the run's total")
+
+
+class ActionOut(Out):
+    run_id: str
+    action: str
+    control_id: int | None = None
+    detail: str
+
+
+# -- policies --------------------------------------------------------------------------
+class DevicePolicy(BaseModel):
+    """What a device class does from the next round on; unset keys keep their value."""
+
+    model_config = ConfigDict(extra="forbid")
+    local_steps: int | None = Field(None, ge=1, le=1_000_000)
+    local_epochs: int | None = Field(None, ge=1, le=10_000)
+    batch_size: int | None = Field(None, ge=1, le=1_000_000)
+    lr: float | None = Field(None, gt=0, le=100, allow_inf_nan=False)
+    codec: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    codec_params: dict[str, Any] | None = None
+    pvt_fraction: float | None = Field(None, gt=0, le=1, allow_inf_nan=False,
+                                       description="share of variables trained (partial-variable training)")
+    participation: float | None = Field(None, ge=0, le=1, allow_inf_nan=False,
+                                        description="probability a node of this class is sampled")
+
+    @field_validator("codec_params")
+    @classmethod
+    def _small(cls, v: dict | None) -> dict | None:
+        return None if v is None else _small_json(v)
+
+
+class PolicyIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    run_id: str = Field(pattern=RUN_ID_PATTERN)
+    device_class: str = Field(pattern=ID_PATTERN)
+    policy: DevicePolicy
+
+
+class PolicyOut(Out):
+    run_id: str
+    device_class: str
+    policy: dict[str, Any]
+    pending: bool = Field(description="requested but not yet applied by the run")
+
+
+# -- nodes -----------------------------------------------------------------------------
+class NodeOut(Out):
+    id: str
+    kind: str
+    run_id: str | None = None
+    device_class: str | None = None
+    status: str
+    info: dict[str, Any] = Field(default_factory=dict)
+    rejected_updates: int = 0
+    last_seen: dt.datetime | None = None
+    online: bool = False
+
+    @field_validator("info", mode="before")
+    @classmethod
+    def _finite(cls, v: Any) -> Any:
+        return clean(v or {})
+
+
+class SuperNodesOut(Out):
+    configured: bool
+    superlink: str | None = None
+    nodes: list[dict[str, Any]] = Field(default_factory=list)
+    error: str | None = None
+
+
+class NodesOut(Out):
+    nodes: list[NodeOut]
+    supernodes: SuperNodesOut
+
+
+# -- tokens and users ------------------------------------------------------------------
+class TokenIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=100)
+    role: Literal["reporter", "viewer", "admin"] = "reporter"
+    run_id: str | None = Field(None, pattern=RUN_ID_PATTERN, description="bind a reporter token to one run")
+
+
+class TokenOut(Out):
+    id: int
+    name: str
+    role: str
+    run_id: str | None = None
+    created_by: str | None = None
+    created_at: dt.datetime | None = None
+    last_used_at: dt.datetime | None = None
+    revoked: bool = False
+
+
+class TokenCreated(TokenOut):
+    token: str = Field(description="shown once; only its hash is stored")
+
+
+class UserIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    username: str = Field(pattern=r"^[A-Za-z0-9_.@-]{1,64}$")
+    password: str = Field(min_length=8, max_length=1024)
+    role: Literal["admin", "viewer"] = "viewer"
+
+
+class UserOut(Out):
+    id: int
+    username: str
+    role: str
+    created_at: dt.datetime | None = None

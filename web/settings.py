@@ -1,0 +1,53 @@
+"""What a dashboard instance is configured with."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fedswarm.store import to_url
+
+__all__ = ["Settings"]
+
+
+@dataclass
+class Settings:
+    """Dashboard settings; :func:`fedswarm.web.app.create_app` builds one from its arguments.
+
+    ``runner`` is the command prefix that starts a run: ``RUNNER sim --db URL --run-id ID
+    --config TOML`` (``python -m fedswarm`` by default; tests put a fake runner here).
+    ``catalog_cmd`` prints the strategy/codec/task catalog as JSON.
+    ``superlink`` names a SuperLink connection of the ``flwr`` CLI (its config file), or
+    None when no Flower federation is attached.
+    """
+
+    db_url: str
+    runs_dir: Path
+    runner: list[str] = field(default_factory=lambda: [sys.executable, "-m", "fedswarm"])
+    catalog_cmd: list[str] = field(
+        default_factory=lambda: [sys.executable, "-m", "fedswarm", "strategies", "--json"])
+    superlink: str | None = None
+    flwr_cmd: list[str] = field(default_factory=lambda: ["flwr"])
+    flwr_app_dir: Path | None = None
+    admin_password: str | None = None
+    secret_key: str | None = None
+    session_hours: float = 12.0
+    poll_interval_s: float = 0.3
+    secure_cookies: bool = False
+
+    @classmethod
+    def build(cls, db_url: str, runs_dir: str | Path | None = None, **kw: object) -> "Settings":
+        url = to_url(db_url)
+        if runs_dir is None:
+            if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+                runs_dir = Path(url[len("sqlite:///"):]).parent / "fedswarm-runs"
+            else:
+                runs_dir = Path.cwd() / "fedswarm-runs"
+        for key, env in (("admin_password", "FEDSWARM_ADMIN_PASSWORD"), ("secret_key", "FEDSWARM_SECRET_KEY"),
+                         ("superlink", "FEDSWARM_SUPERLINK")):
+            if kw.get(key) is None:
+                kw[key] = os.environ.get(env) or None
+        kw = {k: v for k, v in kw.items() if v is not None}
+        return cls(db_url=url, runs_dir=Path(runs_dir), **kw)  # type: ignore[arg-type]
