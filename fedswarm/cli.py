@@ -181,7 +181,7 @@ def client(
 # --------------------------------------------------------------------------------------
 @app.command()
 def bench(
-    name: str = typer.Argument(..., help="Benchmark: engines, codecs, compression, decentralized, dashboard."),
+    name: str = typer.Argument(..., help="Benchmark name: engines, codecs, decentralized, dashboard (see the list in fedswarm/sim/benchmarks.py)."),
     out: Path = typer.Option(Path("bench"), "--out", "-o", help="Writes DIR/NAME.json and DIR/NAME.png."),
     quick: bool = typer.Option(False, "--quick", help="A smaller run that finishes in under two minutes on 2 cores."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and Ray's logs."),
