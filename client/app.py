@@ -26,9 +26,11 @@ app = ClientApp()
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Plain local training: the reply carries the new model and the example count."""
-    cfg, trainer, _, res = local_fit(msg, context)
+    fit = local_fit(msg, context)
+    res = fit.result
     metrics = MetricRecord({"num-examples": res.num_examples, "train_loss": res.loss, "steps": res.steps})
-    return Message(RecordDict({"arrays": vector_to_arrayrecord(res.flat), "metrics": metrics}), reply_to=msg)
+    content = RecordDict({"arrays": vector_to_arrayrecord(res.flat), "metrics": metrics, "node": fit.report()})
+    return Message(content, reply_to=msg)
 
 
 def _dispatch(entry: registry.StrategyEntry):

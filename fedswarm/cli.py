@@ -39,6 +39,17 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def parse_policies(items: list[str] | None) -> dict[str, dict[str, Any]]:
+    """``["edge-lte:local_steps=2", ...]`` -> ``{"edge-lte": {"local_steps": 2}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items or []:
+        cls, sep, kv = item.partition(":")
+        if not sep or not cls.strip():
+            raise ConfigError(f"invalid --policy '{item}': expected CLASS:KEY=VALUE")
+        out.setdefault(cls.strip(), {}).update(parse_set([kv]))
+    return out
+
+
 def quiet_flower(verbose: bool) -> None:
     level = logging.INFO if verbose else logging.ERROR
     for name in ("flwr", "ray"):
@@ -66,6 +77,10 @@ def sim(
     engine: Optional[str] = typer.Option(None, "--engine", "-e", help="inprocess (default, no Ray) or flower (Flower's Simulation Engine on Ray)."),
     device: Optional[str] = typer.Option(None, "--device", help="Torch device: cpu (default), auto, cuda, cuda:N, mps."),
     name: Optional[str] = typer.Option(None, "--name", help="A label for the run."),
+    devices: Optional[str] = typer.Option(None, "--devices", help="Device classes for the time model, e.g. gpu:4,edge-wifi:12 (profiles: datacenter, gpu, cpu, edge-wifi, edge-lte, straggler); rounds then report simulated time."),
+    profiles: Optional[str] = typer.Option(None, "--profiles", help="A TOML file of device/link profiles merged over the built-in ones."),
+    topology: Optional[str] = typer.Option(None, "--topology", help="Gossip topology for decentralized strategies: ring (default), torus, exp, onepeer-exp, complete, random:D, edges:PATH."),
+    policy: Optional[list[str]] = typer.Option(None, "--policy", help="Per-device-class policy CLASS:KEY=VALUE (repeatable), e.g. edge-lte:local_steps=2. Keys: local_steps, local_epochs, batch_size, lr, codec, pvt_fraction, progfed_max_stage."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Strategy hyperparameter KEY=VALUE (repeatable)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="A TOML run config; command-line options override it."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write DIR/result.json (and DIR/accuracy.png)."),
@@ -83,7 +98,7 @@ def sim(
         "strategy": strategy, "task": task, "clients": clients, "rounds": rounds, "fraction": fraction,
         "partition": partition, "local_epochs": local_epochs, "local_steps": local_steps,
         "batch_size": batch_size, "lr": lr, "momentum": momentum, "seed": seed, "engine": engine,
-        "device": device, "name": name,
+        "device": device, "name": name, "devices": devices, "profiles": profiles, "topology": topology,
     }
     try:
         values: dict[str, Any] = load_config(config) if config else {}
@@ -91,6 +106,10 @@ def sim(
         params = dict(values.get("params", {}) or {})
         params.update(parse_set(set_))
         values["params"] = params
+        policies = {k: dict(v) for k, v in (values.get("policies") or {}).items()}
+        for cls, kv in parse_policies(policy).items():
+            policies.setdefault(cls, {}).update(kv)
+        values["policies"] = policies
         cfg = RunConfig.build(values)
         cfg.params = registry.resolve_params(cfg.strategy, cfg.params)
         from fedswarm.tasks import get_task

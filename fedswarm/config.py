@@ -9,6 +9,7 @@ by :func:`fedswarm.strategies.registry.resolve_params`.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = ["RunConfig", "ConfigError", "parse_partition", "load_config", "parse_set"]
 
@@ -90,6 +91,10 @@ class RunConfig(BaseModel):
         None, description="Device classes of the nodes for the time model, e.g. 'gpu:4,edge-wifi:12' (see sim/timemodel.py)."
     )
     profiles: str | None = Field(None, description="A TOML file of device/link profiles merged over the built-in ones.")
+    policies: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Per-device-class policies, e.g. {'edge-lte': {'local_steps': 2}} (see fedswarm/policy.py).",
+    )
     topology: str = Field("ring", description="Gossip topology for decentralized strategies: ring, torus, exp, onepeer-exp, complete, random:D, edges:PATH.")
     device: str = Field("cpu", description="Torch device for training: 'cpu', 'cuda', 'cuda:N', 'mps' or 'auto'.")
 
@@ -105,6 +110,28 @@ class RunConfig(BaseModel):
         if not re.match(r"^(cpu|auto|mps|cuda(:[0-9]+)?)$", v):
             raise ValueError("must be 'cpu', 'auto', 'mps', 'cuda' or 'cuda:N'")
         return v
+
+    @field_validator("policies")
+    @classmethod
+    def _check_policies(cls, v: dict) -> dict:
+        from fedswarm.policy import PolicyBook
+
+        try:
+            return PolicyBook(v).as_dict()
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    @model_validator(mode="after")
+    def _check_devices(self) -> "RunConfig":
+        if self.devices is not None:
+            from fedswarm.timemodel import load_profiles, parse_devices
+
+            try:
+                profiles = load_profiles(self.profiles) if self.profiles else None
+                parse_devices(self.devices, self.clients, profiles)
+            except (ValueError, OSError) as exc:
+                raise ValueError(f"devices: {exc}") from None
+        return self
 
     @classmethod
     def build(cls, values: dict[str, Any]) -> "RunConfig":
@@ -125,6 +152,9 @@ class RunConfig(BaseModel):
         for k, v in self.model_dump().items():
             if k == "params":
                 out.update({f"params.{pk}": pv for pk, pv in v.items()})
+            elif k == "policies":
+                if v:
+                    out[k] = json.dumps(v, sort_keys=True)
             elif v is not None:
                 out[k] = v
         return out
@@ -134,7 +164,9 @@ class RunConfig(BaseModel):
         values: dict[str, Any] = {}
         params: dict[str, Any] = {}
         for k, v in flat.items():
-            if k.startswith("params."):
+            if k == "policies" and isinstance(v, str):
+                values[k] = json.loads(v) if v else {}
+            elif k.startswith("params."):
                 params[k[len("params.") :]] = v
             else:
                 values[k] = v
@@ -153,8 +185,12 @@ def _describe(exc: ValidationError) -> str:
             lines.append(f"unknown key '{key}' (allowed keys: {allowed})")
             continue
         msg = err["msg"].removeprefix("Value error, ")
-        field = RunConfig.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+        if not err["loc"] and ": " in msg and msg.split(": ", 1)[0] in RunConfig.model_fields:
+            key, msg = msg.split(": ", 1)  # a check across fields names its own key
+        field = RunConfig.model_fields.get(key.split(".")[0])
         got = err.get("input")
+        if isinstance(got, dict) and key in got:
+            got = got[key]
         hint = f" [{field.description}]" if field is not None and field.description else ""
         lines.append(f"invalid value for '{key}': {msg} (got {got!r}){hint}")
     return "; ".join(lines)

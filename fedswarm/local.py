@@ -6,14 +6,19 @@ adds only what it does differently (compress a delta, keep a residual, mix neigh
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from typing import Any
+
 import torch
-from flwr.app import Context, Message
+from flwr.app import ConfigRecord, Context, Message
 
 from fedswarm.config import ConfigError, RunConfig
+from fedswarm.policy import device_class_of, policy_for
 from fedswarm.train import LocalTrainer, TrainResult, trainer_for
 from fedswarm.wire import arrayrecord_to_vector
 
-__all__ = ["run_config_of", "node_partition", "round_seed", "server_round", "local_fit"]
+__all__ = ["run_config_of", "node_partition", "round_seed", "server_round", "local_fit", "LocalFit"]
 
 _RUN_KEYS = set(RunConfig.allowed_keys())
 
@@ -44,14 +49,36 @@ def server_round(msg: Message) -> int:
     return int(rec.get("server-round", 0)) if rec is not None else 0
 
 
-def local_fit(msg: Message, context: Context) -> tuple[RunConfig, LocalTrainer, "torch.Tensor", TrainResult]:
-    """Shared first half of every client update: (config, trainer, start vector, result)."""
+@dataclass
+class LocalFit:
+    """What one node's local training round produced, and under which policy."""
+
+    cfg: RunConfig
+    trainer: LocalTrainer
+    start: torch.Tensor  # the parameters the round started from, [d]
+    result: TrainResult
+    device_class: str
+    policy: dict[str, Any]
+
+    def report(self) -> ConfigRecord:
+        """The reply's ``node`` record: the class and policy this node trained under."""
+        return ConfigRecord({"device_class": self.device_class, "policy": json.dumps(self.policy, sort_keys=True)})
+
+
+def local_fit(msg: Message, context: Context) -> LocalFit:
+    """Shared first half of every client update: read config, partition and this node's
+    device-class policy, then run local SGD from the message's parameters."""
     cfg = run_config_of(msg, context)
     pid, n = node_partition(context, cfg)
+    device_class = device_class_of(context.node_config, cfg.devices, pid, n)
+    rec = msg.content.config_records.get("config")
+    policy = policy_for(rec, device_class) if rec is not None else {}
     trainer = trainer_for(cfg, pid, n)
     flat = arrayrecord_to_vector(next(iter(msg.content.array_records.values())), trainer.layout.d)
-    res = trainer.fit(flat, epochs=cfg.local_epochs, steps=cfg.local_steps, batch_size=cfg.batch_size,
-                      lr=cfg.lr, momentum=cfg.momentum, seed=round_seed(cfg.seed, server_round(msg), pid))
-    return cfg, trainer, flat, res
-
-
+    epochs = policy.get("local_epochs", cfg.local_epochs)
+    # A policy that sets epochs but not steps means epochs, even if the run set steps.
+    steps = policy.get("local_steps", None if "local_epochs" in policy else cfg.local_steps)
+    res = trainer.fit(flat, epochs=epochs, steps=steps, batch_size=policy.get("batch_size", cfg.batch_size),
+                      lr=policy.get("lr", cfg.lr), momentum=cfg.momentum,
+                      seed=round_seed(cfg.seed, server_round(msg), pid))
+    return LocalFit(cfg, trainer, flat, res, device_class, policy)

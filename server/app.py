@@ -20,6 +20,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedswarm.config import RunConfig
 from fedswarm.params import ParamLayout, get_flat
+from fedswarm.policy import PolicyBook
 from fedswarm.store import Store
 from fedswarm.strategies import registry
 from fedswarm.tasks import get_task
@@ -67,9 +68,13 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
 
     strategy = entry.build(params, registry.BuildContext(cfg, layout))
     metered = MeteredGrid(grid)
-    recorder = RoundRecorder(store, run_id, metered, evaluate, listeners=listeners, sim_time=sim_time)
     arrays = vector_to_arrayrecord(get_flat(model))
-    train_config = ConfigRecord(cfg.to_flat())
+    # Policies travel as policy.<class> keys (current, per round), not as the initial table.
+    train_config = ConfigRecord({k: v for k, v in cfg.to_flat().items() if k != "policies"})
+    policies = PolicyBook(cfg.policies)
+    policies.write(train_config)
+    recorder = RoundRecorder(store, run_id, metered, evaluate, listeners=listeners, sim_time=sim_time,
+                             policies=policies, train_config=train_config)
     store.set_status(run_id, "running")
     status = "finished"
     try:

@@ -10,11 +10,13 @@ extends it).
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Callable
 
 from flwr.app import ArrayRecord, MetricRecord
 
+from fedswarm.policy import PolicyBook
 from fedswarm.store import Store
 from fedswarm.wire import arrayrecord_to_vector
 from fedswarm.server.metered_grid import MeteredGrid
@@ -38,6 +40,8 @@ class RoundRecorder:
         *,
         listeners: list[RoundListener] | None = None,
         sim_time: Callable[[int, Any], float | None] | None = None,
+        policies: PolicyBook | None = None,
+        train_config: Any = None,
         poll_s: float = 0.2,
     ):
         self.store = store
@@ -46,6 +50,8 @@ class RoundRecorder:
         self.evaluate = evaluate
         self.listeners = list(listeners or [])
         self.sim_time = sim_time
+        self.policies = policies if policies is not None else PolicyBook()
+        self.train_config = train_config  # the ConfigRecord every train message carries
         self.poll_s = poll_s
         self.offset = 0  # rounds done by earlier calls of Strategy.start (add_rounds)
         self.extra_rounds = 0
@@ -103,6 +109,13 @@ class RoundRecorder:
             if msg.has_error():
                 row.update(status="failed", reason=msg.error.reason[:2000])
             else:
+                node = msg.content.config_records.get("node")
+                if node is not None:
+                    row["device_class"] = str(node.get("device_class", ""))[:64] or None
+                    try:
+                        row["policy"] = json.loads(node.get("policy", "{}"))
+                    except (TypeError, ValueError):
+                        row["policy"] = {}
                 metrics = next(iter(msg.content.metric_records.values()), None)
                 if metrics is not None:
                     n = int(metrics.get("num-examples", 0))
@@ -118,6 +131,21 @@ class RoundRecorder:
         return (loss_sum / n_sum if n_sum else None), n_sum, rows
 
     # -- controls ----------------------------------------------------------------------
+    def _apply_policy(self, payload: dict) -> None:
+        """A policy change: folded into the book and written into the train config, so
+        every message of the next round carries it."""
+        device_class = str(payload.get("device_class", ""))
+        try:
+            new = self.policies.update(device_class, dict(payload.get("policy") or {}))
+        except ValueError as exc:
+            self.store.add_event(self.run_id, "policy_rejected", str(exc), data=payload)
+            return
+        if self.train_config is not None:
+            self.policies.write(self.train_config)
+        self.store.add_event(self.run_id, "policy_applied",
+                             f"policy of '{device_class}' is now {new}; applies from round {self.last_round + 1}",
+                             data={"device_class": device_class, "policy": new})
+
     def _apply_controls(self) -> None:
         paused = False
         while True:
@@ -132,11 +160,7 @@ class RoundRecorder:
                     paused = False
                     self.store.set_status(self.run_id, "running")
                 elif c.kind == "policy":
-                    # Recorded, not silently dropped: per-device-class policies are applied
-                    # by strategies that read them (the weak-devices work), not by this loop.
-                    self.store.add_event(self.run_id, "policy_not_applied",
-                                         "policy change recorded; this run's strategy does not apply "
-                                         "per-device-class policies yet", data=c.payload)
+                    self._apply_policy(c.payload)
                 elif c.kind == "add_rounds":
                     n = int(c.payload.get("rounds", 0))
                     if n > 0:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fedswarm.store import RUN_STATUSES
+from fedswarm.policy import DevicePolicy  # one policy schema for run config, server and dashboard
 
 ID_PATTERN = r"^[A-Za-z0-9_.:@-]{1,64}$"
 RUN_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,36}$"
@@ -163,27 +164,6 @@ class ActionOut(Out):
 
 
 # -- policies --------------------------------------------------------------------------
-class DevicePolicy(BaseModel):
-    """What a device class does from the next round on; unset keys keep their value."""
-
-    model_config = ConfigDict(extra="forbid")
-    local_steps: int | None = Field(None, ge=1, le=1_000_000)
-    local_epochs: int | None = Field(None, ge=1, le=10_000)
-    batch_size: int | None = Field(None, ge=1, le=1_000_000)
-    lr: float | None = Field(None, gt=0, le=100, allow_inf_nan=False)
-    codec: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    codec_params: dict[str, Any] | None = None
-    pvt_fraction: float | None = Field(None, gt=0, le=1, allow_inf_nan=False,
-                                       description="share of variables trained (partial-variable training)")
-    participation: float | None = Field(None, ge=0, le=1, allow_inf_nan=False,
-                                        description="probability a node of this class is sampled")
-
-    @field_validator("codec_params")
-    @classmethod
-    def _small(cls, v: dict | None) -> dict | None:
-        return None if v is None else _small_json(v)
-
-
 class PolicyIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     run_id: str = Field(pattern=RUN_ID_PATTERN)
