@@ -11,13 +11,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from fedswarm.client.probe import probe_device_class
+from fedswarm.probe import probe_device_class
 
 __all__ = ["supernode_command", "node_config_string"]
 
 
 def node_config_string(partition_id: int, num_partitions: int, device_class: str) -> str:
-    return f'partition-id={partition_id} num-partitions={num_partitions} device-class="{device_class}"'
+    return (f'partition-id={partition_id} num-partitions={num_partitions} device-class="{device_class}" '
+            'probe="true"')
 
 
 def supernode_command(superlink: str, partition_id: int, num_partitions: int, *, device_class: str | None = None,

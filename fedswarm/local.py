@@ -60,9 +60,15 @@ class LocalFit:
     device_class: str
     policy: dict[str, Any]
 
+    probe: dict[str, Any] | None = None
+
     def report(self) -> ConfigRecord:
-        """The reply's ``node`` record: the class and policy this node trained under."""
-        return ConfigRecord({"device_class": self.device_class, "policy": json.dumps(self.policy, sort_keys=True)})
+        """The reply's ``node`` record: the class and policy this node trained under, and on
+        a real device (node config ``probe=true``, set by ``fedswarm client``) what it runs on."""
+        rec = ConfigRecord({"device_class": self.device_class, "policy": json.dumps(self.policy, sort_keys=True)})
+        if self.probe is not None:
+            rec["probe"] = json.dumps(self.probe, sort_keys=True)
+        return rec
 
 
 def local_fit(msg: Message, context: Context) -> LocalFit:
@@ -81,4 +87,18 @@ def local_fit(msg: Message, context: Context) -> LocalFit:
     res = trainer.fit(flat, epochs=epochs, steps=steps, batch_size=policy.get("batch_size", cfg.batch_size),
                       lr=policy.get("lr", cfg.lr), momentum=cfg.momentum,
                       seed=round_seed(cfg.seed, server_round(msg), pid))
-    return LocalFit(cfg, trainer, flat, res, device_class, policy)
+    probe = _device_probe() if str(context.node_config.get("probe", "")).lower() == "true" else None
+    return LocalFit(cfg, trainer, flat, res, device_class, policy, probe)
+
+
+_PROBE: dict[str, Any] | None = None
+
+
+def _device_probe() -> dict[str, Any]:
+    """This device's probe (accelerator, memory, a measured step time), measured once."""
+    global _PROBE
+    if _PROBE is None:
+        from fedswarm.probe import probe
+
+        _PROBE = probe(measure=True)
+    return _PROBE

@@ -273,9 +273,10 @@ class Store:
             return list(s.scalars(q))
 
     def add_node_rounds(self, run_id: str, round: int, rows: list[dict]) -> None:
+        known = {c.name for c in NodeRound.__table__.columns} - {"id", "run_id", "round"}
         with self.session() as s:
             for r in rows:
-                s.add(NodeRound(run_id=run_id, round=round, **r))
+                s.add(NodeRound(run_id=run_id, round=round, **{k: v for k, v in r.items() if k in known}))
 
     def node_rounds(self, run_id: str) -> list[NodeRound]:
         with self.session() as s:

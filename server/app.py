@@ -47,7 +47,8 @@ def split_run_config(run_config: dict) -> tuple[RunConfig, str | None, str | Non
 
 def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
                listeners: list[RoundListener] | None = None,
-               sim_time: Callable[[int, Traffic], float | None] | None = None) -> str:
+               sim_time: Callable[[int, Traffic], float | None] | None = None,
+               node_kind: str = "sim") -> str:
     """Run ``cfg.strategy`` for ``cfg.rounds`` rounds over ``grid``; return the final status.
 
     ``sim_time(round, traffic)``, given by a simulation engine, returns the simulated time
@@ -74,7 +75,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
     policies = PolicyBook(cfg.policies)
     policies.write(train_config)
     recorder = RoundRecorder(store, run_id, metered, evaluate, listeners=listeners, sim_time=sim_time,
-                             policies=policies, train_config=train_config)
+                             policies=policies, train_config=train_config, node_kind=node_kind)
     store.set_status(run_id, "running")
     status = "finished"
     try:
@@ -110,4 +111,4 @@ def main(grid: Grid, context: Context) -> None:
         run_id = store.create_run(cfg.model_dump(), run_id=run_id)
     # Started by a SuperLink (`flwr run`), not by a fedswarm simulation engine.
     store.update_run(run_id, engine="deployment")
-    run_server(grid, cfg, store=store, run_id=run_id)
+    run_server(grid, cfg, store=store, run_id=run_id, node_kind="supernode")

@@ -41,6 +41,7 @@ class RoundRecorder:
         listeners: list[RoundListener] | None = None,
         sim_time: Callable[[int, Any], float | None] | None = None,
         policies: PolicyBook | None = None,
+        node_kind: str = "sim",
         train_config: Any = None,
         poll_s: float = 0.2,
     ):
@@ -52,6 +53,7 @@ class RoundRecorder:
         self.sim_time = sim_time
         self.policies = policies if policies is not None else PolicyBook()
         self.train_config = train_config  # the ConfigRecord every train message carries
+        self.node_kind = node_kind  # "sim" (virtual nodes) or "supernode" (real SuperNodes)
         self.poll_s = poll_s
         self.offset = 0  # rounds done by earlier calls of Strategy.start (add_rounds)
         self.extra_rounds = 0
@@ -90,6 +92,7 @@ class RoundRecorder:
         self.store.add_round(self.run_id, rnd, **row)
         if node_rows:
             self.store.add_node_rounds(self.run_id, rnd, node_rows)
+            self._seen_nodes(node_rows)
         self.last_round = rnd
         for listener in self.listeners:
             listener(rnd, row)
@@ -114,6 +117,8 @@ class RoundRecorder:
                     row["device_class"] = str(node.get("device_class", ""))[:64] or None
                     try:
                         row["policy"] = json.loads(node.get("policy", "{}"))
+                        if "probe" in node:
+                            row["probe"] = json.loads(node["probe"])
                     except (TypeError, ValueError):
                         row["policy"] = {}
                 metrics = next(iter(msg.content.metric_records.values()), None)
@@ -129,6 +134,18 @@ class RoundRecorder:
                         row.update(status="rejected")
             rows.append(row)
         return (loss_sum / n_sum if n_sum else None), n_sum, rows
+
+    def _seen_nodes(self, rows: list[dict]) -> None:
+        """Keep the nodes table current: class, status, last seen, what it runs on."""
+        for row in rows:
+            node_id = f"{self.run_id}:{row['node_id']}" if self.node_kind == "sim" else row["node_id"]
+            fields: dict[str, Any] = {"kind": self.node_kind, "run_id": self.run_id,
+                                      "status": "online" if row.get("status", "ok") == "ok" else row["status"]}
+            if row.get("device_class"):
+                fields["device_class"] = row["device_class"]
+            if row.get("probe"):
+                fields["info"] = row["probe"]
+            self.store.upsert_node(node_id, **fields)
 
     # -- controls ----------------------------------------------------------------------
     def _apply_policy(self, payload: dict) -> None:

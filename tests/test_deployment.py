@@ -75,6 +75,11 @@ def test_superlink_two_supernodes_two_rounds(tmp_path):
         assert len(done) == 2
         assert all(r.num_clients == 2 and r.bytes_up > 4 * 4810 * 2 for r in done)
         assert done[-1].test_accuracy > 0.5
+        # each SuperNode reported its class and its probed device
+        store = Store(db)
+        nodes = [n for n in store.list_nodes() if n.kind == "supernode"]
+        assert len(nodes) == 2 and {n.device_class for n in nodes} == {"cpu"}
+        assert all(n.info.get("device") == "cpu" and n.info.get("step_ms", 0) > 0 for n in nodes)
     finally:
         _stop(procs)
         log.close()
