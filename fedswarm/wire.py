@@ -41,9 +41,10 @@ class PayloadError(ValueError):
 
 @dataclass
 class Payload:
-    """A codec's message: named arrays and scalar metadata (codec name, shapes, seeds)."""
+    """A codec's message: named arrays (numpy, or torch tensors on any device: they are
+    moved to host memory when serialized) and scalar metadata (codec name, shapes, seeds)."""
 
-    arrays: dict[str, np.ndarray]
+    arrays: dict[str, np.ndarray | torch.Tensor]
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_records(self, content: RecordDict | None = None) -> RecordDict:
