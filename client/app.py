@@ -28,7 +28,8 @@ def train(msg: Message, context: Context) -> Message:
     """Plain local training: the reply carries the new model and the example count."""
     fit = local_fit(msg, context)
     res = fit.result
-    metrics = MetricRecord({"num-examples": res.num_examples, "train_loss": res.loss, "steps": res.steps})
+    metrics = MetricRecord({"num-examples": res.num_examples, "train_loss": res.loss, "steps": res.steps,
+                            "partition-id": int(context.node_config.get("partition-id", -1))})
     content = RecordDict({"arrays": vector_to_arrayrecord(res.flat), "metrics": metrics, "node": fit.report()})
     return Message(content, reply_to=msg)
 

@@ -17,6 +17,7 @@ from fedswarm.config import RunConfig
 from fedswarm.store import Store
 from fedswarm.server.app import run_server
 from fedswarm.server.recorder import RoundListener
+from fedswarm.sim.simtime import make_round_timer
 
 __all__ = ["run_flower"]
 
@@ -30,11 +31,12 @@ def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
         raise RuntimeError("--engine flower needs Flower's simulation extra: pip install 'fedswarm[sim]'") from exc
     from fedswarm.client.app import app as client_app
 
+    sim_time = make_round_timer(cfg)  # simulated seconds per round, None without --devices
     server_app = ServerApp()
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
-        run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners)
+        run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners, sim_time=sim_time)
 
     backend_config = {
         "client_resources": {"num_cpus": num_cpus_per_client, "num_gpus": num_gpus_per_client},

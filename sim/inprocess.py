@@ -25,6 +25,7 @@ from fedswarm.config import RunConfig
 from fedswarm.store import Store
 from fedswarm.server.app import run_server
 from fedswarm.server.recorder import RoundListener
+from fedswarm.sim.simtime import make_round_timer
 
 __all__ = ["InProcessGrid", "run_inprocess"]
 
@@ -108,4 +109,5 @@ def run_inprocess(cfg: RunConfig, *, store: Store, run_id: str,
     TaskIdentity.run_id = grid.run.run_id
     TaskIdentity.task_id = 1
     TaskIdentity.node_id = 0
-    return run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners)
+    return run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners,
+                      sim_time=make_round_timer(cfg))

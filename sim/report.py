@@ -42,6 +42,9 @@ def summary_table(result: dict) -> Table:
     t.add_row("rounds wall time", f"{s.get('wall_s', 0):.2f} s")
     if rows:
         t.add_row("mean round wall time", f"{sum(r['wall_s'] for r in rows) / len(rows):.3f} s")
+    cd = [r["consensus_distance"] for r in rows if r.get("consensus_distance") is not None]
+    if cd:
+        t.add_row("final consensus distance", f"{cd[-1]:.3g}")
     if s.get("sim_time_s") is not None:
         t.add_row("simulated time (time model)", f"{s['sim_time_s']:.2f} s")
     if s.get("process_wall_s") is not None:

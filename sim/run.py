@@ -22,7 +22,18 @@ SMALL_MODEL = 1_000_000
 
 
 def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | None = None) -> str:
-    """Run ``cfg`` on its engine, recording into ``run_id``; return the final status."""
+    """Run ``cfg`` on its engine, recording into ``run_id``; return the final status.
+
+    Asynchronous algorithms (registry kind ``async``) run on the virtual-clock engine
+    whatever ``cfg.engine`` says: Flower's synchronous rounds cannot express them."""
+    from fedswarm.strategies import registry
+
+    if registry.get(cfg.strategy).kind == "async":
+        from fedswarm.sim.async_engine import run_async
+
+        if cfg.device == "cpu":
+            torch.set_num_threads(1)
+        return run_async(cfg, store, run_id, listeners)
     if cfg.engine == "flower":
         from fedswarm.sim.flower_engine import run_flower
 

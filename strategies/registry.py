@@ -142,7 +142,13 @@ class BuildContext:
 _REGISTRY: dict[str, StrategyEntry] = {}
 
 # Modules that register built-in strategies when imported.
-_BUILTIN_MODULES = ("fedswarm.strategies.fedavg",)
+_BUILTIN_MODULES = (
+    "fedswarm.strategies.fedavg",
+    "fedswarm.strategies.decentralized",
+    "fedswarm.strategies.pvt",
+    "fedswarm.strategies.progfed",
+    "fedswarm.strategies.hl",
+)
 
 
 def register(entry: StrategyEntry) -> StrategyEntry:

@@ -1,0 +1,220 @@
+"""The decentralized router strategy on the in-process engine, against an oracle run of
+the same algorithm object on stacked ``[n, d]`` models without Flower."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flwr.app import ConfigRecord, Message
+from flwr.clientapp import ClientApp
+
+from fedswarm.config import ConfigError, RunConfig
+from fedswarm.local import round_seed
+from fedswarm.params import get_flat, set_flat
+from fedswarm.server.app import run_server
+from fedswarm.sim.inprocess import InProcessGrid
+from fedswarm.sim.simtime import make_round_timer, model_message_nbytes, node_profiles
+from fedswarm.sim.timemodel import gossip_round_time_s, sync_round_time_s
+from fedswarm.store import Store
+from fedswarm.strategies import registry
+from fedswarm.strategies.decentralized import DecentralizedStrategy
+from fedswarm.strategies.decentralized_node import load_state
+from fedswarm.strategies.gossip import make_algorithm
+from fedswarm.strategies.topology import make_topology
+from fedswarm.tasks import get_task
+from fedswarm.train import trainer_for
+from fedswarm.wire import vector_to_arrayrecord
+
+torch.set_num_threads(1)  # tiny models: threads only add overhead on a shared machine
+
+
+def _cfg(strategy: str, n: int = 6, rounds: int = 4, **kw) -> RunConfig:
+    base = dict(strategy=strategy, clients=n, rounds=rounds, lr=0.2, batch_size=8, seed=3)
+    base.update(kw)
+    return RunConfig(**base)
+
+
+def _run(cfg: RunConfig, tmp_path, client_app=None):
+    """Run ``cfg`` through fedswarm's ServerApp on the in-process grid; return the grid
+    (node contexts) and the exported result."""
+    if client_app is None:
+        from fedswarm.client.app import app as client_app
+    store = Store(tmp_path / f"{cfg.strategy}.db")
+    run_id = store.create_run(cfg.model_dump())
+    grid = InProcessGrid(client_app, cfg.clients, run_config=cfg.to_flat())
+    status = run_server(grid, cfg, store=store, run_id=run_id, sim_time=make_round_timer(cfg))
+    return grid, store.export_result(run_id), status, store, run_id
+
+
+def _node_models(grid: InProcessGrid, cfg: RunConfig) -> torch.Tensor:
+    d = trainer_for(cfg, 0, cfg.clients).layout.d
+    rows = {}
+    for ctx in grid.contexts.values():
+        rows[int(ctx.node_config["partition-id"])] = load_state(ctx, cfg.strategy, d).x[0]
+    return torch.stack([rows[i] for i in range(cfg.clients)])
+
+
+def _oracle(cfg: RunConfig) -> torch.Tensor:
+    """The same algorithm object driven directly on [n, d], gradients from a separate
+    model instance with plain ``backward()``, minibatches drawn as LocalTrainer draws them."""
+    n = cfg.clients
+    task = get_task(cfg.task)
+    model = task.model(cfg.seed)
+    x0 = get_flat(model)
+    algo = make_algorithm(cfg.strategy, **registry.resolve_params(cfg.strategy, cfg.params))
+    topo = make_topology(cfg.topology, n, cfg.seed)
+    state = algo.init_state(x0.repeat(n, 1))
+    data = [trainer_for(cfg, i, n) for i in range(n)]
+
+    def grad(i: int, x: torch.Tensor, t: int) -> torch.Tensor:
+        set_flat(model, x)
+        model.zero_grad()
+        g = torch.Generator().manual_seed(round_seed(cfg.seed, t, i))
+        idx = torch.randperm(data[i].num_examples, generator=g)[: cfg.batch_size]
+        task.objective(model, data[i].x[idx], data[i].y[idx]).backward()
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+    for t in range(1, cfg.rounds + 1):
+        grads = torch.stack([grad(i, state.x[i], t) for i in range(n)])
+        algo.local_step(state, grads, cfg.lr)
+        algo.mix(state, algo.message(state), topo.mixing_matrix(t))
+    return state.x
+
+
+@pytest.mark.parametrize(
+    "strategy,topology,params",
+    [
+        ("dpsgd", "ring", {}),
+        ("dpsgd", "onepeer-exp", {"order": "atc"}),
+        ("d2", "ring+lazy", {}),
+        ("dsgdm", "torus:2x3", {"nesterov": True}),
+        ("qgm", "ring", {"weight_decay": 1e-3}),
+    ],
+)
+def test_router_matches_oracle(tmp_path, strategy, topology, params):
+    cfg = _cfg(strategy, topology=topology, params=params)
+    grid, result, status, _, _ = _run(cfg, tmp_path)
+    assert status == "finished"
+    X = _node_models(grid, cfg)
+    expected = _oracle(cfg)
+    torch.testing.assert_close(X, expected, atol=1e-5, rtol=0)
+    rounds = [r for r in result["rounds"] if r["round"] > 0]
+    assert len(rounds) == cfg.rounds
+    # the recorded accuracy is the node average's; consensus distance is of the node models
+    last = rounds[-1]
+    assert last["consensus_distance"] == pytest.approx(
+        float((X - X.mean(0)).pow(2).sum(1).mean()), rel=1e-4)
+    assert last["nodes_reporting"] == cfg.clients
+
+
+def test_p2p_bytes_and_simulated_time(tmp_path):
+    cfg = _cfg("dpsgd", n=6, rounds=3, devices="straggler:1,edge-lte")
+    _, result, _, _, _ = _run(cfg, tmp_path)
+    msg = model_message_nbytes(cfg)
+    expected_time = gossip_round_time_s(node_profiles(cfg), [2] * 6, msg, cfg.batch_size, overlap=True)
+    for r in result["rounds"][1:]:
+        assert r["p2p_bytes"] == 6 * 2 * msg  # ring: each node's message to 2 neighbours
+        assert r["sim_time_s"] == pytest.approx(expected_time)
+        assert r["bytes_down"] > 0 and r["bytes_up"] > 0  # server hops, measured on the grid
+    assert make_round_timer(_cfg("dpsgd")) is None  # no devices, no simulated time
+
+
+def test_consensus_distance_decreases_with_zero_lr(tmp_path):
+    cfg = _cfg("dpsgd", n=6, rounds=5, lr=0.5)
+    store = Store(tmp_path / "cd.db")
+    store.create_run(cfg.model_dump())
+    from fedswarm.client.app import app as client_app
+
+    grid = InProcessGrid(client_app, cfg.clients, run_config=cfg.to_flat())
+    strategy = DecentralizedStrategy("dpsgd", cfg.clients, "ring", cfg.seed)
+    x0 = vector_to_arrayrecord(get_flat(get_task(cfg.task).model(cfg.seed)))
+    strategy.start(grid, x0, num_rounds=5, train_config=ConfigRecord(cfg.to_flat()))  # nodes drift apart
+
+    class Recorder:
+        def __init__(self):
+            self.cd = []
+
+        def note(self, consensus_distance, **_):
+            self.cd.append(consensus_distance)
+
+        def __call__(self, rnd, arrays):
+            return None
+
+    rec = Recorder()
+    frozen = cfg.model_copy(update={"lr": 1e-12})  # RunConfig wants lr > 0: this is zero here
+    strategy.start(grid, x0, num_rounds=8, train_config=ConfigRecord(frozen.to_flat()), evaluate_fn=rec)
+    cd = rec.cd
+    assert cd[0] > 1e-4
+    lam = 1 - strategy.topology.spectral_gap()
+    for a, b in zip(cd, cd[1:]):
+        assert b < a
+        assert b <= lam**2 * a * (1 + 1e-4) + 1e-12  # no slower than the spectral-gap bound
+
+
+def test_failing_node_costs_its_round_not_the_run(tmp_path):
+    cfg = _cfg("dsgdm", n=6, rounds=6)
+    entry = registry.get("dsgdm")
+    app = ClientApp()
+
+    @app.train("dsgdm")
+    def flaky(msg: Message, context):
+        if context.node_config["partition-id"] == 2 and msg.content.config_records["config"]["server-round"] == 3:
+            raise RuntimeError("node 2 vanished mid-round")
+        return Message(entry.client_update(msg, context), reply_to=msg)
+
+    grid, result, status, store, run_id = _run(cfg, tmp_path, client_app=app)
+    assert status == "finished"
+    rounds = {r["round"]: r for r in result["rounds"]}
+    assert sorted(rounds) == list(range(cfg.rounds + 1))
+    assert rounds[3]["nodes_failed"] == 1 and rounds[3]["nodes_reporting"] == 5
+    for t in (4, 5, 6):  # it comes back with the state it had before the failure
+        assert rounds[t]["nodes_failed"] == 0 and rounds[t]["nodes_reporting"] == 6
+    failed = [nr for nr in store.node_rounds(run_id) if nr.status == "failed"]
+    assert len(failed) == 1 and failed[0].round == 3 and "vanished" in failed[0].reason
+    X = _node_models(grid, cfg)
+    assert torch.isfinite(X).all()
+    assert rounds[6]["test_accuracy"] > rounds[0]["test_accuracy"]
+
+
+def test_d2_refuses_even_ring_with_a_clear_message():
+    cfg = _cfg("d2", n=6, topology="ring")
+    entry = registry.get("d2")
+    with pytest.raises(ConfigError, match=r"\+lazy"):
+        entry.build(registry.resolve_params("d2", {}), registry.BuildContext(cfg, None))
+    assert registry.get("adpsgd").kind == "async"
+    assert {registry.get(n).kind for n in ("dpsgd", "d2", "dsgdm", "qgm")} == {"decentralized"}
+
+
+def test_federated_round_timer(tmp_path):
+    cfg = RunConfig(strategy="fedavg", clients=4, rounds=2, local_steps=2, batch_size=8, devices="gpu:1,edge-lte")
+    _, result, _, store, run_id = _run(cfg, tmp_path)
+    profiles = node_profiles(cfg)
+    nodes = {nr.node_id: nr for nr in store.node_rounds(run_id) if nr.round == 2}
+    expected = max(sync_round_time_s([profiles[int(k) - 1]], 2 * 8, nr.bytes_down, nr.bytes_up)
+                   for k, nr in nodes.items())
+    assert result["rounds"][2]["sim_time_s"] == pytest.approx(expected)
+
+
+@pytest.mark.integration
+def test_router_runs_unchanged_on_flowers_engine(tmp_path):
+    pytest.importorskip("ray")
+    from fedswarm.sim.flower_engine import run_flower
+    from fedswarm.sim.inprocess import run_inprocess
+
+    cfg = _cfg("qgm", n=3, rounds=2, devices="edge-wifi")
+    store = Store(tmp_path / "flower.db")
+    results = []
+    for run in (run_flower, run_inprocess):
+        run_id = store.create_run(cfg.model_dump())
+        assert run(cfg, store=store, run_id=run_id) == "finished"
+        results.append(store.export_result(run_id)["rounds"])
+    for a, b in zip(*results):
+        assert a["test_accuracy"] == pytest.approx(b["test_accuracy"], abs=1e-6)
+        assert a.get("consensus_distance") == pytest.approx(b.get("consensus_distance"), rel=1e-5)
+        assert a["sim_time_s"] == b["sim_time_s"] and a.get("p2p_bytes") == b.get("p2p_bytes")
+
+
+def test_decentralized_strategies_refuse_partial_participation():
+    cfg = _cfg("dpsgd", fraction=0.5)
+    with pytest.raises(ConfigError, match="fraction"):
+        registry.get("dpsgd").build(registry.resolve_params("dpsgd", {}), registry.BuildContext(cfg, None))
