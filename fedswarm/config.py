@@ -88,7 +88,7 @@ class RunConfig(BaseModel):
         0.2, gt=0.0, lt=1.0, description="Share of the task's data held out as the global test set."
     )
     devices: str | None = Field(
-        None, description="Device classes of the nodes for the time model, e.g. 'gpu:4,edge-wifi:12' (see sim/timemodel.py)."
+        None, description="Device classes of the nodes for the time model, e.g. 'gpu:4,edge-wifi:12' (see fedswarm/timemodel.py)."
     )
     profiles: str | None = Field(None, description="A TOML file of device/link profiles merged over the built-in ones.")
     policies: dict[str, dict[str, Any]] = Field(

@@ -1,7 +1,7 @@
 """AD-PSGD on a virtual clock: an event-driven simulation where stragglers are real.
 
 Each node's compute time and each message's transfer time come from the time model
-(``sim/timemodel.py``), so staleness and stragglers happen in simulated time exactly as
+(``fedswarm/timemodel.py``), so staleness and stragglers happen in simulated time exactly as
 they would on those devices, while the models are trained for real on the task.
 
 AD-PSGD (Lian et al., ICML 2018; ``reference/algorithms.md`` §3), as simulated here.
@@ -40,7 +40,7 @@ from fedswarm.params import get_flat
 from fedswarm.server.metered_grid import Traffic
 from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
 from fedswarm.sim.simtime import model_message_nbytes, node_profiles
-from fedswarm.sim.timemodel import BUILTIN_PROFILES, Profile, VirtualClock, compute_time_s, transfer_time_s
+from fedswarm.timemodel import BUILTIN_PROFILES, Profile, VirtualClock, compute_time_s, transfer_time_s
 from fedswarm.store import Store
 from fedswarm.strategies import registry
 from fedswarm.strategies.decentralized_node import local_gradient

@@ -4,7 +4,7 @@ Sixteen nodes on ``digits-mlp``, batch 16 per node, the same seeds in every arm 
 same initial model, partitions and minibatch order). Synchronous arms run fedswarm's
 ServerApp on the in-process engine (the router strategy for gossip); AD-PSGD runs on the
 virtual-clock engine. All times are **simulated** seconds from the time model
-(``sim/timemodel.py``), never wall time.
+(``fedswarm/timemodel.py``), never wall time.
 
 1. D-PSGD on a ring against centralized SGD (C-PSGD: every node takes a minibatch
    gradient step from the global model, the server averages: FedAvg with one local
@@ -37,7 +37,7 @@ import torch
 from fedswarm.config import RunConfig
 from fedswarm.sim.async_engine import run_async
 from fedswarm.sim.inprocess import run_inprocess
-from fedswarm.sim.timemodel import BUILTIN_PROFILES, gossip_round_time_s, sync_round_time_s
+from fedswarm.timemodel import BUILTIN_PROFILES, gossip_round_time_s, sync_round_time_s
 from fedswarm.store import Store
 from fedswarm.train import task_data
 

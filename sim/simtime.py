@@ -1,4 +1,4 @@
-"""Simulated time of each round, from the device/network time model (``sim/timemodel.py``).
+"""Simulated time of each round, from the device/network time model (``fedswarm/timemodel.py``).
 
 :func:`make_round_timer` turns a run config into the ``sim_time(round, traffic)`` callback
 the engines hand to ``run_server``; the recorder stores its value as the round's
@@ -27,7 +27,7 @@ from flwr.app import Message
 from fedswarm.config import RunConfig
 from fedswarm.params import ParamLayout
 from fedswarm.server.metered_grid import Traffic
-from fedswarm.sim.timemodel import (
+from fedswarm.timemodel import (
     BUILTIN_PROFILES,
     Link,
     Profile,

@@ -8,7 +8,7 @@ import torch
 
 from fedswarm.config import RunConfig
 from fedswarm.sim.async_engine import ADPSGDSimulation, run_async
-from fedswarm.sim.timemodel import BUILTIN_PROFILES, compute_time_s
+from fedswarm.timemodel import BUILTIN_PROFILES, compute_time_s
 from fedswarm.store import Store
 from fedswarm.strategies.topology import make_topology
 

@@ -14,7 +14,7 @@ from fedswarm.params import get_flat, set_flat
 from fedswarm.server.app import run_server
 from fedswarm.sim.inprocess import InProcessGrid
 from fedswarm.sim.simtime import make_round_timer, model_message_nbytes, node_profiles
-from fedswarm.sim.timemodel import gossip_round_time_s, sync_round_time_s
+from fedswarm.timemodel import gossip_round_time_s, sync_round_time_s
 from fedswarm.store import Store
 from fedswarm.strategies import registry
 from fedswarm.strategies.decentralized import DecentralizedStrategy

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedswarm.sim.timemodel import (
+from fedswarm.timemodel import (
     BUILTIN_PROFILES,
     DeviceClass,
     Link,
