@@ -203,6 +203,7 @@ def bench(
     name: str = typer.Argument(..., help="Benchmark name: engines, codecs, decentralized, dashboard (see the list in fedswarm/sim/benchmarks.py)."),
     out: Path = typer.Option(Path("bench"), "--out", "-o", help="Writes DIR/NAME.json and DIR/NAME.png."),
     quick: bool = typer.Option(False, "--quick", help="A smaller run that finishes in under two minutes on 2 cores."),
+    device: str = typer.Option("cpu", "--device", help="Torch device for benchmarks that take one (codecs): cpu or cuda."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and Ray's logs."),
 ) -> None:
     """Run a benchmark: prints a table, writes JSON and a PNG, compares side by side in one run."""
@@ -211,7 +212,7 @@ def bench(
     if name not in BENCHMARKS:
         fail(f"unknown benchmark '{name}' (available: {', '.join(BENCHMARKS)})")
     quiet_flower(verbose)
-    run_benchmark(name, out, quick=quick, console=console)
+    run_benchmark(name, out, quick=quick, console=console, device=device)
 
 
 @app.command()

@@ -14,7 +14,6 @@ Writes ``OUT/codecs.json`` (the rows), ``OUT/codecs.png`` (bar chart) and prints
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -217,16 +216,3 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("out"))
-    parser.add_argument("--quick", action="store_true", help="d = 10^6 only, fewer repeats (< 1 min on 2 cores)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    args = parser.parse_args(argv)
-    run(args.out, quick=args.quick, device=args.device)
-
-
-if __name__ == "__main__":
-    main()

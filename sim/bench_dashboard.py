@@ -246,13 +246,3 @@ def _print(rows: list[dict]) -> None:
         n = r.get("requests", r.get("delivered"))
         print(f"{r['test']:5} {r['endpoint']:28} {r['median_ms']:10.1f} {r['p99_ms']:9.1f} "
               f"{r.get('rps', float('nan')):8.0f} {n:7d} {r.get('errors', r.get('expected', 0) - n):6d}")
-
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="out/bench")
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args()
-    run(Path(a.out), quick=a.quick)

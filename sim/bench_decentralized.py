@@ -26,7 +26,6 @@ Writes ``OUT/decentralized.json`` (the rows) and ``OUT/decentralized.png``, prin
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import tempfile
@@ -234,15 +233,3 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("out"))
-    parser.add_argument("--quick", action="store_true", help="fewer epochs (< 2 min on 2 cores)")
-    args = parser.parse_args(argv)
-    run(args.out, quick=args.quick)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

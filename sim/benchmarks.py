@@ -7,6 +7,7 @@ prints its table and writes ``out_dir/NAME.json`` and ``out_dir/NAME.png``.
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 
 from rich.console import Console
@@ -21,13 +22,19 @@ BENCHMARKS = {
 }
 
 
-def run_benchmark(name: str, out: Path, *, quick: bool, console: Console) -> list[dict]:
+def run_benchmark(name: str, out: Path, *, quick: bool, console: Console, device: str = "cpu") -> list[dict]:
     try:
         mod = importlib.import_module(BENCHMARKS[name])
     except ImportError as exc:
         console.print(f"[bold red]error:[/] benchmark '{name}' is not available: {exc}")
         raise SystemExit(1)
     out.mkdir(parents=True, exist_ok=True)
-    rows = mod.run(out, quick=quick)
+    kwargs = {}
+    if device != "cpu":
+        if "device" not in inspect.signature(mod.run).parameters:
+            console.print(f"[bold red]error:[/] benchmark '{name}' has no --device option")
+            raise SystemExit(2)
+        kwargs["device"] = device
+    rows = mod.run(out, quick=quick, **kwargs)
     console.print(f"wrote {out / (name + '.json')} and {out / (name + '.png')}")
     return rows
