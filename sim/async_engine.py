@@ -222,10 +222,15 @@ class _P2PGrid:
 
 
 def run_async(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
-    """Run ``cfg`` (strategy ``adpsgd``) on the virtual clock, recording ``cfg.rounds``
+    """Run ``cfg`` (strategy ``adpsgd``; ``prague`` goes to
+    :func:`fedswarm.sim.async_groups.run_prague`) on the virtual clock, recording ``cfg.rounds``
     rounds of ``cfg.clients`` local steps each into ``store``; return the final status."""
+    if registry.get(cfg.strategy).kind == "async" and cfg.strategy == "prague":
+        from fedswarm.sim.async_groups import run_prague  # it imports this module
+
+        return run_prague(cfg, store, run_id, listeners)
     if registry.get(cfg.strategy).kind != "async" or cfg.strategy != "adpsgd":
-        raise ValueError(f"the virtual-clock engine runs 'adpsgd', not '{cfg.strategy}'")
+        raise ValueError(f"the virtual-clock engine runs 'adpsgd' and 'prague', not '{cfg.strategy}'")
     params = registry.resolve_params(cfg.strategy, cfg.params)
     torch.manual_seed(cfg.seed)
     n = cfg.clients

@@ -23,8 +23,8 @@ serialized size of each node's message times its degree. Accuracy is that of the
 node-average model (nodes report their models; the average is only evaluated, never sent
 back) and ``consensus_distance`` is ``(1/n) Σ_i ‖x_i − x̄‖²``.
 
-Registered: ``dpsgd``, ``d2``, ``dsgdm``, ``qgm`` (kind ``decentralized``, topology from
-``RunConfig.topology``), and ``adpsgd`` (kind ``async``: it runs on the virtual-clock
+Registered: ``dpsgd``, ``d2``, ``dsgdm``, ``qgm``, ``squarm``, ``easgd``, ``dasgd`` (kind ``decentralized``, topology from
+``RunConfig.topology``), and ``adpsgd``, ``prague`` (kind ``async``: they run on the virtual-clock
 simulator, ``fedswarm.sim.async_engine``, not on Flower's synchronous rounds).
 """
 
@@ -50,7 +50,12 @@ from fedswarm.wire import PayloadError, arrayrecord_to_vector, vector_to_arrayre
 __all__ = ["DecentralizedStrategy", "SYNC_ALGORITHMS"]
 
 #: Synchronous gossip algorithms served by the router.
-SYNC_ALGORITHMS = ("dpsgd", "d2", "dsgdm", "qgm")
+#: ``squarm``: the router's ``p2p_bytes`` measures its dense decoded message, not the
+#: codec's payload (node state ``meta["wire_bytes"]`` has the compressed count);
+#: ``easgd`` needs ``--topology complete``; ``dasgd`` averages along the topology
+#: (``complete`` = the paper's all-reduce). ``lsgd`` is not here: it needs every node's
+#: loss, so it runs on the ``[n, d]`` simulator only.
+SYNC_ALGORITHMS = ("dpsgd", "d2", "dsgdm", "qgm", "squarm", "easgd", "dasgd")
 
 
 class DecentralizedStrategy(Strategy):
@@ -251,8 +256,9 @@ def _builder(algorithm: str):
 
 
 def _build_async(params: dict, ctx: BuildContext):
-    raise ConfigError("adpsgd is asynchronous: it runs on the virtual-clock simulator "
-                      "(fedswarm sim --strategy adpsgd), not in Flower's synchronous rounds")
+    name = ctx.config.strategy
+    raise ConfigError(f"{name} is asynchronous: it runs on the virtual-clock simulator "
+                      f"(fedswarm sim --strategy {name}), not in Flower's synchronous rounds")
 
 
 for _name in SYNC_ALGORITHMS:
@@ -275,4 +281,14 @@ register(StrategyEntry(
     hyperparams=ALGORITHMS["adpsgd"].hyperparams,
     kind="async",
     paper=ALGORITHMS["adpsgd"].paper,
+))
+
+register(StrategyEntry(
+    name="prague",
+    description=f"{ALGORITHMS['prague'].description} (asynchronous: virtual-clock simulator; "
+                "--devices sets each node's speed and link)",
+    build=_build_async,
+    hyperparams=ALGORITHMS["prague"].hyperparams,
+    kind="async",
+    paper=ALGORITHMS["prague"].paper,
 ))

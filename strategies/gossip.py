@@ -23,6 +23,10 @@ from typing import Any
 
 from fedswarm.strategies.gossip_async import ADPSGD, bipartite_split, pair_mixing_matrix, pairwise_average
 from fedswarm.strategies.gossip_base import DecentralizedAlgorithm, GossipState, consensus_distance
+from fedswarm.strategies.gossip_delayed import DaSGD
+from fedswarm.strategies.gossip_leader import EASGD, LSGD
+from fedswarm.strategies.gossip_prague import Prague, partial_allreduce
+from fedswarm.strategies.gossip_squarm import SQuARM
 from fedswarm.strategies.gossip_sync import D2, DPSGD, DSGDm, QGDSGDm
 from fedswarm.strategies.registry import HyperParam
 
@@ -34,6 +38,12 @@ __all__ = [
     "DSGDm",
     "QGDSGDm",
     "ADPSGD",
+    "SQuARM",
+    "EASGD",
+    "LSGD",
+    "DaSGD",
+    "Prague",
+    "partial_allreduce",
     "pairwise_average",
     "pair_mixing_matrix",
     "bipartite_split",
@@ -95,6 +105,57 @@ ALGORITHMS: dict[str, AlgorithmEntry] = {
             "adpsgd", ADPSGD, (_WD,),
             "AD-PSGD: asynchronous pairwise averaging between active and passive nodes",
             "Lian, Zhang, Zhang, Liu, ICML 2018, arXiv:1710.06952",
+            synchronous=False,
+        ),
+        AlgorithmEntry(
+            "squarm", SQuARM,
+            (HyperParam("momentum", 0.9, "Nesterov momentum factor β", ge=0.0, lt=1.0),
+             HyperParam("gamma", 0.5, "consensus step size γ", gt=0.0, le=1.0),
+             HyperParam("period", 5, "H: local steps between synchronization steps", ge=1),
+             HyperParam("threshold", 0.0, "event trigger c: send only if ‖x − x̂‖² > c·η²", ge=0.0),
+             HyperParam("codec", "topk", "compressor of x − x̂ (strategies.codecs)",
+                        choices=("topk", "sign", "randk", "qsgd", "fp16", "onebit", "none")),
+             HyperParam("ratio", 0.01, "fraction of coordinates kept by topk/randk", gt=0.0, le=1.0),
+             HyperParam("seed", 0, "seed of the codec's randomness", ge=0),
+             _WD),
+            "SQuARM-SGD: local Nesterov steps, event-triggered compressed gossip of x − x̂ every H steps "
+            "with consensus step γ (static topologies)",
+            "Singh, Data, George, Diggavi, IEEE JSAIT 2021, arXiv:2005.07041",
+        ),
+        AlgorithmEntry(
+            "easgd", EASGD,
+            (HyperParam("beta", 0.43, "moving rate β = n·α of the elastic pull", gt=0.0, le=1.0),
+             HyperParam("period", 16, "τ: steps between elastic pulls", ge=1), _WD),
+            "EASGD: every τ steps workers and a center variable pull elastically towards each other "
+            "(needs topology 'complete')",
+            "Zhang, Choromanska, LeCun, NeurIPS 2015, arXiv:1412.6651",
+        ),
+        AlgorithmEntry(
+            "lsgd", LSGD,
+            (HyperParam("groups", 2, "number of contiguous worker groups (local leaders)", ge=1),
+             HyperParam("c1", 0.1, "pull towards the group's leader", ge=0.0, le=1.0),
+             HyperParam("c2", 0.1, "pull towards the global leader", ge=0.0, le=1.0),
+             HyperParam("tau_local", 4, "τ_l: steps between local pulls", ge=1),
+             HyperParam("tau_global", 16, "τ_g: steps between global pulls", ge=1),
+             HyperParam("momentum", 0.0, "local heavy-ball momentum", ge=0.0, lt=1.0), _WD),
+            "LSGD: every τ steps workers pull towards the lowest-loss worker of their group and of all "
+            "([n, d] simulator only: needs every worker's loss)",
+            "Teng et al., NeurIPS 2019, arXiv:1905.10395",
+        ),
+        AlgorithmEntry(
+            "dasgd", DaSGD,
+            (HyperParam("period", 4, "τ: steps between averagings", ge=1),
+             HyperParam("delay", 1, "δ: steps after which the average is applied (0 <= δ < τ)", ge=0),
+             _WD),
+            "DaSGD: local SGD whose periodic average is applied δ steps late, overlapping communication",
+            "Zhou et al., arXiv:2006.00441 (update reconstructed, algorithms.md §10)",
+        ),
+        AlgorithmEntry(
+            "prague", Prague,
+            (HyperParam("group_size", 4, "workers per Partial All-Reduce (n = synchronous all-reduce)", ge=2),
+             _WD),
+            "Prague: local SGD steps, each followed by a Partial All-Reduce among a group of ready workers",
+            "Luo, He, Zhuo, Qian, ASPLOS 2020, doi:10.1145/3373376.3378499",
             synchronous=False,
         ),
     )

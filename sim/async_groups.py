@@ -1,0 +1,216 @@
+"""Prague on the virtual clock: Partial All-Reduce among groups of ready workers.
+
+Prague (Luo et al., ASPLOS 2020; ``reference/algorithms.md`` §5), as simulated here. Each
+worker loops "local SGD step, then a Partial All-Reduce (P-Reduce) with the group the
+group generator (GG) gives it". Compute times and transfer times come from the time model
+(``fedswarm/timemodel.py``), as in :mod:`fedswarm.sim.async_engine`.
+
+Group generator (a reconstruction; the paper's heterogeneity policy is unknown, §5 [?]):
+a worker that finishes its local step joins the GG's queue of ready workers; as soon as
+``group_size`` workers are queued, the earliest ``group_size`` form a group. So a fast
+worker waits only for other *ready* workers, never for one still computing, and a slow
+worker is averaged with whoever is ready when it finishes. The P-Reduce is a ring
+all-reduce within the group over the slowest member link, ``2(g−1)`` hops of
+``4d/g`` bytes; at its end every member holds the group average (one event) and starts
+its next step. ``group_size = n`` is synchronous all-reduce SGD (every step waits for
+the slowest worker), the baseline Prague is compared against.
+
+Rounds are recorded as in the AD-PSGD engine: one round every ``n`` local steps, with
+``sim_time_s``, ``consensus_distance`` and the bytes each worker sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from flwr.app import ArrayRecord
+
+from fedswarm.config import RunConfig
+from fedswarm.local import round_seed
+from fedswarm.params import get_flat
+from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
+from fedswarm.sim.async_engine import DEFAULT_PROFILE, _P2PGrid, _record
+from fedswarm.sim.simtime import model_message_nbytes, node_profiles
+from fedswarm.store import Store
+from fedswarm.strategies import registry
+from fedswarm.strategies.decentralized_node import local_gradient
+from fedswarm.strategies.gossip import GossipState, Prague
+from fedswarm.tasks import get_task
+from fedswarm.timemodel import BUILTIN_PROFILES, Profile, VirtualClock, compute_time_s, transfer_time_s
+from fedswarm.train import evaluate_flat, resolve_device, task_data, trainer_for
+from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
+
+__all__ = ["PragueSimulation", "run_prague"]
+
+#: gradient(node, x [d], k) -> (gradient [d], loss), k = the node's 1-based step number.
+GradientFn = Callable[[int, torch.Tensor, int], tuple[torch.Tensor, float]]
+
+
+@dataclass
+class _Worker:
+    compute_s: float
+    profile: Profile
+    steps: int = 0
+    grad: torch.Tensor | None = None
+    loss: float = 0.0
+    bytes_sent: int = 0
+    waited_s: float = 0.0
+    stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "loss": 0.0})
+
+
+class PragueSimulation:
+    """The event loop. ``x0 [n, d]`` starting models; ``profiles[i]`` worker ``i``'s device
+    and link; ``gradient`` computes a worker's (pseudo-)gradient; ``samples_per_step`` sets
+    one step's compute time; ``message_bytes`` is one full model's size."""
+
+    def __init__(self, x0: torch.Tensor, profiles: list[Profile], gradient: GradientFn, *, lr: float,
+                 samples_per_step: float, message_bytes: int, group_size: int = 4, weight_decay: float = 0.0):
+        n = x0.shape[0]
+        if len(profiles) != n:
+            raise ValueError(f"need one profile per worker ({n} workers, {len(profiles)} profiles)")
+        self.group_size = min(int(group_size), n)
+        if self.group_size < 2:
+            raise ValueError("Prague needs at least 2 workers")
+        self.algo = Prague(group_size=self.group_size, weight_decay=weight_decay)
+        self.state = self.algo.init_state(x0)
+        self.gradient = gradient
+        self.lr = float(lr)
+        self.message_bytes = int(message_bytes)
+        self.clock = VirtualClock()
+        self.workers = [_Worker(compute_time_s(p, samples=samples_per_step), p) for p in profiles]
+        self.queue: list[tuple[int, float]] = []  # (worker, time it became ready)
+        self.total_steps = 0
+        self.averagings = 0
+        self._averagings_seen = 0
+        self.groups: list[tuple[int, ...]] = []  # every group formed, in order (for tests)
+        for i in range(n):
+            self._start(i, 0.0)
+
+    @property
+    def now(self) -> float:
+        return self.clock.now
+
+    @property
+    def x(self) -> torch.Tensor:
+        return self.state.x
+
+    def steps(self) -> list[int]:
+        return [w.steps for w in self.workers]
+
+    def take_averagings(self) -> int:
+        """P-Reduces completed since the last call."""
+        k, self._averagings_seen = self.averagings - self._averagings_seen, self.averagings
+        return k
+
+    def take_stats(self) -> list[dict[str, float]]:
+        out = []
+        for w in self.workers:
+            s = w.stats
+            out.append({"steps": int(s["steps"]), "loss": s["loss"] / s["steps"] if s["steps"] else None,
+                        "bytes_sent": w.bytes_sent})
+            w.stats, w.bytes_sent = {"steps": 0, "loss": 0.0}, 0
+        return out
+
+    def reduce_time_s(self, group: tuple[int, ...]) -> float:
+        """Ring all-reduce within ``group``: ``2(g−1)`` hops of ``bytes/g`` over the
+        slowest member link."""
+        g = len(group)
+        link = min((self.workers[j].profile.link for j in group), key=lambda ln: ln.bandwidth_mbps)
+        return 2 * (g - 1) * transfer_time_s(link, self.message_bytes / g)
+
+    # -- driving --------------------------------------------------------------------------
+    def advance(self, steps: int) -> None:
+        target = self.total_steps + steps
+        while self.total_steps < target:
+            self._dispatch(*self.clock.pop())
+
+    def advance_to(self, t: float) -> None:
+        while (nxt := self.clock.peek_time()) is not None and nxt <= t:
+            self._dispatch(*self.clock.pop())
+
+    # -- events ---------------------------------------------------------------------------
+    def _start(self, i: int, t: float) -> None:
+        w = self.workers[i]
+        w.grad, w.loss = self.gradient(i, self.state.x[i].clone(), w.steps + 1)
+        self.clock.schedule(t + w.compute_s, ("grad", i))
+
+    def _dispatch(self, t: float, event: tuple) -> None:
+        if event[0] == "grad":
+            i = event[1]
+            w = self.workers[i]
+            one = GossipState(x=self.state.x[i : i + 1])
+            self.algo.local_step(one, w.grad[None], self.lr)
+            self.state.x[i] = one.x[0]
+            w.steps += 1
+            w.stats["steps"] += 1
+            w.stats["loss"] += w.loss
+            self.total_steps += 1
+            self.queue.append((i, t))
+            if len(self.queue) >= self.group_size:
+                members, self.queue = self.queue[: self.group_size], self.queue[self.group_size:]
+                group = tuple(j for j, _ in members)
+                for j, since in members:
+                    self.workers[j].waited_s += t - since
+                    self.workers[j].bytes_sent += int(round(2 * (len(group) - 1) / len(group) * self.message_bytes))
+                self.groups.append(group)
+                self.clock.schedule(t + self.reduce_time_s(group), ("reduce", group))
+        elif event[0] == "reduce":
+            group = event[1]
+            self.algo.group_average(self.state, group)
+            self.averagings += 1
+            for j in group:
+                self._start(j, t)
+        else:  # pragma: no cover
+            raise ValueError(f"unknown event {event!r}")
+
+
+def run_prague(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
+    """Run ``cfg`` (strategy ``prague``) on the virtual clock, recording ``cfg.rounds``
+    rounds of ``cfg.clients`` local steps each into ``store``; return the final status."""
+    if cfg.strategy != "prague":
+        raise ValueError(f"run_prague runs 'prague', not '{cfg.strategy}'")
+    params = registry.resolve_params(cfg.strategy, cfg.params)
+    torch.manual_seed(cfg.seed)
+    n = cfg.clients
+    task = get_task(cfg.task)
+    device = resolve_device(cfg.device)
+    model = task.model(cfg.seed).to(device)
+    x0 = get_flat(model).cpu()
+    profiles = node_profiles(cfg) or [BUILTIN_PROFILES[DEFAULT_PROFILE]] * n
+    data = task_data(cfg)
+    steps = cfg.local_steps or 1
+
+    def gradient(i: int, x: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
+        return local_gradient(trainer_for(cfg, i, n), x, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr,
+                              seed=round_seed(cfg.seed, k, i))
+
+    def evaluate(arrays: ArrayRecord) -> tuple[float, float]:
+        return evaluate_flat(task, model, arrayrecord_to_vector(arrays), data.test_x, data.test_y, device)
+
+    grid = _P2PGrid()
+    recorder = RoundRecorder(store, run_id, grid, evaluate, listeners=listeners)  # type: ignore[arg-type]
+    store.set_status(run_id, "running")
+    try:
+        sim = PragueSimulation(x0.repeat(n, 1), profiles, gradient, lr=cfg.lr, samples_per_step=steps * cfg.batch_size,
+                               message_bytes=model_message_nbytes(cfg), group_size=params["group_size"],
+                               weight_decay=params["weight_decay"])
+        recorder(0, vector_to_arrayrecord(x0))
+        rnd, total, last_t = 0, cfg.rounds, 0.0
+        while rnd < total:
+            rnd += 1
+            recorder.reset_clock()
+            sim.advance(n)
+            _record(recorder, store, run_id, rnd, sim, profiles, grid, last_t, samples=steps * cfg.batch_size)
+            last_t = sim.now
+            total, recorder.extra_rounds = total + recorder.extra_rounds, 0
+    except StopRun as stop:
+        store.set_status(run_id, "stopped")
+        store.add_event(run_id, "stopped", str(stop))
+        return "stopped"
+    except BaseException as exc:
+        store.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+    store.set_status(run_id, "finished")
+    return "finished"
