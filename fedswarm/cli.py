@@ -233,6 +233,18 @@ def dashboard(
     run_dashboard(host=host, port=port, db=db, superlink=superlink)
 
 
+def _mount_swarm() -> None:
+    """``fedswarm peer``, ``fedswarm swarm`` and ``fedswarm keys`` come from the swarm runtime."""
+    from fedswarm.swarm.cli import keys, peer, swarm
+
+    app.command()(peer)
+    app.command()(swarm)
+    app.command()(keys)
+
+
+_mount_swarm()
+
+
 def main() -> None:
     app()
 

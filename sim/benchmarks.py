@@ -19,6 +19,7 @@ BENCHMARKS = {
     "codecs": "fedswarm.sim.bench_codecs",
     "decentralized": "fedswarm.sim.bench_decentralized",
     "dashboard": "fedswarm.sim.bench_dashboard",
+    "swarm": "fedswarm.sim.bench_swarm",
 }
 
 

@@ -1,0 +1,295 @@
+"""The round of each algorithm over real sockets: what a peer sends, to whom, what it
+waits for and how it mixes. The math lives in the algorithm objects
+(:mod:`fedswarm.strategies.gossip`, :mod:`fedswarm.swarm.algorithms`); a driver only
+routes messages and renormalises the mixing weights over the neighbours that answered.
+
+=============  ======================================  ==========================================
+driver         per round                               bytes per peer per round
+=============  ======================================  ==========================================
+gossip         push model to each neighbour, mix        4d·deg sent (+ envelopes)
+swarm_merge    model to the leader, merged model back   4d up, 4d down; leader (P−1)·4d each way
+lsgd           every τ rounds: loss to all, pull         12 B·(P−1) + 4d pulled (non-leaders)
+squarm         codec(x − x̂) to neighbours if triggered  codec bytes·deg (0 if not triggered)
+adpsgd         see :mod:`fedswarm.swarm.adpsgd`         4d each way per averaging
+=============  ======================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+from fedswarm.swarm.algorithms import (
+    SWARM_ALGORITHMS,
+    elect_leader,
+    leader_pull,
+    merge_leader,
+    weighted_merge,
+)
+from fedswarm.swarm.envelope import Dropped, Message
+from fedswarm.swarm.membership import View
+from fedswarm.swarm.payload import read_vector, vector_body
+from fedswarm.swarm.transport import Session
+
+if TYPE_CHECKING:
+    from fedswarm.swarm.peer import Peer
+
+__all__ = ["Driver", "GossipDriver", "LeaderDriver", "SwarmMergeDriver", "algorithm_names", "make_driver"]
+
+
+def renormalise(weights: dict[str, float], keep: set[str]) -> dict[str, float]:
+    """The mixing row restricted to ``keep`` (ourselves and who answered), rescaled to sum
+    to 1: a silent neighbour's weight is shared out, not lost."""
+    w = {j: v for j, v in weights.items() if j in keep}
+    total = sum(w.values())
+    return {j: v / total for j, v in w.items()}
+
+
+class Driver:
+    """Base class. ``push_kinds`` are the message kinds stored in the inbox after
+    :meth:`accept` validates them; anything else goes to :meth:`serve`."""
+
+    push_kinds: tuple[str, ...] = ()
+    catch_up = "neighbours"  # whose completed rounds let a lagging peer skip ahead (None: never)
+
+    def __init__(self, peer: Peer):
+        self.peer = peer
+
+    def model(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def round(self, r: int, view: View) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def accept(self, msg: Message) -> Any:
+        return read_vector(msg.meta, msg.body, self.peer.d)
+
+    def ack_meta(self, msg: Message) -> dict:
+        return {}
+
+    def serve(self, msg: Message, s: Session) -> bool:
+        return False
+
+    def next_round(self, r: int) -> int:
+        """``r``, or a later round if the peers we depend on already finished ``r``."""
+        if self.catch_up is None:
+            return r
+        view = self.peer.view()
+        ref = view.neighbors(r) if self.catch_up == "neighbours" else [p for p in view.ids if p != self.peer.id]
+        done = max((int(self.peer.membership.info_of(p).get("round", 0) or 0) for p in ref), default=0)
+        return done + 1 if done >= r else r
+
+    def state_dict(self) -> dict:
+        return {"x": self.model()}
+
+    def load_state_dict(self, s: dict) -> None:
+        raise NotImplementedError
+
+
+class GossipDriver(Driver):
+    """Synchronous gossip with an algorithm object of :mod:`fedswarm.strategies.gossip`
+    (dpsgd, d2, dsgdm, qgm): the same ``local_step``/``message``/``node_mix`` calls as the
+    simulator, with ``node_mix``'s weights renormalised over the neighbours that answered."""
+
+    push_kinds = ("model",)
+
+    def __init__(self, peer: Peer):
+        super().__init__(peer)
+        from fedswarm.strategies.gossip import make_algorithm
+
+        self.algo = make_algorithm(peer.cfg.algorithm, **peer.cfg.params)
+        self.state = self.algo.init_state(peer.x0[None])
+        self._checked: set[tuple] = set()
+
+    def model(self) -> torch.Tensor:
+        return self.state.x[0]
+
+    def round(self, r: int, view: View) -> dict[str, Any]:
+        p, lr = self.peer, self.peer.cfg.lr
+        if view.topology is not None and (view.ids, r % view.topology.period) not in self._checked:
+            self.algo.check_topology(view.topology)
+            self._checked.add((view.ids, r % view.topology.period))
+        x = self.state.x[0]
+        res = p.train(x, r)
+        grads = ((x - res.flat) / lr)[None]  # the local update as a gradient: fit() took the steps
+        self.algo.local_step(self.state, grads, lr)
+        nbrs = view.neighbors(r)
+        p.send_model(nbrs, "model", r, self.algo.message(self.state)[0])
+        got = p.inbox.wait("model", r, nbrs, p.cfg.round_timeout_s, p.stop)
+        w = renormalise(view.weights(r), {p.id, *got})
+        index = {pid: k for k, pid in enumerate(view.ids)}
+        self.algo.node_mix(self.state, view.index, {index[j]: v for j, v in got.items()},
+                           {index[j]: v for j, v in w.items()})
+        return {"train_loss": res.loss, "neighbours": len(nbrs), "answered": len(got)}
+
+    def state_dict(self) -> dict:
+        s = self.state
+        return {"x": s.x, "buffers": s.buffers, "step": s.step, "meta": s.meta}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.state.x, self.state.buffers = s["x"], dict(s["buffers"])
+        self.state.step, self.state.meta = int(s["step"]), dict(s["meta"])
+
+
+class SwarmMergeDriver(Driver):
+    """Swarm Learning's round (algorithms.md §16): local training, then the round's leader
+    (``merge_leader``: the round number indexes the sorted live members) collects every
+    model, merges by sample-weighted mean and sends the merge back. Blockchain, SPIFFE
+    identities and minPeers are replaced by signed messages, the allow list and the
+    membership view; if the leader is gone the round times out and the next one leads."""
+
+    push_kinds = ("contrib", "merged")
+    catch_up = "all"
+
+    def __init__(self, peer: Peer):
+        super().__init__(peer)
+        self.x = peer.x0.clone()
+
+    def model(self) -> torch.Tensor:
+        return self.x
+
+    def accept(self, msg: Message) -> Any:
+        x = read_vector(msg.meta, msg.body, self.peer.d)
+        if msg.kind == "merged":
+            return x
+        w = msg.meta.get("weight")
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 < w < 2**31:
+            raise Dropped("invalid_payload", f"merge weight {w!r} is not a positive number")
+        return (x, float(w))
+
+    def round(self, r: int, view: View) -> dict[str, Any]:
+        p = self.peer
+        res = p.train(self.x, r)
+        self.x, n = res.flat, float(res.num_examples)
+        leader = merge_leader(view.ids, r)
+        row = {"train_loss": res.loss, "leader": leader[:8], "merged": False}
+        if view.n == 1:
+            return row
+        if leader == p.id:
+            others = [j for j in view.ids if j != p.id]
+            got = p.inbox.wait("contrib", r, others, p.cfg.round_timeout_s, p.stop)
+            models = [self.x] + [got[j][0] for j in sorted(got)]
+            self.x = weighted_merge(models, [n] + [got[j][1] for j in sorted(got)])
+            p.send_model(sorted(got), "merged", r, self.x)
+            row.update(merged=True, contributors=len(got))
+        else:
+            ack = p.send_model([leader], "contrib", r, self.x, {"weight": n})[leader]
+            if ack is not None:
+                got = p.inbox.wait("merged", r, [leader], 2 * p.cfg.round_timeout_s, p.stop)
+                if leader in got:
+                    self.x = got[leader].clone()
+                    row["merged"] = True
+        return row
+
+    def load_state_dict(self, s: dict) -> None:
+        self.x = s["x"]
+
+
+class LeaderDriver(Driver):
+    """Leader SGD (algorithms.md §9), synchronous and single-leader: every ``tau`` rounds
+    each peer sends its round's mean training loss (the paper's stochastic estimate of
+    f(x_j)) to all members, elects ``argmin`` (ties: lowest id) and pulls from the leader
+    ``x ← (1 − c) x + c x̃`` with ``c = pull``. Simplified from the paper: no local groups
+    (one global leader), the pull is applied once per period rather than as a penalty in
+    every step, and peers whose loss does not arrive in time are not candidates."""
+
+    push_kinds = ("loss",)
+    catch_up = "all"
+
+    def __init__(self, peer: Peer):
+        super().__init__(peer)
+        params = {**SWARM_ALGORITHMS["lsgd"][1], **peer.cfg.params}
+        self.tau, self.pull = int(params["tau"]), float(params["pull"])
+        if self.tau < 1 or not 0 <= self.pull <= 1:
+            raise ValueError("lsgd needs tau >= 1 and pull in [0, 1]")
+        self.x = peer.x0.clone()
+        self.snapshots: dict[int, torch.Tensor] = {}
+        self._cv = threading.Condition()
+
+    def model(self) -> torch.Tensor:
+        return self.x
+
+    def accept(self, msg: Message) -> Any:
+        loss = msg.meta.get("loss")
+        if not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss):
+            raise Dropped("invalid_payload", f"loss {loss!r} is not a finite number")
+        return float(loss)
+
+    def serve(self, msg: Message, s: Session) -> bool:
+        if msg.kind != "pull":
+            return False
+        r = msg.meta.get("round")
+        with self._cv:
+            self._cv.wait_for(lambda: r in self.snapshots or self.peer.stop.is_set(),
+                              timeout=self.peer.cfg.round_timeout_s)
+            x = self.snapshots.get(r)
+        if x is None:
+            s.send("nack", {"reason": "no snapshot for that round"}, re=msg.nonce)
+        else:
+            meta, body = vector_body(x)
+            s.send("model", meta, body, re=msg.nonce)
+        return True
+
+    def round(self, r: int, view: View) -> dict[str, Any]:
+        p = self.peer
+        res = p.train(self.x, r)
+        self.x = res.flat
+        row: dict[str, Any] = {"train_loss": res.loss}
+        if r % self.tau or view.n == 1:
+            return row
+        with self._cv:
+            self.snapshots[r] = self.x.clone()
+            for old in [k for k in self.snapshots if k < r - 2 * self.tau]:
+                del self.snapshots[old]
+            self._cv.notify_all()
+        others = [j for j in view.ids if j != p.id]
+        p.push(others, "loss", r, meta={"loss": res.loss})
+        losses = p.inbox.wait("loss", r, others, p.cfg.round_timeout_s, p.stop)
+        losses[p.id] = res.loss
+        leader = elect_leader(losses)
+        row.update(leader=leader[:8], candidates=len(losses))
+        if leader != p.id and (addr := p.membership.addr_of(leader)):
+            try:
+                resp = p.transport.request(addr, leader, "pull", {"round": r}, timeout=2 * p.cfg.round_timeout_s)
+                if resp.kind == "model":
+                    self.x = leader_pull(self.x, read_vector(resp.meta, resp.body, p.d), self.pull)
+                    row["pulled"] = True
+            except Dropped as exc:
+                if exc.reason == "invalid_payload":  # transport-level drops are counted already
+                    p.verifier.count(exc.reason)
+            except OSError:
+                pass
+        return row
+
+    def load_state_dict(self, s: dict) -> None:
+        self.x = s["x"]
+
+
+#: gossip objects of :mod:`fedswarm.strategies.gossip` whose ``node_mix`` a peer can drive as is
+GOSSIP_OBJECTS = ("dpsgd", "d2", "dsgdm", "qgm")
+
+
+def algorithm_names() -> list[str]:
+    """What ``fedswarm peer --algorithm`` accepts."""
+    return [*GOSSIP_OBJECTS, "adpsgd", *SWARM_ALGORITHMS]
+
+
+def make_driver(peer: Peer) -> Driver:
+    name = peer.cfg.algorithm
+    if name == "swarm_merge":
+        return SwarmMergeDriver(peer)
+    if name == "lsgd":
+        return LeaderDriver(peer)
+    if name == "squarm":
+        from fedswarm.swarm.squarm import SquarmDriver
+
+        return SquarmDriver(peer)
+    if name == "adpsgd":
+        from fedswarm.swarm.adpsgd import ADPSGDDriver
+
+        return ADPSGDDriver(peer)
+    if name in GOSSIP_OBJECTS:
+        return GossipDriver(peer)
+    raise ValueError(f"unknown swarm algorithm '{name}' (available: {', '.join(algorithm_names())})")

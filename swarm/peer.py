@@ -1,0 +1,362 @@
+"""The swarm peer: a process that trains on its own partition and gossips with peers.
+
+A peer is a composition, as in decentralizepy: an identity and a verifier (who may talk
+to us), a transport (sockets, byte counters), a membership table (who is alive; the
+topology follows from the sorted member ids), and a *driver*: the algorithm's round,
+built on the algorithm objects (:mod:`fedswarm.swarm.drivers`, :mod:`fedswarm.swarm.adpsgd`).
+
+Each round: local steps, send this round's message, wait (with a timeout) for the
+neighbours', mix with whoever answered, evaluate, checkpoint (atomically) and record. A
+restarted peer loads its checkpoint, rejoins through gossip and continues from the next
+round (catching up if its neighbours moved on while it was down).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from fedswarm.swarm.checkpoint import load_checkpoint, save_checkpoint
+from fedswarm.swarm.envelope import Dropped, Message, Verifier
+from fedswarm.swarm.identity import create_or_load, load_allow_list
+from fedswarm.swarm.inbox import Inbox
+from fedswarm.swarm.membership import Membership, View
+from fedswarm.swarm.payload import vector_body
+from fedswarm.swarm.transport import (
+    Session,
+    Transport,
+    client_tls_context,
+    parse_addr,
+    server_tls_context,
+)
+
+__all__ = ["Peer", "PeerConfig", "round_seed"]
+
+log = logging.getLogger("fedswarm.swarm")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def round_seed(seed: int, partition_id: int, r: int) -> int:
+    """The minibatch seed of one peer's round (the in-process oracle uses the same)."""
+    return (seed * 1_000_003 + partition_id * 7_919 + r * 104_729) % (2**31 - 1)
+
+
+@dataclass
+class PeerConfig:
+    """Everything one peer needs. Times in seconds."""
+
+    listen: str = "127.0.0.1:0"
+    join: list[str] = field(default_factory=list)
+    algorithm: str = "dpsgd"
+    params: dict[str, Any] = field(default_factory=dict)
+    task: str = "digits-mlp"
+    partition: str = "iid"
+    partition_id: int = 0
+    num_partitions: int = 1
+    seed: int = 0
+    rounds: int = 10
+    local_steps: int = 10
+    batch_size: int = 16
+    lr: float = 0.1
+    topology: str = "ring"
+    keys: str | None = None
+    allow: str | None = None
+    insecure_allow_any: bool = False
+    state_dir: str = "peer-state"
+    min_peers: int = 1
+    start_timeout_s: float = 60.0
+    round_timeout_s: float = 10.0
+    heartbeat_s: float = 0.5
+    suspect_after: int = 4
+    remove_after: int = 8
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    max_body_mb: int = 1024
+    save_models: bool = False
+    eval_every: int = 1
+    linger_s: float = 5.0
+    min_round_s: float = 0.0  # pace: a round lasts at least this long (demos, failure tests)
+    device: str = "cpu"
+    threads: int = 1  # torch intra-op threads (0: torch's default)
+    db: str | None = None
+    report_url: str | None = None
+    token: str | None = None
+    run_id: str | None = None
+
+    def check(self) -> None:
+        host, _ = parse_addr(self.listen)
+        if self.insecure_allow_any and host not in LOOPBACK:
+            raise ValueError("--insecure-allow-any is for loopback demos only; listen on 127.0.0.1 or pass --allow")
+        if not self.insecure_allow_any and not self.allow:
+            raise ValueError("a peer needs --allow FILE (admitted public keys), or --insecure-allow-any on loopback")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if not 0 <= self.partition_id < self.num_partitions:
+            raise ValueError(f"partition-id must be in 0..{self.num_partitions - 1} (got {self.partition_id})")
+
+
+class Peer:
+    """One swarm peer; ``run()`` trains ``cfg.rounds`` rounds and returns its summary."""
+
+    def __init__(self, cfg: PeerConfig, *, identity=None):
+        from fedswarm.swarm.drivers import make_driver
+
+        from fedswarm.config import RunConfig
+        from fedswarm.params import get_flat
+        from fedswarm.train import task_data, trainer_for
+
+        cfg.check()
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+        self.dir = Path(cfg.state_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.ident = identity or create_or_load(cfg.keys or self.dir / "keys")
+        self.id = self.ident.peer_id
+        allowed = None if cfg.insecure_allow_any else load_allow_list(cfg.allow) | {self.id}
+        self.verifier = Verifier(self.ident, allowed, max_body_bytes=cfg.max_body_mb << 20)
+        host, port = parse_addr(cfg.listen)
+        tls_s = server_tls_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+        tls_c = client_tls_context(cfg.tls_ca) if cfg.tls_cert else None
+        self.transport = Transport(self.ident, self.verifier, self._handle, host=host, port=port,
+                                   tls_server=tls_s, tls_client=tls_c,
+                                   io_timeout_s=max(30.0, cfg.round_timeout_s))
+        self.membership = Membership(self.id, self.transport.address, admit=self.verifier.admit,
+                                     interval_s=cfg.heartbeat_s, suspect_after=cfg.suspect_after,
+                                     remove_after=cfg.remove_after)
+        self.inbox = Inbox()
+        self.stop = threading.Event()
+        self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="push")
+        self.run_cfg = RunConfig(task=cfg.task, partition=cfg.partition, seed=cfg.seed,
+                                 clients=cfg.num_partitions, device=cfg.device)
+        self.trainer = trainer_for(self.run_cfg, cfg.partition_id, cfg.num_partitions)
+        self.x0 = get_flat(self.trainer.task.model(cfg.seed))  # every peer starts from the same init
+        self.d = int(self.x0.numel())
+        self.trainer.fit(self.x0, steps=1, batch_size=cfg.batch_size, lr=0.0)  # warm up torch before round 1
+        self.test = task_data(self.run_cfg)
+        self.round = 0
+        self.history: list[dict] = []
+        self.restarts = 0
+        self.driver = make_driver(self)
+        self.recorder = None
+        self._done_peers: set[str] = set()
+        self._hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+
+    # -- messaging -----------------------------------------------------------------------
+    def _handle(self, msg: Message, s: Session) -> None:
+        if msg.kind in ("join", "gossip"):
+            self.membership.merge(msg.meta.get("members"))
+            s.send("members", {"members": self.membership.digest()}, re=msg.nonce)
+        elif msg.kind in self.driver.push_kinds:
+            r = msg.meta.get("round")
+            if not isinstance(r, int) or isinstance(r, bool):
+                self.verifier.count("malformed")
+                s.send("nack", {"reason": "malformed"}, re=msg.nonce)
+                return
+            try:
+                value = self.driver.accept(msg)
+            except Dropped as exc:
+                self.verifier.count(exc.reason)
+                log.warning("%s: refused %s from %s: %s", self.ident.short_id, msg.kind, msg.sender[:8], exc)
+                s.send("nack", {"reason": exc.reason}, re=msg.nonce)
+                return
+            stored = self.inbox.put(msg.kind, r, msg.sender, value)
+            s.send("ack", {"stored": stored, **self.driver.ack_meta(msg)}, re=msg.nonce)
+        elif not self.driver.serve(msg, s):
+            self.verifier.count("malformed")
+            s.send("nack", {"reason": f"unknown kind {msg.kind!r}"}, re=msg.nonce)
+
+    def push(self, targets: list[str], kind: str, r: int, body=b"", meta: dict | None = None) -> dict[str, Message | None]:
+        """Send ``kind`` for round ``r`` to each target in parallel; their ack (or None)."""
+        meta = {**(meta or {}), "round": r}
+        futures = {t: self.pool.submit(self._send_one, t, kind, meta, body) for t in targets}
+        return {t: f.result() for t, f in futures.items()}
+
+    def _send_one(self, target: str, kind: str, meta: dict, body) -> Message | None:
+        addr = self.membership.addr_of(target)
+        if addr is None:
+            return None
+        try:
+            resp = self.transport.request(addr, target, kind, meta, body, timeout=self.cfg.round_timeout_s)
+            return resp if resp.kind == "ack" else None
+        except (OSError, Dropped) as exc:
+            log.info("%s: %s to %s failed: %s", self.ident.short_id, kind, target[:8], exc)
+            return None
+
+    def send_model(self, targets: list[str], kind: str, r: int, x: torch.Tensor, meta: dict | None = None):
+        m, body = vector_body(x)
+        return self.push(targets, kind, r, body, {**m, **(meta or {})})
+
+    # -- membership ----------------------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        while not self.stop.wait(self.cfg.heartbeat_s):
+            self.membership.beat()
+            for m in self.membership.gossip_targets():
+                try:
+                    resp = self.transport.request(m.addr, m.peer_id, "gossip", {"members": self.membership.digest()},
+                                                  timeout=max(1.0, 2 * self.cfg.heartbeat_s), retries=0)
+                    self.membership.merge(resp.meta.get("members"))
+                except (OSError, Dropped):
+                    pass
+            for event, pid in self.membership.check():
+                if event == "suspected" and self.membership.info_of(pid).get("done"):
+                    self._done_peers.add(pid)  # it finished: its silence is no failure
+                level = logging.INFO if pid in self._done_peers else logging.WARNING
+                log.log(level, "%s: peer %s %s", self.ident.short_id, pid[:8], event)
+            if self.recorder is not None:
+                self.recorder.heartbeat()
+
+    def _join(self) -> None:
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        pending = [a for a in self.cfg.join if a != self.transport.address]
+        delay = 0.05
+        while pending and time.monotonic() < deadline and not self.stop.is_set():
+            for addr in list(pending):
+                try:
+                    host, port = parse_addr(addr)
+                    resp = self.transport.request(f"{host}:{port}", "", "join",
+                                                  {"members": self.membership.digest()}, timeout=5.0, retries=0)
+                    self.membership.merge(resp.meta.get("members"))
+                    pending.remove(addr)
+                except (OSError, Dropped):
+                    pass
+            if pending:
+                time.sleep(delay)
+                delay = min(1.0, delay * 2)
+        if pending and len(pending) == len(self.cfg.join):
+            raise RuntimeError(f"could not reach any join peer ({', '.join(self.cfg.join)})")
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while self.membership.count() < self.cfg.min_peers:
+            if time.monotonic() > deadline or self.stop.is_set():
+                raise RuntimeError(f"only {self.membership.count()} of {self.cfg.min_peers} peers "
+                                   f"showed up within {self.cfg.start_timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    def view(self) -> View:
+        return self.membership.view(self.cfg.topology, self.cfg.seed)
+
+    # -- training ------------------------------------------------------------------------
+    def train(self, x: torch.Tensor, r: int):
+        c = self.cfg
+        return self.trainer.fit(x, steps=c.local_steps, batch_size=c.batch_size, lr=c.lr,
+                                seed=round_seed(c.seed, c.partition_id, r))
+
+    def evaluate(self, x: torch.Tensor) -> tuple[float, float]:
+        return self.trainer.evaluate(x, self.test.test_x, self.test.test_y)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        ckpt = load_checkpoint(self.dir)
+        if ckpt is not None:
+            self.round = int(ckpt["round"])
+            self.history = list(ckpt["history"])
+            self.restarts = int(ckpt.get("restarts", 0)) + 1
+            self.driver.load_state_dict(ckpt["driver"])
+            self.membership.set_info(round=self.round)
+            log.warning("%s: resumed from checkpoint at round %d", self.ident.short_id, self.round)
+        self.transport.start()
+        self._hb.start()
+        if self.cfg.db or self.cfg.report_url:
+            from fedswarm.swarm.report import Recorder
+
+            self.recorder = Recorder(self)
+        self._join()
+
+    def run(self) -> dict:
+        """Train to ``cfg.rounds``; returns the summary also written to result.json."""
+        t_start = time.time()
+        try:
+            self.start()
+            r = self.round
+            while r < self.cfg.rounds and not self.stop.is_set():
+                r = self.driver.next_round(r + 1)
+                if r > self.cfg.rounds:
+                    break
+                self.inbox.set_round(r)
+                self._one_round(r)
+            self.membership.set_info(done=True)
+            self._linger()
+        finally:
+            summary = self.finish(time.time() - t_start)
+        return summary
+
+    def _one_round(self, r: int) -> None:
+        view = self.view()
+        sent0, recv0 = self.transport.stats.totals()
+        t0 = time.perf_counter()
+        row = {"round": r, "index": view.index, "members": view.n}
+        row.update(self.driver.round(r, view))
+        x = self.driver.model()
+        if r % self.cfg.eval_every == 0 or r == self.cfg.rounds:
+            row["test_loss"], row["test_accuracy"] = self.evaluate(x)
+        sent1, recv1 = self.transport.stats.totals()
+        row.update(bytes_up=sent1 - sent0, bytes_down=recv1 - recv0, wall_s=time.perf_counter() - t0,
+                   t=time.time(), restarts=self.restarts)
+        self.round = r
+        self.history.append(row)
+        stats = [{k: row.get(k) for k in ("round", "train_loss", "test_accuracy", "bytes_up", "bytes_down")}
+                 for row in self.history[-3:]]
+        self.membership.set_info(round=r, stats=stats, n=self.trainer.num_examples)
+        if self.cfg.save_models:
+            (self.dir / "models").mkdir(exist_ok=True)
+            np.save(self.dir / "models" / f"r{r:05d}.npy", x.numpy())
+        save_checkpoint(self.dir, {"round": r, "history": self.history, "restarts": self.restarts,
+                                   "driver": self.driver.state_dict()})
+        (self.dir / ".round.tmp").write_text(str(r))
+        os.replace(self.dir / ".round.tmp", self.dir / "round")  # progress, for launchers
+        if self.recorder is not None:
+            self.recorder.round_done(row)
+        log.info("%s: round %d acc=%s loss=%.4f %.2fs", self.ident.short_id, r, row.get("test_accuracy"),
+                 row.get("train_loss") or float("nan"), row["wall_s"])
+        if self.cfg.min_round_s:
+            self.stop.wait(max(0.0, self.cfg.min_round_s - (time.perf_counter() - t0)))
+
+    def _linger(self) -> None:
+        """Keep serving until every member is done (or ``linger_s`` passes): a late
+        neighbour can still exchange with us."""
+        deadline = time.monotonic() + self.cfg.linger_s
+        while time.monotonic() < deadline and not self.stop.is_set():
+            if all(self.membership.info_of(p).get("done") for p in self.membership.ids()):
+                break
+            time.sleep(0.05)
+
+    def finish(self, wall_s: float) -> dict:
+        self.stop.set()
+        bytes_up, bytes_down = self.transport.stats.totals()
+        summary = {
+            "peer_id": self.id, "address": self.transport.address, "algorithm": self.cfg.algorithm,
+            "partition_id": self.cfg.partition_id, "rounds_done": self.round, "restarts": self.restarts,
+            "bytes_up": bytes_up, "bytes_down": bytes_down, "bytes_by_kind": self.transport.stats.by_kind(),
+            "dropped": self.verifier.drop_counts(), "late": self.inbox.late, "wall_s": wall_s,
+            "events": [(t, e, p[:8]) for t, e, p in self.membership.events],
+            "config": {k: v for k, v in asdict(self.cfg).items() if k != "token"},
+            "rows": self.history,
+        }
+        if self.recorder is not None:
+            self.recorder.finish(summary)
+        self._hb.join(timeout=2 * self.cfg.heartbeat_s + 2)
+        self.transport.stop()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        tmp = self.dir / ".result.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=1, default=str))
+        os.replace(tmp, self.dir / "result.json")
+        log.info("%s: done, dropped %s", self.ident.short_id, summary["dropped"])
+        return summary
+
+    def install_signal_handlers(self) -> None:
+        def _term(signum, frame):
+            self.stop.set()
+
+        signal.signal(signal.SIGTERM, _term)
+        signal.signal(signal.SIGINT, _term)

@@ -1,0 +1,187 @@
+"""Report a peer's heartbeats and rounds to a dashboard (``--report URL --token``) and/or a
+run store (``--db``), without ever blocking training.
+
+Schema: ``fedswarm/web/api_ingest.py`` (``RunIn``, ``NodeIn``, ``RoundIn`` with
+``NodeRoundIn`` rows), authenticated with ``Authorization: Bearer TOKEN``. Every peer
+posts its own node heartbeat; a round row is unique per run, so only the *reporter* (the
+lowest live peer id) posts rounds, one round behind, with a node row for every peer whose
+stats reached it by gossip (each peer's membership entry carries its last three rounds).
+If the reporter dies the next lowest id takes over; a round posted twice gets 409, which
+is ignored. HTTP requests go through a bounded queue and one background thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedswarm.swarm.peer import Peer
+
+__all__ = ["Recorder", "round_payload"]
+
+log = logging.getLogger("fedswarm.swarm")
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def round_payload(r: int, stats: dict[str, dict]) -> dict:
+    """A ``RoundIn`` body for round ``r`` from ``{peer_id: stats row of round r}``."""
+    losses = [x for s in stats.values() if (x := _num(s.get("train_loss"))) is not None]
+    accs = [x for s in stats.values() if (x := _num(s.get("test_accuracy"))) is not None]
+    nodes = [{"node_id": pid, "bytes_up": int(s.get("bytes_up") or 0), "bytes_down": int(s.get("bytes_down") or 0),
+              "train_loss": _num(s.get("train_loss")), "status": "ok"} for pid, s in sorted(stats.items())]
+    return {
+        "round": r,
+        "train_loss": sum(losses) / len(losses) if losses else None,
+        "test_accuracy": min(1.0, max(0.0, sum(accs) / len(accs))) if accs else None,
+        "bytes_up": sum(n["bytes_up"] for n in nodes),
+        "bytes_down": sum(n["bytes_down"] for n in nodes),
+        "num_clients": len(nodes),
+        "metrics": {"accuracy_is": "mean over peers of their own model's accuracy"},
+        "nodes": nodes,
+    }
+
+
+def _open_store(db: str):
+    """The store; peers sharing one SQLite file may race to create its tables."""
+    from sqlalchemy.exc import OperationalError
+
+    from fedswarm.store import Store
+
+    for attempt in range(5):
+        try:
+            return Store(db)
+        except OperationalError:
+            if attempt == 4:
+                raise
+            time.sleep(0.1 * (attempt + 1))
+
+
+class Recorder:
+    def __init__(self, peer: Peer, *, min_interval_s: float = 2.0):
+        self.peer = peer
+        cfg = peer.cfg
+        self.run_id = cfg.run_id or f"swarm-{cfg.algorithm}-{cfg.seed}"[:36]
+        self.url = cfg.report_url.rstrip("/") if cfg.report_url else None
+        self.token = cfg.token
+        self.store = _open_store(cfg.db) if cfg.db else None
+        self.min_interval_s = min_interval_s
+        self._last_beat = 0.0
+        self._posted: set[int] = set()
+        self._q: queue.Queue = queue.Queue(maxsize=256)
+        self.errors = 0
+        self._thread = threading.Thread(target=self._worker, name="report", daemon=True)
+        self._thread.start()
+        config = {"strategy": cfg.algorithm, "task": cfg.task, "rounds": cfg.rounds, "seed": cfg.seed,
+                  "engine": "swarm", "partition": cfg.partition, "topology": cfg.topology}
+        self._submit("run", {"run_id": self.run_id, "name": self.run_id, "config": config, "status": "running"})
+        self.heartbeat(force=True)
+
+    # -- what the peer calls -------------------------------------------------------------
+    def heartbeat(self, force: bool = False, status: str = "online") -> None:
+        now = time.monotonic()
+        if not force and now - self._last_beat < self.min_interval_s:
+            return
+        self._last_beat = now
+        p = self.peer
+        drops = p.verifier.drop_counts()
+        self._submit("node", {
+            "node_id": p.id, "kind": "peer", "run_id": self.run_id, "status": status,
+            "info": {"round": p.round, "address": p.transport.address, "algorithm": p.cfg.algorithm,
+                     "members": p.membership.count(), "dropped": drops},
+            "rejected_updates": sum(drops.get(k, 0) for k in ("forged", "invalid_payload", "not_allowed")),
+        })
+
+    def round_done(self, row: dict) -> None:
+        self.heartbeat(force=True)
+        if row["round"] > 1:
+            self._report_round(row["round"] - 1)
+
+    def finish(self, summary: dict) -> None:
+        self._report_round(self.peer.round)
+        self.heartbeat(force=True, status="offline")
+        if self._is_reporter():
+            self._submit("status", {"status": "finished"})
+        self._q.put(None)
+        self._thread.join(timeout=10)
+        if self.store is not None:
+            self.store.close()
+
+    # -- internals -----------------------------------------------------------------------
+    def _is_reporter(self) -> bool:
+        return self.peer.membership.ids()[0] == self.peer.id
+
+    def _report_round(self, r: int) -> None:
+        if r < 1 or r in self._posted or not self._is_reporter():
+            return
+        p = self.peer
+        stats = {}
+        for pid in p.membership.ids():
+            rows = p.history if pid == p.id else p.membership.info_of(pid).get("stats") or []
+            for s in rows:
+                if isinstance(s, dict) and s.get("round") == r:
+                    stats[pid] = s
+        if stats:
+            self._posted.add(r)
+            self._submit("round", round_payload(r, stats))
+
+    def _submit(self, what: str, body: dict) -> None:
+        try:
+            self._q.put_nowait((what, body))
+        except queue.Full:
+            self.errors += 1
+
+    def _worker(self) -> None:
+        while (item := self._q.get()) is not None:
+            what, body = item
+            try:
+                if self.url:
+                    self._post(what, body)
+                if self.store is not None:
+                    self._write(what, body)
+            except Exception as exc:  # reporting must never take the peer down
+                self.errors += 1
+                log.info("report %s failed: %s", what, exc)
+
+    def _post(self, what: str, body: dict) -> None:
+        path = {"run": "/api/ingest/runs", "node": "/api/ingest/nodes",
+                "round": f"/api/ingest/runs/{self.run_id}/rounds",
+                "status": f"/api/ingest/runs/{self.run_id}/status"}[what]
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {self.token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                resp.read()
+        except urllib.error.HTTPError as exc:
+            if exc.code != 409:  # run or round already reported: another peer was first
+                raise
+
+    def _write(self, what: str, body: dict) -> None:
+        from sqlalchemy.exc import IntegrityError
+
+        s = self.store
+        try:
+            if what == "run" and s.get_run(self.run_id) is None:
+                s.create_run(body["config"], name=body["name"], run_id=self.run_id, status="running")
+            elif what == "node":
+                s.upsert_node(body["node_id"], kind="peer", run_id=self.run_id, status=body["status"],
+                              info=body["info"], rejected_updates=body["rejected_updates"])
+            elif what == "round":
+                fields = {k: v for k, v in body.items() if k not in ("round", "nodes")}
+                s.add_round(self.run_id, body["round"], **fields)
+                s.add_node_rounds(self.run_id, body["round"], body["nodes"])
+            elif what == "status":
+                s.set_status(self.run_id, body["status"])
+        except IntegrityError:
+            pass  # another peer recorded it first

@@ -1,0 +1,68 @@
+"""Membership: gossip merge, failure detection, tombstones, rejoin, same topology for all."""
+
+from __future__ import annotations
+
+import time
+
+from fedswarm.swarm.inbox import Inbox
+from fedswarm.swarm.membership import Membership
+
+
+def _entry(pid, inc=1, hb=1, **info):
+    return {"id": pid, "addr": f"127.0.0.1:{1000 + len(pid)}", "inc": inc, "hb": hb, "info": info}
+
+
+def test_merge_keeps_the_newest_and_ignores_junk_and_strangers():
+    m = Membership("a", "127.0.0.1:1", admit=lambda p: p != "evil", interval_s=0.01)
+    assert m.merge([_entry("b", hb=3, round=2), _entry("evil"), {"id": 5}, "junk", _entry("a", hb=99)]) == 1
+    assert m.ids() == ["a", "b"]
+    assert m.merge([_entry("b", hb=2, round=1)]) == 0  # older: ignored
+    assert m.info_of("b")["round"] == 2
+    assert m.merge([_entry("b", hb=4, round=3)]) == 1
+    assert m.info_of("b")["round"] == 3
+    assert m.merge("not a list") == 0
+
+
+def test_silent_member_is_suspected_then_removed_and_stale_gossip_cannot_revive_it():
+    m = Membership("a", "127.0.0.1:1", interval_s=0.02, suspect_after=2, remove_after=4)
+    m.merge([_entry("b", hb=5), _entry("c", hb=5)])
+    time.sleep(0.06)
+    m.merge([_entry("c", hb=6)])  # c keeps beating, b is silent
+    assert m.check() == [("suspected", "b")]
+    assert m.ids() == ["a", "b", "c"]  # suspected members stay in the topology until removed
+    time.sleep(0.06)
+    m.merge([_entry("c", hb=7)])
+    assert m.check() == [("removed", "b")]
+    assert m.ids() == ["a", "c"]
+    m.merge([_entry("b", hb=5)])  # someone still gossips the dead b: not revived
+    assert "b" not in m.ids()
+    m.merge([_entry("b", inc=2, hb=0)])  # b restarted (new incarnation): rejoins at once
+    assert "b" in m.ids()
+
+
+def test_every_peer_derives_the_same_topology_from_sorted_ids():
+    ids = [f"{k:064x}" for k in (7, 3, 9, 1, 5)]
+    views = []
+    for me in ids:
+        m = Membership(me, "127.0.0.1:1")
+        m.merge([_entry(p) for p in ids if p != me])
+        views.append(m.view("ring"))
+    assert all(v.ids == tuple(sorted(ids)) for v in views)
+    for v in views:  # symmetric: i lists j as a neighbour iff j lists i, with the same weight
+        for j in v.neighbors():
+            other = views[ids.index(j)]
+            assert v.ids[v.index] in other.neighbors()
+            assert v.weights()[j] == other.weights()[v.ids[v.index]]
+    alone = Membership("a", "127.0.0.1:1").view("ring")
+    assert alone.neighbors() == [] and alone.weights() == {"a": 1.0}
+
+
+def test_inbox_waits_with_a_timeout_and_bounds_rounds():
+    box = Inbox(window=2)
+    box.set_round(5)
+    assert box.put("model", 5, "b", 1) and not box.put("model", 9, "b", 1) and not box.put("model", 1, "b", 1)
+    assert box.late == 1
+    t0 = time.monotonic()
+    assert box.wait("model", 5, ["b", "c"], timeout=0.2) == {"b": 1}  # c never answers: one timeout
+    assert 0.15 < time.monotonic() - t0 < 2
+    assert box.wait("model", 5, ["b"], timeout=5) == {"b": 1}  # all there: no wait

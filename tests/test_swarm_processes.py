@@ -1,0 +1,190 @@
+"""Swarm peers as separate processes on loopback: they converge, they match the in-process
+simulation of the same algorithm object, and they survive a killed peer, which resumes
+from its checkpoint and rejoins."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from itertools import pairwise
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fedswarm.swarm.launcher import SwarmSpec, launch_swarm, peer_command
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.integration
+ROUNDS = 5
+
+
+def _oracle_dpsgd(spec: SwarmSpec, ids: list[str]) -> list[torch.Tensor]:
+    """The plain [n, d] simulation with gossip.py's DPSGD object: same seeds, same ring
+    over the sorted peer ids, no failures. Returns X after each round."""
+    from fedswarm.strategies.gossip import make_algorithm
+    from fedswarm.strategies.topology import make_topology
+    from fedswarm.swarm.peer import round_seed
+
+    from fedswarm.config import RunConfig
+    from fedswarm.params import get_flat
+    from fedswarm.train import trainer_for
+
+    n = spec.peers
+    order = sorted(range(n), key=lambda i: ids[i])  # node k of the ring is peer order[k]
+    cfg = RunConfig(task=spec.task, partition=spec.partition, seed=spec.seed, clients=n)
+    trainers = [trainer_for(cfg, order[k], n) for k in range(n)]
+    x0 = get_flat(trainers[0].task.model(spec.seed))
+    algo, topo = make_algorithm("dpsgd"), make_topology("ring", n)
+    state = algo.init_state(x0.repeat(n, 1))
+    out = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the peers run
+    try:
+        for r in range(1, spec.rounds + 1):
+            grads = torch.stack([
+                (state.x[k] - trainers[k].fit(state.x[k], steps=spec.local_steps, batch_size=spec.batch_size,
+                                              lr=spec.lr, seed=round_seed(spec.seed, order[k], r)).flat) / spec.lr
+                for k in range(n)])
+            algo.local_step(state, grads, spec.lr)
+            algo.mix(state, algo.message(state), topo.mixing_matrix(r))
+            out.append(state.x[torch.argsort(torch.tensor(order))].clone())  # back to peer order
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def test_four_peer_processes_converge_and_match_the_simulator(tmp_path):
+    from fedswarm.swarm.cli import app
+    from typer.testing import CliRunner
+
+    spec = SwarmSpec(peers=4, algorithm="dpsgd", rounds=ROUNDS, out=tmp_path, local_steps=10, lr=0.3)
+    res = CliRunner().invoke(app, ["swarm", "--peers", "4", "--algorithm", "dpsgd", "--rounds", str(ROUNDS),
+                                   "--out", str(tmp_path), "--local-steps", "10", "--lr", "0.3",
+                                   "--round-timeout", "60", "--timeout", "150"])
+    assert res.exit_code == 0, res.output
+    assert "node-avg acc" in res.output
+    result = json.loads((tmp_path / "result.json").read_text())
+    rounds = result["rounds"]
+    assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1))
+    assert all(r["num_clients"] == 4 for r in rounds)
+    assert rounds[-1]["test_accuracy"] > 0.8, rounds  # node-average model; chance is 0.1
+    assert rounds[-1]["test_accuracy"] > rounds[0]["test_accuracy"]
+    assert all(r["bytes_up"] >= 4 * 2 * 4 * 4810 for r in rounds)  # 4 peers x 2 neighbours x a float32 model
+    s = result["summary"]  # what one socket sent another received (but for heartbeats cut off at shutdown)
+    assert s["total_bytes_up"] == pytest.approx(s["total_bytes_down"], rel=0.01)
+    assert result["summary"]["dropped"] == {}
+    assert all(r["consensus_distance"] is not None for r in rounds)
+    # the same algorithm object, in-process, gives the same models (fixed schedule, no failures)
+    ids = [p["peer_id"] for p in result["peers"]]
+    for r, X in enumerate(_oracle_dpsgd(spec, ids), start=1):
+        for i in range(spec.peers):
+            got = torch.from_numpy(np.load(tmp_path / "peers" / f"p{i}" / "models" / f"r{r:05d}.npy"))
+            torch.testing.assert_close(got, X[i], rtol=0, atol=1e-5)
+
+
+def _round(pdir: Path) -> int:
+    try:
+        return int((pdir / "round").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def _wait(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_killed_peer_costs_neighbours_an_exchange_and_restarts_from_its_checkpoint(tmp_path):
+    from fedswarm.swarm.identity import create_or_load
+
+    n, victim = 3, 2
+    spec = SwarmSpec(peers=n, algorithm="dpsgd", rounds=500, local_steps=5, task="synthetic-logreg", round_timeout_s=1.0,
+                     heartbeat_s=0.2, save_models=False, extra_args=["--min-round-s", "0.25", "--linger", "0"])
+    pdirs = [tmp_path / f"p{i}" for i in range(n)]
+    ids = [create_or_load(d / "keys").peer_id for d in pdirs]
+    allow = tmp_path / "allow.txt"
+    allow.write_text("\n".join(ids) + "\n")
+    ports = [free_port() for _ in range(n)]
+    join = f"127.0.0.1:{ports[0]}"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    procs: dict[int, subprocess.Popen] = {}
+
+    def spawn(i, cmd):
+        log = open(pdirs[i] / "peer.log", "a")
+        procs[i] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+
+    try:
+        for i in range(n):
+            spawn(i, peer_command(spec, i, ports[i], join if i else None, allow, pdirs[i]))
+        assert _wait(lambda: _round(pdirs[victim]) >= 3, 90), "the swarm did not start"
+        os.killpg(procs[victim].pid, signal.SIGKILL)
+        procs[victim].wait()
+        killed_at = _round(pdirs[victim])
+        survivors_at_kill = {i: _round(d) for i, d in enumerate(pdirs) if i != victim}
+        cmd = peer_command(spec, victim, ports[victim], join, allow, pdirs[victim])
+        cmd[cmd.index("--min-peers") + 1] = "1"
+        spawn(victim, cmd)
+        # the restarted peer resumes, catches up with its neighbours and trains with them again
+        assert _wait(lambda: _round(pdirs[victim]) >= max(_round(d) for d in pdirs) - 1
+                     and _round(pdirs[victim]) > killed_at + 4, 90), "the restarted peer did not rejoin"
+        time.sleep(1.0)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    res = [json.loads((d / "result.json").read_text()) for d in pdirs]
+    # survivors carried on: they trained past the kill, with fewer answers while it was dead
+    for i, r in enumerate(res):
+        if i == victim:
+            continue
+        assert r["rounds_done"] > survivors_at_kill[i] + 3
+        assert any(e[1] == "removed" and e[2] == ids[victim][:8] for e in r["events"]), r["events"]
+    short = [row for i, r in enumerate(res) if i != victim for row in r["rows"]
+             if row.get("answered", 0) < row.get("neighbours", 0)]
+    assert short, "no survivor ever missed the dead peer"
+    # the restarted peer continued from its checkpoint, not from round 1, and exchanged again
+    rows = res[victim]["rows"]
+    before = [row for row in rows if row["restarts"] == 0]
+    after = [row for row in rows if row["restarts"] == 1]
+    assert res[victim]["restarts"] == 1 and before and after
+    assert before[-1]["round"] in (killed_at, killed_at + 1)
+    assert after[0]["round"] > before[-1]["round"]
+    assert all(b["round"] > a["round"] for a, b in pairwise(rows))
+    assert sum(row["answered"] for row in after) > 0
+
+
+def test_swarm_with_failures_carries_on(tmp_path):
+    spec = SwarmSpec(peers=3, algorithm="swarm_merge", rounds=6, out=tmp_path, fail=(1, 2), round_timeout_s=1.5,
+                     task="synthetic-logreg",
+                     lr=0.3, timeout_s=150.0, save_models=False)
+    result = launch_swarm(spec, log=lambda m: None)
+    assert result["summary"]["killed"] == [2]
+    survivors = [p for p in result["peers"] if not p["killed"]]
+    assert len(survivors) == 2 and all(p["rounds_done"] == 6 for p in survivors)
+    assert result["rounds"][-1]["num_clients"] == 2
+    assert result["rounds"][-1]["test_accuracy"] > 0.7  # mean of the survivors' (merged, equal) models
+
+
+def test_swarm_command_rejects_bad_arguments(tmp_path):
+    from fedswarm.swarm.cli import app
+    from typer.testing import CliRunner
+
+    for args in (["--fail", "2"], ["--fail", "4@2"], ["--algorithm", "nope"]):
+        res = CliRunner().invoke(app, ["swarm", "--peers", "4", "--out", str(tmp_path), *args])
+        assert res.exit_code == 2, (args, res.output)
