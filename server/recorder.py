@@ -102,8 +102,12 @@ class RoundRecorder:
 
     def _replies(self, traffic) -> tuple[float | None, int, list[dict]]:
         loss_sum, n_sum, rows = 0.0, 0, []
+        seen: set[int] = set()
         for msg in traffic.replies:
             node = msg.metadata.src_node_id
+            if node in seen:
+                continue  # a two-phase round's second reply: one row per node per round
+            seen.add(node)
             row: dict[str, Any] = {
                 "node_id": str(node),
                 "bytes_up": int(traffic.node_up.get(node, 0)),
@@ -131,7 +135,8 @@ class RoundRecorder:
                         loss_sum += float(loss) * n
                         n_sum += n
                     if "rejected" in metrics and metrics["rejected"]:
-                        row.update(status="rejected")
+                        reason = node.get("rejected_reason", "rejected") if node is not None else "rejected"
+                        row.update(status="rejected", reason=str(reason)[:2000])
             rows.append(row)
         return (loss_sum / n_sum if n_sum else None), n_sum, rows
 

@@ -17,6 +17,7 @@ __all__ = ["BENCHMARKS", "run_benchmark"]
 BENCHMARKS = {
     "engines": "fedswarm.sim.bench_engines",
     "codecs": "fedswarm.sim.bench_codecs",
+    "compression": "fedswarm.sim.bench_compression",
     "decentralized": "fedswarm.sim.bench_decentralized",
     "dashboard": "fedswarm.sim.bench_dashboard",
     "swarm": "fedswarm.sim.bench_swarm",
