@@ -63,7 +63,7 @@ def quiet_flower(verbose: bool) -> None:
 @app.command(no_args_is_help=False)
 def sim(
     strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help="Strategy name (see `fedswarm strategies`). Default: fedavg."),
-    task: Optional[str] = typer.Option(None, "--task", "-t", help="Task: digits-mlp (default), digits-cnn, synthetic-logreg, mnist, cifar10, femnist, or module:function."),
+    task: Optional[str] = typer.Option(None, "--task", "-t", help="Task: digits-mlp (default), digits-cnn, digits-cnn4, synthetic-logreg, mnist, cifar10, femnist (and their -resnet variants), or module:function."),
     clients: Optional[int] = typer.Option(None, "--clients", "-n", help="Number of clients (default 20)."),
     rounds: Optional[int] = typer.Option(None, "--rounds", "-r", help="Number of rounds (default 10)."),
     fraction: Optional[float] = typer.Option(None, "--fraction", help="Fraction of clients sampled per round, in (0, 1] (default 1)."),
@@ -200,7 +200,7 @@ def client(
 # --------------------------------------------------------------------------------------
 @app.command()
 def bench(
-    name: str = typer.Argument(..., help="Benchmark name: engines, codecs, decentralized, dashboard (see the list in fedswarm/sim/benchmarks.py)."),
+    name: str = typer.Argument(..., help="Benchmark name: engines, codecs, compression, decentralized, edge, swarm, dashboard."),
     out: Path = typer.Option(Path("bench"), "--out", "-o", help="Writes DIR/NAME.json and DIR/NAME.png."),
     quick: bool = typer.Option(False, "--quick", help="A smaller run that finishes in under two minutes on 2 cores."),
     device: str = typer.Option("cpu", "--device", help="Torch device for benchmarks that take one (codecs): cpu or cuda."),

@@ -129,6 +129,7 @@ class LocalTrainer:
                 grad_hook(self.model)
             opt.step()
             total += loss.item()
+        opt.zero_grad(set_to_none=True)  # a cached trainer holds no gradient between rounds
         return TrainResult(get_flat(self.model).cpu(), total / max(1, n_steps), n, n_steps)
 
     @torch.no_grad()

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "codecs": "fedswarm.sim.bench_codecs",
     "compression": "fedswarm.sim.bench_compression",
     "decentralized": "fedswarm.sim.bench_decentralized",
+    "edge": "fedswarm.sim.bench_edge",
     "dashboard": "fedswarm.sim.bench_dashboard",
     "swarm": "fedswarm.sim.bench_swarm",
 }

@@ -17,6 +17,9 @@ _EXPORTS = {
     "FetchSGD": "fedswarm.strategies.sketched",
     "GlobalSketchSGD": "fedswarm.strategies.sketched",
     "DecentralizedStrategy": "fedswarm.strategies.decentralized",
+    "PartialVariableTraining": "fedswarm.strategies.pvt",
+    "ProgFed": "fedswarm.strategies.progfed",
+    "HomogeneousLearning": "fedswarm.strategies.hl",
 }
 
 __all__ = list(_EXPORTS)

@@ -148,6 +148,9 @@ _BUILTIN_MODULES = (
     "fedswarm.strategies.pvt",
     "fedswarm.strategies.progfed",
     "fedswarm.strategies.hl",
+    "fedswarm.strategies.compressed_fedavg",
+    "fedswarm.strategies.gtopk",
+    "fedswarm.strategies.sketched",
 )
 
 

@@ -13,7 +13,7 @@ model and nothing else.
 Tasks (to be merged into ``fedswarm.tasks.TASKS``; before that, reachable as
 ``fedswarm.tasks.staged:digits_cnn4``):
 
-- ``digits-cnn4``: scikit-learn digits (1x8x8), four conv blocks 16-32-64-128;
+- ``digits-cnn4``: scikit-learn digits (1x8x8), four conv blocks 8-16-32-64;
 - ``mnist-resnet``, ``cifar10-resnet``, ``femnist-resnet``: the Hugging Face image tasks
   with a four-stage ResNet-style model (GroupNorm, no buffers: only trainable parameters
   travel, see ``fedswarm.params``).
@@ -41,6 +41,7 @@ __all__ = [
     "resnet_staged",
     "step_flops",
     "digits_cnn4",
+    "digits_cnn4_wide",
     "STAGED_TASKS",
 ]
 
@@ -133,17 +134,28 @@ class StagedModel(nn.Module):
 # -- models ---------------------------------------------------------------------------
 
 
-def cnn4(in_channels: int, num_classes: int, widths: Sequence[int] = (16, 32, 64, 128)) -> StagedModel:
-    """Four 3x3 conv blocks (conv, ReLU; blocks 2-4 end with 2x2 max-pooling), then a
-    pooled linear classifier. Sized for 8x8 digits: the last block outputs 1x1."""
+def _kaiming(model: nn.Module) -> nn.Module:
+    """He initialization of every convolution (ReLU gain, zero bias): with PyTorch's
+    default, a narrow four-block CNN sits near chance for its first hundred steps."""
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+    return model
+
+
+def cnn4(in_channels: int, num_classes: int, widths: Sequence[int] = (8, 16, 32, 64)) -> StagedModel:
+    """Four 3x3 conv blocks (conv, GroupNorm, ReLU; blocks 2-4 end with 2x2 max-pooling),
+    then a pooled linear classifier. Sized for 8x8 digits: the last block outputs 1x1."""
     blocks, c = [], in_channels
     for i, w in enumerate(widths):
-        layers: list[nn.Module] = [nn.Conv2d(c, w, 3, padding=1), nn.ReLU()]
+        layers: list[nn.Module] = [nn.Conv2d(c, w, 3, padding=1), nn.GroupNorm(min(4, w), w), nn.ReLU()]
         if i > 0:
             layers.append(nn.MaxPool2d(2))
         blocks.append(nn.Sequential(*layers))
         c = w
-    return StagedModel(blocks, widths, num_classes)
+    return _kaiming(StagedModel(blocks, widths, num_classes))
 
 
 def _norm(channels: int) -> nn.Module:
@@ -175,7 +187,7 @@ def resnet_staged(in_channels: int, num_classes: int, width: int = 16) -> Staged
     stem = nn.Sequential(nn.Conv2d(in_channels, w, 3, 1, 1, bias=False), _norm(w), nn.ReLU())
     blocks = [nn.Sequential(stem, BasicBlock(w, w)), BasicBlock(w, 2 * w, 2), BasicBlock(2 * w, 4 * w, 2),
               BasicBlock(4 * w, 8 * w, 2)]
-    return StagedModel(blocks, (w, 2 * w, 4 * w, 8 * w), num_classes)
+    return _kaiming(StagedModel(blocks, (w, 2 * w, 4 * w, 8 * w), num_classes))
 
 
 # -- compute --------------------------------------------------------------------------
@@ -203,6 +215,14 @@ def step_flops(model: nn.Module, objective: Callable[[nn.Module, torch.Tensor, t
 def digits_cnn4() -> Task:
     """The ``digits-cnn4`` task (also usable as ``--task fedswarm.tasks.staged:digits_cnn4``)."""
     return STAGED_TASKS["digits-cnn4"]
+
+
+def digits_cnn4_wide() -> Task:
+    """``digits-cnn4`` at 8x the width (64-128-256-512, 1.55M parameters): the same data
+    and architecture at a size where a client's training state is megabytes (memory
+    benchmarks: ``fedswarm bench edge``)."""
+    return Task("digits-cnn4-wide", "scikit-learn digits, four-block CNN 64-128-256-512 (staged)",
+                lambda: cnn4(1, 10, (64, 128, 256, 512)), lambda seed, tf: _digits(seed, tf, image=True))
 
 
 def _hf_resnet(name: str, spec: HFImageSpec) -> Task:
