@@ -75,7 +75,43 @@ class _Node:
     stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "loss": 0.0})
 
 
-class ADPSGDSimulation:
+class ClockedNodes:
+    """What every virtual-clock simulation exposes to the recorder loop. Subclasses hold
+    ``clock``, ``state`` (a GossipState), ``averagings`` and their per-node records in
+    ``members`` (each with ``steps``, ``stats`` and ``bytes_sent``)."""
+
+    members: list
+    _averagings_seen: int = 0
+
+    @property
+    def now(self) -> float:
+        return self.clock.now
+
+    @property
+    def x(self) -> torch.Tensor:
+        """The node models ``[n, d]`` (a view: do not modify)."""
+        return self.state.x
+
+    def steps(self) -> list[int]:
+        return [m.steps for m in self.members]
+
+    def take_averagings(self) -> int:
+        """Averaging events (pairwise averagings, group reduces) completed since the last call."""
+        k, self._averagings_seen = self.averagings - self._averagings_seen, self.averagings
+        return k
+
+    def take_stats(self) -> list[dict[str, float]]:
+        """Per-node local steps, mean loss and bytes sent since the last call."""
+        out = []
+        for m in self.members:
+            st = m.stats
+            out.append({"steps": int(st["steps"]), "loss": st["loss"] / st["steps"] if st["steps"] else None,
+                        "bytes_sent": m.bytes_sent})
+            m.stats, m.bytes_sent = {"steps": 0, "loss": 0.0}, 0
+        return out
+
+
+class ADPSGDSimulation(ClockedNodes):
     """The event loop. ``x0 [n, d]`` starting models; ``profiles[i]`` node ``i``'s device
     and link; ``gradient`` computes a node's (pseudo-)gradient; ``samples_per_step`` sets
     the compute time of one step; ``message_bytes`` is one model message's size."""
@@ -99,38 +135,12 @@ class ADPSGDSimulation:
                   transfer_time_s(p.link, self.message_bytes))
             for i, p in enumerate(profiles)
         ]
+        self.members = self.nodes
         self.total_steps = 0
         self.averagings = 0
         self._averagings_seen = 0
         for i in range(topology.n):
             self._start(i, 0.0)
-
-    @property
-    def now(self) -> float:
-        return self.clock.now
-
-    @property
-    def x(self) -> torch.Tensor:
-        """The node models ``[n, d]`` (a view: do not modify)."""
-        return self.state.x
-
-    def steps(self) -> list[int]:
-        return [node.steps for node in self.nodes]
-
-    def take_averagings(self) -> int:
-        """Averaging events completed since the last call."""
-        k, self._averagings_seen = self.averagings - self._averagings_seen, self.averagings
-        return k
-
-    def take_stats(self) -> list[dict[str, float]]:
-        """Per-node local steps, mean loss and bytes sent since the last call."""
-        out = []
-        for node in self.nodes:
-            s = node.stats
-            out.append({"steps": int(s["steps"]), "loss": s["loss"] / s["steps"] if s["steps"] else None,
-                        "bytes_sent": node.bytes_sent})
-            node.stats, node.bytes_sent = {"steps": 0, "loss": 0.0}, 0
-        return out
 
     # -- driving --------------------------------------------------------------------------
     def advance(self, steps: int) -> None:

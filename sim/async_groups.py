@@ -31,7 +31,7 @@ from fedswarm.config import RunConfig
 from fedswarm.local import round_seed
 from fedswarm.params import get_flat
 from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
-from fedswarm.sim.async_engine import DEFAULT_PROFILE, _P2PGrid, _record
+from fedswarm.sim.async_engine import DEFAULT_PROFILE, ClockedNodes, _P2PGrid, _record
 from fedswarm.sim.simtime import model_message_nbytes, node_profiles
 from fedswarm.store import Store
 from fedswarm.strategies import registry
@@ -60,7 +60,7 @@ class _Worker:
     stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "loss": 0.0})
 
 
-class PragueSimulation:
+class PragueSimulation(ClockedNodes):
     """The event loop. ``x0 [n, d]`` starting models; ``profiles[i]`` worker ``i``'s device
     and link; ``gradient`` computes a worker's (pseudo-)gradient; ``samples_per_step`` sets
     one step's compute time; ``message_bytes`` is one full model's size."""
@@ -80,6 +80,7 @@ class PragueSimulation:
         self.message_bytes = int(message_bytes)
         self.clock = VirtualClock()
         self.workers = [_Worker(compute_time_s(p, samples=samples_per_step), p) for p in profiles]
+        self.members = self.workers
         self.queue: list[tuple[int, float]] = []  # (worker, time it became ready)
         self.total_steps = 0
         self.averagings = 0
@@ -87,31 +88,6 @@ class PragueSimulation:
         self.groups: list[tuple[int, ...]] = []  # every group formed, in order (for tests)
         for i in range(n):
             self._start(i, 0.0)
-
-    @property
-    def now(self) -> float:
-        return self.clock.now
-
-    @property
-    def x(self) -> torch.Tensor:
-        return self.state.x
-
-    def steps(self) -> list[int]:
-        return [w.steps for w in self.workers]
-
-    def take_averagings(self) -> int:
-        """P-Reduces completed since the last call."""
-        k, self._averagings_seen = self.averagings - self._averagings_seen, self.averagings
-        return k
-
-    def take_stats(self) -> list[dict[str, float]]:
-        out = []
-        for w in self.workers:
-            s = w.stats
-            out.append({"steps": int(s["steps"]), "loss": s["loss"] / s["steps"] if s["steps"] else None,
-                        "bytes_sent": w.bytes_sent})
-            w.stats, w.bytes_sent = {"steps": 0, "loss": 0.0}, 0
-        return out
 
     def reduce_time_s(self, group: tuple[int, ...]) -> float:
         """Ring all-reduce within ``group``: ``2(g−1)`` hops of ``bytes/g`` over the
