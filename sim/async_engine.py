@@ -242,6 +242,22 @@ def run_async(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundLi
     if registry.get(cfg.strategy).kind != "async" or cfg.strategy != "adpsgd":
         raise ValueError(f"the virtual-clock engine runs 'adpsgd' and 'prague', not '{cfg.strategy}'")
     params = registry.resolve_params(cfg.strategy, cfg.params)
+
+    def make(x: torch.Tensor, profiles: list[Profile], gradient: Callable, steps: int) -> ADPSGDSimulation:
+        return ADPSGDSimulation(x, make_topology(cfg.topology, cfg.clients, cfg.seed), profiles, gradient,
+                                lr=cfg.lr, samples_per_step=steps * cfg.batch_size,
+                                message_bytes=model_message_nbytes(cfg), weight_decay=params["weight_decay"],
+                                seed=cfg.seed)
+
+    return run_clocked(cfg, store, run_id, listeners, make)
+
+
+def run_clocked(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundListener] | None,
+                make_sim: Callable[[torch.Tensor, list[Profile], Callable, int], ClockedNodes]) -> str:
+    """The recording loop every virtual-clock algorithm shares: build the nodes' data,
+    gradients and profiles, let ``make_sim(x0 [n, d], profiles, gradient, steps)`` build the
+    simulation, then record ``cfg.rounds`` rounds of ``cfg.clients`` local steps each
+    (controls obeyed between rounds); return the final status."""
     torch.manual_seed(cfg.seed)
     n = cfg.clients
     task = get_task(cfg.task)
@@ -252,8 +268,8 @@ def run_async(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundLi
     data = task_data(cfg)
     steps = cfg.local_steps or 1
 
-    def gradient(i: int, x_hat: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
-        return local_gradient(trainer_for(cfg, i, n), x_hat, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr,
+    def gradient(i: int, x: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
+        return local_gradient(trainer_for(cfg, i, n), x, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr,
                               seed=round_seed(cfg.seed, k, i))
 
     def evaluate(arrays: ArrayRecord) -> tuple[float, float]:
@@ -263,10 +279,7 @@ def run_async(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundLi
     recorder = RoundRecorder(store, run_id, grid, evaluate, listeners=listeners)  # type: ignore[arg-type]
     store.set_status(run_id, "running")
     try:
-        sim = ADPSGDSimulation(x0.repeat(n, 1), make_topology(cfg.topology, n, cfg.seed), profiles, gradient,
-                               lr=cfg.lr, samples_per_step=steps * cfg.batch_size,
-                               message_bytes=model_message_nbytes(cfg), weight_decay=params["weight_decay"],
-                               seed=cfg.seed)
+        sim = make_sim(x0.repeat(n, 1), profiles, gradient, steps)
         recorder(0, vector_to_arrayrecord(x0))
         rnd, total, last_t = 0, cfg.rounds, 0.0
         while rnd < total:
@@ -287,7 +300,7 @@ def run_async(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundLi
     return "finished"
 
 
-def _record(recorder: RoundRecorder, store: Store, run_id: str, rnd: int, sim: ADPSGDSimulation,
+def _record(recorder: RoundRecorder, store: Store, run_id: str, rnd: int, sim: ClockedNodes,
             profiles: list[Profile], grid: _P2PGrid, last_t: float, samples: int) -> None:
     stats = sim.take_stats()
     sent = sum(s["bytes_sent"] for s in stats)

@@ -25,22 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from flwr.app import ArrayRecord
 
 from fedswarm.config import RunConfig
-from fedswarm.local import round_seed
-from fedswarm.params import get_flat
-from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
-from fedswarm.sim.async_engine import DEFAULT_PROFILE, ClockedNodes, _P2PGrid, _record
-from fedswarm.sim.simtime import model_message_nbytes, node_profiles
+from fedswarm.server.recorder import RoundListener
+from fedswarm.sim.async_engine import ClockedNodes, run_clocked
+from fedswarm.sim.simtime import model_message_nbytes
 from fedswarm.store import Store
 from fedswarm.strategies import registry
-from fedswarm.strategies.decentralized_node import local_gradient
 from fedswarm.strategies.gossip import GossipState, Prague
-from fedswarm.tasks import get_task
-from fedswarm.timemodel import BUILTIN_PROFILES, Profile, VirtualClock, compute_time_s, transfer_time_s
-from fedswarm.train import evaluate_flat, resolve_device, task_data, trainer_for
-from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
+from fedswarm.timemodel import Profile, VirtualClock, compute_time_s, transfer_time_s
 
 __all__ = ["PragueSimulation", "run_prague"]
 
@@ -148,45 +141,10 @@ def run_prague(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundL
     if cfg.strategy != "prague":
         raise ValueError(f"run_prague runs 'prague', not '{cfg.strategy}'")
     params = registry.resolve_params(cfg.strategy, cfg.params)
-    torch.manual_seed(cfg.seed)
-    n = cfg.clients
-    task = get_task(cfg.task)
-    device = resolve_device(cfg.device)
-    model = task.model(cfg.seed).to(device)
-    x0 = get_flat(model).cpu()
-    profiles = node_profiles(cfg) or [BUILTIN_PROFILES[DEFAULT_PROFILE]] * n
-    data = task_data(cfg)
-    steps = cfg.local_steps or 1
 
-    def gradient(i: int, x: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
-        return local_gradient(trainer_for(cfg, i, n), x, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr,
-                              seed=round_seed(cfg.seed, k, i))
+    def make(x: torch.Tensor, profiles: list[Profile], gradient: Callable, steps: int) -> PragueSimulation:
+        return PragueSimulation(x, profiles, gradient, lr=cfg.lr, samples_per_step=steps * cfg.batch_size,
+                                message_bytes=model_message_nbytes(cfg), group_size=params["group_size"],
+                                weight_decay=params["weight_decay"])
 
-    def evaluate(arrays: ArrayRecord) -> tuple[float, float]:
-        return evaluate_flat(task, model, arrayrecord_to_vector(arrays), data.test_x, data.test_y, device)
-
-    grid = _P2PGrid()
-    recorder = RoundRecorder(store, run_id, grid, evaluate, listeners=listeners)  # type: ignore[arg-type]
-    store.set_status(run_id, "running")
-    try:
-        sim = PragueSimulation(x0.repeat(n, 1), profiles, gradient, lr=cfg.lr, samples_per_step=steps * cfg.batch_size,
-                               message_bytes=model_message_nbytes(cfg), group_size=params["group_size"],
-                               weight_decay=params["weight_decay"])
-        recorder(0, vector_to_arrayrecord(x0))
-        rnd, total, last_t = 0, cfg.rounds, 0.0
-        while rnd < total:
-            rnd += 1
-            recorder.reset_clock()
-            sim.advance(n)
-            _record(recorder, store, run_id, rnd, sim, profiles, grid, last_t, samples=steps * cfg.batch_size)
-            last_t = sim.now
-            total, recorder.extra_rounds = total + recorder.extra_rounds, 0
-    except StopRun as stop:
-        store.set_status(run_id, "stopped")
-        store.add_event(run_id, "stopped", str(stop))
-        return "stopped"
-    except BaseException as exc:
-        store.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
-        raise
-    store.set_status(run_id, "finished")
-    return "finished"
+    return run_clocked(cfg, store, run_id, listeners, make)
