@@ -18,7 +18,8 @@ from fedswarm.policy import device_class_of, policy_for
 from fedswarm.train import LocalTrainer, TrainResult, trainer_for
 from fedswarm.wire import arrayrecord_to_vector
 
-__all__ = ["run_config_of", "node_partition", "round_seed", "server_round", "local_fit", "LocalFit"]
+__all__ = ["run_config_of", "node_partition", "round_seed", "server_round", "local_fit", "LocalFit",
+           "prepare_local", "LocalSetup"]
 
 _RUN_KEYS = set(RunConfig.allowed_keys())
 
@@ -71,22 +72,51 @@ class LocalFit:
         return rec
 
 
-def local_fit(msg: Message, context: Context) -> LocalFit:
-    """Shared first half of every client update: read config, partition and this node's
-    device-class policy, then run local SGD from the message's parameters."""
+@dataclass
+class LocalSetup:
+    """What a node knows before it trains: config, trainer, the round's start parameters,
+    its class and policy, and the local-SGD arguments its policy gives."""
+
+    cfg: RunConfig
+    trainer: LocalTrainer
+    start: torch.Tensor  # [d]
+    device_class: str
+    policy: dict[str, Any]
+    fit_kwargs: dict[str, Any]
+
+    def report(self, result: TrainResult) -> ConfigRecord:
+        """The reply's ``node`` record (class and policy trained under)."""
+        return LocalFit(self.cfg, self.trainer, self.start, result, self.device_class, self.policy).report()
+
+
+def prepare_local(msg: Message, context: Context, vector: torch.Tensor | None = None) -> LocalSetup:
+    """The first half of :func:`fedswarm.local.local_fit`, without training: the same
+    config, partition, policy and local-SGD arguments, for client updates that must change
+    the model before they train (freeze variables, swap in a sub-model). ``vector`` is the
+    round's start parameters if the caller read them itself (else the message's first
+    ArrayRecord, checked against the model's size)."""
     cfg = run_config_of(msg, context)
     pid, n = node_partition(context, cfg)
     device_class = device_class_of(context.node_config, cfg.devices, pid, n)
     rec = msg.content.config_records.get("config")
     policy = policy_for(rec, device_class) if rec is not None else {}
     trainer = trainer_for(cfg, pid, n)
-    flat = arrayrecord_to_vector(next(iter(msg.content.array_records.values())), trainer.layout.d)
-    epochs = policy.get("local_epochs", cfg.local_epochs)
-    # A policy that sets epochs but not steps means epochs, even if the run set steps.
+    if vector is None:
+        vector = arrayrecord_to_vector(next(iter(msg.content.array_records.values())), trainer.layout.d)
+    # Same reading of the policy as local_fit: epochs without steps means epochs.
     steps = policy.get("local_steps", None if "local_epochs" in policy else cfg.local_steps)
-    res = trainer.fit(flat, epochs=epochs, steps=steps, batch_size=policy.get("batch_size", cfg.batch_size),
-                      lr=policy.get("lr", cfg.lr), momentum=cfg.momentum,
-                      seed=round_seed(cfg.seed, server_round(msg), pid))
+    kwargs = dict(epochs=policy.get("local_epochs", cfg.local_epochs), steps=steps,
+                  batch_size=policy.get("batch_size", cfg.batch_size), lr=policy.get("lr", cfg.lr),
+                  momentum=cfg.momentum, seed=round_seed(cfg.seed, server_round(msg), pid))
+    return LocalSetup(cfg, trainer, vector, device_class, policy, kwargs)
+
+
+def local_fit(msg: Message, context: Context) -> LocalFit:
+    """Shared first half of every client update: read config, partition and this node's
+    device-class policy, then run local SGD from the message's parameters."""
+    setup = prepare_local(msg, context)
+    res = setup.trainer.fit(setup.start, **setup.fit_kwargs)
+    cfg, trainer, flat, device_class, policy = setup.cfg, setup.trainer, setup.start, setup.device_class, setup.policy
     probe = _device_probe() if str(context.node_config.get("probe", "")).lower() == "true" else None
     return LocalFit(cfg, trainer, flat, res, device_class, policy, probe)
 

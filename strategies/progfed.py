@@ -53,7 +53,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from fedswarm.config import ConfigError
 from fedswarm.params import ParamLayout, get_flat
-from fedswarm.strategies.pvt import prepare_local
+from fedswarm.local import prepare_local
 from fedswarm.strategies.registry import BuildContext, HyperParam, StrategyEntry, register
 from fedswarm.tasks.staged import StagedModel, StageModel, step_flops
 from fedswarm.wire import PayloadError, arrayrecord_to_vector, vector_to_arrayrecord

@@ -27,7 +27,7 @@ values, and the deltas of different subsets add up at the server; with plain ave
 momentum 0.9 and 20 local steps, accuracy oscillated around 0.2 at server_lr 1 and
 reached FedAvg's within about a point at 0.3 (``fedswarm bench edge``).
 
-The node-side helpers here (:func:`prepare_local`, :func:`frozen`) are shared with
+The node-side helper here (:func:`frozen`; the setup is :func:`fedswarm.local.prepare_local`) is shared with
 ProgFed (``strategies/progfed.py``).
 """
 
@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Any
 
 import numpy as np
 import torch
@@ -47,18 +45,13 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
-from fedswarm.config import RunConfig
-from fedswarm.local import LocalFit, node_partition, round_seed, run_config_of, server_round
+from fedswarm.local import prepare_local, server_round
 from fedswarm.params import ParamLayout, set_flat
-from fedswarm.policy import device_class_of, policy_for
 from fedswarm.strategies.registry import BuildContext, HyperParam, StrategyEntry, register, resolve_params
-from fedswarm.train import LocalTrainer, TrainResult, trainer_for
 from fedswarm.wire import PayloadError, arrayrecord_to_vector, vector_to_arrayrecord
 
 __all__ = [
     "PartialVariableTraining",
-    "LocalSetup",
-    "prepare_local",
     "frozen",
     "selection_seed",
     "select_variables",
@@ -71,45 +64,6 @@ UPDATE = "update"  # the reply's ArrayRecord: "values" (float32 deltas) and "ids
 
 
 # --------------------------------------------------------------------------- node side
-
-
-@dataclass
-class LocalSetup:
-    """What a node knows before it trains: config, trainer, the round's start parameters,
-    its class and policy, and the local-SGD arguments its policy gives."""
-
-    cfg: RunConfig
-    trainer: LocalTrainer
-    start: torch.Tensor  # [d]
-    device_class: str
-    policy: dict[str, Any]
-    fit_kwargs: dict[str, Any]
-
-    def report(self, result: TrainResult) -> ConfigRecord:
-        """The reply's ``node`` record (class and policy trained under)."""
-        return LocalFit(self.cfg, self.trainer, self.start, result, self.device_class, self.policy).report()
-
-
-def prepare_local(msg: Message, context: Context, vector: torch.Tensor | None = None) -> LocalSetup:
-    """The first half of :func:`fedswarm.local.local_fit`, without training: the same
-    config, partition, policy and local-SGD arguments, for client updates that must change
-    the model before they train (freeze variables, swap in a sub-model). ``vector`` is the
-    round's start parameters if the caller read them itself (else the message's first
-    ArrayRecord, checked against the model's size)."""
-    cfg = run_config_of(msg, context)
-    pid, n = node_partition(context, cfg)
-    device_class = device_class_of(context.node_config, cfg.devices, pid, n)
-    rec = msg.content.config_records.get("config")
-    policy = policy_for(rec, device_class) if rec is not None else {}
-    trainer = trainer_for(cfg, pid, n)
-    if vector is None:
-        vector = arrayrecord_to_vector(msg.content.array_records["arrays"], trainer.layout.d)
-    # Same reading of the policy as local_fit: epochs without steps means epochs.
-    steps = policy.get("local_steps", None if "local_epochs" in policy else cfg.local_steps)
-    kwargs = dict(epochs=policy.get("local_epochs", cfg.local_epochs), steps=steps,
-                  batch_size=policy.get("batch_size", cfg.batch_size), lr=policy.get("lr", cfg.lr),
-                  momentum=cfg.momentum, seed=round_seed(cfg.seed, server_round(msg), pid))
-    return LocalSetup(cfg, trainer, vector, device_class, policy, kwargs)
 
 
 @contextlib.contextmanager
