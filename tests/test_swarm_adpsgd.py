@@ -3,7 +3,9 @@ sum is kept, and concurrent exchanges never deadlock (bipartite or not)."""
 
 from __future__ import annotations
 
+import random
 import threading
+import time
 
 import pytest
 import torch
@@ -84,9 +86,13 @@ def test_concurrent_exchanges_keep_the_sum_and_never_deadlock(tmp_path, n):
 
         def worker(p):
             active, partners = roles[p.id]
+            jitter = random.Random(p.id)
             for k in range(12):
                 if active:
                     outcomes.append(p.driver.exchange(partners[k % len(partners)]))
+                    # Real peers are spread apart by their local steps. Back-to-back attempts with
+                    # no spread can all collide on an odd ring (every peer active): all "busy".
+                    time.sleep(jitter.uniform(0.001, 0.02))
 
         threads = [threading.Thread(target=worker, args=(p,)) for p in peers]
         for t in threads:
