@@ -26,10 +26,12 @@ ALGOS = {
 
 @pytest.mark.parametrize("algorithm", list(ALGOS))
 def test_algorithm_trains_over_sockets(tmp_path, algorithm):
+    # AD-PSGD's pairings depend on message timing; more rounds make its progress less dependent on it.
+    rounds = 10 if algorithm == "adpsgd" else 6
     peers = make_peers(tmp_path, 4, algorithm=algorithm, task="digits-mlp", params=ALGOS[algorithm],
-                       rounds=6, local_steps=10, lr=0.3)
+                       rounds=rounds, local_steps=10, lr=0.3)
     out = run_all(peers)
-    assert min(o["rounds_done"] for o in out) == 6
+    assert min(o["rounds_done"] for o in out) == rounds
     node_average = torch.stack([p.driver.model() for p in peers]).mean(dim=0)
     _, acc = peers[0].evaluate(node_average)
     # chance is 0.1. AD-PSGD's pairing schedule and LSGD's leader (lowest loss at pull time)
