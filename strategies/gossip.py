@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedswarm.strategies.gossip_async import ADPSGD, bipartite_split, pair_mixing_matrix, pairwise_average
+from fedswarm.strategies.gossip_async import ADPSGD, bipartite_split, exchange_roles, pair_mixing_matrix, pairwise_average
 from fedswarm.strategies.gossip_base import DecentralizedAlgorithm, GossipState, consensus_distance
 from fedswarm.strategies.gossip_delayed import DaSGD
 from fedswarm.strategies.gossip_leader import EASGD, LSGD
@@ -47,6 +47,7 @@ __all__ = [
     "pairwise_average",
     "pair_mixing_matrix",
     "bipartite_split",
+    "exchange_roles",
     "consensus_distance",
     "AlgorithmEntry",
     "ALGORITHMS",
