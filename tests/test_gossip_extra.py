@@ -46,7 +46,11 @@ def test_squarm_identity_codec_reduces_to_nesterov_dsgdm():
               x0, grads, 0.1, W)
     dm = _run(make_algorithm("dsgdm", momentum=0.9, nesterov=True), x0, grads, 0.1, W)
     torch.testing.assert_close(sq.x, dm.x, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(sq.buffers["x_hat"], sq.buffers["x_hat"])
+    # identity codec, always triggered, γ = 1: the replicas are the pre-gossip models, the
+    # incremental sum s_i stays Σ_j w_ij x̂_j, and the mixed model is exactly that sum
+    mix_of_replicas = W.to(sq.x.dtype) @ sq.buffers["x_hat"]
+    torch.testing.assert_close(sq.buffers["s"], mix_of_replicas, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sq.x, mix_of_replicas, atol=1e-5, rtol=1e-5)
 
 
 def test_squarm_matches_numpy_with_topk_period_and_trigger():

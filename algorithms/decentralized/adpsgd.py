@@ -11,6 +11,12 @@ cycle (A waits for B, B for C, C for A), every worker in it would block. So the 
 and only with passive neighbours; passive nodes just serve requests (and still compute
 gradients). A ring with an even number of nodes is bipartite; an odd ring is not, and
 :func:`bipartite_split` refuses it.
+
+Runtimes with real concurrency (the swarm) also run on graphs that are not bipartite, with
+:func:`exchange_roles`: every edge gets exactly one initiator, the lower-indexed end. The
+"who initiates with whom" relation is then acyclic, so no cycle of waits can form, and the
+highest-indexed requested node never initiates itself, so among simultaneous requests one
+always finds its partner free (no livelock of mutual "busy" answers).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm, GossipState
 from fedswarm.algorithms.decentralized.topology import Topology
 
-__all__ = ["ADPSGD", "pairwise_average", "pair_mixing_matrix", "bipartite_split"]
+__all__ = ["ADPSGD", "pairwise_average", "pair_mixing_matrix", "bipartite_split", "exchange_roles"]
 
 
 def pair_mixing_matrix(n: int, i: int, j: int) -> torch.Tensor:
@@ -85,6 +91,22 @@ def bipartite_split(topology: Topology, round: int = 0) -> torch.Tensor:
                         f"(an odd ring does); use an even ring or a bipartite edge list"
                     )
     return torch.tensor(colour, dtype=torch.bool)
+
+
+def exchange_roles(topology: Topology, round: int = 0) -> list[tuple[bool, list[int]]]:
+    """For each node, ``(initiates?, the neighbours it initiates averagings with)``.
+
+    Bipartite graphs get the paper's split (:func:`bipartite_split`): active nodes initiate
+    with all their (passive) neighbours. Other graphs get the orientation by index: node
+    ``i`` initiates with its neighbours ``j > i``. Either way every edge has exactly one
+    initiator, and the initiation relation has no cycle (see the module docstring)."""
+    n = topology.n
+    try:
+        active = bipartite_split(topology, round)
+    except ValueError:
+        return [(bool(up := [j for j in topology.neighbors(i, round) if j > i]), up) for i in range(n)]
+    return [(bool(active[i]), [j for j in topology.neighbors(i, round) if not bool(active[j])] if active[i] else [])
+            for i in range(n)]
 
 
 class ADPSGD(DecentralizedAlgorithm):

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedswarm.algorithms.decentralized.adpsgd import ADPSGD, bipartite_split, pair_mixing_matrix, pairwise_average
+from fedswarm.algorithms.decentralized.adpsgd import (ADPSGD, bipartite_split, exchange_roles, pair_mixing_matrix,
+                                                     pairwise_average)
 from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm, GossipState, consensus_distance
 from fedswarm.algorithms.decentralized.dasgd import DaSGD
 from fedswarm.algorithms.decentralized.leader import EASGD, LSGD
@@ -47,6 +48,7 @@ __all__ = [
     "pairwise_average",
     "pair_mixing_matrix",
     "bipartite_split",
+    "exchange_roles",
     "consensus_distance",
     "AlgorithmEntry",
     "ALGORITHMS",

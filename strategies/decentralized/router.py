@@ -132,6 +132,10 @@ class DecentralizedStrategy(Strategy):
         if self._average is None:
             self._average = initial
         if evaluate_fn is not None:
+            if hasattr(evaluate_fn, "note") and self._iterations == 0:
+                # Round 0 of a new run evaluates the initial model: no node has trained or
+                # gossiped yet, so there is no consensus distance to measure: null, never 0.
+                evaluate_fn.note(consensus_distance=None)
             res = evaluate_fn(0, initial_arrays)
             if res is not None:
                 result.evaluate_metrics_serverapp[0] = res

@@ -82,11 +82,14 @@ class Membership:
         Heartbeat period.
     suspect_after, remove_after : int
         Intervals without a heartbeat before a member is suspected, then removed (K).
+    clock : callable
+        Monotonic seconds for silence measurements (tests pass a manual clock).
     """
 
     def __init__(self, self_id: str, addr: str, *, admit: Callable[[str], bool] = lambda _: True,
                  interval_s: float = 0.5, suspect_after: int = 4, remove_after: int = 8,
-                 fanout: int = 3, incarnation: int | None = None, seed: int | None = None):
+                 fanout: int = 3, incarnation: int | None = None, seed: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         if not 0 < suspect_after <= remove_after:
             raise ValueError("need 0 < suspect_after <= remove_after")
         self.self_id = self_id
@@ -95,8 +98,9 @@ class Membership:
         self.suspect_after = suspect_after
         self.remove_after = remove_after
         self.fanout = fanout
+        self.clock = clock
         inc = incarnation if incarnation is not None else int(time.time() * 1000)
-        self.me = Member(self_id, addr, inc, 0, time.monotonic())
+        self.me = Member(self_id, addr, inc, 0, clock())
         self.members: dict[str, Member] = {}
         self.tombstones: dict[str, tuple[int, int]] = {}
         self.events: list[tuple[float, str, str]] = []  # (time, event, peer id)
@@ -124,7 +128,7 @@ class Membership:
         entries are skipped."""
         if not isinstance(entries, list):
             return 0
-        changed, now = 0, time.monotonic()
+        changed, now = 0, self.clock()
         with self._lock:
             for e in entries[:10_000]:
                 try:
@@ -154,7 +158,7 @@ class Membership:
 
     def check(self) -> list[tuple[str, str]]:
         """Suspect and remove silent members; returns ``[(event, peer id)]``."""
-        out, now = [], time.monotonic()
+        out, now = [], self.clock()
         with self._lock:
             for pid, m in list(self.members.items()):
                 silent = (now - m.seen) / self.interval_s
