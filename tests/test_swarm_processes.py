@@ -25,8 +25,8 @@ ROUNDS = 5
 def _oracle_dpsgd(spec: SwarmSpec, ids: list[str]) -> list[torch.Tensor]:
     """The plain [n, d] simulation with gossip.py's DPSGD object: same seeds, same ring
     over the sorted peer ids, no failures. Returns X after each round."""
-    from fedswarm.strategies.gossip import make_algorithm
-    from fedswarm.strategies.topology import make_topology
+    from fedswarm.algorithms.decentralized import make_algorithm
+    from fedswarm.algorithms.decentralized.topology import make_topology
     from fedswarm.swarm.peer import round_seed
 
     from fedswarm.config import RunConfig
@@ -94,7 +94,7 @@ def _round(pdir: Path) -> int:
 
 
 def test_killed_peer_costs_neighbours_an_exchange_and_restarts_from_its_checkpoint(tmp_path):
-    from fedswarm.swarm.identity import create_or_load
+    from fedswarm.swarm.net.identity import create_or_load
 
     n, victim = 3, 2
     spec = SwarmSpec(peers=n, algorithm="dpsgd", rounds=500, local_steps=5, task="synthetic-logreg", round_timeout_s=1.0,

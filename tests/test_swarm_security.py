@@ -10,14 +10,14 @@ import time
 
 import pytest
 import torch
-from fedswarm.swarm.envelope import Dropped, Verifier, send_message
-from fedswarm.swarm.identity import (
+from fedswarm.swarm.net.envelope import Dropped, Verifier, send_message
+from fedswarm.swarm.net.identity import (
     Identity,
     create_or_load,
     load_allow_list,
     parse_public_key,
 )
-from fedswarm.swarm.payload import read_payload, read_vector, vector_body
+from fedswarm.swarm.net.payload import read_payload, read_vector, vector_body
 
 from tests.helpers import wait_until
 from tests.swarm_helpers import (
