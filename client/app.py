@@ -30,6 +30,8 @@ def train(msg: Message, context: Context) -> Message:
     res = fit.result
     metrics = MetricRecord({"num-examples": res.num_examples, "train_loss": res.loss, "steps": res.steps,
                             "partition-id": int(context.node_config.get("partition-id", -1))})
+    if res.dp_sample_rate is not None:  # DP-SGD: what the server's accountant needs
+        metrics["dp_sample_rate"] = res.dp_sample_rate
     content = RecordDict({"arrays": vector_to_arrayrecord(res.flat), "metrics": metrics, "node": fit.report()})
     return Message(content, reply_to=msg)
 

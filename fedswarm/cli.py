@@ -81,6 +81,10 @@ def sim(
     profiles: Optional[str] = typer.Option(None, "--profiles", help="A TOML file of device/link profiles merged over the built-in ones."),
     topology: Optional[str] = typer.Option(None, "--topology", help="Gossip topology for decentralized strategies: ring (default), torus, exp, onepeer-exp, complete, random:D, edges:PATH."),
     policy: Optional[list[str]] = typer.Option(None, "--policy", help="Per-device-class policy CLASS:KEY=VALUE (repeatable), e.g. edge-lte:local_steps=2. Keys: local_steps, local_epochs, batch_size, lr, codec, pvt_fraction, progfed_max_stage."),
+    byzantine: Optional[int] = typer.Option(None, "--byzantine", help="K Byzantine clients (chosen with the seed) whose replies --attack rewrites; recorded per round, never told to the aggregator."),
+    attack: Optional[str] = typer.Option(None, "--attack", help="NAME[:k=v,...]: signflip[:scale=S], gaussian[:std=S,add=true], alie[:z=Z], ipm[:eps=E], signvote, labelflip, random (default signflip)."),
+    dp: Optional[str] = typer.Option(None, "--dp", help="Client-level DP-FedAvg: noise_multiplier=N[,clip=C,delta=D,adaptive=true,target_epsilon=E] or target_epsilon=E[,delta=D] (noise calibrated to the rounds). Epsilon is reported every round."),
+    dp_sgd: Optional[str] = typer.Option(None, "--dp-sgd", help="Example-level DP-SGD in every client (opacus): noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Strategy hyperparameter KEY=VALUE (repeatable)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="A TOML run config; command-line options override it."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write DIR/result.json (and DIR/accuracy.png)."),
@@ -99,6 +103,7 @@ def sim(
         "partition": partition, "local_epochs": local_epochs, "local_steps": local_steps,
         "batch_size": batch_size, "lr": lr, "momentum": momentum, "seed": seed, "engine": engine,
         "device": device, "name": name, "devices": devices, "profiles": profiles, "topology": topology,
+        "byzantine": byzantine, "attack": attack, "dp": dp, "dp_sgd": dp_sgd,
     }
     try:
         values: dict[str, Any] = load_config(config) if config else {}
@@ -115,6 +120,7 @@ def sim(
         from fedswarm.tasks import get_task
 
         get_task(cfg.task)
+        _check_strategy(cfg)
     except ConfigError as exc:
         fail(str(exc))
     quiet_flower(verbose)
@@ -123,6 +129,20 @@ def sim(
     status = run_simulation_cli(cfg, db=db, run_id=run_id, out=out, console=console)
     if status == "failed":
         raise typer.Exit(1)
+
+
+def _check_strategy(cfg: RunConfig) -> None:
+    """Build the run's strategy once before starting, so a tolerance bound, a privacy
+    budget or an unsupported combination fails as one line (exit 2), not mid-run."""
+    from fedswarm.algorithms.privacy.accountant import PrivacyBudgetExceeded
+    from fedswarm.params import ParamLayout
+    from fedswarm.server.app import build_strategy
+    from fedswarm.tasks import get_task
+
+    try:
+        build_strategy(cfg, ParamLayout.from_module(get_task(cfg.task).model(cfg.seed)))
+    except PrivacyBudgetExceeded as exc:
+        raise ConfigError(f"invalid value for 'dp': {exc}") from None
 
 
 # --------------------------------------------------------------------------------------

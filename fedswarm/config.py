@@ -97,6 +97,10 @@ class RunConfig(BaseModel):
     )
     topology: str = Field("ring", description="Gossip topology for decentralized strategies: ring, torus, exp, onepeer-exp, complete, random:D, edges:PATH.")
     device: str = Field("cpu", description="Torch device for training: 'cpu', 'cuda', 'cuda:N', 'mps' or 'auto'.")
+    byzantine: int = Field(0, ge=0, le=1_000_000, description="Number of Byzantine clients (chosen with the seed); their replies are rewritten by --attack and never flagged to the aggregator.")
+    attack: str | None = Field(None, description="What Byzantine clients do: NAME[:key=value,...], NAME one of signflip, gaussian, alie, ipm, signvote, labelflip, random (default signflip when byzantine > 0).")
+    dp: str | None = Field(None, description="Client-level DP-FedAvg: 'noise_multiplier=N[,clip=C,delta=D,adaptive=true]' or 'target_epsilon=E[,delta=D]'.")
+    dp_sgd: str | None = Field(None, description="Example-level DP-SGD in every client (opacus): 'noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]'.")
 
     @field_validator("partition")
     @classmethod
@@ -120,6 +124,39 @@ class RunConfig(BaseModel):
             return PolicyBook(v).as_dict()
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
+
+    @field_validator("attack")
+    @classmethod
+    def _check_attack(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from fedswarm.algorithms.robust.attacks import parse_attack
+
+        return parse_attack(v).spec
+
+    @field_validator("dp", "dp_sgd")
+    @classmethod
+    def _check_dp(cls, v: str | None, info) -> str | None:
+        if v is None:
+            return v
+        from fedswarm.algorithms.privacy.dp_fedavg import parse_dp
+
+        return parse_dp(v, info.field_name).text()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_attack(cls, values: Any) -> Any:
+        if isinstance(values, dict) and values.get("byzantine") and not values.get("attack"):
+            values = {**values, "attack": "signflip"}
+        return values
+
+    @model_validator(mode="after")
+    def _check_byzantine(self) -> "RunConfig":
+        if self.byzantine > self.clients:
+            raise ValueError(f"byzantine: {self.byzantine} Byzantine clients asked for, the run has {self.clients} clients")
+        if self.attack is not None and self.byzantine == 0:
+            raise ValueError("attack: an attack needs Byzantine clients (--byzantine K)")
+        return self
 
     @model_validator(mode="after")
     def _check_devices(self) -> "RunConfig":

@@ -89,18 +89,28 @@ class LocalSetup:
         return LocalFit(self.cfg, self.trainer, self.start, result, self.device_class, self.policy).report()
 
 
-def prepare_local(msg: Message, context: Context, vector: torch.Tensor | None = None) -> LocalSetup:
+def prepare_local(msg: Message, context: Context, vector: torch.Tensor | None = None,
+                  partition: int | None = None) -> LocalSetup:
     """The first half of :func:`fedswarm.local.local_fit`, without training: the same
     config, partition, policy and local-SGD arguments, for client updates that must change
     the model before they train (freeze variables, swap in a sub-model). ``vector`` is the
     round's start parameters if the caller read them itself (else the message's first
-    ArrayRecord, checked against the model's size)."""
+    ArrayRecord, checked against the model's size). ``partition`` trains on another
+    partition than the node's own (redundant data assignment: Draco, Solon); the seed is
+    then that partition's, so every node that holds it computes the same update.
+
+    A ``byzantine`` record in the message (a data-poisoning attack, added on the way by
+    :class:`fedswarm.server.byzantine.ByzantineGrid`) flips the labels this node trains
+    on; ``dp_sgd`` in the run config trains with per-example clipping and noise."""
     cfg = run_config_of(msg, context)
-    pid, n = node_partition(context, cfg)
-    device_class = device_class_of(context.node_config, cfg.devices, pid, n)
+    own, n = node_partition(context, cfg)
+    pid = own if partition is None else int(partition)
+    device_class = device_class_of(context.node_config, cfg.devices, own, n)
     rec = msg.content.config_records.get("config")
     policy = policy_for(rec, device_class) if rec is not None else {}
-    trainer = trainer_for(cfg, pid, n)
+    poison = msg.content.config_records.get("byzantine")
+    label_flip = poison is not None and str(poison.get("attack", "")) == "labelflip"
+    trainer = trainer_for(cfg, pid, n, label_flip=label_flip)
     if vector is None:
         vector = arrayrecord_to_vector(next(iter(msg.content.array_records.values())), trainer.layout.d)
     # Same reading of the policy as local_fit: epochs without steps means epochs.
@@ -108,6 +118,10 @@ def prepare_local(msg: Message, context: Context, vector: torch.Tensor | None = 
     kwargs = dict(epochs=policy.get("local_epochs", cfg.local_epochs), steps=steps,
                   batch_size=policy.get("batch_size", cfg.batch_size), lr=policy.get("lr", cfg.lr),
                   momentum=cfg.momentum, seed=round_seed(cfg.seed, server_round(msg), pid))
+    if cfg.dp_sgd:
+        from fedswarm.algorithms.privacy.dp_fedavg import parse_dp
+
+        kwargs["dp"] = parse_dp(cfg.dp_sgd, "dp_sgd")
     return LocalSetup(cfg, trainer, vector, device_class, policy, kwargs)
 
 

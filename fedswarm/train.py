@@ -72,6 +72,7 @@ class TrainResult:
     loss: float  # mean training loss over the local steps
     num_examples: int
     steps: int
+    dp_sample_rate: float | None = None  # DP-SGD: the Poisson sampling rate of each step
 
 
 class LocalTrainer:
@@ -106,9 +107,19 @@ class LocalTrainer:
         steps: int | None = None,
         seed: int = 0,
         grad_hook: Callable[[torch.nn.Module], None] | None = None,
+        dp=None,
     ) -> TrainResult:
         """Run local SGD from ``flat``. Minibatches are drawn by a generator seeded with
-        ``seed``, so the same (flat, seed) gives the same result on every engine."""
+        ``seed``, so the same (flat, seed) gives the same result on every engine. ``dp``
+        (a :class:`~fedswarm.algorithms.privacy.dp_fedavg.DPSpec`) runs DP-SGD instead
+        (:mod:`fedswarm.algorithms.privacy.dp_sgd`)."""
+        if dp is not None:
+            from fedswarm.algorithms.privacy.dp_sgd import dp_sgd_fit
+
+            n_steps = self.steps_for(epochs, batch_size, steps)
+            flat_new, loss, q = dp_sgd_fit(self, flat, dp, steps=n_steps, batch_size=batch_size, lr=lr,
+                                           momentum=momentum, seed=seed)
+            return TrainResult(flat_new, loss, self.num_examples, n_steps, dp_sample_rate=q)
         set_flat(self.model, flat)
         self.model.train()
         opt = torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=lr, momentum=momentum)
@@ -156,14 +167,17 @@ def evaluate_flat(task: Task, model: torch.nn.Module, flat: torch.Tensor, x: tor
 
 @functools.lru_cache(maxsize=4096)
 def _trainer(task_name: str, seed: int, test_fraction: float, partition: str, pid: int, n: int,
-             device: str) -> LocalTrainer:
+             device: str, label_flip: bool = False) -> LocalTrainer:
     cfg = RunConfig(task=task_name, seed=seed, test_fraction=test_fraction, partition=partition,
                     clients=n)
     x, y = partition_data(cfg, pid, n)
+    if label_flip:  # a data-poisoning Byzantine client: label y becomes C-1-y
+        y = (task_data(cfg).num_classes - 1) - y
     return LocalTrainer(get_task(task_name), x, y, resolve_device(device), model_seed=seed)
 
 
-def trainer_for(cfg: RunConfig, partition_id: int, num_partitions: int) -> LocalTrainer:
-    """The (cached) trainer of one node: its partition loaded once per process."""
+def trainer_for(cfg: RunConfig, partition_id: int, num_partitions: int, *, label_flip: bool = False) -> LocalTrainer:
+    """The (cached) trainer of one node: its partition loaded once per process
+    (``label_flip``: the same partition with flipped labels, for a label-flipping attack)."""
     return _trainer(cfg.task, cfg.seed, cfg.test_fraction, cfg.partition, partition_id, num_partitions,
-                    cfg.device)
+                    cfg.device, label_flip)

@@ -18,7 +18,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedswarm.config import RunConfig
+from fedswarm.algorithms.privacy.accountant import PrivacyBudgetExceeded
+from fedswarm.config import ConfigError, RunConfig
 from fedswarm.params import ParamLayout, get_flat
 from fedswarm.policy import PolicyBook
 from fedswarm.store import Store
@@ -28,6 +29,7 @@ from fedswarm.train import evaluate_flat, resolve_device, task_data
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 from fedswarm.server.metered_grid import MeteredGrid, Traffic
 from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
+from fedswarm.strategies.federated.dp import attach_dp
 
 __all__ = ["app", "run_server", "split_run_config"]
 
@@ -55,8 +57,6 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
     the round would take on the nodes' device classes (the time model)."""
     random.seed(cfg.seed)  # Flower's node sampling uses the random module
     torch.manual_seed(cfg.seed)
-    entry = registry.get(cfg.strategy)
-    params = registry.resolve_params(cfg.strategy, cfg.params)
     task = get_task(cfg.task)
     device = resolve_device(cfg.device)
     model = task.model(cfg.seed).to(device)
@@ -67,15 +67,26 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
         flat = arrayrecord_to_vector(arrays, layout.d)
         return evaluate_flat(task, model, flat, data.test_x, data.test_y, device)
 
-    strategy = entry.build(params, registry.BuildContext(cfg, layout))
+    strategy = build_strategy(cfg, layout)
+    if cfg.byzantine:
+        from fedswarm.algorithms.robust.attacks import parse_attack
+        from fedswarm.server.byzantine import ByzantineGrid
+
+        # Attacks rewrite the chosen nodes' replies under the meter, so the bytes counted
+        # are the ones the attackers send; the strategy is never told who they are.
+        grid = ByzantineGrid(grid, parse_attack(cfg.attack or "signflip"), cfg.byzantine, seed=cfg.seed,
+                             layout=layout, on_attack=lambda nodes, spec: recorder.note(
+                                 byzantine_nodes=[str(n) for n in nodes], attack=spec))
     metered = MeteredGrid(grid)
     arrays = vector_to_arrayrecord(get_flat(model))
     # Policies travel as policy.<class> keys (current, per round), not as the initial table.
     train_config = ConfigRecord({k: v for k, v in cfg.to_flat().items() if k != "policies"})
     policies = PolicyBook(cfg.policies)
     policies.write(train_config)
+    observers = [example_level_privacy(cfg)] if cfg.dp_sgd else []
     recorder = RoundRecorder(store, run_id, metered, evaluate, listeners=listeners, sim_time=sim_time,
-                             policies=policies, train_config=train_config, node_kind=node_kind)
+                             policies=policies, train_config=train_config, node_kind=node_kind,
+                             observers=observers)
     store.set_status(run_id, "running")
     status = "finished"
     try:
@@ -92,12 +103,60 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
         store.set_status(run_id, "stopped", error=None)
         store.add_event(run_id, "stopped", str(stop))
         return status
+    except PrivacyBudgetExceeded as exc:  # --dp target_epsilon: the next round would exceed it
+        store.set_status(run_id, "stopped", error=None)
+        store.add_event(run_id, "privacy_budget", str(exc))
+        log.warning("run %s stopped: %s", run_id, exc)
+        return "stopped"
     except BaseException as exc:
         store.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
         store.add_event(run_id, "error", traceback.format_exc()[-4000:])
         raise
     store.set_status(run_id, status)
     return status
+
+
+def build_strategy(cfg: RunConfig, layout: ParamLayout):
+    """The run's strategy with its hyperparameters, ``--dp`` attached, and the checks a
+    bad combination fails (tolerance bounds, privacy budget, unsupported pairs) raised as
+    one-line errors."""
+    entry = registry.get(cfg.strategy)
+    if cfg.byzantine and entry.kind != "federated":
+        raise ConfigError(f"--byzantine applies to federated strategies; '{cfg.strategy}' is {entry.kind}")
+    if cfg.dp and entry.kind != "federated":
+        raise ConfigError(f"--dp applies to federated strategies; '{cfg.strategy}' is {entry.kind}")
+    params = registry.resolve_params(cfg.strategy, cfg.params)
+    strategy = entry.build(params, registry.BuildContext(cfg, layout))
+    return attach_dp(strategy, cfg)
+
+
+def example_level_privacy(cfg: RunConfig):
+    """An observer of each round's replies that accounts every client's DP-SGD steps and
+    returns the round's ``epsilon_example`` (the worst client's ε at the spec's delta)."""
+    from fedswarm.algorithms.privacy.accountant import PrivacyAccountant
+    from fedswarm.algorithms.privacy.dp_fedavg import parse_dp
+
+    spec = parse_dp(cfg.dp_sgd, "dp_sgd")
+    accountants: dict[int, PrivacyAccountant] = {}
+
+    def observe(traffic) -> dict:
+        for msg in traffic.replies:
+            if msg.has_error() or not msg.has_content():
+                continue
+            metrics = next(iter(msg.content.metric_records.values()), None)
+            if metrics is None or "dp_sample_rate" not in metrics:
+                continue
+            acc = accountants.setdefault(msg.metadata.src_node_id, PrivacyAccountant(spec.delta))
+            acc.step(float(metrics["dp_sample_rate"]), spec.noise_multiplier, int(metrics.get("steps", 0)))
+        if not accountants:
+            return {}
+        eps = max(a.epsilon() for a in accountants.values())
+        if spec.target_epsilon is not None and eps > spec.target_epsilon:
+            raise PrivacyBudgetExceeded(f"example-level epsilon {eps:.3f} passed target_epsilon="
+                                        f"{spec.target_epsilon:g} (delta={spec.delta:g})")
+        return {"epsilon_example": eps, "delta_example": spec.delta}
+
+    return observe
 
 
 app = ServerApp()

@@ -44,6 +44,7 @@ class RoundRecorder:
         node_kind: str = "sim",
         train_config: Any = None,
         poll_s: float = 0.2,
+        observers: list[Callable[[Any], dict[str, Any]]] | None = None,
     ):
         self.store = store
         self.run_id = run_id
@@ -55,6 +56,7 @@ class RoundRecorder:
         self.train_config = train_config  # the ConfigRecord every train message carries
         self.node_kind = node_kind  # "sim" (virtual nodes) or "supernode" (real SuperNodes)
         self.poll_s = poll_s
+        self.observers = list(observers or [])  # observer(traffic) -> metrics for the round's row
         self.offset = 0  # rounds done by earlier calls of Strategy.start (add_rounds)
         self.extra_rounds = 0
         self.last_round = 0
@@ -87,6 +89,8 @@ class RoundRecorder:
             "sim_time_s": self.sim_time(rnd, traffic) if (self.sim_time and server_round > 0) else None,
             "num_clients": len(node_rows),
         }
+        for observe in self.observers:
+            row.update(observe(traffic))
         notes, self._notes = self._notes, {}
         row.update(notes)
         self.store.add_round(self.run_id, rnd, **row)

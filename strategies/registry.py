@@ -82,6 +82,8 @@ _BUILTIN_MODULES = (
     "fedswarm.strategies.federated.compressed_fedavg",
     "fedswarm.strategies.federated.gtopk",
     "fedswarm.strategies.federated.sketched",
+    "fedswarm.strategies.federated.robust",
+    "fedswarm.strategies.federated.coded",
 )
 
 

@@ -91,6 +91,9 @@ class CompressedStrategy(Strategy):
     """
 
     name = ""
+    #: True for strategies whose aggregate is an average of the parsed per-client vectors,
+    #: so DP-FedAvg's clip and noise (``dp``) can replace them by their private average.
+    supports_dp = False
 
     def __init__(self, layout: ParamLayout, *, server_lr: float = 1.0, fraction_train: float = 1.0,
                  min_train_nodes: int = 1, min_available_nodes: int = 1, seed: int = 0, history: int = 8):
@@ -112,6 +115,7 @@ class CompressedStrategy(Strategy):
         self._keys: list[tuple[str, tuple[int, ...]]] | None = None
         self._rejected: dict[str, str] = {}
         self.round = 0  # rounds configured by this object (see configure_train)
+        self.dp = None  # a fedswarm.algorithms.privacy.dp_fedavg.ClientLevelDP (strategies.federated.dp)
 
     @property
     def message_type(self) -> str:
@@ -156,6 +160,8 @@ class CompressedStrategy(Strategy):
                         grid: Grid) -> Iterable[Message]:
         self._grid = grid
         self._ensure_model(arrays)
+        if self.dp is not None:
+            self.dp.before_round()  # refuses a round past the privacy budget
         num = int(len(list(grid.get_node_ids())) * self.fraction_train)
         node_ids, available = sample_nodes(grid, self.min_available_nodes, max(num, self.min_train_nodes))
         log(INFO, "configure_train: sampled %s nodes (out of %s)", len(node_ids), len(available))
@@ -197,6 +203,13 @@ class CompressedStrategy(Strategy):
             accepted.append(Accepted(nid, msg, weight, value))
         accepted.sort(key=lambda a: a.node_id)
         metrics: dict[str, float] = {"accepted": len(accepted), "rejected": len(self._rejected), "failed": failed}
+        if self.dp is not None and accepted:
+            # DP-FedAvg: the clipped, noised average replaces every client's vector, with
+            # equal weights, so the subclass's (linear) aggregate of them is that average.
+            private, dp_metrics = self.dp.privatize(torch.stack([a.value for a in accepted]))
+            for a in accepted:
+                a.value, a.weight = private, 1.0
+            self._note(**dp_metrics)
         step = self.aggregate(self.round, accepted) if accepted else None
         if step is not None:
             if not bool(torch.isfinite(step.update).all()):  # never commit a non-finite model
@@ -359,6 +372,8 @@ def finish(cr: ClientRound, fit: LocalFit, reply: RecordDict, **metrics: float) 
         state[key] = value
     reply["metrics"] = MetricRecord({"num-examples": fit.result.num_examples, "train_loss": fit.result.loss,
                                      "steps": fit.result.steps, **metrics})
+    if fit.result.dp_sample_rate is not None:  # DP-SGD: what the server's accountant needs
+        reply["metrics"]["dp_sample_rate"] = fit.result.dp_sample_rate
     reply["node"] = fit.report()
     return reply
 

@@ -95,6 +95,7 @@ class CompressedFedAvg(CompressedStrategy):
     """
 
     name = "compressed_fedavg"
+    supports_dp = True
 
     def __init__(self, layout: ParamLayout, codec: str = "topk", codec_params: dict | None = None,
                  error_feedback: bool = True, downlink_codec: str = "none",
@@ -112,8 +113,11 @@ class CompressedFedAvg(CompressedStrategy):
                 f"error feedback: {self.error_feedback}", f"downlink codec: {down}"]
 
     def knobs(self, server_round: int) -> dict[str, Any]:
-        return {"codec": self.codec.name, "codec_params": json.dumps(self.codec.params),
-                "error_feedback": self.error_feedback}
+        knobs = {"codec": self.codec.name, "codec_params": json.dumps(self.codec.params),
+                 "error_feedback": self.error_feedback}
+        if self.dp is not None:
+            knobs["dp_clip"] = self.dp.clip  # clients clip before they compress
+        return knobs
 
     def parse_reply(self, msg: Message) -> torch.Tensor:
         x = decode_payload(read_payload(msg, self.layout.d), self.layout)
@@ -195,6 +199,10 @@ def client_update(msg: Message, context: Context) -> RecordDict:
     params.update(fit.policy.get("codec_params") or {})
     codec = make_codec(name, **params)
     delta = (fit.result.flat - fit.start)[None]
+    if "dp_clip" in knobs:  # DP-FedAvg: clip before compressing (the server clips again)
+        from fedswarm.algorithms.privacy.dp_fedavg import clip_rows
+
+        delta = clip_rows(delta, float(knobs["dp_clip"]))[0]
     key = f"{msg.metadata.message_type}.residual"
     seed = (cr.cfg.seed * 1_000_003 + cr.round * 10_007) % (2**31 - 1)
     if codec.name in _PER_CLIENT_SEED:  # as row `partition-id` of one batch of all clients

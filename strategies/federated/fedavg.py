@@ -13,13 +13,18 @@ from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
 
 def build(params: dict, ctx: BuildContext) -> FedAvg:
     cfg = ctx.config
-    return FedAvg(
+    kwargs = dict(
         fraction_train=cfg.fraction,
         fraction_evaluate=0.0,  # the server evaluates the global model on the held-out test set
         min_train_nodes=1,
         min_evaluate_nodes=0,
         min_available_nodes=cfg.clients,
     )
+    if cfg.dp:  # DP-FedAvg: clip each client's change, Gaussian noise on the sum
+        from fedswarm.strategies.federated.dp import DPFedAvg, client_dp
+
+        return DPFedAvg(client_dp(cfg), **kwargs)
+    return FedAvg(**kwargs)
 
 
 ENTRY = register(StrategyEntry(

@@ -1,0 +1,197 @@
+"""Client-level differential privacy for federated averaging (DP-FedAvg), and the
+``--dp`` / ``--dp-sgd`` specs.
+
+Update rule (McMahan, Ramage, Talwar, Zhang, "Learning Differentially Private Recurrent
+Language Models", ICLR 2018), for the K clients of a round with updates ``v_i``::
+
+    v̄_i = v_i · min(1, C / ||v_i||)                     # clip each update (norm <= C)
+    u   = (Σ_i v̄_i + N(0, (z·C)² I)) / K                # noise on the sum, uniform weights
+
+Sensitivity of the sum to one client is C, so one round is a Gaussian mechanism with
+noise multiplier z; with clients sampled at rate q it is the sampled Gaussian mechanism
+the accountant (:mod:`.accountant`) composes over rounds.
+
+Adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning
+with Adaptive Clipping", NeurIPS 2021, Alg. 1): the clip tracks the γ-quantile of update
+norms, ``C ← C · exp(−η_C (b̃ − γ))`` with ``b̃ = (Σ_i 1[||v_i|| <= C] + N(0, σ_b²)) / K``.
+The count is released with noise too, so the update's noise multiplier becomes
+``z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2)`` and the pair costs exactly one Gaussian mechanism of
+multiplier z (their Thm. 1); σ_b defaults to K/20 as in the paper.
+
+Composing with compression: clients clip *before* compressing (so the codec sees a
+bounded vector); the server clips again what it decodes, because error feedback adds a
+residual the client's clip did not bound, and the guarantee must not rest on clients.
+
+State: the clip C, the noise generator, the accountant. Wire: unchanged (the noise is
+added on the server).
+
+Noise comes from torch's generator seeded by the run's seed, so a run is reproducible;
+it is not a cryptographic random source — a deployment that must resist an attacker who
+knows the seed should draw it from ``os.urandom`` (``secure=true``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from fedswarm.algorithms.privacy.accountant import PrivacyAccountant, PrivacyBudgetExceeded, calibrate_noise
+
+__all__ = ["DPSpec", "parse_dp", "ClientLevelDP", "clip_rows"]
+
+_KEYS = {
+    "noise_multiplier": float, "clip": float, "delta": float, "target_epsilon": float,
+    "adaptive": bool, "quantile": float, "clip_lr": float, "count_noise": float, "secure": bool,
+}
+
+
+@dataclass(frozen=True)
+class DPSpec:
+    """A parsed ``--dp`` or ``--dp-sgd`` spec."""
+
+    noise_multiplier: float | None = None
+    clip: float = 1.0
+    delta: float = 1e-5
+    target_epsilon: float | None = None
+    adaptive: bool = False
+    quantile: float = 0.5
+    clip_lr: float = 0.2
+    count_noise: float | None = None  # σ_b; None: K/20
+    secure: bool = False
+
+    def text(self) -> str:
+        parts = [f"{k}={getattr(self, k)}" for k in _KEYS if getattr(self, k) is not None]
+        return ",".join(parts)
+
+
+def parse_dp(spec: str, what: str = "dp") -> DPSpec:
+    """``noise_multiplier=N[,clip=C,delta=D,...]`` or ``target_epsilon=E[,delta=D]``;
+    raises ValueError naming the bad key or value."""
+    values: dict = {}
+    for item in filter(None, (x.strip() for x in str(spec).split(","))):
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or key not in _KEYS:
+            raise ValueError(f"--{what.replace('_', '-')}: bad item '{item}' (keys: {', '.join(_KEYS)})")
+        raw = raw.strip()
+        if _KEYS[key] is bool:
+            if raw.lower() not in ("true", "false"):
+                raise ValueError(f"--{what}: {key} must be true or false (got '{raw}')")
+            values[key] = raw.lower() == "true"
+            continue
+        try:
+            v = float(raw)
+        except ValueError:
+            raise ValueError(f"--{what}: {key} must be a number (got '{raw}')") from None
+        if not math.isfinite(v):
+            raise ValueError(f"--{what}: {key} must be finite (got '{raw}')")
+        values[key] = v
+    out = DPSpec(**values)
+    if out.noise_multiplier is None and out.target_epsilon is None:
+        raise ValueError(f"--{what} needs noise_multiplier=N or target_epsilon=E")
+    if out.noise_multiplier is not None and not out.noise_multiplier > 0:
+        raise ValueError(f"--{what}: noise_multiplier must be > 0 (got {out.noise_multiplier})")
+    if not out.clip > 0:
+        raise ValueError(f"--{what}: clip must be > 0 (got {out.clip})")
+    if not 0 < out.delta < 1:
+        raise ValueError(f"--{what}: delta must be in (0, 1) (got {out.delta})")
+    if out.target_epsilon is not None and not out.target_epsilon > 0:
+        raise ValueError(f"--{what}: target_epsilon must be > 0 (got {out.target_epsilon})")
+    if not 0 < out.quantile < 1:
+        raise ValueError(f"--{what}: quantile must be in (0, 1) (got {out.quantile})")
+    if not out.clip_lr > 0:
+        raise ValueError(f"--{what}: clip_lr must be > 0 (got {out.clip_lr})")
+    return out
+
+
+def clip_rows(x: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row scaled to norm <= ``clip``; also whether each row was within it."""
+    norms = torch.linalg.vector_norm(x.to(torch.float64), dim=1)
+    scale = torch.clamp(clip / torch.clamp(norms, min=1e-12), max=1.0).to(x.dtype)
+    return x * scale[:, None], norms <= clip
+
+
+class ClientLevelDP:
+    """The server half of DP-FedAvg: clip, noise, adaptive clip, accounting.
+
+    Parameters
+    ----------
+    spec : DPSpec
+    rounds : int
+        Rounds the run plans (to calibrate ``target_epsilon`` alone, or to refuse a run
+        whose planned rounds would exceed it).
+    sample_rate : float
+        q, the fraction of clients in a round.
+    seed : int
+    """
+
+    def __init__(self, spec: DPSpec, *, rounds: int, sample_rate: float, seed: int = 0):
+        self.spec = spec
+        self.q = float(sample_rate)
+        self.accountant = PrivacyAccountant(spec.delta)
+        if spec.noise_multiplier is None:
+            self.noise_multiplier = calibrate_noise(spec.target_epsilon, spec.delta, self.q, rounds)
+        else:
+            self.noise_multiplier = float(spec.noise_multiplier)
+            if spec.target_epsilon is not None:
+                planned = self.accountant.epsilon_after(self.q, self.noise_multiplier, rounds)
+                if planned > spec.target_epsilon:
+                    raise PrivacyBudgetExceeded(
+                        f"{rounds} rounds at noise_multiplier={self.noise_multiplier:g} (q={self.q:g}) spend "
+                        f"epsilon={planned:.3f} > target_epsilon={spec.target_epsilon:g} at delta={spec.delta:g}; "
+                        f"use fewer rounds, more noise, or target_epsilon alone to calibrate the noise")
+        self.clip = float(spec.clip)
+        self.generator = torch.Generator().manual_seed(
+            int.from_bytes(os.urandom(8), "little") % (2**63) if spec.secure else seed * 7_777_777 + 12_345)
+
+    def before_round(self) -> None:
+        """Refuse a round that would take ε past ``target_epsilon``."""
+        t = self.spec.target_epsilon
+        if t is not None:
+            nxt = self.accountant.epsilon_after(self.q, self.noise_multiplier, 1)
+            if nxt > t * (1 + 1e-9):
+                raise PrivacyBudgetExceeded(
+                    f"one more round would spend epsilon={nxt:.3f} > target_epsilon={t:g} (delta={self.spec.delta:g}): "
+                    f"stopped after epsilon={self.accountant.epsilon():.3f}")
+
+    def _update_noise(self, k: int) -> tuple[float, float]:
+        """(z_Δ, σ_b) for a round of k clients."""
+        z = self.noise_multiplier
+        if not self.spec.adaptive:
+            return z, 0.0
+        sigma_b = self.spec.count_noise if self.spec.count_noise is not None else k / 20.0
+        if 2 * sigma_b <= z:
+            raise ValueError(f"adaptive clipping needs count noise 2*sigma_b > z ({2 * sigma_b:g} <= {z:g}): "
+                             f"raise count_noise")
+        return (z ** -2 - (2 * sigma_b) ** -2) ** -0.5, sigma_b
+
+    def privatize(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """``x [K, d]`` (one update per client) -> (the noised mean of clipped updates,
+        the round's metrics); accounts the round."""
+        k = x.shape[0]
+        z_update, sigma_b = self._update_noise(k)
+        clipped, within = clip_rows(x.to(torch.float32), self.clip)
+        noise = torch.randn(x.shape[1], generator=self.generator, dtype=torch.float32) * (z_update * self.clip)
+        mean = (clipped.sum(dim=0) + noise) / k
+        metrics = {"dp_clip": self.clip, "dp_noise_multiplier": self.noise_multiplier,
+                   "dp_clipped_fraction": float(1.0 - within.float().mean())}
+        if self.spec.adaptive:
+            b = (float(within.sum()) + float(torch.randn((), generator=self.generator, dtype=torch.float64)) * sigma_b) / k
+            self.clip *= math.exp(-self.spec.clip_lr * (b - self.spec.quantile))
+        self.accountant.step(self.q, self.noise_multiplier, 1)
+        metrics["epsilon"] = self.accountant.epsilon()
+        metrics["delta"] = self.spec.delta
+        return mean, metrics
+
+    def state_dict(self) -> dict:
+        return {"clip": self.clip, "noise_multiplier": self.noise_multiplier,
+                "accountant": self.accountant.state_dict(), "generator": self.generator.get_state().tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.clip = float(state["clip"])
+        self.noise_multiplier = float(state["noise_multiplier"])
+        self.accountant.load_state_dict(state["accountant"])
+        self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))

@@ -1,0 +1,130 @@
+"""Client-level differential privacy (DP-FedAvg) for fedswarm's federated strategies.
+
+``--dp`` composes with:
+
+- ``fedavg``: :class:`DPFedAvg`, Flower's FedAvg whose aggregation clips each client's
+  model change and adds Gaussian noise to the sum (uniform weights: example counts are
+  data too);
+- the compressed strategies that average decoded vectors (``compressed_fedavg``,
+  ``onebit``): their clients clip *before* compressing, the server clips again what it
+  decodes, noises the sum, and the strategy goes on (a downlink codec compresses the
+  noised average: post-processing costs no privacy).
+
+Strategies whose aggregate is not an average of per-client vectors (robust rules, coded
+schemes, sketches) refuse ``--dp`` with a clear error: their sensitivity to one client is
+not the clip norm. The math and the accountant live in
+:mod:`fedswarm.algorithms.privacy`; every round notes ``epsilon`` (for the run's delta),
+the clip and the noise multiplier, which the recorder writes to the round's row.
+"""
+
+from __future__ import annotations
+
+from logging import WARNING
+from typing import Any, Callable, Iterable
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Result
+
+from fedswarm.algorithms.privacy.dp_fedavg import ClientLevelDP, parse_dp
+from fedswarm.config import ConfigError, RunConfig
+from fedswarm.payload import PayloadError
+from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
+
+__all__ = ["DPFedAvg", "client_dp", "attach_dp"]
+
+
+def client_dp(cfg: RunConfig) -> ClientLevelDP | None:
+    """The server's DP-FedAvg mechanism for ``cfg.dp`` (None without ``--dp``). Raises
+    :class:`~fedswarm.algorithms.privacy.accountant.PrivacyBudgetExceeded` for a run whose
+    planned rounds would exceed ``target_epsilon``."""
+    if not cfg.dp:
+        return None
+    return ClientLevelDP(parse_dp(cfg.dp), rounds=cfg.rounds, sample_rate=cfg.fraction, seed=cfg.seed)
+
+
+class DPFedAvg(FedAvg):
+    """FedAvg with DP-FedAvg's clipping and noise (McMahan et al., ICLR 2018)::
+
+        x ← x + (Σ_i clip_C(x_i − x) + N(0, (z·C)² I)) / K
+
+    Parameters
+    ----------
+    dp : ClientLevelDP
+        Clip, noise, adaptive clipping and the accountant.
+    **kwargs
+        Flower's FedAvg arguments.
+    """
+
+    def __init__(self, dp: ClientLevelDP, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.dp = dp
+        self._global: torch.Tensor | None = None
+        self._keys: list[tuple[str, tuple[int, ...]]] = []
+        self._evaluate_fn: Callable | None = None
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn=None) -> Result:
+        self._evaluate_fn = evaluate_fn
+        return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        self.dp.before_round()
+        self._global = arrayrecord_to_vector(arrays)
+        self._keys = [(k, tuple(arrays[k].shape)) for k in arrays.keys()]
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        deltas = []
+        for msg in replies:
+            if msg.has_error() or "arrays" not in msg.content.array_records:
+                continue
+            try:
+                x = arrayrecord_to_vector(msg.content.array_records["arrays"], self._global.numel())
+            except PayloadError as exc:
+                log(WARNING, "DP-FedAvg: reply of node %s rejected: %s", msg.metadata.src_node_id, exc)
+                continue
+            deltas.append(x - self._global)
+        if not deltas:
+            return None, None
+        mean, metrics = self.dp.privatize(torch.stack(deltas))
+        note = getattr(self._evaluate_fn, "note", None)
+        if callable(note):
+            note(**metrics)
+        new = self._global + mean
+        rec, off = ArrayRecord(), 0
+        if len(self._keys) == 1:
+            rec = vector_to_arrayrecord(new, self._keys[0][0])
+        else:
+            from flwr.app import Array
+            import numpy as np
+
+            for key, shape in self._keys:
+                n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+                rec[key] = Array(np.ascontiguousarray(new[off:off + n].reshape(shape).numpy()))
+                off += n
+        return rec, MetricRecord({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+
+    def state_dict(self) -> dict:
+        return {"dp": self.dp.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dp.load_state_dict(state["dp"])
+
+
+def attach_dp(strategy: Any, cfg: RunConfig) -> Any:
+    """Give ``strategy`` the run's DP-FedAvg mechanism, or refuse clearly."""
+    if not cfg.dp or isinstance(strategy, DPFedAvg):
+        return strategy
+    from fedswarm.strategies.federated.compressed_base import CompressedStrategy
+
+    if isinstance(strategy, CompressedStrategy) and getattr(strategy, "supports_dp", False):
+        strategy.dp = client_dp(cfg)
+        return strategy
+    raise ConfigError(f"strategy '{cfg.strategy}' does not support --dp: its aggregate is not an average of "
+                      f"per-client vectors, so one client's influence is not bounded by the clip norm "
+                      f"(use fedavg, compressed_fedavg or onebit)")
