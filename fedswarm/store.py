@@ -379,6 +379,18 @@ class Store:
         }
         sims = [r["sim_time_s"] for r in rows if r["sim_time_s"] is not None]
         summary["sim_time_s"] = sum(sims) if sims else None
+        # Privacy spent and attacks suffered, when the run had them (DP, --byzantine).
+        for key in ("epsilon", "epsilon_example"):
+            eps = [r[key] for r in rows if r.get(key) is not None]
+            if eps:
+                summary[key] = eps[-1]
+                summary["delta" if key == "epsilon" else "delta_example"] = next(
+                    (r.get("delta" if key == "epsilon" else "delta_example") for r in reversed(rows)
+                     if r.get(key) is not None), None)
+        attacked = [r for r in rows if r.get("byzantine_nodes")]
+        if attacked:
+            summary["byzantine_nodes"] = sorted({n for r in attacked for n in r["byzantine_nodes"]}, key=str)
+            summary["attack"] = attacked[-1].get("attack")
         summary.update({k: v for k, v in (run.summary or {}).items() if k not in summary})
         return {
             "run_id": run.id,

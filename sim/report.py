@@ -47,6 +47,15 @@ def summary_table(result: dict) -> Table:
         t.add_row("final consensus distance", _fmt(rows[-1].get("consensus_distance") if rows else None, ".3g"))
     if s.get("sim_time_s") is not None:
         t.add_row("simulated time (time model)", f"{s['sim_time_s']:.2f} s")
+    if s.get("epsilon") is not None:
+        t.add_row("privacy spent (client level)", f"ε = {s['epsilon']:.3f} at δ = {s.get('delta'):g}")
+    if s.get("epsilon_example") is not None:
+        t.add_row("privacy spent (example level)", f"ε = {s['epsilon_example']:.3f} at δ = {s.get('delta_example'):g}")
+    if s.get("byzantine_nodes"):
+        t.add_row("Byzantine clients", f"{len(s['byzantine_nodes'])} ({s.get('attack')}): nodes {', '.join(s['byzantine_nodes'])}")
+    failed = [r["round"] for r in rows if r.get("decode_failed")]
+    if failed:
+        t.add_row("rounds not decoded", f"{len(failed)} (more liars than the code corrects): {failed[:10]}")
     if s.get("process_wall_s") is not None:
         t.add_row("process wall time", f"{s['process_wall_s']:.2f} s")
     return t

@@ -64,12 +64,12 @@ def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, ou
     t0 = time.perf_counter()
     progress = Progress(
         TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
-        TextColumn("acc {task.fields[acc]}"), TextColumn("up {task.fields[up]}"),
+        TextColumn("acc {task.fields[acc]}"), TextColumn("up {task.fields[up]}"), TextColumn("{task.fields[eps]}"),
         TimeElapsedColumn(), console=console, transient=False,
     )
     status = "failed"
     with progress:
-        bar = progress.add_task("rounds", total=cfg.rounds, acc="-", up="0 B")
+        bar = progress.add_task("rounds", total=cfg.rounds, acc="-", up="0 B", eps="")
         totals = {"up": 0}
 
         def on_round(rnd: int, row: dict[str, Any]) -> None:
@@ -79,8 +79,13 @@ def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, ou
             run = store.get_run(run_id)
             total = run.total_rounds if run is not None else cfg.rounds
             acc = row.get("test_accuracy")
+            eps = " ".join(f"{label} {row[key]:.3f}" for key, label in (("epsilon", "ε"), ("epsilon_example", "ε/example"))
+                           if row.get(key) is not None)
             progress.update(bar, completed=rnd, total=total, acc=f"{acc:.3f}" if acc is not None else "-",
-                            up=human_bytes(totals["up"]))
+                            up=human_bytes(totals["up"]), eps=eps)
+            if eps:  # a DP run prints its privacy spent every round
+                progress.console.print(f"round {rnd}: test accuracy {acc:.4f}, {eps} (δ = "
+                                       f"{row.get('delta', row.get('delta_example'))})")
 
         try:
             status = run_engine(cfg, store=store, run_id=run_id, listeners=[on_round])

@@ -78,6 +78,7 @@ theorem is unverified.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -115,6 +116,16 @@ class DecodeResult:
     message: str = ""
     greedy: bool = False
     extra: dict = field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=64)
+def _supports(n: int, e: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every set of ``e`` positions out of ``n`` to drop, and the positions kept."""
+    drops = np.array(list(itertools.combinations(range(n), e)), dtype=int).reshape(-1, e)
+    mask = np.ones((len(drops), n), bool)
+    mask[np.arange(len(drops))[:, None], drops] = False
+    keeps = np.nonzero(mask)[1].reshape(len(drops), n - e)
+    return drops, keeps
 
 
 def _chebyshev_nodes(n: int) -> np.ndarray:
@@ -158,6 +169,7 @@ class PolynomialCode:
         self.beta = nodes[bidx]
         self._worker_nodes = np.delete(nodes, bidx)
         self.stride, self.theta, self.coef = self._best_stride()
+        self._bases: dict = {}  # (rows, support size) -> orthonormal bases of the candidate codes
 
     # -- construction --------------------------------------------------------------------
     def _coefficients(self, theta: np.ndarray) -> np.ndarray:
@@ -274,11 +286,15 @@ class PolynomialCode:
         return DecodeResult(True, sums.reshape(-1)[:d].copy(), liars, missing, "", greedy,
                             {"residual": resid / max(norm, 1e-300)})
 
-    def _residuals(self, rows: np.ndarray, Yp: np.ndarray, keeps: np.ndarray) -> np.ndarray:
+    def _residuals(self, rows: np.ndarray, Yp: np.ndarray, keeps: np.ndarray, key=None) -> np.ndarray:
         """Residual of ``Yp`` on each row set of ``keeps [n_sets, n_keep]`` (positions into
-        ``rows``) against the code: batched QR, one per candidate support."""
-        V = C.chebvander(self.theta[rows[keeps]], self.k - 1)  # [n_sets, n_keep, k]
-        q, _ = np.linalg.qr(V)
+        ``rows``) against the code: one orthonormal basis per candidate support (batched
+        QR, cached per ``key``)."""
+        q = self._bases.get(key) if key is not None else None
+        if q is None:
+            q, _ = np.linalg.qr(C.chebvander(self.theta[rows[keeps]], self.k - 1))  # [n_sets, n_keep, k]
+            if key is not None:
+                self._bases[key] = q
         y = Yp[keeps]  # [n_sets, n_keep, q]
         return np.linalg.norm(y - q @ (np.swapaxes(q, 1, 2) @ y), axis=(1, 2))
 
@@ -287,13 +303,13 @@ class PolynomialCode:
         codeword, or None if none of size <= t does."""
         n = rows.size
         everyone = np.arange(n)
-        if self._residuals(rows, Yp, everyone[None])[0] <= tol:
+        rkey = rows.tobytes()
+        if self._residuals(rows, Yp, everyone[None], (rkey, 0))[0] <= tol:
             return np.array([], dtype=int), False
         if sum(math.comb(n, e) for e in range(1, t + 1)) <= MAX_SUBSETS:
             for e in range(1, t + 1):
-                drops = np.array(list(itertools.combinations(range(n), e)), dtype=int)
-                keeps = np.array([np.setdiff1d(everyone, dr) for dr in drops])
-                res = self._residuals(rows, Yp, keeps)
+                drops, keeps = _supports(n, e)
+                res = self._residuals(rows, Yp, keeps, (rkey, e))
                 best = int(np.argmin(res))
                 if res[best] <= tol:
                     return drops[best], False
