@@ -16,7 +16,8 @@ with Adaptive Clipping", NeurIPS 2021, Alg. 1): the clip tracks the γ-quantile 
 norms, ``C ← C · exp(−η_C (b̃ − γ))`` with ``b̃ = (Σ_i 1[||v_i|| <= C] + N(0, σ_b²)) / K``.
 The count is released with noise too, so the update's noise multiplier becomes
 ``z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2)`` and the pair costs exactly one Gaussian mechanism of
-multiplier z (their Thm. 1); σ_b defaults to K/20 as in the paper.
+multiplier z (their Thm. 1); σ_b defaults to K/20 as in the paper, or z when that is
+larger (with few clients K/20 would leave no noise for the update).
 
 Composing with compression: clients clip *before* compressing (so the codec sees a
 bounded vector); the server clips again what it decodes, because error feedback adds a
@@ -59,7 +60,7 @@ class DPSpec:
     adaptive: bool = False
     quantile: float = 0.5
     clip_lr: float = 0.2
-    count_noise: float | None = None  # σ_b; None: K/20
+    count_noise: float | None = None  # σ_b; None: max(K/20, z)
     secure: bool = False
 
     def text(self) -> str:
@@ -162,7 +163,8 @@ class ClientLevelDP:
         z = self.noise_multiplier
         if not self.spec.adaptive:
             return z, 0.0
-        sigma_b = self.spec.count_noise if self.spec.count_noise is not None else k / 20.0
+        # The paper's K/20 assumes hundreds of clients; with few, 2σ_b must still exceed z.
+        sigma_b = self.spec.count_noise if self.spec.count_noise is not None else max(k / 20.0, z)
         if 2 * sigma_b <= z:
             raise ValueError(f"adaptive clipping needs count noise 2*sigma_b > z ({2 * sigma_b:g} <= {z:g}): "
                              f"raise count_noise")

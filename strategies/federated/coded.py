@@ -186,8 +186,13 @@ def _build(scheme_default: str, name: str):
                                      server_lr=params["server_lr"], seed=cfg.seed)
         except ToleranceError as exc:
             raise ConfigError(f"{name}: {exc}") from None
-        if cfg.byzantine > s:
-            raise ConfigError(f"{name} is built to correct s={s} liars but --byzantine is {cfg.byzantine}")
+        m = params.get("m", 1) if name == "solon" else 1
+        if 2 * cfg.byzantine + m > cfg.clients:
+            raise ConfigError(f"{name}: {cfg.byzantine} Byzantine of {cfg.clients} clients is past what any such code "
+                              f"corrects (P >= 2s + m = {2 * cfg.byzantine + m})")
+        if cfg.byzantine > s:  # allowed on purpose: the rounds then say they could not be decoded
+            log(WARNING, "%s corrects s=%d liars and the run has %d: rounds it cannot decode leave the model "
+                "as it was", name, s, cfg.byzantine)
         return strategy
     return build
 

@@ -47,6 +47,8 @@ class RobustAggregation(CompressedFedAvg):
         See :class:`~fedswarm.strategies.federated.compressed_base.CompressedStrategy`.
     """
 
+    supports_dp = False  # a robust rule's output is not an average: no clip-norm sensitivity
+
     def __init__(self, layout: ParamLayout, rule: RobustRule, *, codec: str = "none", **kwargs: Any):
         super().__init__(layout, codec=codec, error_feedback=False, **kwargs)
         self.rule = rule
