@@ -10,5 +10,8 @@ else.
 - :mod:`fedswarm.algorithms.decentralized`: one object per decentralized algorithm, and
   the topologies they gossip over;
 - :mod:`fedswarm.algorithms.selection`: what a node trains or who trains next (HL's
-  policy, PVT's and ProgFed's schedules).
+  policy, PVT's and ProgFed's schedules);
+- :mod:`fedswarm.algorithms.robust`: Byzantine-robust rules on the client axis, the
+  gradient codes of Draco and Solon, and the attacks;
+- :mod:`fedswarm.algorithms.privacy`: DP-FedAvg, DP-SGD and the privacy accountant.
 """

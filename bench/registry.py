@@ -22,6 +22,8 @@ BENCHMARKS = {
     "edge": "fedswarm.bench.edge",
     "dashboard": "fedswarm.bench.dashboard",
     "swarm": "fedswarm.bench.swarm",
+    "robust": "fedswarm.bench.robust",
+    "privacy": "fedswarm.bench.privacy",
 }
 
 

@@ -20,6 +20,10 @@ _EXPORTS = {
     "PartialVariableTraining": "fedswarm.strategies.edge.pvt",
     "ProgFed": "fedswarm.strategies.edge.progfed",
     "HomogeneousLearning": "fedswarm.strategies.edge.hl",
+    "RobustAggregation": "fedswarm.strategies.federated.robust",
+    "Signum": "fedswarm.strategies.federated.robust",
+    "CodedStrategy": "fedswarm.strategies.federated.coded",
+    "DPFedAvg": "fedswarm.strategies.federated.dp",
 }
 
 __all__ = list(_EXPORTS)
