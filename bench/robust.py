@@ -52,7 +52,7 @@ from fedswarm.timemodel import DeviceClass, Link, Profile, sync_round_time_s
 __all__ = ["run", "ARMS", "ATTACKS", "PROFILES", "time_to_target"]
 
 CLIENTS, TASK, SEED = 15, "digits-mlp", 0
-ROUNDS, QUICK_ROUNDS = 25, 6
+ROUNDS, QUICK_ROUNDS = 20, 6
 LOCAL = dict(local_steps=2, batch_size=32, lr=0.5)
 SOLON_M = 3
 

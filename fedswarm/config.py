@@ -141,7 +141,10 @@ class RunConfig(BaseModel):
             return v
         from fedswarm.algorithms.privacy.dp_fedavg import parse_dp
 
-        return parse_dp(v, info.field_name).text()
+        spec = parse_dp(v, info.field_name)
+        if info.field_name == "dp_sgd" and spec.noise_multiplier is None:
+            raise ValueError("--dp-sgd needs noise_multiplier=N (target_epsilon=E then stops the run at that budget)")
+        return spec.text()
 
     @model_validator(mode="before")
     @classmethod

@@ -361,6 +361,8 @@ def begin(msg: Message, context: Context) -> ClientRound:
 def train(cr: ClientRound) -> LocalFit:
     """Local SGD from the public model (policies apply); returns the LocalFit."""
     content = RecordDict({"arrays": vector_to_arrayrecord(cr.model), "config": cr.msg.content.config_records["config"]})
+    if "byzantine" in cr.msg.content.config_records:  # a data-poisoning attacker trains on what it was told
+        content["byzantine"] = cr.msg.content.config_records["byzantine"]
     return local_fit(_TrainView(content), cr.context)
 
 

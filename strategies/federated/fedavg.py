@@ -6,9 +6,36 @@ models weighted by ``num-examples``. Wire: the full model, 4d bytes each way per
 
 from __future__ import annotations
 
+from logging import WARNING
+
+from flwr.common import log
 from flwr.serverapp.strategy import FedAvg
 
+from fedswarm.payload import PayloadError
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
+from fedswarm.wire import arrayrecord_to_vector
+
+
+class CheckedFedAvg(FedAvg):
+    """Flower's FedAvg, except that a reply whose model is malformed (wrong size, not
+    floating point, non-finite) is dropped with a warning instead of averaged in: one
+    such reply would otherwise turn the global model into NaN. A *well-formed* lie still
+    moves the average anywhere (that is what the robust strategies are for)."""
+
+    def aggregate_train(self, server_round, replies):
+        kept, d = [], None
+        for msg in replies:
+            if not msg.has_error() and "arrays" in msg.content.array_records:
+                try:
+                    vec = arrayrecord_to_vector(msg.content.array_records["arrays"])
+                    if d is not None and vec.numel() != d:
+                        raise PayloadError(f"model has {vec.numel()} values, others have {d}")
+                    d = vec.numel()
+                except PayloadError as exc:
+                    log(WARNING, "round %s: reply of node %s dropped: %s", server_round, msg.metadata.src_node_id, exc)
+                    continue
+            kept.append(msg)
+        return super().aggregate_train(server_round, kept)
 
 
 def build(params: dict, ctx: BuildContext) -> FedAvg:
@@ -24,7 +51,7 @@ def build(params: dict, ctx: BuildContext) -> FedAvg:
         from fedswarm.strategies.federated.dp import DPFedAvg, client_dp
 
         return DPFedAvg(client_dp(cfg), **kwargs)
-    return FedAvg(**kwargs)
+    return CheckedFedAvg(**kwargs)
 
 
 ENTRY = register(StrategyEntry(
