@@ -93,7 +93,8 @@ def test_adaptive_clip_follows_andrew_et_al():
     z_delta, sigma_b = ClientLevelDP(spec, rounds=1, sample_rate=1.0)._update_noise(10)
     assert z_delta == pytest.approx((0.5 ** -2 - 4.0 ** -2) ** -0.5) and sigma_b == 2.0
     with pytest.raises(ValueError, match="count noise"):
-        ClientLevelDP(parse_dp("noise_multiplier=5,adaptive=true"), rounds=1, sample_rate=1.0)._update_noise(10)
+        ClientLevelDP(parse_dp("noise_multiplier=5,adaptive=true,count_noise=1"), rounds=1,
+                      sample_rate=1.0)._update_noise(10)
 
 
 def test_budget_refused_up_front_and_stopped_between_rounds():
