@@ -105,6 +105,7 @@ def sim(
         "device": device, "name": name, "devices": devices, "profiles": profiles, "topology": topology,
         "byzantine": byzantine, "attack": attack, "dp": dp, "dp_sgd": dp_sgd,
     }
+    quiet_flower(verbose)  # before the strategy is built to check it
     try:
         values: dict[str, Any] = load_config(config) if config else {}
         values.update({k: v for k, v in cli_values.items() if v is not None})
@@ -123,7 +124,6 @@ def sim(
         _check_strategy(cfg)
     except ConfigError as exc:
         fail(str(exc))
-    quiet_flower(verbose)
     from fedswarm.sim.run import run_simulation_cli
 
     status = run_simulation_cli(cfg, db=db, run_id=run_id, out=out, console=console)

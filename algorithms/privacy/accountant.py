@@ -40,6 +40,15 @@ def rdp_orders() -> list[float]:
         [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024])
 
 
+def _quiet_absl() -> None:
+    """dp-accounting logs (through absl) every Rényi order whose series does not converge
+    and is left out of the minimum; that is expected for small orders at large q, and a
+    warning per order per round drowns the run's output."""
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.ERROR)
+
+
 def _event(q: float, noise_multiplier: float, steps: int):
     import dp_accounting
 
@@ -76,6 +85,7 @@ class PrivacyAccountant:
     def _accountant(self, extra: tuple[float, float, int] | None = None):
         from dp_accounting import rdp
 
+        _quiet_absl()
         acc = rdp.RdpAccountant(self.orders) if self.orders else rdp.RdpAccountant()
         for q, z, n in self.history + ([extra] if extra else []):
             if n:
