@@ -110,7 +110,7 @@ def prepare_local(msg: Message, context: Context, vector: torch.Tensor | None = 
     policy = policy_for(rec, device_class) if rec is not None else {}
     poison = msg.content.config_records.get("byzantine")
     label_flip = poison is not None and str(poison.get("attack", "")) == "labelflip"
-    trainer = trainer_for(cfg, pid, n, label_flip=label_flip)
+    trainer = trainer_for(cfg, pid, n, label_flip=True) if label_flip else trainer_for(cfg, pid, n)
     if vector is None:
         vector = arrayrecord_to_vector(next(iter(msg.content.array_records.values())), trainer.layout.d)
     # Same reading of the policy as local_fit: epochs without steps means epochs.

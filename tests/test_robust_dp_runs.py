@@ -110,8 +110,10 @@ def test_cli_refuses_in_one_line(tmp_path):
 
 def test_random_bytes_do_not_poison_fedavg(store):
     """Random payload bytes decode to non-finite floats: dropped, not averaged into NaN."""
+    clean = _run(store, strategy="fedavg")
     res = _run(store, strategy="fedavg", byzantine=2, attack="random")
-    assert res["summary"]["final_test_accuracy"] > 0.5
+    # the five honest clients' average: about the clean run's accuracy, not NaN's 10%
+    assert res["summary"]["final_test_accuracy"] > clean["summary"]["final_test_accuracy"] - 0.1
 
 
 @pytest.mark.integration
