@@ -146,14 +146,24 @@ def test_policies(app, admin, monkeypatch):
     got = admin.get(f"/api/policies?run_id={rid}").json()
     assert got[0]["device_class"] == "edge-lte"
     assert got[0]["policy"] == {"local_steps": 2, "codec": "topk", "pvt_fraction": 0.5}
-    controls = app.state.ctx.store.pending_controls(rid) or []
-    assert all(c.kind == "policy" for c in controls)
     for bad in ({"policy": {"local_steps": 0}}, {"policy": {"warp": 9}}, {"policy": {}},
                 {"device_class": "bad class!"}, {"policy": {"pvt_fraction": 1.5}}):
         r = admin.post("/api/policies", json={**body, **bad})
         assert r.status_code == 422, (bad, r.text)
     r = admin.post("/api/policies", json={**body, "run_id": "ghost"})
     assert r.status_code == 404
+    # what reached the run: the two accepted changes as policy controls by the admin, none of
+    # the refused ones (read from the table, not the pending list, which is empty once the
+    # fake runner has applied them)
+    from sqlalchemy import select
+
+    from fedswarm.store import Control
+
+    with app.state.ctx.store.session() as s:
+        q = select(Control).where(Control.run_id == rid).order_by(Control.id)
+        sent = [(c.kind, c.actor, c.payload) for c in s.scalars(q)]
+    assert sent == [("policy", "admin", {"device_class": "edge-lte", "policy": {"local_steps": 2, "codec": "topk"}}),
+                    ("policy", "admin", {"device_class": "edge-lte", "policy": {"pvt_fraction": 0.5}})]
     admin.post(f"/api/runs/{rid}/stop?force=true")
     assert admin.post("/api/policies", json=body).status_code == 409
 
