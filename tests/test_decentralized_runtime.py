@@ -178,6 +178,11 @@ def test_failing_node_costs_its_round_not_the_run(tmp_path):
     X = _node_models(grid, cfg)
     assert torch.isfinite(X).all()
     assert rounds[6]["test_accuracy"] > rounds[0]["test_accuracy"]
+    # node 2 kept its state through the failure: it missed exactly one of the 6 gossip steps
+    # (a node restarted from the initial model would count only the steps since round 4)
+    steps = {int(ctx.node_config["partition-id"]): load_state(ctx, cfg.strategy, X.shape[1]).step
+             for ctx in grid.contexts.values()}
+    assert steps == {0: 6, 1: 6, 2: 5, 3: 6, 4: 6, 5: 6}
 
 
 def test_d2_refuses_even_ring_with_a_clear_message():
