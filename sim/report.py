@@ -91,7 +91,7 @@ def catalog() -> dict:
         "config": RunConfig.model_json_schema(),
     }
     try:
-        from fedswarm.strategies import codecs
+        from fedswarm.algorithms.compression import codecs
 
         for name, cls in sorted(codecs.CODECS.items()):
             params = getattr(cls, "hyperparams", ()) or ()

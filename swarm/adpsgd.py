@@ -36,12 +36,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-from fedswarm.strategies.gossip import exchange_roles, make_algorithm
+from fedswarm.algorithms.decentralized import exchange_roles, make_algorithm
 from fedswarm.swarm.drivers import Driver
-from fedswarm.swarm.envelope import Dropped, Message
-from fedswarm.swarm.membership import View
-from fedswarm.swarm.payload import read_vector, vector_body
-from fedswarm.swarm.transport import Session
+from fedswarm.swarm.net.envelope import Dropped, Message
+from fedswarm.swarm.net.membership import View
+from fedswarm.swarm.net.payload import read_vector, vector_body
+from fedswarm.swarm.net.transport import Session
 
 if TYPE_CHECKING:
     from fedswarm.swarm.peer import Peer

@@ -170,7 +170,7 @@ def keys(
     dir: Path = typer.Option(Path("keys"), "--dir", help="Key directory; the key pair is created on first use."),
 ) -> None:
     """Create (first time) and print this peer's public key, for the other peers' allow lists."""
-    from fedswarm.swarm.identity import create_or_load
+    from fedswarm.swarm.net.identity import create_or_load
 
     try:
         ident = create_or_load(dir)

@@ -18,7 +18,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until(pred: Callable[[], T], timeout: float = 15.0, *, interval: float = 0.05, what: str = "") -> T:
+def wait_until(pred: Callable[[], T], timeout: float = 60.0, *, interval: float = 0.05, what: str = "") -> T:
     """Poll ``pred`` until it returns something truthy, and return that; fail the test with
     ``what`` if ``timeout`` seconds pass first. The poll interval only bounds latency: the
     outcome never depends on it, so a loaded machine makes the test slower, not flaky."""

@@ -17,10 +17,10 @@ from fedswarm.sim.simtime import make_round_timer, model_message_nbytes, node_pr
 from fedswarm.timemodel import BUILTIN_PROFILES, gossip_round_time_s, sync_round_time_s
 from fedswarm.store import Store
 from fedswarm.strategies import registry
-from fedswarm.strategies.decentralized import DecentralizedStrategy
-from fedswarm.strategies.decentralized_node import load_state
-from fedswarm.strategies.gossip import make_algorithm
-from fedswarm.strategies.topology import make_topology
+from fedswarm.strategies.decentralized.router import DecentralizedStrategy
+from fedswarm.strategies.decentralized.node import load_state
+from fedswarm.algorithms.decentralized import make_algorithm
+from fedswarm.algorithms.decentralized.topology import make_topology
 from fedswarm.tasks import get_task
 from fedswarm.train import trainer_for
 from fedswarm.wire import vector_to_arrayrecord

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedswarm.strategies.gossip import (
+from fedswarm.algorithms.decentralized import (
     ADPSGD,
     ALGORITHMS,
     D2,
@@ -20,7 +20,7 @@ from fedswarm.strategies.gossip import (
     pair_mixing_matrix,
     pairwise_average,
 )
-from fedswarm.strategies.topology import make_topology
+from fedswarm.algorithms.decentralized.topology import make_topology
 
 SYNC_ALGOS = {
     "dpsgd-cta": lambda: DPSGD(order="cta"),

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedswarm.strategies.gossip import ALGORITHMS, make_algorithm
-from fedswarm.strategies.gossip_leader import contiguous_groups
-from fedswarm.strategies.topology import make_topology
+from fedswarm.algorithms.decentralized import ALGORITHMS, make_algorithm
+from fedswarm.algorithms.decentralized.leader import contiguous_groups
+from fedswarm.algorithms.decentralized.topology import make_topology
 
 N, D = 4, 6
 
@@ -275,7 +275,7 @@ def test_dasgd_special_cases_and_zero_lr_mean():
 
 def test_new_algorithms_are_registered_and_routed():
     from fedswarm.strategies import registry
-    import fedswarm.strategies.decentralized as dec
+    import fedswarm.strategies.decentralized.router as dec
 
     for name in ("squarm", "easgd", "lsgd", "dasgd"):
         assert name in ALGORITHMS and ALGORITHMS[name].synchronous
@@ -302,7 +302,7 @@ def _prague_sim(profiles, group_size, x0, grads_of=None, lr=0.1):
 
 
 def test_partial_allreduce_keeps_mean_and_prague_matches_numpy():
-    from fedswarm.strategies.gossip import partial_allreduce
+    from fedswarm.algorithms.decentralized import partial_allreduce
     from fedswarm.timemodel import BUILTIN_PROFILES
 
     x = _x0().float()

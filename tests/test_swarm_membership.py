@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from fedswarm.swarm.inbox import Inbox
-from fedswarm.swarm.membership import Membership
+from fedswarm.swarm.net.inbox import Inbox
+from fedswarm.swarm.net.membership import Membership
 
 
 def _entry(pid, inc=1, hb=1, **info):

@@ -43,7 +43,7 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-def wait_for(pred, timeout: float = 15.0, interval: float = 0.05):
+def wait_for(pred, timeout: float = 60.0, interval: float = 0.05):
     return wait_until(pred, timeout, interval=interval)
 
 
@@ -72,7 +72,7 @@ def start_server(tmp_path: Path, fake: bool, poll: float = 0.3, env: dict | None
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = Server(proc, port, db, log)
     try:
-        wait_for(lambda: _up(server), timeout=30, interval=0.2)
+        wait_for(lambda: _up(server), timeout=90, interval=0.2)
     except AssertionError:
         server.stop()
         raise AssertionError("dashboard did not start:\n" + log.read_text()[-3000:])
