@@ -31,6 +31,7 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "Control",
     "Store",
     "default_db_url",
+    "create_schema",
     "RUN_STATUSES",
 ]
 
@@ -179,6 +181,22 @@ def to_url(path_or_url: str | os.PathLike) -> str:
     return f"sqlite:///{Path(s).expanduser().resolve()}"
 
 
+def create_schema(engine: Engine) -> None:
+    """Create the tables (and indexes) the store lacks. Several processes often open one
+    new store at the same moment (a swarm's peers, a run and whoever polls it, the
+    dashboard); ``create_all`` checks which tables exist and then creates them, so a table
+    another process created in between fails with "already exists". That object is there
+    now and the next pass skips it, so the retries end: at most one per schema object."""
+    objects = sum(1 + len(table.indexes) for table in Base.metadata.tables.values())
+    for attempt in range(objects + 1):
+        try:
+            Base.metadata.create_all(engine)
+            return
+        except DBAPIError as exc:
+            if "already exists" not in str(exc) or attempt == objects:
+                raise
+
+
 class Store:
     """A handle on the run store. Thread-safe; one per process is enough."""
 
@@ -190,7 +208,7 @@ class Store:
         self.engine: Engine = create_engine(self.url, **kwargs)
         if self.url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
-        Base.metadata.create_all(self.engine)
+        create_schema(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @contextmanager

@@ -21,7 +21,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 import fedswarm
-from fedswarm.store import Base, Store
+from fedswarm.store import Store, create_schema
 from fedswarm.web import auth_models  # noqa: F401  (registers the web tables on Base)
 from fedswarm.web import api_admin, api_ingest, api_nodes, api_runs, pages_misc, pages_runs
 from fedswarm.web.accounts import Accounts, LoginThrottle
@@ -59,7 +59,7 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
         kw["catalog_cmd"] = list(catalog_cmd)
     settings = Settings.build(db_url, runs_dir, **kw)
     store = Store(settings.db_url)
-    Base.metadata.create_all(store.engine)  # the web tables, if the store was made before them
+    create_schema(store.engine)  # the web tables, if the store was made before them
     accounts = Accounts(store, settings.session_hours)
     generated = accounts.ensure_admin(settings.admin_password)
     if generated:
