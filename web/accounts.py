@@ -208,6 +208,13 @@ class Accounts:
         self._tokens.drop(lambda p: p is not None and p.token_id == token_id)
         return True
 
+    def peek_token(self, token: str) -> tuple[bool, Principal | None]:
+        """(True, principal) when the token was looked up within the cache's lifetime."""
+        return self._tokens.get(hashlib.sha256(token.encode()).hexdigest())  # type: ignore[return-value]
+
+    def peek_session(self, sid: str) -> tuple[bool, Principal | None]:
+        return self._sessions.get(sid)  # type: ignore[return-value]
+
     def principal_for_token(self, token: str) -> Principal | None:
         key = hashlib.sha256(token.encode()).hexdigest()  # never keep the raw secret around
         hit, cached = self._tokens.get(key)

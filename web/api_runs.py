@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Literal
 
@@ -48,8 +49,14 @@ def _json(body: bytes, headers: dict[str, str] | None = None) -> Response:
     return Response(content=body, media_type="application/json", headers=headers)
 
 
+async def _cached(ctx: WebContext, key: tuple, build):
+    """A shared answer: from memory on the event loop when fresh, else built in a thread."""
+    hit = ctx.cache.peek(key)
+    return hit if hit is not None else await asyncio.to_thread(ctx.cache.get, key, build)
+
+
 @router.get("/runs", response_model=list[schemas.RunOut], responses=ERRORS, tags=["runs"])
-def list_runs(q: str | None = Query(None, max_length=100, description="search id, name, strategy and task"),
+async def list_runs(q: str | None = Query(None, max_length=100, description="search id, name, strategy and task"),
               status: Status | None = Query(None, description="only runs shown with this status"),
               strategy: str | None = Query(None, max_length=64),
               sort: Sort = Query("created"), order: Literal["asc", "desc"] = Query("desc"),
@@ -64,7 +71,7 @@ def list_runs(q: str | None = Query(None, max_length=100, description="search id
         runs, total = queries.list_runs(ctx.store, query, ctx.settings.report_timeout_s)
         return total, json.dumps([r.model_dump(mode="json") for r in runs]).encode()
 
-    total, body = ctx.cache.get(("runs", q, status, strategy, sort, order, limit, offset), build)
+    total, body = await _cached(ctx, ("runs", q, status, strategy, sort, order, limit, offset), build)
     return _json(body, {"X-Total-Count": str(total)})
 
 
@@ -84,15 +91,19 @@ def start_run(body: schemas.StartRunIn, p: Principal = Depends(require_admin),
 
 
 @router.get("/runs/{run_id}", response_model=schemas.RunDetailOut, responses=ERRORS, tags=["runs"])
-def get_run(run_id: str = RunId, _: Principal = Depends(require_reader),
-            ctx: WebContext = Depends(get_ctx)) -> schemas.RunDetailOut:
+async def get_run(run_id: str = RunId, _: Principal = Depends(require_reader),
+                  ctx: WebContext = Depends(get_ctx)) -> Response:
     """A run: config, progress, per-node table and device-class roll-up, controls (pending
     ones included), policies, recent events, and which actions are valid now."""
-    return run_detail(ctx, _run(ctx, run_id))
+
+    def build() -> bytes:
+        return run_detail(ctx, _run(ctx, run_id)).model_dump_json().encode()
+
+    return _json(await _cached(ctx, ("run", run_id), build))
 
 
 @router.get("/runs/{run_id}/rounds", response_model=list[schemas.RoundOut], responses=ERRORS, tags=["runs"])
-def get_rounds(run_id: str = RunId, since: int = Query(-1, ge=-1, le=2**31 - 1,
+async def get_rounds(run_id: str = RunId, since: int = Query(-1, ge=-1, le=2**31 - 1,
                                                       description="only rounds after this one"),
                limit: int = Query(10_000, ge=1, le=10_000, description="at most this many rounds (page with since)"),
                _: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)) -> Response:
@@ -102,7 +113,7 @@ def get_rounds(run_id: str = RunId, since: int = Query(-1, ge=-1, le=2**31 - 1,
         _run(ctx, run_id)
         return json.dumps([r.model_dump(mode="json") for r in queries.rounds(ctx.store, run_id, since, limit)]).encode()
 
-    return _json(ctx.cache.get(("rounds", run_id, since, limit), build))
+    return _json(await _cached(ctx, ("rounds", run_id, since, limit), build))
 
 
 class LogOut(BaseModel):

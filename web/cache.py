@@ -31,7 +31,7 @@ class ResponseCache:
         self.ttl_s = ttl_s
         self.mark_s = mark_s
         self.max_entries = max_entries
-        self._entries: dict[tuple, tuple[float, tuple, bytes]] = {}
+        self._entries: dict[tuple, tuple[float, tuple, object]] = {}
         self._mark: tuple = ()
         self._mark_at = 0.0
         self._lock = threading.Lock()
@@ -46,7 +46,17 @@ class ResponseCache:
             self._mark_at = now
         return self._mark
 
-    def get(self, key: tuple, build: Callable[[], bytes]) -> bytes:
+    def peek(self, key: tuple) -> object | None:
+        """The cached answer if it is fresh and the change mark is recent, without touching the
+        store (the event loop may call this; on None, call :meth:`get` in a thread)."""
+        if time.monotonic() - self._mark_at > self.mark_s:
+            return None
+        hit = self._fresh(key, self._mark)
+        if hit is not None:
+            self.hits += 1
+        return hit
+
+    def get(self, key: tuple, build: Callable[[], object]) -> object:
         """The cached answer for ``key``, or ``build()`` once (concurrent askers wait for it)."""
         mark = self.mark()
         hit = self._fresh(key, mark)
@@ -68,7 +78,7 @@ class ResponseCache:
                 self._entries[key] = (time.monotonic() + self.ttl_s, mark, body)
             return body
 
-    def _fresh(self, key: tuple, mark: tuple) -> bytes | None:
+    def _fresh(self, key: tuple, mark: tuple) -> object | None:
         entry = self._entries.get(key)
         if entry is not None and entry[0] > time.monotonic() and entry[1] == mark:
             return entry[2]
