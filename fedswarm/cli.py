@@ -207,7 +207,7 @@ def bench(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and Ray's logs."),
 ) -> None:
     """Run a benchmark: prints a table, writes JSON and a PNG, compares side by side in one run."""
-    from fedswarm.sim.benchmarks import BENCHMARKS, run_benchmark
+    from fedswarm.bench.registry import BENCHMARKS, run_benchmark
 
     if name not in BENCHMARKS:
         fail(f"unknown benchmark '{name}' (available: {', '.join(BENCHMARKS)})")

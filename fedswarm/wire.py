@@ -1,25 +1,25 @@
-"""Wire format and byte accounting.
+"""Flower's wire format and byte accounting.
 
-A :class:`Payload` is what a codec produces: a small dict of numpy arrays plus scalar
-metadata. It converts losslessly to and from Flower records (an ``ArrayRecord`` for the
-arrays, a ``ConfigRecord`` for the metadata), so it travels inside any Flower
-``Message``. Sizes are always measured on the serialized message
-(:func:`message_nbytes`), never computed from a formula: the formula is a test oracle.
+A :class:`~fedswarm.payload.Payload` (a codec's or an algorithm's message) converts
+losslessly to and from Flower records (an ``ArrayRecord`` for the arrays, a
+``ConfigRecord`` for the metadata) with :func:`payload_to_records` and
+:func:`payload_from_records`, so it travels inside any Flower ``Message``. Sizes are always
+measured on the serialized message (:func:`message_nbytes`), never computed from a
+formula: the formula is a test oracle.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.serde import message_to_proto, recorddict_to_proto
 
+from fedswarm.payload import Payload, PayloadError, check_array
+
 __all__ = [
-    "Payload",
-    "PayloadError",
+    "payload_to_records",
+    "payload_from_records",
     "message_nbytes",
     "recorddict_nbytes",
     "vector_to_arrayrecord",
@@ -30,56 +30,36 @@ __all__ = [
 PAYLOAD_ARRAYS = "payload"
 PAYLOAD_META = "payload.meta"
 
-_ALLOWED_DTYPES = {
-    np.dtype(t) for t in ("float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")
-}
+
+def payload_to_records(payload: Payload, content: RecordDict | None = None) -> RecordDict:
+    """Put ``payload`` into ``content`` (a new RecordDict if None) and return it."""
+    content = RecordDict() if content is None else content
+    rec = ArrayRecord()
+    for k, v in payload.arrays.items():
+        arr = v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+        rec[k] = Array(np.ascontiguousarray(arr))
+    content[PAYLOAD_ARRAYS] = rec
+    content[PAYLOAD_META] = ConfigRecord(dict(payload.meta))
+    return content
 
 
-class PayloadError(ValueError):
-    """A payload that is malformed: wrong keys, shapes, dtypes, non-finite values or too big."""
-
-
-@dataclass
-class Payload:
-    """A codec's message: named arrays (numpy, or torch tensors on any device: they are
-    moved to host memory when serialized) and scalar metadata (codec name, shapes, seeds)."""
-
-    arrays: dict[str, np.ndarray | torch.Tensor]
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def to_records(self, content: RecordDict | None = None) -> RecordDict:
-        """Put this payload into ``content`` (a new RecordDict if None) and return it."""
-        content = RecordDict() if content is None else content
-        rec = ArrayRecord()
-        for k, v in self.arrays.items():
-            arr = v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
-            rec[k] = Array(np.ascontiguousarray(arr))
-        content[PAYLOAD_ARRAYS] = rec
-        content[PAYLOAD_META] = ConfigRecord(dict(self.meta))
-        return content
-
-    @classmethod
-    def from_records(cls, content: RecordDict, max_bytes: int | None = None) -> "Payload":
-        """Read a payload back, checking that it is well formed. Raises :class:`PayloadError`."""
-        if PAYLOAD_ARRAYS not in content.array_records:
-            raise PayloadError(f"message has no '{PAYLOAD_ARRAYS}' ArrayRecord")
-        if PAYLOAD_META not in content.config_records:
-            raise PayloadError(f"message has no '{PAYLOAD_META}' ConfigRecord")
-        rec = content.array_records[PAYLOAD_ARRAYS]
-        if max_bytes is not None and rec.count_bytes() > max_bytes:
-            raise PayloadError(f"payload is {rec.count_bytes()} bytes, the limit is {max_bytes}")
-        arrays = {}
-        for k in rec.keys():
-            try:
-                arr = rec[k].numpy()
-            except Exception as exc:  # corrupt bytes or unknown dtype
-                raise PayloadError(f"payload array '{k}' cannot be read: {exc}") from None
-            if arr.dtype not in _ALLOWED_DTYPES:
-                raise PayloadError(f"payload array '{k}' has dtype {arr.dtype}, not allowed")
-            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-                raise PayloadError(f"payload array '{k}' has non-finite values")
-            arrays[k] = arr
-        return cls(arrays=arrays, meta=dict(content.config_records[PAYLOAD_META]))
+def payload_from_records(content: RecordDict, max_bytes: int | None = None) -> Payload:
+    """Read a payload back, checking that it is well formed. Raises :class:`PayloadError`."""
+    if PAYLOAD_ARRAYS not in content.array_records:
+        raise PayloadError(f"message has no '{PAYLOAD_ARRAYS}' ArrayRecord")
+    if PAYLOAD_META not in content.config_records:
+        raise PayloadError(f"message has no '{PAYLOAD_META}' ConfigRecord")
+    rec = content.array_records[PAYLOAD_ARRAYS]
+    if max_bytes is not None and rec.count_bytes() > max_bytes:
+        raise PayloadError(f"payload is {rec.count_bytes()} bytes, the limit is {max_bytes}")
+    arrays = {}
+    for k in rec.keys():
+        try:
+            arr = rec[k].numpy()
+        except Exception as exc:  # corrupt bytes or unknown dtype
+            raise PayloadError(f"payload array '{k}' cannot be read: {exc}") from None
+        arrays[k] = check_array(k, arr)
+    return Payload(arrays=arrays, meta=dict(content.config_records[PAYLOAD_META]))
 
 
 def message_nbytes(message: Message) -> int:

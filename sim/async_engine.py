@@ -43,9 +43,9 @@ from fedswarm.sim.simtime import model_message_nbytes, node_profiles
 from fedswarm.timemodel import BUILTIN_PROFILES, Profile, VirtualClock, compute_time_s, transfer_time_s
 from fedswarm.store import Store
 from fedswarm.strategies import registry
-from fedswarm.strategies.decentralized_node import local_gradient
-from fedswarm.strategies.gossip import ADPSGD, GossipState, bipartite_split, consensus_distance
-from fedswarm.strategies.topology import Topology, make_topology
+from fedswarm.strategies.decentralized.node import local_gradient
+from fedswarm.algorithms.decentralized import ADPSGD, GossipState, bipartite_split, consensus_distance
+from fedswarm.algorithms.decentralized.topology import Topology, make_topology
 from fedswarm.tasks import get_task
 from fedswarm.train import evaluate_flat, resolve_device, task_data, trainer_for
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord

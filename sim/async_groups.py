@@ -32,7 +32,7 @@ from fedswarm.sim.async_engine import ClockedNodes, run_clocked
 from fedswarm.sim.simtime import model_message_nbytes
 from fedswarm.store import Store
 from fedswarm.strategies import registry
-from fedswarm.strategies.gossip import GossipState, Prague
+from fedswarm.algorithms.decentralized import GossipState, Prague
 from fedswarm.timemodel import Profile, VirtualClock, compute_time_s, transfer_time_s
 
 __all__ = ["PragueSimulation", "run_prague"]

@@ -15,7 +15,7 @@ __all__ = ["summary_table", "runs_table", "catalog", "catalog_tables", "plot_run
 
 def _fmt_bytes(n: float | None) -> str:
     if n is None:
-        return "-"
+        return "—"
     for unit in ("B", "KB", "MB", "GB"):
         if abs(n) < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -24,7 +24,7 @@ def _fmt_bytes(n: float | None) -> str:
 
 
 def _fmt(x: Any, spec: str = ".4f") -> str:
-    return "-" if x is None else format(x, spec)
+    return "—" if x is None else format(x, spec)
 
 
 def summary_table(result: dict) -> Table:
@@ -42,9 +42,9 @@ def summary_table(result: dict) -> Table:
     t.add_row("rounds wall time", f"{s.get('wall_s', 0):.2f} s")
     if rows:
         t.add_row("mean round wall time", f"{sum(r['wall_s'] for r in rows) / len(rows):.3f} s")
-    cd = [r["consensus_distance"] for r in rows if r.get("consensus_distance") is not None]
-    if cd:
-        t.add_row("final consensus distance", f"{cd[-1]:.3g}")
+    if any("consensus_distance" in r for r in result["rounds"]):  # a decentralized run
+        # a round without gossip (round 0, or one where no node reported) measured none: "—"
+        t.add_row("final consensus distance", _fmt(rows[-1].get("consensus_distance") if rows else None, ".3g"))
     if s.get("sim_time_s") is not None:
         t.add_row("simulated time (time model)", f"{s['sim_time_s']:.2f} s")
     if s.get("process_wall_s") is not None:
@@ -117,7 +117,7 @@ def catalog() -> dict:
         "config": RunConfig.model_json_schema(),
     }
     try:
-        from fedswarm.strategies import codecs
+        from fedswarm.algorithms.compression import codecs
 
         for name, cls in sorted(codecs.CODECS.items()):
             params = getattr(cls, "hyperparams", ()) or ()

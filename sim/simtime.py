@@ -37,8 +37,8 @@ from fedswarm.timemodel import (
     sync_round_time_s,
 )
 from fedswarm.strategies import registry
-from fedswarm.strategies.decentralized_node import message_nbytes_of
-from fedswarm.strategies.topology import make_topology
+from fedswarm.strategies.decentralized.node import message_nbytes_of
+from fedswarm.algorithms.decentralized.topology import make_topology
 from fedswarm.tasks import get_task
 from fedswarm.wire import vector_to_arrayrecord
 

@@ -10,16 +10,16 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "CompressedFedAvg": "fedswarm.strategies.compressed_fedavg",
-    "OneBitSGD": "fedswarm.strategies.compressed_fedavg",
-    "GlobalTopK": "fedswarm.strategies.gtopk",
-    "SketchedSGD": "fedswarm.strategies.sketched",
-    "FetchSGD": "fedswarm.strategies.sketched",
-    "GlobalSketchSGD": "fedswarm.strategies.sketched",
-    "DecentralizedStrategy": "fedswarm.strategies.decentralized",
-    "PartialVariableTraining": "fedswarm.strategies.pvt",
-    "ProgFed": "fedswarm.strategies.progfed",
-    "HomogeneousLearning": "fedswarm.strategies.hl",
+    "CompressedFedAvg": "fedswarm.strategies.federated.compressed_fedavg",
+    "OneBitSGD": "fedswarm.strategies.federated.compressed_fedavg",
+    "GlobalTopK": "fedswarm.strategies.federated.gtopk",
+    "SketchedSGD": "fedswarm.strategies.federated.sketched",
+    "FetchSGD": "fedswarm.strategies.federated.sketched",
+    "GlobalSketchSGD": "fedswarm.strategies.federated.sketched",
+    "DecentralizedStrategy": "fedswarm.strategies.decentralized.router",
+    "PartialVariableTraining": "fedswarm.strategies.edge.pvt",
+    "ProgFed": "fedswarm.strategies.edge.progfed",
+    "HomogeneousLearning": "fedswarm.strategies.edge.hl",
 }
 
 __all__ = list(_EXPORTS)

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from fedswarm.config import ConfigError
+from fedswarm.hyperparams import HyperParam
 
 __all__ = [
-    "HyperParam",
     "StrategyEntry",
     "register",
     "get",
@@ -33,75 +33,6 @@ __all__ = [
     "resolve_params",
     "load_builtin",
 ]
-
-
-@dataclass(frozen=True)
-class HyperParam:
-    """One strategy hyperparameter, with its default, type and allowed range."""
-
-    name: str
-    default: Any
-    help: str
-    ge: float | None = None
-    le: float | None = None
-    gt: float | None = None
-    lt: float | None = None
-    choices: tuple[Any, ...] | None = None
-
-    @property
-    def type(self) -> type:
-        return type(self.default)
-
-    def allowed(self) -> str:
-        if self.choices is not None:
-            return "one of " + ", ".join(repr(c) for c in self.choices)
-        parts = []
-        if self.gt is not None:
-            parts.append(f"> {self.gt}")
-        if self.ge is not None:
-            parts.append(f">= {self.ge}")
-        if self.lt is not None:
-            parts.append(f"< {self.lt}")
-        if self.le is not None:
-            parts.append(f"<= {self.le}")
-        kind = self.type.__name__
-        return f"{kind} " + " and ".join(parts) if parts else kind
-
-    def check(self, value: Any, strategy: str) -> Any:
-        """Coerce ``value`` to this parameter's type and check its range."""
-        where = f"invalid value for '{strategy}.{self.name}'"
-        t = self.type
-        try:
-            if t is bool:
-                if isinstance(value, str):
-                    if value.lower() not in ("true", "false"):
-                        raise ValueError
-                    value = value.lower() == "true"
-                elif not isinstance(value, bool):
-                    raise ValueError
-            elif t is int:
-                if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                    raise ValueError
-                value = int(value)
-            elif t is float:
-                if isinstance(value, bool):
-                    raise ValueError
-                value = float(value)
-            elif t is str:
-                value = str(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected {self.allowed()} (got {value!r})") from None
-        if self.choices is not None and value not in self.choices:
-            raise ConfigError(f"{where}: expected {self.allowed()} (got {value!r})")
-        bad = (
-            (self.ge is not None and value < self.ge)
-            or (self.le is not None and value > self.le)
-            or (self.gt is not None and value <= self.gt)
-            or (self.lt is not None and value >= self.lt)
-        )
-        if bad:
-            raise ConfigError(f"{where}: expected {self.allowed()} (got {value!r})")
-        return value
 
 
 @dataclass(frozen=True)
@@ -143,14 +74,14 @@ _REGISTRY: dict[str, StrategyEntry] = {}
 
 # Modules that register built-in strategies when imported.
 _BUILTIN_MODULES = (
-    "fedswarm.strategies.fedavg",
-    "fedswarm.strategies.decentralized",
-    "fedswarm.strategies.pvt",
-    "fedswarm.strategies.progfed",
-    "fedswarm.strategies.hl",
-    "fedswarm.strategies.compressed_fedavg",
-    "fedswarm.strategies.gtopk",
-    "fedswarm.strategies.sketched",
+    "fedswarm.strategies.federated.fedavg",
+    "fedswarm.strategies.decentralized.router",
+    "fedswarm.strategies.edge.pvt",
+    "fedswarm.strategies.edge.progfed",
+    "fedswarm.strategies.edge.hl",
+    "fedswarm.strategies.federated.compressed_fedavg",
+    "fedswarm.strategies.federated.gtopk",
+    "fedswarm.strategies.federated.sketched",
 )
 
 

@@ -20,10 +20,12 @@ so a passive peer never times out on a commit that is on its way (the residual w
 connection cut between the commit's send and its delivery, the two-generals limit). Both
 compute ``0.5·(x_i + x_j)`` bit for bit, so the pair's sum is kept.
 
-**No deadlock.** On a bipartite graph (an even ring) only active peers initiate and only
-with passive ones (the paper's split). On any other graph every peer initiates, and a
-peer already in an exchange answers AVG_BUSY at once instead of waiting (timeout-and-
-abort), so no cycle of waits can form.
+**No deadlock, no livelock.** Who initiates with whom comes from ``exchange_roles``: on a
+bipartite graph (an even ring) only active peers initiate and only with passive ones (the
+paper's split); on any other graph each edge is initiated by its lower-indexed end. A peer
+already in an exchange answers AVG_BUSY at once instead of waiting, the initiation
+relation has no cycle, and the highest-indexed peer being asked never initiates itself, so
+simultaneous requests cannot all be refused.
 """
 
 from __future__ import annotations
@@ -34,12 +36,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-from fedswarm.strategies.gossip import bipartite_split, make_algorithm
+from fedswarm.algorithms.decentralized import exchange_roles, make_algorithm
 from fedswarm.swarm.drivers import Driver
-from fedswarm.swarm.envelope import Dropped, Message
-from fedswarm.swarm.membership import View
-from fedswarm.swarm.payload import read_vector, vector_body
-from fedswarm.swarm.transport import Session
+from fedswarm.swarm.net.envelope import Dropped, Message
+from fedswarm.swarm.net.membership import View
+from fedswarm.swarm.net.payload import read_vector, vector_body
+from fedswarm.swarm.net.transport import Session
 
 if TYPE_CHECKING:
     from fedswarm.swarm.peer import Peer
@@ -68,14 +70,9 @@ class ADPSGDDriver(Driver):
         """(initiates?, the neighbours it may average with)."""
         if view.topology is None:
             return False, []
-        nbrs = view.topology.neighbors(view.index)
         key = view.ids
         if key not in self._roles:
-            try:
-                active = bipartite_split(view.topology)
-                self._roles[key] = (bool(active[view.index]), [j for j in nbrs if not bool(active[j])])
-            except ValueError:  # odd cycle: everyone initiates; busy peers refuse at once
-                self._roles[key] = (True, nbrs)
+            self._roles[key] = exchange_roles(view.topology)[view.index]
         me, partners = self._roles[key]
         return me, [view.ids[j] for j in partners]
 

@@ -1,6 +1,6 @@
 """Per-node math of the swarm-only algorithms: Leader SGD, Swarm Learning's merge and
 SQuARM-SGD. (D-PSGD, D², DSGDm, QG-DSGDm and AD-PSGD come from
-:mod:`fedswarm.strategies.gossip`; these three have no object there yet and belong in
+:mod:`fedswarm.algorithms.decentralized`; these three have no object there yet and belong in
 ``strategies/`` once they do: none of this touches a socket.)
 """
 

@@ -159,7 +159,7 @@ def _print_table(result: dict) -> None:
     t = Table(title=f"swarm {result['config']['strategy']}: {result['summary']['peers']} peers")
     for col in ("round", "peers", "node-avg acc", "mean peer acc", "consensus", "bytes up", "round s"):
         t.add_column(col, justify="right")
-    f = lambda v, fmt: "-" if v is None else format(v, fmt)
+    f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731  (— = not measured)
     for r in result["rounds"]:
         t.add_row(str(r["round"]), str(r["num_clients"]), f(r["test_accuracy"], ".3f"), f(r["mean_peer_accuracy"], ".3f"),
                   f(r.get("consensus_distance"), ".3g"), f(r["bytes_up"], ","), f(r["wall_s"], ".2f"))
@@ -170,7 +170,7 @@ def keys(
     dir: Path = typer.Option(Path("keys"), "--dir", help="Key directory; the key pair is created on first use."),
 ) -> None:
     """Create (first time) and print this peer's public key, for the other peers' allow lists."""
-    from fedswarm.swarm.identity import create_or_load
+    from fedswarm.swarm.net.identity import create_or_load
 
     try:
         ident = create_or_load(dir)

@@ -1,6 +1,6 @@
 """The round of each algorithm over real sockets: what a peer sends, to whom, what it
 waits for and how it mixes. The math lives in the algorithm objects
-(:mod:`fedswarm.strategies.gossip`, :mod:`fedswarm.swarm.algorithms`); a driver only
+(:mod:`fedswarm.algorithms.decentralized`, :mod:`fedswarm.swarm.algorithms`); a driver only
 routes messages and renormalises the mixing weights over the neighbours that answered.
 
 =============  ======================================  ==========================================
@@ -28,10 +28,10 @@ from fedswarm.swarm.algorithms import (
     merge_leader,
     weighted_merge,
 )
-from fedswarm.swarm.envelope import Dropped, Message
-from fedswarm.swarm.membership import View
-from fedswarm.swarm.payload import read_vector, vector_body
-from fedswarm.swarm.transport import Session
+from fedswarm.swarm.net.envelope import Dropped, Message
+from fedswarm.swarm.net.membership import View
+from fedswarm.swarm.net.payload import read_vector, vector_body
+from fedswarm.swarm.net.transport import Session
 
 if TYPE_CHECKING:
     from fedswarm.swarm.peer import Peer
@@ -89,7 +89,7 @@ class Driver:
 
 
 class GossipDriver(Driver):
-    """Synchronous gossip with an algorithm object of :mod:`fedswarm.strategies.gossip`
+    """Synchronous gossip with an algorithm object of :mod:`fedswarm.algorithms.decentralized`
     (dpsgd, d2, dsgdm, qgm): the same ``local_step``/``message``/``node_mix`` calls as the
     simulator, with ``node_mix``'s weights renormalised over the neighbours that answered."""
 
@@ -97,7 +97,7 @@ class GossipDriver(Driver):
 
     def __init__(self, peer: Peer):
         super().__init__(peer)
-        from fedswarm.strategies.gossip import make_algorithm
+        from fedswarm.algorithms.decentralized import make_algorithm
 
         self.algo = make_algorithm(peer.cfg.algorithm, **peer.cfg.params)
         self.state = self.algo.init_state(peer.x0[None])
@@ -267,7 +267,7 @@ class LeaderDriver(Driver):
         self.x = s["x"]
 
 
-#: gossip objects of :mod:`fedswarm.strategies.gossip` whose ``node_mix`` a peer can drive as is
+#: gossip objects of :mod:`fedswarm.algorithms.decentralized` whose ``node_mix`` a peer can drive as is
 GOSSIP_OBJECTS = ("dpsgd", "d2", "dsgdm", "qgm")
 
 

@@ -90,7 +90,7 @@ def _progress(pdir: Path) -> int:
 
 
 def launch_swarm(spec: SwarmSpec, *, log=print) -> dict:
-    from fedswarm.swarm.identity import create_or_load
+    from fedswarm.swarm.net.identity import create_or_load
 
     out = Path(spec.out)
     out.mkdir(parents=True, exist_ok=True)

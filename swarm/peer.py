@@ -27,12 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 from fedswarm.swarm.checkpoint import load_checkpoint, save_checkpoint
-from fedswarm.swarm.envelope import Dropped, Message, Verifier
-from fedswarm.swarm.identity import create_or_load, load_allow_list
-from fedswarm.swarm.inbox import Inbox
-from fedswarm.swarm.membership import Membership, View
-from fedswarm.swarm.payload import vector_body
-from fedswarm.swarm.transport import (
+from fedswarm.swarm.net.envelope import Dropped, Message, Verifier
+from fedswarm.swarm.net.identity import create_or_load, load_allow_list
+from fedswarm.swarm.net.inbox import Inbox
+from fedswarm.swarm.net.membership import Membership, View
+from fedswarm.swarm.net.payload import vector_body
+from fedswarm.swarm.net.transport import (
     Session,
     Transport,
     client_tls_context,

@@ -1,5 +1,5 @@
 """SQuARM-SGD over sockets (Singh et al., JSAIT 2021; algorithms.md §7), with the codecs
-of :mod:`fedswarm.strategies.codecs`.
+of :mod:`fedswarm.algorithms.compression.codecs`.
 
 Each round is one synchronisation period of ``local_steps`` Nesterov steps; then, if the
 event trigger fires, ``q_i = C(x_i − x̂_i)`` goes to every neighbour as a codec payload
@@ -19,15 +19,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from fedswarm.strategies.codecs import make_codec
+from fedswarm.algorithms.compression.codecs import make_codec
 from fedswarm.swarm.algorithms import SWARM_ALGORITHMS, SquarmNode
 from fedswarm.swarm.drivers import Driver, renormalise
-from fedswarm.swarm.envelope import Dropped, Message
-from fedswarm.swarm.membership import View
-from fedswarm.swarm.payload import payload_body, read_payload, read_vector, vector_body
+from fedswarm.swarm.net.envelope import Dropped, Message
+from fedswarm.swarm.net.membership import View
+from fedswarm.swarm.net.payload import payload_body, read_payload, read_vector, vector_body
 
 from fedswarm.params import set_flat
-from fedswarm.wire import PayloadError
+from fedswarm.payload import PayloadError
 
 if TYPE_CHECKING:
     from fedswarm.swarm.peer import Peer

@@ -1,8 +1,8 @@
-import os
-import socket
 import warnings
 
 import pytest
+
+from tests.helpers import free_port, wait_until  # noqa: F401  (re-exported for older test modules)
 
 warnings.filterwarnings("ignore", category=UserWarning, module="flwr_datasets")
 
@@ -14,12 +14,6 @@ def store(tmp_path):
     s = Store(tmp_path / "store.db")
     yield s
     s.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(autouse=True)

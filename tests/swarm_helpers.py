@@ -7,8 +7,8 @@ import socket
 import threading
 from pathlib import Path
 
-from fedswarm.swarm.envelope import Conn
-from fedswarm.swarm.identity import Identity, create_or_load
+from fedswarm.swarm.net.envelope import Conn
+from fedswarm.swarm.net.identity import Identity, create_or_load
 from fedswarm.swarm.peer import Peer, PeerConfig
 
 

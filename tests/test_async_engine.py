@@ -10,7 +10,7 @@ from fedswarm.config import RunConfig
 from fedswarm.sim.async_engine import ADPSGDSimulation, run_async
 from fedswarm.timemodel import BUILTIN_PROFILES, compute_time_s
 from fedswarm.store import Store
-from fedswarm.strategies.topology import make_topology
+from fedswarm.algorithms.decentralized.topology import make_topology
 
 torch.set_num_threads(1)
 

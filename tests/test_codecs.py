@@ -13,10 +13,11 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedswarm.config import ConfigError
 from fedswarm.params import ParamLayout
-from fedswarm.strategies.codec_kernels import bit_lut, pack_bits, random_subset, topk_abs_indices, unpack_bits
-from fedswarm.strategies.codecs import CODECS, decode_payload, describe_codecs, make_codec
-from fedswarm.strategies.countsketch import PRIME, CountSketch
-from fedswarm.wire import Payload, PayloadError, message_nbytes
+from fedswarm.algorithms.compression.kernels import bit_lut, pack_bits, random_subset, topk_abs_indices, unpack_bits
+from fedswarm.algorithms.compression.codecs import CODECS, decode_payload, describe_codecs, make_codec
+from fedswarm.algorithms.compression.countsketch import PRIME, CountSketch
+from fedswarm.payload import Payload, PayloadError
+from fedswarm.wire import message_nbytes, payload_from_records, payload_to_records
 
 # A layout with matrices, a conv kernel, a scalar and biases; d = 106, not a multiple of 8.
 LAYOUT = ParamLayout.from_shapes(
@@ -155,7 +156,7 @@ def test_topk_indices_sampled_path_is_exact(k):
 
 
 def test_topk_indices_fall_back_when_the_sample_misleads():
-    from fedswarm.strategies.codec_kernels import _sample_positions
+    from fedswarm.algorithms.compression.kernels import _sample_positions
 
     n, k = 100_000, 8000
     x = torch.full((2, n), 0.5)
@@ -373,7 +374,7 @@ def _task_identity():
 
 
 def as_message(payload: Payload) -> Message:
-    return Message(payload.to_records(), dst_node_id=1, message_type="train")
+    return Message(payload_to_records(payload), dst_node_id=1, message_type="train")
 
 
 @pytest.mark.parametrize("d", [100_000, 1_000_000])
@@ -403,7 +404,7 @@ def test_wire_formulas_by_hand():
 def test_flower_round_trip_decodes_the_same(name):
     codec = codec_for(name)
     payload = codec.encode(torch.from_numpy(randn(2)), LAYOUT, seed=3)
-    received = Payload.from_records(as_message(payload).content)
+    received = payload_from_records(as_message(payload).content)
     assert torch.equal(decode_payload(received, LAYOUT), codec.decode(payload, LAYOUT))
 
 
@@ -468,7 +469,7 @@ def test_nan_is_rejected_on_the_wire_too(name):
     key = first_float(p)
     bad = with_arrays(p, **{key: p.arrays[key].clone().fill_(float("inf"))})
     with pytest.raises(PayloadError, match="non-finite"):
-        decode_payload(Payload.from_records(as_message(bad).content), LAYOUT)
+        decode_payload(payload_from_records(as_message(bad).content), LAYOUT)
 
 
 @pytest.mark.parametrize(
@@ -517,7 +518,7 @@ def test_codec_specific_corruptions():
 
 
 def test_numpy_payloads_are_checked_too():
-    p = Payload.from_records(as_message(valid("topk")).content)
+    p = payload_from_records(as_message(valid("topk")).content)
     good = make_codec("topk").decode(p, LAYOUT)
     assert good.shape == (2, D)
     bad = Payload({**p.arrays, "values": p.arrays["values"].astype(">f4")}, p.meta)
@@ -576,7 +577,7 @@ def test_every_codec_is_described():
 
 
 def test_bench_codecs_writes_its_table(tmp_path):
-    from fedswarm.sim.bench_codecs import benchmark_layout, run
+    from fedswarm.bench.codecs import benchmark_layout, run
 
     assert benchmark_layout(10**6).d == 10**6 and benchmark_layout(1000).d == 1000
     rows = run(tmp_path, quick=True, sizes=[5000])

@@ -19,14 +19,14 @@ from fedswarm.config import RunConfig
 from fedswarm.params import ParamLayout
 from fedswarm.sim.inprocess import run_inprocess
 from fedswarm.strategies import registry
-from fedswarm.strategies.codecs import make_codec
-from fedswarm.strategies.compressed_fedavg import CompressedFedAvg, OneBitSGD, parse_codec_params
-from fedswarm.strategies.countsketch import CountSketch
-from fedswarm.strategies.error_feedback import ErrorFeedback
-from fedswarm.strategies.gtopk import GlobalTopK, merge_topk, tree_merge
-from fedswarm.strategies.sketched import fetchsgd_step
+from fedswarm.algorithms.compression.codecs import make_codec
+from fedswarm.strategies.federated.compressed_fedavg import CompressedFedAvg, OneBitSGD, parse_codec_params
+from fedswarm.algorithms.compression.countsketch import CountSketch
+from fedswarm.algorithms.compression.error_feedback import ErrorFeedback
+from fedswarm.strategies.federated.gtopk import GlobalTopK, merge_topk, tree_merge
+from fedswarm.strategies.federated.sketched import fetchsgd_step
 from fedswarm.store import Store
-from fedswarm.wire import vector_to_arrayrecord
+from fedswarm.wire import payload_to_records, vector_to_arrayrecord
 
 D = 4810  # digits-mlp
 PARAMS = {  # settings that learn in a few rounds at d = 4810 (the defaults target bigger models)
@@ -146,7 +146,7 @@ def _reply(node_id: int, content: RecordDict) -> Message:
 
 
 def _payload_reply(node_id: int, payload, n: int = 10) -> Message:
-    content = payload.to_records(RecordDict())
+    content = payload_to_records(payload, RecordDict())
     content["metrics"] = MetricRecord({"num-examples": n, "train_loss": 0.5})
     content["node"] = ConfigRecord({"device_class": "default", "policy": "{}"})
     return _reply(node_id, content)
@@ -307,7 +307,7 @@ def test_a_bad_payload_is_rejected_and_leaves_the_model_untouched(store, monkeyp
                                                                   needle):
     import importlib
 
-    mod = importlib.import_module(f"fedswarm.strategies.{module}")
+    mod = importlib.import_module(f"fedswarm.strategies.federated.{module}")
     real_finish = mod.finish
     mutate = _corrupt(kind)
 
@@ -327,7 +327,7 @@ def test_a_bad_payload_is_rejected_and_leaves_the_model_untouched(store, monkeyp
 
 
 def test_gs_sgd_with_sketch_estimates_applies_the_unsketched_top_k():
-    from fedswarm.strategies.sketched import GlobalSketchSGD
+    from fedswarm.strategies.federated.sketched import GlobalSketchSGD
 
     d = 200
     layout = ParamLayout.from_shapes([("w", (d,))])
@@ -384,7 +384,7 @@ def test_cli_sim_runs_a_compressed_strategy(tmp_path):
 
 
 def test_replica_sync_picks_the_smallest_body_and_stays_bit_exact():
-    from fedswarm.strategies.compressed_sync import REPLICA_LOST, SYNC, ReplicaSync, client_sync, save_replica
+    from fedswarm.strategies.federated.compressed_sync import REPLICA_LOST, SYNC, ReplicaSync, client_sync, save_replica
 
     d = 2000
     layout = ParamLayout.from_shapes([("w", (d,))])
@@ -449,7 +449,7 @@ def test_two_phase_round_on_flowers_simulation_engine(store):
 
 
 def test_bench_compression_writes_its_table(tmp_path, monkeypatch):
-    from fedswarm.sim import bench_compression as bench
+    from fedswarm.bench import compression as bench
 
     monkeypatch.setattr(bench, "TASK", "digits-mlp")  # a miniature of the quick run
     monkeypatch.setattr(bench, "CLIENTS", 3)

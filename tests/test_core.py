@@ -12,7 +12,8 @@ from fedswarm.params import ParamLayout, get_flat, set_flat
 from fedswarm.strategies import registry
 from fedswarm.tasks import get_task
 from fedswarm.tasks.partition import partition_indices
-from fedswarm.wire import (Payload, PayloadError, arrayrecord_to_vector, message_nbytes,
+from fedswarm.payload import Payload, PayloadError
+from fedswarm.wire import (arrayrecord_to_vector, message_nbytes, payload_from_records, payload_to_records,
                            vector_to_arrayrecord)
 from fedswarm.server.metered_grid import serialized_size
 
@@ -63,15 +64,15 @@ def test_vector_record_checks():
 
 def test_payload_round_trip_and_rejection():
     p = Payload({"bits": np.arange(4, dtype=np.uint8), "scale": np.ones(2, np.float32)}, {"codec": "x", "d": 4})
-    back = Payload.from_records(p.to_records())
+    back = payload_from_records(payload_to_records(p))
     assert back.meta == {"codec": "x", "d": 4} and np.array_equal(back.arrays["bits"], p.arrays["bits"])
     bad = Payload({"v": np.array([1.0, np.inf], np.float32)}, {})
     with pytest.raises(PayloadError, match="non-finite"):
-        Payload.from_records(bad.to_records())
+        payload_from_records(payload_to_records(bad))
     with pytest.raises(PayloadError, match="limit"):
-        Payload.from_records(p.to_records(), max_bytes=4)
+        payload_from_records(payload_to_records(p), max_bytes=4)
     with pytest.raises(PayloadError, match="no 'payload'"):
-        Payload.from_records(RecordDict({"x": ConfigRecord({"a": 1})}))
+        payload_from_records(RecordDict({"x": ConfigRecord({"a": 1})}))
 
 
 @pytest.mark.parametrize("values, key", [

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedswarm.strategies.codec_kernels import median_small
-from fedswarm.strategies.countsketch import PRIME, CountSketch, poly_mod_prime
+from fedswarm.algorithms.compression.kernels import median_small
+from fedswarm.algorithms.compression.countsketch import PRIME, CountSketch, poly_mod_prime
 
 
 def test_same_seed_same_hashes_other_seed_other_hashes():

@@ -4,13 +4,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from fedswarm.store import Store
-from tests.conftest import free_port
+from tests.helpers import free_port, port_open, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.integration
@@ -46,7 +45,7 @@ def test_superlink_two_supernodes_two_rounds(tmp_path):
         procs.append(_spawn(["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
                              "--database", str(tmp_path / "state.db"),
                              "--disable-runtime-dependency-installation"], log, env))
-        time.sleep(3)
+        wait_until(lambda: port_open("127.0.0.1", port), 60, interval=0.2, what="the SuperLink listening")
         for i in range(2):
             cmd = [sys.executable, "-m", "fedswarm", "client", "--superlink", f"127.0.0.1:{port}", "--insecure",
                    "--partition-id", str(i), "--num-partitions", "2", "--device-class", "cpu",
@@ -57,18 +56,25 @@ def test_superlink_two_supernodes_two_rounds(tmp_path):
             capture_output=True, text=True, env=env, timeout=120,
         )
         assert started.returncode == 0, started.stdout + started.stderr
-        deadline = time.time() + 240
-        rounds = []
-        while time.time() < deadline:
-            if db.exists():
-                store = Store(db)
+
+        def ended():
+            if not db.exists():
+                return None
+            store = Store(db)
+            try:
                 runs = store.list_runs()
-                if runs and runs[0].status in ("finished", "failed"):
-                    rounds = store.rounds(runs[0].id)
-                    break
+                return runs if runs and runs[0].status in ("finished", "failed") else None
+            finally:
                 store.close()
-            time.sleep(2)
+
+        try:
+            runs = wait_until(ended, 240, interval=0.5, what="the run finishing")
+        except AssertionError as exc:
+            log.flush()
+            raise AssertionError(f"{exc}\n{(tmp_path / 'processes.log').read_text()[-4000:]}") from None
         log.flush()
+        store = Store(db)
+        rounds = store.rounds(runs[0].id)
         assert runs and runs[0].status == "finished", (tmp_path / "processes.log").read_text()[-4000:]
         assert runs[0].engine == "deployment"
         done = [r for r in rounds if r.round > 0]
@@ -76,7 +82,6 @@ def test_superlink_two_supernodes_two_rounds(tmp_path):
         assert all(r.num_clients == 2 and r.bytes_up > 4 * 4810 * 2 for r in done)
         assert done[-1].test_accuracy > 0.5
         # each SuperNode reported its class and its probed device
-        store = Store(db)
         nodes = [n for n in store.list_nodes() if n.kind == "supernode"]
         assert len(nodes) == 2 and {n.device_class for n in nodes} == {"cpu"}
         assert all(n.info.get("device") == "cpu" and n.info.get("step_ms", 0) > 0 for n in nodes)

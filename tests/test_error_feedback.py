@@ -9,8 +9,9 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fedswarm.params import ParamLayout
-from fedswarm.strategies.codecs import CODECS, make_codec
-from fedswarm.strategies.error_feedback import ErrorFeedback
+from fedswarm.algorithms.compression.codecs import CODECS, make_codec
+from fedswarm.algorithms.compression.error_feedback import ErrorFeedback
+from fedswarm.strategies.strategy_utils import load_vector, save_vector
 
 LAYOUT = ParamLayout.from_shapes([("w", (20, 30)), ("b", (20,)), ("v", (7,))])  # d = 627
 SMALL = {"topk": {"ratio": 0.02}, "randk": {"ratio": 0.05}, "countsketch": {"k_ratio": 0.02}}
@@ -58,25 +59,25 @@ def test_compensate_and_update():
 
 def test_residual_round_trips_through_context_state():
     state = RecordDict()
-    assert torch.equal(ErrorFeedback.load(state, "ef.onebit", 5), torch.zeros(5))
+    assert torch.equal(load_vector(state, "ef.onebit", 5), torch.zeros(5))
     residual = torch.tensor([[0.5, -1.0, 2.0, 0.0, 3.0]])
-    ErrorFeedback.save(state, "ef.onebit", residual)
+    save_vector(state, "ef.onebit", residual)
     assert isinstance(state["ef.onebit"], ArrayRecord)
-    loaded = ErrorFeedback.load(state, "ef.onebit", 5)
+    loaded = load_vector(state, "ef.onebit", 5)
     assert torch.equal(loaded, residual[0]) and loaded.dtype == torch.float32
     loaded.add_(1.0)  # a copy, not a view of the state
-    assert torch.equal(ErrorFeedback.load(state, "ef.onebit", 5), residual[0])
+    assert torch.equal(load_vector(state, "ef.onebit", 5), residual[0])
 
 
 def test_stale_or_corrupt_residuals_load_as_zeros():
     state = RecordDict()
-    ErrorFeedback.save(state, "ef", torch.ones(4))
-    assert torch.equal(ErrorFeedback.load(state, "ef", 6), torch.zeros(6))  # the model changed
+    save_vector(state, "ef", torch.ones(4))
+    assert torch.equal(load_vector(state, "ef", 6), torch.zeros(6))  # the model changed
     state["ef"] = ArrayRecord({"residual": Array(np.array([1.0, np.nan], np.float32))})
-    assert torch.equal(ErrorFeedback.load(state, "ef", 2), torch.zeros(2))
-    state["ef"] = ArrayRecord({"other": Array(np.ones(2, np.float32))})
-    assert torch.equal(ErrorFeedback.load(state, "ef", 2), torch.zeros(2))
+    assert torch.equal(load_vector(state, "ef", 2), torch.zeros(2))
+    state["ef"] = ArrayRecord({"residual": Array(np.ones(2, np.int32))})
+    assert torch.equal(load_vector(state, "ef", 2), torch.zeros(2))
     state["cfg"] = ConfigRecord({"a": 1})
-    assert torch.equal(ErrorFeedback.load(state, "cfg", 2), torch.zeros(2))
+    assert torch.equal(load_vector(state, "cfg", 2), torch.zeros(2))
     with pytest.raises(ValueError, match=r"\[d\] or \[1, d\]"):
-        ErrorFeedback.save(state, "ef", torch.ones(2, 3))
+        save_vector(state, "ef", torch.ones(2, 3))

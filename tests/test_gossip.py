@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedswarm.strategies.gossip import (
+from fedswarm.algorithms.decentralized import (
     ADPSGD,
     ALGORITHMS,
     D2,
@@ -14,12 +14,13 @@ from fedswarm.strategies.gossip import (
     DSGDm,
     QGDSGDm,
     bipartite_split,
+    exchange_roles,
     consensus_distance,
     make_algorithm,
     pair_mixing_matrix,
     pairwise_average,
 )
-from fedswarm.strategies.topology import make_topology
+from fedswarm.algorithms.decentralized.topology import make_topology
 
 SYNC_ALGOS = {
     "dpsgd-cta": lambda: DPSGD(order="cta"),
@@ -384,6 +385,29 @@ def test_adpsgd_events_keep_the_sum_and_peer_view_agrees():
     algo.local_step(state, torch.ones(8, 5), 0.5)
     torch.testing.assert_close(state.x.sum(0), before.sum(0) - 4.0)
     assert state.step == 1
+
+
+@pytest.mark.parametrize("name,n", [("ring", 8), ("ring", 7), ("complete", 5), ("torus:3x3", 9), ("exp", 8)])
+def test_exchange_roles_give_each_edge_one_initiator_and_no_cycle(name, n):
+    topo = make_topology(name, n)
+    roles = exchange_roles(topo)
+    initiated = [(i, j) for i, (active, partners) in enumerate(roles) for j in partners]
+    edges = {frozenset((i, j)) for i in range(n) for j in topo.neighbors(i) if i != j}
+    assert {frozenset(e) for e in initiated} == edges and len(initiated) == len(edges)
+    assert all(active == bool(partners) or not partners for active, partners in roles)
+    # no cycle in "i initiates with j": a topological order exists (Kahn's algorithm)
+    indegree = [0] * n
+    for _, j in initiated:
+        indegree[j] += 1
+    ready, seen = [i for i in range(n) if indegree[i] == 0], 0
+    while ready:
+        i = ready.pop()
+        seen += 1
+        for j in roles[i][1]:
+            indegree[j] -= 1
+            if indegree[j] == 0:
+                ready.append(j)
+    assert seen == n
 
 
 def test_bipartite_split():

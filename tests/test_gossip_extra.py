@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedswarm.strategies.gossip import ALGORITHMS, make_algorithm
-from fedswarm.strategies.gossip_leader import contiguous_groups
-from fedswarm.strategies.topology import make_topology
+from fedswarm.algorithms.decentralized import ALGORITHMS, make_algorithm
+from fedswarm.algorithms.decentralized.leader import contiguous_groups
+from fedswarm.algorithms.decentralized.topology import make_topology
 
 N, D = 4, 6
 
@@ -46,7 +46,11 @@ def test_squarm_identity_codec_reduces_to_nesterov_dsgdm():
               x0, grads, 0.1, W)
     dm = _run(make_algorithm("dsgdm", momentum=0.9, nesterov=True), x0, grads, 0.1, W)
     torch.testing.assert_close(sq.x, dm.x, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(sq.buffers["x_hat"], sq.buffers["x_hat"])
+    # identity codec, always triggered, γ = 1: the replicas are the pre-gossip models, the
+    # incremental sum s_i stays Σ_j w_ij x̂_j, and the mixed model is exactly that sum
+    mix_of_replicas = W.to(sq.x.dtype) @ sq.buffers["x_hat"]
+    torch.testing.assert_close(sq.buffers["s"], mix_of_replicas, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sq.x, mix_of_replicas, atol=1e-5, rtol=1e-5)
 
 
 def test_squarm_matches_numpy_with_topk_period_and_trigger():
@@ -268,7 +272,7 @@ def test_dasgd_special_cases_and_zero_lr_mean():
 
 def test_new_algorithms_are_registered_and_routed():
     from fedswarm.strategies import registry
-    import fedswarm.strategies.decentralized as dec
+    import fedswarm.strategies.decentralized.router as dec
 
     for name in ("squarm", "easgd", "lsgd", "dasgd"):
         assert name in ALGORITHMS and ALGORITHMS[name].synchronous
@@ -295,7 +299,7 @@ def _prague_sim(profiles, group_size, x0, grads_of=None, lr=0.1):
 
 
 def test_partial_allreduce_keeps_mean_and_prague_matches_numpy():
-    from fedswarm.strategies.gossip import partial_allreduce
+    from fedswarm.algorithms.decentralized import partial_allreduce
     from fedswarm.timemodel import BUILTIN_PROFILES
 
     x = _x0().float()

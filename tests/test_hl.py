@@ -6,8 +6,8 @@ import pytest
 
 from fedswarm.config import ConfigError, RunConfig
 from fedswarm.sim.inprocess import run_inprocess
-from fedswarm.strategies.hl import HomogeneousLearning
-from fedswarm.strategies.hl_agent import NodeStates, QAgent, distance_matrix, hl_reward
+from fedswarm.strategies.edge.hl import HomogeneousLearning
+from fedswarm.algorithms.selection.hl import NodeStates, QAgent, distance_matrix, hl_reward
 from fedswarm.strategies.registry import resolve_params
 
 N, NEED = 6, 8

@@ -11,7 +11,8 @@ from fedswarm.config import ConfigError, RunConfig
 from fedswarm.params import ParamLayout, get_flat
 from fedswarm.policy import PolicyBook
 from fedswarm.sim.inprocess import InProcessGrid, run_inprocess
-from fedswarm.strategies import progfed
+from fedswarm.algorithms.selection import progfed as progfed_schedule
+from fedswarm.strategies.edge import progfed
 from fedswarm.strategies.registry import BuildContext, resolve_params
 from fedswarm.tasks import TASKS
 from fedswarm.tasks.base import cross_entropy
@@ -26,9 +27,9 @@ def _staged_tasks(monkeypatch):
 
 
 def test_schedule_follows_the_paper():
-    assert progfed.default_stage_rounds(3000, 4) == 375  # the CIFAR-100 config
-    assert progfed.default_stage_rounds(400, 4) == 50
-    stages = [progfed.stage_of(t, 50, 4) for t in range(1, 401)]
+    assert progfed_schedule.default_stage_rounds(3000, 4) == 375  # the CIFAR-100 config
+    assert progfed_schedule.default_stage_rounds(400, 4) == 50
+    stages = [progfed_schedule.stage_of(t, 50, 4) for t in range(1, 401)]
     assert stages.count(1) == stages.count(2) == stages.count(3) == 50 and stages.count(4) == 250
 
 
@@ -134,7 +135,7 @@ def test_flops_are_counted_per_sample_and_grow_with_the_stage():
     assert per_stage == sorted(per_stage) and per_stage[0] < per_stage[-1] / 10
     assert per_stage[-1] == step_flops(model, cross_entropy, x, y)
     assert step_flops(model, cross_entropy, x[:1], y[:1]) * 4 == per_stage[-1]  # linear in the batch
-    assert progfed.samples_processed(10, 4, 4) == 4 + 4 + 2 + 4
+    assert progfed_schedule.samples_processed(10, 4, 4) == 4 + 4 + 2 + 4
 
 
 def test_progfed_runs_end_to_end(store):

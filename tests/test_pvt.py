@@ -11,7 +11,8 @@ from fedswarm.config import RunConfig
 from fedswarm.params import ParamLayout, get_flat
 from fedswarm.policy import PolicyBook
 from fedswarm.sim.inprocess import InProcessGrid, run_inprocess
-from fedswarm.strategies import pvt
+from fedswarm.algorithms.selection import pvt as pvt_schedule
+from fedswarm.strategies.edge import pvt
 from fedswarm.tasks import get_task
 from fedswarm.train import trainer_for
 from fedswarm.wire import message_nbytes, recorddict_nbytes, vector_to_arrayrecord
@@ -54,8 +55,8 @@ def test_frozen_variables_get_no_gradient_and_no_optimizer_state(monkeypatch):
     content = pvt.client_update(msg, _context(cfg, 7, 0, 2))
     layout = trainer.layout
     ids = content["update"]["ids"].numpy().tolist()
-    k = pvt.num_selected(len(layout), 0.34)
-    assert ids == pvt.select_variables(len(layout), k, pvt.selection_seed(cfg.seed, 1, 7)).tolist()
+    k = pvt_schedule.num_selected(len(layout), 0.34)
+    assert ids == pvt_schedule.select_variables(len(layout), k, pvt_schedule.selection_seed(cfg.seed, 1, 7)).tolist()
     trained = {layout.specs[i].name for i in ids}
     assert 0 < len(trained) < len(params)
     assert len(grads_at_step) == 3
@@ -173,10 +174,10 @@ def test_ids_from_the_shared_seed_give_the_same_model():
         arrays, _ = strategy.aggregate_train(1, list(grid.send_and_receive(msgs)))
         models.append(torch.from_numpy(arrays["vector"].numpy().copy()))
     assert torch.equal(models[0], models[1])
-    k = pvt.num_selected(len(layout), 0.34)
+    k = pvt_schedule.num_selected(len(layout), 0.34)
     trained = set()
     for node in (1, 2):
-        trained |= set(pvt.select_variables(len(layout), k, pvt.selection_seed(cfg.seed, 1, node)).tolist())
+        trained |= set(pvt_schedule.select_variables(len(layout), k, pvt_schedule.selection_seed(cfg.seed, 1, node)).tolist())
     untouched = layout.mask([s.name for i, s in enumerate(layout.specs) if i not in trained])
     assert untouched.any() and torch.equal(models[0][untouched], flat[untouched])
     assert not torch.equal(models[0][~untouched], flat[~untouched])

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from itertools import pairwise
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 from fedswarm.swarm.launcher import SwarmSpec, launch_swarm, peer_command
 
-from tests.conftest import free_port
+from tests.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.integration
 ROUNDS = 5
@@ -26,8 +25,8 @@ ROUNDS = 5
 def _oracle_dpsgd(spec: SwarmSpec, ids: list[str]) -> list[torch.Tensor]:
     """The plain [n, d] simulation with gossip.py's DPSGD object: same seeds, same ring
     over the sorted peer ids, no failures. Returns X after each round."""
-    from fedswarm.strategies.gossip import make_algorithm
-    from fedswarm.strategies.topology import make_topology
+    from fedswarm.algorithms.decentralized import make_algorithm
+    from fedswarm.algorithms.decentralized.topology import make_topology
     from fedswarm.swarm.peer import round_seed
 
     from fedswarm.config import RunConfig
@@ -94,17 +93,8 @@ def _round(pdir: Path) -> int:
         return 0
 
 
-def _wait(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_killed_peer_costs_neighbours_an_exchange_and_restarts_from_its_checkpoint(tmp_path):
-    from fedswarm.swarm.identity import create_or_load
+    from fedswarm.swarm.net.identity import create_or_load
 
     n, victim = 3, 2
     spec = SwarmSpec(peers=n, algorithm="dpsgd", rounds=500, local_steps=5, task="synthetic-logreg", round_timeout_s=1.0,
@@ -126,7 +116,7 @@ def test_killed_peer_costs_neighbours_an_exchange_and_restarts_from_its_checkpoi
     try:
         for i in range(n):
             spawn(i, peer_command(spec, i, ports[i], join if i else None, allow, pdirs[i]))
-        assert _wait(lambda: _round(pdirs[victim]) >= 3, 90), "the swarm did not start"
+        wait_until(lambda: _round(pdirs[victim]) >= 3, 90, interval=0.1, what="the swarm starting")
         os.killpg(procs[victim].pid, signal.SIGKILL)
         procs[victim].wait()
         killed_at = _round(pdirs[victim])
@@ -135,9 +125,12 @@ def test_killed_peer_costs_neighbours_an_exchange_and_restarts_from_its_checkpoi
         cmd[cmd.index("--min-peers") + 1] = "1"
         spawn(victim, cmd)
         # the restarted peer resumes, catches up with its neighbours and trains with them again
-        assert _wait(lambda: _round(pdirs[victim]) >= max(_round(d) for d in pdirs) - 1
-                     and _round(pdirs[victim]) > killed_at + 4, 90), "the restarted peer did not rejoin"
-        time.sleep(1.0)
+        wait_until(lambda: _round(pdirs[victim]) >= max(_round(d) for d in pdirs) - 1
+                   and _round(pdirs[victim]) > killed_at + 4, 90, interval=0.1, what="the restarted peer rejoining")
+        rejoined_at = _round(pdirs[victim])
+        # two more whole rounds in step with its neighbours: exchanges after the restart
+        wait_until(lambda: _round(pdirs[victim]) >= rejoined_at + 2, 60, interval=0.1,
+                   what="the restarted peer training on")
     finally:
         for p in procs.values():
             if p.poll() is None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedswarm.strategies.topology import (
+from fedswarm.algorithms.decentralized.topology import (
     TOPOLOGIES,
     check_mixing,
     from_edges,

@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 from fastapi.testclient import TestClient
+
+from tests.helpers import free_port, wait_until  # noqa: F401  (free_port: used by the test modules)
 
 HERE = Path(__file__).resolve().parent
 ADMIN_PW = "admin-password-1"
@@ -21,10 +21,6 @@ FAKE_RUNNER = [sys.executable, str(HERE / "fake_runner.py")]
 FAKE_CATALOG = [sys.executable, str(HERE / "fake_catalog.py")]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def login(client: TestClient, username: str, password: str) -> str:
@@ -47,14 +43,8 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-def wait_for(pred, timeout: float = 15.0, interval: float = 0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = pred()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout} s")
+def wait_for(pred, timeout: float = 60.0, interval: float = 0.05):
+    return wait_until(pred, timeout, interval=interval)
 
 
 class Server:
@@ -82,7 +72,7 @@ def start_server(tmp_path: Path, fake: bool, poll: float = 0.3, env: dict | None
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = Server(proc, port, db, log)
     try:
-        wait_for(lambda: _up(server), timeout=30, interval=0.2)
+        wait_for(lambda: _up(server), timeout=90, interval=0.2)
     except AssertionError:
         server.stop()
         raise AssertionError("dashboard did not start:\n" + log.read_text()[-3000:])

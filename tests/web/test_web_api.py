@@ -121,7 +121,7 @@ def test_force_stop_terminates_the_process(app, admin, monkeypatch):
     pid = admin.get(f"/api/runs/{rid}").json()["pid"]
     r = admin.post(f"/api/runs/{rid}/stop?force=true")
     assert r.status_code == 200 and "terminated" in r.json()["detail"]
-    wait_for(lambda: not pid_alive(pid), timeout=10)
+    wait_for(lambda: not pid_alive(pid), timeout=60)
     assert _status(admin, rid) == "stopped"
 
 

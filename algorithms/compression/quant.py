@@ -1,0 +1,283 @@
+"""Quantizing codecs: float32 passthrough, fp16, 1-bit SGD, scaled sign, QSGD."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fedswarm.params import ParamLayout
+from fedswarm.algorithms.compression.base import Codec
+from fedswarm.hyperparams import HyperParam
+from fedswarm.algorithms.compression.kernels import bit_lut, pack_bits, unpack_bits
+
+__all__ = ["NoneCodec", "Fp16Codec", "OneBitCodec", "SignCodec", "QSGDCodec"]
+
+_FP16_MAX = 65504.0
+
+
+def _acc_dtype(device: torch.device) -> torch.dtype:
+    # Column sums in float64 make the mean of a constant column exact (n*v is exact in
+    # 53 bits for n < 2^29); Apple's MPS has no float64.
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+class NoneCodec(Codec):
+    """No compression: the float32 vector as is.
+
+    decode(encode(x)) = x. Wire: 4·K·d bytes. The baseline every codec is compared with.
+    """
+
+    name = "none"
+    unbiased = True
+    error_feedback = False
+
+    def _encode(self, x, layout, seed):
+        return {"values": x.clone()}
+
+    def _array_specs(self, k, layout, params):
+        return {"values": (torch.float32, (k, layout.d))}
+
+    def _decode(self, arrays, k, layout, params, seed):
+        return arrays["values"].clone()  # never alias the payload
+
+    def wire_bytes(self, layout, K=1):
+        return 4 * K * layout.d
+
+
+class Fp16Codec(Codec):
+    """Half precision: each value rounded to IEEE float16 (values beyond ±65504 saturate).
+
+    decode(encode(x)) = float32(float16(clamp(x, ±65504))): relative error <= 2^-11 in the
+    normal range, so error feedback is rarely worth it. Wire: 2·K·d bytes. As torch's
+    ``fp16_compress_hook`` (DDP communication hooks).
+    """
+
+    name = "fp16"
+    unbiased = False
+    error_feedback = False
+
+    def _encode(self, x, layout, seed):
+        return {"values": x.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)}
+
+    def _array_specs(self, k, layout, params):
+        return {"values": (torch.float16, (k, layout.d))}
+
+    def _decode(self, arrays, k, layout, params, seed):
+        return arrays["values"].to(torch.float32)
+
+    def wire_bytes(self, layout, K=1):
+        return 2 * K * layout.d
+
+
+def _columns(layout: ParamLayout) -> int:
+    return sum(s.matrix_shape[1] for s in layout.specs)
+
+
+class OneBitCodec(Codec):
+    """1-bit SGD: one bit per value and two reconstruction values per column.
+
+    For column j of every weight matrix (``TensorSpec.matrix_shape``: a Linear ``[out, in]``
+    has ``in`` columns of ``out`` rows, a conv ``[out, in, kh, kw]`` has ``in·kh·kw``; a bias
+    or other vector is one column), with threshold 0 (CNTK's default)::
+
+        b_i = [v_i >= 0]
+        a0_j = mean{v_i : b_i = 0},  a1_j = mean{v_i : b_i = 1}     (an empty side gives 0)
+        Q(v)_i = a1_j if b_i else a0_j
+
+    The means are the MSE-optimal values for the fixed threshold; a column holding one
+    value >= 0 and one value < 0 is reproduced exactly (sums are taken in float64).
+    Biased: pair it with error feedback, as the paper does.
+
+    Wire: bits are packed 8 per byte over the whole flat vector (element i is bit i % 8 of
+    byte i // 8, not padded per column) plus a float32 (a0, a1) pair per column:
+    K·(ceil(d/8) + 8·C) bytes, C = total number of columns -- about 32x smaller than
+    float32 for wide matrices. Arrays: ``bits`` uint8 [K, ceil(d/8)], ``means`` float32
+    [K, C, 2] (mean of the negatives, mean of the non-negatives).
+
+    Paper: Seide, Fu, Droppo, Li, Yu, "1-Bit Stochastic Gradient Descent and its
+    Application to Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014;
+    quantizer as in CNTK's ``ColumnQuantizer``.
+    """
+
+    name = "onebit"
+    paper = "Seide et al., Interspeech 2014"
+
+    def _encode(self, x, layout, seed):
+        k = x.shape[0]
+        nonneg = x >= 0
+        acc = _acc_dtype(x.device)
+        s_pos, s_neg, n_pos, n_all = [], [], [], []
+        for spec in layout.specs:  # reductions per tensor: each has its own column stride
+            rows, cols = spec.matrix_shape
+            sl = slice(spec.offset, spec.end)
+            xt = x[:, sl].view(k, rows, cols)
+            s_pos.append(xt.clamp(min=0).sum(1, dtype=acc))
+            s_neg.append(xt.clamp(max=0).sum(1, dtype=acc))
+            n_pos.append(nonneg[:, sl].view(k, rows, cols).sum(1, dtype=torch.int32))
+            n_all.append(torch.full((cols,), rows, dtype=torch.int32, device=x.device))
+        npos = torch.cat(n_pos, 1)
+        nneg = torch.cat(n_all).unsqueeze(0) - npos
+        hi = torch.cat(s_pos, 1) / npos.clamp(min=1)
+        lo = torch.cat(s_neg, 1) / nneg.clamp(min=1)
+        means = torch.stack([lo, hi], dim=2).to(torch.float32)
+        return {"bits": pack_bits(nonneg), "means": means}
+
+    def _array_specs(self, k, layout, params):
+        return {
+            "bits": (torch.uint8, (k, (layout.d + 7) // 8)),
+            "means": (torch.float32, (k, _columns(layout), 2)),
+        }
+
+    def _decode(self, arrays, k, layout, params, seed):
+        means = arrays["means"]
+        lo, hi = means[..., 0], means[..., 1]
+        if bool((lo > 0).any()) or bool((hi < 0).any()):
+            raise self._fail("'means' must hold (mean of negatives <= 0, mean of non-negatives >= 0)")
+        dev = means.device
+        w = unpack_bits(arrays["bits"], layout.d, bit_lut(0.0, 1.0, dev))  # 0/1 per value
+        out = torch.empty(k, layout.d, dtype=torch.float32, device=dev)
+        c = 0
+        for spec in layout.specs:
+            rows, cols = spec.matrix_shape
+            sl = slice(spec.offset, spec.end)
+            # lerp is exact at both ends (it evaluates from the nearer end), so a1 and a0
+            # come back bit for bit
+            torch.lerp(
+                lo[:, None, c : c + cols].expand(k, rows, cols),
+                hi[:, None, c : c + cols].expand(k, rows, cols),
+                w[:, sl].view(k, rows, cols),
+                out=out[:, sl].view(k, rows, cols),
+            )
+            c += cols
+        return out
+
+    def wire_bytes(self, layout, K=1):
+        return K * ((layout.d + 7) // 8 + 8 * _columns(layout))
+
+
+class SignCodec(Codec):
+    """Scaled sign (EF-signSGD): each value becomes ±scale, one scale per client.
+
+    ``Q(x) = (||x||_1 / d) · sign(x)``, with sign(0) = +1. The scale is the l1 mean of the
+    whole vector of one client (not per tensor). Biased; with error feedback it converges
+    like SGD.
+
+    Wire: K·(ceil(d/8) + 4) bytes: ``bits`` uint8 [K, ceil(d/8)] packed as in ``onebit``
+    (bit set = non-negative) and ``scale`` float32 [K].
+
+    Paper: Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and other
+    Gradient Compression Schemes", ICML 2019.
+    """
+
+    name = "sign"
+    paper = "Karimireddy et al., ICML 2019"
+
+    def _encode(self, x, layout, seed):
+        scale = torch.linalg.vector_norm(x, 1, dim=1) / layout.d
+        return {"bits": pack_bits(x >= 0), "scale": scale}
+
+    def _array_specs(self, k, layout, params):
+        return {"bits": (torch.uint8, (k, (layout.d + 7) // 8)), "scale": (torch.float32, (k,))}
+
+    def _decode(self, arrays, k, layout, params, seed):
+        scale = arrays["scale"]
+        if bool((scale < 0).any()):
+            raise self._fail("'scale' must be >= 0")
+        out = unpack_bits(arrays["bits"], layout.d, bit_lut(-scale, scale, scale.device))
+        return out.contiguous()
+
+    def wire_bytes(self, layout, K=1):
+        return K * ((layout.d + 7) // 8 + 4)
+
+
+def _bucket_mul(src: torch.Tensor, factor: torch.Tensor, bucket: int, out: torch.Tensor) -> torch.Tensor:
+    """``out[k, i] = src[k, i] * factor[k, i // bucket]`` without expanding ``factor``."""
+    k, d = src.shape
+    nf = d // bucket
+    m = nf * bucket
+    if nf:
+        torch.mul(src[:, :m].view(k, nf, bucket), factor[:, :nf, None], out=out[:, :m].view(k, nf, bucket))
+    if m < d:
+        torch.mul(src[:, m:], factor[:, nf:], out=out[:, m:])
+    return out
+
+
+class QSGDCodec(Codec):
+    """QSGD: stochastic rounding to ``levels`` uniform levels of the bucket's l2 norm.
+
+    For each bucket of ``bucket`` consecutive values (the whole vector if 0), with
+    s = ``levels`` and y_i = s·x_i/||x_bucket||_2 in [-s, s]::
+
+        code_i = floor(y_i + u_i),  u_i ~ U[0, 1)    (= sign(x_i)·(floor|y_i| or ceil|y_i|))
+        Q(x)_i = ||x_bucket||_2 / s · code_i
+
+    Unbiased (E[code_i] = y_i), with variance per bucket <= min(n/s^2, sqrt(n)/s)·||x||^2,
+    so no error feedback is needed. Inputs with s·x_i/||x|| integral (e.g. [3, 4, 12] with
+    s = 13) are reproduced exactly. Row i of a batch draws its noise from ``seed + i``
+    (one torch.Generator per row; CPU and CUDA generators differ, decoding does not care).
+
+    Wire: K·(b·d + 4·ceil(d/bucket)) bytes, b = 1 (int8 codes) for s <= 127 else 2 (int16):
+    ``codes`` [K, d] and ``norms`` float32 [K, ceil(d/bucket)]. The paper's Elias coding
+    of the codes, which would be smaller, is not implemented.
+
+    Paper: Alistarh, Grubic, Li, Tomioka, Vojnovic, "QSGD: Communication-Efficient SGD via
+    Gradient Quantization and Encoding", NeurIPS 2017 (buckets of 512 in its experiments).
+    """
+
+    name = "qsgd"
+    paper = "Alistarh et al., NeurIPS 2017"
+    unbiased = True
+    error_feedback = False
+    hyperparams = (
+        HyperParam("levels", 16, "quantization levels s (codes in [-s, s]; int16 codes above 127)", ge=1, le=32767),
+        HyperParam("bucket", 512, "values sharing one norm (0: one norm per client)", ge=0),
+    )
+
+    @staticmethod
+    def _shape(d: int, params: dict[str, Any]) -> tuple[int, int, torch.dtype]:
+        bucket = params["bucket"] or d
+        bucket = min(bucket, d)
+        dtype = torch.int8 if params["levels"] <= 127 else torch.int16
+        return bucket, -(-d // bucket), dtype
+
+    def _encode(self, x, layout, seed):
+        k, d = x.shape
+        s = self.params["levels"]
+        bucket, nb, dtype = self._shape(d, self.params)
+        nf, m = d // bucket, (d // bucket) * bucket
+        norms = torch.empty(k, nb, dtype=torch.float32, device=x.device)
+        if nf:
+            norms[:, :nf] = torch.linalg.vector_norm(x[:, :m].view(k, nf, bucket), dim=2)
+        if m < d:
+            norms[:, nf] = torch.linalg.vector_norm(x[:, m:], dim=1)
+        factor = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
+        y = _bucket_mul(x, factor, bucket, torch.empty_like(x))
+        noise = torch.empty_like(x)
+        for i in range(k):  # the one per-client loop: torch has no per-row random streams
+            g = torch.Generator(device=x.device)
+            g.manual_seed(seed + i)
+            torch.rand(d, generator=g, device=x.device, out=noise[i])
+        codes = y.add_(noise).floor_().clamp_(-s, s).to(dtype)
+        return {"codes": codes, "norms": norms}
+
+    def _array_specs(self, k, layout, params):
+        _, nb, dtype = self._shape(layout.d, params)
+        return {"codes": (dtype, (k, layout.d)), "norms": (torch.float32, (k, nb))}
+
+    def _decode(self, arrays, k, layout, params, seed):
+        codes, norms = arrays["codes"], arrays["norms"]
+        s = params["levels"]
+        bucket, _, _ = self._shape(layout.d, params)
+        if bool((norms < 0).any()):
+            raise self._fail("'norms' must be >= 0")
+        lo, hi = torch.aminmax(codes) if codes.numel() else (0, 0)
+        if int(lo) < -s or int(hi) > s:  # (not abs(): abs(-128) overflows int8)
+            raise self._fail(f"'codes' must lie in [-{s}, {s}] for levels={s}")
+        out = torch.empty(k, layout.d, dtype=torch.float32, device=codes.device)
+        return _bucket_mul(codes, norms / s, bucket, out)
+
+    def wire_bytes(self, layout, K=1):
+        d = layout.d
+        _, nb, dtype = self._shape(d, self.params)
+        return K * ((1 if dtype == torch.int8 else 2) * d + 4 * nb)

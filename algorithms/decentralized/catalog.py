@@ -1,0 +1,184 @@
+"""The catalog of decentralized (gossip) algorithms: name -> class, hyperparameters, paper.
+
+Every algorithm has three steps shared by all runtimes: a local step, what a node sends,
+and how a node mixes what it received (see :mod:`fedswarm.algorithms.decentralized.base`)::
+
+    algo = make_algorithm("d2")
+    topo = make_topology("ring", 5)
+    algo.check_topology(topo)
+    state = algo.init_state(x0)                 # x0: [n, d]
+    for t in range(T):
+        grads = ...                             # [n, d], at state.x
+        algo.local_step(state, grads, lr)
+        algo.mix(state, algo.message(state), topo.mixing_matrix(t))
+
+:data:`ALGORITHMS` maps a name to its class, hyperparameters (with defaults and ranges,
+checked by :func:`make_algorithm`) and description, for the CLI and the dashboard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fedswarm.algorithms.decentralized.adpsgd import (ADPSGD, bipartite_split, exchange_roles, pair_mixing_matrix,
+                                                     pairwise_average)
+from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm, GossipState, consensus_distance
+from fedswarm.algorithms.decentralized.dasgd import DaSGD
+from fedswarm.algorithms.decentralized.leader import EASGD, LSGD
+from fedswarm.algorithms.decentralized.prague import Prague, partial_allreduce
+from fedswarm.algorithms.decentralized.squarm import SQuARM
+from fedswarm.algorithms.decentralized.sync import D2, DPSGD, DSGDm, QGDSGDm
+from fedswarm.hyperparams import HyperParam
+
+__all__ = [
+    "GossipState",
+    "DecentralizedAlgorithm",
+    "DPSGD",
+    "D2",
+    "DSGDm",
+    "QGDSGDm",
+    "ADPSGD",
+    "SQuARM",
+    "EASGD",
+    "LSGD",
+    "DaSGD",
+    "Prague",
+    "partial_allreduce",
+    "pairwise_average",
+    "pair_mixing_matrix",
+    "bipartite_split",
+    "exchange_roles",
+    "consensus_distance",
+    "AlgorithmEntry",
+    "ALGORITHMS",
+    "make_algorithm",
+]
+
+
+@dataclass(frozen=True)
+class AlgorithmEntry:
+    """A registered decentralized algorithm."""
+
+    name: str
+    cls: type[DecentralizedAlgorithm]
+    hyperparams: tuple[HyperParam, ...]
+    description: str
+    paper: str
+    synchronous: bool = True
+
+    def defaults(self) -> dict[str, Any]:
+        return {h.name: h.default for h in self.hyperparams}
+
+
+_WD = HyperParam("weight_decay", 0.0, "L2 weight decay added to the gradient (wd·x)", ge=0.0)
+_BETA = HyperParam("momentum", 0.9, "momentum factor β", ge=0.0, lt=1.0)
+_NESTEROV = HyperParam("nesterov", False, "Nesterov momentum (epfml's scripts use it) instead of heavy ball")
+
+ALGORITHMS: dict[str, AlgorithmEntry] = {
+    e.name: e
+    for e in (
+        AlgorithmEntry(
+            "dpsgd", DPSGD,
+            (HyperParam("order", "cta", "'cta': x ← Wx − ηg (the paper); 'atc': x ← W(x − ηg)",
+                        choices=("cta", "atc")), _WD),
+            "D-PSGD: gossip the models with neighbours, then a local SGD step",
+            "Lian et al., NeurIPS 2017, arXiv:1705.09056",
+        ),
+        AlgorithmEntry(
+            "d2", D2, (_WD,),
+            "D²: D-PSGD with a correction that removes the bias of heterogeneous data "
+            "(needs λ_min(W) > -1/3)",
+            "Tang et al., ICML 2018, arXiv:1803.07068",
+        ),
+        AlgorithmEntry(
+            "dsgdm", DSGDm, (_BETA, _NESTEROV, _WD),
+            "DSGDm: D-PSGD with local momentum",
+            "baseline of Lin et al., ICML 2021, arXiv:2102.04761",
+        ),
+        AlgorithmEntry(
+            "qgm", QGDSGDm,
+            (_BETA, HyperParam("mu", 0.9, "averaging factor μ of the quasi-global momentum buffer",
+                               ge=0.0, lt=1.0), _NESTEROV, _WD),
+            "QG-DSGDm: momentum from the model's displacement after gossip, robust to non-IID data",
+            "Lin, Karimireddy, Stich, Jaggi, ICML 2021, arXiv:2102.04761",
+        ),
+        AlgorithmEntry(
+            "adpsgd", ADPSGD, (_WD,),
+            "AD-PSGD: asynchronous pairwise averaging between active and passive nodes",
+            "Lian, Zhang, Zhang, Liu, ICML 2018, arXiv:1710.06952",
+            synchronous=False,
+        ),
+        AlgorithmEntry(
+            "squarm", SQuARM,
+            (HyperParam("momentum", 0.9, "Nesterov momentum factor β", ge=0.0, lt=1.0),
+             HyperParam("gamma", 0.5, "consensus step size γ", gt=0.0, le=1.0),
+             HyperParam("period", 5, "H: local steps between synchronization steps", ge=1),
+             HyperParam("threshold", 0.0, "event trigger c: send only if ‖x − x̂‖² > c·η²", ge=0.0),
+             HyperParam("codec", "topk", "compressor of x − x̂ (algorithms.compression.codecs)",
+                        choices=("topk", "sign", "randk", "qsgd", "fp16", "onebit", "none")),
+             HyperParam("ratio", 0.01, "fraction of coordinates kept by topk/randk", gt=0.0, le=1.0),
+             HyperParam("seed", 0, "seed of the codec's randomness", ge=0),
+             _WD),
+            "SQuARM-SGD: local Nesterov steps, event-triggered compressed gossip of x − x̂ every H steps "
+            "with consensus step γ (static topologies)",
+            "Singh, Data, George, Diggavi, IEEE JSAIT 2021, arXiv:2005.07041",
+        ),
+        AlgorithmEntry(
+            "easgd", EASGD,
+            (HyperParam("beta", 0.43, "moving rate β = n·α of the elastic pull", gt=0.0, le=1.0),
+             HyperParam("period", 16, "τ: steps between elastic pulls", ge=1), _WD),
+            "EASGD: every τ steps workers and a center variable pull elastically towards each other "
+            "(needs topology 'complete')",
+            "Zhang, Choromanska, LeCun, NeurIPS 2015, arXiv:1412.6651",
+        ),
+        AlgorithmEntry(
+            "lsgd", LSGD,
+            (HyperParam("groups", 2, "number of contiguous worker groups (local leaders)", ge=1),
+             HyperParam("c1", 0.1, "pull towards the group's leader", ge=0.0, le=1.0),
+             HyperParam("c2", 0.1, "pull towards the global leader", ge=0.0, le=1.0),
+             HyperParam("tau_local", 4, "τ_l: steps between local pulls", ge=1),
+             HyperParam("tau_global", 16, "τ_g: steps between global pulls", ge=1),
+             HyperParam("momentum", 0.0, "local heavy-ball momentum", ge=0.0, lt=1.0), _WD),
+            "LSGD: every τ steps workers pull towards the lowest-loss worker of their group and of all "
+            "([n, d] simulator only: needs every worker's loss)",
+            "Teng et al., NeurIPS 2019, arXiv:1905.10395",
+        ),
+        AlgorithmEntry(
+            "dasgd", DaSGD,
+            (HyperParam("period", 4, "τ: steps between averagings", ge=1),
+             HyperParam("delay", 1, "δ: steps after which the average is applied (0 <= δ < τ)", ge=0),
+             _WD),
+            "DaSGD: local SGD whose periodic average is applied δ steps late, overlapping communication",
+            "Zhou et al., arXiv:2006.00441 (update reconstructed, algorithms.md §10)",
+        ),
+        AlgorithmEntry(
+            "prague", Prague,
+            (HyperParam("group_size", 4, "workers per Partial All-Reduce (n = synchronous all-reduce)", ge=2),
+             _WD),
+            "Prague: local SGD steps, each followed by a Partial All-Reduce among a group of ready workers",
+            "Luo, He, Zhuo, Qian, ASPLOS 2020, doi:10.1145/3373376.3378499",
+            synchronous=False,
+        ),
+    )
+}
+
+
+def make_algorithm(name: str, **params: Any) -> DecentralizedAlgorithm:
+    """Build algorithm ``name`` with ``params`` over its defaults, each value checked
+    against its range (ValueError naming the parameter otherwise)."""
+    try:
+        entry = ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown decentralized algorithm '{name}' (available: {', '.join(ALGORITHMS)})"
+        ) from None
+    known = {h.name: h for h in entry.hyperparams}
+    values = entry.defaults()
+    for key, value in params.items():
+        if key not in known:
+            raise ValueError(
+                f"unknown parameter '{key}' for '{name}' (allowed: {', '.join(known) or 'none'})"
+            )
+        values[key] = known[key].check(value, name)
+    return entry.cls(**values)

@@ -1,0 +1,218 @@
+"""Codec throughput: encode + decode speed of every codec beside a plain memory copy.
+
+For d = 10^6 and 10^7 float32 parameters (quick: 10^6 only) and K = 1 and K = 64 clients,
+each codec's ``decode(encode(x))`` is timed (median of up to 5 runs, 11 in the full mode,
+after a warm-up that also builds cached tables such as Count Sketch hashes; cells whose
+runs would take long get fewer, at least one) and reported in MB of float32
+input per second, beside ``x.clone()`` of the same tensor timed in the same run. Bytes
+on the wire are measured on a serialized Flower message of one client's payload.
+
+    python -m fedswarm.bench.codecs --quick --out out/   # or: fedswarm bench codecs
+
+Writes ``OUT/codecs.json`` (the rows), ``OUT/codecs.png`` (bar chart) and prints a table.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from collections.abc import Callable, Sequence
+
+import torch
+
+from fedswarm.params import ParamLayout
+from fedswarm.algorithms.compression.codecs import CODECS, make_codec
+from fedswarm.wire import message_nbytes, payload_to_records
+
+__all__ = ["run", "benchmark_layout", "main"]
+
+_MEMORY_LIMIT = 4 * 2**30  # skip a (d, K) cell whose working set would exceed ~4 GB
+_WORKING_SET = 5  # input + output + codec temporaries, in multiples of the input size
+
+
+def benchmark_layout(d: int, width: int = 512) -> ParamLayout:
+    """An MLP-like layout of exactly d parameters: ``[width, width]`` weights with their
+    biases, then one last ``[rows, width]`` matrix and a vector for the remainder (76
+    tensors at d = 10^7, about as many as a ResNet-18)."""
+    shapes, total, n = [], 0, 0
+    while total + width * width + width <= d:
+        shapes += [(f"layer{n}.weight", (width, width)), (f"layer{n}.bias", (width,))]
+        total, n = total + width * width + width, n + 1
+    rows = (d - total) // width
+    if rows:
+        shapes.append((f"layer{n}.weight", (rows, width)))
+        total += rows * width
+    if d > total:
+        shapes.append((f"layer{n}.bias", (d - total,)))
+    return ParamLayout.from_shapes(shapes)
+
+
+def _timer(fn: Callable[[], object], device: torch.device, repeats: int, budget_s: float) -> tuple[float, float, int]:
+    """(median, min, runs) wall seconds of ``fn`` over up to ``repeats`` runs after one
+    warm-up run (which also builds cached tables); fewer runs (at least one) when they
+    would exceed ``budget_s``. The median is the figure of record; the min shows what the
+    code does when nothing else competes for the cores."""
+
+    def once() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    first = once()
+    n = max(1, min(repeats, int(budget_s / max(first, 1e-9))))
+    times = [once() for _ in range(n)]
+    return statistics.median(times), min(times), n
+
+
+def _message_bytes(payload) -> int:
+    from flwr.app import Message
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # Message() needs one
+    try:
+        return message_nbytes(Message(payload_to_records(payload), dst_node_id=1, message_type="train"))
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def _row(codec: str, d: int, k: int, dev: torch.device, wire: int, note: str, timing=None, copy=None) -> dict:
+    """One table row; ``timing`` and ``copy`` are (median, min, runs) of the codec and of
+    the memory copy, None for a skipped cell."""
+    row = {
+        "codec": codec,
+        "d": d,
+        "K": k,
+        "device": str(dev),
+        "wire_bytes": wire,
+        "compression": 4 * d / wire,
+        "note": note,
+    }
+    mb = 4 * k * d / 1e6
+    if timing is None:
+        return {
+            **row,
+            "mb_per_s": None,
+            "vs_memcpy": None,
+            "ms": None,
+            "best_mb_per_s": None,
+            "best_vs_memcpy": None,
+            "best_ms": None,
+            "runs": 0,
+        }
+    (t, t_min, runs), (c, c_min, _) = timing, copy
+    return {
+        **row,
+        "mb_per_s": mb / t,
+        "vs_memcpy": c / t,
+        "ms": 1e3 * t,
+        "best_mb_per_s": mb / t_min,
+        "best_vs_memcpy": c_min / t_min,
+        "best_ms": 1e3 * t_min,
+        "runs": runs,
+    }
+
+
+def run(out_dir: Path, quick: bool = False, device: str = "cpu", *, sizes: Sequence[int] | None = None) -> list[dict]:
+    """Run the benchmark, write ``out_dir/codecs.json`` and ``out_dir/codecs.png``, print a
+    table, and return the rows. ``sizes`` overrides the values of d (for tests)."""
+    dev = torch.device(device)
+    sizes = list(sizes) if sizes else [10**6] if quick else [10**6, 10**7]
+    repeats, budget_s = (9, 1.5) if quick else (15, 10.0)
+    gen = torch.Generator().manual_seed(0)
+    rows: list[dict] = []
+    for d in sizes:
+        layout = benchmark_layout(d)
+        x1 = torch.randn(1, d, generator=gen).to(dev)
+        wire = {name: _message_bytes(make_codec(name).encode(x1, layout, seed=1)) for name in CODECS}
+        wire["memcpy"] = 4 * d
+        notes = {"memcpy": "x.clone()", **{name: make_codec(name).summary() for name in CODECS}}
+        for k in (1, 64):
+            need = _WORKING_SET * 4 * k * d
+            if need > _MEMORY_LIMIT:
+                note = f"skipped: needs ~{need / 2**30:.0f} GB (limit {_MEMORY_LIMIT / 2**30:.0f} GB)"
+                rows += [_row(n, d, k, dev, wire[n], note) for n in notes]
+                continue
+            x = x1.expand(k, d) + 0.01 * torch.randn(k, d, generator=gen).to(dev)  # clients differ
+            copy = _timer(lambda x=x: x.clone(), dev, repeats, budget_s)
+            rows.append(_row("memcpy", d, k, dev, wire["memcpy"], notes["memcpy"], copy, copy))
+            for name in CODECS:
+                codec = make_codec(name)
+                timing = _timer(
+                    lambda c=codec, x=x, lay=layout: c.decode(c.encode(x, lay, seed=1), lay), dev, repeats, budget_s
+                )
+                rows.append(_row(name, d, k, dev, wire[name], notes[name], timing, copy))
+            x = None  # free the batch before the next one is made
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "codecs.json").write_text(json.dumps(rows, indent=1))
+    _plot(rows, out_dir / "codecs.png")
+    _print(rows)
+    return rows
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _print(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="codec encode+decode throughput, MB/s of float32 input (median; best of the runs)")
+    cols = (
+        "codec",
+        "d",
+        "K",
+        "MB/s",
+        "vs memcpy",
+        "best MB/s",
+        "best vs memcpy",
+        "wire B/client",
+        "compression",
+        "note",
+    )
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("codec", "note") else "right")
+    for r in rows:
+        table.add_row(
+            r["codec"],
+            f"{r['d']:.0e}",
+            str(r["K"]),
+            _fmt(r["mb_per_s"], ",.0f"),
+            _fmt(r["vs_memcpy"], ".3f"),
+            _fmt(r["best_mb_per_s"], ",.0f"),
+            _fmt(r["best_vs_memcpy"], ".3f"),
+            f"{r['wire_bytes']:,}",
+            f"{r['compression']:.1f}x",
+            r["note"],
+        )
+    Console(width=200).print(table)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = sorted({(r["d"], r["K"]) for r in rows if r["mb_per_s"] is not None})
+    fig, axes = plt.subplots(1, max(1, len(cells)), figsize=(4.5 * max(1, len(cells)), 4), squeeze=False)
+    for ax, (d, k) in zip(axes[0], cells, strict=True):
+        sel = [r for r in rows if r["d"] == d and r["K"] == k and r["mb_per_s"] is not None]
+        names = [r["codec"] for r in sel]
+        ax.bar(names, [r["mb_per_s"] for r in sel], color=["grey" if n == "memcpy" else "tab:blue" for n in names])
+        ax.set_yscale("log")
+        ax.set_title(f"d = {d:.0e}, K = {k}")
+        ax.set_ylabel("MB/s of float32 input")
+        ax.tick_params(axis="x", labelrotation=60)
+    fig.suptitle("encode + decode throughput vs memory copy (higher is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

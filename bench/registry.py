@@ -1,0 +1,43 @@
+"""The benchmark registry behind ``fedswarm bench NAME``.
+
+Each benchmark is a module with ``run(out_dir: Path, quick: bool) -> list[dict]`` that
+prints its table and writes ``out_dir/NAME.json`` and ``out_dir/NAME.png``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from pathlib import Path
+
+from rich.console import Console
+
+__all__ = ["BENCHMARKS", "run_benchmark"]
+
+BENCHMARKS = {
+    "engines": "fedswarm.bench.engines",
+    "codecs": "fedswarm.bench.codecs",
+    "compression": "fedswarm.bench.compression",
+    "decentralized": "fedswarm.bench.decentralized",
+    "edge": "fedswarm.bench.edge",
+    "dashboard": "fedswarm.bench.dashboard",
+    "swarm": "fedswarm.bench.swarm",
+}
+
+
+def run_benchmark(name: str, out: Path, *, quick: bool, console: Console, device: str = "cpu") -> list[dict]:
+    try:
+        mod = importlib.import_module(BENCHMARKS[name])
+    except ImportError as exc:
+        console.print(f"[bold red]error:[/] benchmark '{name}' is not available: {exc}")
+        raise SystemExit(1)
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = {}
+    if device != "cpu":
+        if "device" not in inspect.signature(mod.run).parameters:
+            console.print(f"[bold red]error:[/] benchmark '{name}' has no --device option")
+            raise SystemExit(2)
+        kwargs["device"] = device
+    rows = mod.run(out, quick=quick, **kwargs)
+    console.print(f"wrote {out / (name + '.json')} and {out / (name + '.png')}")
+    return rows

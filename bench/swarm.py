@@ -1,0 +1,330 @@
+"""Swarm transport and round time, measured (wall-clock, this machine, loopback).
+
+1. **Model exchange**: a 10M-parameter float32 model (40 MB) pushed from one peer to
+   another in a separate process (signed envelope, chunked stream, SHA-256 body hash,
+   dtype/length/finiteness validation on arrival, signed ack), beside a raw socket copy
+   of the same bytes between the same two processes (``sendall`` → ``recv_into`` a
+   preallocated buffer, one-byte ack), alternating in one run. Median of the reps.
+2. **Gossip round, 16 peers, digits-mlp** (D-PSGD on a ring, one local step per round):
+   the swarm's round period = median over rounds of the time between the last peer
+   finishing round r−1 and the last peer finishing round r. Quick: 16 peers as threads of
+   one process (real sockets, one GIL); full: also 16 peer processes.
+3. **Flower** (full mode only, when ``flower-superlink`` is installed): FedAvg on the same
+   model through a SuperLink with 16 SuperNodes on this machine; the round time recorded
+   by fedswarm's ServerApp (SuperNodes poll the SuperLink every 3 s). Flower's run config
+   takes only the keys of ``[tool.flwr.app.config]``, so clients train the default
+   ``local_epochs=2`` (about 12 steps of 16 examples), not one step: compute is still
+   negligible next to the polling.
+
+    python -m fedswarm.bench.swarm --quick --out out/      # or: fedswarm bench swarm
+
+Writes ``OUT/swarm.json`` (the rows) and ``OUT/swarm.png``, prints a table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+
+__all__ = ["main", "run"]
+
+D_EXCHANGE = 10_000_000
+PEERS, TASK = 16, "digits-mlp"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- 1. exchange throughput ------------------------------------------------------------
+def _receiver(pipe, sender_id: str, d: int) -> None:
+    """Child process: a swarm transport that validates and acks models, and a raw socket
+    server that reads the same number of bytes."""
+    from fedswarm.swarm.net.envelope import Verifier
+    from fedswarm.swarm.net.identity import Identity
+    from fedswarm.swarm.net.payload import read_vector
+    from fedswarm.swarm.net.transport import Transport
+
+    torch.set_num_threads(1)
+    ident = Identity.generate()
+
+    def handle(msg, s):
+        read_vector(msg.meta, msg.body, d)  # validated as a peer would, before any use
+        s.send("ack", re=msg.nonce)
+
+    t = Transport(ident, Verifier(ident, {sender_id}), handle, chunk_bytes=4 << 20).start()
+    raw = socket.create_server(("127.0.0.1", 0))
+    buf = bytearray(4 * d)
+
+    def serve_raw():
+        while True:
+            try:
+                c, _ = raw.accept()
+            except OSError:
+                return
+            with c:
+                view, got = memoryview(buf), 0
+                while got < len(buf):
+                    got += c.recv_into(view[got:])
+                c.sendall(b"k")
+
+    threading.Thread(target=serve_raw, daemon=True).start()
+    pipe.send((ident.peer_id, t.address, raw.getsockname()[1]))
+    pipe.recv()  # until the parent is done
+    t.stop()
+    raw.close()
+
+
+def exchange_rows(reps: int, d: int = D_EXCHANGE) -> list[dict]:
+    from fedswarm.swarm.net.envelope import Verifier
+    from fedswarm.swarm.net.identity import Identity
+    from fedswarm.swarm.net.payload import vector_body
+    from fedswarm.swarm.net.transport import Transport
+
+    ident = Identity.generate()
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_receiver, args=(child, ident.peer_id, d), daemon=True)
+    proc.start()
+    try:
+        peer_id, addr, raw_port = parent.recv()
+        t = Transport(ident, Verifier(ident, {peer_id}), lambda m, s: None, chunk_bytes=4 << 20,
+                      io_timeout_s=120)
+        meta, body = vector_body(torch.randn(d))
+        swarm_s, raw_s = [], []
+        for _ in range(reps + 1):  # the first pair warms up both paths
+            t0 = time.perf_counter()
+            t.request(addr, peer_id, "model", meta, body, timeout=120)
+            swarm_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with socket.create_connection(("127.0.0.1", raw_port)) as s:
+                s.sendall(body)
+                s.recv(1)
+            raw_s.append(time.perf_counter() - t0)
+        sent = t.stats.totals()[0] // (reps + 1)
+        t.stop()
+    finally:
+        parent.send("done")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    raw_med, swarm_med = statistics.median(raw_s[1:]), statistics.median(swarm_s[1:])
+    common = {"benchmark": "exchange", "params": d, "payload_bytes": 4 * d, "reps": reps}
+    return [
+        {**common, "transport": "raw socket copy", "seconds": raw_med, "MBps": 4 * d / raw_med / 1e6,
+         "ratio_vs_raw": 1.0, "wire_bytes": 4 * d + 1},
+        {**common, "transport": "swarm (signed header, Poly1305 body tag, validated)", "seconds": swarm_med,
+         "MBps": 4 * d / swarm_med / 1e6, "ratio_vs_raw": raw_med / swarm_med, "wire_bytes": sent},
+    ]
+
+
+# -- 2. swarm round time ---------------------------------------------------------------
+def _round_period(histories: list[list[dict]], skip: int = 2) -> tuple[float, float, int]:
+    """(median, p90) over rounds of the time between the last peer finishing r-1 and r."""
+    last: dict[int, float] = {}
+    for rows in histories:
+        for row in rows:
+            last[row["round"]] = max(last.get(row["round"], 0.0), row["t"])
+    rs = sorted(last)
+    gaps = sorted(last[b] - last[a] for a, b in pairwise(rs) if b == a + 1 and a >= skip)
+    if not gaps:
+        return float("nan"), float("nan"), 0
+    return statistics.median(gaps), gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))], len(gaps)
+
+
+def round_rows_threads(rounds: int) -> dict:
+    from fedswarm.swarm.net.identity import create_or_load
+    from fedswarm.swarm.peer import Peer, PeerConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        idents = [create_or_load(Path(tmp) / f"p{i}") for i in range(PEERS)]
+        allow = Path(tmp) / "allow.txt"
+        allow.write_text("\n".join(i.peer_id for i in idents))
+        peers, first = [], None
+        for i in range(PEERS):
+            cfg = PeerConfig(join=[first] if first else [], algorithm="dpsgd", task=TASK, num_partitions=PEERS,
+                             partition_id=i, rounds=rounds, local_steps=1, lr=0.3, allow=str(allow),
+                             state_dir=f"{tmp}/s{i}", min_peers=PEERS, round_timeout_s=30, heartbeat_s=0.5,
+                             linger_s=2.0)
+            peers.append(Peer(cfg, identity=idents[i]))
+            first = first or peers[0].transport.address
+        out: list = [None] * PEERS
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, peers[i].run())) for i in range(PEERS)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(300)
+    med, p90, n = _round_period([o["rows"] for o in out if o])
+    per_peer = statistics.median(r["wall_s"] for o in out if o for r in o["rows"][2:])
+    return {"benchmark": "round", "runtime": "swarm: 16 peers as threads of 1 process", "peers": PEERS,
+            "model": TASK, "rounds": n, "round_s": med, "round_s_p90": p90, "peer_round_s_median": per_peer,
+            "bytes_per_round": sum(r["bytes_up"] for o in out if o for r in o["rows"]) / max(1, rounds)}
+
+
+def round_rows_processes(rounds: int) -> dict:
+    from fedswarm.swarm.launcher import SwarmSpec, launch_swarm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = SwarmSpec(peers=PEERS, algorithm="dpsgd", rounds=rounds, out=Path(tmp), local_steps=1, lr=0.3,
+                         round_timeout_s=30, heartbeat_s=0.5, timeout_s=500, save_models=False)
+        launch_swarm(spec, log=lambda m: None)
+        hist = []
+        for i in range(PEERS):
+            f = Path(tmp) / "peers" / f"p{i}" / "result.json"
+            hist.append(json.loads(f.read_text())["rows"] if f.exists() else [])
+    med, p90, n = _round_period(hist)
+    per_peer = statistics.median(r["wall_s"] for rows in hist for r in rows[2:]) if n else float("nan")
+    return {"benchmark": "round", "runtime": "swarm: 16 peer processes", "peers": PEERS, "model": TASK, "rounds": n,
+            "round_s": med, "round_s_p90": p90, "peer_round_s_median": per_peer}
+
+
+# -- 3. Flower SuperLink + 16 SuperNodes -------------------------------------------------
+def round_row_flower(rounds: int, budget_s: float = 600.0) -> dict:
+    row = {"benchmark": "round", "runtime": "Flower: SuperLink + 16 SuperNodes (FedAvg)", "peers": PEERS,
+           "model": TASK, "rounds": 0, "round_s": None, "round_s_p90": None}
+    if shutil.which("flower-superlink") is None or shutil.which("flwr") is None:
+        return {**row, "note": "flwr CLI not installed"}
+    from fedswarm.store import Store
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-flower-"))
+    env = dict(os.environ, FLWR_HOME=str(tmp / "flwr"), PYTHONUNBUFFERED="1")
+    (tmp / "flwr").mkdir()
+    port = free_port()
+    (tmp / "flwr" / "config.toml").write_text(
+        f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
+    db, procs = tmp / "store.db", []
+    log = open(tmp / "processes.log", "w")
+    spawn = lambda cmd: procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                      start_new_session=True))
+    try:
+        spawn(["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--database",
+               str(tmp / "state.db"), "--disable-runtime-dependency-installation"])
+        time.sleep(3)
+        for i in range(PEERS):
+            spawn([sys.executable, "-m", "fedswarm", "client", "--superlink", f"127.0.0.1:{port}", "--insecure",
+                   "--partition-id", str(i), "--num-partitions", str(PEERS), "--device-class", "cpu",
+                   "--clientappio-port", str(free_port())])
+        started = subprocess.run(["flwr", "run", str(ROOT), "bench", "--run-config",
+                                  f"rounds={rounds} clients={PEERS} db='{db}'"],
+                                 capture_output=True, text=True, env=env, timeout=120, check=False)
+        if started.returncode != 0:
+            return {**row, "note": "flwr run failed: " + " ".join((started.stdout + started.stderr).split())[-200:]}
+        deadline, walls = time.monotonic() + budget_s, []
+        while time.monotonic() < deadline:
+            if db.exists():
+                store = Store(db)
+                runs = store.list_runs()
+                done = runs and runs[0].status in ("finished", "failed")
+                walls = [r.wall_s for r in store.rounds(runs[0].id) if r.round > 0] if runs else []
+                store.close()
+                if done:
+                    break
+            time.sleep(2)
+        if not walls:
+            return {**row, "note": f"no round finished within {budget_s:.0f} s"}
+        row["first_round_s"] = walls[0]  # includes starting 16 ClientApp processes
+        steady = walls[1:]
+        if not steady:
+            return {**row, "rounds": 1, "note": f"only round 1 ({walls[0]:.0f} s, with ClientApp start-up) "
+                                                f"finished within {budget_s:.0f} s"}
+        return {**row, "rounds": len(steady), "round_s": statistics.median(steady), "round_s_p90": max(steady)}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- driver ----------------------------------------------------------------------------
+def run(out_dir: Path, quick: bool = False) -> list[dict]:
+    """Run the measurements, write ``swarm.json`` and ``swarm.png``, print the table."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = exchange_rows(reps=3 if quick else 7)
+    rows.append(round_rows_threads(rounds=12 if quick else 30))
+    if not quick:
+        rows.append(round_rows_processes(rounds=20))
+        rows.append(round_row_flower(rounds=4))
+    (out_dir / "swarm.json").write_text(json.dumps(rows, indent=2, default=str))
+    _table(rows)
+    _plot(rows, out_dir / "swarm.png")
+    return rows
+
+
+def _table(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="swarm on loopback (wall-clock seconds, this machine)")
+    for col in ("measure", "what", "seconds (median)", "MB/s", "vs raw", "p90 s"):
+        t.add_column(col, justify="right" if col != "what" else "left")
+    f = lambda v, spec: "-" if v is None or not math.isfinite(v) else format(v, spec)
+    for r in rows:
+        if r["benchmark"] == "exchange":
+            t.add_row("exchange 40 MB", r["transport"], f(r["seconds"], ".3f"), f(r["MBps"], ".0f"),
+                      f(r["ratio_vs_raw"], ".2f"), "-")
+        else:
+            t.add_row("round, 16 peers", r["runtime"] + (f" ({r['note'][:60]})" if r.get("note") else ""),
+                      f(r["round_s"], ".3f"), "-", "-", f(r["round_s_p90"], ".3f"))
+    console = Console()
+    (console if console.is_terminal else Console(width=160)).print(t)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ex = [r for r in rows if r["benchmark"] == "exchange"]
+    rd = [r for r in rows if r["benchmark"] == "round" and r.get("round_s")]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].bar([r["transport"].split(" (")[0] for r in ex], [r["MBps"] for r in ex], color=["#888", "#2a7"])
+    axes[0].set_ylabel("MB/s (40 MB model, loopback)")
+    axes[0].set_title("model exchange throughput")
+    axes[1].bar([r["runtime"].replace(": ", "\n") for r in rd], [r["round_s"] for r in rd], color="#27a")
+    axes[1].set_ylabel("seconds per round (median)")
+    if rd and max(r["round_s"] for r in rd) > 20 * min(r["round_s"] for r in rd):
+        axes[1].set_yscale("log")  # Flower's 3 s polling next to sub-second swarm rounds
+    axes[1].set_title("16 peers, digits-mlp, one local step")
+    axes[1].tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("bench"))
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args(argv)
+    run(a.out, quick=a.quick)
+
+
+if __name__ == "__main__":
+    main()

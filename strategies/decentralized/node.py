@@ -1,0 +1,184 @@
+"""The node half of the decentralized strategies: one gossip exchange on one node.
+
+A node keeps its own model and its algorithm's memory (momentum, previous model, ...) in
+Flower's ``Context.state``; the router (:mod:`fedswarm.strategies.decentralized.router`) only
+hands it the messages of its neighbours. Each exchange the node
+
+1. starts from the initial model if the message carries ``init`` (round 1, or a node
+   that lost its state), else loads its state;
+2. mixes the neighbours' messages of the previous iteration with its row of W
+   (``algo.node_mix``), which completes that iteration;
+3. unless this is the final exchange, takes the next iteration's local step at its
+   current model and computes its outgoing message;
+4. saves its state, then replies with ``message`` (what its neighbours get next) and
+   ``model`` (its model after the mix, for the node-average accuracy; left out when it
+   equals the message, as for D-PSGD).
+
+State is written only at the very end, so a node that fails mid-exchange keeps its
+previous state: the failure costs that round its update, nothing more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from fedswarm.local import node_partition, round_seed, run_config_of
+from fedswarm.params import set_flat
+from fedswarm.strategies import registry
+from fedswarm.algorithms.decentralized import GossipState, make_algorithm
+from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm
+from fedswarm.train import LocalTrainer, trainer_for
+from fedswarm.payload import PayloadError
+from fedswarm.wire import arrayrecord_to_vector, recorddict_nbytes, vector_to_arrayrecord
+
+__all__ = [
+    "NO_STATE",
+    "minibatch_gradient",
+    "local_gradient",
+    "save_state",
+    "load_state",
+    "message_nbytes_of",
+    "make_client_update",
+]
+
+#: Marker in the error of a node that has no gossip state; the router re-initializes it.
+NO_STATE = "fedswarm: no gossip state on this node"
+
+_STATE, _META = "gossip.state", "gossip.meta"
+
+
+def minibatch_gradient(trainer: LocalTrainer, flat: torch.Tensor, batch_size: int,
+                       seed: int) -> tuple[torch.Tensor, float]:
+    """Gradient ``[d]`` and loss of the node's objective at ``flat`` on one minibatch.
+
+    The minibatch is the first one :meth:`LocalTrainer.fit` would draw with ``seed``, so
+    one gossip iteration sees exactly the data one FedAvg local step with that seed sees.
+    """
+    model = trainer.model
+    set_flat(model, flat.to(trainer.device))
+    model.train()
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(trainer.num_examples, generator=g)[:batch_size].to(trainer.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss = trainer.task.objective(model, trainer.x[idx], trainer.y[idx])
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    flat_g = torch.cat([(torch.zeros_like(p) if gr is None else gr).reshape(-1)
+                        for p, gr in zip(params, grads)])
+    return flat_g.detach().to(torch.float32).cpu(), float(loss.item())
+
+
+def local_gradient(trainer: LocalTrainer, flat: torch.Tensor, *, steps: int, batch_size: int,
+                   lr: float, seed: int) -> tuple[torch.Tensor, float]:
+    """What a node feeds to ``algo.local_step``: the minibatch gradient when ``steps`` is
+    1 (the papers' setting), else the pseudo-gradient ``(x − x_H) / lr`` of ``H = steps``
+    plain local SGD steps (decentralized local SGD)."""
+    if steps == 1:
+        return minibatch_gradient(trainer, flat, batch_size, seed)
+    res = trainer.fit(flat, steps=steps, batch_size=batch_size, lr=lr, momentum=0.0, seed=seed)
+    return (flat - res.flat) / lr, res.loss
+
+
+def message_nbytes_of(message: ArrayRecord) -> int:
+    """Serialized size of one gossip message (its record as it would travel peer to
+    peer), measured, not computed from a formula."""
+    return recorddict_nbytes(RecordDict({"message": message}))
+
+
+# --------------------------------------------------------------------------- state
+
+
+def save_state(context: Context, algorithm: str, state: GossipState) -> None:
+    """Write a one-node state into ``context.state`` (x, buffers, step, meta)."""
+    arrays = ArrayRecord()
+    arrays["x"] = Array(np.ascontiguousarray(state.x[0].numpy()))
+    for k, v in state.buffers.items():
+        arrays[f"buf.{k}"] = Array(np.ascontiguousarray(v[0].detach().cpu().numpy()))
+    meta = {"algorithm": algorithm, "step": int(state.step)}
+    meta.update({f"meta.{k}": float(v) for k, v in state.meta.items()})
+    context.state[_STATE] = arrays
+    context.state[_META] = ConfigRecord(meta)
+
+
+def load_state(context: Context, algorithm: str, d: int) -> GossipState:
+    """Read the one-node state back; raise RuntimeError(:data:`NO_STATE`) if absent."""
+    if _STATE not in context.state.array_records or _META not in context.state.config_records:
+        raise RuntimeError(f"{NO_STATE} (it restarted or never got the initial model)")
+    meta = context.state.config_records[_META]
+    if meta.get("algorithm") != algorithm:
+        raise RuntimeError(f"{NO_STATE} for '{algorithm}' (it holds '{meta.get('algorithm')}')")
+    arrays = context.state.array_records[_STATE]
+    x = arrayrecord_to_vector(ArrayRecord({"x": arrays["x"]}), d)[None]
+    buffers = {k[len("buf."):]: torch.from_numpy(arrays[k].numpy().copy())[None]
+               for k in arrays if k.startswith("buf.")}
+    extra = {k[len("meta."):]: v for k, v in meta.items() if k.startswith("meta.")}
+    return GossipState(x=x, buffers=buffers, step=int(meta["step"]), meta=extra)
+
+
+def _received(content: RecordDict, i: int, d: int) -> tuple[dict[int, torch.Tensor], dict[int, float], int]:
+    """Neighbours' messages and node ``i``'s mixing weights. A malformed message is
+    rejected and its weight moved to ``i`` itself, so the model is never touched by it."""
+    if "neighbours" not in content.array_records:
+        return {}, {}, 0
+    rec = content.array_records["neighbours"]
+    weights = {int(k): float(v) for k, v in content.config_records["weights"].items()}
+    received, rejected = {}, 0
+    for key in rec:
+        j = int(key)
+        try:
+            received[j] = arrayrecord_to_vector(ArrayRecord({key: rec[key]}), d)
+        except PayloadError:
+            rejected += 1
+    for j in [j for j in weights if j != i and j not in received]:
+        weights[i] = weights.get(i, 0.0) + weights.pop(j)
+    return received, weights, rejected
+
+
+# --------------------------------------------------------------------------- update
+
+
+def make_client_update(algorithm: str) -> Callable[[Message, Context], RecordDict]:
+    """The client update of decentralized strategy ``algorithm`` (served by the
+    ClientApp for message type ``train.<algorithm>``)."""
+
+    def client_update(msg: Message, context: Context) -> RecordDict:
+        cfg = run_config_of(msg, context)
+        pid, n = node_partition(context, cfg)
+        algo: DecentralizedAlgorithm = make_algorithm(algorithm, **registry.resolve_params(algorithm, cfg.params))
+        trainer = trainer_for(cfg, pid, n)
+        d = trainer.layout.d
+        content = msg.content
+        conf = content.config_records["config"]
+        if "init" in content.array_records:
+            state = algo.init_state(arrayrecord_to_vector(content.array_records["init"], d))
+        else:
+            state = load_state(context, algorithm, d)
+        received, weights, rejected = _received(content, pid, d)
+        if weights:
+            algo.node_mix(state, pid, received, weights)
+        model = state.x[0].clone()
+        metrics: dict[str, int | float] = {"partition-id": pid, "num-examples": 0, "neighbours": len(received),
+                                           "rejected_neighbours": rejected}
+        reply = RecordDict()
+        if not bool(conf.get("final", False)):
+            steps = cfg.local_steps or 1
+            grad, loss = local_gradient(trainer, model, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr,
+                                        seed=round_seed(cfg.seed, int(conf["iteration"]), pid))
+            algo.local_step(state, grad[None], cfg.lr)
+            message = algo.message(state)[0]
+            reply["message"] = vector_to_arrayrecord(message)
+            metrics.update({"num-examples": steps * min(cfg.batch_size, trainer.num_examples),
+                            "train_loss": loss, "steps": steps})
+            if not torch.equal(message, model) and bool(conf.get("report-model", True)):
+                reply["model"] = vector_to_arrayrecord(model)
+        else:
+            reply["model"] = vector_to_arrayrecord(model)
+        save_state(context, algorithm, state)  # last: a failure above leaves the old state
+        reply["metrics"] = MetricRecord(metrics)
+        return reply
+
+    client_update.__name__ = f"client_update_{algorithm}"
+    return client_update

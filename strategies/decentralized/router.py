@@ -1,0 +1,299 @@
+"""Decentralized training on Flower: a strategy that keeps no global model and only routes.
+
+:class:`DecentralizedStrategy` is a Flower ``Strategy`` whose server is a router (the
+usual trick for gossip on a server-centric framework, ``reference/algorithms.md``,
+"Running these on Flower"). Node ``i``'s model and algorithm memory live on node ``i``
+(``Context.state``, see :mod:`fedswarm.strategies.decentralized.node`); each round the
+server hands every node the messages its neighbours sent, per the topology's mixing
+matrix of that round, and the node mixes them itself. The server never mixes.
+
+One round ``t`` is one gossip iteration: one local step (``--local-steps H`` makes it H
+plain SGD steps fed to the algorithm as one pseudo-gradient; ``local_epochs`` does not
+apply) and one mix, on every node. Messages of iteration ``t`` are computed at the end of
+exchange ``t − 1`` and mixed at the start of exchange ``t``, so a run of R rounds is
+R + 1 exchanges: exchange 0 sends every node the initial model (the seeded arrays given to
+:meth:`start`) and collects its first message, and its server-hop bytes count in round
+1; exchange R only mixes. A node that fails costs its neighbours its message for that
+iteration (they keep its weight on themselves) and the round its model; it resumes from
+the state it had before.
+
+Accounting. Bytes through the grid are server hops, measured by the MeteredGrid as
+usual. What would travel peer to peer is noted per round as ``p2p_bytes``: the
+serialized size of each node's message times its degree. Accuracy is that of the
+node-average model (nodes report their models; the average is only evaluated, never sent
+back) and ``consensus_distance`` is ``(1/n) Σ_i ‖x_i − x̄‖²``.
+
+Registered: ``dpsgd``, ``d2``, ``dsgdm``, ``qgm``, ``squarm``, ``easgd``, ``dasgd`` (kind ``decentralized``, topology from
+``RunConfig.topology``), and ``adpsgd``, ``prague`` (kind ``async``: they run on the virtual-clock
+simulator, ``fedswarm.sim.async_engine``, not on Flower's synchronous rounds).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from logging import INFO, WARNING
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from fedswarm.config import ConfigError
+from fedswarm.strategies.decentralized.node import NO_STATE, make_client_update, message_nbytes_of
+from fedswarm.algorithms.decentralized import ALGORITHMS, consensus_distance, make_algorithm
+from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
+from fedswarm.algorithms.decentralized.topology import make_topology
+from fedswarm.payload import PayloadError
+from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
+
+__all__ = ["DecentralizedStrategy", "SYNC_ALGORITHMS"]
+
+#: Synchronous gossip algorithms served by the router.
+#: ``squarm``: the router's ``p2p_bytes`` measures its dense decoded message, not the
+#: codec's payload (node state ``meta["wire_bytes"]`` has the compressed count);
+#: ``easgd`` needs ``--topology complete``; ``dasgd`` averages along the topology
+#: (``complete`` = the paper's all-reduce). ``lsgd`` is not here: it needs every node's
+#: loss, so it runs on the ``[n, d]`` simulator only.
+SYNC_ALGORITHMS = ("dpsgd", "d2", "dsgdm", "qgm", "squarm", "easgd", "dasgd")
+
+
+class DecentralizedStrategy(Strategy):
+    """Route gossip messages along a topology; keep no global model.
+
+    Parameters
+    ----------
+    algorithm : str
+        A synchronous algorithm of :data:`fedswarm.algorithms.decentralized.ALGORITHMS`
+        (``dpsgd``, ``d2``, ``dsgdm``, ``qgm``); nodes run its per-node steps.
+    num_nodes : int
+        Number of nodes; node ``i`` of the topology is the node whose ``partition-id``
+        is ``i``.
+    topology : str
+        Topology spec (``ring``, ``torus``, ``exp``, ``onepeer-exp``, ``complete``,
+        ``random:D``, ``edges:PATH``, optionally ``+lazy``).
+    seed : int
+        Seed of random topologies.
+    algorithm_params : dict, optional
+        Hyperparameters of the algorithm; the nodes read the same ones from the run
+        config, the router uses them only to check the topology.
+    node_wait_s : float
+        How long :meth:`start` waits for all nodes to connect.
+    """
+
+    def __init__(self, algorithm: str, num_nodes: int, topology: str = "ring", seed: int = 0,
+                 algorithm_params: dict | None = None, node_wait_s: float = 600.0):
+        if algorithm not in SYNC_ALGORITHMS:
+            raise ValueError(f"the router runs {', '.join(SYNC_ALGORITHMS)}, not '{algorithm}'")
+        self.algorithm = algorithm
+        self.algorithm_params = dict(algorithm_params or {})
+        self.num_nodes = int(num_nodes)
+        self.topology = make_topology(topology, self.num_nodes, seed)
+        make_algorithm(algorithm, **self.algorithm_params).check_topology(self.topology)
+        self.node_wait_s = float(node_wait_s)
+        self.message_type = f"train.{algorithm}"
+        self._pid_of: dict[int, int] = {}  # node id -> topology index (partition id)
+        self._node_of: dict[int, int] = {}  # and back
+        self._needs_init: set[int] = set()  # node ids that lost their state
+        self._messages: dict[int, ArrayRecord] = {}  # topology index -> its latest message
+        self._iterations = 0  # iterations completed by earlier calls of start()
+        self._average: torch.Tensor | None = None
+
+    # -- Flower's round-loop hooks: unused, start() drives the exchanges itself ---------
+    def configure_train(self, server_round, arrays, config, grid) -> Iterable[Message]:
+        return []
+
+    def aggregate_train(self, server_round, replies):
+        return None, None
+
+    def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
+        return []
+
+    def aggregate_evaluate(self, server_round, replies):
+        return None
+
+    def summary(self) -> None:
+        log(INFO, "\t├── Decentralized router (no global model): %s", self.algorithm)
+        log(INFO, "\t├── Algorithm params: %s", self.algorithm_params or "defaults")
+        log(INFO, "\t└── Topology: %s", self.topology.summary())
+
+    # -- the run ------------------------------------------------------------------------
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Run ``num_rounds`` gossip iterations; ``evaluate_fn(round, arrays)`` gets the
+        node-average model after each (and its ``note`` the round's metrics)."""
+        log(INFO, "Starting %s (decentralized, %d rounds):", type(self).__name__, num_rounds)
+        self.summary()
+        train_config = ConfigRecord() if train_config is None else train_config
+        result = Result()
+        initial = arrayrecord_to_vector(initial_arrays)
+        if self._average is None:
+            self._average = initial
+        if evaluate_fn is not None:
+            if hasattr(evaluate_fn, "note") and self._iterations == 0:
+                # Round 0 of a new run evaluates the initial model: no node has trained or
+                # gossiped yet, so there is no consensus distance to measure: null, never 0.
+                evaluate_fn.note(consensus_distance=None)
+            res = evaluate_fn(0, initial_arrays)
+            if res is not None:
+                result.evaluate_metrics_serverapp[0] = res
+        node_ids = self._wait_for_nodes(grid)
+        done = self._iterations
+        for t in range(num_rounds + 1):
+            it = done + t  # messages of iteration `it` are mixed in this exchange
+            first = t == 0
+            messages = [self._train_message(nid, it, first, t == num_rounds, initial_arrays, train_config)
+                        for nid in node_ids]
+            p2p = 0 if first else self._p2p_bytes(it)
+            replies = list(grid.send_and_receive(messages, timeout=timeout))
+            models = self._collect(replies, initial.numel())
+            if first:
+                continue
+            self._iterations = it
+            if models:
+                X = torch.stack([models[i] for i in sorted(models)])
+                self._average = X.mean(dim=0)
+                cd = consensus_distance(X)
+            else:
+                cd = None
+            arrays = vector_to_arrayrecord(self._average)
+            result.arrays = arrays
+            if evaluate_fn is not None:
+                if hasattr(evaluate_fn, "note"):
+                    evaluate_fn.note(consensus_distance=cd, p2p_bytes=p2p, nodes_reporting=len(models),
+                                     nodes_failed=len(node_ids) - len(models))
+                res = evaluate_fn(t, arrays)
+                if res is not None:
+                    result.evaluate_metrics_serverapp[t] = res
+        return result
+
+    def _wait_for_nodes(self, grid: Grid) -> list[int]:
+        deadline = time.monotonic() + self.node_wait_s
+        while len(ids := sorted(grid.get_node_ids())) < self.num_nodes:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {len(ids)} of {self.num_nodes} nodes connected "
+                                   f"within {self.node_wait_s:.0f} s")
+            log(INFO, "Waiting for nodes: %d of %d connected", len(ids), self.num_nodes)
+            time.sleep(1.0)
+        return ids
+
+    def _train_message(self, nid: int, it: int, first: bool, final: bool, initial: ArrayRecord,
+                       train_config: ConfigRecord) -> Message:
+        conf = ConfigRecord(dict(train_config))
+        conf["server-round"] = it
+        conf["iteration"] = it + 1  # the local step this exchange computes
+        conf["final"] = final
+        conf["report-model"] = not first
+        content = RecordDict({"config": conf})
+        if nid not in self._pid_of or nid in self._needs_init:
+            content["init"] = initial
+        elif not first:
+            i = self._pid_of[nid]
+            w = self.topology.weights(i, it)
+            got = {j: self._messages[j] for j in w if j != i and j in self._messages}
+            # A neighbour that failed sent nothing: its weight stays with the node itself,
+            # so the row still sums to 1 (the column does not, for this one iteration).
+            weights = {str(j): w[j] for j in got}
+            weights[str(i)] = w[i] + sum(v for j, v in w.items() if j != i and j not in got)
+            content["neighbours"] = ArrayRecord({str(j): rec["vector"] for j, rec in got.items()})
+            content["weights"] = ConfigRecord(weights)
+        return Message(content=content, message_type=self.message_type, dst_node_id=nid)
+
+    def _p2p_bytes(self, it: int) -> int:
+        """Bytes the messages of iteration ``it`` would move peer to peer."""
+        deg = self.topology.degrees(it)
+        return sum(message_nbytes_of(rec) * int(deg[i]) for i, rec in self._messages.items())
+
+    def _collect(self, replies: list[Message], d: int) -> dict[int, torch.Tensor]:
+        """Keep each node's new message; return the models the nodes reported, by topology
+        index (a node that failed, timed out or sent a malformed reply is missing)."""
+        messages: dict[int, ArrayRecord] = {}
+        models: dict[int, torch.Tensor] = {}
+        for reply in replies:
+            nid = reply.metadata.src_node_id
+            if reply.has_error():
+                if NO_STATE in reply.error.reason:
+                    self._needs_init.add(nid)
+                log(WARNING, "node %s failed this round: %s", nid, (reply.error.reason.splitlines() or [""])[0][:300])
+                continue
+            try:
+                pid = int(reply.content.metric_records["metrics"]["partition-id"])
+                if not 0 <= pid < self.num_nodes or self._pid_of.get(nid, pid) != pid:
+                    raise PayloadError(f"bad partition-id {pid}")
+                if self._node_of.get(pid, nid) != nid:
+                    raise PayloadError(f"partition-id {pid} is already node {self._node_of[pid]}'s")
+                msg = reply.content.array_records.get("message")
+                if msg is not None and list(msg.keys()) != ["vector"]:
+                    raise PayloadError(f"message must hold one array 'vector', got {list(msg.keys())}")
+                model = reply.content.array_records.get("model", msg)
+                vec = arrayrecord_to_vector(msg, d) if msg is not None else None
+                models_vec = vec if model is msg else arrayrecord_to_vector(model, d)
+            except (KeyError, TypeError, ValueError, PayloadError) as exc:
+                log(WARNING, "node %s sent a malformed reply, ignored: %s", nid, exc)
+                continue
+            self._pid_of[nid], self._node_of[pid] = pid, nid
+            self._needs_init.discard(nid)
+            if msg is not None:
+                messages[pid] = msg
+            if models_vec is not None:
+                models[pid] = models_vec
+        self._messages = messages
+        return models
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def _builder(algorithm: str):
+    def build(params: dict, ctx: BuildContext) -> DecentralizedStrategy:
+        cfg = ctx.config
+        if cfg.fraction != 1.0:
+            raise ConfigError(f"invalid value for 'fraction': decentralized strategies train every node "
+                              f"every round, so it must be 1 (got {cfg.fraction})")
+        try:
+            return DecentralizedStrategy(algorithm, cfg.clients, cfg.topology, cfg.seed, params)
+        except ValueError as exc:
+            raise ConfigError(f"invalid value for 'topology': {exc}") from None
+
+    return build
+
+
+def _build_async(params: dict, ctx: BuildContext):
+    name = ctx.config.strategy
+    raise ConfigError(f"{name} is asynchronous: it runs on the virtual-clock simulator "
+                      f"(fedswarm sim --strategy {name}), not in Flower's synchronous rounds")
+
+
+for _name in SYNC_ALGORITHMS:
+    _alg = ALGORITHMS[_name]
+    register(StrategyEntry(
+        name=_name,
+        description=f"{_alg.description} (decentralized: no global model; --topology sets the graph)",
+        build=_builder(_name),
+        hyperparams=_alg.hyperparams,
+        client_update=make_client_update(_name),
+        kind="decentralized",
+        paper=_alg.paper,
+    ))
+
+register(StrategyEntry(
+    name="adpsgd",
+    description=f"{ALGORITHMS['adpsgd'].description} (asynchronous: virtual-clock simulator; "
+                "--devices sets each node's speed and link)",
+    build=_build_async,
+    hyperparams=ALGORITHMS["adpsgd"].hyperparams,
+    kind="async",
+    paper=ALGORITHMS["adpsgd"].paper,
+))
+
+register(StrategyEntry(
+    name="prague",
+    description=f"{ALGORITHMS['prague'].description} (asynchronous: virtual-clock simulator; "
+                "--devices sets each node's speed and link)",
+    build=_build_async,
+    hyperparams=ALGORITHMS["prague"].hyperparams,
+    kind="async",
+    paper=ALGORITHMS["prague"].paper,
+))

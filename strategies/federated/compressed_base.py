@@ -1,0 +1,397 @@
+"""What the compressed strategies share: the server's round loop and the client's frame.
+
+Server (:class:`CompressedStrategy`, a Flower ``Strategy``): sample nodes as Flower's
+FedAvg does; send each one the strategy's knobs (a ``compress`` ConfigRecord), the sync
+body that brings its replica to the public model (:mod:`.compressed_sync`) and, for
+strategies whose clients keep a residual, which of its last coordinates the server used
+(``select``); validate every reply before it can touch anything; aggregate; commit the
+update. Subclasses implement ``parse_reply`` (validate one reply, raise PayloadError) and
+``aggregate`` (accepted replies -> the update and, if it is coded, its payload).
+
+A reply that is malformed or non-finite is **rejected**: it never reaches the model, its
+first MetricRecord gets ``rejected = 1`` (the recorder marks the node row ``rejected``), its
+``node`` record a ``rejected_reason``, and the round's row ``rejected`` (a count) and
+``rejected_reasons`` ({node id: reason}) through the recorder's ``note``.
+
+Client (:func:`begin` ... :func:`finish`): sync the replica, run the shared local SGD
+(:func:`fedswarm.local.local_fit`, so device-class policies apply), let the algorithm
+compress, then write all state at the end (a failure mid-round keeps the old state) and
+reply with the payload, ``metrics`` and the ``node`` report.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy.strategy_utils import sample_nodes
+
+from fedswarm.config import RunConfig
+from fedswarm.local import LocalFit, local_fit, node_partition, run_config_of
+from fedswarm.params import ParamLayout
+from fedswarm.strategies.federated.compressed_sync import ReplicaSync, client_sync, save_replica
+from fedswarm.train import LocalTrainer, trainer_for
+from fedswarm.payload import Payload, PayloadError
+from fedswarm.wire import arrayrecord_to_vector, payload_from_records, vector_to_arrayrecord
+
+__all__ = ["CompressedStrategy", "Accepted", "Step", "ClientRound", "begin", "train", "finish",
+           "taken_indices", "save_sent", "read_payload", "KNOBS"]
+
+KNOBS = "compress"  # the ConfigRecord of strategy knobs in every train message
+SELECT = "select"
+
+
+@dataclass
+class Accepted:
+    """One reply that passed validation."""
+
+    node_id: int
+    message: Message
+    weight: float  # num-examples
+    value: Any  # what parse_reply returned
+
+
+@dataclass
+class Step:
+    """The update a round commits: ``x̂ ← x̂ + update``; ``payload`` decodes to it exactly
+    when the downlink is coded (else the server sends the changed coordinates)."""
+
+    update: torch.Tensor
+    payload: Payload | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class CompressedStrategy(Strategy):
+    """Base class: Flower's round loop with replica sync, validation and rejection.
+
+    Parameters
+    ----------
+    layout : ParamLayout
+        Names, shapes and offsets of the model's tensors (codecs work per column/tensor).
+    server_lr : float (default: 1.0)
+        Scale of the aggregated update applied to the model (1 with the ``none`` codec is
+        FedAvg).
+    fraction_train : float (default: 1.0)
+        Fraction of nodes sampled per round (at least ``min_train_nodes``).
+    min_train_nodes, min_available_nodes : int (default: 1)
+        As in Flower's FedAvg.
+    seed : int (default: 0)
+        Seeds what the algorithm draws (hashes of sketches, codec randomness).
+    history : int (default: 8)
+        Past downlink payloads kept to update stale replicas.
+    """
+
+    name = ""
+
+    def __init__(self, layout: ParamLayout, *, server_lr: float = 1.0, fraction_train: float = 1.0,
+                 min_train_nodes: int = 1, min_available_nodes: int = 1, seed: int = 0, history: int = 8):
+        if not isinstance(layout, ParamLayout):
+            raise TypeError("layout must be a fedswarm ParamLayout (ParamLayout.from_module(model))")
+        if not 0.0 < fraction_train <= 1.0:
+            raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
+        self.layout = layout
+        self.server_lr = float(server_lr)
+        self.fraction_train = float(fraction_train)
+        self.min_train_nodes = int(min_train_nodes)
+        self.min_available_nodes = int(min_available_nodes)
+        self.seed = int(seed)
+        self.sync = ReplicaSync(history)
+        self.pending: dict[int, tuple[int, str, bytes]] = {}  # node -> (round, kind, data) for SELECT
+        self._grid: Grid | None = None
+        self._timeout: float | None = None
+        self._evaluate_fn: Callable | None = None
+        self._keys: list[tuple[str, tuple[int, ...]]] | None = None
+        self._rejected: dict[str, str] = {}
+        self.round = 0  # rounds configured by this object (see configure_train)
+
+    @property
+    def message_type(self) -> str:
+        return f"train.{self.name}"
+
+    # -- subclass hooks ------------------------------------------------------------------
+    def knobs(self, server_round: int) -> dict[str, Any]:
+        """What the clients need to know (sent in the ``compress`` record). ``server_round``
+        here and in ``aggregate`` is this object's own round count (see ``round``)."""
+        return {}
+
+    def parse_reply(self, msg: Message) -> Any:
+        """Validate one reply; return what ``aggregate`` needs. Raise PayloadError."""
+        raise NotImplementedError
+
+    def aggregate(self, server_round: int, accepted: list[Accepted]) -> Step | None:
+        raise NotImplementedError
+
+    def summary_lines(self) -> list[str]:
+        return []
+
+    # -- Flower's Strategy ---------------------------------------------------------------
+    def summary(self) -> None:
+        log(INFO, "\t├──> %s (%s)", type(self).__name__, self.name)
+        for line in self.summary_lines():
+            log(INFO, "\t│\t├── %s", line)
+        log(INFO, "\t│\t└── server_lr=%g, fraction_train=%.2f, min nodes: train %d, available %d",
+            self.server_lr, self.fraction_train, self.min_train_nodes, self.min_available_nodes)
+        log(INFO, "\t└──> Clients keep a replica of the model; the server sends each the smallest update that syncs it")
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Flower's round loop; kept as is, with the timeout and ``evaluate_fn`` remembered
+        (the two-phase strategies use the grid again inside a round; ``evaluate_fn.note``,
+        when it exists, receives the round's rejections)."""
+        self._timeout, self._evaluate_fn = timeout, evaluate_fn
+        self._ensure_model(initial_arrays)
+        return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        self._grid = grid
+        self._ensure_model(arrays)
+        num = int(len(list(grid.get_node_ids())) * self.fraction_train)
+        node_ids, available = sample_nodes(grid, self.min_available_nodes, max(num, self.min_train_nodes))
+        log(INFO, "configure_train: sampled %s nodes (out of %s)", len(node_ids), len(available))
+        config["server-round"] = server_round
+        # Rounds of this strategy object, counted across calls of start() (Flower restarts
+        # server_round at 1 when rounds are added): tags replies, selections and seeds.
+        self.round += 1
+        knobs = ConfigRecord({"round": self.round, **self.knobs(self.round)})
+        messages = []
+        for nid in node_ids:
+            content = RecordDict({"config": config, KNOBS: knobs})
+            self.sync.write(content, nid)
+            if nid in self.pending:
+                rnd, kind, data = self.pending[nid]
+                content[SELECT] = ConfigRecord({"round": rnd, kind: data})
+            messages.append(Message(content=content, message_type=self.message_type, dst_node_id=nid))
+        return messages
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        self._rejected = {}
+        accepted: list[Accepted] = []
+        failed = 0
+        for msg in replies:
+            nid = msg.metadata.src_node_id
+            if msg.has_error():
+                failed += 1
+                self.sync.forget(nid)  # its replica may be gone: full model next time
+                log(WARNING, "node %s failed this round: %s", nid, (msg.error.reason.splitlines() or [""])[0][:300])
+                continue
+            self.sync.ack(nid)  # a content reply: the client saved its replica
+            self.pending.pop(nid, None)  # ... and applied the selection it was sent
+            try:
+                weight = _num_examples(msg)
+                value = self.parse_reply(msg)
+            except (PayloadError, KeyError, TypeError, ValueError) as exc:
+                self.reject(msg, str(exc) or type(exc).__name__)
+                continue
+            accepted.append(Accepted(nid, msg, weight, value))
+        accepted.sort(key=lambda a: a.node_id)
+        metrics: dict[str, float] = {"accepted": len(accepted), "rejected": len(self._rejected), "failed": failed}
+        step = self.aggregate(self.round, accepted) if accepted else None
+        if step is not None:
+            if not bool(torch.isfinite(step.update).all()):  # never commit a non-finite model
+                log(WARNING, "round %s: the aggregate is not finite; the model is left as it was", server_round)
+                metrics["nonfinite_aggregate"] = 1
+                for a in accepted:  # nothing was applied: clients keep all they sent
+                    self.pending.pop(a.node_id, None)
+            else:
+                self.sync.commit(step.update, step.payload)
+                metrics.update(step.metrics)
+        losses = [(a.weight, a.message.content.metric_records["metrics"].get("train_loss")) for a in accepted]
+        losses = [(w, float(v)) for w, v in losses if isinstance(v, (int, float)) and math.isfinite(v)]
+        if losses:
+            metrics["train_loss"] = sum(w * v for w, v in losses) / sum(w for w, _ in losses)
+        self._note(rejected=len(self._rejected), rejected_reasons=dict(self._rejected))
+        return self.model_arrays(), MetricRecord(metrics)
+
+    def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
+        return []  # the server evaluates the global model on the held-out test set
+
+    def aggregate_evaluate(self, server_round, replies) -> MetricRecord | None:
+        return None
+
+    # -- helpers for subclasses ----------------------------------------------------------
+    def reject(self, msg: Message, reason: str) -> None:
+        """Flag a reply as rejected (it never touches the model) with ``reason``."""
+        nid = msg.metadata.src_node_id
+        reason = reason.strip().splitlines()[0][:500] if reason.strip() else "rejected"
+        self._rejected[str(nid)] = reason
+        log(WARNING, "round update of node %s rejected: %s", nid, reason)
+        if not msg.has_content():
+            return
+        content = msg.content
+        metrics = next(iter(content.metric_records.values()), None)
+        if metrics is None:
+            content["metrics"] = metrics = MetricRecord()
+        metrics["rejected"] = 1
+        if "train_loss" in metrics:
+            del metrics["train_loss"]  # a rejected node's loss is not the round's
+        node = content.config_records.get("node")
+        if node is not None:
+            node["rejected_reason"] = reason
+
+    def weights(self, accepted: list[Accepted]) -> torch.Tensor:
+        w = torch.tensor([a.weight for a in accepted], dtype=torch.float64)
+        return (w / w.sum()).to(torch.float32)
+
+    def send_and_receive(self, messages: list[Message]) -> list[Message]:
+        """A second exchange inside a round (metered like the first)."""
+        return list(self._grid.send_and_receive(messages, timeout=self._timeout))
+
+    def select(self, node_id: int, server_round: int, *, mask: np.ndarray | None = None,
+               indices: np.ndarray | None = None) -> None:
+        """Tell ``node_id`` next time which coordinates of its round-``server_round``
+        message were used: a bit mask over the indices it sent, or explicit indices."""
+        if mask is not None:
+            self.pending[node_id] = (server_round, "mask", np.packbits(mask.astype(bool), bitorder="little").tobytes())
+        else:
+            self.pending[node_id] = (server_round, "indices", np.asarray(indices, dtype="<i4").tobytes())
+
+    @property
+    def model(self) -> torch.Tensor:
+        return self.sync.x
+
+    def model_arrays(self) -> ArrayRecord:
+        """The public model as an ArrayRecord shaped like the one ``start`` was given."""
+        x = self.sync.x
+        if self._keys is None or len(self._keys) == 1:
+            key = self._keys[0][0] if self._keys else "vector"
+            return vector_to_arrayrecord(x, key)
+        rec, off = ArrayRecord(), 0
+        for key, shape in self._keys:
+            n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            rec[key] = Array(np.ascontiguousarray(x[off:off + n].reshape(shape).numpy()))
+            off += n
+        return rec
+
+    def _ensure_model(self, arrays: ArrayRecord) -> None:
+        if self.sync.x is not None:
+            return
+        self._keys = [(k, tuple(arrays[k].shape)) for k in arrays.keys()]
+        self.sync.reset(arrayrecord_to_vector(arrays, self.layout.d))
+
+    def _note(self, **metrics: Any) -> None:
+        note = getattr(self._evaluate_fn, "note", None)
+        if callable(note):
+            note(**metrics)
+
+
+def _num_examples(msg: Message) -> float:
+    metrics = msg.content.metric_records.get("metrics")
+    if metrics is None or "num-examples" not in metrics:
+        raise PayloadError("reply has no 'metrics' record with 'num-examples'")
+    n = metrics["num-examples"]
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n <= 0:
+        raise PayloadError(f"'num-examples' must be a positive number, got {n!r}")
+    return float(n)
+
+
+def read_payload(msg: Message, d: int) -> Payload:
+    """The reply's payload, checked (keys, dtypes, finiteness, a size limit)."""
+    return payload_from_records(msg.content, max_bytes=16 * d + (1 << 16))
+
+
+# -- the client's frame --------------------------------------------------------------------
+
+
+class _TrainView:
+    """What :func:`fedswarm.local.local_fit` reads of a message: its content."""
+
+    def __init__(self, content: RecordDict):
+        self.content = content
+
+
+@dataclass
+class ClientRound:
+    """One client round in progress; ``state`` collects what :func:`finish` writes."""
+
+    msg: Message
+    context: Context
+    cfg: RunConfig
+    trainer: LocalTrainer
+    knobs: ConfigRecord
+    model: torch.Tensor  # the public model, [d]
+    version: int
+    epoch: str
+    state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def layout(self) -> ParamLayout:
+        return self.trainer.layout
+
+    @property
+    def round(self) -> int:
+        return int(self.knobs["round"])
+
+
+def begin(msg: Message, context: Context) -> ClientRound:
+    """Read config and knobs and bring this node's replica to the server's model."""
+    cfg = run_config_of(msg, context)
+    pid, n = node_partition(context, cfg)
+    trainer = trainer_for(cfg, pid, n)
+    if KNOBS not in msg.content.config_records:
+        raise PayloadError(f"train message has no '{KNOBS}' record")
+    model, version, epoch = client_sync(msg.content, context.state, trainer.layout)
+    return ClientRound(msg, context, cfg, trainer, msg.content.config_records[KNOBS], model, version, epoch)
+
+
+def train(cr: ClientRound) -> LocalFit:
+    """Local SGD from the public model (policies apply); returns the LocalFit."""
+    content = RecordDict({"arrays": vector_to_arrayrecord(cr.model), "config": cr.msg.content.config_records["config"]})
+    return local_fit(_TrainView(content), cr.context)
+
+
+def finish(cr: ClientRound, fit: LocalFit, reply: RecordDict, **metrics: float) -> RecordDict:
+    """Write the replica and the algorithm's state (``cr.state``), then complete the reply."""
+    state = cr.context.state
+    save_replica(state, cr.model, cr.version, cr.epoch)
+    for key, value in cr.state.items():
+        state[key] = value
+    reply["metrics"] = MetricRecord({"num-examples": fit.result.num_examples, "train_loss": fit.result.loss,
+                                     "steps": fit.result.steps, **metrics})
+    reply["node"] = fit.report()
+    return reply
+
+
+def save_sent(cr: ClientRound, key: str, indices: torch.Tensor | None = None) -> None:
+    """Remember this round's tag (and the indices sent) to match the server's ``select``."""
+    cr.state[key + ".sent"] = ConfigRecord({"round": cr.round})
+    if indices is not None:
+        idx = np.ascontiguousarray(indices.cpu().numpy().astype(np.int32))
+        cr.state[key + ".sent_idx"] = ArrayRecord({"indices": Array(idx)})
+
+
+def taken_indices(cr: ClientRound, key: str) -> torch.Tensor | None:
+    """Coordinates of this node's last message that the server used, or None (nothing
+    used, or the server's note is about another message)."""
+    sel = cr.msg.content.config_records.get(SELECT)
+    sent = cr.context.state.config_records.get(key + ".sent")
+    if sel is None or sent is None or int(sel.get("round", -1)) != int(sent["round"]):
+        return None
+    d = cr.layout.d
+    if "mask" in sel:
+        rec = cr.context.state.array_records.get(key + ".sent_idx")
+        if rec is None:
+            return None
+        sent_idx = torch.from_numpy(next(iter(rec.values())).numpy().astype(np.int64))
+        bits = np.unpackbits(np.frombuffer(sel["mask"], dtype=np.uint8), bitorder="little")
+        if bits.size < sent_idx.numel():
+            raise PayloadError(f"selection mask has {bits.size} bits for {sent_idx.numel()} sent indices")
+        return sent_idx[torch.from_numpy(bits[: sent_idx.numel()].astype(bool))]
+    raw = sel.get("indices", b"")
+    if len(raw) % 4:
+        raise PayloadError("selection indices are not int32")
+    idx = torch.from_numpy(np.frombuffer(raw, dtype="<i4").astype(np.int64))
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= d):
+        raise PayloadError(f"selection indices must lie in [0, {d})")
+    return idx

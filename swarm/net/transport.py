@@ -1,0 +1,254 @@
+"""Real TCP transport between peers: a threaded server, request/response sessions,
+timeouts, bounded retries, optional TLS and byte counters.
+
+One connection carries one exchange: the caller sends a request and reads a response
+(``request``) or keeps talking on the same connection (``open_session``, what AD-PSGD's
+request/accept/commit needs). Every message is a signed envelope
+(:mod:`fedswarm.swarm.net.envelope`); every message refused on either side is counted by
+reason. Sockets are blocking with timeouts (``recv_into`` straight into the body buffer,
+``sendall`` straight from a tensor's storage: no extra copies of a large model).
+
+Bytes are counted on the socket (after framing, before TLS): ``stats.sent`` and
+``stats.received``, in total and per message kind.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from fedswarm.swarm.net.envelope import (
+    Conn,
+    Dropped,
+    Message,
+    Verifier,
+    recv_message,
+    send_message,
+)
+from fedswarm.swarm.net.identity import Identity
+
+__all__ = ["Session", "Transport", "TransportStats", "client_tls_context", "parse_addr", "server_tls_context"]
+
+log = logging.getLogger("fedswarm.swarm")
+
+
+def parse_addr(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """``HOST:PORT`` or ``:PORT`` -> (host, port)."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"address must be HOST:PORT (got {text!r})")
+    return (host.strip("[]") or default_host), int(port)
+
+
+def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+def client_tls_context(ca: str | None = None) -> ssl.SSLContext:
+    """With ``ca``: verify the peer's certificate against it. Without: encrypt only; peers
+    are authenticated by their Ed25519 signatures, not by TLS."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if ca:
+        ctx.load_verify_locations(ca)
+        ctx.check_hostname = False  # peers are addressed by IP; the CA pins them
+    else:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+class TransportStats:
+    """Bytes on the wire (thread-safe)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.sent: Counter[str] = Counter()
+        self.received: Counter[str] = Counter()
+
+    def add(self, kind: str, conn: Conn) -> None:
+        with self._lock:
+            self.sent[kind] += conn.sent
+            self.received[kind] += conn.received
+            conn.sent = conn.received = 0
+
+    def totals(self) -> tuple[int, int]:
+        with self._lock:
+            return sum(self.sent.values()), sum(self.received.values())
+
+    def by_kind(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {k: {"sent": self.sent[k], "received": self.received[k]} for k in set(self.sent) | set(self.received)}
+
+
+class Session:
+    """Both ends of one connection: send and receive verified messages with one peer."""
+
+    def __init__(self, transport: Transport, conn: Conn, remote: str | None, kind: str):
+        self.t = transport
+        self.conn = conn
+        self.remote = remote  # peer id, once known
+        self.kind = kind  # what the bytes are counted under
+        self.last_nonce: str | None = None
+
+    def send(self, kind: str, meta: dict | None = None, body=b"", re: str | None = None) -> str:
+        if self.remote is None:
+            raise RuntimeError("cannot send before the remote peer is known")
+        self.last_nonce = send_message(self.conn, self.t.ident, kind, to=self.remote, meta=meta, body=body,
+                                       re=re, chunk_bytes=self.t.chunk_bytes)
+        return self.last_nonce
+
+    def recv(self, timeout: float | None = None, expect_re: str | None = None) -> Message:
+        if timeout is not None:
+            self.conn.sock.settimeout(timeout)
+        try:
+            msg = recv_message(self.conn, self.t.verifier, expect_re=expect_re)
+        finally:
+            self.conn.sock.settimeout(self.t.io_timeout_s)
+        if self.remote and msg.sender != self.remote:
+            self.t.verifier.count("misdirected")
+            raise Dropped("misdirected", "a different peer answered")
+        self.remote = msg.sender
+        return msg
+
+    def close(self) -> None:
+        self.t.stats.add(self.kind, self.conn)
+        self.conn.close()
+
+
+Handler = Callable[[Message, Session], None]
+
+
+class Transport:
+    """A peer's listening socket and its outgoing connections.
+
+    Parameters
+    ----------
+    ident : Identity
+        Signs everything sent.
+    verifier : Verifier
+        Checks everything received (and counts what it drops).
+    handler : callable
+        ``handler(message, session)`` for each verified incoming request; it answers
+        with ``session.send(...)`` (an exception closes the connection).
+    """
+
+    def __init__(self, ident: Identity, verifier: Verifier, handler: Handler, *, host: str = "127.0.0.1",
+                 port: int = 0, tls_server: ssl.SSLContext | None = None,
+                 tls_client: ssl.SSLContext | None = None, io_timeout_s: float = 30.0,
+                 connect_timeout_s: float = 3.0, max_connections: int = 64, chunk_bytes: int = 1 << 20):
+        self.ident = ident
+        self.verifier = verifier
+        self.handler = handler
+        self.tls_server = tls_server
+        self.tls_client = tls_client
+        self.io_timeout_s = io_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.stats = TransportStats()
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._stop = threading.Event()
+        self._sock = socket.create_server((host, port), reuse_port=False)
+        self._sock.settimeout(0.2)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._thread = threading.Thread(target=self._accept_loop, name=f"accept-{self.port}", daemon=True)
+        self._workers: set[threading.Thread] = set()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # -- server ----------------------------------------------------------------------
+    def start(self) -> Transport:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        for w in list(self._workers):
+            w.join(timeout=2)
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not self._slots.acquire(blocking=False):
+                sock.close()  # too many connections at once: refuse rather than queue
+                continue
+            w = threading.Thread(target=self._serve, args=(sock,), daemon=True)
+            self._workers.add(w)
+            w.start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        session = None
+        try:
+            sock.settimeout(self.io_timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls_server is not None:
+                sock = self.tls_server.wrap_socket(sock, server_side=True)
+            session = Session(self, Conn(sock), None, "unknown")
+            msg = session.recv()
+            session.kind = msg.kind
+            self.handler(msg, session)
+        except Dropped as exc:
+            log.debug("dropped incoming message: %s", exc)
+        except (OSError, ssl.SSLError) as exc:
+            log.debug("connection error: %s", exc)
+        except Exception:  # a handler bug must not kill the server
+            log.exception("handler failed")
+        finally:
+            if session is not None:
+                session.close()
+            else:
+                sock.close()
+            self._slots.release()
+            self._workers.discard(threading.current_thread())
+
+    # -- client ----------------------------------------------------------------------
+    def open_session(self, addr: str, remote: str, kind: str, *, retries: int = 1,
+                     backoff_s: float = 0.1) -> Session:
+        """Connect to ``addr`` (peer ``remote``), retrying refused or timed-out connects
+        up to ``retries`` more times with exponential backoff."""
+        host, port = addr.rsplit(":", 1)
+        for attempt in range(retries + 1):
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=self.connect_timeout_s)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.settimeout(self.io_timeout_s)
+                if self.tls_client is not None:
+                    sock = self.tls_client.wrap_socket(sock)
+                return Session(self, Conn(sock), remote, kind)
+            except (OSError, ssl.SSLError):
+                if attempt == retries or self._stop.is_set():
+                    raise
+                time.sleep(backoff_s * (2**attempt))
+        raise AssertionError("unreachable")
+
+    def request(self, addr: str, remote: str, kind: str, meta: dict | None = None, body=b"", *,
+                timeout: float | None = None, retries: int = 1) -> Message:
+        """Send one request and return the verified response. Raises OSError if the peer
+        cannot be reached and :class:`Dropped` if its answer is refused."""
+        s = self.open_session(addr, remote, kind, retries=retries)
+        try:
+            nonce = s.send(kind, meta, body)
+            return s.recv(timeout=timeout, expect_re=nonce)
+        finally:
+            s.close()

@@ -1,0 +1,42 @@
+"""Helpers every test module may use: free loopback ports, and waiting on a condition with a
+deadline (never a bare sleep and a hope)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(pred: Callable[[], T], timeout: float = 60.0, *, interval: float = 0.05, what: str = "") -> T:
+    """Poll ``pred`` until it returns something truthy, and return that; fail the test with
+    ``what`` if ``timeout`` seconds pass first. The poll interval only bounds latency: the
+    outcome never depends on it, so a loaded machine makes the test slower, not flaky."""
+    end = time.monotonic() + timeout
+    pause = threading.Event()
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() >= end:
+            raise AssertionError(f"{what or 'condition'} not met within {timeout} s")
+        pause.wait(interval)
+
+
+def port_open(host: str, port: int) -> bool:
+    """True once something accepts TCP connections on ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
