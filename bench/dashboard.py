@@ -12,7 +12,7 @@ round, so 50,500 per-node rows), starts the dashboard in its own process, then
   for each (viewer, round) the time from the write to the viewer receiving it.
 
 It writes ``dashboard.json`` (the rows) and ``dashboard.png``. When
-``BASELINE`` (``bench_dashboard_baseline.json`` beside this file: the same benchmark run on the
+``BASELINE`` (``dashboard_baseline.json`` beside this file: the same benchmark run on the
 code before issue 16's changes) exists, its figures are printed and plotted beside the new ones.
 The load generator shares the machine's cores with the server, so figures are a floor on what
 the app can do; the load average is recorded with the rows.
@@ -42,7 +42,7 @@ __all__ = ["run", "seed_store"]
 CLIENTS = 50
 VIEWERS = 100
 RUNS, ROUNDS, NODES = 50, 101, 10
-BASELINE = Path(__file__).with_name("bench_dashboard_baseline.json")
+BASELINE = Path(__file__).with_name("dashboard_baseline.json")
 _SERVE = ("import sys, uvicorn; from fedswarm.web.app import create_app; "
           "app = create_app(sys.argv[1], admin_password='bench-password-1', catalog_cmd=['true'], "
           "poll_interval_s=float(sys.argv[3])); "
