@@ -1,4 +1,5 @@
-"""``/docs``: the API's Swagger UI, served from the installed ``swagger-ui-bundle`` package.
+"""``/docs``: the API's Swagger UI (5.x, which reads OpenAPI 3.1), served from the installed
+``swagger-ui-py`` package's copy of the Swagger UI distribution.
 
 No CDN and no inline script, so it works with no network and under the pages' strict CSP
 (``default-src 'self'``): the page loads the bundle from ``/docs/assets`` and starts it from
@@ -6,6 +7,9 @@ No CDN and no inline script, so it works with no network and under the pages' st
 """
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import HTMLResponse
@@ -29,11 +33,13 @@ _PAGE = """<!doctype html>
 
 
 def _assets() -> str | None:
-    try:
-        import swagger_ui_bundle
-    except ImportError:
+    """The folder of Swagger UI's files, found without importing the package (whose modules
+    wire it into other web frameworks)."""
+    spec = importlib.util.find_spec("swagger_ui")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    return str(swagger_ui_bundle.swagger_ui_path)
+    path = Path(list(spec.submodule_search_locations)[0]) / "static"
+    return str(path) if (path / "swagger-ui-bundle.js").is_file() else None
 
 
 def mount(app: FastAPI) -> None:
@@ -44,6 +50,6 @@ def mount(app: FastAPI) -> None:
 
 @router.get("/docs", response_class=HTMLResponse)
 def docs_page() -> HTMLResponse:
-    missing = "" if _assets() else ("The API reference needs the swagger-ui-bundle package "
-                                    "(pip install swagger-ui-bundle); the schema is at /openapi.json.")
+    missing = "" if _assets() else ("The API reference needs the swagger-ui-py package "
+                                    "(pip install swagger-ui-py); the schema is at /openapi.json.")
     return HTMLResponse(_PAGE.format(missing=missing))

@@ -1,8 +1,7 @@
 // A small line-chart renderer on <canvas>: axes, nice ticks, several series, a legend.
-// Axes are outlier-robust: with enough points, the y range is the data's interquartile range
-// widened by 3 IQR (never past the data); points beyond it are drawn as triangles on the edge
-// and counted in a note, so one bad round cannot flatten every other point. A missing value
-// (null) is a gap in the line, never a zero.
+// Axes are outlier-robust (robustRange): points far outside the others are drawn as triangles
+// on the edge and counted in a note, so one bad round cannot flatten every other point. A
+// missing value (null) is a gap in the line, never a zero.
 (function () {
   "use strict";
   function niceStep(span, n) {
@@ -25,17 +24,22 @@
     if (a < 0.01) return v.toExponential(0);
     return +v.toFixed(a < 1 ? 3 : 2) + "";
   }
-  function quantile(sorted, q) {
-    const i = (sorted.length - 1) * q, lo = Math.floor(i), hi = Math.ceil(i);
-    return sorted[lo] + (sorted[hi] - sorted[lo]) * (i - lo);
-  }
-  // The y range to draw: robust to outliers when there are enough points.
+    // The y range to draw, robust to outliers: a value is off-scale when its gap to the next value
+  // is more than 3 times the whole span of the values inside it (one wild round among normal
+  // ones). At most 5% of the points on each side; a steep but steady curve keeps every point.
   function robustRange(ys) {
-    const s = ys.slice().sort((a, b) => a - b), min = s[0], max = s[s.length - 1];
-    if (s.length < 8) return [min, max];
-    const q1 = quantile(s, 0.25), q3 = quantile(s, 0.75), iqr = q3 - q1;
-    const pad = iqr > 0 ? 3 * iqr : Math.max(Math.abs(q3) * 0.5, 1e-12);
-    return [Math.max(min, q1 - pad), Math.min(max, q3 + pad)];
+    const s = ys.slice().sort((a, b) => a - b);
+    let lo = 0, hi = s.length - 1;
+    const most = Math.max(1, Math.floor(s.length * 0.05));
+    if (s.length >= 5) {
+      for (let k = 0; k < most && hi - lo >= 3; k++) {
+        if (s[hi] - s[hi - 1] > 3 * (s[hi - 1] - s[lo])) hi--; else break;
+      }
+      for (let k = 0; k < most && hi - lo >= 3; k++) {
+        if (s[lo + 1] - s[lo] > 3 * (s[hi] - s[lo + 1])) lo++; else break;
+      }
+    }
+    return [s[lo], s[hi]];
   }
   const FORMATS = {
     pct: (v) => (100 * v).toFixed(0) + "%",
@@ -80,6 +84,17 @@
       g.font = "11px system-ui, sans-serif";
       const pad = { l: 58, r: 12, t: 26, b: 36 };
       const all = this.series.flatMap((s) => s.pts.filter((p) => p[1] != null));
+      // The legend's rows first, so the plot starts below them.
+      const legend = [];
+      let lx = pad.l + 4, ly = 8;
+      for (const s of this.series) {
+        if (!s.pts.some((p) => p[1] != null)) continue;
+        const tw = g.measureText(s.name).width;
+        if (lx + 16 + tw > w - pad.r && lx > pad.l + 4) { lx = pad.l + 4; ly += 14; }
+        legend.push([s, lx, ly]);
+        lx += 24 + tw;
+      }
+      pad.t = ly + 18;
       c.dataset.points = String(all.length);
       c.dataset.offscale = "0";
       if (!all.length) {
@@ -94,7 +109,9 @@
       if (this.opts.yMax != null) y1 = Math.min(this.opts.yMax, Math.max(y1, this.opts.yMax));
       if (this.opts.yMin == null && y0 > 0 && y0 < (y1 - y0)) y0 = 0;
       if (x1 === x0) x1 = x0 + 1;
-      if (y1 === y0) { y1 = y0 + (Math.abs(y0) || 1) * 0.1; y0 = y0 - (Math.abs(y0) || 1) * 0.1; }
+      if (y1 === y0) {  // a flat line: show it from 0 (or around it, when it is 0)
+        if (y0 > 0) y0 = 0; else if (y0 < 0) y1 = 0; else y1 = 1;
+      }
       const yt = ticks(y0, y1, 5);
       const lo = Math.min(y0, yt[0]), hi = Math.max(y1, yt[yt.length - 1]);
       const X = (x) => pad.l + (x - x0) / (x1 - x0) * (w - pad.l - pad.r);
@@ -105,11 +122,12 @@
       for (const v of yt) { const y = Math.round(Y(v)) + 0.5; g.beginPath(); g.moveTo(pad.l, y); g.lineTo(w - pad.r, y); g.stroke(); g.fillText(fmt(v), pad.l - 6, y); }
       g.textAlign = "center"; g.textBaseline = "top";
       const nx = Math.max(2, Math.min(8, Math.floor((w - pad.l - pad.r) / 70)));
-      const xt = ticks(x0, x1, nx).filter((v) => this.opts.xFormat !== "num" || Number.isInteger(v) || x1 - x0 < 4);
+      const xt = this.opts.xFormat === "num" ? ticks(x0, x1, Math.min(nx, Math.max(1, x1 - x0))).filter(Number.isInteger)
+        : ticks(x0, x1, nx);
       for (const v of xt) g.fillText(xfmt(v), X(v), h - pad.b + 6);
       g.fillText(this.opts.xLabel || "round", (pad.l + w - pad.r) / 2, h - 13);
       g.strokeStyle = "#94a3b8"; g.beginPath(); g.moveTo(pad.l, pad.t); g.lineTo(pad.l, h - pad.b); g.lineTo(w - pad.r, h - pad.b); g.stroke();
-      let off = 0, lx = pad.l + 4, ly = 8;
+      let off = 0;
       for (const s of this.series) {
         if (!s.pts.some((p) => p[1] != null)) continue;
         g.strokeStyle = s.color; g.fillStyle = s.color; g.lineWidth = 2;
@@ -131,16 +149,15 @@
             g.beginPath(); g.moveTo(x, y + tip); g.lineTo(x - 5, y); g.lineTo(x + 5, y); g.closePath(); g.fill();
           } else if (few) { g.beginPath(); g.arc(X(p[0]), Y(p[1]), 2.5, 0, 2 * Math.PI); g.fill(); }
         }
-        g.textAlign = "left"; g.textBaseline = "middle";
-        const tw = g.measureText(s.name).width;
-        if (lx + 16 + tw > w - pad.r && lx > pad.l + 4) { lx = pad.l + 4; ly += 13; }
-        g.fillRect(lx, ly, 12, 3); g.fillStyle = "#334155"; g.fillText(s.name, lx + 16, ly + 2);
-        lx += 24 + tw;
+      }
+      g.textAlign = "left"; g.textBaseline = "middle";
+      for (const [s, x, y] of legend) {
+        g.fillStyle = s.color; g.fillRect(x, y, 12, 3); g.fillStyle = "#334155"; g.fillText(s.name, x + 16, y + 2);
       }
       c.dataset.offscale = String(off);
-      if (off) {
+      if (off) {  // on the x-label row, right-aligned: never over the data
         g.fillStyle = "#b45309"; g.textAlign = "right"; g.textBaseline = "top";
-        g.fillText(off + " point" + (off > 1 ? "s" : "") + " off scale ▲", w - pad.r, h - pad.b - 14);
+        g.fillText(off + " point" + (off > 1 ? "s" : "") + " off scale (▲▼ at the edge)", w - pad.r, h - 13);
       }
     }
   }
