@@ -6,7 +6,9 @@ for at most ``ttl_s`` (liveness, "lost", depends on time, not only on writes). T
 cheap query (the highest id of rounds, events and controls: every round, status change, control
 and new run writes one of them, whichever process writes) made at most every ``mark_s``. So
 with many viewers the store answers a few queries a second, not one per request, and an answer
-is never staler than ``max(mark_s, poll)``: the same delay live updates have.
+is never staler than ``max(mark_s, poll)`` plus one rebuild: while one thread rebuilds an
+answer, others get the previous one instead of queueing behind it (stale-while-revalidate).
+``clear()`` (after this process's own writes) drops everything, so an actor sees its change.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class ResponseCache:
         self._mark_at = 0.0
         self._lock = threading.Lock()
         self._building: dict[tuple, threading.Lock] = {}
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.stale = 0
 
     def mark(self) -> tuple:
         now = time.monotonic()
@@ -65,7 +67,13 @@ class ResponseCache:
             return hit
         with self._lock:
             lock = self._building.setdefault(key, threading.Lock())
-        with lock:
+        if not lock.acquire(blocking=False):
+            stale = self._entries.get(key)
+            if stale is not None:  # another thread is rebuilding it: the last answer, now
+                self.stale += 1
+                return stale[2]
+            lock.acquire()
+        try:
             hit = self._fresh(key, mark)
             if hit is not None:
                 self.hits += 1
@@ -77,6 +85,8 @@ class ResponseCache:
                     self._entries.clear()
                 self._entries[key] = (time.monotonic() + self.ttl_s, mark, body)
             return body
+        finally:
+            lock.release()
 
     def _fresh(self, key: tuple, mark: tuple) -> object | None:
         entry = self._entries.get(key)

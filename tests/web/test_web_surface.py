@@ -205,3 +205,37 @@ def test_docs_served_from_the_installed_package(anon):
 def test_login_helper_still_works(app):
     with TestClient(app) as c:
         assert login(c, "admin", ADMIN_PW)
+
+
+def test_startup_error_shown_on_the_run_page(app, admin, monkeypatch):
+    """A run whose process dies at start is lost with its log's last lines as the error."""
+    monkeypatch.setenv("FAKE_FAIL", "1")
+    rid = admin.post("/api/runs", json={"config": {"rounds": 3}}).json()["id"]
+    wait_for(lambda: admin.get(f"/api/runs/{rid}").json()["display_status"] == "lost")
+    run = admin.get(f"/api/runs/{rid}").json()
+    assert "ended without reporting" in run["error"] and "failing on purpose" in run["error"]
+    assert "failing on purpose" in admin.get(f"/runs/{rid}").text.split('id="run-error"')[1][:600]
+
+
+def test_resume_from_checkpoint_only_when_possible(app, admin, monkeypatch):
+    """The Resume-from-checkpoint action calls `RUNNER resume RUN_ID`, for a failed or lost run
+    of this dashboard that has a checkpoint, and only then."""
+    monkeypatch.setenv("FAKE_ROUND_S", "0.05")
+    monkeypatch.setenv("FAKE_DIE_AFTER", "3")
+    assert app.state.ctx.runs.resume_command_available()
+    rid = admin.post("/api/runs", json={"config": {"rounds": 6}}).json()["id"]
+    live = admin.get(f"/api/runs/{rid}").json()
+    assert live["actions"]["restart"] is not None  # running: nothing to resume
+    wait_for(lambda: admin.get(f"/api/runs/{rid}").json()["display_status"] == "lost")
+    assert admin.get(f"/api/runs/{rid}").json()["actions"]["restart"] is None
+    r = admin.post(f"/api/runs/{rid}/restart")
+    assert r.status_code == 200 and "after round" not in r.json()["detail"], r.text
+    wait_for(lambda: admin.get(f"/api/runs/{rid}").json()["display_status"] == "finished")
+    assert [x["round"] for x in admin.get(f"/api/runs/{rid}/rounds").json()] == [1, 2, 3, 4, 5, 6]
+    assert admin.post(f"/api/runs/{rid}/restart").status_code == 409  # finished: nothing to resume
+    # A run without a checkpoint cannot be resumed.
+    monkeypatch.setenv("FAKE_FAIL", "1")
+    other = admin.post("/api/runs", json={"config": {"rounds": 2}}).json()["id"]
+    wait_for(lambda: admin.get(f"/api/runs/{other}").json()["display_status"] == "lost")
+    r = admin.post(f"/api/runs/{other}/restart")
+    assert r.status_code == 409 and "checkpoint" in r.json()["detail"]
