@@ -149,7 +149,8 @@ def run_summary(store: Store, run: Run, timeout_s: float = 120.0, can_restart: b
     return summary_of(run, stats_for(store, [run.id]).get(run.id, {}), timeout_s, can_restart)
 
 
-def node_stats(store: Store, run_id: str) -> list[schemas.NodeStatsOut]:
+def node_stats(store: Store, run: Run) -> list[schemas.NodeStatsOut]:
+    run_id = run.id
     with store.session() as s:
         rows = s.execute(
             select(NodeRound.node_id, func.count(), func.sum(NodeRound.bytes_up), func.sum(NodeRound.bytes_down),
@@ -169,7 +170,8 @@ def node_stats(store: Store, run_id: str) -> list[schemas.NodeStatsOut]:
         node = known.get(f"{run_id}:{n}") or known.get(n)
         out.append(schemas.NodeStatsOut(
             node_id=n, rounds=c, bytes_up=int(up or 0), bytes_down=int(dn or 0), rejected=int(rej or 0),
-            failed=int(fail or 0), last_round=lr, device_class=dc or (node.device_class if node else None),
+            failed=int(fail or 0), last_round=lr,
+            device_class=dc or (node.device_class if node else None) or _class_from_config(run, n),
             last_seen=node.last_seen if node else None, last_reason=reasons.get(n)))
     return out
 
@@ -178,7 +180,7 @@ def device_classes(store: Store, run: Run, nodes: list[schemas.NodeStatsOut]) ->
     """Per-device-class roll-up of a run's nodes: how many, rounds, failures, bytes."""
     by: dict[str, schemas.DeviceClassOut] = {}
     for n in nodes:
-        dc = n.device_class or _class_from_config(run, n.node_id) or "unknown"
+        dc = n.device_class or "unknown"
         cur = by.setdefault(dc, schemas.DeviceClassOut(device_class=dc))
         cur.nodes += 1
         cur.node_rounds += n.rounds
@@ -190,19 +192,20 @@ def device_classes(store: Store, run: Run, nodes: list[schemas.NodeStatsOut]) ->
 
 
 def _class_from_config(run: Run, node_id: str) -> str | None:
-    """A node's class from the run's ``devices`` spec (``gpu:4,edge-wifi:12``), when the node id
-    is its partition number (simulated and swarm nodes): what the runtime assigned it."""
-    spec = (run.config or {}).get("devices")
-    tail = node_id.rsplit(":", 1)[-1].removeprefix("peer-").removeprefix("n")
-    if not spec or not isinstance(spec, str) or not tail.isdigit():
+    """A node's class from the run's ``devices`` spec (``gpu:4,edge-wifi:12``) when its rows do
+    not carry one (the decentralized strategies' replies do not). Only where the node id tells
+    the partition: the in-process engine gives partition ``i`` node id ``i + 1``."""
+    cfg = run.config or {}
+    spec, tail = cfg.get("devices"), node_id.rsplit(":", 1)[-1]
+    if not spec or not isinstance(spec, str) or cfg.get("engine", "inprocess") != "inprocess" or not tail.isdigit():
         return None
-    idx, start = int(tail), 0
+    idx, start = int(tail) - 1, 0
     for part in spec.split(","):
         name, _, count = part.strip().partition(":")
         if not count.strip().isdigit():
             return None
         start += int(count)
-        if idx < start:
+        if 0 <= idx < start:
             return name.strip() or None
     return None
 
@@ -233,7 +236,7 @@ def run_detail(store: Store, run: Run, timeout_s: float = 120.0, can_restart: bo
     with store.session() as s:
         controls = list(s.scalars(select(Control).where(Control.run_id == run.id)
                                   .order_by(Control.id.desc()).limit(50)))
-    nodes = node_stats(store, run.id)
+    nodes = node_stats(store, run)
     return schemas.RunDetailOut(
         **base, config=run.config or {}, seed=run.seed, code_version=run.code_version or "",
         summary=run.summary or {}, nodes=nodes, device_classes=device_classes(store, run, nodes),

@@ -239,3 +239,16 @@ def test_resume_from_checkpoint_only_when_possible(app, admin, monkeypatch):
     wait_for(lambda: admin.get(f"/api/runs/{other}").json()["display_status"] == "lost")
     r = admin.post(f"/api/runs/{other}/restart")
     assert r.status_code == 409 and "checkpoint" in r.json()["detail"]
+
+
+def test_device_classes_shown_when_node_rows_lack_them(app, admin):
+    """Decentralized runs' node rows carry no class: the in-process engine's node i+1 is
+    partition i, whose class the run's devices spec names."""
+    store = app.state.ctx.store
+    rid = store.create_run({"strategy": "dpsgd", "engine": "inprocess", "devices": "gpu:1,edge-wifi:3", "rounds": 1})
+    store.add_round(rid, 1, test_accuracy=0.5, metrics={"consensus_distance": 0.2})
+    store.add_node_rounds(rid, 1, [{"node_id": str(i), "bytes_up": 10} for i in range(1, 5)])
+    detail = admin.get(f"/api/runs/{rid}").json()
+    assert {n["node_id"]: n["device_class"] for n in detail["nodes"]} == {
+        "1": "gpu", "2": "edge-wifi", "3": "edge-wifi", "4": "edge-wifi"}
+    assert {d["device_class"]: d["nodes"] for d in detail["device_classes"]} == {"gpu": 1, "edge-wifi": 3}
