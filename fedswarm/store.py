@@ -219,6 +219,20 @@ class Store:
                 s.rollback()
                 raise
 
+    @contextmanager
+    def snapshot(self) -> Iterator[Session]:
+        """A read-only session whose queries all see one consistent state of the store (a
+        reader that needs two tables to agree, e.g. a run's status and its pending controls)."""
+        with self._sessions() as s:
+            if self.engine.dialect.name == "sqlite":
+                s.connection().exec_driver_sql("BEGIN")  # pysqlite opens no transaction for reads
+            else:
+                s.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+            try:
+                yield s
+            finally:
+                s.rollback()
+
     def close(self) -> None:
         self.engine.dispose()
 

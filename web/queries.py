@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import and_, case, func, or_, select
+from sqlalchemy.orm import Session
 
 from fedswarm.store import Control, Node, NodeRound, Round, Run, Store
 from fedswarm.web import schemas
@@ -41,28 +42,32 @@ def _health(row: Any) -> Health:
                   failed_node_rounds=int(row.failed or 0))
 
 
-def stats_for(store: Store, run_ids: list[str]) -> dict[str, dict[str, Any]]:
-    """Progress, bytes, accuracy and node health of each run, from the rounds table."""
+def stats_for(store: Store, run_ids: list[str], session: Session | None = None) -> dict[str, dict[str, Any]]:
+    """Progress, bytes, accuracy, node health and pending controls of each run, from the
+    rounds and controls tables (in ``session``'s snapshot when one is given)."""
     if not run_ids:
         return {}
+    if session is None:
+        with store.session() as s:
+            return stats_for(store, run_ids, s)
+    s = session
     total = func.coalesce(Round.nodes_total, 0)
     failed = func.coalesce(Round.nodes_failed, 0)
-    with store.session() as s:
-        agg = s.execute(
-            select(Round.run_id, func.sum(case((Round.round > 0, 1), else_=0)).label("n"),
-                   func.max(Round.round).label("m"), func.sum(Round.bytes_up).label("up"),
-                   func.sum(Round.bytes_down).label("down"), func.max(Round.test_accuracy).label("best"),
-                   func.sum(case((total > 0, 1), else_=0)).label("with_nodes"),
-                   func.sum(case((and_(total > 0, 2 * failed > total), 1), else_=0)).label("bad"),
-                   func.sum(case((and_(total > 0, failed == total), 1), else_=0)).label("dead"),
-                   func.sum(total).label("nodes"), func.sum(failed).label("failed"))
-            .where(Round.run_id.in_(run_ids)).group_by(Round.run_id)).all()
-        last = select(Round.run_id, func.max(Round.round).label("m")).where(
-            Round.run_id.in_(run_ids)).group_by(Round.run_id).subquery()
-        accs = s.execute(select(Round.run_id, Round.test_accuracy).join(
-            last, (Round.run_id == last.c.run_id) & (Round.round == last.c.m))).all()
-        pending = s.execute(select(Control.run_id, Control.kind).where(
-            Control.run_id.in_(run_ids), Control.applied_at.is_(None))).all()
+    agg = s.execute(
+        select(Round.run_id, func.sum(case((Round.round > 0, 1), else_=0)).label("n"),
+               func.max(Round.round).label("m"), func.sum(Round.bytes_up).label("up"),
+               func.sum(Round.bytes_down).label("down"), func.max(Round.test_accuracy).label("best"),
+               func.sum(case((total > 0, 1), else_=0)).label("with_nodes"),
+               func.sum(case((and_(total > 0, 2 * failed > total), 1), else_=0)).label("bad"),
+               func.sum(case((and_(total > 0, failed == total), 1), else_=0)).label("dead"),
+               func.sum(total).label("nodes"), func.sum(failed).label("failed"))
+        .where(Round.run_id.in_(run_ids)).group_by(Round.run_id)).all()
+    last = select(Round.run_id, func.max(Round.round).label("m")).where(
+        Round.run_id.in_(run_ids)).group_by(Round.run_id).subquery()
+    accs = s.execute(select(Round.run_id, Round.test_accuracy).join(
+        last, (Round.run_id == last.c.run_id) & (Round.round == last.c.m))).all()
+    pending = s.execute(select(Control.run_id, Control.kind).where(
+        Control.run_id.in_(run_ids), Control.applied_at.is_(None))).all()
     acc = dict(accs)
     pend: dict[str, set[str]] = {}
     for rid, kind in pending:

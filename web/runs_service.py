@@ -140,16 +140,22 @@ class RunService:
             ". Its log ends:\n" + "\n".join(tail) if tail else "; it printed nothing")
 
     # -- state and controls ------------------------------------------------------------
-    def state(self, run: Run) -> tuple[str, dict[str, str | None]]:
-        """The run's shown status and each action's validity."""
-        stats = stats_for(self.store, [run.id]).get(run.id, {})
+    def state(self, run_id: str) -> tuple[Run, str, dict[str, str | None]]:
+        """The run, its shown status and each action's validity, read in one snapshot: a
+        runner marks a control applied and writes the new status in two commits, and reading
+        them apart could see neither (a second pause would look valid)."""
+        with self.store.snapshot() as s:
+            run = s.get(Run, run_id)
+            if run is None:
+                raise RunError(404, f"no run '{run_id}' in the store")
+            stats = stats_for(self.store, [run_id], s).get(run_id, {})
+            s.expunge(run)
         shown = display_status(run, self.settings.report_timeout_s, stats.get("_health"))
-        return shown, allowed_actions(run, shown, set(stats.get("pending", ())), self.can_restart(run))
+        return run, shown, allowed_actions(run, shown, set(stats.get("pending", ())), self.can_restart(run))
 
     def control(self, run_id: str, kind: str, actor: str, payload: dict | None = None) -> tuple[int | None, str]:
         """Queue a control for a live run; returns (control id, what happened)."""
-        run = self.get(run_id)
-        shown, actions = self.state(run)
+        run, shown, actions = self.state(run_id)
         if actions.get(kind) is not None:
             raise RunError(409, f"cannot {kind.replace('_', ' ')} run '{run_id}': {actions[kind]}")
         if shown == "lost" and kind == "stop":
@@ -177,8 +183,7 @@ class RunService:
 
     def force_stop(self, run_id: str, actor: str) -> str:
         """Stop now: SIGTERM the run's process group and mark it stopped."""
-        run = self.get(run_id)
-        _, actions = self.state(run)
+        run, _, actions = self.state(run_id)
         if actions["kill"] is not None:
             raise RunError(409, f"cannot force-stop run '{run_id}': {actions['kill']}")
         signalled = terminate(run.pid)
@@ -205,9 +210,8 @@ class RunService:
                 and bool(self._resume_cmd))
 
     def restart(self, run_id: str, actor: str) -> str:
-        run = self.get(run_id)
         self.resume_command_available()
-        _, actions = self.state(run)
+        run, _, actions = self.state(run_id)
         if actions["restart"] is not None:
             raise RunError(409, f"cannot resume run '{run_id}': {actions['restart']}")
         try:
