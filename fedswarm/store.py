@@ -108,8 +108,8 @@ class Round(Base):
     metrics: Mapped[dict] = mapped_column(JSON, default=dict)  # anything else (consensus_distance, ...)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
     reported_by: Mapped[str | None] = mapped_column(String(64))  # the ingest token that wrote it, if any
-    nodes_total: Mapped[int | None] = mapped_column(Integer)  # per-node rows of the round
-    nodes_failed: Mapped[int | None] = mapped_column(Integer)  # of which failed or rejected
+    node_rows: Mapped[int | None] = mapped_column(Integer)  # per-node rows of the round
+    failed_node_rows: Mapped[int | None] = mapped_column(Integer)  # of which failed or rejected
 
 
 class NodeRound(Base):
@@ -304,7 +304,7 @@ class Store:
             return list(s.scalars(q))
 
     def add_node_rounds(self, run_id: str, round: int, rows: list[dict]) -> None:
-        """Per-node rows of a round; the round's ``nodes_total``/``nodes_failed`` counters
+        """Per-node rows of a round; the round's ``node_rows``/``failed_node_rows`` counters
         (what the dashboard's health and "degraded" state read) are kept in the same commit."""
         known = {c.name for c in NodeRound.__table__.columns} - {"id", "run_id", "round"}
         failed = sum(1 for r in rows if r.get("status", "ok") != "ok")
@@ -312,8 +312,8 @@ class Store:
             for r in rows:
                 s.add(NodeRound(run_id=run_id, round=round, **{k: v for k, v in r.items() if k in known}))
             s.execute(update(Round).where(Round.run_id == run_id, Round.round == round).values(
-                nodes_total=func.coalesce(Round.nodes_total, 0) + len(rows),
-                nodes_failed=func.coalesce(Round.nodes_failed, 0) + failed))
+                node_rows=func.coalesce(Round.node_rows, 0) + len(rows),
+                failed_node_rows=func.coalesce(Round.failed_node_rows, 0) + failed))
 
     def node_rounds(self, run_id: str) -> list[NodeRound]:
         with self.session() as s:

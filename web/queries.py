@@ -51,8 +51,8 @@ def stats_for(store: Store, run_ids: list[str], session: Session | None = None) 
         with store.session() as s:
             return stats_for(store, run_ids, s)
     s = session
-    total = func.coalesce(Round.nodes_total, 0)
-    failed = func.coalesce(Round.nodes_failed, 0)
+    total = func.coalesce(Round.node_rows, 0)
+    failed = func.coalesce(Round.failed_node_rows, 0)
     agg = s.execute(
         select(Round.run_id, func.sum(case((Round.round > 0, 1), else_=0)).label("n"),
                func.max(Round.round).label("m"), func.sum(Round.bytes_up).label("up"),

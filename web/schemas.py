@@ -113,8 +113,8 @@ class RoundOut(Out):
     num_clients: int = 0
     metrics: dict[str, Any] = Field(default_factory=dict)
     created_at: dt.datetime | None = None
-    nodes_total: int | None = None
-    nodes_failed: int | None = None
+    node_rows: int | None = None
+    failed_node_rows: int | None = None
     reported_by: str | None = None
 
     @field_validator("train_loss", "test_loss", "test_accuracy", "wall_s", "sim_time_s", "metrics",

@@ -111,10 +111,10 @@ def test_old_store_is_migrated_in_place(tmp_path):
     con.close()
     store = Store(db)
     cols = {r[1] for r in sqlite3.connect(db).execute("PRAGMA table_info(rounds)")}
-    assert {"reported_by", "nodes_total", "nodes_failed"} <= cols
+    assert {"reported_by", "node_rows", "failed_node_rows"} <= cols
     assert store.get_run("old1").owner is None and store.rounds("old1")[0].test_accuracy == 0.5
     store.add_node_rounds("old1", 1, [{"node_id": "a", "status": "failed"}])
-    assert (store.rounds("old1")[0].nodes_total, store.rounds("old1")[0].nodes_failed) == (1, 1)
+    assert (store.rounds("old1")[0].node_rows, store.rounds("old1")[0].failed_node_rows) == (1, 1)
     Store(db)  # a second open changes nothing
 
 
@@ -167,9 +167,7 @@ def test_actions_valid_only_in_their_states(app, admin, monkeypatch):
     r = admin.post(f"/api/runs/{rid}/resume")
     assert r.status_code == 409 and "not paused" in r.json()["detail"]
     assert admin.post(f"/api/runs/{rid}/pause").status_code == 200
-    assert admin.post(f"/api/runs/{rid}/pause").status_code == 409  # already waiting
-    page = admin.get(f"/runs/{rid}").text
-    assert 'id="pending"' in page and "pause — requested by admin" in page
+    assert admin.post(f"/api/runs/{rid}/pause").status_code == 409  # waiting, or applied: paused
     admin.post(f"/api/runs/{rid}/stop?force=true")
     stopped = admin.get(f"/api/runs/{rid}").json()
     assert stopped["actions"]["add_rounds"] is not None
@@ -252,3 +250,18 @@ def test_device_classes_shown_when_node_rows_lack_them(app, admin):
     assert {n["node_id"]: n["device_class"] for n in detail["nodes"]} == {
         "1": "gpu", "2": "edge-wifi", "3": "edge-wifi", "4": "edge-wifi"}
     assert {d["device_class"]: d["nodes"] for d in detail["device_classes"]} == {"gpu": 1, "edge-wifi": 3}
+
+
+def test_pending_control_visible_until_applied(app, anon, admin):
+    token = bearer(make_token(app, "reporter"))
+    anon.post("/api/ingest/runs", json={"run_id": "slow-peer"}, headers=token)
+    assert admin.post("/api/runs/slow-peer/pause").status_code == 200
+    page = admin.get("/runs/slow-peer").text
+    assert re.search(r'id="pending" class="pending"', page) and "pause — requested by admin" in page
+    assert admin.get("/api/runs/slow-peer").json()["pending"] == ["pause"]
+    cid = anon.get("/api/ingest/runs/slow-peer/controls", headers=token).json()[0]["id"]
+    anon.post(f"/api/ingest/runs/slow-peer/controls/{cid}/applied", headers=token)
+    anon.post("/api/ingest/runs/slow-peer/status", json={"status": "paused"}, headers=token)
+    app.state.ctx.cache.clear()
+    assert 'id="pending" class="pending hidden"' in admin.get("/runs/slow-peer").text
+    assert admin.get("/api/runs/slow-peer").json()["actions"]["resume"] is None

@@ -45,7 +45,7 @@
       const cd = r.metrics ? r.metrics.consensus_distance : undefined;
       if (cd !== undefined) anyConsensus = true;
       charts.consensus.push(0, r.round, cd == null ? null : cd);  // none yet: a gap, never 0
-      if (r.nodes_total) { charts.failed.push(0, r.round, r.nodes_failed || 0); charts.failed.push(1, r.round, r.nodes_total); }
+      if (r.node_rows) { charts.failed.push(0, r.round, r.failed_node_rows || 0); charts.failed.push(1, r.round, r.node_rows); }
     }
     if (anyConsensus) document.getElementById("fig-consensus").classList.remove("hidden");
     for (const c of Object.values(charts)) c.redraw();
