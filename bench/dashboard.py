@@ -1,16 +1,21 @@
-"""Dashboard benchmark: API latency under 100 concurrent clients and live-update fan-out to
-100 viewers, against the real app served by uvicorn on loopback.
+"""Dashboard benchmark: API latency with 50 concurrent clients on a store of 50 runs x 101
+rounds, and live-update fan-out to 100 viewers, against the real app served by uvicorn.
 
-``run(out_dir, quick)`` starts the dashboard in its own process over a temp SQLite store
-seeded with a 50-round run, then
+``run(out_dir, quick)`` seeds a temp SQLite store (50 finished runs, rounds 0..100, 10 nodes a
+round, so 50,500 per-node rows), starts the dashboard in its own process, then
 
-* **API latency**: 100 concurrent connections for a fixed time per endpoint, with ``wrk``
-  (Debian package) when installed, else an asyncio httpx client; median and p99 per endpoint.
-* **SSE fan-out**: 100 viewers hold ``/api/runs/{id}/stream`` open while rounds are written
-  to the store; for each (viewer, round) the time from the write to the viewer receiving it.
+* **API latency**: 50 closed-loop clients (no think time) for a fixed time per endpoint, with
+  ``wrk`` (Debian package ``wrk``) when installed, else an asyncio httpx client; median, p99 and
+  requests/s per endpoint. Each endpoint is measured twice: on a quiet store, and while a run
+  writes a round (with 10 per-node rows) every 0.1 s, so answers cannot all come from a cache.
+* **SSE fan-out**: 100 viewers hold ``/api/runs/{id}/stream`` open while rounds are written;
+  for each (viewer, round) the time from the write to the viewer receiving it.
 
-It writes ``dashboard.json`` (the rows) and ``dashboard.png``. The load generator shares the
-machine's cores with the server, so figures are a floor on what the app can do.
+It writes ``dashboard.json`` (the rows) and ``dashboard.png``. When
+``BASELINE`` (``dashboard_baseline.json`` beside this file: the same benchmark run on the
+code before issue 16's changes) exists, its figures are printed and plotted beside the new ones.
+The load generator shares the machine's cores with the server, so figures are a floor on what
+the app can do; the load average is recorded with the rows.
 """
 
 from __future__ import annotations
@@ -26,15 +31,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
-__all__ = ["run"]
+__all__ = ["run", "seed_store"]
 
-CLIENTS = 100
+CLIENTS = 50
 VIEWERS = 100
+RUNS, ROUNDS, NODES = 50, 101, 10
+BASELINE = Path(__file__).with_name("dashboard_baseline.json")
 _SERVE = ("import sys, uvicorn; from fedswarm.web.app import create_app; "
           "app = create_app(sys.argv[1], admin_password='bench-password-1', catalog_cmd=['true'], "
           "poll_interval_s=float(sys.argv[3])); "
@@ -53,27 +61,34 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))] if xs else float("nan")
 
 
-def _seed(db: str) -> tuple[str, str]:
-    """A finished 50-round run with 20 nodes, a live run to stream, and an admin token."""
-    from fedswarm.store import Store
+def seed_store(db: str, runs: int = RUNS, rounds: int = ROUNDS, nodes: int = NODES) -> tuple[list[str], str, str]:
+    """``runs`` finished runs of ``rounds`` rounds (0..rounds-1) with ``nodes`` per-node rows
+    each, one live run, and an admin token. Returns (run ids, live run id, token)."""
+    from fedswarm.store import NodeRound, Round, Store
     from fedswarm.web import auth_models  # noqa: F401  (creates the token table with the store)
     from fedswarm.web.accounts import Accounts
 
     store = Store(db)
-    rid = store.create_run({"strategy": "fedavg", "task": "digits-mlp", "rounds": 50, "clients": 20},
-                           name="bench seeded", status="finished")
-    for r in range(1, 51):
-        store.add_round(rid, r, train_loss=1 / r, test_loss=1.1 / r, test_accuracy=1 - 1 / (r + 1),
-                        bytes_up=10**6, bytes_down=2 * 10**6, wall_s=0.5, sim_time_s=2.0, num_clients=20)
-        store.add_node_rounds(rid, r, [{"node_id": f"n{i}", "bytes_up": 50_000, "bytes_down": 100_000,
-                                        "device_class": "edge-wifi"} for i in range(20)])
-    for i in range(10):
-        store.create_run({"strategy": "topk", "rounds": 10}, name=f"bench {i}", status="finished")
-    live = store.create_run({"strategy": "fedavg", "rounds": 1000}, name="bench live", status="running")
-    Accounts(store)  # tables exist
+    ids = []
+    for i in range(runs):
+        strategy = ("fedavg", "topk", "onebit", "dpsgd", "qsgd")[i % 5]
+        ids.append(store.create_run({"strategy": strategy, "task": "digits-mlp", "rounds": rounds - 1,
+                                     "clients": nodes}, name=f"bench {i}", status="finished"))
+    with store.session() as s:
+        for rid in ids:
+            for r in range(rounds):
+                s.add(Round(run_id=rid, round=r, train_loss=1 / (r + 1), test_loss=1.1 / (r + 1),
+                            test_accuracy=1 - 1 / (r + 2), bytes_up=10**6, bytes_down=2 * 10**6,
+                            wall_s=0.5, sim_time_s=2.0, num_clients=nodes,
+                            metrics={"consensus_distance": 0.1 / (r + 1)}))
+                if r > 0:
+                    s.add_all([NodeRound(run_id=rid, round=r, node_id=f"n{k}", bytes_up=10**5,
+                                         bytes_down=2 * 10**5, device_class=("gpu", "edge-wifi")[k % 2])
+                               for k in range(nodes)])
+    live = store.create_run({"strategy": "fedavg", "rounds": 100_000}, name="bench live", status="running")
     _, token = Accounts(store).create_token("bench", "admin", None, "bench")
     store.close()
-    return rid, live + "|" + token
+    return ids, live, token
 
 
 def _start_server(db: str, poll_s: float) -> tuple[subprocess.Popen, str]:
@@ -137,7 +152,36 @@ async def _httpx_load(url: str, token: str, seconds: float) -> dict:
             "requests": len(lat), "errors": errors, "tool": "httpx-asyncio"}
 
 
-async def _fanout(url: str, token: str, run_id: str, db: str, rounds: int, gap_s: float) -> list[float]:
+class _Writer:
+    """Writes a round (with per-node rows) to the live run every ``gap_s`` in a thread."""
+
+    def __init__(self, db: str, run_id: str, gap_s: float = 0.1):
+        from fedswarm.store import Store
+
+        self.store, self.run_id, self.gap_s = Store(db), run_id, gap_s
+        self.round = max((r.round for r in self.store.rounds(run_id)), default=0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.gap_s):
+            self.round += 1
+            self.store.add_round(self.run_id, self.round, test_accuracy=0.5, bytes_up=1000, wall_s=self.gap_s)
+            self.store.add_node_rounds(self.run_id, self.round,
+                                       [{"node_id": f"w{k}", "bytes_up": 100} for k in range(NODES)])
+
+    def __enter__(self) -> "_Writer":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.store.close()
+
+
+async def _fanout(url: str, token: str, run_id: str, db: str, rounds: int, gap_s: float,
+                  first_round: int) -> list[float]:
     """Write ``rounds`` rounds; return every viewer's delay (s) from write to receipt."""
     from fedswarm.store import Store
 
@@ -145,11 +189,12 @@ async def _fanout(url: str, token: str, run_id: str, db: str, rounds: int, gap_s
     received: list[tuple[int, float]] = []
     ready = asyncio.Semaphore(0)
     limits = httpx.Limits(max_connections=VIEWERS + 5)
+    wanted = set(range(first_round, first_round + rounds))
     async with httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}, limits=limits,
                                  timeout=httpx.Timeout(60, read=60)) as c:
         async def viewer() -> None:
             got = 0
-            async with c.stream("GET", f"{url}/api/runs/{run_id}/stream") as r:
+            async with c.stream("GET", f"{url}/api/runs/{run_id}/stream?since={first_round - 1}") as r:
                 kind = None
                 async for line in r.aiter_lines():
                     if line.startswith("event: "):
@@ -157,8 +202,10 @@ async def _fanout(url: str, token: str, run_id: str, db: str, rounds: int, gap_s
                         if kind == "status":
                             ready.release()
                     elif line.startswith("data: ") and kind == "round":
-                        received.append((json.loads(line[6:])["round"], time.time()))
-                        got += 1
+                        rnd = json.loads(line[6:])["round"]
+                        if rnd in wanted:
+                            received.append((rnd, time.time()))
+                            got += 1
                         if got == rounds:
                             return
 
@@ -166,7 +213,7 @@ async def _fanout(url: str, token: str, run_id: str, db: str, rounds: int, gap_s
         for _ in range(VIEWERS):
             await asyncio.wait_for(ready.acquire(), 60)
         store = Store(db)
-        for r in range(1, rounds + 1):
+        for r in sorted(wanted):
             await asyncio.sleep(gap_s)
             written[r] = time.time()
             await asyncio.to_thread(store.add_round, run_id, r, test_accuracy=0.5, bytes_up=1000, wall_s=gap_s)
@@ -175,21 +222,41 @@ async def _fanout(url: str, token: str, run_id: str, db: str, rounds: int, gap_s
     return [t - written[r] for r, t in received]
 
 
-def _plot(rows: list[dict], delays_ms: list[float], path: Path) -> None:
+def _load(url: str, token: str, seconds: int) -> dict:
+    return _wrk(url, token, seconds) if shutil.which("wrk") else asyncio.run(_httpx_load(url, token, seconds))
+
+
+def _baseline() -> list[dict]:
+    try:
+        return json.loads(BASELINE.read_text())["rows"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def _plot(rows: list[dict], base: list[dict], delays_ms: list[float], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     api = [r for r in rows if r["test"] == "api"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    xs = range(len(api))
-    a.bar([x - 0.2 for x in xs], [r["median_ms"] for r in api], 0.4, label="median")
-    a.bar([x + 0.2 for x in xs], [r["p99_ms"] for r in api], 0.4, label="p99")
-    a.set_xticks(list(xs), [r["endpoint"].replace("/api/", "") for r in api], rotation=15, fontsize=8)
-    a.set_ylabel("latency (ms)")
-    a.set_title(f"API latency, {CLIENTS} concurrent clients ({api[0]['tool'] if api else ''})")
-    a.legend()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5))
+    labels = [f"{r['endpoint'].replace('/api/', '')}\n{r['store']}" for r in api]
+    xs = list(range(len(api)))
+
+    def before(r: dict) -> float:
+        m = next((x for x in base if x["test"] == "api" and x["endpoint"] == r["endpoint"]
+                  and x["store"] == r["store"]), None)
+        return m["p99_ms"] if m else float("nan")
+
+    a.bar([x - 0.2 for x in xs], [before(r) for r in api], 0.4, label="p99 before (baseline)", color="#94a3b8")
+    a.bar([x + 0.2 for x in xs], [r["p99_ms"] for r in api], 0.4, label="p99 now", color="#2563eb")
+    a.axhline(50, color="r", ls="--", label="target 50 ms")
+    a.set_yscale("log")
+    a.set_xticks(xs, labels, rotation=20, fontsize=7)
+    a.set_ylabel("p99 latency (ms, log scale)")
+    a.set_title(f"{CLIENTS} concurrent clients, {RUNS} runs x {ROUNDS} rounds ({api[0]['tool'] if api else ''})")
+    a.legend(fontsize=8)
     if delays_ms:
         b.hist(delays_ms, bins=40, color="#0d9488")
         b.axvline(statistics.median(delays_ms), color="k", ls="--", label="median")
@@ -207,26 +274,35 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
     """Run the benchmark; write ``dashboard.json`` and ``dashboard.png`` to ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    seconds, rounds, poll_s = (5, 8, 0.3) if quick else (20, 30, 0.3)
+    seconds, rounds, poll_s = (5, 8, 0.3) if quick else (15, 30, 0.3)
     tmp = tempfile.mkdtemp(prefix="fedswarm-bench-")
     db = os.path.join(tmp, "bench.db")
-    seeded, rest = _seed(db)
-    live, token = rest.split("|")
+    ids, live, token = seed_store(db)
     proc, url = _start_server(db, poll_s)
     rows: list[dict] = []
+    load = os.getloadavg()[0]
+    d_ms: list[float] = []
     try:
-        endpoints = ["/api/health", "/api/runs", f"/api/runs/{seeded}", f"/api/runs/{seeded}/rounds"]
-        for ep in endpoints:
-            res = _wrk(url + ep, token, seconds) if shutil.which("wrk") else \
-                asyncio.run(_httpx_load(url + ep, token, seconds))
-            name = ep.replace(seeded, "{id}")
-            rows.append({"test": "api", "endpoint": name, "concurrency": CLIENTS, "duration_s": seconds, **res})
-        delays = asyncio.run(_fanout(url, token, live, db, rounds, gap_s=0.5))
+        endpoints = ["/api/health", "/api/runs", f"/api/runs/{ids[0]}", f"/api/runs/{ids[0]}/rounds"]
+        for store_state in ("quiet", "writing"):
+            for ep in endpoints:
+                if store_state == "writing" and ep == "/api/health":
+                    continue
+                if store_state == "writing":
+                    with _Writer(db, live):
+                        res = _load(url + ep, token, seconds)
+                else:
+                    res = _load(url + ep, token, seconds)
+                rows.append({"test": "api", "endpoint": ep.replace(ids[0], "{id}"), "store": store_state,
+                             "concurrency": CLIENTS, "duration_s": seconds, **res})
+        first = len(_fetch_rounds(url, token, live)) + 1
+        delays = asyncio.run(_fanout(url, token, live, db, rounds, gap_s=0.5, first_round=first))
         d_ms = [d * 1e3 for d in delays]
-        rows.append({"test": "sse", "endpoint": "/api/runs/{id}/stream", "viewers": VIEWERS, "rounds": rounds,
-                     "delivered": len(d_ms), "expected": VIEWERS * rounds, "poll_interval_s": poll_s,
-                     "median_ms": statistics.median(d_ms), "p99_ms": _pct(d_ms, 99), "max_ms": max(d_ms),
-                     "under_1s": sum(d < 1000 for d in d_ms) / len(d_ms)})
+        rows.append({"test": "sse", "endpoint": "/api/runs/{id}/stream", "store": "writing", "viewers": VIEWERS,
+                     "rounds": rounds, "delivered": len(d_ms), "expected": VIEWERS * rounds,
+                     "poll_interval_s": poll_s, "median_ms": statistics.median(d_ms) if d_ms else float("nan"),
+                     "p99_ms": _pct(d_ms, 99), "max_ms": max(d_ms, default=float("nan")),
+                     "under_1s": sum(d < 1000 for d in d_ms) / max(1, len(d_ms))})
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -234,15 +310,29 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
         except subprocess.TimeoutExpired:
             proc.kill()
         shutil.rmtree(tmp, ignore_errors=True)
+    for r in rows:
+        r["loadavg_1m_at_start"] = round(load, 2)
     (out_dir / "dashboard.json").write_text(json.dumps(rows, indent=2))
-    _plot(rows, d_ms, out_dir / "dashboard.png")
-    _print(rows)
+    base = _baseline()
+    _plot(rows, base, d_ms, out_dir / "dashboard.png")
+    _print(rows, base)
     return rows
 
 
-def _print(rows: list[dict]) -> None:
-    print(f"{'test':5} {'endpoint':28} {'median ms':>10} {'p99 ms':>9} {'req/s':>8} {'n':>7} {'errors':>6}")
+def _fetch_rounds(url: str, token: str, run_id: str) -> list:
+    r = httpx.get(f"{url}/api/runs/{run_id}/rounds", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    return r.json() if r.status_code == 200 else []
+
+
+def _print(rows: list[dict], base: list[dict]) -> None:
+    if base:
+        print(f"baseline: {BASELINE.name} ({json.loads(BASELINE.read_text()).get('note', '')})")
+    print(f"{'test':5} {'endpoint':24} {'store':8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} "
+          f"{'errors':>6} | {'before p50':>10} {'before p99':>10} {'before req/s':>12}")
     for r in rows:
-        n = r.get("requests", r.get("delivered"))
-        print(f"{r['test']:5} {r['endpoint']:28} {r['median_ms']:10.1f} {r['p99_ms']:9.1f} "
-              f"{r.get('rps', float('nan')):8.0f} {n:7d} {r.get('errors', r.get('expected', 0) - n):6d}")
+        b = next((x for x in base if x["test"] == r["test"] and x["endpoint"] == r["endpoint"]
+                  and x.get("store") == r.get("store")), {})
+        errors = r.get("errors", r.get("expected", 0) - r.get("delivered", 0))
+        print(f"{r['test']:5} {r['endpoint']:24} {r.get('store', ''):8} {r['median_ms']:8.1f} {r['p99_ms']:8.1f} "
+              f"{r.get('rps', float('nan')):7.0f} {errors:6d} | {b.get('median_ms', float('nan')):10.1f} "
+              f"{b.get('p99_ms', float('nan')):10.1f} {b.get('rps', float('nan')):12.0f}")

@@ -241,16 +241,25 @@ def dashboard(
     port: int = typer.Option(8080, "--port", min=1, max=65535, help="Port to listen on."),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
     superlink: Optional[str] = typer.Option(None, "--superlink", help="A SuperLink connection name from Flower's config.toml, for the nodes and federation pages (or $FEDSWARM_SUPERLINK)."),
+    https: bool = typer.Option(False, "--https", help="Users reach the dashboard over HTTPS (e.g. a TLS-terminating proxy): cookies are Secure and pages send HSTS."),
+    behind_proxy: bool = typer.Option(False, "--behind-proxy", help="Trust X-Forwarded-For/-Proto from the proxy in front (client addresses for the login throttle, the scheme). Only with a proxy really there."),
+    certfile: Optional[Path] = typer.Option(None, "--certfile", help="Serve TLS directly with this certificate (PEM); implies --https."),
+    keyfile: Optional[Path] = typer.Option(None, "--keyfile", help="The private key (PEM) of --certfile."),
+    report_timeout: Optional[float] = typer.Option(None, "--report-timeout", min=5, help="Seconds without a report after which a run registered through ingest shows as lost (default 120)."),
 ) -> None:
     """Open the web dashboard: start, watch, pause and stop runs; see every node.
 
     The admin account is created at first start: its password is $FEDSWARM_ADMIN_PASSWORD,
-    or a generated one printed once."""
+    or a generated one printed once. The API reference is at /docs (served offline)."""
+    if (certfile is None) != (keyfile is None):
+        fail("--certfile and --keyfile go together")
     try:
         from fedswarm.web.app import run as run_dashboard
     except ImportError as exc:
         fail(f"the dashboard is not available: {exc}", code=1)
-    run_dashboard(host=host, port=port, db=db, superlink=superlink)
+    run_dashboard(host=host, port=port, db=db, superlink=superlink, https=https, behind_proxy=behind_proxy,
+                  certfile=str(certfile) if certfile else None, keyfile=str(keyfile) if keyfile else None,
+                  report_timeout_s=report_timeout)
 
 
 def _mount_swarm() -> None:

@@ -22,15 +22,20 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
     UniqueConstraint,
     create_engine,
     event,
+    func,
+    inspect,
     select,
+    update,
 )
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 __all__ = [
@@ -44,6 +49,7 @@ __all__ = [
     "Control",
     "Store",
     "default_db_url",
+    "create_schema",
     "RUN_STATUSES",
 ]
 
@@ -60,6 +66,7 @@ class Base(DeclarativeBase):
 
 class Run(Base):
     __tablename__ = "runs"
+    __table_args__ = (Index("ix_runs_created_at", "created_at"), Index("ix_runs_strategy", "strategy"))
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     name: Mapped[str | None] = mapped_column(String(200))
@@ -77,6 +84,12 @@ class Run(Base):
     error: Mapped[str | None] = mapped_column(Text)
     pid: Mapped[int | None] = mapped_column(Integer)
     summary: Mapped[dict] = mapped_column(JSON, default=dict)
+    # Who registered the run: "dashboard" (started from the web), "token:<id>" (an ingest
+    # token), "cli" or None (written by a runtime directly). Ingest tokens act only on runs
+    # they own or are bound to (fedswarm.web.deps.authorize_run).
+    owner: Mapped[str | None] = mapped_column(String(64))
+    last_report_at: Mapped[dt.datetime | None] = mapped_column(DateTime)  # last ingest call for the run
+    lost_after_s: Mapped[float | None] = mapped_column(Float)  # no report for this long: shown as lost
 
 
 class Round(Base):
@@ -96,6 +109,9 @@ class Round(Base):
     num_clients: Mapped[int] = mapped_column(Integer, default=0)
     metrics: Mapped[dict] = mapped_column(JSON, default=dict)  # anything else (consensus_distance, ...)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+    reported_by: Mapped[str | None] = mapped_column(String(64))  # the ingest token that wrote it, if any
+    node_rows: Mapped[int | None] = mapped_column(Integer)  # per-node rows of the round
+    failed_node_rows: Mapped[int | None] = mapped_column(Integer)  # of which failed or rejected
 
 
 class NodeRound(Base):
@@ -126,10 +142,12 @@ class Node(Base):
     info: Mapped[dict] = mapped_column(JSON, default=dict)
     rejected_updates: Mapped[int] = mapped_column(Integer, default=0)
     last_seen: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+    owner: Mapped[str | None] = mapped_column(String(64))  # "token:<id>" for nodes reported through ingest
 
 
 class Event(Base):
     __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run_id_id", "run_id", "id"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str | None] = mapped_column(String(36), index=True)
@@ -179,6 +197,22 @@ def to_url(path_or_url: str | os.PathLike) -> str:
     return f"sqlite:///{Path(s).expanduser().resolve()}"
 
 
+def create_schema(engine: Engine) -> None:
+    """Create the tables (and indexes) the store lacks. Several processes often open one
+    new store at the same moment (a swarm's peers, a run and whoever polls it, the
+    dashboard); ``create_all`` checks which tables exist and then creates them, so a table
+    another process created in between fails with "already exists". That object is there
+    now and the next pass skips it, so the retries end: at most one per schema object."""
+    objects = sum(1 + len(table.indexes) for table in Base.metadata.tables.values())
+    for attempt in range(objects + 1):
+        try:
+            Base.metadata.create_all(engine)
+            return
+        except DBAPIError as exc:
+            if "already exists" not in str(exc) or attempt == objects:
+                raise
+
+
 class Store:
     """A handle on the run store. Thread-safe; one per process is enough."""
 
@@ -190,7 +224,7 @@ class Store:
         self.engine: Engine = create_engine(self.url, **kwargs)
         if self.url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
-        Base.metadata.create_all(self.engine)
+        migrate(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @contextmanager
@@ -202,6 +236,20 @@ class Store:
             except BaseException:
                 s.rollback()
                 raise
+
+    @contextmanager
+    def snapshot(self) -> Iterator[Session]:
+        """A read-only session whose queries all see one consistent state of the store (a
+        reader that needs two tables to agree, e.g. a run's status and its pending controls)."""
+        with self._sessions() as s:
+            if self.engine.dialect.name == "sqlite":
+                s.connection().exec_driver_sql("BEGIN")  # pysqlite opens no transaction for reads
+            else:
+                s.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+            try:
+                yield s
+            finally:
+                s.rollback()
 
     def close(self) -> None:
         self.engine.dispose()
@@ -242,7 +290,8 @@ class Store:
             for k, v in fields.items():
                 setattr(run, k, v)
 
-    def set_status(self, run_id: str, status: str, *, error: str | None = None) -> None:
+    def set_status(self, run_id: str, status: str, *, error: str | None = None,
+                   actor: str | None = None) -> None:
         if status not in RUN_STATUSES:
             raise ValueError(f"unknown run status {status!r}")
         fields: dict[str, Any] = {"status": status}
@@ -255,7 +304,7 @@ class Store:
         if error is not None:
             fields["error"] = error
         self.update_run(run_id, **fields)
-        self.add_event(run_id, "status", f"run is {status}" + (f": {error}" if error else ""))
+        self.add_event(run_id, "status", f"run is {status}" + (f": {error}" if error else ""), actor=actor)
 
     # -- rounds ------------------------------------------------------------------------
     def add_round(self, run_id: str, round: int, **fields: Any) -> None:
@@ -273,10 +322,16 @@ class Store:
             return list(s.scalars(q))
 
     def add_node_rounds(self, run_id: str, round: int, rows: list[dict]) -> None:
+        """Per-node rows of a round; the round's ``node_rows``/``failed_node_rows`` counters
+        (what the dashboard's health and "degraded" state read) are kept in the same commit."""
         known = {c.name for c in NodeRound.__table__.columns} - {"id", "run_id", "round"}
+        failed = sum(1 for r in rows if r.get("status", "ok") != "ok")
         with self.session() as s:
             for r in rows:
                 s.add(NodeRound(run_id=run_id, round=round, **{k: v for k, v in r.items() if k in known}))
+            s.execute(update(Round).where(Round.run_id == run_id, Round.round == round).values(
+                node_rows=func.coalesce(Round.node_rows, 0) + len(rows),
+                failed_node_rows=func.coalesce(Round.failed_node_rows, 0) + failed))
 
     def node_rounds(self, run_id: str) -> list[NodeRound]:
         with self.session() as s:
@@ -406,6 +461,38 @@ class Store:
         path = out / "result.json"
         path.write_text(json.dumps(self.export_result(run_id), indent=2, default=str))
         return path
+
+
+def migrate(engine: Engine) -> None:
+    """Bring a store made by an older fedswarm up to this schema, in place.
+
+    New tables come from ``create_all``; columns added since (all nullable) are added with
+    ``ALTER TABLE ... ADD COLUMN``, and missing indexes are created. Old rows keep NULL in
+    the new columns, which every reader treats as "unknown". Works on SQLite and PostgreSQL.
+    """
+    create_schema(engine)
+    insp = inspect(engine)
+    for table in Base.metadata.sorted_tables:
+        have = {c["name"] for c in insp.get_columns(table.name)}
+        for col in (c for c in table.columns if c.name not in have):
+            ddl = col.type.compile(dialect=engine.dialect)
+            with _made_elsewhere_ok():  # another process may migrate the same store at once
+                with engine.begin() as conn:
+                    conn.exec_driver_sql(f'ALTER TABLE {table.name} ADD COLUMN "{col.name}" {ddl}')
+        for index in table.indexes:
+            with _made_elsewhere_ok():
+                index.create(engine, checkfirst=True)
+
+
+@contextmanager
+def _made_elsewhere_ok():
+    """Ignore the error of creating a schema object that another process just created."""
+    try:
+        yield
+    except DBAPIError as exc:
+        msg = str(exc).lower()
+        if "already exists" not in msg and "duplicate column" not in msg:
+            raise
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

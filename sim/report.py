@@ -10,7 +10,7 @@ from rich.table import Table
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
 
-__all__ = ["summary_table", "runs_table", "catalog", "catalog_tables", "plot_run"]
+__all__ = ["summary_table", "runs_table", "catalog", "catalog_tables", "plot_run", "policy_keys"]
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -80,6 +80,28 @@ def runs_table(store: Store, results: list[dict]) -> Table:
     return t
 
 
+LOCAL_POLICY_KEYS = ("local_steps", "local_epochs", "batch_size", "lr")
+
+
+def policy_keys(entry) -> list[str]:
+    """The device-class policy keys (fedswarm/policy.py) a strategy's clients honour: the
+    dashboard refuses a policy that sets any other. Federated clients train through
+    ``fedswarm.local`` (local-work keys); a codec hyperparameter means clients may pick their
+    class's codec; PVT and ProgFed read their own key. Decentralized and asynchronous
+    strategies take no per-class policy."""
+    if entry.kind != "federated":
+        return []
+    keys = list(LOCAL_POLICY_KEYS)
+    names = {h.name for h in entry.hyperparams}
+    if "codec" in names:
+        keys += ["codec", "codec_params"]
+    if entry.name == "pvt":
+        keys.append("pvt_fraction")
+    if entry.name == "progfed":
+        keys.append("progfed_max_stage")
+    return keys
+
+
 def catalog() -> dict:
     """Every strategy, codec and task with its hyperparameters: the source of the CLI
     listing and the dashboard's new-run form."""
@@ -87,12 +109,16 @@ def catalog() -> dict:
     from fedswarm.tasks import TASKS
 
     def hp(h) -> dict:
-        return {"name": h.name, "default": h.default, "help": h.help, "allowed": h.allowed()}
+        # ``allowed`` for people; type, bounds and choices so the dashboard can check values.
+        return {"name": h.name, "default": h.default, "help": h.help, "allowed": h.allowed(),
+                "type": type(h.default).__name__, "ge": h.ge, "le": h.le, "gt": h.gt, "lt": h.lt,
+                "choices": list(h.choices) if h.choices is not None else None}
 
     out: dict[str, Any] = {
         "strategies": [
             {"name": e.name, "description": e.description, "kind": e.kind, "paper": e.paper,
-             "message_type": e.message_type, "hyperparams": [hp(h) for h in e.hyperparams]}
+             "message_type": e.message_type, "hyperparams": [hp(h) for h in e.hyperparams],
+             "policy_keys": policy_keys(e)}
             for e in registry.entries()
         ],
         "codecs": [],

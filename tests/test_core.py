@@ -134,6 +134,35 @@ def test_store_round_trip(store):
         store.add_control(rid, "explode")
 
 
+def test_store_opens_while_another_process_creates_its_tables(tmp_path):
+    """A swarm's peers, a run and its poller open one new SQLite store at the same moment:
+    a table that another process creates between the check and the CREATE must not make
+    the open fail (it did: "table runs already exists")."""
+    import sqlite3
+
+    from sqlalchemy import event
+    from sqlalchemy.schema import CreateTable
+
+    from fedswarm.store import Base, Store
+
+    path = tmp_path / "shared.db"
+    runs = Base.metadata.tables["runs"]
+
+    def another_process_creates_it_first(table, connection, **_):
+        with sqlite3.connect(path) as other:
+            other.execute(str(CreateTable(table).compile(dialect=connection.dialect)))
+
+    event.listen(runs, "before_create", another_process_creates_it_first, once=True)
+    try:
+        store = Store(path)
+    finally:
+        if event.contains(runs, "before_create", another_process_creates_it_first):
+            event.remove(runs, "before_create", another_process_creates_it_first)
+    rid = store.create_run(RunConfig(rounds=1).model_dump())
+    assert store.get_run(rid) is not None
+    store.close()
+
+
 def test_partitions_cover_the_pool():
     labels = np.random.default_rng(0).integers(0, 10, 1000)
     for spec in ("iid", "dirichlet:0.5", "dirichlet:0.05", "shards:2"):

@@ -14,7 +14,7 @@ from fedswarm.params import get_flat, set_flat
 from fedswarm.server.app import run_server
 from fedswarm.sim.inprocess import InProcessGrid
 from fedswarm.sim.simtime import make_round_timer, model_message_nbytes, node_profiles
-from fedswarm.timemodel import gossip_round_time_s, sync_round_time_s
+from fedswarm.timemodel import BUILTIN_PROFILES, gossip_round_time_s, sync_round_time_s
 from fedswarm.store import Store
 from fedswarm.strategies import registry
 from fedswarm.strategies.decentralized.router import DecentralizedStrategy
@@ -111,7 +111,11 @@ def test_p2p_bytes_and_simulated_time(tmp_path):
     cfg = _cfg("dpsgd", n=6, rounds=3, devices="straggler:1,edge-lte")
     _, result, _, _, _ = _run(cfg, tmp_path)
     msg = model_message_nbytes(cfg)
-    expected_time = gossip_round_time_s(node_profiles(cfg), [2] * 6, msg, cfg.batch_size, overlap=True)
+    # independent of the measurement under test: one float32 digits-mlp model plus framing
+    d = sum(p.numel() for p in get_task(cfg.task).model(cfg.seed).parameters())
+    assert 4 * d < msg < 4 * d + 1000, (msg, d)
+    profiles = [BUILTIN_PROFILES["straggler"]] + [BUILTIN_PROFILES["edge-lte"]] * 5
+    expected_time = gossip_round_time_s(profiles, [2] * 6, msg, cfg.batch_size, overlap=True)
     for r in result["rounds"][1:]:
         assert r["p2p_bytes"] == 6 * 2 * msg  # ring: each node's message to 2 neighbours
         assert r["sim_time_s"] == pytest.approx(expected_time)
@@ -174,6 +178,11 @@ def test_failing_node_costs_its_round_not_the_run(tmp_path):
     X = _node_models(grid, cfg)
     assert torch.isfinite(X).all()
     assert rounds[6]["test_accuracy"] > rounds[0]["test_accuracy"]
+    # node 2 kept its state through the failure: it missed exactly one of the 6 gossip steps
+    # (a node restarted from the initial model would count only the steps since round 4)
+    steps = {int(ctx.node_config["partition-id"]): load_state(ctx, cfg.strategy, X.shape[1]).step
+             for ctx in grid.contexts.values()}
+    assert steps == {0: 6, 1: 6, 2: 5, 3: 6, 4: 6, 5: 6}
 
 
 def test_d2_refuses_even_ring_with_a_clear_message():
@@ -197,7 +206,6 @@ def test_federated_round_timer(tmp_path):
 
 @pytest.mark.integration
 def test_router_runs_unchanged_on_flowers_engine(tmp_path):
-    pytest.importorskip("ray")
     from fedswarm.sim.flower_engine import run_flower
     from fedswarm.sim.inprocess import run_inprocess
 

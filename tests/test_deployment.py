@@ -1,7 +1,6 @@
 """A real Flower SuperLink and two SuperNodes on loopback run fedswarm's Flower App."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from fedswarm.store import Store
 from tests.helpers import free_port, port_open, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # flwr is a dependency: its commands sit beside this interpreter
 pytestmark = pytest.mark.integration
 
 
@@ -30,9 +30,9 @@ def _stop(procs):
             p.kill()
 
 
-@pytest.mark.skipif(shutil.which("flower-superlink") is None, reason="flwr is not installed")
 def test_superlink_two_supernodes_two_rounds(tmp_path):
-    env = dict(os.environ, FLWR_HOME=str(tmp_path / "flwr"), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, FLWR_HOME=str(tmp_path / "flwr"), PYTHONUNBUFFERED="1",
+               PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")  # Flower starts its own helpers by name
     (tmp_path / "flwr").mkdir()
     port = free_port()
     (tmp_path / "flwr" / "config.toml").write_text(
@@ -42,7 +42,7 @@ def test_superlink_two_supernodes_two_rounds(tmp_path):
     procs = []
     log = open(tmp_path / "processes.log", "w")
     try:
-        procs.append(_spawn(["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+        procs.append(_spawn([str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port),
                              "--database", str(tmp_path / "state.db"),
                              "--disable-runtime-dependency-installation"], log, env))
         wait_until(lambda: port_open("127.0.0.1", port), 60, interval=0.2, what="the SuperLink listening")
@@ -52,7 +52,7 @@ def test_superlink_two_supernodes_two_rounds(tmp_path):
                    "--clientappio-port", str(free_port())]
             procs.append(_spawn(cmd, log, env))
         started = subprocess.run(
-            ["flwr", "run", str(ROOT), "test", "--run-config", f"rounds=2 clients=2 db='{db}'"],
+            [str(BIN / "flwr"), "run", str(ROOT), "test", "--run-config", f"rounds=2 clients=2 db='{db}'"],
             capture_output=True, text=True, env=env, timeout=120,
         )
         assert started.returncode == 0, started.stdout + started.stderr

@@ -4,8 +4,6 @@ act between rounds; a failing client costs its update, not the run."""
 import json
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
@@ -80,25 +78,41 @@ def test_failing_client_costs_only_its_update(store, monkeypatch):
     assert all(r.num_clients == 3 for r in store.rounds(rid)[1:])
 
 
-def test_controls_pause_add_rounds_stop(store):
+def test_controls_pause_add_rounds_stop(store, monkeypatch):
     cfg = RunConfig(clients=2, rounds=3)
     rid = store.create_run(cfg.model_dump())
     store.add_control(rid, "add_rounds", {"rounds": 2})
-    seen = []
+    seen, resumed = [], []
+    polls = {"since_pause": None}
+    real_pending = store.pending_controls
+
+    def pending(run_id):
+        # The run polls its controls between rounds, and keeps polling while it is paused.
+        # Resume it on the third poll after the pause was asked for, noting which rounds had
+        # been recorded by then: a pause that held leaves them at [0, 1]; one that did not
+        # block let a round run between every two polls. No clock is involved.
+        out = real_pending(run_id)
+        if polls["since_pause"] is not None and not resumed:
+            polls["since_pause"] += 1
+            if polls["since_pause"] == 3:
+                resumed.append((list(seen), store.get_run(rid).status))
+                store.add_control(rid, "resume")
+        return out
+
+    monkeypatch.setattr(store, "pending_controls", pending)
 
     def listener(rnd, row):
         seen.append(rnd)
         if rnd == 1:
             store.add_control(rid, "pause")
-            threading.Timer(0.6, lambda: store.add_control(rid, "resume")).start()
+            polls["since_pause"] = 0
         if rnd == 4:
             store.add_control(rid, "stop", actor="tester")
 
-    t = time.perf_counter()
     status = run_inprocess(cfg, store=store, run_id=rid, listeners=[listener])
     assert status == "stopped"
     assert seen == [0, 1, 2, 3, 4]  # 3 rounds + 2 added, stopped after round 4 of 5
-    assert time.perf_counter() - t > 0.5  # the pause held the run
+    assert resumed == [([0, 1], "paused")]  # the pause held the run after round 1 until the resume
     assert store.get_run(rid).total_rounds == 5
     kinds = [e.kind for e in store.events(rid)]
     assert "rounds_added" in kinds and "stopped" in kinds

@@ -95,8 +95,11 @@ def test_squarm_replicas_track_x_and_skipping_saves_bytes():
     state = algo.init_state(x0)
     for g in grads:
         algo.local_step(state, g, 0.01)
+        pre_consensus = state.x.clone()
         algo.mix(state, algo.message(state), W)
-    # identity codec: after each sync the public replica equals the pre-consensus model
+        # identity codec: after each sync the public replica equals the pre-consensus model
+        torch.testing.assert_close(state.buffers["x_hat"], pre_consensus, atol=1e-5, rtol=1e-5)
+    # and s stays the W-weighted sum of the replicas
     torch.testing.assert_close(state.buffers["s"], (W.double() @ state.buffers["x_hat"].double()).float(),
                                atol=1e-5, rtol=1e-5)
     # with top-k, the replicas converge to x when gradients stop (error feedback)

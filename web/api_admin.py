@@ -17,7 +17,7 @@ def create_token(ctx: WebContext, body: schemas.TokenIn, actor: str) -> schemas.
     if body.run_id is not None and ctx.store.get_run(body.run_id) is None:
         raise HTTPException(404, f"no run '{body.run_id}' in the store")
     try:
-        row, token = ctx.accounts.create_token(body.name, body.role, body.run_id, actor)
+        row, token = ctx.accounts.create_token(body.name, body.role, body.run_id, actor, body.expires_in_days)
     except AccountError as exc:
         raise HTTPException(422, str(exc)) from None
     ctx.store.add_event(body.run_id, "token.created", f"{body.role} token '{body.name}' (id {row.id}) created",
@@ -42,7 +42,8 @@ def list_tokens(_: Principal = Depends(require_admin), ctx: WebContext = Depends
 
 @router.post("/tokens", response_model=schemas.TokenCreated, status_code=201, responses=ERRORS, tags=["auth"])
 def new_token(body: schemas.TokenIn, p: Principal = Depends(require_admin), ctx: WebContext = Depends(get_ctx)):
-    """Issue a token; its secret is in this answer only."""
+    """Issue a token (it expires after ``expires_in_days``); its secret is in this answer only,
+    which is never cached."""
     return create_token(ctx, body, p.name)
 
 

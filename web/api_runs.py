@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+import asyncio
+import json
+from typing import Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 import fedswarm
 from fedswarm.web import live, queries, schemas
 from fedswarm.web.accounts import Principal
-from fedswarm.web.deps import WebContext, get_ctx, require_admin, require_reader
+from fedswarm.web.deps import RunIdPath, WebContext, get_ctx, require_admin, require_reader
 from fedswarm.web.launcher import log_tail
 from fedswarm.web.runs_service import RunError
 
 router = APIRouter(prefix="/api")
-RunId = Path(max_length=64, description="a run id, as listed by GET /api/runs")
+RunId = RunIdPath
 ERRORS = {401: {"model": schemas.Message}, 403: {"model": schemas.Message},
           404: {"model": schemas.Message}, 409: {"model": schemas.Message}}
+Status = Literal[schemas.DISPLAY_STATUSES]  # type: ignore[valid-type]
+Sort = Literal["created", "name", "strategy", "status", "rounds", "accuracy"]
 
 
 def _run(ctx: WebContext, run_id: str):
@@ -39,38 +45,75 @@ def whoami(p: Principal = Depends(require_reader), ctx: WebContext = Depends(get
     return schemas.Whoami(name=p.name, role=p.role, csrf_token=ctx.csrf(p))
 
 
+def _json(body: bytes, headers: dict[str, str] | None = None) -> Response:
+    return Response(content=body, media_type="application/json", headers=headers)
+
+
+async def _cached(ctx: WebContext, key: tuple, build):
+    """A shared answer: from memory on the event loop when fresh, else built in a thread."""
+    hit = ctx.cache.peek(key)
+    return hit if hit is not None else await asyncio.to_thread(ctx.cache.get, key, build)
+
+
 @router.get("/runs", response_model=list[schemas.RunOut], responses=ERRORS, tags=["runs"])
-def list_runs(limit: int = Query(200, ge=1, le=1000), _: Principal = Depends(require_reader),
-              ctx: WebContext = Depends(get_ctx)) -> list[schemas.RunOut]:
-    """Runs, newest first, with progress, accuracy and bytes."""
-    return queries.run_summaries(ctx.store, limit=limit)
+async def list_runs(q: str | None = Query(None, max_length=100, description="search id, name, strategy and task"),
+              status: Status | None = Query(None, description="only runs shown with this status"),
+              strategy: str | None = Query(None, max_length=64),
+              sort: Sort = Query("created"), order: Literal["asc", "desc"] = Query("desc"),
+              limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0, le=10**6),
+              _: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)) -> Response:
+    """One page of runs with progress, accuracy, bytes and node health; the number of runs that
+    match is in the ``X-Total-Count`` header."""
+    query = queries.RunQuery(q=q, status=status, strategy=strategy, sort=sort, order=order, limit=limit,
+                             offset=offset)
+
+    def build() -> tuple[int, bytes]:
+        runs, total = queries.list_runs(ctx.store, query, ctx.settings.report_timeout_s)
+        return total, json.dumps([r.model_dump(mode="json") for r in runs]).encode()
+
+    total, body = await _cached(ctx, ("runs", q, status, strategy, sort, order, limit, offset), build)
+    return _json(body, {"X-Total-Count": str(total)})
 
 
 @router.post("/runs", response_model=schemas.RunOut, status_code=201, tags=["runs"],
              responses=ERRORS | {422: {"model": schemas.Message}, 503: {"model": schemas.Message}})
 def start_run(body: schemas.StartRunIn, p: Principal = Depends(require_admin),
               ctx: WebContext = Depends(get_ctx)) -> schemas.RunOut:
-    """Start a simulation in its own process (it survives a dashboard restart)."""
+    """Start a simulation in its own process (it survives a dashboard restart). Tasks are
+    registered names; an edge-list topology or a profiles file comes in the request."""
     try:
-        run = ctx.runs.start(body.config, actor=p.name)
+        run = ctx.runs.start(body.config, actor=p.name, topology_edges=body.topology_edges,
+                             profiles_toml=body.profiles_toml)
     except RunError as exc:
         raise HTTPException(exc.status_code, exc.detail) from None
-    return queries.run_summary(ctx.store, run)
+    ctx.cache.clear()
+    return queries.run_summary(ctx.store, run, ctx.settings.report_timeout_s)
 
 
 @router.get("/runs/{run_id}", response_model=schemas.RunDetailOut, responses=ERRORS, tags=["runs"])
-def get_run(run_id: str = RunId, _: Principal = Depends(require_reader),
-            ctx: WebContext = Depends(get_ctx)) -> schemas.RunDetailOut:
-    """A run: config, progress, per-node table, controls, policies and recent events."""
-    return queries.run_detail(ctx.store, _run(ctx, run_id))
+async def get_run(run_id: str = RunId, _: Principal = Depends(require_reader),
+                  ctx: WebContext = Depends(get_ctx)) -> Response:
+    """A run: config, progress, per-node table and device-class roll-up, controls (pending
+    ones included), policies, recent events, and which actions are valid now."""
+
+    def build() -> bytes:
+        return run_detail(ctx, _run(ctx, run_id)).model_dump_json().encode()
+
+    return _json(await _cached(ctx, ("run", run_id), build))
 
 
 @router.get("/runs/{run_id}/rounds", response_model=list[schemas.RoundOut], responses=ERRORS, tags=["runs"])
-def get_rounds(run_id: str = RunId, since: int = Query(-1, ge=-1, le=2**31 - 1,
+async def get_rounds(run_id: str = RunId, since: int = Query(-1, ge=-1, le=2**31 - 1,
                                                       description="only rounds after this one"),
-               _: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)) -> list[schemas.RoundOut]:
-    _run(ctx, run_id)
-    return queries.rounds(ctx.store, run_id, since=since)
+               limit: int = Query(10_000, ge=1, le=10_000, description="at most this many rounds (page with since)"),
+               _: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)) -> Response:
+    """Rounds in order. Pages of ``limit``: ask again with ``since`` = the last round received."""
+
+    def build() -> bytes:
+        _run(ctx, run_id)
+        return json.dumps([r.model_dump(mode="json") for r in queries.rounds(ctx.store, run_id, since, limit)]).encode()
+
+    return _json(await _cached(ctx, ("rounds", run_id, since, limit), build))
 
 
 class LogOut(BaseModel):
@@ -83,7 +126,10 @@ def get_log(run_id: str = RunId, _: Principal = Depends(require_reader),
             ctx: WebContext = Depends(get_ctx)) -> LogOut:
     """The last lines the run's process printed (runs started from this dashboard)."""
     _run(ctx, run_id)
-    return LogOut(run_id=run_id, log=log_tail(ctx.runs.log_path(run_id)))
+    try:
+        return LogOut(run_id=run_id, log=log_tail(ctx.runs.log_path(run_id)))
+    except RunError as exc:
+        raise HTTPException(exc.status_code, exc.detail) from None
 
 
 @router.get("/runs/{run_id}/stream", include_in_schema=False)
@@ -112,6 +158,7 @@ def _control(ctx: WebContext, run_id: str, kind: str, actor: str, payload: dict 
         cid, detail = ctx.runs.control(run_id, kind, actor, payload)
     except RunError as exc:
         raise HTTPException(exc.status_code, exc.detail) from None
+    ctx.cache.clear()
     return schemas.ActionOut(run_id=run_id, action=kind, control_id=cid, detail=detail)
 
 
@@ -132,9 +179,11 @@ def stop(run_id: str = RunId, force: bool = Query(False, description="terminate 
     """Stop after the current round; with force, terminate the run's process at once."""
     if force:
         try:
-            return schemas.ActionOut(run_id=run_id, action="kill", detail=ctx.runs.force_stop(run_id, p.name))
+            detail = ctx.runs.force_stop(run_id, p.name)
         except RunError as exc:
             raise HTTPException(exc.status_code, exc.detail) from None
+        ctx.cache.clear()
+        return schemas.ActionOut(run_id=run_id, action="kill", detail=detail)
     return _control(ctx, run_id, "stop", p.name)
 
 
@@ -145,8 +194,26 @@ def add_rounds(body: schemas.AddRoundsIn, run_id: str = RunId, p: Principal = De
     return _control(ctx, run_id, "add_rounds", p.name, {"rounds": body.rounds})
 
 
+@router.post("/runs/{run_id}/restart", response_model=schemas.ActionOut, responses=ERRORS, tags=["control"])
+def restart(run_id: str = RunId, p: Principal = Depends(require_admin), ctx: WebContext = Depends(get_ctx)):
+    """Resume a failed, lost or stopped run from its last checkpoint (``fedswarm resume RUN_ID``)."""
+    try:
+        detail = ctx.runs.restart(run_id, p.name)
+    except RunError as exc:
+        raise HTTPException(exc.status_code, exc.detail) from None
+    ctx.cache.clear()
+    return schemas.ActionOut(run_id=run_id, action="restart", detail=detail)
+
+
+def run_detail(ctx: WebContext, run) -> schemas.RunDetailOut:
+    """The run as its page and ``GET /api/runs/{id}`` show it."""
+    return queries.run_detail(ctx.store, run, ctx.settings.report_timeout_s, ctx.runs.can_restart(run),
+                              ctx.runs.error_hint(run))
+
+
 @router.get("/events", response_model=list[schemas.EventOut], responses=ERRORS, tags=["meta"])
-def events(limit: int = Query(100, ge=1, le=1000), run_id: str | None = Query(None, max_length=64),
+def events(limit: int = Query(100, ge=1, le=1000),
+           run_id: str | None = Query(None, pattern=schemas.RUN_ID_PATTERN),
            _: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)):
     """The audit trail: every action with its actor, newest first."""
     return [schemas.EventOut.model_validate(e) for e in ctx.store.events(run_id, limit=limit)]

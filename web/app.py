@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -21,15 +22,17 @@ from fastapi.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 import fedswarm
-from fedswarm.store import Base, Store
+from fedswarm.store import Store, migrate
 from fedswarm.web import auth_models  # noqa: F401  (registers the web tables on Base)
-from fedswarm.web import api_admin, api_ingest, api_nodes, api_runs, pages_misc, pages_runs
-from fedswarm.web.accounts import Accounts, LoginThrottle
+from fedswarm.web import api_admin, api_ingest, api_nodes, api_runs, docs, pages_compare, pages_misc, pages_runs
+from fedswarm.web.accounts import Accounts
+from fedswarm.web.cache import ResponseCache
 from fedswarm.web.catalog import Catalog
-from fedswarm.web.deps import LoginRequired, WebContext
+from fedswarm.web.deps import SESSION_COOKIE, LoginRequired, WebContext
 from fedswarm.web.federation import Federation
 from fedswarm.web.live import Hub
 from fedswarm.web.middleware import SecurityHeaders
+from fedswarm.web.ratelimit import IngestQuota, LoginThrottle
 from fedswarm.web.runs_service import RunService
 from fedswarm.web.schemas import clean
 from fedswarm.web.settings import Settings
@@ -43,37 +46,45 @@ log = logging.getLogger("fedswarm.web")
 def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: str | None = None,
                admin_password: str | None = None, secret_key: str | None = None,
                runner: list[str] | None = None, catalog_cmd: list[str] | None = None,
-               poll_interval_s: float = 0.3, secure_cookies: bool = False,
-               announce: Any = print) -> FastAPI:
+               poll_interval_s: float = 0.3, secure_cookies: bool = False, https: bool = False,
+               behind_proxy: bool = False, report_timeout_s: float | None = None,
+               announce: Any = print, **limits: Any) -> FastAPI:
     """The dashboard app over the store at ``db_url`` (a path or an SQLAlchemy URL).
 
     On first start (no users yet) it creates user ``admin`` with ``admin_password``, else
     ``FEDSWARM_ADMIN_PASSWORD``, else a generated password passed once to ``announce``.
     ``runner`` and ``catalog_cmd`` replace ``python -m fedswarm`` (tests use fakes).
+    ``https``: served over HTTPS (Secure cookies, HSTS); ``behind_proxy``: trust the proxy's
+    X-Forwarded-* headers; ``report_timeout_s``: when a silent ingest run shows as lost.
+    ``limits`` override :class:`Settings` quotas (``ingest_per_minute``, ...).
     """
     kw: dict[str, Any] = dict(superlink=superlink, admin_password=admin_password, secret_key=secret_key,
-                              poll_interval_s=poll_interval_s, secure_cookies=secure_cookies)
+                              poll_interval_s=poll_interval_s, https=https or secure_cookies,
+                              behind_proxy=behind_proxy, report_timeout_s=report_timeout_s, **limits)
     if runner is not None:
         kw["runner"] = list(runner)
     if catalog_cmd is not None:
         kw["catalog_cmd"] = list(catalog_cmd)
     settings = Settings.build(db_url, runs_dir, **kw)
     store = Store(settings.db_url)
-    Base.metadata.create_all(store.engine)  # the web tables, if the store was made before them
-    accounts = Accounts(store, settings.session_hours)
+    migrate(store.engine)  # the web tables and columns, if the store was made before them
+    accounts = Accounts(store, settings.session_hours, settings.token_days)
     generated = accounts.ensure_admin(settings.admin_password)
     if generated:
         announce(f"fedswarm dashboard: created user 'admin' with password {generated} (shown once)")
     catalog = Catalog(settings.catalog_cmd)
-    ctx = WebContext(store=store, settings=settings, accounts=accounts,
-                     runs=RunService(store, settings, catalog), catalog=catalog,
-                     hub=Hub(store, settings.poll_interval_s), federation=Federation(settings),
-                     key=accounts.signing_key(settings.secret_key),
-                     templates=Jinja2Templates(directory=str(HERE / "templates")))
+    runs = RunService(store, settings, catalog)
+    ctx = WebContext(store=store, settings=settings, accounts=accounts, runs=runs, catalog=catalog,
+                     hub=Hub(store, settings.poll_interval_s, settings.report_timeout_s, runs.can_restart),
+                     federation=Federation(settings), key=accounts.signing_key(settings.secret_key),
+                     templates=Jinja2Templates(directory=str(HERE / "templates")),
+                     quota=IngestQuota(settings.ingest_per_minute, settings.ingest_bytes_per_hour),
+                     throttle=LoginThrottle(), cache=ResponseCache(store))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         catalog.start()
+        threading.Thread(target=runs.resume_command_available, daemon=True, name="fedswarm-resume-probe").start()
         await ctx.hub.start()
         try:
             yield
@@ -81,14 +92,15 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
             await ctx.hub.stop()
 
     app = FastAPI(title="fedswarm dashboard", version=fedswarm.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None,  # /docs is served offline by fedswarm.web.docs
                   description="Start, watch and steer federated and decentralized runs. "
                               "Authenticate with the session cookie (plus X-CSRF-Token on writes) "
                               "or `Authorization: Bearer <token>`.")
     app.state.ctx = ctx
-    app.state.throttle = LoginThrottle()
-    app.add_middleware(SecurityHeaders)
+    app.add_middleware(SecurityHeaders, https=settings.https, session_cookie=SESSION_COOKIE)
     app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
-    for module in (api_runs, api_nodes, api_ingest, api_admin, pages_runs, pages_misc):
+    docs.mount(app)
+    for module in (api_runs, api_nodes, api_ingest, api_admin, pages_runs, pages_compare, pages_misc, docs):
         app.include_router(module.router)
     _install_handlers(app, ctx)
     return app
@@ -114,12 +126,22 @@ def _install_handlers(app: FastAPI, ctx: WebContext) -> None:
 
 
 def run(host: str = "127.0.0.1", port: int = 8080, db: str | None = None, *,
-        superlink: str | None = None, runs_dir: str | Path | None = None, log_level: str = "info") -> None:
-    """Serve the dashboard until interrupted (``fedswarm dashboard``)."""
+        superlink: str | None = None, runs_dir: str | Path | None = None, log_level: str = "info",
+        https: bool = False, behind_proxy: bool = False, certfile: str | None = None,
+        keyfile: str | None = None, report_timeout_s: float | None = None) -> None:
+    """Serve the dashboard until interrupted (``fedswarm dashboard``).
+
+    ``certfile``/``keyfile`` serve TLS directly (and imply ``https``); ``behind_proxy`` trusts
+    X-Forwarded-For/-Proto from any address (put the dashboard on loopback behind the proxy)."""
     import uvicorn
 
     from fedswarm.store import default_db_url
 
-    app = create_app(db or default_db_url(), superlink=superlink, runs_dir=runs_dir)
-    print(f"fedswarm dashboard on http://{host}:{port}  (store: {app.state.ctx.store.url})", file=sys.stderr)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
+    tls = bool(certfile and keyfile)
+    app = create_app(db or default_db_url(), superlink=superlink, runs_dir=runs_dir, https=https or tls,
+                     behind_proxy=behind_proxy, report_timeout_s=report_timeout_s)
+    scheme = "https" if tls else "http"
+    print(f"fedswarm dashboard on {scheme}://{host}:{port}  (store: {app.state.ctx.store.url})", file=sys.stderr)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
+                proxy_headers=behind_proxy, forwarded_allow_ips="*" if behind_proxy else None,
+                ssl_certfile=certfile if tls else None, ssl_keyfile=keyfile if tls else None)

@@ -61,6 +61,7 @@ class ApiToken(Base):
     created_by: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
     last_used_at: Mapped[dt.datetime | None] = mapped_column(DateTime)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime)  # NULL only on tokens made before expiry existed
     revoked: Mapped[bool] = mapped_column(Boolean, default=False)
 
 

@@ -109,7 +109,7 @@ class FieldSpec:
 
 
 # Fields the form lays out itself (task and strategy selects, hyperparameters per strategy).
-SPECIAL_FIELDS = ("task", "strategy", "params")
+SPECIAL_FIELDS = ("task", "strategy", "params", "profiles")  # profiles: uploaded, never a server path
 
 
 def config_fields(schema: dict) -> list[FieldSpec]:

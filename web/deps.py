@@ -8,24 +8,34 @@ token in a ``csrf_token`` field.
 
 from __future__ import annotations
 
+import asyncio
+import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, quote
 
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, HTTPException, Path, Request
+from starlette.datastructures import UploadFile
 from starlette.templating import Jinja2Templates
 
-from fedswarm.store import Store
+from fedswarm.store import Run, Store
 from fedswarm.web import security
 from fedswarm.web.accounts import Accounts, Principal
+from fedswarm.web.cache import ResponseCache
 from fedswarm.web.catalog import Catalog
 from fedswarm.web.federation import Federation
 from fedswarm.web.live import Hub
+from fedswarm.web.ratelimit import IngestQuota, LoginThrottle, QuotaExceeded
 from fedswarm.web.runs_service import RunService
+from fedswarm.web.schemas import RUN_ID_PATTERN
 from fedswarm.web.settings import Settings
 
 __all__ = ["WebContext", "get_ctx", "principal", "require_reader", "require_admin", "require_reporter",
-           "page_user", "page_admin_form", "read_form", "LoginRequired", "SESSION_COOKIE"]
+           "authorize_run", "ingest_run", "page_user", "page_admin_form", "read_form", "LoginRequired",
+           "SESSION_COOKIE", "RunIdPath"]
+
+# Every run id in a path is checked against this before anything reads a file or the store.
+RunIdPath = Path(pattern=RUN_ID_PATTERN, description="a run id, as listed by GET /api/runs")
 
 SESSION_COOKIE = "fedswarm_session"
 MAX_FORM_BYTES = 256_000
@@ -42,25 +52,36 @@ class WebContext:
     federation: Federation
     key: bytes
     templates: Jinja2Templates
+    quota: IngestQuota
+    throttle: LoginThrottle
+    cache: ResponseCache
 
     def csrf(self, p: Principal | None) -> str | None:
         return security.csrf_token(self.key, p.session_id) if p and p.session_id else None
 
 
-def get_ctx(request: Request) -> WebContext:
+# The dependencies below are ``async`` so that FastAPI runs them on the event loop instead of
+# a worker thread each: with the principal cached, a request costs no thread hop and no query.
+async def get_ctx(request: Request) -> WebContext:
     return request.app.state.ctx
 
 
-def principal(request: Request, ctx: WebContext = Depends(get_ctx)) -> Principal | None:
+async def principal(request: Request, ctx: WebContext = Depends(get_ctx)) -> Principal | None:
     auth = request.headers.get("authorization")
     if auth:
         scheme, _, token = auth.partition(" ")
-        return ctx.accounts.principal_for_token(token) if scheme.lower() == "bearer" else None
+        if scheme.lower() != "bearer":
+            return None
+        hit, p = ctx.accounts.peek_token(token)
+        return p if hit else await asyncio.to_thread(ctx.accounts.principal_for_token, token)
     sid = security.unsign(ctx.key, request.cookies.get(SESSION_COOKIE))
-    return ctx.accounts.principal_for_session(sid) if sid else None
+    if not sid:
+        return None
+    hit, p = ctx.accounts.peek_session(sid)
+    return p if hit else await asyncio.to_thread(ctx.accounts.principal_for_session, sid)
 
 
-def require_reader(p: Principal | None = Depends(principal)) -> Principal:
+async def require_reader(p: Principal | None = Depends(principal)) -> Principal:
     if p is None:
         raise HTTPException(401, "log in or send 'Authorization: Bearer <token>'",
                             headers={"WWW-Authenticate": "Bearer"})
@@ -69,8 +90,8 @@ def require_reader(p: Principal | None = Depends(principal)) -> Principal:
     return p
 
 
-def require_admin(request: Request, p: Principal = Depends(require_reader),
-                  ctx: WebContext = Depends(get_ctx)) -> Principal:
+async def require_admin(request: Request, p: Principal = Depends(require_reader),
+                        ctx: WebContext = Depends(get_ctx)) -> Principal:
     if not p.is_admin:
         raise HTTPException(403, f"'{p.name}' is a {p.role}; this needs the admin role")
     if p.session_id and not security.check_csrf(ctx.key, p.session_id, request.headers.get("x-csrf-token")):
@@ -78,13 +99,50 @@ def require_admin(request: Request, p: Principal = Depends(require_reader),
     return p
 
 
-def require_reporter(p: Principal | None = Depends(principal)) -> Principal:
+async def require_reporter(request: Request, p: Principal | None = Depends(principal),
+                           ctx: WebContext = Depends(get_ctx)) -> Principal:
+    """A reporter or admin API token within its ingest quota (429 with Retry-After past it)."""
     if p is None:
         raise HTTPException(401, "send 'Authorization: Bearer <token>' (a reporter or admin token)",
                             headers={"WWW-Authenticate": "Bearer"})
     if p.token_id is None or p.role not in ("reporter", "admin"):
         raise HTTPException(403, "ingest needs a reporter or admin API token")
+    try:
+        ctx.quota.charge(p.token_id, len(await request.body()))
+    except QuotaExceeded as exc:
+        raise HTTPException(429, exc.detail, headers={"Retry-After": str(exc.retry_after_s)}) from None
     return p
+
+
+def authorize_run(ctx: WebContext, p: Principal, run_id: str) -> Run:
+    """The run ``run_id`` if ingest principal ``p`` may act on it, else 404 or 403.
+
+    An admin token acts on any run; a token bound to a run only on that run; any other
+    reporter token only on runs it registered itself (``Run.owner``). A run started from the
+    dashboard is owned by the dashboard, so only its own process (which writes the store
+    directly) or an admin can report on, finish or steer it. Each accepted call refreshes the
+    run's last-report time (what liveness reads).
+    """
+    run = ctx.store.get_run(run_id)
+    if run is None:
+        raise HTTPException(404, f"no run '{run_id}' in the store")
+    if not p.is_admin:
+        if p.run_id is not None:
+            if p.run_id != run_id:
+                raise HTTPException(403, f"this token may only report on run '{p.run_id}'")
+        elif run.owner != p.owner_tag:
+            raise HTTPException(403, f"run '{run_id}' was not registered by this token; "
+                                     "a reporter token acts only on runs it registered or is bound to")
+    now = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+    if run.last_report_at is None or (now - run.last_report_at).total_seconds() > 1.0:
+        ctx.store.update_run(run_id, last_report_at=now)
+    return run
+
+
+def ingest_run(run_id: str = RunIdPath, p: Principal = Depends(require_reporter),
+               ctx: WebContext = Depends(get_ctx)) -> tuple[Principal, Run]:
+    """The one ownership check of every ``/api/ingest/runs/{run_id}/...`` route."""
+    return p, authorize_run(ctx, p, run_id)
 
 
 # -- pages -----------------------------------------------------------------------------
@@ -93,7 +151,7 @@ class LoginRequired(Exception):
         self.next_url = next_url
 
 
-def page_user(request: Request, p: Principal | None = Depends(principal)) -> Principal:
+async def page_user(request: Request, p: Principal | None = Depends(principal)) -> Principal:
     """A logged-in user for a page; anyone else is sent to the login page."""
     if p is None or not p.can_read:
         raise LoginRequired(quote(request.url.path))
@@ -101,10 +159,28 @@ def page_user(request: Request, p: Principal | None = Depends(principal)) -> Pri
 
 
 async def read_form(request: Request) -> dict[str, str]:
-    """An url-encoded form body (the pages post nothing else)."""
+    """An url-encoded form body, or a multipart one whose files (UTF-8 text: an edge list, a
+    profiles file) come back as strings under their field names."""
     ctype = request.headers.get("content-type", "")
+    if ctype.startswith("multipart/form-data"):
+        try:
+            form = await request.form(max_files=4, max_fields=2000, max_part_size=2_100_000)
+        except Exception as exc:  # starlette raises its own parser errors
+            raise HTTPException(400, f"malformed form: {exc}") from None
+        out: dict[str, str] = {}
+        for k, v in form.multi_items():
+            if isinstance(v, UploadFile):
+                data = await v.read()
+                if data:
+                    try:
+                        out[k] = data.decode("utf-8")
+                    except UnicodeDecodeError:
+                        raise HTTPException(400, f"the file in '{k}' is not UTF-8 text") from None
+            else:
+                out[k] = v
+        return out
     if not ctype.startswith("application/x-www-form-urlencoded"):
-        raise HTTPException(415, "forms must be application/x-www-form-urlencoded")
+        raise HTTPException(415, "forms must be application/x-www-form-urlencoded or multipart/form-data")
     body = await request.body()
     if len(body) > MAX_FORM_BYTES:
         raise HTTPException(413, f"form larger than {MAX_FORM_BYTES} bytes")

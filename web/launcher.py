@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["to_toml", "spawn_run", "pid_alive", "terminate", "log_tail"]
+__all__ = ["to_toml", "spawn_run", "spawn_resume", "pid_alive", "terminate", "log_tail"]
 
 
 def _toml_value(v: Any) -> str:
@@ -71,6 +71,16 @@ def spawn_run(runner: list[str], db_url: str, run_id: str, config: dict[str, Any
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, cwd=str(run_dir), close_fds=True)
     return proc.pid, log_path
+
+
+def spawn_resume(runner: list[str], db_url: str, run_id: str, runs_dir: Path) -> int:
+    """``RUNNER resume RUN_ID --db URL`` detached, appending to the run's log; its pid."""
+    run_dir = runs_dir / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "run.log", "ab") as log:
+        proc = subprocess.Popen([*runner, "resume", run_id, "--db", db_url], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(run_dir), close_fds=True)
+    return proc.pid
 
 
 def pid_alive(pid: int | None) -> bool:

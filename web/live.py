@@ -17,8 +17,9 @@ from sqlalchemy import func, select
 
 from fedswarm.store import Round, Run, Store
 from fedswarm.web import queries, schemas
+from fedswarm.web.run_state import display_status
 
-__all__ = ["Hub", "sse"]
+__all__ = ["Hub", "sse", "status_event"]
 
 log = logging.getLogger(__name__)
 QUEUE_SIZE = 2000
@@ -31,9 +32,12 @@ def sse(kind: str, data: Any, event_id: int | None = None) -> str:
 
 
 class Hub:
-    def __init__(self, store: Store, interval_s: float = 0.3):
+    def __init__(self, store: Store, interval_s: float = 0.3, timeout_s: float = 120.0,
+                 can_restart: Any = lambda run: False):
         self.store = store
         self.interval_s = interval_s
+        self.timeout_s = timeout_s  # a silent remote run shows as lost after this
+        self.can_restart = can_restart
         self._subs: dict[str | None, set[asyncio.Queue]] = {}
         self._last_round_id = 0
         self._status: dict[str, tuple[str, int, str | None]] = {}
@@ -118,21 +122,39 @@ class Hub:
                 data["run_id"] = r.run_id
                 events.append((r.run_id, "round", data))
                 changed.add(r.run_id)
+        watched = [r.id for r in runs if r.id in keys]
+        stats = queries.stats_for(self.store, watched) if watched else {}
         for run in runs:
-            state = (queries.display_status(run), run.total_rounds, run.error)
+            if run.id in keys:  # a run page: everything its buttons and banners need
+                data = status_event(run, stats.get(run.id, {}), self.timeout_s, self.can_restart(run))
+                state = json.dumps(data, sort_keys=True, default=str)
+            else:
+                shown = display_status(run, self.timeout_s)
+                state = json.dumps([shown, run.total_rounds, run.error])
+                data = {"run_id": run.id, "status": run.status, "display_status": shown,
+                        "total_rounds": run.total_rounds, "error": run.error}
             if self._status.get(run.id) != state:
                 self._status[run.id] = state
-                events.append((run.id, "status", {"run_id": run.id, "status": run.status,
-                                                  "display_status": state[0], "total_rounds": state[1],
-                                                  "error": run.error}))
+                events.append((run.id, "status", data))
                 changed.add(run.id)
         if watch_all and changed:
             stats = queries.stats_for(self.store, sorted(changed))
             for run in runs:
                 if run.id in changed:
-                    summary = queries.summary_of(run, stats.get(run.id, {}))
+                    summary = queries.summary_of(run, stats.get(run.id, {}), self.timeout_s)
                     events.append((run.id, "run", summary.model_dump(mode="json")))
         return events
+
+
+def status_event(run: Run, stats: dict, timeout_s: float, can_restart: bool) -> dict:
+    """A run page's ``status`` event: shown status, why it is lost, progress in round
+    numbers, pending controls, and which actions are valid now."""
+    out = queries.summary_of(run, stats, timeout_s, can_restart)
+    return {"run_id": run.id, "status": run.status, "display_status": out.display_status,
+            "total_rounds": run.total_rounds, "last_round": out.last_round, "error": run.error,
+            "lost_reason": out.lost_reason, "lost_after_s": out.lost_after_s, "pending": out.pending,
+            "actions": out.actions, "failed_node_rounds": out.failed_node_rounds, "node_rounds": out.node_rounds,
+            "bad_rounds": out.bad_rounds, "rounds_with_nodes": out.rounds_with_nodes}
 
 
 async def stream(hub: Hub, store: Store, run_id: str | None, since: int,
@@ -148,8 +170,8 @@ async def stream(hub: Hub, store: Store, run_id: str | None, since: int,
                 since = r.round
             run = await asyncio.to_thread(store.get_run, run_id)
             if run is not None:
-                yield sse("status", {"run_id": run_id, "status": run.status, "total_rounds": run.total_rounds,
-                                     "display_status": queries.display_status(run), "error": run.error})
+                stats = await asyncio.to_thread(queries.stats_for, store, [run_id])
+                yield sse("status", status_event(run, stats.get(run_id, {}), hub.timeout_s, hub.can_restart(run)))
         while True:
             try:
                 item = await asyncio.wait_for(q.get(), KEEPALIVE_S)

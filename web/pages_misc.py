@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import secrets
 import sys
-from urllib.parse import quote
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException, Path, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -21,10 +20,11 @@ from fedswarm.web.accounts import Principal
 from fedswarm.web.deps import (SESSION_COOKIE, WebContext, get_ctx, page_admin_form, page_user, principal,
                                read_form)
 from fedswarm.web.federation import FederationError
-from fedswarm.web.pages_runs import render
+from fedswarm.web.pages_common import redirect, render, secure_cookies
 
 router = APIRouter(include_in_schema=False)
 LOGIN_CSRF_COOKIE = "fedswarm_login_csrf"
+KNOWN_DEVICE_COOKIE = "fedswarm_known"  # this browser logged in as this user before (login throttle)
 
 
 def _safe_next(url: str | None) -> str:
@@ -43,8 +43,13 @@ def _login_form(request: Request, ctx: WebContext, next_url: str, error: str | N
     token = secrets.token_urlsafe(24)
     resp = render(request, ctx, None, "login.html", status=status, next=next_url, error=error, login_csrf=token)
     resp.set_cookie(LOGIN_CSRF_COOKIE, token, httponly=True, samesite="strict", max_age=3600,
-                    secure=ctx.settings.secure_cookies)
+                    secure=secure_cookies(request, ctx))
     return resp
+
+
+def _known_device(request: Request, ctx: WebContext, username: str) -> bool:
+    value = security.unsign(ctx.key, request.cookies.get(KNOWN_DEVICE_COOKIE))
+    return value == "known:" + security.hash_token_secret(username)
 
 
 @router.post("/login")
@@ -55,19 +60,23 @@ async def login(request: Request, ctx: WebContext = Depends(get_ctx)):
     if not cookie or not secrets.compare_digest(cookie, form.get("csrf_token", "")):
         return _login_form(request, ctx, next_url, "the login form expired; try again", status=403)
     username = form.get("username", "")[:64]
-    throttle = request.app.state.throttle
-    if throttle.blocked(username):
-        return _login_form(request, ctx, next_url, "too many failed logins; wait a few minutes", status=429)
+    address = request.client.host if request.client else "unknown"
+    why = ctx.throttle.blocked(address, username, _known_device(request, ctx, username))
+    if why:
+        return _login_form(request, ctx, next_url, why, status=429)
     user = await run_in_threadpool(ctx.accounts.authenticate, username, form.get("password", ""))
     if user is None:
-        throttle.failed(username)
+        ctx.throttle.failed(address, username)
         return _login_form(request, ctx, next_url, "wrong username or password", status=401)
-    throttle.succeeded(username)
+    ctx.throttle.succeeded(address, username)
     sid = await run_in_threadpool(ctx.accounts.open_session, user)
-    ctx.store.add_event(None, "login", f"{user.username} logged in", actor=user.username)
+    ctx.store.add_event(None, "login", f"{user.username} logged in from {address}", actor=user.username)
     resp = RedirectResponse(next_url, status_code=303)
+    secure = secure_cookies(request, ctx)
     resp.set_cookie(SESSION_COOKIE, security.sign(ctx.key, sid), httponly=True, samesite="lax",
-                    max_age=int(ctx.settings.session_hours * 3600), secure=ctx.settings.secure_cookies)
+                    max_age=int(ctx.settings.session_hours * 3600), secure=secure)
+    resp.set_cookie(KNOWN_DEVICE_COOKIE, security.sign(ctx.key, "known:" + security.hash_token_secret(user.username)),
+                    httponly=True, samesite="strict", max_age=180 * 86400, secure=secure)
     resp.delete_cookie(LOGIN_CSRF_COOKIE)
     return resp
 
@@ -115,7 +124,7 @@ def federation_start(request: Request, pf=Depends(page_admin_form), ctx: WebCont
         msg = f"the run config is not TOML key=value lines: {exc}"
     except FederationError as exc:
         msg = str(exc)
-    return RedirectResponse(f"/federation?msg={quote(msg)}", status_code=303)
+    return redirect(request, ctx, "/federation", msg)
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -141,7 +150,7 @@ def federation_stop(request: Request, pf=Depends(page_admin_form), ctx: WebConte
         msg = "a Flower run id is a number"
     except FederationError as exc:
         msg = str(exc)
-    return RedirectResponse(f"/federation?msg={quote(msg)}", status_code=303)
+    return redirect(request, ctx, "/federation", msg)
 
 
 @router.get("/admin", response_class=HTMLResponse)
@@ -164,7 +173,7 @@ def admin_add_user(request: Request, pf=Depends(page_admin_form), ctx: WebContex
         msg = f"invalid user: {exc.errors()[0]['loc'][-1]}: {exc.errors()[0]['msg']}"
     except HTTPException as exc:
         msg = str(exc.detail)
-    return RedirectResponse(f"/admin?msg={quote(msg)}", status_code=303)
+    return redirect(request, ctx, "/admin", msg)
 
 
 @router.post("/admin/tokens", response_class=HTMLResponse)
@@ -172,22 +181,24 @@ def admin_add_token(request: Request, pf=Depends(page_admin_form), ctx: WebConte
     p, form = pf
     try:
         body = schemas.TokenIn(name=form.get("name", ""), role=form.get("role", "reporter"),
-                               run_id=form.get("run_id") or None)
+                               run_id=form.get("run_id") or None,
+                               expires_in_days=form.get("expires_in_days") or None)
         created = api_admin.create_token(ctx, body, p.name)
     except ValidationError as exc:
         msg = f"invalid token request: {exc.errors()[0]['loc'][-1]}: {exc.errors()[0]['msg']}"
-        return RedirectResponse(f"/admin?msg={quote(msg)}", status_code=303)
+        return redirect(request, ctx, "/admin", msg)
     except HTTPException as exc:
-        return RedirectResponse(f"/admin?msg={quote(str(exc.detail))}", status_code=303)
+        return redirect(request, ctx, "/admin", str(exc.detail))
     # The secret is shown in this answer only (never in a URL, never stored).
     return render(request, ctx, p, "admin.html", users=ctx.accounts.list_users(),
                   tokens=ctx.accounts.list_tokens(), new_token=created)
 
 
 @router.post("/admin/tokens/{token_id}/revoke")
-def admin_revoke_token(token_id: int, pf=Depends(page_admin_form), ctx: WebContext = Depends(get_ctx)):
+def admin_revoke_token(request: Request, token_id: int = Path(ge=1, le=2**62), pf=Depends(page_admin_form),
+                       ctx: WebContext = Depends(get_ctx)):
     p, _ = pf
     ok = ctx.accounts.revoke_token(token_id)
     if ok:
         ctx.store.add_event(None, "token.revoked", f"token {token_id} revoked", actor=p.name)
-    return RedirectResponse(f"/admin?msg={quote('token revoked' if ok else 'no such token')}", status_code=303)
+    return redirect(request, ctx, "/admin", "token revoked" if ok else "no such token")

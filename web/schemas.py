@@ -13,8 +13,9 @@ from fedswarm.store import RUN_STATUSES
 from fedswarm.policy import DevicePolicy  # one policy schema for run config, server and dashboard
 
 ID_PATTERN = r"^[A-Za-z0-9_.:@-]{1,64}$"
-RUN_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,36}$"
-DISPLAY_STATUSES = (*RUN_STATUSES, "lost")
+# Starts with a letter or digit, so "." and ".." (paths up the runs folder) are never run ids.
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,35}$"
+DISPLAY_STATUSES = (*RUN_STATUSES, "lost", "degraded")
 MAX_JSON_BYTES = 64_000
 
 
@@ -29,9 +30,9 @@ def clean(v: Any) -> Any:
     return v
 
 
-def _small_json(v: dict) -> dict:
-    if len(json.dumps(v, default=str)) > MAX_JSON_BYTES:
-        raise ValueError(f"must serialize to at most {MAX_JSON_BYTES} bytes of JSON")
+def _small_json(v: dict, limit: int = MAX_JSON_BYTES) -> dict:
+    if len(json.dumps(v, default=str)) > limit:
+        raise ValueError(f"must serialize to at most {limit} bytes of JSON")
     return v
 
 
@@ -60,7 +61,8 @@ class RunOut(Out):
     id: str
     name: str | None
     status: str
-    display_status: str = Field(description="status, or 'lost' when the run's process is gone")
+    display_status: str = Field(description="status as shown: 'lost' when the run's process is gone or a reporter "
+                                            "went silent; 'degraded'/'failed' when most nodes failed most rounds")
     strategy: str
     task: str
     engine: str
@@ -76,6 +78,27 @@ class RunOut(Out):
     finished_at: dt.datetime | None = None
     error: str | None = None
     pid: int | None = None
+    lost_reason: str | None = Field(None, description="why the run shows as lost")
+    remote: bool = Field(False, description="registered through ingest (no local process)")
+    last_report_at: dt.datetime | None = None
+    lost_after_s: float | None = Field(None, description="a remote run silent this long shows as lost")
+    node_rounds: int = 0
+    failed_node_rounds: int = Field(0, description="per-node rows that failed or were rejected")
+    bad_rounds: int = Field(0, description="rounds where most nodes failed")
+    rounds_with_nodes: int = 0
+    pending: list[str] = Field(default_factory=list, description="controls requested and not yet applied")
+    actions: dict[str, str | None] = Field(default_factory=dict,
+                                           description="each action: null when valid now, else why not")
+
+
+class DeviceClassOut(Out):
+    device_class: str
+    nodes: int = 0
+    node_rounds: int = 0
+    failed: int = 0
+    rejected: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
 
 
 class RoundOut(Out):
@@ -90,6 +113,9 @@ class RoundOut(Out):
     num_clients: int = 0
     metrics: dict[str, Any] = Field(default_factory=dict)
     created_at: dt.datetime | None = None
+    node_rows: int | None = None
+    failed_node_rows: int | None = None
+    reported_by: str | None = None
 
     @field_validator("train_loss", "test_loss", "test_accuracy", "wall_s", "sim_time_s", "metrics",
                      mode="before")
@@ -135,6 +161,7 @@ class RunDetailOut(RunOut):
     code_version: str
     summary: dict[str, Any]
     nodes: list[NodeStatsOut]
+    device_classes: list[DeviceClassOut] = Field(default_factory=list)
     controls: list[ControlOut]
     policies: dict[str, dict[str, Any]]
     events: list[EventOut]
@@ -148,7 +175,13 @@ class RunDetailOut(RunOut):
 class StartRunIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     config: dict[str, Any] = Field(description="RunConfig keys (see `fedswarm strategies --json`); "
-                                   "strategy hyperparameters under 'params'")
+                                   "strategy hyperparameters under 'params'. 'task' must be a registered "
+                                   "task name; 'topology' a named topology (an edge list comes as "
+                                   "topology_edges); 'profiles' comes as profiles_toml.")
+    topology_edges: str | None = Field(None, max_length=1_000_000,
+                                       description="an edge list, one 'i j' pair a line: the run's topology")
+    profiles_toml: str | None = Field(None, max_length=200_000,
+                                      description="device/link profiles (TOML) merged over the built-in ones")
 
 
 class AddRoundsIn(BaseModel):
@@ -189,6 +222,7 @@ class NodeOut(Out):
     rejected_updates: int = 0
     last_seen: dt.datetime | None = None
     online: bool = False
+    lost: bool = Field(False, description="not heard from for over a minute")
 
     @field_validator("info", mode="before")
     @classmethod
@@ -214,6 +248,7 @@ class TokenIn(BaseModel):
     name: str = Field(min_length=1, max_length=100)
     role: Literal["reporter", "viewer", "admin"] = "reporter"
     run_id: str | None = Field(None, pattern=RUN_ID_PATTERN, description="bind a reporter token to one run")
+    expires_in_days: float | None = Field(None, gt=0, le=3650, description="lifetime (default: the dashboard's)")
 
 
 class TokenOut(Out):
@@ -224,6 +259,7 @@ class TokenOut(Out):
     created_by: str | None = None
     created_at: dt.datetime | None = None
     last_used_at: dt.datetime | None = None
+    expires_at: dt.datetime | None = None
     revoked: bool = False
 
 

@@ -35,7 +35,21 @@ class Settings:
     secret_key: str | None = None
     session_hours: float = 12.0
     poll_interval_s: float = 0.3
-    secure_cookies: bool = False
+    # Served over HTTPS (directly or behind a TLS-terminating proxy): cookies get ``Secure``
+    # and pages send HSTS. Off by default; a request that arrives over https sets ``Secure``
+    # on its cookies either way.
+    https: bool = False
+    # Trust X-Forwarded-For / X-Forwarded-Proto (the login throttle's client address and the
+    # scheme) from the proxy in front; only set this when a proxy is really there.
+    behind_proxy: bool = False
+    # A run registered through ingest that reports nothing for this long shows as "lost"
+    # (a reporter may ask for another timeout when it registers the run).
+    report_timeout_s: float = 120.0
+    # Ingest quotas per API token (see fedswarm.web.ratelimit).
+    ingest_per_minute: int = 1200
+    ingest_bytes_per_hour: int = 512_000_000
+    nodes_per_token: int = 10_000
+    token_days: float = 90.0  # default lifetime of a new API token
 
     @classmethod
     def build(cls, db_url: str, runs_dir: str | Path | None = None, **kw: object) -> "Settings":
@@ -45,6 +59,8 @@ class Settings:
                 runs_dir = Path(url[len("sqlite:///"):]).parent / "fedswarm-runs"
             else:
                 runs_dir = Path.cwd() / "fedswarm-runs"
+        if kw.pop("secure_cookies", None):  # the older name of ``https``
+            kw["https"] = True
         for key, env in (("admin_password", "FEDSWARM_ADMIN_PASSWORD"), ("secret_key", "FEDSWARM_SECRET_KEY"),
                          ("superlink", "FEDSWARM_SUPERLINK")):
             if kw.get(key) is None:

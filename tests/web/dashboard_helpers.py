@@ -64,10 +64,13 @@ class Server:
                 self.proc.wait(5)
 
 
-def start_server(tmp_path: Path, fake: bool, poll: float = 0.3, env: dict | None = None) -> Server:
+def start_server(tmp_path: Path, fake: bool, poll: float = 0.3, env: dict | None = None,
+                 report_timeout_s: float | None = None) -> Server:
     port, db, log = free_port(), tmp_path / "server.db", tmp_path / "server.log"
     cmd = [sys.executable, str(HERE / "serve.py"), "--db", str(db), "--port", str(port), "--poll", str(poll),
            "--admin-password", ADMIN_PW] + (["--fake"] if fake else [])
+    if report_timeout_s is not None:
+        cmd += ["--report-timeout", str(report_timeout_s)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = Server(proc, port, db, log)

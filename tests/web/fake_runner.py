@@ -2,7 +2,9 @@
 controls like the real ServerApp, without torch. Tests point the dashboard's runner here.
 
 Usage: fake_runner.py sim --db URL --run-id ID --config TOML
-Environment: FAKE_ROUND_S (seconds per round, default 0.15), FAKE_FAIL=1 (exit 1 at once).
+       fake_runner.py resume RUN_ID --db URL   (goes on after the run's last checkpoint)
+Environment: FAKE_ROUND_S (seconds per round, default 0.15), FAKE_FAIL=1 (exit 1 at once),
+FAKE_DIE_AFTER=N (exit 1 without a word after round N, checkpointing each round).
 """
 
 import argparse
@@ -17,24 +19,33 @@ from fedswarm.store import Store
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd")
-    ap.add_argument("--db", required=True)
-    ap.add_argument("--run-id", required=True)
-    ap.add_argument("--config", required=True)
+    ap.add_argument("cmd", choices=["sim", "resume"])
+    ap.add_argument("run", nargs="?")
+    ap.add_argument("--db")
+    ap.add_argument("--run-id")
+    ap.add_argument("--config")
     args = ap.parse_args()
     if os.environ.get("FAKE_FAIL"):
         print("fake runner: failing on purpose", file=sys.stderr)
         return 1
-    with open(args.config, "rb") as f:
-        cfg = tomllib.load(f)
     store = Store(args.db)
-    rid = args.run_id
+    rnd = 0
+    if args.cmd == "resume":
+        rid = args.run
+        cfg = dict(store.get_run(rid).config)
+        rnd = store.latest_checkpoint(rid).round
+        print(f"fake runner: resuming run {rid} after round {rnd}", flush=True)
+    else:
+        rid = args.run_id
+        with open(args.config, "rb") as f:
+            cfg = tomllib.load(f)
     store.update_run(rid, pid=os.getpid())
     store.set_status(rid, "running")
-    total = int(cfg.get("rounds", 3))
+    total = int(store.get_run(rid).total_rounds or cfg.get("rounds", 3))
     delay = float(os.environ.get("FAKE_ROUND_S", "0.15"))
+    die_after = int(os.environ.get("FAKE_DIE_AFTER", "0")) if args.cmd == "sim" else 0
     print(f"fake runner: run {rid}, {total} rounds, strategy {cfg.get('strategy')}", flush=True)
-    rnd, paused = 0, False
+    paused = False
     while True:
         for c in store.pending_controls(rid):
             if c.kind == "pause":
@@ -67,6 +78,10 @@ def main() -> int:
                                           "device_class": "edge-wifi" if i % 2 else "datacenter"}
                                          for i in range(int(cfg.get("clients", 4)))])
         print(f"round {rnd}: accuracy {acc:.3f}", flush=True)
+        if die_after:
+            store.add_checkpoint(rid, rnd, f"/nonexistent/{rid}-{rnd}.pt")
+            if rnd >= die_after:
+                return 1
     store.set_status(rid, "finished")
     return 0
 

@@ -23,12 +23,14 @@ def main() -> None:
     ap.add_argument("--fake", action="store_true")
     ap.add_argument("--poll", type=float, default=0.3)
     ap.add_argument("--admin-password", default="admin-password-1")
+    ap.add_argument("--report-timeout", type=float, default=None)
     args = ap.parse_args()
     kw = {}
     if args.fake:
         kw = dict(runner=[sys.executable, str(HERE / "fake_runner.py")],
                   catalog_cmd=[sys.executable, str(HERE / "fake_catalog.py")])
-    app = create_app(args.db, admin_password=args.admin_password, poll_interval_s=args.poll, **kw)
+    app = create_app(args.db, admin_password=args.admin_password, poll_interval_s=args.poll,
+                     report_timeout_s=args.report_timeout, **kw)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", timeout_graceful_shutdown=2)
 
 

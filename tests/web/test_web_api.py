@@ -138,24 +138,55 @@ def test_dead_process_shows_as_lost_and_can_be_stopped(app, admin, monkeypatch):
 
 def test_policies(app, admin, monkeypatch):
     monkeypatch.setenv("FAKE_ROUND_S", "0.3")
-    rid = _start(admin, rounds=50)
+    rid = _start(admin, rounds=50, strategy="topk")
     body = {"run_id": rid, "device_class": "edge-lte", "policy": {"local_steps": 2, "codec": "topk"}}
     r = admin.post("/api/policies", json=body)
     assert r.status_code == 200 and r.json()["action"] == "policy"
-    admin.post("/api/policies", json={**body, "policy": {"pvt_fraction": 0.5}})
+    admin.post("/api/policies", json={**body, "policy": {"codec_params": {"ratio": 0.5}}})
     got = admin.get(f"/api/policies?run_id={rid}").json()
     assert got[0]["device_class"] == "edge-lte"
-    assert got[0]["policy"] == {"local_steps": 2, "codec": "topk", "pvt_fraction": 0.5}
-    controls = app.state.ctx.store.pending_controls(rid) or []
-    assert all(c.kind == "policy" for c in controls)
+    assert got[0]["policy"] == {"local_steps": 2, "codec": "topk", "codec_params": {"ratio": 0.5}}
     for bad in ({"policy": {"local_steps": 0}}, {"policy": {"warp": 9}}, {"policy": {}},
                 {"device_class": "bad class!"}, {"policy": {"pvt_fraction": 1.5}}):
         r = admin.post("/api/policies", json={**body, **bad})
         assert r.status_code == 422, (bad, r.text)
     r = admin.post("/api/policies", json={**body, "run_id": "ghost"})
     assert r.status_code == 404
+    # what reached the run: the two accepted changes as policy controls by the admin, none of
+    # the refused ones (read from the table, not the pending list, which is empty once the
+    # fake runner has applied them)
+    from sqlalchemy import select
+
+    from fedswarm.store import Control
+
+    with app.state.ctx.store.session() as s:
+        q = select(Control).where(Control.run_id == rid).order_by(Control.id)
+        sent = [(c.kind, c.actor, c.payload) for c in s.scalars(q)]
+    assert sent == [("policy", "admin", {"device_class": "edge-lte", "policy": {"local_steps": 2, "codec": "topk"}}),
+                    ("policy", "admin", {"device_class": "edge-lte", "policy": {"codec_params": {"ratio": 0.5}}})]
     admin.post(f"/api/runs/{rid}/stop?force=true")
     assert admin.post("/api/policies", json=body).status_code == 409
+
+
+def test_policy_checked_against_strategy_and_registry(app, admin, monkeypatch):
+    """A policy the run cannot apply is refused before it is queued, naming the key."""
+    monkeypatch.setenv("FAKE_ROUND_S", "0.3")
+    fedavg = _start(admin, rounds=50)
+    topk = _start(admin, rounds=50, strategy="topk")
+    cases = [
+        (fedavg, {"codec": "topk"}, "'codec'"),  # fedavg has no codec: it would be a silent no-op
+        (fedavg, {"pvt_fraction": 0.5}, "'pvt_fraction'"),
+        (topk, {"codec": "zip"}, "unknown codec 'zip'"),
+        (topk, {"codec": "qsgd", "codec_params": {"levels": 0}}, "'codec_params.qsgd.levels'"),
+        (topk, {"codec_params": {"bits": 3}}, "unknown hyperparameter 'codec_params.topk.bits'"),
+    ]
+    for rid, policy, needle in cases:
+        r = admin.post("/api/policies", json={"run_id": rid, "device_class": "edge", "policy": policy})
+        assert r.status_code == 422 and needle in r.json()["detail"], (policy, r.text)
+    assert app.state.ctx.store.pending_controls(fedavg) == [] and app.state.ctx.store.pending_controls(topk) == []
+    # The same check at start: a config's policies must suit its strategy.
+    r = admin.post("/api/runs", json={"config": {"rounds": 2, "policies": {"edge": {"codec": "topk"}}}})
+    assert r.status_code == 422 and "'codec'" in r.json()["detail"]
 
 
 def test_ingest_with_reporter_tokens(app, anon, admin):
@@ -210,8 +241,11 @@ def test_ingest_with_reporter_tokens(app, anon, admin):
 
 def test_ingest_rejects_oversized_and_malformed(app, anon):
     h = bearer(make_token(app, "reporter"))
-    big = {"node_id": "p", "info": {"blob": "x" * 70_000}}
-    assert anon.post("/api/ingest/nodes", json=big, headers=h).status_code == 422
+    big = {"node_id": "p", "info": {"blob": "x" * 10_000}}  # under the route's body cap, over info's
+    r = anon.post("/api/ingest/nodes", json=big, headers=h)
+    assert r.status_code == 422 and "8192 bytes" in r.text
+    r = anon.post("/api/ingest/nodes", json={"node_id": "p", "info": {"blob": "x" * 70_000}}, headers=h)
+    assert r.status_code == 413 and "16384" in r.json()["detail"]
     assert anon.post("/api/ingest/nodes", json={"node_id": "../etc"}, headers=h).status_code == 422
     huge = b'{"node_id": "p", "info": {"x": "' + b"y" * 2_100_000 + b'"}}'
     r = anon.post("/api/ingest/nodes", content=huge, headers={**h, "content-type": "application/json"})

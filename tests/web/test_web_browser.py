@@ -107,7 +107,7 @@ def test_real_simulation(page, tmp_path):
         _wait_status(page, "finished", 240_000)
         page.wait_for_function("() => +document.querySelector('#chart-acc').dataset.points >= 5", timeout=10_000)
         assert _points(page, "chart-bytes") >= 5 and _points(page, "chart-loss") >= 5
-        assert "5/5 rounds" in page.text_content("#progress-text")
+        assert "round 5 of 5" in page.text_content("#progress-text")
         page.wait_for_function("() => document.querySelectorAll('#nodes-body tr').length === 4", timeout=10_000)
         page.screenshot(path=str(ARTIFACTS / "dashboard-run-finished.png"), full_page=True)
 
@@ -116,7 +116,7 @@ def test_real_simulation(page, tmp_path):
                                 name="browser: to stop")
         page.wait_for_function("() => +document.querySelector('#chart-acc').dataset.points >= 2", timeout=180_000)
         page.click("#btn-stop")
-        page.wait_for_url(f"{server.url}/runs/{rid2}?msg=*")
+        page.wait_for_url(f"{server.url}/runs/{rid2}")
         assert "stop requested" in page.text_content(".flash")
         _wait_status(page, "stopped", 120_000)
         assert _points(page) < 500
@@ -179,4 +179,176 @@ def test_viewer_sees_no_controls(page, tmp_path):
         assert page.is_disabled("#start-run")
         assert httpx.post(server.url + "/api/runs", json={"config": {}}).status_code == 401
     finally:
+        server.stop()
+
+
+# -- the operator's console: refused policies, lost reporters, compared runs, docs, phones --
+def _ingest(url: str, token: str, path: str, body: dict) -> int:
+    import httpx
+
+    return httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=10).status_code
+
+
+def _reporter_token(server) -> str:
+    from fedswarm.store import Store
+    from fedswarm.web.accounts import Accounts
+
+    store = Store(server.db)
+    try:
+        return Accounts(store).create_token("browser-reporter", "reporter", None, "test")[1]
+    finally:
+        store.close()
+
+
+def _console_errors(page) -> list[str]:
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    return errors
+
+
+def test_bad_policy_refused_with_its_reason(page, tmp_path):
+    server = start_server(tmp_path, fake=True, poll=0.2, env={"FAKE_ROUND_S": "0.5"})
+    try:
+        _login(page, server.url)
+        rid = _start_from_form(page, server.url, "fedavg", clients="4", rounds="200")
+        page.wait_for_function("() => +document.querySelector('#chart-acc').dataset.points >= 1")
+        assert "fedavg applies these policy keys" in page.text_content("#policy-keys")
+        page.fill("#policy-form [name=device_class]", "edge-lte")
+        page.select_option("#policy-form [name=codec]", "topk")
+        page.click("#btn-policy")
+        page.wait_for_url(f"{server.url}/runs/{rid}")
+        banner = page.text_content(".flash")
+        assert "policy refused" in banner and "'codec'" in banner and "fedavg" in banner, banner
+        assert page.is_hidden("#pending")  # nothing was queued
+        page.screenshot(path=str(ARTIFACTS / "console-policy-refused.png"), full_page=True)
+        # A valid one is queued and shown as pending until the run applies it.
+        page.fill("#policy-form [name=device_class]", "edge-lte")
+        page.fill("#policy-form [name=local_steps]", "2")
+        page.click("#btn-policy")
+        page.wait_for_url(f"{server.url}/runs/{rid}")
+        assert "policy requested" in page.text_content(".flash")
+        page.click("#btn-kill")
+        _wait_status(page, "stopped", 20_000)
+        page.wait_for_function("() => document.getElementById('btn-add_rounds').disabled")
+        assert page.is_disabled("#btn-pause") and page.is_disabled("#btn-resume")
+    finally:
+        server.stop()
+
+
+def test_dead_reporter_run_marked_lost(page, tmp_path):
+    server = start_server(tmp_path, fake=True, poll=0.2)
+    try:
+        token = _reporter_token(server)
+        assert _ingest(server.url, token, "/api/ingest/runs",
+                       {"run_id": "swarm-far", "name": "far swarm", "lost_after_s": 6,
+                        "config": {"strategy": "dpsgd", "rounds": 50}}) == 201
+        for r in (1, 2):
+            assert _ingest(server.url, token, "/api/ingest/runs/swarm-far/rounds",
+                           {"round": r, "test_accuracy": 0.3 + r / 10, "metrics": {"consensus_distance": 0.5 / r},
+                            "nodes": [{"node_id": "peer-0", "device_class": "edge-wifi"},
+                                      {"node_id": "peer-1", "device_class": "gpu"}]}) == 201
+        _login(page, server.url)
+        page.goto(server.url + "/runs/swarm-far")
+        _wait_status(page, "running", 10_000)
+        assert "lost after 6 s without a report" in page.text_content("#liveness")
+        # The reporter dies: nothing more arrives. The page turns to lost by itself.
+        _wait_status(page, "lost", 30_000)
+        assert "no report for over 6 s" in page.text_content("#lost-note")
+        assert page.is_disabled("#btn-pause") and page.is_enabled("#btn-stop")
+        assert "edge-wifi" in page.text_content("#classes-body") and "gpu" in page.text_content("#classes-body")
+        page.screenshot(path=str(ARTIFACTS / "console-run-lost.png"), full_page=True)
+    finally:
+        server.stop()
+
+
+def _seed_comparison(server) -> list[str]:
+    token = _reporter_token(server)
+    runs = {"cmp-fedavg": ("fedavg", 0.0), "cmp-topk": ("topk", 0.05), "cmp-dpsgd": ("dpsgd", -0.1)}
+    for rid, (strategy, shift) in runs.items():
+        assert _ingest(server.url, token, "/api/ingest/runs",
+                       {"run_id": rid, "name": rid, "config": {"strategy": strategy, "rounds": 20}}) == 201
+        for r in range(0, 21):
+            body = {"round": r, "test_accuracy": min(1.0, max(0.0, 0.2 + 0.035 * r + shift)),
+                    "train_loss": 2.0 / (r + 1), "bytes_up": 10**6 * (1 if strategy == "fedavg" else 0.1),
+                    "wall_s": 0.5, "sim_time_s": 2.0}
+            if strategy == "dpsgd":  # round 0 has no consensus distance yet: a gap, not a 0
+                body["metrics"] = {"consensus_distance": None if r == 0 else 1.0 / r}
+                if r == 7:
+                    body["train_loss"] = 5000.0  # one wild round must not flatten the loss chart
+            assert _ingest(server.url, token, f"/api/ingest/runs/{rid}/rounds", body) == 201
+        assert _ingest(server.url, token, f"/api/ingest/runs/{rid}/status", {"status": "finished"}) == 200
+    return list(runs)
+
+
+def test_overlaid_multi_run_chart(page, tmp_path):
+    server = start_server(tmp_path, fake=True, poll=0.2)
+    try:
+        ids = _seed_comparison(server)
+        _login(page, server.url)
+        page.goto(server.url + "/runs")
+        assert page.is_disabled("#compare-btn")
+        for rid in ids:
+            page.check(f"tr[data-run-id='{rid}'] input.pick")
+        page.click("#compare-btn")
+        page.wait_for_url(f"{server.url}/compare?runs=*")
+        page.wait_for_function("() => +document.querySelector('#cmp-acc').dataset.points === 63")
+        assert page.locator("#compare-table tbody tr").count() == 3
+        assert int(page.get_attribute("#cmp-bytes", "data-points")) == 63
+        # Consensus distance only for the decentralized run, its round 0 a gap (20 points, not 21).
+        assert page.is_visible("#cmp-fig-consensus")
+        assert int(page.get_attribute("#cmp-consensus", "data-points")) == 20
+        assert int(page.get_attribute("#cmp-loss", "data-offscale")) == 1  # the wild round, on the edge
+        page.screenshot(path=str(ARTIFACTS / "console-compare.png"), full_page=True)
+        page.select_option("#cmp-x", "bytes")
+        page.wait_for_timeout(200)
+        page.screenshot(path=str(ARTIFACTS / "console-compare-vs-bytes.png"), full_page=True)
+    finally:
+        server.stop()
+
+
+def test_docs_render_offline_under_the_csp(page, tmp_path):
+    server = start_server(tmp_path, fake=True)
+    outside: list[str] = []
+
+    def only_local(route):
+        if route.request.url.startswith(server.url):
+            route.continue_()
+        else:  # no network: anything else fails, and is recorded
+            outside.append(route.request.url)
+            route.abort()
+
+    try:
+        errors = _console_errors(page)
+        page.route("**/*", only_local)
+        page.goto(server.url + "/docs")
+        page.wait_for_selector(".swagger-ui .opblock", timeout=20_000)
+        assert page.locator(".swagger-ui .opblock").count() >= 20
+        assert "fedswarm dashboard" in page.text_content(".swagger-ui .title")
+        assert outside == [] and not [e for e in errors if "Content Security Policy" in e], (outside, errors)
+        page.screenshot(path=str(ARTIFACTS / "console-docs.png"))
+    finally:
+        server.stop()
+
+
+def test_phone_layout_has_no_horizontal_scroll(browser, tmp_path):
+    server = start_server(tmp_path, fake=True, poll=0.2)
+    ctx = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True,
+                              has_touch=True)
+    page = ctx.new_page()
+    page.set_default_timeout(20_000)
+    try:
+        ids = _seed_comparison(server)
+        _login(page, server.url)
+        for path in ("/runs", f"/runs/{ids[2]}", "/compare?runs=" + ",".join(ids), "/runs/new", "/nodes",
+                     "/admin", "/federation", "/docs"):
+            page.goto(server.url + path)
+            page.wait_for_load_state("load")
+            if path == "/docs":
+                page.wait_for_selector(".swagger-ui .opblock")
+            width = page.evaluate("() => document.documentElement.scrollWidth")
+            assert width <= 390, (path, width)
+            name = path.strip("/").split("?")[0].replace("/", "-") or "home"
+            page.screenshot(path=str(ARTIFACTS / f"phone-{name}.png"), full_page=True)
+    finally:
+        ctx.close()
         server.stop()
