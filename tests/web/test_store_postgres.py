@@ -95,7 +95,7 @@ def test_dashboard_on_postgres(pg_url, tmp_path, monkeypatch):
         c.headers["X-CSRF-Token"] = login(c, "admin", ADMIN_PW)
         assert c.get("/api/health").json()["store"] == "postgresql"
         rid = c.post("/api/runs", json={"config": {"rounds": 3, "clients": 2}}).json()["id"]
-        wait_for(lambda: c.get(f"/api/runs/{rid}").json()["display_status"] == "finished", timeout=30)
+        wait_for(lambda: c.get(f"/api/runs/{rid}").json()["display_status"] == "finished", timeout=120)
         run = c.get(f"/api/runs/{rid}").json()
         assert run["rounds_done"] == 3 and len(run["nodes"]) == 2
         assert [r["round"] for r in c.get(f"/api/runs/{rid}/rounds").json()] == [1, 2, 3]
