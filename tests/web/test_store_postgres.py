@@ -29,7 +29,7 @@ def _pg_bin() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def pg_url():
+def pg_server():
     bindir = _pg_bin()
     if bindir is None:
         pytest.skip("PostgreSQL server binaries missing: apt-get install -y postgresql")
@@ -49,10 +49,23 @@ def pg_url():
     subprocess.run([*prefix, f"{bindir}/pg_ctl", "-D", data, "-o", opts, "-l", os.path.join(root, "log"),
                     "-w", "-t", "60", "start"], check=True, capture_output=True)
     try:
-        yield f"postgresql+psycopg://fedswarm@127.0.0.1:{port}/postgres"
+        yield port
     finally:
         subprocess.run([*prefix, f"{bindir}/pg_ctl", "-D", data, "-m", "fast", "-w", "stop"], capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture()
+def pg_url(pg_server):
+    """A fresh database per test on the module's server, so repeated runs (pytest --count) start clean."""
+    import uuid
+
+    import psycopg
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(f"host=127.0.0.1 port={pg_server} user=fedswarm dbname=postgres", autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    yield f"postgresql+psycopg://fedswarm@127.0.0.1:{pg_server}/{name}"
 
 
 def test_store_round_trip_on_postgres(pg_url):

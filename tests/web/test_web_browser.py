@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dashboard_helpers import ADMIN_PW, start_server
+from dashboard_helpers import ADMIN_PW, start_server, wait_for
 
 CHROMIUM = os.environ.get("FEDSWARM_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
@@ -97,8 +97,12 @@ def test_real_simulation(page, tmp_path):
     server = start_server(tmp_path, fake=False)
     try:
         _login(page, server.url)
-        page.goto(server.url + "/runs/new")
-        assert page.locator("select#task option[value='digits-mlp']").count() == 1, \
+        # The catalog comes from a `fedswarm strategies --json` subprocess; on a loaded machine it can take
+        # longer than the page's own 30 s wait. The page says "reload in a few seconds": do so, to a deadline.
+        def catalog_loaded() -> bool:
+            page.goto(server.url + "/runs/new")
+            return page.locator("select#task option[value='digits-mlp']").count() == 1
+        assert wait_for(catalog_loaded, 240, interval=1.0), \
             "the strategy catalog did not load: " + (page.text_content(".warn") or "")
         rid = _start_from_form(page, server.url, "fedavg", task="digits-mlp", clients="4", rounds="5",
                                name="browser: digits-mlp")
