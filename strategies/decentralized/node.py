@@ -27,11 +27,11 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fedswarm.local import node_partition, round_seed, run_config_of
-from fedswarm.params import set_flat
 from fedswarm.strategies import registry
+from fedswarm.strategies.decentralized.steps import local_gradient, minibatch_gradient
 from fedswarm.algorithms.decentralized import GossipState, make_algorithm
 from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm
-from fedswarm.train import LocalTrainer, trainer_for
+from fedswarm.train import trainer_for
 from fedswarm.payload import PayloadError
 from fedswarm.wire import arrayrecord_to_vector, recorddict_nbytes, vector_to_arrayrecord
 
@@ -49,37 +49,6 @@ __all__ = [
 NO_STATE = "fedswarm: no gossip state on this node"
 
 _STATE, _META = "gossip.state", "gossip.meta"
-
-
-def minibatch_gradient(trainer: LocalTrainer, flat: torch.Tensor, batch_size: int,
-                       seed: int) -> tuple[torch.Tensor, float]:
-    """Gradient ``[d]`` and loss of the node's objective at ``flat`` on one minibatch.
-
-    The minibatch is the first one :meth:`LocalTrainer.fit` would draw with ``seed``, so
-    one gossip iteration sees exactly the data one FedAvg local step with that seed sees.
-    """
-    model = trainer.model
-    set_flat(model, flat.to(trainer.device))
-    model.train()
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randperm(trainer.num_examples, generator=g)[:batch_size].to(trainer.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    loss = trainer.task.objective(model, trainer.x[idx], trainer.y[idx])
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    flat_g = torch.cat([(torch.zeros_like(p) if gr is None else gr).reshape(-1)
-                        for p, gr in zip(params, grads)])
-    return flat_g.detach().to(torch.float32).cpu(), float(loss.item())
-
-
-def local_gradient(trainer: LocalTrainer, flat: torch.Tensor, *, steps: int, batch_size: int,
-                   lr: float, seed: int) -> tuple[torch.Tensor, float]:
-    """What a node feeds to ``algo.local_step``: the minibatch gradient when ``steps`` is
-    1 (the papers' setting), else the pseudo-gradient ``(x − x_H) / lr`` of ``H = steps``
-    plain local SGD steps (decentralized local SGD)."""
-    if steps == 1:
-        return minibatch_gradient(trainer, flat, batch_size, seed)
-    res = trainer.fit(flat, steps=steps, batch_size=batch_size, lr=lr, momentum=0.0, seed=seed)
-    return (flat - res.flat) / lr, res.loss
 
 
 def message_nbytes_of(message: ArrayRecord) -> int:

@@ -278,6 +278,21 @@ for _name in SYNC_ALGORITHMS:
         paper=_alg.paper,
     ))
 
+def _build_array(params: dict, ctx: BuildContext):
+    name = ctx.config.strategy
+    raise ConfigError(f"{name} needs every worker's loss each pull: it runs on the array engine "
+                      f"(fedswarm sim --engine array --strategy {name}) or the swarm, not on the router")
+
+
+register(StrategyEntry(
+    name="lsgd",
+    description=f"{ALGORITHMS['lsgd'].description} (runs on the array engine and the swarm)",
+    build=_build_array,
+    hyperparams=ALGORITHMS["lsgd"].hyperparams,
+    kind="array",
+    paper=ALGORITHMS["lsgd"].paper,
+))
+
 register(StrategyEntry(
     name="adpsgd",
     description=f"{ALGORITHMS['adpsgd'].description} (asynchronous: virtual-clock simulator; "
