@@ -72,7 +72,9 @@ class ArraySimulation:
 
         self.cfg, n = cfg, cfg.clients
         self.n = n
-        self.algo = algorithm or make_algorithm(cfg.strategy, **registry.resolve_params(cfg.strategy, cfg.params))
+        own = {h.name for h in ALGORITHMS[cfg.strategy].hyperparams}  # not the router's report_every
+        params = {k: v for k, v in registry.resolve_params(cfg.strategy, cfg.params).items() if k in own}
+        self.algo = algorithm or make_algorithm(cfg.strategy, **params)
         self.topology = make_topology(cfg.topology, n, cfg.seed)
         self.uses_losses = cfg.strategy == "lsgd"
         if not self.uses_losses:

@@ -213,7 +213,7 @@ class LeaderDriver(Driver):
     servers) is not offered over sockets yet: the array engine runs it."""
 
     push_kinds = ("loss",)
-    catch_up = "all"
+    catch_up = None  # rounds without a pull wait for nobody: a peer behind is slower, not failed
 
     def __init__(self, peer: Peer):
         super().__init__(peer)

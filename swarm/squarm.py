@@ -37,6 +37,9 @@ __all__ = ["SquarmDriver"]
 
 class SquarmDriver(Driver):
     push_kinds = ("sq",)
+    # Rounds between synchronizations send nothing and wait for nothing, so a peer behind
+    # its neighbours is merely slower, not failed: it never skips rounds (each is a step).
+    catch_up = None
 
     def __init__(self, peer: Peer):
         super().__init__(peer)

@@ -61,7 +61,9 @@ def _oracle(cfg: RunConfig) -> torch.Tensor:
     task = get_task(cfg.task)
     model = task.model(cfg.seed)
     x0 = get_flat(model)
-    algo = make_algorithm(cfg.strategy, **registry.resolve_params(cfg.strategy, cfg.params))
+    params = registry.resolve_params(cfg.strategy, cfg.params)
+    params.pop("report_every")  # the router's, not the algorithm's
+    algo = make_algorithm(cfg.strategy, **params)
     topo = make_topology(cfg.topology, n, cfg.seed)
     state = algo.init_state(x0.repeat(n, 1))
     data = [trainer_for(cfg, i, n) for i in range(n)]
