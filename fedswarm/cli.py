@@ -137,8 +137,13 @@ def _check_strategy(cfg: RunConfig) -> None:
     from fedswarm.algorithms.privacy.accountant import PrivacyBudgetExceeded
     from fedswarm.params import ParamLayout
     from fedswarm.server.app import build_strategy
+    from fedswarm.strategies import registry
     from fedswarm.tasks import get_task
 
+    if cfg.engine == "array" or registry.get(cfg.strategy).kind == "array":
+        from fedswarm.sim.array_engine import check_config
+
+        return check_config(cfg)  # no Flower strategy on the array engine
     try:
         build_strategy(cfg, ParamLayout.from_module(get_task(cfg.task).model(cfg.seed)))
     except PrivacyBudgetExceeded as exc:

@@ -20,25 +20,27 @@ the object's own wire accounting (``meta["wire_bytes"]``, noted as such).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from flwr.app import ArrayRecord
 
-from fedswarm.config import RunConfig
+from fedswarm.config import ConfigError, RunConfig
 from fedswarm.algorithms.decentralized import ALGORITHMS, DecentralizedAlgorithm, consensus_distance, make_algorithm
 from fedswarm.algorithms.decentralized.topology import make_topology
 from fedswarm.params import get_flat
 from fedswarm.payload import Payload
 from fedswarm.server.metered_grid import Traffic
 from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
+from fedswarm.sim.async_engine import _P2PGrid
 from fedswarm.store import Store
 from fedswarm.strategies.decentralized.steps import local_gradient, node_seed
 from fedswarm.tasks import get_task
 from fedswarm.train import evaluate_flat, resolve_device, task_data, trainer_for
 from fedswarm.wire import arrayrecord_to_vector, payload_to_records, recorddict_nbytes, vector_to_arrayrecord
 
-__all__ = ["ARRAY_ALGORITHMS", "ArraySimulation", "run_array", "payload_nbytes"]
+__all__ = ["ARRAY_ALGORITHMS", "ArraySimulation", "check_config", "payload_nbytes", "run_array", "run_recorded"]
 
 #: What the array engine runs (the asynchronous AD-PSGD and Prague need the virtual clock).
 ARRAY_ALGORITHMS = ("dpsgd", "d2", "dsgdm", "qgm", "squarm", "easgd", "dasgd", "lsgd")
@@ -56,6 +58,27 @@ def payload_nbytes(payload: Payload) -> int:
     return _SIZES[key]
 
 
+def _algorithm_params(cfg: RunConfig) -> dict[str, Any]:
+    from fedswarm.strategies import registry
+
+    own = {h.name for h in ALGORITHMS[cfg.strategy].hyperparams}  # not the router's report_every
+    return {k: v for k, v in registry.resolve_params(cfg.strategy, cfg.params).items() if k in own}
+
+
+def check_config(cfg: RunConfig) -> None:
+    """Raise :class:`~fedswarm.config.ConfigError` (one line) unless the array engine can
+    run ``cfg``: a supported algorithm, valid hyperparameters, a topology it accepts."""
+    if cfg.strategy not in ARRAY_ALGORITHMS:
+        raise ConfigError(f"invalid value for 'engine': the array engine runs {', '.join(ARRAY_ALGORITHMS)}, "
+                          f"not '{cfg.strategy}'")
+    try:
+        algo = make_algorithm(cfg.strategy, **_algorithm_params(cfg))
+        if cfg.strategy != "lsgd":
+            algo.check_topology(make_topology(cfg.topology, cfg.clients, cfg.seed))
+    except ValueError as exc:
+        raise ConfigError(f"invalid value for 'topology' or 'params': {exc}") from None
+
+
 class ArraySimulation:
     """``n`` nodes of ``cfg.strategy`` on ``[n, d]``; :meth:`step` runs one iteration.
 
@@ -68,13 +91,9 @@ class ArraySimulation:
             raise ValueError(f"the array engine runs {', '.join(ARRAY_ALGORITHMS)}, not '{cfg.strategy}'"
                              + (" (asynchronous: it runs on the virtual-clock engine)"
                                 if cfg.strategy in ALGORITHMS else ""))
-        from fedswarm.strategies import registry
-
         self.cfg, n = cfg, cfg.clients
         self.n = n
-        own = {h.name for h in ALGORITHMS[cfg.strategy].hyperparams}  # not the router's report_every
-        params = {k: v for k, v in registry.resolve_params(cfg.strategy, cfg.params).items() if k in own}
-        self.algo = algorithm or make_algorithm(cfg.strategy, **params)
+        self.algo = algorithm or make_algorithm(cfg.strategy, **_algorithm_params(cfg))
         self.topology = make_topology(cfg.topology, n, cfg.seed)
         self.uses_losses = cfg.strategy == "lsgd"
         if not self.uses_losses:
@@ -118,17 +137,6 @@ class ArraySimulation:
         return self.state.x.mean(dim=0)
 
 
-class _ArrayGrid:
-    """What the recorder reads each round: the bytes the nodes' messages would move."""
-
-    def __init__(self):
-        self.pending = Traffic()
-
-    def take(self) -> Traffic:
-        t, self.pending = self.pending, Traffic()
-        return t
-
-
 def run_array(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
     """Run ``cfg`` on the array engine, recording ``cfg.rounds`` iterations into ``run_id``;
     return the final status."""
@@ -140,11 +148,11 @@ def run_array(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundLi
         return evaluate_flat(sim.task, sim.model, arrayrecord_to_vector(arrays), data.test_x, data.test_y,
                              sim.device)
 
-    grid = _ArrayGrid()
+    grid = _P2PGrid()  # what the recorder reads: the bytes the messages would move
     recorder = RoundRecorder(store, run_id, grid, evaluate, listeners=listeners)  # type: ignore[arg-type]
-    store.set_status(run_id, "running")
     samples = sim.steps * cfg.batch_size
-    try:
+
+    def loop() -> None:
         recorder.note(consensus_distance=None)
         recorder(0, vector_to_arrayrecord(sim.x0))
         rnd, total = 0, cfg.rounds
@@ -162,6 +170,18 @@ def run_array(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundLi
                           bytes_source="wire_accounting" if sim.uses_losses else "serialized_payloads")
             recorder(rnd, vector_to_arrayrecord(sim.average()))
             total, recorder.extra_rounds = total + recorder.extra_rounds, 0
+
+    return run_recorded(store, run_id, loop)
+
+
+def run_recorded(store: Store, run_id: str, loop: Callable[[], None]) -> str:
+    """Run ``loop`` as run ``run_id``: status ``running``, then ``finished``, ``stopped``
+    (a stop control, :class:`~fedswarm.server.recorder.StopRun`) or ``failed`` (re-raised);
+    returns the final status. (The virtual-clock engine's ``run_clocked`` has the same
+    bookkeeping inline and could call this.)"""
+    store.set_status(run_id, "running")
+    try:
+        loop()
     except StopRun as stop:
         store.set_status(run_id, "stopped")
         store.add_event(run_id, "stopped", str(stop))

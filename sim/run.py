@@ -55,6 +55,10 @@ def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | N
 
 def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, out: Path | None,
                        console: Console) -> str:
+    from fedswarm.strategies import registry
+
+    if registry.get(cfg.strategy).kind == "array" and cfg.engine != "array":
+        cfg = cfg.model_copy(update={"engine": "array"})  # it runs nowhere else: record what runs it
     store = Store(db)
     if run_id is not None:
         run = store.get_run(run_id)
