@@ -32,7 +32,7 @@ from fedswarm.swarm.net.membership import View
 from fedswarm.swarm.net.payload import payload_body, read_payload, read_vector, vector_body
 from fedswarm.swarm.net.transport import Session
 
-from fedswarm.payload import PayloadError
+from fedswarm.payload import Payload, PayloadError
 
 if TYPE_CHECKING:
     from fedswarm.swarm.peer import Peer
@@ -103,7 +103,7 @@ class GossipDriver(Driver):
     calls as the router's nodes, with ``node_mix``'s weights renormalised over the
     neighbours that answered."""
 
-    push_kinds = ("msg",)
+    push_kinds = ("model",)
 
     def __init__(self, peer: Peer):
         super().__init__(peer)
@@ -116,8 +116,14 @@ class GossipDriver(Driver):
         return self.state.x[0]
 
     def accept(self, msg: Message) -> Any:
+        """The neighbour's message: a payload frame, or a bare float32 vector frame (a
+        dense message, as ``Peer.send_model`` sends), checked and decoded by the algorithm."""
+        if "arrays" in msg.meta:
+            payload = read_payload(msg.meta, msg.body)
+        else:
+            payload = Payload({"vector": read_vector(msg.meta, msg.body, self.peer.d)}, {"kind": "dense"})
         try:
-            return self.algo.read_payload(read_payload(msg.meta, msg.body), self.peer.d)
+            return self.algo.read_payload(payload, self.peer.d)
         except PayloadError as exc:
             raise Dropped("invalid_payload", str(exc)) from None
 
@@ -131,8 +137,8 @@ class GossipDriver(Driver):
         self.algo.local_step(self.state, grad[None], lr)
         nbrs = view.neighbors(r)
         meta, body = payload_body(self.algo.payload(self.state, 0))
-        p.push(nbrs, "msg", r, body, meta)
-        got = p.inbox.wait("msg", r, nbrs, p.cfg.round_timeout_s, p.stop)
+        p.push(nbrs, "model", r, body, meta)
+        got = p.inbox.wait("model", r, nbrs, p.cfg.round_timeout_s, p.stop)
         w = renormalise(view.weights(r), {p.id, *got})
         index = {pid: k for k, pid in enumerate(view.ids)}
         self.algo.node_mix(self.state, view.index, {index[j]: v for j, v in got.items()},
