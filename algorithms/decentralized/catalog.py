@@ -25,7 +25,8 @@ from fedswarm.algorithms.decentralized.adpsgd import (ADPSGD, bipartite_split, e
                                                      pairwise_average)
 from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm, GossipState, consensus_distance
 from fedswarm.algorithms.decentralized.dasgd import DaSGD
-from fedswarm.algorithms.decentralized.leader import EASGD, LSGD, LSGD_MODES, elect_leader, leader_pull
+from fedswarm.algorithms.decentralized.leader import (EASGD, LSGD, LSGD_MODES, elect_leader, leader_pull,
+                                                     leader_server_update)
 from fedswarm.algorithms.decentralized.prague import Prague, partial_allreduce
 from fedswarm.algorithms.decentralized.squarm import SQuARM
 from fedswarm.algorithms.decentralized.swarm_merge import merge_leader, weighted_merge
@@ -45,6 +46,7 @@ __all__ = [
     "LSGD",
     "elect_leader",
     "leader_pull",
+    "leader_server_update",
     "merge_leader",
     "weighted_merge",
     "DaSGD",

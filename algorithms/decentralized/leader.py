@@ -14,7 +14,7 @@ import torch
 
 from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm, GossipState
 
-__all__ = ["EASGD", "LSGD", "LSGD_MODES", "contiguous_groups", "elect_leader", "leader_pull"]
+__all__ = ["EASGD", "LSGD", "LSGD_MODES", "contiguous_groups", "elect_leader", "leader_pull", "leader_server_update"]
 
 
 def elect_leader(losses: Mapping[Any, float]) -> Any:
@@ -31,6 +31,16 @@ def leader_pull(x: torch.Tensor, leader_x: torch.Tensor, c: float) -> torch.Tens
     if not 0.0 <= c <= 1.0:
         raise ValueError(f"pull strength must be in [0, 1] (got {c})")
     return ((1.0 - c) * x.to(torch.float64) + c * leader_x.to(torch.float64)).to(x.dtype)
+
+
+def leader_server_update(leader_x: torch.Tensor, leader_f: float, x: torch.Tensor,
+                         f: float) -> tuple[torch.Tensor, float, bool]:
+    """Asynchronous LSGD's leader server: a report ``(x, f)`` with a lower loss than the
+    stored leader's becomes the leader. Returns the (new) leader copy, its loss, and
+    whether the reporter took over."""
+    if f < leader_f:
+        return x.clone(), float(f), True
+    return leader_x, float(leader_f), False
 
 
 def contiguous_groups(n: int, groups: int) -> list[list[int]]:
@@ -157,7 +167,8 @@ class LSGD(DecentralizedAlgorithm):
     who talks to whom.
 
     Per-node runtimes (the swarm) drive the same math with :meth:`due`, :meth:`node_pulls`
-    and :meth:`finish_node_pulls` (sync modes) and :meth:`server_exchange` (async).
+    and :meth:`finish_node_pulls` (sync modes), and :func:`leader_server_update` on the
+    server peer with :meth:`node_pull` / :meth:`end_node_step` on the worker (async).
 
     State: ``x``, momentum (if ``momentum > 0``), the running loss per worker; ``async``:
     the leader copies. Wire: per pull, an all-gather of 12 bytes per worker (sync; a
@@ -268,7 +279,8 @@ class LSGD(DecentralizedAlgorithm):
         to their estimate (:meth:`loss_estimate`). Fetch each leader's model (as it was
         before any pull of this step) and call :meth:`finish_node_pulls`."""
         if self.mode == "async":
-            raise ValueError("async lsgd talks to leader servers: use server_exchange")
+            raise ValueError("async lsgd talks to leader servers: use leader_server_update / node_pull "
+                             "(server_exchange on [n, d])")
         local, glob = self.due(state.step)
         pulls = []
         if local:
@@ -282,29 +294,36 @@ class LSGD(DecentralizedAlgorithm):
         """A one-node state's loss estimate ``f_i`` (what it reports)."""
         return float(self._estimate(state)[0])
 
+    def node_pull(self, state: GossipState, leader_x: torch.Tensor, c: float) -> None:
+        """One pull of a one-node state towards a leader's model ``[d]`` (no step ends)."""
+        state.x = leader_pull(state.x, leader_x.reshape(1, -1), c)
+        state.meta["wire_bytes"] += 4.0 * state.d
+
+    def end_node_step(self, state: GossipState, reported: bool) -> None:
+        """End a one-node iteration; ``reported``: the node reported its loss this step,
+        so its running estimate starts afresh."""
+        if reported:
+            self._reset_loss(state, slice(None))
+        state.step += 1
+
     def finish_node_pulls(self, state: GossipState, pulls: list[tuple[int, float]],
                           leader_models: Sequence[torch.Tensor | None]) -> None:
         """Apply ``pulls`` to a one-node state with the leaders' models (None: the leader is
         this node, or its model did not arrive: no pull), then end the iteration."""
+        for (_, c), xl in zip(pulls, leader_models):
+            if xl is not None:
+                self.node_pull(state, xl, c)
         if pulls:
-            x = state.x
-            for (_, c), xl in zip(pulls, leader_models):
-                if xl is not None:
-                    x = leader_pull(x, xl.reshape(1, -1), c)
-                    state.meta["wire_bytes"] += 4.0 * state.d
-            state.x = x
             state.meta["leaders"] = [j for j, _ in pulls]
-            self._reset_loss(state, slice(None))
-        state.step += 1
+        self.end_node_step(state, bool(pulls))
 
-    def server_exchange(self, state: GossipState, row: int, i: int,
-                        server: GossipState | None = None) -> None:
-        """Async mode: row ``row`` of ``state`` (node ``i``) reports to its group's and the
-        global leader server if due, becomes their leader if its loss is lower, and pulls.
-        ``server`` holds the servers' copies (buffers ``lead_local``/``lead_global`` and
-        their losses, row 0 for a one-node server); default: ``state`` itself, row
-        ``row`` for the global server and the group's first row for its local server
-        (``[n, d]``, where rows are replicated per group)."""
+    def server_exchange(self, state: GossipState, row: int, i: int) -> None:
+        """Async mode on ``[n, d]``: row ``row`` (node ``i``) reports to its group's and
+        then the global leader server if due (:func:`leader_server_update`), and pulls
+        towards the leader copy each returns. The servers' copies are the buffers
+        ``lead_local`` (replicated over the group's rows) and ``lead_global`` (over all).
+        A peer-to-peer runtime hosts each server on one peer and calls
+        :func:`leader_server_update` there, :meth:`node_pull` on the worker."""
         local, glob = self.due(state.step, i)
         if not (local or glob):
             return
@@ -313,18 +332,15 @@ class LSGD(DecentralizedAlgorithm):
         for buf, loss_key, c, is_due in pulls:
             if not is_due:
                 continue
-            if server is None:
-                rows = self._server_rows(state, i, buf)
-                holder, hrow = state, rows
-            else:
-                holder, hrow = server, [0]
-            if f < float(holder.meta[loss_key][hrow[0]]):
-                holder.buffers[buf][hrow] = state.x[row]
-                holder.meta[loss_key][hrow] = f
+            rows = self._server_rows(state, i, buf)
+            x_lead, f_lead, took = leader_server_update(state.buffers[buf][rows[0]],
+                                                        float(state.meta[loss_key][rows[0]]), state.x[row], f)
+            if took:
+                state.buffers[buf][rows], state.meta[loss_key][rows] = x_lead, f_lead
                 state.meta["leaders"] = [i]
             else:
                 state.meta["wire_bytes"] += 4.0 * state.d
-            state.x[row] = leader_pull(state.x[row], holder.buffers[buf][hrow[0]], c)
+            state.x[row] = leader_pull(state.x[row], x_lead, c)
             state.meta["wire_bytes"] += 12.0
         self._reset_loss(state, row)
 
