@@ -81,8 +81,9 @@ class RunConfig(BaseModel):
     lr: float = Field(0.3, gt=0.0, le=100.0, description="Client learning rate.")
     momentum: float = Field(0.0, ge=0.0, lt=1.0, description="Client SGD momentum.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for model init, data split and sampling.")
-    engine: Literal["inprocess", "flower"] = Field(
-        "inprocess", description="'inprocess' (no Ray, default) or 'flower' (Flower's Simulation Engine)."
+    engine: Literal["inprocess", "flower", "array"] = Field(
+        "inprocess", description="'inprocess' (no Ray, default), 'flower' (Flower's Simulation Engine) or 'array' "
+        "(decentralized algorithms on [n, d] tensors, no Flower messages)."
     )
     test_fraction: float = Field(
         0.2, gt=0.0, lt=1.0, description="Share of the task's data held out as the global test set."

@@ -40,15 +40,10 @@ from fedswarm.swarm.net.transport import (
     server_tls_context,
 )
 
-__all__ = ["Peer", "PeerConfig", "round_seed"]
+__all__ = ["Peer", "PeerConfig"]
 
 log = logging.getLogger("fedswarm.swarm")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def round_seed(seed: int, partition_id: int, r: int) -> int:
-    """The minibatch seed of one peer's round (the in-process oracle uses the same)."""
-    return (seed * 1_000_003 + partition_id * 7_919 + r * 104_729) % (2**31 - 1)
 
 
 @dataclass
@@ -248,9 +243,13 @@ class Peer:
 
     # -- training ------------------------------------------------------------------------
     def train(self, x: torch.Tensor, r: int):
+        """``local_steps`` plain SGD steps from ``x`` with this round's minibatch seed (the
+        seed every runtime uses: :func:`~fedswarm.strategies.decentralized.steps.node_seed`)."""
+        from fedswarm.strategies.decentralized.steps import node_seed
+
         c = self.cfg
         return self.trainer.fit(x, steps=c.local_steps, batch_size=c.batch_size, lr=c.lr,
-                                seed=round_seed(c.seed, c.partition_id, r))
+                                seed=node_seed(c.seed, r, c.partition_id))
 
     def evaluate(self, x: torch.Tensor) -> tuple[float, float]:
         return self.trainer.evaluate(x, self.test.test_x, self.test.test_y)
