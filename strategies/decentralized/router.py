@@ -46,6 +46,7 @@ from fedswarm.algorithms.decentralized import ALGORITHMS, consensus_distance, ma
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
 from fedswarm.algorithms.decentralized.topology import make_topology
 from fedswarm.payload import PayloadError
+from fedswarm.strategies.strategy_utils import ReportsRounds
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
 __all__ = ["DecentralizedStrategy", "SYNC_ALGORITHMS"]
@@ -59,7 +60,7 @@ __all__ = ["DecentralizedStrategy", "SYNC_ALGORITHMS"]
 SYNC_ALGORITHMS = ("dpsgd", "d2", "dsgdm", "qgm", "squarm", "easgd", "dasgd")
 
 
-class DecentralizedStrategy(Strategy):
+class DecentralizedStrategy(ReportsRounds, Strategy):
     """Route gossip messages along a topology; keep no global model.
 
     Parameters
@@ -131,11 +132,12 @@ class DecentralizedStrategy(Strategy):
         initial = arrayrecord_to_vector(initial_arrays)
         if self._average is None:
             self._average = initial
+        self.bind_notes(evaluate_fn)
         if evaluate_fn is not None:
-            if hasattr(evaluate_fn, "note") and self._iterations == 0:
+            if self._iterations == 0:
                 # Round 0 of a new run evaluates the initial model: no node has trained or
                 # gossiped yet, so there is no consensus distance to measure: null, never 0.
-                evaluate_fn.note(consensus_distance=None)
+                self.note(consensus_distance=None)
             res = evaluate_fn(0, initial_arrays)
             if res is not None:
                 result.evaluate_metrics_serverapp[0] = res
@@ -161,9 +163,8 @@ class DecentralizedStrategy(Strategy):
             arrays = vector_to_arrayrecord(self._average)
             result.arrays = arrays
             if evaluate_fn is not None:
-                if hasattr(evaluate_fn, "note"):
-                    evaluate_fn.note(consensus_distance=cd, p2p_bytes=p2p, nodes_reporting=len(models),
-                                     nodes_failed=len(node_ids) - len(models))
+                self.note(consensus_distance=cd, p2p_bytes=p2p, nodes_reporting=len(models),
+                          nodes_failed=len(node_ids) - len(models))
                 res = evaluate_fn(t, arrays)
                 if res is not None:
                     result.evaluate_metrics_serverapp[t] = res
@@ -231,7 +232,7 @@ class DecentralizedStrategy(Strategy):
                 vec = arrayrecord_to_vector(msg, d) if msg is not None else None
                 models_vec = vec if model is msg else arrayrecord_to_vector(model, d)
             except (KeyError, TypeError, ValueError, PayloadError) as exc:
-                log(WARNING, "node %s sent a malformed reply, ignored: %s", nid, exc)
+                self.reject(reply, exc)
                 continue
             self._pid_of[nid], self._node_of[pid] = pid, nid
             self._needs_init.discard(nid)

@@ -8,10 +8,10 @@ strategies whose clients keep a residual, which of its last coordinates the serv
 update. Subclasses implement ``parse_reply`` (validate one reply, raise PayloadError) and
 ``aggregate`` (accepted replies -> the update and, if it is coded, its payload).
 
-A reply that is malformed or non-finite is **rejected**: it never reaches the model, its
-first MetricRecord gets ``rejected = 1`` (the recorder marks the node row ``rejected``), its
-``node`` record a ``rejected_reason``, and the round's row ``rejected`` (a count) and
-``rejected_reasons`` ({node id: reason}) through the recorder's ``note``.
+A reply that is malformed or non-finite is **rejected** with
+:meth:`~fedswarm.strategies.strategy_utils.ReportsRounds.reject`: it never reaches the model
+and the recorder stores the reason (the ``rejections`` table, the node's row, the round's
+``rejected`` count).
 
 Client (:func:`begin` ... :func:`finish`): sync the replica, run the shared local SGD
 (:func:`fedswarm.local.local_fit`, so device-class policies apply), let the algorithm
@@ -39,6 +39,7 @@ from fedswarm.config import RunConfig
 from fedswarm.local import LocalFit, local_fit, node_partition, run_config_of
 from fedswarm.params import ParamLayout
 from fedswarm.strategies.federated.compressed_sync import ReplicaSync, client_sync, save_replica
+from fedswarm.strategies.strategy_utils import ReportsRounds
 from fedswarm.train import LocalTrainer, trainer_for
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import arrayrecord_to_vector, payload_from_records, vector_to_arrayrecord
@@ -70,7 +71,7 @@ class Step:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-class CompressedStrategy(Strategy):
+class CompressedStrategy(ReportsRounds, Strategy):
     """Base class: Flower's round loop with replica sync, validation and rejection.
 
     Parameters
@@ -111,7 +112,6 @@ class CompressedStrategy(Strategy):
         self.pending: dict[int, tuple[int, str, bytes]] = {}  # node -> (round, kind, data) for SELECT
         self._grid: Grid | None = None
         self._timeout: float | None = None
-        self._evaluate_fn: Callable | None = None
         self._keys: list[tuple[str, tuple[int, ...]]] | None = None
         self._rejected: dict[str, str] = {}
         self.round = 0  # rounds configured by this object (see configure_train)
@@ -149,10 +149,11 @@ class CompressedStrategy(Strategy):
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Flower's round loop; kept as is, with the timeout and ``evaluate_fn`` remembered
-        (the two-phase strategies use the grid again inside a round; ``evaluate_fn.note``,
-        when it exists, receives the round's rejections)."""
-        self._timeout, self._evaluate_fn = timeout, evaluate_fn
+        """Flower's round loop; kept as is, with the timeout remembered (the two-phase
+        strategies use the grid again inside a round) and the round notes bound to
+        ``evaluate_fn`` when it is fedswarm's recorder."""
+        self._timeout = timeout
+        self.bind_notes(evaluate_fn)
         self._ensure_model(initial_arrays)
         return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
 
@@ -209,7 +210,7 @@ class CompressedStrategy(Strategy):
             private, dp_metrics = self.dp.privatize(torch.stack([a.value for a in accepted]))
             for a in accepted:
                 a.value, a.weight = private, 1.0
-            self._note(**dp_metrics)
+            self.note(**dp_metrics)
         step = self.aggregate(self.round, accepted) if accepted else None
         if step is not None:
             if not bool(torch.isfinite(step.update).all()):  # never commit a non-finite model
@@ -224,7 +225,6 @@ class CompressedStrategy(Strategy):
         losses = [(w, float(v)) for w, v in losses if isinstance(v, (int, float)) and math.isfinite(v)]
         if losses:
             metrics["train_loss"] = sum(w * v for w, v in losses) / sum(w for w, _ in losses)
-        self._note(rejected=len(self._rejected), rejected_reasons=dict(self._rejected))
         return self.model_arrays(), MetricRecord(metrics)
 
     def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
@@ -234,24 +234,11 @@ class CompressedStrategy(Strategy):
         return None
 
     # -- helpers for subclasses ----------------------------------------------------------
-    def reject(self, msg: Message, reason: str) -> None:
-        """Flag a reply as rejected (it never touches the model) with ``reason``."""
-        nid = msg.metadata.src_node_id
-        reason = reason.strip().splitlines()[0][:500] if reason.strip() else "rejected"
-        self._rejected[str(nid)] = reason
-        log(WARNING, "round update of node %s rejected: %s", nid, reason)
-        if not msg.has_content():
-            return
-        content = msg.content
-        metrics = next(iter(content.metric_records.values()), None)
-        if metrics is None:
-            content["metrics"] = metrics = MetricRecord()
-        metrics["rejected"] = 1
-        if "train_loss" in metrics:
-            del metrics["train_loss"]  # a rejected node's loss is not the round's
-        node = content.config_records.get("node")
-        if node is not None:
-            node["rejected_reason"] = reason
+    def reject(self, reply: Message, reason: object) -> str:
+        """Refuse ``reply`` (see ``ReportsRounds.reject``) and count it in the round's metrics."""
+        text = super().reject(reply, reason)
+        self._rejected[str(reply.metadata.src_node_id)] = text
+        return text
 
     def weights(self, accepted: list[Accepted]) -> torch.Tensor:
         w = torch.tensor([a.weight for a in accepted], dtype=torch.float64)
@@ -292,11 +279,6 @@ class CompressedStrategy(Strategy):
             return
         self._keys = [(k, tuple(arrays[k].shape)) for k in arrays.keys()]
         self.sync.reset(arrayrecord_to_vector(arrays, self.layout.d))
-
-    def _note(self, **metrics: Any) -> None:
-        note = getattr(self._evaluate_fn, "note", None)
-        if callable(note):
-            note(**metrics)
 
 
 def _num_examples(msg: Message) -> float:

@@ -63,7 +63,7 @@ class RobustAggregation(CompressedFedAvg):
             self.rule.check(x.shape[0])
         except ToleranceError as exc:
             log(WARNING, "round %s skipped: %s", server_round, exc)
-            self._note(robust_skipped=str(exc))
+            self.note(robust_skipped=str(exc))
             return None
         u = self.rule(x)
         return Step(u if self.server_lr == 1.0 else u * self.server_lr)
