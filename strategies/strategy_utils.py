@@ -19,6 +19,7 @@ into the reply itself (``rejected = 1`` in its first MetricRecord, ``rejected_re
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, MutableMapping
 from logging import WARNING
 from typing import Any
@@ -27,10 +28,13 @@ import torch
 from flwr.app import Message, MetricRecord, RecordDict
 from flwr.common import log
 
+from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState
+from fedswarm.params import ParamLayout
 from fedswarm.payload import PayloadError
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
-__all__ = ["load_vector", "save_vector", "RoundNotes", "ReportsRounds", "notes_for", "clean_reason",
+__all__ = ["load_vector", "save_vector", "load_error_feedback", "save_error_feedback", "layout_of_arrays",
+           "layout_json", "layout_from_json", "RoundNotes", "ReportsRounds", "notes_for", "clean_reason",
            "check_model_reply"]
 
 MAX_REASON = 500
@@ -40,6 +44,62 @@ def clean_reason(reason: object) -> str:
     """A rejection reason as stored: its first line, at most ``MAX_REASON`` characters."""
     text = str(reason).strip()
     return text.splitlines()[0][:MAX_REASON] if text else "rejected"
+
+
+def load_error_feedback(state: RecordDict, key: str, d: int) -> ErrorFeedbackState:
+    """A node's error-feedback memory kept in ``Context.state`` under ``key``; the empty
+    state if there is none or what is stored is unusable (see :func:`load_vector`)."""
+    rec = state.array_records.get(key)
+    if rec is None:
+        return ErrorFeedbackState()
+    try:
+        return ErrorFeedbackState(arrayrecord_to_vector(rec, d))
+    except (PayloadError, ValueError):
+        return ErrorFeedbackState()
+
+
+def save_error_feedback(state: RecordDict | MutableMapping[str, Any], key: str, ef: ErrorFeedbackState) -> None:
+    """Keep one node's error-feedback memory under ``key`` (the inverse of :func:`load_error_feedback`)."""
+    if ef.residual is not None:
+        save_vector(state, key, ef.residual)
+
+
+def layout_of_arrays(arrays: Any) -> ParamLayout:
+    """The :class:`ParamLayout` of a model given as an ArrayRecord (e.g.
+    ``ArrayRecord(model.state_dict())``): its arrays' names and shapes, in order. Every array
+    must be floating point (a model with integer buffers, such as BatchNorm's step count,
+    must leave them out: ``{k: v for k, v in sd.items() if v.is_floating_point()}``)."""
+    shapes = []
+    for key in arrays.keys():
+        arr = arrays[key]
+        if not str(arr.dtype).startswith(("float", "bfloat")):
+            raise PayloadError(f"array '{key}' is {arr.dtype}: fedswarm's strategies train floating-point arrays "
+                               f"only (leave integer buffers out of the initial ArrayRecord)")
+        shapes.append((str(key), tuple(int(n) for n in arr.shape)))
+    if not shapes:
+        raise PayloadError("the initial ArrayRecord holds no arrays")
+    return ParamLayout.from_shapes(shapes)
+
+
+def layout_json(layout: ParamLayout) -> str:
+    """A layout as compact JSON, ``[[name, [shape...]], ...]`` (what a plain ``train``
+    message tells compression_mod)."""
+    return json.dumps([[s.name, list(s.shape)] for s in layout.specs], separators=(",", ":"))
+
+
+def layout_from_json(text: str, *, max_d: int = 1 << 31) -> ParamLayout:
+    """The inverse of :func:`layout_json`, checked: PayloadError on anything else."""
+    try:
+        items = json.loads(text)
+        shapes = [(str(name), tuple(int(n) for n in shape)) for name, shape in items]
+    except (TypeError, ValueError) as exc:
+        raise PayloadError(f"'layout' must be JSON [[name, [shape...]], ...]: {exc}") from None
+    if not shapes or any(n < 0 for _, shape in shapes for n in shape):
+        raise PayloadError("'layout' must name at least one array, with non-negative dimensions")
+    layout = ParamLayout.from_shapes(shapes)
+    if layout.d > max_d:
+        raise PayloadError(f"'layout' describes {layout.d} parameters, more than {max_d}")
+    return layout
 
 
 class RoundNotes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from sqlalchemy.exc import OperationalError
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
@@ -141,7 +142,7 @@ def test_migrate_adds_the_rejections_table_to_an_old_store(tmp_path):
     s = Store(tmp_path / "old.db")
     Rejection.__table__.drop(s.engine)  # a store made before the table existed
     rid = s.create_run(RunConfig().model_dump())
-    with pytest.raises(Exception):
+    with pytest.raises(OperationalError, match="no such table"):
         s.add_rejections(rid, 1, {"1": "x"})
     migrate(s.engine)
     s.add_rejections(rid, 1, {"1": "too big"})

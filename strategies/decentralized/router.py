@@ -43,7 +43,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from fedswarm.config import ConfigError
 from fedswarm.strategies.decentralized.node import NO_STATE, make_client_update, message_nbytes_of
 from fedswarm.algorithms.decentralized import ALGORITHMS, consensus_distance, make_algorithm
-from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
+from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register
 from fedswarm.algorithms.decentralized.topology import make_topology
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.strategy_utils import ReportsRounds
@@ -93,7 +93,7 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
         self.topology = make_topology(topology, self.num_nodes, seed)
         make_algorithm(algorithm, **self.algorithm_params).check_topology(self.topology)
         self.node_wait_s = float(node_wait_s)
-        self.message_type = f"train.{algorithm}"
+        self.message_type = message_type_of(algorithm)
         self._pid_of: dict[int, int] = {}  # node id -> topology index (partition id)
         self._node_of: dict[int, int] = {}  # and back
         self._needs_init: set[int] = set()  # node ids that lost their state

@@ -56,7 +56,7 @@ from fedswarm.algorithms.selection.progfed import default_stage_rounds, samples_
 from fedswarm.params import ParamLayout, get_flat
 from fedswarm.local import prepare_local
 from fedswarm.hyperparams import HyperParam
-from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
+from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register
 from fedswarm.tasks.staged import StagedModel, StageModel, step_flops
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.strategy_utils import ReportsRounds
@@ -171,7 +171,7 @@ class ProgFed(ReportsRounds, FedAvg):
         Node sampling, as in Flower's ``FedAvg``.
     """
 
-    message_type = "train.progfed"
+    message_type = message_type_of("progfed")
 
     def __init__(self, model: StagedModel, total_rounds: int, stage_rounds: int = 0, server_lr: float = 1.0,
                  head_seed: int = 0, stage_evaluator: Callable | None = None, *, fraction_train: float = 1.0,

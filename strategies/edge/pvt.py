@@ -49,7 +49,7 @@ from fedswarm.local import prepare_local, server_round
 from fedswarm.algorithms.selection.pvt import num_selected, select_variables, selection_seed
 from fedswarm.params import ParamLayout, set_flat
 from fedswarm.hyperparams import HyperParam
-from fedswarm.strategies.registry import BuildContext, StrategyEntry, register, resolve_params
+from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register, resolve_params
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.strategy_utils import ReportsRounds
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
@@ -140,7 +140,7 @@ class PartialVariableTraining(ReportsRounds, FedAvg):
         Node sampling, as in Flower's ``FedAvg``.
     """
 
-    message_type = "train.pvt"
+    message_type = message_type_of("pvt")
 
     def __init__(self, layout: ParamLayout, fraction: float = 0.25, server_lr: float = 1.0, send_ids: bool = True,
                  seed: int = 0, *, fraction_train: float = 1.0, min_train_nodes: int = 1,

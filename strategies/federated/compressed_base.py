@@ -22,7 +22,9 @@ reply with the payload, ``metrics`` and the ``node`` report.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
@@ -39,13 +41,14 @@ from fedswarm.config import RunConfig
 from fedswarm.local import LocalFit, local_fit, node_partition, run_config_of
 from fedswarm.params import ParamLayout
 from fedswarm.strategies.federated.compressed_sync import ReplicaSync, client_sync, save_replica
-from fedswarm.strategies.strategy_utils import ReportsRounds
-from fedswarm.train import LocalTrainer, trainer_for
+from fedswarm.strategies.registry import message_type_of
+from fedswarm.strategies.strategy_utils import ReportsRounds, layout_from_json, layout_json, layout_of_arrays
+from fedswarm.train import LocalTrainer, TrainResult, trainer_for
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import arrayrecord_to_vector, payload_from_records, vector_to_arrayrecord
 
 __all__ = ["CompressedStrategy", "Accepted", "Step", "ClientRound", "begin", "train", "finish",
-           "taken_indices", "save_sent", "read_payload", "KNOBS"]
+           "taken_indices", "save_sent", "read_payload", "KNOBS", "UserTraining", "user_training"]
 
 KNOBS = "compress"  # the ConfigRecord of strategy knobs in every train message
 SELECT = "select"
@@ -76,8 +79,12 @@ class CompressedStrategy(ReportsRounds, Strategy):
 
     Parameters
     ----------
-    layout : ParamLayout
+    layout : ParamLayout, optional
         Names, shapes and offsets of the model's tensors (codecs work per column/tensor).
+        Leave it out to run a Flower user's own ClientApp (with
+        :data:`fedswarm.client.compression_mod`): the layout is then read from the
+        ``initial_arrays`` given to ``start`` and the train messages are Flower's plain
+        ``train`` type, which carries the strategy's name, seed and layout in its knobs.
     server_lr : float (default: 1.0)
         Scale of the aggregated update applied to the model (1 with the ``none`` codec is
         FedAvg).
@@ -96,13 +103,17 @@ class CompressedStrategy(ReportsRounds, Strategy):
     #: so DP-FedAvg's clip and noise (``dp``) can replace them by their private average.
     supports_dp = False
 
-    def __init__(self, layout: ParamLayout, *, server_lr: float = 1.0, fraction_train: float = 1.0,
+    def __init__(self, layout: ParamLayout | None = None, *, server_lr: float = 1.0, fraction_train: float = 1.0,
                  min_train_nodes: int = 1, min_available_nodes: int = 1, seed: int = 0, history: int = 8):
-        if not isinstance(layout, ParamLayout):
-            raise TypeError("layout must be a fedswarm ParamLayout (ParamLayout.from_module(model))")
+        if layout is not None and not isinstance(layout, ParamLayout):
+            raise TypeError("layout must be a fedswarm ParamLayout (ParamLayout.from_module(model)) or None "
+                            "(read from the initial ArrayRecord)")
         if not 0.0 < fraction_train <= 1.0:
             raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
         self.layout = layout
+        #: Train messages are Flower's plain ``train`` (a user's ClientApp with compression_mod)
+        #: rather than fedswarm's ``train.<name>``: chosen by leaving ``layout`` out.
+        self.plain_train = layout is None
         self.server_lr = float(server_lr)
         self.fraction_train = float(fraction_train)
         self.min_train_nodes = int(min_train_nodes)
@@ -119,7 +130,11 @@ class CompressedStrategy(ReportsRounds, Strategy):
 
     @property
     def message_type(self) -> str:
-        return f"train.{self.name}"
+        return "train" if self.plain_train else message_type_of(self.name)
+
+    def on_layout(self) -> None:
+        """Called once the layout is known (at construction, or at ``start`` when it is read
+        from the initial arrays): subclasses size what depends on it here."""
 
     # -- subclass hooks ------------------------------------------------------------------
     def knobs(self, server_round: int) -> dict[str, Any]:
@@ -171,6 +186,8 @@ class CompressedStrategy(ReportsRounds, Strategy):
         # server_round at 1 when rounds are added): tags replies, selections and seeds.
         self.round += 1
         knobs = ConfigRecord({"round": self.round, **self.knobs(self.round)})
+        if self.plain_train:  # what compression_mod needs to run this strategy's client half
+            knobs.update({"strategy": self.name, "seed": self.seed, "layout": layout_json(self.layout)})
         messages = []
         for nid in node_ids:
             content = RecordDict({"config": config, KNOBS: knobs})
@@ -246,6 +263,11 @@ class CompressedStrategy(ReportsRounds, Strategy):
 
     def send_and_receive(self, messages: list[Message]) -> list[Message]:
         """A second exchange inside a round (metered like the first)."""
+        if self.plain_train:  # the mod finds the strategy by name in every message's knobs
+            for m in messages:
+                knobs = m.content.config_records.get(KNOBS)
+                if knobs is not None and "strategy" not in knobs:
+                    knobs["strategy"], knobs["seed"] = self.name, self.seed
         return list(self._grid.send_and_receive(messages, timeout=self._timeout))
 
     def select(self, node_id: int, server_round: int, *, mask: np.ndarray | None = None,
@@ -277,6 +299,9 @@ class CompressedStrategy(ReportsRounds, Strategy):
     def _ensure_model(self, arrays: ArrayRecord) -> None:
         if self.sync.x is not None:
             return
+        if self.layout is None:
+            self.layout = layout_of_arrays(arrays)
+            self.on_layout()
         self._keys = [(k, tuple(arrays[k].shape)) for k in arrays.keys()]
         self.sync.reset(arrayrecord_to_vector(arrays, self.layout.d))
 
@@ -329,23 +354,94 @@ class ClientRound:
         return int(self.knobs["round"])
 
 
+@dataclass
+class UserTraining:
+    """A Flower user's own ``train`` function standing in for fedswarm's local SGD: set by
+    :data:`fedswarm.client.compression_mod` around a strategy's client half (see
+    :func:`user_training`). ``call_next(msg, context)`` is the rest of the user's ClientApp."""
+
+    call_next: Callable[[Message, Context], Message]
+
+
+_USER: ContextVar[UserTraining | None] = ContextVar("fedswarm_user_training", default=None)
+
+
+@contextmanager
+def user_training(call_next: Callable[[Message, Context], Message]) -> Iterator[None]:
+    """Inside this block, :func:`begin` and :func:`train` run the user's app, not a task."""
+    token = _USER.set(UserTraining(call_next))
+    try:
+        yield
+    finally:
+        _USER.reset(token)
+
+
+@dataclass
+class _UserModel:
+    """What a client round needs of a trainer when the user's app trains: the layout."""
+
+    layout: ParamLayout
+
+
 def begin(msg: Message, context: Context) -> ClientRound:
     """Read config and knobs and bring this node's replica to the server's model."""
+    if KNOBS not in msg.content.config_records:
+        raise PayloadError(f"train message has no '{KNOBS}' record")
+    knobs = msg.content.config_records[KNOBS]
+    if _USER.get() is not None:  # a user's own app: no fedswarm task, the layout comes from the server
+        if "layout" not in knobs:
+            raise PayloadError(f"the '{KNOBS}' record has no 'layout': build the strategy without a layout "
+                               "(from the initial ArrayRecord) to serve a user's ClientApp")
+        layout = layout_from_json(str(knobs["layout"]))
+        cfg = RunConfig(seed=int(knobs.get("seed", 0)))
+        model, version, epoch = client_sync(msg.content, context.state, layout)
+        return ClientRound(msg, context, cfg, _UserModel(layout), knobs, model, version, epoch)
     cfg = run_config_of(msg, context)
     pid, n = node_partition(context, cfg)
     trainer = trainer_for(cfg, pid, n)
-    if KNOBS not in msg.content.config_records:
-        raise PayloadError(f"train message has no '{KNOBS}' record")
     model, version, epoch = client_sync(msg.content, context.state, trainer.layout)
-    return ClientRound(msg, context, cfg, trainer, msg.content.config_records[KNOBS], model, version, epoch)
+    return ClientRound(msg, context, cfg, trainer, knobs, model, version, epoch)
 
 
 def train(cr: ClientRound) -> LocalFit:
-    """Local SGD from the public model (policies apply); returns the LocalFit."""
+    """Local SGD from the public model (policies apply); returns the LocalFit. Under
+    :func:`user_training`, the user's own ``train`` function trains instead: it gets the
+    public model as an ArrayRecord shaped like the initial one and must reply with its new
+    ``arrays`` (same names and shapes) and a MetricRecord with ``num-examples``."""
+    user = _USER.get()
+    if user is not None:
+        return _user_fit(cr, user)
     content = RecordDict({"arrays": vector_to_arrayrecord(cr.model), "config": cr.msg.content.config_records["config"]})
     if "byzantine" in cr.msg.content.config_records:  # a data-poisoning attacker trains on what it was told
         content["byzantine"] = cr.msg.content.config_records["byzantine"]
     return local_fit(_TrainView(content), cr.context)
+
+
+def _user_fit(cr: ClientRound, user: UserTraining) -> LocalFit:
+    layout = cr.layout
+    arrays = ArrayRecord()
+    for spec in layout.specs:
+        arrays[spec.name] = Array(np.ascontiguousarray(cr.model[spec.offset:spec.end].reshape(spec.shape).numpy()))
+    config = cr.msg.content.config_records.get("config") or ConfigRecord()
+    msg = Message(RecordDict({"arrays": arrays, "config": config}), metadata=cr.msg.metadata)
+    reply = user.call_next(msg, cr.context)
+    if reply.has_error():
+        raise RuntimeError(f"the ClientApp's train function failed: {reply.error.reason}")
+    recs = reply.content.array_records
+    rec = recs.get("arrays") if "arrays" in recs else (next(iter(recs.values())) if len(recs) == 1 else None)
+    if rec is None:
+        raise PayloadError(f"the train function must reply with one ArrayRecord ('arrays'), got {list(recs.keys())}")
+    names = [spec.name for spec in layout.specs]
+    if list(rec.keys()) != names:
+        raise PayloadError(f"the train function replied with arrays {list(rec.keys())[:8]}, expected the model's "
+                           f"{names[:8]} (same names, same order)")
+    flat = arrayrecord_to_vector(rec, layout.d)
+    metrics = next(iter(reply.content.metric_records.values()), None)
+    if metrics is None or "num-examples" not in metrics:
+        raise PayloadError("the train function must reply with a MetricRecord holding 'num-examples'")
+    loss = metrics.get("train_loss", metrics.get("loss", float("nan")))
+    result = TrainResult(flat=flat, loss=float(loss), num_examples=int(metrics["num-examples"]), steps=0)
+    return LocalFit(cr.cfg, cr.trainer, cr.model, result, device_class="", policy={})
 
 
 def finish(cr: ClientRound, fit: LocalFit, reply: RecordDict, **metrics: float) -> RecordDict:

@@ -49,7 +49,10 @@ class RobustAggregation(CompressedFedAvg):
 
     supports_dp = False  # a robust rule's output is not an average: no clip-norm sensitivity
 
-    def __init__(self, layout: ParamLayout, rule: RobustRule, *, codec: str = "none", **kwargs: Any):
+    def __init__(self, layout: ParamLayout | None = None, rule: RobustRule | None = None, *, codec: str = "none",
+                 **kwargs: Any):
+        if rule is None:
+            raise TypeError("RobustAggregation needs a rule (fedswarm.algorithms.robust.aggregators)")
         super().__init__(layout, codec=codec, error_feedback=False, **kwargs)
         self.rule = rule
         self.name = rule.name
@@ -75,7 +78,7 @@ class Signum(RobustAggregation):
     down as 1 bit a coordinate (Bernstein et al., ICLR 2019; see
     :mod:`fedswarm.algorithms.robust.signum`)."""
 
-    def __init__(self, layout: ParamLayout, f: int = 0, **kwargs: Any):
+    def __init__(self, layout: ParamLayout | None = None, f: int = 0, **kwargs: Any):
         super().__init__(layout, MajorityVote(f), codec="sign", **kwargs)
         from fedswarm.algorithms.compression.codecs import make_codec
 
