@@ -93,7 +93,7 @@ class RoundRecorder(RoundNotes):
         for observe in self.observers:
             row.update(observe(traffic))
         row.update(notes)
-        if rejections or "rejected" in row:
+        if rejections or server_round > 0:  # every strategy's rounds count what they rejected
             row["rejected"] = len(rejections)
             row["rejected_reasons"] = dict(rejections)
         self.store.add_round(self.run_id, rnd, **row)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from fedswarm.config import round_seed
 from fedswarm.swarm.checkpoint import load_checkpoint, save_checkpoint
 from fedswarm.swarm.net.envelope import Dropped, Message, Verifier
 from fedswarm.swarm.net.identity import create_or_load, load_allow_list
@@ -46,9 +47,7 @@ log = logging.getLogger("fedswarm.swarm")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def round_seed(seed: int, partition_id: int, r: int) -> int:
-    """The minibatch seed of one peer's round (the in-process oracle uses the same)."""
-    return (seed * 1_000_003 + partition_id * 7_919 + r * 104_729) % (2**31 - 1)
+# The minibatch seed of one peer's round: fedswarm's one recipe, round_seed(seed, round, partition).
 
 
 @dataclass
@@ -250,7 +249,7 @@ class Peer:
     def train(self, x: torch.Tensor, r: int):
         c = self.cfg
         return self.trainer.fit(x, steps=c.local_steps, batch_size=c.batch_size, lr=c.lr,
-                                seed=round_seed(c.seed, c.partition_id, r))
+                                seed=round_seed(c.seed, r, c.partition_id))
 
     def evaluate(self, x: torch.Tensor) -> tuple[float, float]:
         return self.trainer.evaluate(x, self.test.test_x, self.test.test_y)

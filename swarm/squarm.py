@@ -80,12 +80,12 @@ class SquarmDriver(Driver):
 
     # -- the round ---------------------------------------------------------------------
     def _local_steps(self, r: int) -> float:
-        from fedswarm.swarm.peer import round_seed
+        from fedswarm.config import round_seed
 
         p, c = self.peer, self.peer.cfg
         tr = p.trainer
         params = [q for q in tr.model.parameters() if q.requires_grad]
-        gen = torch.Generator().manual_seed(round_seed(c.seed, c.partition_id, r))
+        gen = torch.Generator().manual_seed(round_seed(c.seed, r, c.partition_id))
         n = tr.num_examples
         order, pos, total = torch.randperm(n, generator=gen), 0, 0.0
         tr.model.train()
