@@ -134,7 +134,7 @@ class GossipDriver(Driver):
 
 
 class SwarmMergeDriver(Driver):
-    """Swarm Learning's round (algorithms.md §16): local training, then the round's leader
+    """Swarm Learning's round (docs/algorithms.md §16): local training, then the round's leader
     (``merge_leader``: the round number indexes the sorted live members) collects every
     model, merges by sample-weighted mean and sends the merge back. Blockchain, SPIFFE
     identities and minPeers are replaced by signed messages, the allow list and the
@@ -188,7 +188,7 @@ class SwarmMergeDriver(Driver):
 
 
 class LeaderDriver(Driver):
-    """Leader SGD (algorithms.md §9), synchronous and single-leader: every ``tau`` rounds
+    """Leader SGD (docs/algorithms.md §9), synchronous and single-leader: every ``tau`` rounds
     each peer sends its round's mean training loss (the paper's stochastic estimate of
     f(x_j)) to all members, elects ``argmin`` (ties: lowest id) and pulls from the leader
     ``x ← (1 − c) x + c x̃`` with ``c = pull``. Simplified from the paper: no local groups

@@ -1,4 +1,4 @@
-"""SQuARM-SGD over sockets (Singh et al., JSAIT 2021; algorithms.md §7), with the codecs
+"""SQuARM-SGD over sockets (Singh et al., JSAIT 2021; docs/algorithms.md §7), with the codecs
 of :mod:`fedswarm.algorithms.compression.codecs`.
 
 Each round is one synchronisation period of ``local_steps`` Nesterov steps; then, if the

@@ -1,4 +1,4 @@
-"""EASGD and LSGD (Leader SGD), synchronous versions on ``[n, d]`` (algorithms.md §9).
+"""EASGD and LSGD (Leader SGD), synchronous versions on ``[n, d]`` (docs/algorithms.md §9).
 
 Both replace neighbour gossip with a pull: EASGD towards an elastic center variable,
 LSGD towards the best-performing worker of the group and of the whole run.
@@ -26,7 +26,7 @@ def contiguous_groups(n: int, groups: int) -> list[list[int]]:
 
 class EASGD(DecentralizedAlgorithm):
     """EASGD, elastic averaging SGD (Zhang, Choromanska, LeCun, NeurIPS 2015), the
-    baseline LSGD argues against (algorithms.md §9). Synchronous, every ``period`` steps::
+    baseline LSGD argues against (docs/algorithms.md §9). Synchronous, every ``period`` steps::
 
         x_i ← x_i − η g_i                                   (every step)
         if (t+1) % τ == 0:   α = β / n
@@ -102,7 +102,7 @@ class EASGD(DecentralizedAlgorithm):
 
 
 class LSGD(DecentralizedAlgorithm):
-    """LSGD, Leader SGD (Teng et al., NeurIPS 2019, arXiv:1905.10395; algorithms.md §9), the
+    """LSGD, Leader SGD (Teng et al., NeurIPS 2019, arXiv:1905.10395; docs/algorithms.md §9), the
     synchronous multi-leader version as in the official code (``yunfei-teng/LSGD``)::
 
         x_i ← x_i − η g_i                                   (every step; momentum optional)

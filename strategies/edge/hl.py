@@ -1,4 +1,4 @@
-"""Homogeneous Learning (Sun & Ochiai, IEEE Access 2022; ``reference/algorithms.md`` §13).
+"""Homogeneous Learning (Sun & Ochiai, IEEE Access 2022; ``docs/algorithms.md`` §13).
 
 One model travels along a chain of nodes: each round one node trains it on its own data
 (plain local training, Flower's ``train`` message, so any node's policy applies) and

@@ -1,4 +1,4 @@
-"""ProgFed: progressive training (Wang, Stich, He, Fritz, ICML 2022; ``reference/algorithms.md`` §12).
+"""ProgFed: progressive training (Wang, Stich, He, Fritz, ICML 2022; ``docs/algorithms.md`` §12).
 
 The model is a :class:`~fedswarm.tasks.staged.StagedModel` ``M = G_S ∘ E_S ∘ … ∘ E_1``.
 Stage ``s`` trains ``M_s = G_s ∘ E_s ∘ … ∘ E_1`` with a small local head ``G_s``; when

@@ -1,4 +1,4 @@
-"""PVT: Partial Variable Training (Yang et al., ICASSP 2022; ``reference/algorithms.md`` §11).
+"""PVT: Partial Variable Training (Yang et al., ICASSP 2022; ``docs/algorithms.md`` §11).
 
 Each client, each round, trains a random subset ``T_c`` of the model's *variables* (whole
 tensors of the :class:`~fedswarm.params.ParamLayout`) and freezes the rest: frozen

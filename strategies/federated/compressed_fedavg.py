@@ -155,7 +155,7 @@ class OneBitSGD(CompressedFedAvg):
 
     Clients quantize ``δ_i + e_i`` per column with threshold 0 and two reconstruction values
     (the ``onebit`` codec) and keep the quantization error ``e_i``. The server plays every
-    stripe owner of the paper's all-to-all (algorithms.md §1): it sums the decoded
+    stripe owner of the paper's all-to-all (docs/algorithms.md §1): it sums the decoded
     stripes, ``A = Σ_i n_i D(Q_i) / Σ_i n_i``, quantizes the aggregate a second time with
     its own residual, ``QA = Q(server_lr·A + E)``, ``E ← server_lr·A + E − D(QA)``, and
     sends ``QA`` down: every client applies ``x̂ ← x̂ + D(QA)``. With ``error_feedback``

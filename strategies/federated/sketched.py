@@ -1,4 +1,4 @@
-"""Count-Sketch strategies: Sketched-SGD, FetchSGD and gs-SGD (algorithms.md §6b-6d).
+"""Count-Sketch strategies: Sketched-SGD, FetchSGD and gs-SGD (docs/algorithms.md §6b-6d).
 
 Every client sketches a d-vector into an r x c table with hashes shared through a seed
 (the ``countsketch`` codec); sketches are linear, so the server's weighted sum of the
@@ -317,7 +317,7 @@ _GS = "gs_sgd"
 class GlobalSketchSGD(SketchStrategy):
     """gs-SGD: top-k of a global Count Sketch of the workers' error-compensated updates.
 
-    **A reconstruction.** Only the paper's abstract was retrievable (algorithms.md §6d):
+    **A reconstruction.** Only the paper's abstract was retrievable (docs/algorithms.md §6d):
     it compresses with a Count Sketch of the *global* gradient instead of top-k, needs no
     parameter server, and costs O(log d · log P) per worker. Reconstructed here, from that
     and sketch linearity::
