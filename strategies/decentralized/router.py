@@ -3,8 +3,9 @@
 :class:`DecentralizedStrategy` is a Flower ``Strategy`` whose server is a router (the
 usual trick for gossip on a server-centric framework, ``docs/algorithms.md`` §F). Node
 ``i``'s model and algorithm memory live on node ``i`` (``Context.state``, see
-:mod:`fedswarm.strategies.decentralized.node`); each round the server hands every node the messages its neighbours sent, per the topology's mixing
-matrix of that round, and the node mixes them itself. The server never mixes.
+:mod:`fedswarm.strategies.decentralized.node`); each round the server hands every node
+the messages its neighbours sent, per the topology's mixing matrix of that round, and the
+node mixes them itself. The server never mixes.
 
 One round ``t`` is one gossip iteration: one local step (``--local-steps H`` makes it H
 plain SGD steps fed to the algorithm as one pseudo-gradient; ``local_epochs`` does not
