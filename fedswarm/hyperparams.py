@@ -81,8 +81,8 @@ class HyperParam:
         where = where or f"{strategy}.{self.name}"
         t = self.type
         bad = ConfigError(f"invalid value for '{where}': expected {self.allowed()} (got {value!r})")
-        if isinstance(value, bool) and t is not bool:  # True is no number, nor a name
-            raise bad
+        if isinstance(value, bool) != (t is bool) and not (t is bool and isinstance(value, str)):
+            raise bad  # True is no number nor a name, and 1 is no flag ('true'/'false' strings are)
         if self.choices is not None and t in (int, float) and isinstance(value, str):
             try:
                 value = t(value)

@@ -26,7 +26,7 @@ def test_accepted_values_are_coerced(hp, value, want):
 
 @pytest.mark.parametrize("hp,value", [
     (RATIO, 0.0), (RATIO, 1.5), (RATIO, "nan"), (RATIO, float("inf")), (RATIO, True), (RATIO, "x"),
-    (K, 7.5), (K, 0), (K, 65), (K, True), (EF, "maybe"), (MERGE, "other"), (MERGE, 3),
+    (K, 7.5), (K, 0), (K, 65), (K, True), (EF, "maybe"), (EF, 1), (EF, 0.0), (MERGE, "other"), (MERGE, 3),
 ])
 def test_refused_values_name_the_key_and_the_range(hp, value):
     with pytest.raises(ConfigError, match=rf"invalid value for 's\.{hp.name}': expected {hp.type.__name__}|"
