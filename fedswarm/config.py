@@ -126,17 +126,25 @@ class RunConfig(TrainingSpec):
         0.2, gt=0.0, lt=1.0, description="Share of the task's data held out as the global test set."
     )
     devices: str | None = Field(
-        None, description="Device classes of the nodes for the time model, e.g. 'gpu:4,edge-wifi:12' (see fedswarm/timemodel.py)."
+        None, description="Device classes of the nodes for the time model, e.g. 'gpu:4,edge-wifi:12' "
+                          "(see fedswarm/timemodel.py)."
     )
     profiles: str | None = Field(None, description="A TOML file of device/link profiles merged over the built-in ones.")
     policies: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="Per-device-class policies, e.g. {'edge-lte': {'local_steps': 2}} (see fedswarm/policy.py).",
     )
-    byzantine: int = Field(0, ge=0, le=1_000_000, description="Number of Byzantine clients (chosen with the seed); their replies are rewritten by --attack and never flagged to the aggregator.")
-    attack: str | None = Field(None, description="What Byzantine clients do: NAME[:key=value,...], NAME one of signflip, gaussian, alie, ipm, signvote, labelflip, random (default signflip when byzantine > 0).")
-    dp: str | None = Field(None, description="Client-level DP-FedAvg: 'noise_multiplier=N[,clip=C,delta=D,adaptive=true]' or 'target_epsilon=E[,delta=D]'.")
-    dp_sgd: str | None = Field(None, description="Example-level DP-SGD in every client (opacus): 'noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]'.")
+    byzantine: int = Field(0, ge=0, le=1_000_000, description=(
+        "Number of Byzantine clients (chosen with the seed); their replies are rewritten by --attack and never "
+        "flagged to the aggregator."))
+    attack: str | None = Field(None, description=(
+        "What Byzantine clients do: NAME[:key=value,...], NAME one of signflip, gaussian, alie, ipm, signvote, "
+        "labelflip, random (default signflip when byzantine > 0)."))
+    dp: str | None = Field(None, description=(
+        "Client-level DP-FedAvg: 'noise_multiplier=N[,clip=C,delta=D,adaptive=true]' or "
+        "'target_epsilon=E[,delta=D]'."))
+    dp_sgd: str | None = Field(None, description=(
+        "Example-level DP-SGD in every client (opacus): 'noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]'."))
 
     @field_validator("policies")
     @classmethod
@@ -179,7 +187,8 @@ class RunConfig(TrainingSpec):
     @model_validator(mode="after")
     def _check_byzantine(self) -> "RunConfig":
         if self.byzantine > self.clients:
-            raise ValueError(f"byzantine: {self.byzantine} Byzantine clients asked for, the run has {self.clients} clients")
+            raise ValueError(f"byzantine: {self.byzantine} Byzantine clients asked for, "
+                             f"the run has {self.clients} clients")
         if self.attack is not None and self.byzantine == 0:
             raise ValueError("attack: an attack needs Byzantine clients (--byzantine K)")
         return self

@@ -474,7 +474,8 @@ class Store:
                      if r.get(key) is not None), None)
         attacked = [r for r in rows if r.get("byzantine_nodes")]
         if attacked:
-            summary["byzantine_nodes"] = sorted({n for r in attacked for n in r["byzantine_nodes"]}, key=lambda n: (len(str(n)), str(n)))
+            summary["byzantine_nodes"] = sorted({n for r in attacked for n in r["byzantine_nodes"]},
+                                                key=lambda n: (len(str(n)), str(n)))
             summary["attack"] = attacked[-1].get("attack")
         summary.update({k: v for k, v in (run.summary or {}).items() if k not in summary})
         return {

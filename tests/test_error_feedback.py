@@ -54,7 +54,8 @@ def test_compensate_and_update():
     x, e = torch.tensor([[1.0, 2.0]]), torch.tensor([0.5, -1.0])
     assert torch.equal(ErrorFeedback.compensate(x, e), torch.tensor([[1.5, 1.0]]))
     assert ErrorFeedback.compensate(x, None) is x
-    assert torch.equal(ErrorFeedback.update(torch.tensor([1.5, 1.0]), torch.tensor([1.0, 1.0])), torch.tensor([0.5, 0.0]))
+    assert torch.equal(ErrorFeedback.update(torch.tensor([1.5, 1.0]), torch.tensor([1.0, 1.0])),
+                       torch.tensor([0.5, 0.0]))
 
 
 def test_residual_round_trips_through_context_state():

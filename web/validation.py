@@ -108,7 +108,8 @@ def web_task_and_files(config: dict[str, Any], cat: CatalogData, has_edges: bool
                                "dashboard use a registered task (module:function tasks are for the CLI)")
     tasks = [t.get("name") for t in cat.tasks]
     if task is not None and tasks and task not in tasks:
-        raise ValidationFailed(f"invalid value for 'task': unknown task '{task}' (allowed: {', '.join(map(str, tasks))})")
+        raise ValidationFailed(f"invalid value for 'task': unknown task '{task}' "
+                               f"(allowed: {', '.join(map(str, tasks))})")
     topo = config.get("topology")
     if topo is not None and not has_edges and not (isinstance(topo, str) and NAMED_TOPOLOGY.match(topo)):
         raise ValidationFailed("invalid value for 'topology': use ring, torus, exp, onepeer-exp, complete or "

@@ -76,7 +76,8 @@ class DPFedAvg(ReportsRounds, FedAvg):
         self._keys = [(k, tuple(arrays[k].shape)) for k in arrays.keys()]
         return super().configure_train(server_round, arrays, config, grid)
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         deltas = []
         for msg in replies:
             if msg.has_error():

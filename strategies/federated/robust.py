@@ -147,7 +147,8 @@ register(StrategyEntry(
     name="signum",
     description="signSGD with majority vote: 1-bit client updates, the sign of their sum (f < n/2, blind adversaries).",
     build=_build_signum,
-    hyperparams=(_F, HyperParam("server_lr", 0.005, "step per coordinate: x <- x + server_lr * vote", gt=0.0, le=100.0)),
+    hyperparams=(_F, HyperParam("server_lr", 0.005, "step per coordinate: x <- x + server_lr * vote",
+                                gt=0.0, le=100.0)),
     client_update=client_update,
     paper=MajorityVote.paper,
 ))

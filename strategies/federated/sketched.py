@@ -88,7 +88,7 @@ class SketchStrategy(CompressedStrategy):
     def summed(self, accepted: list[Accepted]) -> torch.Tensor:
         """Σ_i (n_i/Σn) S_i: by linearity, the sketch of the weighted average."""
         total = torch.zeros(self.rows, self.cols, dtype=torch.float32)
-        for wi, a in zip(self.weights(accepted).tolist(), accepted):
+        for wi, a in zip(self.weights(accepted).tolist(), accepted, strict=True):
             total.add_(a.value, alpha=wi)
         return total
 
