@@ -13,7 +13,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -22,7 +22,13 @@ else:  # pragma: no cover
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["RunConfig", "ConfigError", "parse_partition", "load_config", "parse_set"]
+__all__ = ["RunConfig", "TrainingSpec", "ConfigError", "parse_partition", "load_config", "parse_set", "round_seed"]
+
+
+def round_seed(seed: int, server_round: int, partition_id: int) -> int:
+    """The seed of one node's local training in one round: fedswarm's one recipe, the same
+    on every runtime (Flower's ClientApp, the simulators, the swarm's peers) and engine."""
+    return (seed * 1_000_003 + server_round * 10_007 + partition_id) % (2**31 - 1)
 
 
 class ConfigError(ValueError):
@@ -51,57 +57,42 @@ def parse_partition(spec: str) -> tuple[str, float | int | None]:
     return "iid", None
 
 
-class RunConfig(BaseModel):
-    """Everything that defines a run. Same seed and config give the same model."""
+# The fields every runtime's config shares, typed once: TrainingSpec declares them, and a
+# config that needs another default (the swarm's) redeclares only the default.
+Task = Annotated[str, Field(description="Model + data: a built-in task name (see `fedswarm strategies`) "
+                                        "or 'module:function'.")]
+Params = Annotated[dict[str, Any], Field(description="Algorithm hyperparameters (`--set key=value`).")]
+Rounds = Annotated[int, Field(ge=1, le=1_000_000, description="Number of rounds.")]
+Partition = Annotated[str, Field(description="How data is split: 'iid', 'dirichlet:ALPHA' or 'shards:K'.")]
+LocalSteps = Annotated[int, Field(ge=1, le=1_000_000, description="Local SGD steps per round.")]
+BatchSize = Annotated[int, Field(ge=1, le=1_000_000, description="Local minibatch size.")]
+LearningRate = Annotated[float, Field(gt=0.0, le=100.0, description="Client learning rate.")]
+Seed = Annotated[int, Field(ge=0, le=2**31 - 1, description="Seed for model init, data split and sampling.")]
+Topology = Annotated[str, Field(description="Gossip topology for decentralized strategies: ring, torus, exp, "
+                                            "onepeer-exp, complete, random:D, edges:PATH.")]
+TorchDevice = Annotated[str, Field(description="Torch device for training: 'cpu', 'cuda', 'cuda:N', 'mps' "
+                                               "or 'auto'.")]
+
+
+class TrainingSpec(BaseModel):
+    """What every runtime's config shares: the task and its split, the seed, the rounds and
+    the local SGD. :class:`RunConfig` (the simulators and Flower), the swarm's ``PeerConfig``
+    and its launcher's ``SwarmSpec`` are built on it, so these fields are declared and
+    checked in one place."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    name: str | None = Field(None, description="A label for the run in the store and dashboard.")
-    task: str = Field(
-        "digits-mlp",
-        description="Model + data: a built-in task name (see `fedswarm strategies`) or 'module:function'.",
-    )
-    strategy: str = Field("fedavg", description="A registered strategy name.")
-    params: dict[str, Any] = Field(
-        default_factory=dict, description="Strategy hyperparameters (`--set key=value`)."
-    )
-    clients: int = Field(20, ge=1, le=1_000_000, description="Number of clients (partitions).")
-    rounds: int = Field(10, ge=1, le=1_000_000, description="Number of server rounds.")
-    fraction: float = Field(
-        1.0, gt=0.0, le=1.0, description="Fraction of clients sampled each round."
-    )
-    partition: str = Field(
-        "iid", description="How data is split: 'iid', 'dirichlet:ALPHA' or 'shards:K'."
-    )
-    local_epochs: int = Field(2, ge=1, le=10_000, description="Local epochs per round.")
-    local_steps: int | None = Field(
-        None, ge=1, le=1_000_000, description="Local SGD steps per round (overrides local_epochs)."
-    )
-    batch_size: int = Field(16, ge=1, le=1_000_000, description="Local minibatch size.")
-    lr: float = Field(0.3, gt=0.0, le=100.0, description="Client learning rate.")
-    momentum: float = Field(0.0, ge=0.0, lt=1.0, description="Client SGD momentum.")
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for model init, data split and sampling.")
-    engine: Literal["inprocess", "flower", "array"] = Field(
-        "inprocess", description="'inprocess' (no Ray, default), 'flower' (Flower's Simulation Engine) or 'array' "
-        "(decentralized algorithms on [n, d] tensors, no Flower messages)."
-    )
-    test_fraction: float = Field(
-        0.2, gt=0.0, lt=1.0, description="Share of the task's data held out as the global test set."
-    )
-    devices: str | None = Field(
-        None, description="Device classes of the nodes for the time model, e.g. 'gpu:4,edge-wifi:12' (see fedswarm/timemodel.py)."
-    )
-    profiles: str | None = Field(None, description="A TOML file of device/link profiles merged over the built-in ones.")
-    policies: dict[str, dict[str, Any]] = Field(
-        default_factory=dict,
-        description="Per-device-class policies, e.g. {'edge-lte': {'local_steps': 2}} (see fedswarm/policy.py).",
-    )
-    topology: str = Field("ring", description="Gossip topology for decentralized strategies: ring, torus, exp, onepeer-exp, complete, random:D, edges:PATH.")
-    device: str = Field("cpu", description="Torch device for training: 'cpu', 'cuda', 'cuda:N', 'mps' or 'auto'.")
-    byzantine: int = Field(0, ge=0, le=1_000_000, description="Number of Byzantine clients (chosen with the seed); their replies are rewritten by --attack and never flagged to the aggregator.")
-    attack: str | None = Field(None, description="What Byzantine clients do: NAME[:key=value,...], NAME one of signflip, gaussian, alie, ipm, signvote, labelflip, random (default signflip when byzantine > 0).")
-    dp: str | None = Field(None, description="Client-level DP-FedAvg: 'noise_multiplier=N[,clip=C,delta=D,adaptive=true]' or 'target_epsilon=E[,delta=D]'.")
-    dp_sgd: str | None = Field(None, description="Example-level DP-SGD in every client (opacus): 'noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]'.")
+    task: Task = "digits-mlp"
+    params: Params = Field(default_factory=dict)
+    rounds: Rounds = 10
+    partition: Partition = "iid"
+    local_steps: LocalSteps | None = Field(
+        None, description="Local SGD steps per round (overrides local_epochs when set).")
+    batch_size: BatchSize = 16
+    lr: LearningRate = 0.3
+    seed: Seed = 0
+    topology: Topology = "ring"
+    device: TorchDevice = "cpu"
 
     @field_validator("partition")
     @classmethod
@@ -115,6 +106,46 @@ class RunConfig(BaseModel):
         if not re.match(r"^(cpu|auto|mps|cuda(:[0-9]+)?)$", v):
             raise ValueError("must be 'cpu', 'auto', 'mps', 'cuda' or 'cuda:N'")
         return v
+
+
+class RunConfig(TrainingSpec):
+    """Everything that defines a run. Same seed and config give the same model."""
+
+    name: str | None = Field(None, description="A label for the run in the store and dashboard.")
+    strategy: str = Field("fedavg", description="A registered strategy name.")
+    clients: int = Field(20, ge=1, le=1_000_000, description="Number of clients (partitions).")
+    fraction: float = Field(
+        1.0, gt=0.0, le=1.0, description="Fraction of clients sampled each round."
+    )
+    local_epochs: int = Field(2, ge=1, le=10_000, description="Local epochs per round.")
+    momentum: float = Field(0.0, ge=0.0, lt=1.0, description="Client SGD momentum.")
+    engine: Literal["inprocess", "flower", "array"] = Field(
+        "inprocess", description="'inprocess' (no Ray, default), 'flower' (Flower's Simulation Engine) or 'array' "
+        "(decentralized algorithms on [n, d] tensors, no Flower messages)."
+    )
+    test_fraction: float = Field(
+        0.2, gt=0.0, lt=1.0, description="Share of the task's data held out as the global test set."
+    )
+    devices: str | None = Field(
+        None, description="Device classes of the nodes for the time model, e.g. 'gpu:4,edge-wifi:12' "
+                          "(see fedswarm/timemodel.py)."
+    )
+    profiles: str | None = Field(None, description="A TOML file of device/link profiles merged over the built-in ones.")
+    policies: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Per-device-class policies, e.g. {'edge-lte': {'local_steps': 2}} (see fedswarm/policy.py).",
+    )
+    byzantine: int = Field(0, ge=0, le=1_000_000, description=(
+        "Number of Byzantine clients (chosen with the seed); their replies are rewritten by --attack and never "
+        "flagged to the aggregator."))
+    attack: str | None = Field(None, description=(
+        "What Byzantine clients do: NAME[:key=value,...], NAME one of signflip, gaussian, alie, ipm, signvote, "
+        "labelflip, random (default signflip when byzantine > 0)."))
+    dp: str | None = Field(None, description=(
+        "Client-level DP-FedAvg: 'noise_multiplier=N[,clip=C,delta=D,adaptive=true]' or "
+        "'target_epsilon=E[,delta=D]'."))
+    dp_sgd: str | None = Field(None, description=(
+        "Example-level DP-SGD in every client (opacus): 'noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]'."))
 
     @field_validator("policies")
     @classmethod
@@ -157,7 +188,8 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _check_byzantine(self) -> "RunConfig":
         if self.byzantine > self.clients:
-            raise ValueError(f"byzantine: {self.byzantine} Byzantine clients asked for, the run has {self.clients} clients")
+            raise ValueError(f"byzantine: {self.byzantine} Byzantine clients asked for, "
+                             f"the run has {self.clients} clients")
         if self.attack is not None and self.byzantine == 0:
             raise ValueError("attack: an attack needs Byzantine clients (--byzantine K)")
         return self

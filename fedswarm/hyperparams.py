@@ -4,12 +4,19 @@ A :class:`HyperParam` names one knob of an algorithm (a codec's ratio, a gossip 
 momentum), its default, and its allowed range. The strategy registry, the codec and
 decentralized-algorithm catalogs, the CLI's ``--set`` and the dashboard's form all read
 them. No Flower here: the algorithm layer (``fedswarm.algorithms``) uses it too.
+
+Values are checked by pydantic (a ``TypeAdapter`` built from the parameter's type, bounds
+and choices): the CLI, the registry and the dashboard (``fedswarm.web.validation``, from the
+catalog's JSON through :meth:`HyperParam.from_spec`) share this one check.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
 from fedswarm.config import ConfigError
 
@@ -48,38 +55,40 @@ class HyperParam:
         kind = self.type.__name__
         return f"{kind} " + " and ".join(parts) if parts else kind
 
-    def check(self, value: Any, strategy: str) -> Any:
-        """Coerce ``value`` to this parameter's type and check its range."""
-        where = f"invalid value for '{strategy}.{self.name}'"
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> "HyperParam":
+        """The parameter a catalog entry describes (``fedswarm strategies --json``: name,
+        default, help, bounds, choices), so a reader of the catalog checks values the same way."""
+        choices = spec.get("choices")
+        return cls(name=str(spec.get("name", "")), default=spec.get("default"), help=str(spec.get("help", "")),
+                   ge=spec.get("ge"), le=spec.get("le"), gt=spec.get("gt"), lt=spec.get("lt"),
+                   choices=tuple(choices) if choices is not None else None)
+
+    @cached_property
+    def _adapter(self) -> TypeAdapter:
+        t = self.type if self.type in (bool, int, float, str) else str
+        if self.choices is not None:
+            kind: Any = Literal[tuple(self.choices)]
+        else:
+            bounds = {k: v for k, v in (("ge", self.ge), ("le", self.le), ("gt", self.gt), ("lt", self.lt))
+                      if v is not None}
+            kind = Annotated[t, Field(allow_inf_nan=False, **bounds) if t is float else Field(**bounds)]
+        return TypeAdapter(kind, config=ConfigDict(coerce_numbers_to_str=True) if t is str else None)
+
+    def check(self, value: Any, strategy: str, *, where: str | None = None) -> Any:
+        """``value`` coerced to this parameter's type and checked against its range and
+        choices (by pydantic); ConfigError naming ``strategy.name`` (or ``where``) if not."""
+        where = where or f"{strategy}.{self.name}"
         t = self.type
+        bad = ConfigError(f"invalid value for '{where}': expected {self.allowed()} (got {value!r})")
+        if isinstance(value, bool) != (t is bool) and not (t is bool and isinstance(value, str)):
+            raise bad  # True is no number nor a name, and 1 is no flag ('true'/'false' strings are)
+        if self.choices is not None and t in (int, float) and isinstance(value, str):
+            try:
+                value = t(value)
+            except ValueError:
+                raise bad from None
         try:
-            if t is bool:
-                if isinstance(value, str):
-                    if value.lower() not in ("true", "false"):
-                        raise ValueError
-                    value = value.lower() == "true"
-                elif not isinstance(value, bool):
-                    raise ValueError
-            elif t is int:
-                if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                    raise ValueError
-                value = int(value)
-            elif t is float:
-                if isinstance(value, bool):
-                    raise ValueError
-                value = float(value)
-            elif t is str:
-                value = str(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected {self.allowed()} (got {value!r})") from None
-        if self.choices is not None and value not in self.choices:
-            raise ConfigError(f"{where}: expected {self.allowed()} (got {value!r})")
-        bad = (
-            (self.ge is not None and value < self.ge)
-            or (self.le is not None and value > self.le)
-            or (self.gt is not None and value <= self.gt)
-            or (self.lt is not None and value >= self.lt)
-        )
-        if bad:
-            raise ConfigError(f"{where}: expected {self.allowed()} (got {value!r})")
-        return value
+            return self._adapter.validate_python(value)
+        except ValidationError:
+            raise bad from None

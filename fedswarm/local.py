@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord, Context, Message
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import ConfigError, RunConfig, round_seed
 from fedswarm.policy import device_class_of, policy_for
 from fedswarm.train import LocalTrainer, TrainResult, trainer_for
 from fedswarm.wire import arrayrecord_to_vector
@@ -38,11 +38,6 @@ def node_partition(context: Context, cfg: RunConfig) -> tuple[int, int]:
         raise ConfigError("this node has no 'partition-id' in its node config "
                           "(start it with fedswarm client --partition-id N --num-partitions M)")
     return int(nc["partition-id"]), int(nc.get("num-partitions", cfg.clients))
-
-
-def round_seed(seed: int, server_round: int, partition_id: int) -> int:
-    """The seed of one node's local training in one round: equal on every engine."""
-    return (seed * 1_000_003 + server_round * 10_007 + partition_id) % (2**31 - 1)
 
 
 def server_round(msg: Message) -> int:

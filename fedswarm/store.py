@@ -43,6 +43,7 @@ __all__ = [
     "Run",
     "Round",
     "NodeRound",
+    "Rejection",
     "Node",
     "Event",
     "Checkpoint",
@@ -129,6 +130,21 @@ class NodeRound(Base):
     policy: Mapped[dict] = mapped_column(JSON, default=dict)
     status: Mapped[str] = mapped_column(String(16), default="ok")  # ok | failed | rejected
     reason: Mapped[str | None] = mapped_column(Text)
+
+
+class Rejection(Base):
+    """A reply a strategy refused (malformed, non-finite, too large, not its own...): it never
+    touched the model. Written by the run recorder from the strategy's ``reject`` calls."""
+
+    __tablename__ = "rejections"
+    __table_args__ = (Index("ix_rejections_run_id_round", "run_id", "round"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    round: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[str] = mapped_column(String(64))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
 
 
 class Node(Base):
@@ -338,6 +354,20 @@ class Store:
             q = select(NodeRound).where(NodeRound.run_id == run_id).order_by(NodeRound.round, NodeRound.node_id)
             return list(s.scalars(q))
 
+    def add_rejections(self, run_id: str, round: int, reasons: dict[str, str]) -> None:
+        """The round's rejected replies, ``{node id: reason}``."""
+        with self.session() as s:
+            for node_id, reason in reasons.items():
+                s.add(Rejection(run_id=run_id, round=round, node_id=str(node_id)[:64], reason=str(reason)[:2000]))
+
+    def rejections(self, run_id: str, limit: int | None = None) -> list[Rejection]:
+        """Rejected replies of a run, newest round first."""
+        with self.session() as s:
+            q = select(Rejection).where(Rejection.run_id == run_id).order_by(Rejection.round.desc(), Rejection.id)
+            if limit is not None:
+                q = q.limit(limit)
+            return list(s.scalars(q))
+
     # -- nodes -------------------------------------------------------------------------
     def upsert_node(self, node_id: str, **fields: Any) -> None:
         with self.session() as s:
@@ -444,7 +474,8 @@ class Store:
                      if r.get(key) is not None), None)
         attacked = [r for r in rows if r.get("byzantine_nodes")]
         if attacked:
-            summary["byzantine_nodes"] = sorted({n for r in attacked for n in r["byzantine_nodes"]}, key=lambda n: (len(str(n)), str(n)))
+            summary["byzantine_nodes"] = sorted({n for r in attacked for n in r["byzantine_nodes"]},
+                                                key=lambda n: (len(str(n)), str(n)))
             summary["attack"] = attacked[-1].get("attack")
         summary.update({k: v for k, v in (run.summary or {}).items() if k not in summary})
         return {

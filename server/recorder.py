@@ -6,6 +6,11 @@ held-out test set, reads what crossed the :class:`MeteredGrid` that round, write
 round and per-node rows, tells listeners (progress bars), and then applies pending
 controls from the store (pause blocks until resume, stop ends the run, add_rounds
 extends it).
+
+It is also the strategies' :class:`~fedswarm.strategies.strategy_utils.RoundNotes`: what a
+strategy notes goes into the round's row, and every reply it rejects (with its reason) into
+the store's ``rejections`` table, the node's row (``status = rejected``) and the round's
+``rejected`` count and ``rejected_reasons``.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from flwr.app import ArrayRecord, MetricRecord
 
 from fedswarm.policy import PolicyBook
 from fedswarm.store import Store
-from fedswarm.wire import arrayrecord_to_vector
 from fedswarm.server.metered_grid import MeteredGrid
+from fedswarm.strategies.strategy_utils import RoundNotes
 
 __all__ = ["RoundRecorder", "StopRun", "RoundListener"]
 
@@ -30,7 +35,7 @@ class StopRun(Exception):
     """Raised between rounds when a stop control arrives."""
 
 
-class RoundRecorder:
+class RoundRecorder(RoundNotes):
     def __init__(
         self,
         store: Store,
@@ -46,6 +51,7 @@ class RoundRecorder:
         poll_s: float = 0.2,
         observers: list[Callable[[Any], dict[str, Any]]] | None = None,
     ):
+        super().__init__()
         self.store = store
         self.run_id = run_id
         self.grid = grid
@@ -60,13 +66,7 @@ class RoundRecorder:
         self.offset = 0  # rounds done by earlier calls of Strategy.start (add_rounds)
         self.extra_rounds = 0
         self.last_round = 0
-        self._notes: dict[str, Any] = {}
         self._t_last = time.perf_counter()
-
-    def note(self, **metrics: Any) -> None:
-        """Strategies that override ``start()`` call this before ``evaluate_fn`` to add to
-        the round's row: ``sim_time_s``, ``consensus_distance``, or any other metric."""
-        self._notes.update(metrics)
 
     def reset_clock(self) -> None:
         self._t_last = time.perf_counter()
@@ -78,7 +78,8 @@ class RoundRecorder:
         traffic = self.grid.take()
         wall_s = time.perf_counter() - self._t_last
         test_loss, test_acc = self.evaluate(arrays)
-        train_loss, num_examples, node_rows = self._replies(traffic)
+        notes, rejections = self.take()
+        train_loss, num_examples, node_rows = self._replies(traffic, rejections)
         row = {
             "train_loss": train_loss,
             "test_loss": test_loss,
@@ -91,9 +92,13 @@ class RoundRecorder:
         }
         for observe in self.observers:
             row.update(observe(traffic))
-        notes, self._notes = self._notes, {}
         row.update(notes)
+        if rejections or server_round > 0:  # every strategy's rounds count what they rejected
+            row["rejected"] = len(rejections)
+            row["rejected_reasons"] = dict(rejections)
         self.store.add_round(self.run_id, rnd, **row)
+        if rejections:
+            self.store.add_rejections(self.run_id, rnd, rejections)
         if node_rows:
             self.store.add_node_rounds(self.run_id, rnd, node_rows)
             self._seen_nodes(node_rows)
@@ -104,7 +109,7 @@ class RoundRecorder:
         self._t_last = time.perf_counter()  # time paused does not count as round time
         return MetricRecord({"test_loss": test_loss, "test_accuracy": test_acc})
 
-    def _replies(self, traffic) -> tuple[float | None, int, list[dict]]:
+    def _replies(self, traffic, rejections: dict[str, str]) -> tuple[float | None, int, list[dict]]:
         loss_sum, n_sum, rows = 0.0, 0, []
         seen: set[int] = set()
         for msg in traffic.replies:
@@ -141,6 +146,12 @@ class RoundRecorder:
                     if "rejected" in metrics and metrics["rejected"]:
                         reason = node.get("rejected_reason", "rejected") if node is not None else "rejected"
                         row.update(status="rejected", reason=str(reason)[:2000])
+            if str(row["node_id"]) in rejections:
+                row.update(status="rejected", reason=rejections[str(row["node_id"])])
+                if "train_loss" in row and row.get("num_examples"):  # its loss is not the round's
+                    loss_sum -= row["train_loss"] * row["num_examples"]
+                    n_sum -= row["num_examples"]
+                    del row["train_loss"]
             rows.append(row)
         return (loss_sum / n_sum if n_sum else None), n_sum, rows
 

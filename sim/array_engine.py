@@ -35,7 +35,8 @@ from fedswarm.server.metered_grid import Traffic
 from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
 from fedswarm.sim.async_engine import _P2PGrid
 from fedswarm.store import Store
-from fedswarm.strategies.decentralized.steps import local_gradient, node_seed
+from fedswarm.config import round_seed
+from fedswarm.strategies.decentralized.steps import local_gradient
 from fedswarm.tasks import get_task
 from fedswarm.train import evaluate_flat, resolve_device, task_data, trainer_for
 from fedswarm.wire import arrayrecord_to_vector, payload_to_records, recorddict_nbytes, vector_to_arrayrecord
@@ -111,7 +112,7 @@ class ArraySimulation:
         """Every node's gradient ``[n, d]`` at its current model for iteration ``t`` (1-based)."""
         c = self.cfg
         pairs = [local_gradient(self.trainers[i], self.state.x[i], steps=self.steps, batch_size=c.batch_size,
-                                lr=c.lr, seed=node_seed(c.seed, t, i)) for i in range(self.n)]
+                                lr=c.lr, seed=round_seed(c.seed, t, i)) for i in range(self.n)]
         return torch.stack([g for g, _ in pairs]), [loss for _, loss in pairs]
 
     def step(self) -> dict[str, Any]:

@@ -4,7 +4,7 @@ Each node's compute time and each message's transfer time come from the time mod
 (``fedswarm/timemodel.py``), so staleness and stragglers happen in simulated time exactly as
 they would on those devices, while the models are trained for real on the task.
 
-AD-PSGD (Lian et al., ICML 2018; ``reference/algorithms.md`` §3), as simulated here.
+AD-PSGD (Lian et al., ICML 2018; ``docs/algorithms.md`` §3), as simulated here.
 The graph is split into active and passive nodes (``bipartite_split``); only active nodes
 initiate an averaging, and only with a passive neighbour, so requests never form a cycle.
 Every node loops; iteration ``k`` of node ``i`` starting at time ``t``:

@@ -1,6 +1,6 @@
 """Prague on the virtual clock: Partial All-Reduce among groups of ready workers.
 
-Prague (Luo et al., ASPLOS 2020; ``reference/algorithms.md`` §5), as simulated here. Each
+Prague (Luo et al., ASPLOS 2020; ``docs/algorithms.md`` §5), as simulated here. Each
 worker loops "local SGD step, then a Partial All-Reduce (P-Reduce) with the group the
 group generator (GG) gives it". Compute times and transfer times come from the time model
 (``fedswarm/timemodel.py``), as in :mod:`fedswarm.sim.async_engine`.

@@ -32,7 +32,15 @@ __all__ = [
     "entries",
     "resolve_params",
     "load_builtin",
+    "message_type_of",
 ]
+
+
+def message_type_of(name: str) -> str:
+    """The Flower message type of strategy ``name``'s train messages, ``train.<name>``: the
+    fedswarm ClientApp dispatches on it. (Strategies whose clients do plain local training,
+    and any strategy talking to a user's own ClientApp, use Flower's ``train``.)"""
+    return f"train.{name}"
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,7 @@ class StrategyEntry:
     @property
     def message_type(self) -> str:
         """The Flower message type the strategy's train messages carry."""
-        return "train" if self.client_update is None else f"train.{self.name}"
+        return "train" if self.client_update is None else message_type_of(self.name)
 
     def defaults(self) -> dict[str, Any]:
         return {h.name: h.default for h in self.hyperparams}

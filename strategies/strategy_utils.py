@@ -2,20 +2,176 @@
 
 In the spirit of Flower's own ``flwr.serverapp.strategy.strategy_utils``: what more than
 one strategy needs lives here once, rather than being copied between strategy modules.
+
+**Round notes.** A strategy tells whoever records its rounds two kinds of things: extra
+metrics for the round's row (``note``) and replies it refused (``reject``). Both go through
+a :class:`RoundNotes` object, bound once in ``start()`` with :func:`notes_for`: fedswarm's
+recorder (:class:`fedswarm.server.recorder.RoundRecorder`) *is* a ``RoundNotes`` and writes
+them to the run store; with any other ``evaluate_fn`` (a user's plain function) the
+strategy keeps them in a plain ``RoundNotes`` that logs rejections and holds the last
+round's notes for inspection.
+
+**Rejection.** :meth:`ReportsRounds.reject` is the one way a strategy refuses a reply: the
+reply never touches the model, the reason is logged, recorded (``notes.reject``) and written
+into the reply itself (``rejected = 1`` in its first MetricRecord, ``rejected_reason`` in its
+``node`` record) so per-node rows read it too.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+import json
+from collections.abc import Callable, MutableMapping
+from logging import WARNING
 from typing import Any
 
 import torch
-from flwr.app import RecordDict
+from flwr.app import Message, MetricRecord, RecordDict
+from flwr.common import log
 
+from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState
+from fedswarm.params import ParamLayout
 from fedswarm.payload import PayloadError
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
-__all__ = ["load_vector", "save_vector"]
+__all__ = ["load_vector", "save_vector", "load_error_feedback", "save_error_feedback", "layout_of_arrays",
+           "layout_json", "layout_from_json", "RoundNotes", "ReportsRounds", "notes_for", "clean_reason",
+           "check_model_reply"]
+
+MAX_REASON = 500
+
+
+def clean_reason(reason: object) -> str:
+    """A rejection reason as stored: its first line, at most ``MAX_REASON`` characters."""
+    text = str(reason).strip()
+    return text.splitlines()[0][:MAX_REASON] if text else "rejected"
+
+
+def load_error_feedback(state: RecordDict, key: str, d: int) -> ErrorFeedbackState:
+    """A node's error-feedback memory kept in ``Context.state`` under ``key``; the empty
+    state if there is none or what is stored is unusable (see :func:`load_vector`)."""
+    rec = state.array_records.get(key)
+    if rec is None:
+        return ErrorFeedbackState()
+    try:
+        return ErrorFeedbackState(arrayrecord_to_vector(rec, d))
+    except (PayloadError, ValueError):
+        return ErrorFeedbackState()
+
+
+def save_error_feedback(state: RecordDict | MutableMapping[str, Any], key: str, ef: ErrorFeedbackState) -> None:
+    """Keep one node's error-feedback memory under ``key`` (the inverse of :func:`load_error_feedback`)."""
+    if ef.residual is not None:
+        save_vector(state, key, ef.residual)
+
+
+def layout_of_arrays(arrays: Any) -> ParamLayout:
+    """The :class:`ParamLayout` of a model given as an ArrayRecord (e.g.
+    ``ArrayRecord(model.state_dict())``): its arrays' names and shapes, in order. Every array
+    must be floating point (a model with integer buffers, such as BatchNorm's step count,
+    must leave them out: ``{k: v for k, v in sd.items() if v.is_floating_point()}``)."""
+    shapes = []
+    for key in arrays.keys():
+        arr = arrays[key]
+        if not str(arr.dtype).startswith(("float", "bfloat")):
+            raise PayloadError(f"array '{key}' is {arr.dtype}: fedswarm's strategies train floating-point arrays "
+                               f"only (leave integer buffers out of the initial ArrayRecord)")
+        shapes.append((str(key), tuple(int(n) for n in arr.shape)))
+    if not shapes:
+        raise PayloadError("the initial ArrayRecord holds no arrays")
+    return ParamLayout.from_shapes(shapes)
+
+
+def layout_json(layout: ParamLayout) -> str:
+    """A layout as compact JSON, ``[[name, [shape...]], ...]`` (what a plain ``train``
+    message tells compression_mod)."""
+    return json.dumps([[s.name, list(s.shape)] for s in layout.specs], separators=(",", ":"))
+
+
+def layout_from_json(text: str, *, max_d: int = 1 << 31) -> ParamLayout:
+    """The inverse of :func:`layout_json`, checked: PayloadError on anything else."""
+    try:
+        items = json.loads(text)
+        shapes = [(str(name), tuple(int(n) for n in shape)) for name, shape in items]
+    except (TypeError, ValueError) as exc:
+        raise PayloadError(f"'layout' must be JSON [[name, [shape...]], ...]: {exc}") from None
+    if not shapes or any(n < 0 for _, shape in shapes for n in shape):
+        raise PayloadError("'layout' must name at least one array, with non-negative dimensions")
+    layout = ParamLayout.from_shapes(shapes)
+    if layout.d > max_d:
+        raise PayloadError(f"'layout' describes {layout.d} parameters, more than {max_d}")
+    return layout
+
+
+class RoundNotes:
+    """The typed channel from a strategy to the recorder of its rounds.
+
+    ``note(**metrics)`` adds metrics to the current round's row; ``reject(node_id, reason)``
+    records that the node's reply of the current round was refused. The recorder takes both
+    when it writes the round (``take``). This base class keeps them in memory; the run
+    recorder subclasses it to write them to the store.
+    """
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, Any] = {}
+        self.rejections: dict[str, str] = {}
+
+    def note(self, **metrics: Any) -> None:
+        self.metrics.update(metrics)
+
+    def reject(self, node_id: int | str, reason: str) -> None:
+        self.rejections[str(node_id)] = clean_reason(reason)
+
+    def take(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """The round's notes and rejections, cleared for the next round."""
+        out = (self.metrics, self.rejections)
+        self.metrics, self.rejections = {}, {}
+        return out
+
+
+def notes_for(evaluate_fn: Callable | None) -> RoundNotes:
+    """The notes object of a run: ``evaluate_fn`` itself when it is a :class:`RoundNotes`
+    (fedswarm's recorder), else a fresh in-memory one."""
+    return evaluate_fn if isinstance(evaluate_fn, RoundNotes) else RoundNotes()
+
+
+class ReportsRounds:
+    """Mixin of every fedswarm strategy: ``self.notes`` and ``self.reject(reply, reason)``."""
+
+    _notes: RoundNotes | None = None
+
+    @property
+    def notes(self) -> RoundNotes:
+        if self._notes is None:
+            self._notes = RoundNotes()
+        return self._notes
+
+    def bind_notes(self, evaluate_fn: Callable | None) -> RoundNotes:
+        """Called at the top of ``start()``: route notes to ``evaluate_fn`` if it records rounds."""
+        self._notes = notes_for(evaluate_fn)
+        return self._notes
+
+    def note(self, **metrics: Any) -> None:
+        self.notes.note(**metrics)
+
+    def reject(self, reply: Message, reason: object) -> str:
+        """Refuse ``reply`` (it must not touch the model) because of ``reason``; returns the
+        reason as recorded."""
+        nid = reply.metadata.src_node_id
+        text = clean_reason(reason)
+        log(WARNING, "%s: reply of node %s rejected: %s", type(self).__name__, nid, text)
+        self.notes.reject(nid, text)
+        if reply.has_content():
+            content = reply.content
+            metrics = next(iter(content.metric_records.values()), None)
+            if metrics is None:
+                content["metrics"] = metrics = MetricRecord()
+            metrics["rejected"] = 1
+            if "train_loss" in metrics:
+                del metrics["train_loss"]  # a rejected node's loss is not the round's
+            node = content.config_records.get("node")
+            if node is not None:
+                node["rejected_reason"] = text
+        return text
 
 
 def load_vector(state: RecordDict, key: str, d: int) -> torch.Tensor:
@@ -40,3 +196,14 @@ def save_vector(state: RecordDict | MutableMapping[str, Any], key: str, x: torch
     if x.dim() != 1:
         raise ValueError(f"save one node's vector, [d] or [1, d]; got {tuple(x.shape)}")
     state[key] = vector_to_arrayrecord(x)
+
+
+def check_model_reply(msg: Message, d: int | None) -> torch.Tensor:
+    """The model of a plain ``train`` reply (``arrays`` and ``metrics`` with ``num-examples``)
+    as a flat ``[d]`` vector; PayloadError naming what is missing or malformed."""
+    if "arrays" not in msg.content.array_records:
+        raise PayloadError("reply has no 'arrays' record")
+    metrics = msg.content.metric_records.get("metrics")
+    if metrics is None or "num-examples" not in metrics:
+        raise PayloadError("reply has no 'metrics' record with 'num-examples'")
+    return arrayrecord_to_vector(msg.content.array_records["arrays"], d)

@@ -1,5 +1,5 @@
 """AD-PSGD over sockets: asynchronous pairwise averaging that never half-applies and
-never deadlocks (Lian et al., ICML 2018; algorithms.md §3).
+never deadlocks (Lian et al., ICML 2018; docs/algorithms.md §3).
 
 Each peer loops with no barrier: snapshot its model, take local steps on the snapshot,
 average with one neighbour (active peers only), then apply its local update to the

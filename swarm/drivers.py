@@ -4,7 +4,7 @@ waits for and how it mixes. The math lives in the algorithm objects
 :class:`~fedswarm.payload.Payload` and renormalises the mixing weights over the
 neighbours that answered. One round is one iteration of the algorithm: the gradient
 (:func:`fedswarm.strategies.decentralized.steps.local_gradient`, the seed of
-:func:`~fedswarm.strategies.decentralized.steps.node_seed`) is the one the router's nodes
+:func:`~fedswarm.config.round_seed`) is the one the router's nodes
 and the array engine compute, so the three runtimes agree.
 
 =============  ======================================  ==========================================
@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from fedswarm.algorithms.decentralized import ALGORITHMS, make_algorithm, merge_leader, weighted_merge
-from fedswarm.strategies.decentralized.steps import local_gradient, node_seed
+from fedswarm.config import round_seed
+from fedswarm.strategies.decentralized.steps import local_gradient
 from fedswarm.swarm.net.envelope import Dropped, Message
 from fedswarm.swarm.net.membership import View
 from fedswarm.swarm.net.payload import payload_body, read_payload, read_vector, vector_body
@@ -94,7 +95,7 @@ class Driver:
         computes it."""
         c = self.peer.cfg
         return local_gradient(self.peer.trainer, x, steps=c.local_steps or 1, batch_size=c.batch_size, lr=c.lr,
-                              seed=node_seed(c.seed, r, c.partition_id))
+                              seed=round_seed(c.seed, r, c.partition_id))
 
 
 class GossipDriver(Driver):
@@ -155,7 +156,7 @@ class GossipDriver(Driver):
 
 
 class SwarmMergeDriver(Driver):
-    """Swarm Learning's round (algorithms.md §16): local training, then the round's leader
+    """Swarm Learning's round (docs/algorithms.md §16): local training, then the round's leader
     (``merge_leader``: the round number indexes the sorted live members) collects every
     model, merges by sample-weighted mean and sends the merge back. Blockchain, SPIFFE
     identities and minPeers are replaced by signed messages, the allow list and the

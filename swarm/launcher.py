@@ -17,10 +17,13 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
+
+from pydantic import Field
+
+from fedswarm.config import LearningRate, LocalSteps, TrainingSpec
 
 __all__ = ["SwarmSpec", "aggregate", "launch_swarm", "parse_fail"]
 
@@ -41,28 +44,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass
-class SwarmSpec:
+class SwarmSpec(TrainingSpec):
+    """A whole local swarm: its peers' shared training fields (fedswarm's
+    :class:`~fedswarm.config.TrainingSpec`, with a swarm's defaults) and how to start them."""
+
+    local_steps: LocalSteps = 10
+    lr: LearningRate = 0.1
     peers: int = 4
     algorithm: str = "dpsgd"
-    rounds: int = 10
     out: Path = Path("swarm-out")
     fail: tuple[int, int] | None = None
     restart_after_s: float | None = None
-    task: str = "digits-mlp"
-    partition: str = "iid"
-    seed: int = 0
     base_port: int = 0  # 0: pick free ports
-    local_steps: int = 10
-    lr: float = 0.1
-    batch_size: int = 16
-    topology: str = "ring"
-    params: dict[str, Any] = field(default_factory=dict)
     round_timeout_s: float = 10.0
     heartbeat_s: float = 0.3
     timeout_s: float = 600.0
     save_models: bool = True
-    extra_args: list[str] = field(default_factory=list)
+    extra_args: list[str] = Field(default_factory=list)
 
 
 def peer_command(spec: SwarmSpec, i: int, port: int, join: str | None, allow: Path, pdir: Path) -> list[str]:

@@ -20,12 +20,13 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
+from pydantic import Field
+
+from fedswarm.config import LearningRate, LocalSteps, TrainingSpec, round_seed
 from fedswarm.swarm.checkpoint import load_checkpoint, save_checkpoint
 from fedswarm.swarm.net.envelope import Dropped, Message, Verifier
 from fedswarm.swarm.net.identity import create_or_load, load_allow_list
@@ -46,24 +47,21 @@ log = logging.getLogger("fedswarm.swarm")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-@dataclass
-class PeerConfig:
-    """Everything one peer needs. Times in seconds."""
+# The minibatch seed of one peer's round: fedswarm's one recipe, round_seed(seed, round, partition).
 
+
+class PeerConfig(TrainingSpec):
+    """Everything one peer needs. Times in seconds. The training fields (task, partition,
+    seed, rounds, local_steps, batch_size, lr, topology, params, device) are fedswarm's
+    :class:`~fedswarm.config.TrainingSpec`, checked as a run's are; a peer's defaults differ."""
+
+    local_steps: LocalSteps = 10
+    lr: LearningRate = 0.1
     listen: str = "127.0.0.1:0"
-    join: list[str] = field(default_factory=list)
+    join: list[str] = Field(default_factory=list)
     algorithm: str = "dpsgd"
-    params: dict[str, Any] = field(default_factory=dict)
-    task: str = "digits-mlp"
-    partition: str = "iid"
     partition_id: int = 0
     num_partitions: int = 1
-    seed: int = 0
-    rounds: int = 10
-    local_steps: int = 10
-    batch_size: int = 16
-    lr: float = 0.1
-    topology: str = "ring"
     keys: str | None = None
     allow: str | None = None
     insecure_allow_any: bool = False
@@ -82,7 +80,6 @@ class PeerConfig:
     eval_every: int = 1
     linger_s: float = 5.0
     min_round_s: float = 0.0  # pace: a round lasts at least this long (demos, failure tests)
-    device: str = "cpu"
     threads: int = 1  # torch intra-op threads (0: torch's default)
     db: str | None = None
     report_url: str | None = None
@@ -244,12 +241,10 @@ class Peer:
     # -- training ------------------------------------------------------------------------
     def train(self, x: torch.Tensor, r: int):
         """``local_steps`` plain SGD steps from ``x`` with this round's minibatch seed (the
-        seed every runtime uses: :func:`~fedswarm.strategies.decentralized.steps.node_seed`)."""
-        from fedswarm.strategies.decentralized.steps import node_seed
-
+        seed every runtime uses: :func:`~fedswarm.config.round_seed`)."""
         c = self.cfg
         return self.trainer.fit(x, steps=c.local_steps, batch_size=c.batch_size, lr=c.lr,
-                                seed=node_seed(c.seed, r, c.partition_id))
+                                seed=round_seed(c.seed, r, c.partition_id))
 
     def evaluate(self, x: torch.Tensor) -> tuple[float, float]:
         return self.trainer.evaluate(x, self.test.test_x, self.test.test_y)
@@ -339,7 +334,7 @@ class Peer:
             "bytes_up": bytes_up, "bytes_down": bytes_down, "bytes_by_kind": self.transport.stats.by_kind(),
             "dropped": self.verifier.drop_counts(), "late": self.inbox.late, "wall_s": wall_s,
             "events": [(t, e, p[:8]) for t, e, p in self.membership.events],
-            "config": {k: v for k, v in asdict(self.cfg).items() if k != "token"},
+            "config": {k: v for k, v in self.cfg.model_dump().items() if k != "token"},
             "rows": self.history,
         }
         if self.recorder is not None:

@@ -1,4 +1,4 @@
-"""SQuARM-SGD over sockets (Singh et al., JSAIT 2021; algorithms.md §7): the SQuARM object
+"""SQuARM-SGD over sockets (Singh et al., JSAIT 2021; docs/algorithms.md §7): the SQuARM object
 of :mod:`fedswarm.algorithms.decentralized.squarm` on one node; this driver only routes.
 
 One round is one iteration (the router's and the array engine's too): a Nesterov local

@@ -136,8 +136,11 @@ def test_consensus_distance_decreases_with_zero_lr(tmp_path):
     x0 = vector_to_arrayrecord(get_flat(get_task(cfg.task).model(cfg.seed)))
     strategy.start(grid, x0, num_rounds=5, train_config=ConfigRecord(cfg.to_flat()))  # nodes drift apart
 
-    class Recorder:
+    from fedswarm.strategies.strategy_utils import RoundNotes
+
+    class Recorder(RoundNotes):  # the typed round-notes interface a recorder implements
         def __init__(self):
+            super().__init__()
             self.cd = []
 
         def note(self, consensus_distance, **_):

@@ -54,7 +54,8 @@ def test_compensate_and_update():
     x, e = torch.tensor([[1.0, 2.0]]), torch.tensor([0.5, -1.0])
     assert torch.equal(ErrorFeedback.compensate(x, e), torch.tensor([[1.5, 1.0]]))
     assert ErrorFeedback.compensate(x, None) is x
-    assert torch.equal(ErrorFeedback.update(torch.tensor([1.5, 1.0]), torch.tensor([1.0, 1.0])), torch.tensor([0.5, 0.0]))
+    assert torch.equal(ErrorFeedback.update(torch.tensor([1.5, 1.0]), torch.tensor([1.0, 1.0])),
+                       torch.tensor([0.5, 0.0]))
 
 
 def test_residual_round_trips_through_context_state():
@@ -81,3 +82,43 @@ def test_stale_or_corrupt_residuals_load_as_zeros():
     assert torch.equal(load_vector(state, "cfg", 2), torch.zeros(2))
     with pytest.raises(ValueError, match=r"\[d\] or \[1, d\]"):
         save_vector(state, "ef", torch.ones(2, 3))
+
+
+# -- the explicit state object ------------------------------------------------------------
+
+
+def test_state_step_is_pure_and_telescopes_for_one_node():
+    from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState, error_feedback_step
+
+    codec = make_codec("topk", ratio=0.05)
+    gen = torch.Generator().manual_seed(1)
+    state, sent, total = ErrorFeedbackState(), torch.zeros(LAYOUT.d, dtype=torch.float64), 0
+    for t in range(8):
+        x = torch.randn(LAYOUT.d, generator=gen)
+        before = None if state.residual is None else state.residual.clone()
+        payload, new = error_feedback_step(state, codec, x, LAYOUT, seed=t)
+        # pure: the old state is untouched, the new one is a new object
+        assert new is not state and (before is None or torch.equal(state.residual, before))
+        # the oracle: e_t = (x_t + e_{t-1}) - D(C(x_t + e_{t-1})), computed by hand
+        corrected = x + (before if before is not None else 0)
+        assert torch.equal(new.residual, corrected - codec.decode(codec.encode(corrected[None], LAYOUT, seed=t),
+                                                                  LAYOUT)[0])
+        sent += codec.decode(payload, LAYOUT)[0].double()
+        total = total + x.double()
+        state = new
+    torch.testing.assert_close(sent + state.residual.double(), total, rtol=0, atol=1e-4)
+
+
+def test_state_refuses_bad_residuals_and_persists_in_context_state():
+    from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState
+    from fedswarm.strategies.strategy_utils import load_error_feedback, save_error_feedback
+
+    with pytest.raises(ValueError, match="finite"):
+        ErrorFeedbackState(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ValueError, match="float"):
+        ErrorFeedbackState(torch.tensor([1, 2]))
+    state = RecordDict()
+    assert load_error_feedback(state, "ef", 3).residual is None
+    save_error_feedback(state, "ef", ErrorFeedbackState(torch.tensor([0.5, -1.0, 2.0])))
+    assert torch.equal(load_error_feedback(state, "ef", 3).residual, torch.tensor([0.5, -1.0, 2.0]))
+    assert load_error_feedback(state, "ef", 4).residual is None  # the model changed: start over

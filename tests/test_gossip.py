@@ -84,7 +84,7 @@ def run(algo, topo, problem, lr, steps, x0=None):
 
 
 def numpy_oracle(name, W_of, problem, lr, steps, beta=0.9, mu=0.9, nesterov=False, wd=0.0):
-    """Each algorithm re-coded node by node from algorithms.md, in float64 numpy."""
+    """Each algorithm re-coded node by node from docs/algorithms.md, in float64 numpy."""
     n, d = problem.n, problem.d
     x = np.zeros((n, d))
     x_prev = x.copy()

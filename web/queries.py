@@ -248,6 +248,7 @@ def run_detail(store: Store, run: Run, timeout_s: float = 120.0, can_restart: bo
         controls=[schemas.ControlOut.model_validate(c) for c in controls],
         policies={p.device_class: p.policy for p in policies(store, run.id)},
         events=[schemas.EventOut.model_validate(e) for e in store.events(run.id, limit=50)],
+        rejections=[schemas.RejectionOut.model_validate(r) for r in store.rejections(run.id, limit=100)],
     )
 
 

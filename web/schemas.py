@@ -155,6 +155,14 @@ class EventOut(Out):
     actor: str | None = None
 
 
+class RejectionOut(Out):
+    """A reply the run's strategy refused, with the reason it gave."""
+
+    round: int
+    node_id: str
+    reason: str
+
+
 class RunDetailOut(RunOut):
     config: dict[str, Any]
     seed: int
@@ -165,6 +173,8 @@ class RunDetailOut(RunOut):
     controls: list[ControlOut]
     policies: dict[str, dict[str, Any]]
     events: list[EventOut]
+    rejections: list[RejectionOut] = Field(
+        default_factory=list, description="replies the strategy rejected, newest round first (100 at most)")
 
     @field_validator("summary", "config", mode="before")
     @classmethod

@@ -17,13 +17,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from fedswarm.config import ConfigError
+from fedswarm.hyperparams import HyperParam
 from fedswarm.web.catalog import CatalogData
 
 __all__ = ["ValidationFailed", "check_value", "check_params", "check_policy", "web_task_and_files",
            "parse_edge_list", "NAMED_TOPOLOGY"]
 
 NAMED_TOPOLOGY = re.compile(r"^(ring|torus|exp|onepeer-exp|complete|random:[0-9]{1,4}|edges)(\+lazy)?$")
-_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
 class ValidationFailed(ValueError):
@@ -31,43 +32,12 @@ class ValidationFailed(ValueError):
 
 
 def check_value(spec: dict, value: Any, where: str) -> Any:
-    """``value`` coerced to the type of ``spec['default']`` and checked against its bounds."""
-    t = _TYPES.get(str(spec.get("type")), type(spec.get("default")))
-    allowed = spec.get("allowed") or t.__name__
-    bad = ValidationFailed(f"invalid value for '{where}': expected {allowed} (got {value!r})")
+    """``value`` coerced to the type of ``spec['default']`` and checked against its bounds and
+    choices: the registry's own check (:meth:`fedswarm.hyperparams.HyperParam.check`, pydantic)."""
     try:
-        if t is bool:
-            if isinstance(value, str) and value.lower() in ("true", "false", "on", "1", "0"):
-                value = value.lower() in ("true", "on", "1")
-            elif not isinstance(value, bool):
-                raise ValueError
-        elif t is int:
-            if isinstance(value, bool):
-                raise ValueError
-            f = float(value)
-            if not f.is_integer():
-                raise ValueError
-            value = int(f)
-        elif t is float:
-            if isinstance(value, bool):
-                raise ValueError
-            value = float(value)
-            if value != value or value in (float("inf"), float("-inf")):
-                raise ValueError
-        elif t is str:
-            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-                raise ValueError
-            value = str(value)
-    except (TypeError, ValueError):
-        raise bad from None
-    choices = spec.get("choices")
-    if choices is not None and value not in choices:
-        raise bad
-    for key, ok in (("ge", lambda v, b: v >= b), ("le", lambda v, b: v <= b),
-                    ("gt", lambda v, b: v > b), ("lt", lambda v, b: v < b)):
-        if spec.get(key) is not None and isinstance(value, (int, float)) and not ok(value, spec[key]):
-            raise bad
-    return value
+        return HyperParam.from_spec(spec).check(value, "", where=where)
+    except ConfigError as exc:
+        raise ValidationFailed(str(exc)) from None
 
 
 def check_params(specs: list[dict], values: dict[str, Any], owner: str) -> dict[str, Any]:
@@ -138,7 +108,8 @@ def web_task_and_files(config: dict[str, Any], cat: CatalogData, has_edges: bool
                                "dashboard use a registered task (module:function tasks are for the CLI)")
     tasks = [t.get("name") for t in cat.tasks]
     if task is not None and tasks and task not in tasks:
-        raise ValidationFailed(f"invalid value for 'task': unknown task '{task}' (allowed: {', '.join(map(str, tasks))})")
+        raise ValidationFailed(f"invalid value for 'task': unknown task '{task}' "
+                               f"(allowed: {', '.join(map(str, tasks))})")
     topo = config.get("topology")
     if topo is not None and not has_edges and not (isinstance(topo, str) and NAMED_TOPOLOGY.match(topo)):
         raise ValidationFailed("invalid value for 'topology': use ring, torus, exp, onepeer-exp, complete or "

@@ -1,6 +1,6 @@
 """AD-PSGD's primitives: pairwise model averaging and the active/passive split.
 
-AD-PSGD (Lian, Zhang, Zhang, Liu, ICML 2018; algorithms.md §3) has no global barrier:
+AD-PSGD (Lian, Zhang, Zhang, Liu, ICML 2018; docs/algorithms.md §3) has no global barrier:
 each worker loops on "snapshot, gradient, average with one random neighbour, apply the
 gradient". The event loop that drives it runs on the simulator's virtual clock or in the
 swarm peers; this module has only the math every runtime shares.

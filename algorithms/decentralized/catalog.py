@@ -160,7 +160,7 @@ ALGORITHMS: dict[str, AlgorithmEntry] = {
              HyperParam("delay", 1, "δ: steps after which the average is applied (0 <= δ < τ)", ge=0),
              _WD),
             "DaSGD: local SGD whose periodic average is applied δ steps late, overlapping communication",
-            "Zhou et al., arXiv:2006.00441 (update reconstructed, algorithms.md §10)",
+            "Zhou et al., arXiv:2006.00441 (update reconstructed, docs/algorithms.md §10)",
         ),
         AlgorithmEntry(
             "prague", Prague,

@@ -1,4 +1,4 @@
-"""DaSGD: local SGD with delayed averaging (algorithms.md §10)."""
+"""DaSGD: local SGD with delayed averaging (docs/algorithms.md §10)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["DaSGD"]
 
 class DaSGD(DecentralizedAlgorithm):
     """DaSGD, local SGD with delayed averaging (Zhou et al., arXiv:2006.00441; the update
-    is algorithms.md §10's *reconstruction*, the DGA-style merge, not verified paper text)::
+    is docs/algorithms.md §10's *reconstruction*, the DGA-style merge, not verified paper text)::
 
         x_i ← x_i − η g_i                                   every step t
         at t0 with (t0+1) % τ == 0:  s_i ← x_i; launch s̄_i = Σ_j W_ij s_j (non-blocking)

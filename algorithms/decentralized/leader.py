@@ -54,7 +54,7 @@ def contiguous_groups(n: int, groups: int) -> list[list[int]]:
 
 class EASGD(DecentralizedAlgorithm):
     """EASGD, elastic averaging SGD (Zhang, Choromanska, LeCun, NeurIPS 2015), the
-    baseline LSGD argues against (algorithms.md §9). Synchronous, every ``period`` steps::
+    baseline LSGD argues against (docs/algorithms.md §9). Synchronous, every ``period`` steps::
 
         x_i ← x_i − η g_i                                   (every step)
         if (t+1) % τ == 0:   α = β / n

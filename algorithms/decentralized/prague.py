@@ -1,4 +1,4 @@
-"""Prague's math: Partial All-Reduce among groups (algorithms.md §5). The event loop that
+"""Prague's math: Partial All-Reduce among groups (docs/algorithms.md §5). The event loop that
 forms the groups and drives it on the virtual clock is :mod:`fedswarm.sim.async_groups`."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def partial_allreduce(x: torch.Tensor, group: Sequence[int]) -> torch.Tensor:
 
 
 class Prague(DecentralizedAlgorithm):
-    """Prague (Luo, He, Zhuo, Qian, ASPLOS 2020; algorithms.md §5). Each worker loops::
+    """Prague (Luo, He, Zhuo, Qian, ASPLOS 2020; docs/algorithms.md §5). Each worker loops::
 
         x_i ← x_i − η ∇F_i(x_i; ξ)            # local SGD step
         G   ← GroupGenerator.request(i)        # i ∈ G

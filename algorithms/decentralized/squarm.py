@@ -1,4 +1,4 @@
-"""SQuARM-SGD: Nesterov momentum, event-triggered compressed gossip (algorithms.md §7).
+"""SQuARM-SGD: Nesterov momentum, event-triggered compressed gossip (docs/algorithms.md §7).
 
 Singh, Data, George, Diggavi, "SQuARM-SGD: Communication-Efficient Momentum SGD for
 Decentralized Optimization", IEEE JSAIT 2021, arXiv:2005.07041.
@@ -20,7 +20,7 @@ __all__ = ["SQuARM"]
 
 
 class SQuARM(DecentralizedAlgorithm):
-    """SQuARM-SGD (Singh et al., JSAIT 2021; algorithms.md §7). Node ``i``, step ``t``::
+    """SQuARM-SGD (Singh et al., JSAIT 2021; docs/algorithms.md §7). Node ``i``, step ``t``::
 
         v_i ← β v_i + g_i
         x_i^{t+1/2} = x_i − η (β v_i + g_i)                        # Nesterov step

@@ -1,7 +1,7 @@
 """Synchronous gossip algorithms: D-PSGD, D², DSGDm and QG-DSGDm.
 
 Each is a :class:`~fedswarm.algorithms.decentralized.base.DecentralizedAlgorithm`; equations
-follow ``reference/algorithms.md`` (§2, §4, §8). All math is on ``[n, d]`` tensors.
+follow ``docs/algorithms.md`` (§2, §4, §8). All math is on ``[n, d]`` tensors.
 Notation: ``x`` models, ``g`` gradients at the pre-mix models, ``η`` the learning rate
 passed to ``local_step``, ``W`` the round's mixing matrix.
 """
@@ -18,7 +18,7 @@ __all__ = ["DPSGD", "D2", "DSGDm", "QGDSGDm"]
 
 
 class DPSGD(DecentralizedAlgorithm):
-    """D-PSGD, decentralized parallel SGD (Lian et al., NeurIPS 2017; algorithms.md §2).
+    """D-PSGD, decentralized parallel SGD (Lian et al., NeurIPS 2017; docs/algorithms.md §2).
 
     Update, ``order="cta"`` (combine-then-adapt, the paper's Algorithm 1)::
 
@@ -68,7 +68,7 @@ class DPSGD(DecentralizedAlgorithm):
 
 class D2(DecentralizedAlgorithm):
     """D², decentralized training over decentralized data (Tang et al., ICML 2018;
-    algorithms.md §4). Removes D-PSGD's bias from data heterogeneity::
+    docs/algorithms.md §4). Removes D-PSGD's bias from data heterogeneity::
 
         t = 0:  x_{1/2} = x_0 − η g_0                                  (D-PSGD, "atc")
         t ≥ 1:  x_{t+1/2} = 2 x_t − x_{t−1} − η g_t + η g_{t−1}
@@ -148,7 +148,7 @@ class DSGDm(DecentralizedAlgorithm):
 
 class QGDSGDm(DecentralizedAlgorithm):
     """QG-DSGDm, quasi-global momentum (Lin, Karimireddy, Stich, Jaggi, ICML 2021;
-    algorithms.md §8; epfml/quasi-global-momentum ``decentralized_qg_sgd.py``)::
+    docs/algorithms.md §8; epfml/quasi-global-momentum ``decentralized_qg_sgd.py``)::
 
         g   = ∇F_i(x_i^t) + wd·x_i^t
         m   = g + β m̂_i                 (heavy ball)  or  g + β(β m̂_i + g)  (Nesterov)

@@ -4,7 +4,7 @@ A :class:`Topology` says who talks to whom at a round and with what weights. Eve
 decentralized algorithm (D-PSGD, D², QG-DSGDm, AD-PSGD, ...) mixes with the matrix
 ``W = topology.mixing_matrix(round)``: symmetric, doubly stochastic and nonnegative, with
 ``W_ij > 0`` only for ``i == j`` or an edge ``(i, j)`` (Lian et al. 2017, §2 of
-``reference/algorithms.md``). A whole synchronous gossip step is then ``W @ X`` for the
+``docs/algorithms.md``). A whole synchronous gossip step is then ``W @ X`` for the
 node-stacked models ``X [n, d]``.
 
 Weights are Metropolis–Hastings, ``w_ij = 1 / (1 + max(deg_i, deg_j))`` on edges and

@@ -1,4 +1,4 @@
-"""The node-selection agent of Homogeneous Learning (``reference/algorithms.md`` §13).
+"""The node-selection agent of Homogeneous Learning (``docs/algorithms.md`` §13).
 
 The paper's agent is a DQN (MLP 100→500→200→10) on a PCA of all ten nodes' model
 weights, trained over 120 episodes with ε-greedy exploration, replay and discount 0.9;

@@ -1,4 +1,4 @@
-"""Staged models for progressive training (ProgFed, ``reference/algorithms.md`` §12).
+"""Staged models for progressive training (ProgFed, ``docs/algorithms.md`` §12).
 
 A :class:`StagedModel` is ``M = G_S ∘ E_S ∘ … ∘ E_1``: ``blocks`` ``E_1..E_S`` then the
 ``classifier`` ``G_S``. Its parameters are ordered blocks first, classifier last, so the

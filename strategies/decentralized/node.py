@@ -29,7 +29,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 
 from fedswarm.local import node_partition, run_config_of
 from fedswarm.strategies import registry
-from fedswarm.strategies.decentralized.steps import local_gradient, minibatch_gradient, node_seed
+from fedswarm.config import round_seed
+from fedswarm.strategies.decentralized.steps import local_gradient, minibatch_gradient
 from fedswarm.algorithms.decentralized import GossipState, make_algorithm
 from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm
 from fedswarm.train import trainer_for
@@ -151,7 +152,7 @@ def make_client_update(algorithm: str) -> Callable[[Message, Context], RecordDic
         if not bool(conf.get("final", False)):
             steps = cfg.local_steps or 1
             grad, loss = local_gradient(trainer, model, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr,
-                                        seed=node_seed(cfg.seed, int(conf["iteration"]), pid))
+                                        seed=round_seed(cfg.seed, int(conf["iteration"]), pid))
             algo.local_step(state, grad[None], cfg.lr)
             payload = algo.payload(state, 0)
             payload_to_records(payload, reply)  # the algorithm's real message (compressed if it compresses)

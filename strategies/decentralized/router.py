@@ -1,11 +1,11 @@
 """Decentralized training on Flower: a strategy that keeps no global model and only routes.
 
 :class:`DecentralizedStrategy` is a Flower ``Strategy`` whose server is a router (the
-usual trick for gossip on a server-centric framework, ``reference/algorithms.md``,
-"Running these on Flower"). Node ``i``'s model and algorithm memory live on node ``i``
-(``Context.state``, see :mod:`fedswarm.strategies.decentralized.node`); each round the
-server hands every node the messages its neighbours sent, per the topology's mixing
-matrix of that round, and the node mixes them itself. The server never mixes.
+usual trick for gossip on a server-centric framework, ``docs/algorithms.md`` §F). Node
+``i``'s model and algorithm memory live on node ``i`` (``Context.state``, see
+:mod:`fedswarm.strategies.decentralized.node`); each round the server hands every node
+the messages its neighbours sent, per the topology's mixing matrix of that round, and the
+node mixes them itself. The server never mixes.
 
 One round ``t`` is one gossip iteration: one local step (``--local-steps H`` makes it H
 plain SGD steps fed to the algorithm as one pseudo-gradient; ``local_epochs`` does not
@@ -44,9 +44,10 @@ from fedswarm.config import ConfigError
 from fedswarm.hyperparams import HyperParam
 from fedswarm.strategies.decentralized.node import NO_STATE, make_client_update, message_nbytes_of, neighbour_keys
 from fedswarm.algorithms.decentralized import ALGORITHMS, consensus_distance, make_algorithm
-from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
+from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register
 from fedswarm.algorithms.decentralized.topology import make_topology
 from fedswarm.payload import PayloadError
+from fedswarm.strategies.strategy_utils import ReportsRounds
 from fedswarm.wire import PAYLOAD_ARRAYS, PAYLOAD_META, arrayrecord_to_vector, payload_from_records, vector_to_arrayrecord
 
 __all__ = ["DecentralizedStrategy", "SYNC_ALGORITHMS"]
@@ -60,7 +61,7 @@ __all__ = ["DecentralizedStrategy", "SYNC_ALGORITHMS"]
 SYNC_ALGORITHMS = ("dpsgd", "d2", "dsgdm", "qgm", "squarm", "easgd", "dasgd")
 
 
-class DecentralizedStrategy(Strategy):
+class DecentralizedStrategy(ReportsRounds, Strategy):
     """Route gossip messages along a topology; keep no global model.
 
     Parameters
@@ -102,7 +103,7 @@ class DecentralizedStrategy(Strategy):
             raise ValueError(f"report_every must be >= 0 (got {report_every})")
         self.report_every = int(report_every)
         self.node_wait_s = float(node_wait_s)
-        self.message_type = f"train.{algorithm}"
+        self.message_type = message_type_of(algorithm)
         self._pid_of: dict[int, int] = {}  # node id -> topology index (partition id)
         self._node_of: dict[int, int] = {}  # and back
         self._needs_init: set[int] = set()  # node ids that lost their state
@@ -141,11 +142,12 @@ class DecentralizedStrategy(Strategy):
         initial = arrayrecord_to_vector(initial_arrays)
         if self._average is None:
             self._average = initial
+        self.bind_notes(evaluate_fn)
         if evaluate_fn is not None:
-            if hasattr(evaluate_fn, "note") and self._iterations == 0:
+            if self._iterations == 0:
                 # Round 0 of a new run evaluates the initial model: no node has trained or
                 # gossiped yet, so there is no consensus distance to measure: null, never 0.
-                evaluate_fn.note(consensus_distance=None)
+                self.note(consensus_distance=None)
             res = evaluate_fn(0, initial_arrays)
             if res is not None:
                 result.evaluate_metrics_serverapp[0] = res
@@ -175,10 +177,8 @@ class DecentralizedStrategy(Strategy):
             arrays = vector_to_arrayrecord(self._average)
             result.arrays = arrays
             if evaluate_fn is not None:
-                if hasattr(evaluate_fn, "note"):
-                    evaluate_fn.note(consensus_distance=cd, p2p_bytes=p2p, nodes_reporting=len(models),
-                                     nodes_failed=len(node_ids) - self._answered,
-                                     **unreported)
+                self.note(consensus_distance=cd, p2p_bytes=p2p, nodes_reporting=len(models),
+                          nodes_failed=len(node_ids) - self._answered, **unreported)
                 res = evaluate_fn(t, arrays)
                 if res is not None:
                     result.evaluate_metrics_serverapp[t] = res
@@ -253,7 +253,7 @@ class DecentralizedStrategy(Strategy):
                 else:  # a dense message is the model (D-PSGD); a compressed one is not
                     models_vec = vec if msg is not None and msg[1].get("kind") == "dense" else None
             except (KeyError, TypeError, ValueError, PayloadError) as exc:
-                log(WARNING, "node %s sent a malformed reply, ignored: %s", nid, exc)
+                self.reject(reply, exc)
                 continue
             self._pid_of[nid], self._node_of[pid] = pid, nid
             self._needs_init.discard(nid)

@@ -11,13 +11,7 @@ import torch
 from fedswarm.params import set_flat
 from fedswarm.train import LocalTrainer
 
-__all__ = ["node_seed", "minibatch_gradient", "local_gradient"]
-
-
-def node_seed(seed: int, iteration: int, node: int) -> int:
-    """The minibatch seed of node ``node`` at iteration ``iteration`` (1-based). The same
-    formula as :func:`fedswarm.local.round_seed`, so every engine draws the same data."""
-    return (seed * 1_000_003 + iteration * 10_007 + node) % (2**31 - 1)
+__all__ = ["minibatch_gradient", "local_gradient"]
 
 
 def minibatch_gradient(trainer: LocalTrainer, flat: torch.Tensor, batch_size: int,

@@ -1,4 +1,4 @@
-"""Homogeneous Learning (Sun & Ochiai, IEEE Access 2022; ``reference/algorithms.md`` §13).
+"""Homogeneous Learning (Sun & Ochiai, IEEE Access 2022; ``docs/algorithms.md`` §13).
 
 One model travels along a chain of nodes: each round one node trains it on its own data
 (plain local training, Flower's ``train`` message, so any node's policy applies) and
@@ -41,6 +41,7 @@ from fedswarm.algorithms.selection.hl import NodeStates, QAgent, distance_matrix
 from fedswarm.hyperparams import HyperParam
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
 from fedswarm.payload import PayloadError
+from fedswarm.strategies.strategy_utils import ReportsRounds
 from fedswarm.wire import arrayrecord_to_vector, recorddict_nbytes
 
 __all__ = ["HomogeneousLearning", "SELECTORS", "HYPERPARAMS"]
@@ -48,7 +49,7 @@ __all__ = ["HomogeneousLearning", "SELECTORS", "HYPERPARAMS"]
 SELECTORS = ("learned", "random", "round_robin")
 
 
-class HomogeneousLearning(Strategy):
+class HomogeneousLearning(ReportsRounds, Strategy):
     """Sequential training along a chain of nodes chosen by a selector (HL, §13).
 
     Parameters
@@ -159,7 +160,7 @@ class HomogeneousLearning(Strategy):
             if res is not None:
                 result.evaluate_metrics_serverapp[0] = res
         node_ids = self._wait_for_nodes(grid)
-        note = getattr(evaluate_fn, "note", None)
+        notes = self.bind_notes(evaluate_fn)
         for t in range(1, num_rounds + 1):
             state = self._state
             if state is None:  # a new episode: the first node is fixed
@@ -179,11 +180,11 @@ class HomogeneousLearning(Strategy):
                 self._loss[node] = loss
             if examples is not None:
                 self._examples[node] = examples
-            if note is not None:
+            if notes is evaluate_fn:
                 if self._p2p is None:  # one model message; its size does not change
                     self._p2p = recorddict_nbytes(RecordDict({"arrays": self._arrays}))
                 extra = {"epsilon": self.agent.epsilon} if self.selector == "learned" else {}
-                note(node=node, episode=self.episode, episode_round=state.step + 1, hop_cost=hop,
+                self.note(node=node, episode=self.episode, episode_round=state.step + 1, hop_cost=hop,
                      p2p_bytes=self._p2p, **extra)
             res = evaluate_fn(t, self._arrays) if evaluate_fn is not None else None
             if res is not None:
@@ -237,7 +238,7 @@ class HomogeneousLearning(Strategy):
             loss = float(metrics["train_loss"]) if "train_loss" in metrics else None
             examples = int(metrics["num-examples"]) if "num-examples" in metrics else None
         except (KeyError, TypeError, ValueError, PayloadError) as exc:
-            log(WARNING, "node %s sent a malformed model, ignored: %s", node_id, exc)
+            self.reject(reply, exc)
             return None, None, None
         return rec, loss, examples
 
@@ -245,7 +246,8 @@ class HomogeneousLearning(Strategy):
         deadline = time.monotonic() + self.node_wait_s
         while len(ids := sorted(grid.get_node_ids())) < self.num_nodes:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"only {len(ids)} of {self.num_nodes} nodes connected within {self.node_wait_s:.0f} s")
+                raise RuntimeError(
+                    f"only {len(ids)} of {self.num_nodes} nodes connected within {self.node_wait_s:.0f} s")
             log(INFO, "Waiting for nodes: %d of %d connected", len(ids), self.num_nodes)
             time.sleep(1.0)
         return ids[: self.num_nodes]
@@ -262,7 +264,8 @@ HYPERPARAMS = (
     HyperParam("gamma", 0.9, "the agent's discount", ge=0.0, lt=1.0),
     HyperParam("agent_lr", 0.1, "the agent's step size", gt=0.0, le=10.0),
     HyperParam("epsilon_decay", 0.1, "exploration decay per episode: eps <- eps * exp(-decay)", ge=0.0, le=10.0),
-    HyperParam("agent_target", "mc", "the agent learns from Monte Carlo returns or TD(0) targets", choices=("mc", "td")),
+    HyperParam("agent_target", "mc", "the agent learns from Monte Carlo returns or TD(0) targets",
+               choices=("mc", "td")),
     HyperParam("agent_path", "", "load the agent from this JSON file if it exists; save it there at the end"),
 )
 

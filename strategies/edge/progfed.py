@@ -1,4 +1,4 @@
-"""ProgFed: progressive training (Wang, Stich, He, Fritz, ICML 2022; ``reference/algorithms.md`` §12).
+"""ProgFed: progressive training (Wang, Stich, He, Fritz, ICML 2022; ``docs/algorithms.md`` §12).
 
 The model is a :class:`~fedswarm.tasks.staged.StagedModel` ``M = G_S ∘ E_S ∘ … ∘ E_1``.
 Stage ``s`` trains ``M_s = G_s ∘ E_s ∘ … ∘ E_1`` with a small local head ``G_s``; when
@@ -56,9 +56,10 @@ from fedswarm.algorithms.selection.progfed import default_stage_rounds, samples_
 from fedswarm.params import ParamLayout, get_flat
 from fedswarm.local import prepare_local
 from fedswarm.hyperparams import HyperParam
-from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
+from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register
 from fedswarm.tasks.staged import StagedModel, StageModel, step_flops
 from fedswarm.payload import PayloadError
+from fedswarm.strategies.strategy_utils import ReportsRounds
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
 __all__ = ["ProgFed", "flops_per_sample", "client_update", "HYPERPARAMS"]
@@ -147,7 +148,7 @@ def _caps(config: ConfigRecord) -> set[int]:
     return caps
 
 
-class ProgFed(FedAvg):
+class ProgFed(ReportsRounds, FedAvg):
     """Progressive training: stage ``s`` trains blocks ``1..s`` with a local head (§12).
 
     Parameters
@@ -164,13 +165,13 @@ class ProgFed(FedAvg):
         Seed of the local heads' initialization.
     stage_evaluator : callable, optional
         ``(sub_model, vector) -> (loss, accuracy)`` on the test set; when given and
-        ``evaluate_fn`` has a ``note``, each round before the last stage notes the
-        stage sub-model's test metrics.
+        ``evaluate_fn`` is fedswarm's recorder (a ``RoundNotes``), each round before the
+        last stage notes the stage sub-model's test metrics.
     fraction_train, min_train_nodes, min_available_nodes
         Node sampling, as in Flower's ``FedAvg``.
     """
 
-    message_type = "train.progfed"
+    message_type = message_type_of("progfed")
 
     def __init__(self, model: StagedModel, total_rounds: int, stage_rounds: int = 0, server_lr: float = 1.0,
                  head_seed: int = 0, stage_evaluator: Callable | None = None, *, fraction_train: float = 1.0,
@@ -189,7 +190,6 @@ class ProgFed(FedAvg):
         self._full: torch.Tensor | None = None
         self._stage = 0  # stage of the round in flight
         self._sent_heads: set[int] = set()
-        self._note: Callable[..., None] | None = None
         self._done = 0  # rounds run by earlier calls of start() (a run extended with more rounds)
         self._base = 0
 
@@ -232,17 +232,17 @@ class ProgFed(FedAvg):
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
         """Flower's round loop over the full model; see the module docstring for what
         ``evaluate_fn`` gets."""
-        self._note = getattr(evaluate_fn, "note", None)
+        notes = self.bind_notes(evaluate_fn)
         self._base = self._done  # Flower counts rounds from 1 in every call; stages must not restart
         wrapped = evaluate_fn
-        if evaluate_fn is not None and self._note is not None and self.stage_evaluator is not None:
+        if evaluate_fn is not None and notes is evaluate_fn and self.stage_evaluator is not None:
             def wrapped(rnd: int, arrays: ArrayRecord) -> MetricRecord | None:
                 if rnd > 0 and self._stage < self.num_stages and self._stage in self.heads:
                     full = arrayrecord_to_vector(arrays, self.d)
                     with torch.random.fork_rng(devices=[]):
                         sub = self.model.stage_model(self._stage)
                     loss, acc = self.stage_evaluator(sub, self.sub_vector(full, self._stage))
-                    self._note(test_loss=loss, test_accuracy=acc, eval_stage=self._stage)
+                    self.note(test_loss=loss, test_accuracy=acc, eval_stage=self._stage)
                 return evaluate_fn(rnd, arrays)
         result = super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, wrapped)
         self._done = self._base + num_rounds
@@ -299,7 +299,7 @@ class ProgFed(FedAvg):
             try:
                 trained, delta, w, loss, f = self._parse(reply)
             except (PayloadError, KeyError, ValueError, TypeError) as exc:
-                log(WARNING, "node %s sent a malformed ProgFed update, ignored: %s", reply.metadata.src_node_id, exc)
+                self.reject(reply, exc)
                 continue
             p = self.d if trained == self.num_stages else self._prefix[trained]
             num[:p] += w * delta[:p].double()
@@ -314,8 +314,7 @@ class ProgFed(FedAvg):
         full = self._full + (self.server_lr * step).to(torch.float32)
         for s, hn in head_num.items():
             self.heads[s] = self.heads[s] + (self.server_lr * hn / head_den[s]).to(torch.float32)
-        if self._note is not None:
-            self._note(flops=flops, stage=self._stage)
+        self.note(flops=flops, stage=self._stage)
         metrics = MetricRecord({"train_loss": loss_sum / total_w, "num-examples": total_w, "flops": flops})
         return vector_to_arrayrecord(full), metrics
 

@@ -1,4 +1,4 @@
-"""PVT: Partial Variable Training (Yang et al., ICASSP 2022; ``reference/algorithms.md`` §11).
+"""PVT: Partial Variable Training (Yang et al., ICASSP 2022; ``docs/algorithms.md`` §11).
 
 Each client, each round, trains a random subset ``T_c`` of the model's *variables* (whole
 tensors of the :class:`~fedswarm.params.ParamLayout`) and freezes the rest: frozen
@@ -49,8 +49,9 @@ from fedswarm.local import prepare_local, server_round
 from fedswarm.algorithms.selection.pvt import num_selected, select_variables, selection_seed
 from fedswarm.params import ParamLayout, set_flat
 from fedswarm.hyperparams import HyperParam
-from fedswarm.strategies.registry import BuildContext, StrategyEntry, register, resolve_params
+from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register, resolve_params
 from fedswarm.payload import PayloadError
+from fedswarm.strategies.strategy_utils import ReportsRounds
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
 __all__ = [
@@ -118,7 +119,7 @@ def client_update(msg: Message, context: Context) -> RecordDict:
 # --------------------------------------------------------------------------- server side
 
 
-class PartialVariableTraining(FedAvg):
+class PartialVariableTraining(ReportsRounds, FedAvg):
     """Average each variable over the clients that trained it (PVT, §11).
 
     Parameters
@@ -139,7 +140,7 @@ class PartialVariableTraining(FedAvg):
         Node sampling, as in Flower's ``FedAvg``.
     """
 
-    message_type = "train.pvt"
+    message_type = message_type_of("pvt")
 
     def __init__(self, layout: ParamLayout, fraction: float = 0.25, server_lr: float = 1.0, send_ids: bool = True,
                  seed: int = 0, *, fraction_train: float = 1.0, min_train_nodes: int = 1,
@@ -156,7 +157,6 @@ class PartialVariableTraining(FedAvg):
         # Flat indices of each variable: what index_add_ scatters a client's values into.
         self._ranges = [torch.arange(s.offset, s.end) for s in layout.specs]
         self._sent: torch.Tensor | None = None  # the model of the round in flight
-        self._note: Callable[..., None] | None = None
 
     def summary(self) -> None:
         log(INFO, "\t├── PVT: fraction %.3g of %d variables (policies may override), server_lr %.3g, ids %s",
@@ -168,7 +168,7 @@ class PartialVariableTraining(FedAvg):
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
         """Flower's round loop; a recorder passed as ``evaluate_fn`` gets each round's
         ``coverage`` (share of parameters some client trained) through its ``note``."""
-        self._note = getattr(evaluate_fn, "note", None)
+        self.bind_notes(evaluate_fn)
         return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -225,7 +225,7 @@ class PartialVariableTraining(FedAvg):
             try:
                 idx, values, w, loss = self._parse(server_round, reply)
             except (PayloadError, KeyError, ValueError, TypeError) as exc:
-                log(WARNING, "node %s sent a malformed PVT update, ignored: %s", reply.metadata.src_node_id, exc)
+                self.reject(reply, exc)
                 continue
             idxs.append(idx)
             vals.append(values * w)
@@ -242,8 +242,7 @@ class PartialVariableTraining(FedAvg):
         new = self._sent + (self.server_lr * mean).to(torch.float32)
         total_w = sum(float(w[0]) for w in wts)
         coverage = float(trained.double().mean())
-        if self._note is not None:
-            self._note(coverage=coverage)
+        self.note(coverage=coverage)
         metrics = MetricRecord({"train_loss": loss_sum / total_w, "num-examples": total_w, "coverage": coverage})
         return vector_to_arrayrecord(new), metrics
 

@@ -128,9 +128,9 @@ class CodedStrategy(CompressedStrategy):
         decode_s = time.perf_counter() - t0
         if not res.ok:
             log(WARNING, "round %s: %s could not decode: %s", server_round, self.name, res.message)
-            self._note(decode_failed=res.message, decode_s=decode_s)
+            self.note(decode_failed=res.message, decode_s=decode_s)
             return None
-        self._note(liars_located=[index_to_node[i] for i in res.liars], decode_s=decode_s)
+        self.note(liars_located=[index_to_node[i] for i in res.liars], decode_s=decode_s)
         u = torch.from_numpy(res.total / self.P).to(torch.float32)
         return Step(u if self.server_lr == 1.0 else u * self.server_lr, metrics={"liars_located": len(res.liars)})
 

@@ -8,10 +8,10 @@ strategies whose clients keep a residual, which of its last coordinates the serv
 update. Subclasses implement ``parse_reply`` (validate one reply, raise PayloadError) and
 ``aggregate`` (accepted replies -> the update and, if it is coded, its payload).
 
-A reply that is malformed or non-finite is **rejected**: it never reaches the model, its
-first MetricRecord gets ``rejected = 1`` (the recorder marks the node row ``rejected``), its
-``node`` record a ``rejected_reason``, and the round's row ``rejected`` (a count) and
-``rejected_reasons`` ({node id: reason}) through the recorder's ``note``.
+A reply that is malformed or non-finite is **rejected** with
+:meth:`~fedswarm.strategies.strategy_utils.ReportsRounds.reject`: it never reaches the model
+and the recorder stores the reason (the ``rejections`` table, the node's row, the round's
+``rejected`` count).
 
 Client (:func:`begin` ... :func:`finish`): sync the replica, run the shared local SGD
 (:func:`fedswarm.local.local_fit`, so device-class policies apply), let the algorithm
@@ -22,7 +22,9 @@ reply with the payload, ``metrics`` and the ``node`` report.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
@@ -39,12 +41,14 @@ from fedswarm.config import RunConfig
 from fedswarm.local import LocalFit, local_fit, node_partition, run_config_of
 from fedswarm.params import ParamLayout
 from fedswarm.strategies.federated.compressed_sync import ReplicaSync, client_sync, save_replica
-from fedswarm.train import LocalTrainer, trainer_for
+from fedswarm.strategies.registry import message_type_of
+from fedswarm.strategies.strategy_utils import ReportsRounds, layout_from_json, layout_json, layout_of_arrays
+from fedswarm.train import LocalTrainer, TrainResult, trainer_for
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import arrayrecord_to_vector, payload_from_records, vector_to_arrayrecord
 
 __all__ = ["CompressedStrategy", "Accepted", "Step", "ClientRound", "begin", "train", "finish",
-           "taken_indices", "save_sent", "read_payload", "KNOBS"]
+           "taken_indices", "save_sent", "read_payload", "KNOBS", "UserTraining", "user_training"]
 
 KNOBS = "compress"  # the ConfigRecord of strategy knobs in every train message
 SELECT = "select"
@@ -70,13 +74,17 @@ class Step:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-class CompressedStrategy(Strategy):
+class CompressedStrategy(ReportsRounds, Strategy):
     """Base class: Flower's round loop with replica sync, validation and rejection.
 
     Parameters
     ----------
-    layout : ParamLayout
+    layout : ParamLayout, optional
         Names, shapes and offsets of the model's tensors (codecs work per column/tensor).
+        Leave it out to run a Flower user's own ClientApp (with
+        :data:`fedswarm.client.compression_mod`): the layout is then read from the
+        ``initial_arrays`` given to ``start`` and the train messages are Flower's plain
+        ``train`` type, which carries the strategy's name, seed and layout in its knobs.
     server_lr : float (default: 1.0)
         Scale of the aggregated update applied to the model (1 with the ``none`` codec is
         FedAvg).
@@ -95,13 +103,17 @@ class CompressedStrategy(Strategy):
     #: so DP-FedAvg's clip and noise (``dp``) can replace them by their private average.
     supports_dp = False
 
-    def __init__(self, layout: ParamLayout, *, server_lr: float = 1.0, fraction_train: float = 1.0,
+    def __init__(self, layout: ParamLayout | None = None, *, server_lr: float = 1.0, fraction_train: float = 1.0,
                  min_train_nodes: int = 1, min_available_nodes: int = 1, seed: int = 0, history: int = 8):
-        if not isinstance(layout, ParamLayout):
-            raise TypeError("layout must be a fedswarm ParamLayout (ParamLayout.from_module(model))")
+        if layout is not None and not isinstance(layout, ParamLayout):
+            raise TypeError("layout must be a fedswarm ParamLayout (ParamLayout.from_module(model)) or None "
+                            "(read from the initial ArrayRecord)")
         if not 0.0 < fraction_train <= 1.0:
             raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
         self.layout = layout
+        #: Train messages are Flower's plain ``train`` (a user's ClientApp with compression_mod)
+        #: rather than fedswarm's ``train.<name>``: chosen by leaving ``layout`` out.
+        self.plain_train = layout is None
         self.server_lr = float(server_lr)
         self.fraction_train = float(fraction_train)
         self.min_train_nodes = int(min_train_nodes)
@@ -111,7 +123,6 @@ class CompressedStrategy(Strategy):
         self.pending: dict[int, tuple[int, str, bytes]] = {}  # node -> (round, kind, data) for SELECT
         self._grid: Grid | None = None
         self._timeout: float | None = None
-        self._evaluate_fn: Callable | None = None
         self._keys: list[tuple[str, tuple[int, ...]]] | None = None
         self._rejected: dict[str, str] = {}
         self.round = 0  # rounds configured by this object (see configure_train)
@@ -119,7 +130,11 @@ class CompressedStrategy(Strategy):
 
     @property
     def message_type(self) -> str:
-        return f"train.{self.name}"
+        return "train" if self.plain_train else message_type_of(self.name)
+
+    def on_layout(self) -> None:
+        """Called once the layout is known (at construction, or at ``start`` when it is read
+        from the initial arrays): subclasses size what depends on it here."""
 
     # -- subclass hooks ------------------------------------------------------------------
     def knobs(self, server_round: int) -> dict[str, Any]:
@@ -149,10 +164,11 @@ class CompressedStrategy(Strategy):
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Flower's round loop; kept as is, with the timeout and ``evaluate_fn`` remembered
-        (the two-phase strategies use the grid again inside a round; ``evaluate_fn.note``,
-        when it exists, receives the round's rejections)."""
-        self._timeout, self._evaluate_fn = timeout, evaluate_fn
+        """Flower's round loop; kept as is, with the timeout remembered (the two-phase
+        strategies use the grid again inside a round) and the round notes bound to
+        ``evaluate_fn`` when it is fedswarm's recorder."""
+        self._timeout = timeout
+        self.bind_notes(evaluate_fn)
         self._ensure_model(initial_arrays)
         return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
 
@@ -170,6 +186,8 @@ class CompressedStrategy(Strategy):
         # server_round at 1 when rounds are added): tags replies, selections and seeds.
         self.round += 1
         knobs = ConfigRecord({"round": self.round, **self.knobs(self.round)})
+        if self.plain_train:  # what compression_mod needs to run this strategy's client half
+            knobs.update({"strategy": self.name, "seed": self.seed, "layout": layout_json(self.layout)})
         messages = []
         for nid in node_ids:
             content = RecordDict({"config": config, KNOBS: knobs})
@@ -209,7 +227,7 @@ class CompressedStrategy(Strategy):
             private, dp_metrics = self.dp.privatize(torch.stack([a.value for a in accepted]))
             for a in accepted:
                 a.value, a.weight = private, 1.0
-            self._note(**dp_metrics)
+            self.note(**dp_metrics)
         step = self.aggregate(self.round, accepted) if accepted else None
         if step is not None:
             if not bool(torch.isfinite(step.update).all()):  # never commit a non-finite model
@@ -224,7 +242,6 @@ class CompressedStrategy(Strategy):
         losses = [(w, float(v)) for w, v in losses if isinstance(v, (int, float)) and math.isfinite(v)]
         if losses:
             metrics["train_loss"] = sum(w * v for w, v in losses) / sum(w for w, _ in losses)
-        self._note(rejected=len(self._rejected), rejected_reasons=dict(self._rejected))
         return self.model_arrays(), MetricRecord(metrics)
 
     def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
@@ -234,24 +251,11 @@ class CompressedStrategy(Strategy):
         return None
 
     # -- helpers for subclasses ----------------------------------------------------------
-    def reject(self, msg: Message, reason: str) -> None:
-        """Flag a reply as rejected (it never touches the model) with ``reason``."""
-        nid = msg.metadata.src_node_id
-        reason = reason.strip().splitlines()[0][:500] if reason.strip() else "rejected"
-        self._rejected[str(nid)] = reason
-        log(WARNING, "round update of node %s rejected: %s", nid, reason)
-        if not msg.has_content():
-            return
-        content = msg.content
-        metrics = next(iter(content.metric_records.values()), None)
-        if metrics is None:
-            content["metrics"] = metrics = MetricRecord()
-        metrics["rejected"] = 1
-        if "train_loss" in metrics:
-            del metrics["train_loss"]  # a rejected node's loss is not the round's
-        node = content.config_records.get("node")
-        if node is not None:
-            node["rejected_reason"] = reason
+    def reject(self, reply: Message, reason: object) -> str:
+        """Refuse ``reply`` (see ``ReportsRounds.reject``) and count it in the round's metrics."""
+        text = super().reject(reply, reason)
+        self._rejected[str(reply.metadata.src_node_id)] = text
+        return text
 
     def weights(self, accepted: list[Accepted]) -> torch.Tensor:
         w = torch.tensor([a.weight for a in accepted], dtype=torch.float64)
@@ -259,6 +263,11 @@ class CompressedStrategy(Strategy):
 
     def send_and_receive(self, messages: list[Message]) -> list[Message]:
         """A second exchange inside a round (metered like the first)."""
+        if self.plain_train:  # the mod finds the strategy by name in every message's knobs
+            for m in messages:
+                knobs = m.content.config_records.get(KNOBS)
+                if knobs is not None and "strategy" not in knobs:
+                    knobs["strategy"], knobs["seed"] = self.name, self.seed
         return list(self._grid.send_and_receive(messages, timeout=self._timeout))
 
     def select(self, node_id: int, server_round: int, *, mask: np.ndarray | None = None,
@@ -290,13 +299,11 @@ class CompressedStrategy(Strategy):
     def _ensure_model(self, arrays: ArrayRecord) -> None:
         if self.sync.x is not None:
             return
+        if self.layout is None:
+            self.layout = layout_of_arrays(arrays)
+            self.on_layout()
         self._keys = [(k, tuple(arrays[k].shape)) for k in arrays.keys()]
         self.sync.reset(arrayrecord_to_vector(arrays, self.layout.d))
-
-    def _note(self, **metrics: Any) -> None:
-        note = getattr(self._evaluate_fn, "note", None)
-        if callable(note):
-            note(**metrics)
 
 
 def _num_examples(msg: Message) -> float:
@@ -347,23 +354,94 @@ class ClientRound:
         return int(self.knobs["round"])
 
 
+@dataclass
+class UserTraining:
+    """A Flower user's own ``train`` function standing in for fedswarm's local SGD: set by
+    :data:`fedswarm.client.compression_mod` around a strategy's client half (see
+    :func:`user_training`). ``call_next(msg, context)`` is the rest of the user's ClientApp."""
+
+    call_next: Callable[[Message, Context], Message]
+
+
+_USER: ContextVar[UserTraining | None] = ContextVar("fedswarm_user_training", default=None)
+
+
+@contextmanager
+def user_training(call_next: Callable[[Message, Context], Message]) -> Iterator[None]:
+    """Inside this block, :func:`begin` and :func:`train` run the user's app, not a task."""
+    token = _USER.set(UserTraining(call_next))
+    try:
+        yield
+    finally:
+        _USER.reset(token)
+
+
+@dataclass
+class _UserModel:
+    """What a client round needs of a trainer when the user's app trains: the layout."""
+
+    layout: ParamLayout
+
+
 def begin(msg: Message, context: Context) -> ClientRound:
     """Read config and knobs and bring this node's replica to the server's model."""
+    if KNOBS not in msg.content.config_records:
+        raise PayloadError(f"train message has no '{KNOBS}' record")
+    knobs = msg.content.config_records[KNOBS]
+    if _USER.get() is not None:  # a user's own app: no fedswarm task, the layout comes from the server
+        if "layout" not in knobs:
+            raise PayloadError(f"the '{KNOBS}' record has no 'layout': build the strategy without a layout "
+                               "(from the initial ArrayRecord) to serve a user's ClientApp")
+        layout = layout_from_json(str(knobs["layout"]))
+        cfg = RunConfig(seed=int(knobs.get("seed", 0)))
+        model, version, epoch = client_sync(msg.content, context.state, layout)
+        return ClientRound(msg, context, cfg, _UserModel(layout), knobs, model, version, epoch)
     cfg = run_config_of(msg, context)
     pid, n = node_partition(context, cfg)
     trainer = trainer_for(cfg, pid, n)
-    if KNOBS not in msg.content.config_records:
-        raise PayloadError(f"train message has no '{KNOBS}' record")
     model, version, epoch = client_sync(msg.content, context.state, trainer.layout)
-    return ClientRound(msg, context, cfg, trainer, msg.content.config_records[KNOBS], model, version, epoch)
+    return ClientRound(msg, context, cfg, trainer, knobs, model, version, epoch)
 
 
 def train(cr: ClientRound) -> LocalFit:
-    """Local SGD from the public model (policies apply); returns the LocalFit."""
+    """Local SGD from the public model (policies apply); returns the LocalFit. Under
+    :func:`user_training`, the user's own ``train`` function trains instead: it gets the
+    public model as an ArrayRecord shaped like the initial one and must reply with its new
+    ``arrays`` (same names and shapes) and a MetricRecord with ``num-examples``."""
+    user = _USER.get()
+    if user is not None:
+        return _user_fit(cr, user)
     content = RecordDict({"arrays": vector_to_arrayrecord(cr.model), "config": cr.msg.content.config_records["config"]})
     if "byzantine" in cr.msg.content.config_records:  # a data-poisoning attacker trains on what it was told
         content["byzantine"] = cr.msg.content.config_records["byzantine"]
     return local_fit(_TrainView(content), cr.context)
+
+
+def _user_fit(cr: ClientRound, user: UserTraining) -> LocalFit:
+    layout = cr.layout
+    arrays = ArrayRecord()
+    for spec in layout.specs:
+        arrays[spec.name] = Array(np.ascontiguousarray(cr.model[spec.offset:spec.end].reshape(spec.shape).numpy()))
+    config = cr.msg.content.config_records.get("config") or ConfigRecord()
+    msg = Message(RecordDict({"arrays": arrays, "config": config}), metadata=cr.msg.metadata)
+    reply = user.call_next(msg, cr.context)
+    if reply.has_error():
+        raise RuntimeError(f"the ClientApp's train function failed: {reply.error.reason}")
+    recs = reply.content.array_records
+    rec = recs.get("arrays") if "arrays" in recs else (next(iter(recs.values())) if len(recs) == 1 else None)
+    if rec is None:
+        raise PayloadError(f"the train function must reply with one ArrayRecord ('arrays'), got {list(recs.keys())}")
+    names = [spec.name for spec in layout.specs]
+    if list(rec.keys()) != names:
+        raise PayloadError(f"the train function replied with arrays {list(rec.keys())[:8]}, expected the model's "
+                           f"{names[:8]} (same names, same order)")
+    flat = arrayrecord_to_vector(rec, layout.d)
+    metrics = next(iter(reply.content.metric_records.values()), None)
+    if metrics is None or "num-examples" not in metrics:
+        raise PayloadError("the train function must reply with a MetricRecord holding 'num-examples'")
+    loss = metrics.get("train_loss", metrics.get("loss", float("nan")))
+    result = TrainResult(flat=flat, loss=float(loss), num_examples=int(metrics["num-examples"]), steps=0)
+    return LocalFit(cr.cfg, cr.trainer, cr.model, result, device_class="", policy={})
 
 
 def finish(cr: ClientRound, fit: LocalFit, reply: RecordDict, **metrics: float) -> RecordDict:

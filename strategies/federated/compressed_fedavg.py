@@ -17,8 +17,8 @@ from fedswarm.params import ParamLayout
 from fedswarm.algorithms.compression.codecs import CODECS, decode_payload, make_codec
 from fedswarm.strategies.federated.compressed_base import (Accepted, CompressedStrategy, Step, begin,
                                                            finish, read_payload, train)
-from fedswarm.strategies.strategy_utils import load_vector, save_vector
-from fedswarm.algorithms.compression.error_feedback import ErrorFeedback
+from fedswarm.strategies.strategy_utils import load_error_feedback, save_error_feedback
+from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState, error_feedback_step
 from fedswarm.hyperparams import HyperParam
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
 from fedswarm.payload import PayloadError
@@ -97,7 +97,7 @@ class CompressedFedAvg(CompressedStrategy):
     name = "compressed_fedavg"
     supports_dp = True
 
-    def __init__(self, layout: ParamLayout, codec: str = "topk", codec_params: dict | None = None,
+    def __init__(self, layout: ParamLayout | None = None, codec: str = "topk", codec_params: dict | None = None,
                  error_feedback: bool = True, downlink_codec: str = "none",
                  downlink_codec_params: dict | None = None, **kwargs: Any):
         super().__init__(layout, **kwargs)
@@ -105,7 +105,7 @@ class CompressedFedAvg(CompressedStrategy):
         self.error_feedback = bool(error_feedback)
         self.downlink = (None if downlink_codec == "none"
                          else make_codec(downlink_codec, **(downlink_codec_params or {})))
-        self.server_residual: torch.Tensor | None = None
+        self.server_ef = ErrorFeedbackState()  # the server's memory of its downlink compression
 
     def summary_lines(self) -> list[str]:
         down = self.downlink.summary() if self.downlink else "none (model or changed coordinates)"
@@ -130,19 +130,24 @@ class CompressedFedAvg(CompressedStrategy):
     def aggregate(self, server_round: int, accepted: list[Accepted]) -> Step:
         w = self.weights(accepted)
         avg = torch.zeros(self.layout.d, dtype=torch.float32)
-        for wi, a in zip(w.tolist(), accepted):
+        for wi, a in zip(w.tolist(), accepted, strict=True):
             avg.add_(a.value, alpha=wi)
         u = avg if self.server_lr == 1.0 else avg * self.server_lr
         if self.downlink is None:
             return Step(u)
         # The second compression, of the aggregate, with the server's own residual
         # (1-bit SGD's two-stage aggregation; DoubleSqueeze, Tang et al. 2019).
-        p = u + self.server_residual if (self.error_feedback and self.server_residual is not None) else u
-        q = self.downlink.encode(p[None], self.layout, seed=server_round)
+        state = self.server_ef if self.error_feedback else ErrorFeedbackState()
+        q, state = error_feedback_step(state, self.downlink, u[None], self.layout, seed=server_round)
         dq = self.downlink.decode(q, self.layout)[0]
         if self.error_feedback:
-            self.server_residual = p - dq
-        return Step(dq, q, {"server_residual_norm": float(self.server_residual.norm()) if self.error_feedback else 0.0})
+            self.server_ef = state
+        return Step(dq, q, {"server_residual_norm": self.server_ef.norm})
+
+    @property
+    def server_residual(self) -> torch.Tensor | None:
+        """The server's downlink residual, ``[d]`` (None before the first compressed round)."""
+        return None if self.server_ef.residual is None else self.server_ef.residual[0]
 
 
 class OneBitSGD(CompressedFedAvg):
@@ -150,7 +155,7 @@ class OneBitSGD(CompressedFedAvg):
 
     Clients quantize ``δ_i + e_i`` per column with threshold 0 and two reconstruction values
     (the ``onebit`` codec) and keep the quantization error ``e_i``. The server plays every
-    stripe owner of the paper's all-to-all (algorithms.md §1): it sums the decoded
+    stripe owner of the paper's all-to-all (docs/algorithms.md §1): it sums the decoded
     stripes, ``A = Σ_i n_i D(Q_i) / Σ_i n_i``, quantizes the aggregate a second time with
     its own residual, ``QA = Q(server_lr·A + E)``, ``E ← server_lr·A + E − D(QA)``, and
     sends ``QA`` down: every client applies ``x̂ ← x̂ + D(QA)``. With ``error_feedback``
@@ -175,7 +180,7 @@ class OneBitSGD(CompressedFedAvg):
 
     name = "onebit"
 
-    def __init__(self, layout: ParamLayout, error_feedback: bool = True, **kwargs: Any):
+    def __init__(self, layout: ParamLayout | None = None, error_feedback: bool = True, **kwargs: Any):
         super().__init__(layout, codec="onebit", error_feedback=error_feedback, downlink_codec="onebit", **kwargs)
 
 
@@ -208,9 +213,9 @@ def client_update(msg: Message, context: Context) -> RecordDict:
     if codec.name in _PER_CLIENT_SEED:  # as row `partition-id` of one batch of all clients
         seed += int(context.node_config.get("partition-id", 0))
     if bool(knobs.get("error_feedback", True)):
-        residual = load_vector(context.state, key, cr.layout.d)[None]
-        payload, residual = ErrorFeedback().step(codec, delta, residual, cr.layout, seed=seed)
-        save_vector(cr.state, key, residual)
+        ef = load_error_feedback(context.state, key, cr.layout.d)
+        payload, ef = error_feedback_step(ef, codec, delta[0], cr.layout, seed=seed)
+        save_error_feedback(cr.state, key, ef)  # written by finish(), with the rest of the round's state
     else:
         payload = codec.encode(delta, cr.layout, seed=seed)
     return finish(cr, fit, payload_to_records(payload, RecordDict()))

@@ -19,18 +19,17 @@ the clip and the noise multiplier, which the recorder writes to the round's row.
 
 from __future__ import annotations
 
-from logging import WARNING
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
-from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 from fedswarm.algorithms.privacy.dp_fedavg import ClientLevelDP, parse_dp
 from fedswarm.config import ConfigError, RunConfig
 from fedswarm.payload import PayloadError
+from fedswarm.strategies.strategy_utils import ReportsRounds, check_model_reply
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
 __all__ = ["DPFedAvg", "client_dp", "attach_dp"]
@@ -45,7 +44,7 @@ def client_dp(cfg: RunConfig) -> ClientLevelDP | None:
     return ClientLevelDP(parse_dp(cfg.dp), rounds=cfg.rounds, sample_rate=cfg.fraction, seed=cfg.seed)
 
 
-class DPFedAvg(FedAvg):
+class DPFedAvg(ReportsRounds, FedAvg):
     """FedAvg with DP-FedAvg's clipping and noise (McMahan et al., ICLR 2018)::
 
         x ← x + (Σ_i clip_C(x_i − x) + N(0, (z·C)² I)) / K
@@ -63,12 +62,11 @@ class DPFedAvg(FedAvg):
         self.dp = dp
         self._global: torch.Tensor | None = None
         self._keys: list[tuple[str, tuple[int, ...]]] = []
-        self._evaluate_fn: Callable | None = None
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn=None) -> Result:
-        self._evaluate_fn = evaluate_fn
+        self.bind_notes(evaluate_fn)
         return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -78,23 +76,22 @@ class DPFedAvg(FedAvg):
         self._keys = [(k, tuple(arrays[k].shape)) for k in arrays.keys()]
         return super().configure_train(server_round, arrays, config, grid)
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         deltas = []
         for msg in replies:
-            if msg.has_error() or "arrays" not in msg.content.array_records:
+            if msg.has_error():
                 continue
             try:
-                x = arrayrecord_to_vector(msg.content.array_records["arrays"], self._global.numel())
+                x = check_model_reply(msg, self._global.numel())
             except PayloadError as exc:
-                log(WARNING, "DP-FedAvg: reply of node %s rejected: %s", msg.metadata.src_node_id, exc)
+                self.reject(msg, exc)
                 continue
             deltas.append(x - self._global)
         if not deltas:
             return None, None
         mean, metrics = self.dp.privatize(torch.stack(deltas))
-        note = getattr(self._evaluate_fn, "note", None)
-        if callable(note):
-            note(**metrics)
+        self.note(**metrics)
         new = self._global + mean
         rec, off = ArrayRecord(), 0
         if len(self._keys) == 1:

@@ -6,33 +6,40 @@ models weighted by ``num-examples``. Wire: the full model, 4d bytes each way per
 
 from __future__ import annotations
 
-from logging import WARNING
-
-from flwr.common import log
 from flwr.serverapp.strategy import FedAvg
 
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
+from fedswarm.strategies.strategy_utils import ReportsRounds, check_model_reply
 from fedswarm.wire import arrayrecord_to_vector
 
 
-class CheckedFedAvg(FedAvg):
-    """Flower's FedAvg, except that a reply whose model is malformed (wrong size, not
-    floating point, non-finite) is dropped with a warning instead of averaged in: one
-    such reply would otherwise turn the global model into NaN. A *well-formed* lie still
-    moves the average anywhere (that is what the robust strategies are for)."""
+class CheckedFedAvg(ReportsRounds, FedAvg):
+    """Flower's FedAvg, except that a reply whose model is malformed (missing, wrong size,
+    not floating point, non-finite) is rejected (``reject``, recorded with its reason)
+    instead of averaged in: one such reply would otherwise turn the global model into NaN.
+    A *well-formed* lie still moves the average anywhere (that is what the robust
+    strategies are for)."""
+
+    _d: int | None = None
+
+    def start(self, grid, initial_arrays, num_rounds=3, timeout=3600, train_config=None, evaluate_config=None,
+              evaluate_fn=None):
+        self.bind_notes(evaluate_fn)
+        return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
+
+    def configure_train(self, server_round, arrays, config, grid):
+        self._d = arrayrecord_to_vector(arrays).numel()
+        return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round, replies):
-        kept, d = [], None
+        kept = []
         for msg in replies:
-            if not msg.has_error() and "arrays" in msg.content.array_records:
+            if not msg.has_error():
                 try:
-                    vec = arrayrecord_to_vector(msg.content.array_records["arrays"])
-                    if d is not None and vec.numel() != d:
-                        raise PayloadError(f"model has {vec.numel()} values, others have {d}")
-                    d = vec.numel()
+                    check_model_reply(msg, self._d)
                 except PayloadError as exc:
-                    log(WARNING, "round %s: reply of node %s dropped: %s", server_round, msg.metadata.src_node_id, exc)
+                    self.reject(msg, exc)
                     continue
             kept.append(msg)
         return super().aggregate_train(server_round, kept)

@@ -93,15 +93,19 @@ class GlobalTopK(CompressedStrategy):
 
     name = "gtopk"
 
-    def __init__(self, layout: ParamLayout, density: float = 0.01, merge: str = "tree", server_lr: float = 2.0,
-                 **kwargs: Any):
+    def __init__(self, layout: ParamLayout | None = None, density: float = 0.01, merge: str = "tree",
+                 server_lr: float = 2.0, **kwargs: Any):
         super().__init__(layout, server_lr=server_lr, **kwargs)
         if merge not in ("tree", "exact"):
             raise ValueError(f"merge must be 'tree' or 'exact', got {merge!r}")
         self.codec = TopKCodec(ratio=density)
         self.density = self.codec.params["ratio"]
-        self.k = self.codec.wire_bytes(layout) // 8
         self.merge = merge
+        if self.layout is not None:
+            self.on_layout()
+
+    def on_layout(self) -> None:
+        self.k = self.codec.wire_bytes(self.layout) // 8
 
     def summary_lines(self) -> list[str]:
         return [f"k = {self.k} of d = {self.layout.d} (density {self.density:g}), merge: {self.merge}"]
@@ -123,7 +127,7 @@ class GlobalTopK(CompressedStrategy):
 
     def aggregate(self, server_round: int, accepted: list[Accepted]) -> Step:
         w = self.weights(accepted).tolist()
-        parts = [(a.value[0], a.value[1] * wi) for a, wi in zip(accepted, w)]
+        parts = [(a.value[0], a.value[1] * wi) for a, wi in zip(accepted, w, strict=True)]
         if self.merge == "tree":
             idx, vals = tree_merge(parts, self.k)
         else:

@@ -49,7 +49,10 @@ class RobustAggregation(CompressedFedAvg):
 
     supports_dp = False  # a robust rule's output is not an average: no clip-norm sensitivity
 
-    def __init__(self, layout: ParamLayout, rule: RobustRule, *, codec: str = "none", **kwargs: Any):
+    def __init__(self, layout: ParamLayout | None = None, rule: RobustRule | None = None, *, codec: str = "none",
+                 **kwargs: Any):
+        if rule is None:
+            raise TypeError("RobustAggregation needs a rule (fedswarm.algorithms.robust.aggregators)")
         super().__init__(layout, codec=codec, error_feedback=False, **kwargs)
         self.rule = rule
         self.name = rule.name
@@ -63,7 +66,7 @@ class RobustAggregation(CompressedFedAvg):
             self.rule.check(x.shape[0])
         except ToleranceError as exc:
             log(WARNING, "round %s skipped: %s", server_round, exc)
-            self._note(robust_skipped=str(exc))
+            self.note(robust_skipped=str(exc))
             return None
         u = self.rule(x)
         return Step(u if self.server_lr == 1.0 else u * self.server_lr)
@@ -75,7 +78,7 @@ class Signum(RobustAggregation):
     down as 1 bit a coordinate (Bernstein et al., ICLR 2019; see
     :mod:`fedswarm.algorithms.robust.signum`)."""
 
-    def __init__(self, layout: ParamLayout, f: int = 0, **kwargs: Any):
+    def __init__(self, layout: ParamLayout | None = None, f: int = 0, **kwargs: Any):
         super().__init__(layout, MajorityVote(f), codec="sign", **kwargs)
         from fedswarm.algorithms.compression.codecs import make_codec
 
@@ -144,7 +147,8 @@ register(StrategyEntry(
     name="signum",
     description="signSGD with majority vote: 1-bit client updates, the sign of their sum (f < n/2, blind adversaries).",
     build=_build_signum,
-    hyperparams=(_F, HyperParam("server_lr", 0.005, "step per coordinate: x <- x + server_lr * vote", gt=0.0, le=100.0)),
+    hyperparams=(_F, HyperParam("server_lr", 0.005, "step per coordinate: x <- x + server_lr * vote",
+                                gt=0.0, le=100.0)),
     client_update=client_update,
     paper=MajorityVote.paper,
 ))

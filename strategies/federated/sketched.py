@@ -1,4 +1,4 @@
-"""Count-Sketch strategies: Sketched-SGD, FetchSGD and gs-SGD (algorithms.md §6b-6d).
+"""Count-Sketch strategies: Sketched-SGD, FetchSGD and gs-SGD (docs/algorithms.md §6b-6d).
 
 Every client sketches a d-vector into an r x c table with hashes shared through a seed
 (the ``countsketch`` codec); sketches are linear, so the server's weighted sum of the
@@ -48,13 +48,18 @@ class SketchStrategy(CompressedStrategy):
         also seeds the hashes every party shares.
     """
 
-    def __init__(self, layout: ParamLayout, density: float = 0.001, rows: int = 5, cols: int = 0, **kwargs: Any):
+    def __init__(self, layout: ParamLayout | None = None, density: float = 0.001, rows: int = 5, cols: int = 0,
+                 **kwargs: Any):
         super().__init__(layout, **kwargs)
         self.codec = CountSketchCodec(rows=rows, cols=cols, k_ratio=density)
-        self.rows, self.cols, self.k = self.codec._dims(layout.d, self.codec.params)
         self.density = self.codec.params["k_ratio"]
         self.hash_seed = (self.seed * 7919 + 17) % (2**31 - 1)
-        self.sketch = CountSketch(layout.d, self.rows, self.cols, self.hash_seed)
+        if self.layout is not None:
+            self.on_layout()
+
+    def on_layout(self) -> None:
+        self.rows, self.cols, self.k = self.codec._dims(self.layout.d, self.codec.params)
+        self.sketch = CountSketch(self.layout.d, self.rows, self.cols, self.hash_seed)
 
     def summary_lines(self) -> list[str]:
         ratio = self.layout.d / (self.rows * self.cols)
@@ -83,7 +88,7 @@ class SketchStrategy(CompressedStrategy):
     def summed(self, accepted: list[Accepted]) -> torch.Tensor:
         """Σ_i (n_i/Σn) S_i: by linearity, the sketch of the weighted average."""
         total = torch.zeros(self.rows, self.cols, dtype=torch.float32)
-        for wi, a in zip(self.weights(accepted).tolist(), accepted):
+        for wi, a in zip(self.weights(accepted).tolist(), accepted, strict=True):
             total.add_(a.value, alpha=wi)
         return total
 
@@ -174,7 +179,8 @@ class SketchedSGD(SketchStrategy):
 
     name = "sketched_sgd"
 
-    def __init__(self, layout: ParamLayout, momentum: float = 0.0, candidates: int = 4, **kwargs: Any):
+    def __init__(self, layout: ParamLayout | None = None, momentum: float = 0.0, candidates: int = 4,
+                 **kwargs: Any):
         super().__init__(layout, **kwargs)
         self.momentum, self.candidates = float(momentum), int(candidates)
 
@@ -280,9 +286,12 @@ class FetchSGD(SketchStrategy):
 
     name = "fetchsgd"
 
-    def __init__(self, layout: ParamLayout, momentum: float = 0.9, **kwargs: Any):
+    def __init__(self, layout: ParamLayout | None = None, momentum: float = 0.9, **kwargs: Any):
         super().__init__(layout, **kwargs)
         self.momentum = float(momentum)
+
+    def on_layout(self) -> None:
+        super().on_layout()
         self.s_u = torch.zeros(self.rows, self.cols)
         self.s_e = torch.zeros(self.rows, self.cols)
 
@@ -308,7 +317,7 @@ _GS = "gs_sgd"
 class GlobalSketchSGD(SketchStrategy):
     """gs-SGD: top-k of a global Count Sketch of the workers' error-compensated updates.
 
-    **A reconstruction.** Only the paper's abstract was retrievable (algorithms.md §6d):
+    **A reconstruction.** Only the paper's abstract was retrievable (docs/algorithms.md §6d):
     it compresses with a Count Sketch of the *global* gradient instead of top-k, needs no
     parameter server, and costs O(log d · log P) per worker. Reconstructed here, from that
     and sketch linearity::
@@ -346,7 +355,7 @@ class GlobalSketchSGD(SketchStrategy):
 
     name = "gs_sgd"
 
-    def __init__(self, layout: ParamLayout, exact_values: bool = True, **kwargs: Any):
+    def __init__(self, layout: ParamLayout | None = None, exact_values: bool = True, **kwargs: Any):
         super().__init__(layout, **kwargs)
         self.exact = bool(exact_values)
 

@@ -174,3 +174,15 @@ def test_federation_not_configured_says_so(admin):
     assert "No SuperLink is configured" in admin.get("/federation").text
     assert admin.get("/api/nodes").json()["supernodes"] == {"configured": False, "superlink": None, "nodes": [],
                                                              "error": "no SuperLink configured"}
+
+
+def test_run_page_shows_rejected_replies_with_their_reason(app, admin):
+    store = app.state.ctx.store
+    rid = store.create_run({"rounds": 2, "strategy": "pvt"})
+    assert "No reply was rejected." in admin.get(f"/runs/{rid}").text
+    store.add_round(rid, 1, bytes_up=1)
+    store.add_rejections(rid, 1, {"17": "values must be finite <b>"})
+    page = admin.get(f"/runs/{rid}").text
+    assert 'id="rejections-table"' in page and "values must be finite &lt;b&gt;" in page
+    detail = admin.get(f"/api/runs/{rid}").json()
+    assert detail["rejections"] == [{"round": 1, "node_id": "17", "reason": "values must be finite <b>"}]
