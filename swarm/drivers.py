@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -305,8 +306,20 @@ class LeaderDriver(Driver):
             self._cv.notify_all()
             return lead[0].clone()
 
+    def _member_view(self, sender: str) -> View:
+        """Our view once it includes ``sender`` and the swarm's minimum size (a report can
+        arrive while this peer is still joining), or as it is after ``round_timeout_s``."""
+        p = self.peer
+        deadline = time.monotonic() + p.cfg.round_timeout_s
+        view = p.view()
+        while (sender not in view.ids or view.n < p.cfg.min_peers) and time.monotonic() < deadline:
+            if p.stop.wait(0.02):
+                break
+            view = p.view()
+        return view
+
     def _serve_lead(self, msg: Message, s: Session) -> None:
-        view = self.peer.view()
+        view = self._member_view(msg.sender)
         try:
             kind, r = msg.meta.get("kind"), msg.meta.get("round")
             if kind not in ("local", "global") or not isinstance(r, int) or isinstance(r, bool):
@@ -327,7 +340,7 @@ class LeaderDriver(Driver):
         s.send("model", meta, body, re=msg.nonce)
 
     def _async_round(self, r: int, view: View, row: dict[str, Any]) -> None:
-        p, i = self.peer, view.index
+        i = view.index
         local, glob = self.algo.due(self.state.step, i)
         f = self.algo.loss_estimate(self.state)
         for kind, c, is_due in (("local", self.algo.c1, local), ("global", self.algo.c2, glob)):
