@@ -242,7 +242,7 @@ def test_lsgd_single_leader_mode_matches_numpy():
     state = algo.init_state(x0)
     x = x0.numpy().astype(np.float64).copy()
     f_sum = np.zeros(N)
-    for t, (g, f) in enumerate(zip(grads, losses)):
+    for t, (g, f) in enumerate(zip(grads, losses, strict=True)):
         algo.local_step(state, g, lr, losses=f)
         algo.mix(state)
         x = x - lr * g.numpy()

@@ -310,7 +310,7 @@ class LSGD(DecentralizedAlgorithm):
                           leader_models: Sequence[torch.Tensor | None]) -> None:
         """Apply ``pulls`` to a one-node state with the leaders' models (None: the leader is
         this node, or its model did not arrive: no pull), then end the iteration."""
-        for (_, c), xl in zip(pulls, leader_models):
+        for (_, c), xl in zip(pulls, leader_models, strict=True):
             if xl is not None:
                 self.node_pull(state, xl, c)
         if pulls:

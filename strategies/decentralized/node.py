@@ -35,8 +35,8 @@ from fedswarm.algorithms.decentralized import GossipState, make_algorithm
 from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm
 from fedswarm.train import trainer_for
 from fedswarm.payload import PayloadError
-from fedswarm.wire import (PAYLOAD_ARRAYS, PAYLOAD_META, arrayrecord_to_vector, payload_from_records, payload_to_records,
-                           recorddict_nbytes, vector_to_arrayrecord)
+from fedswarm.wire import (PAYLOAD_ARRAYS, PAYLOAD_META, arrayrecord_to_vector, payload_from_records,
+                           payload_to_records, recorddict_nbytes, vector_to_arrayrecord)
 
 __all__ = [
     "NO_STATE",

@@ -23,9 +23,12 @@ serialized size of each node's message times its degree. Accuracy is that of the
 node-average model (nodes report their models; the average is only evaluated, never sent
 back) and ``consensus_distance`` is ``(1/n) Σ_i ‖x_i − x̄‖²``.
 
-Registered: ``dpsgd``, ``d2``, ``dsgdm``, ``qgm``, ``squarm``, ``easgd``, ``dasgd`` (kind ``decentralized``, topology from
-``RunConfig.topology``), and ``adpsgd``, ``prague`` (kind ``async``: they run on the virtual-clock
-simulator, ``fedswarm.sim.async_engine``, not on Flower's synchronous rounds).
+Registered: ``dpsgd``, ``d2``, ``dsgdm``, ``qgm``, ``squarm``, ``easgd``, ``dasgd`` (kind
+``decentralized``, topology from ``RunConfig.topology``); ``adpsgd``, ``prague`` (kind ``async``:
+they run on the virtual-clock simulator, ``fedswarm.sim.async_engine``, not on Flower's
+synchronous rounds); ``lsgd`` (kind ``array``: the array engine, ``fedswarm.sim.array_engine``).
+Every node's message is its algorithm's ``Payload`` (compressed for SQuARM), carried as
+records; ``--set report_every=N`` sets how often nodes also report their models.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_ty
 from fedswarm.algorithms.decentralized.topology import make_topology
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.strategy_utils import ReportsRounds
-from fedswarm.wire import PAYLOAD_ARRAYS, PAYLOAD_META, arrayrecord_to_vector, payload_from_records, vector_to_arrayrecord
+from fedswarm.wire import (PAYLOAD_ARRAYS, PAYLOAD_META, arrayrecord_to_vector, payload_from_records,
+                           vector_to_arrayrecord)
 
 __all__ = ["DecentralizedStrategy", "SYNC_ALGORITHMS"]
 

@@ -30,7 +30,7 @@ def minibatch_gradient(trainer: LocalTrainer, flat: torch.Tensor, batch_size: in
     loss = trainer.task.objective(model, trainer.x[idx], trainer.y[idx])
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     flat_g = torch.cat([(torch.zeros_like(p) if gr is None else gr).reshape(-1)
-                        for p, gr in zip(params, grads)])
+                        for p, gr in zip(params, grads, strict=True)])
     return flat_g.detach().to(torch.float32).cpu(), float(loss.item())
 
 
