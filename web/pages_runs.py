@@ -102,7 +102,7 @@ def run_page(request: Request, run_id: str = RunIdPath, p: Principal = Depends(p
     return render(request, ctx, p, "run.html", run=detail, log=log_tail(ctx.runs.log_path(run_id), 6000),
                   codecs=[c.get("name") for c in cat.codecs], device_classes=classes, pending=pending,
                   policy_keys=entry.get("policy_keys"), policy_fields=schemas.DevicePolicy.model_fields,
-                  decentralized=entry.get("kind") in ("decentralized", "async"),
+                  decentralized=entry.get("kind") in ("decentralized", "async", "array"),
                   status_json=json.dumps({"actions": detail.actions, "pending": detail.pending}))
 
 
