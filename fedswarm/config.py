@@ -81,8 +81,17 @@ class RunConfig(BaseModel):
     lr: float = Field(0.3, gt=0.0, le=100.0, description="Client learning rate.")
     momentum: float = Field(0.0, ge=0.0, lt=1.0, description="Client SGD momentum.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for model init, data split and sampling.")
-    engine: Literal["inprocess", "flower"] = Field(
-        "inprocess", description="'inprocess' (no Ray, default) or 'flower' (Flower's Simulation Engine)."
+    engine: Literal["inprocess", "flower", "batched"] = Field(
+        "inprocess", description="'inprocess' (no Ray, default), 'flower' (Flower's Simulation Engine) or "
+        "'batched' (all sampled clients trained at once with torch.func.vmap; FedAvg)."
+    )
+    memory_budget: str | None = Field(
+        None, description="--engine batched: memory for one chunk of clients, e.g. '2GB' (default: a quarter "
+        "of free RAM, at most 8 GB, or half of free GPU memory)."
+    )
+    ray_address: str | None = Field(
+        None, description="--engine flower: attach to this running Ray cluster (e.g. '127.0.0.1:6379') "
+        "instead of starting one."
     )
     test_fraction: float = Field(
         0.2, gt=0.0, lt=1.0, description="Share of the task's data held out as the global test set."
