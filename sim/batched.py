@@ -48,7 +48,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from fedswarm.config import ConfigError, RunConfig
 from fedswarm.local import round_seed
 from fedswarm.params import ParamLayout, get_flat
-from fedswarm.policy import DEFAULT_CLASS, PolicyBook, device_class_of, policy_for
+from fedswarm.policy import DEFAULT_CLASS, PolicyBook, policy_for
 from fedswarm.store import Store
 from fedswarm.tasks import Task, get_task
 from fedswarm.tasks.partition import partition_offsets
@@ -399,8 +399,11 @@ def round_schedule(cfg: RunConfig, node_ids: list[int], train_config: ConfigReco
     way :func:`fedswarm.local.prepare_local` reads them."""
     pids = np.asarray(node_ids, dtype=np.int64) - 1
     classes = [DEFAULT_CLASS] * len(pids)
-    if cfg.devices:
-        classes = [device_class_of({}, cfg.devices, int(p), cfg.clients) for p in pids]
+    if cfg.devices:  # device_class_of's reading of --devices, parsed once for all nodes
+        from fedswarm.timemodel import parse_devices
+
+        every = parse_devices(cfg.devices, cfg.clients)
+        classes = [every[p] for p in pids.tolist()]
     per_class: dict[str, dict] = {c: policy_for(train_config, c) for c in set(classes)}
     steps = np.empty(len(pids), dtype=np.int64)
     bss = np.empty(len(pids), dtype=np.int64)

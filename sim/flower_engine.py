@@ -24,7 +24,11 @@ __all__ = ["run_flower"]
 
 def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None,
                num_cpus_per_client: float = 1.0, num_gpus_per_client: float = 0.0) -> str:
-    """Run one simulation on Flower's Simulation Engine; returns the final run status."""
+    """Run one simulation on Flower's Simulation Engine; returns the final run status.
+
+    With ``cfg.ray_address`` the engine attaches to that running Ray cluster (``ray start
+    --head`` on one machine, ``ray start --address HEAD`` on the others) instead of starting
+    a private one, so the virtual SuperNodes' actors spread over every machine that joined."""
     try:
         from flwr.simulation import run_simulation
     except ImportError as exc:  # pragma: no cover
@@ -38,13 +42,14 @@ def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
     def _main(grid: Grid, context: Context) -> None:
         run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners, sim_time=sim_time)
 
+    init_args: dict = {"log_to_driver": False, "include_dashboard": False}
+    if cfg.ray_address:  # attach to a running cluster: its resources are what the cluster has
+        init_args["address"] = cfg.ray_address
+    else:
+        init_args["num_cpus"] = os.cpu_count() or 1
     backend_config = {
         "client_resources": {"num_cpus": num_cpus_per_client, "num_gpus": num_gpus_per_client},
-        "init_args": {
-            "num_cpus": os.cpu_count() or 1,
-            "log_to_driver": False,
-            "include_dashboard": False,
-        },
+        "init_args": init_args,
     }
     # One intra-op thread per actor (Ray workers inherit this environment): the actors
     # already use every core between them.
@@ -58,8 +63,9 @@ def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
                        backend_config=backend_config)
     except Exception as exc:
         run = store.get_run(run_id)
+        where = f" (Ray cluster at {cfg.ray_address})" if cfg.ray_address else ""
         if run is not None and run.status in ("pending", "running", "paused"):
-            store.set_status(run_id, "failed", error=f"Flower's Simulation Engine failed: {exc}")
+            store.set_status(run_id, "failed", error=f"Flower's Simulation Engine failed{where}: {exc}")
         raise
     finally:
         flwr_logger.setLevel(level)
