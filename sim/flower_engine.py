@@ -19,7 +19,26 @@ from fedswarm.server.app import run_server
 from fedswarm.server.recorder import RoundListener
 from fedswarm.sim.simtime import make_round_timer
 
-__all__ = ["run_flower"]
+__all__ = ["run_flower", "check_ray_address"]
+
+
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, naming the address, when nothing listens at a ``HOST:PORT`` Ray address
+    (Ray itself would retry for minutes). ``auto`` and ``ray://`` addresses go to Ray as is."""
+    import socket
+
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"--ray-address '{address}': expected HOST:PORT (the head's GCS port, 6379 by default), "
+                         "'auto' or ray://HOST:PORT")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ConnectionError(f"no Ray cluster answers at {address} ({exc}); start one with "
+                              f"'ray start --head --port {port}'") from None
 
 
 def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None,
@@ -44,6 +63,7 @@ def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
 
     init_args: dict = {"log_to_driver": False, "include_dashboard": False}
     if cfg.ray_address:  # attach to a running cluster: its resources are what the cluster has
+        check_ray_address(cfg.ray_address)
         init_args["address"] = cfg.ray_address
     else:
         init_args["num_cpus"] = os.cpu_count() or 1

@@ -75,12 +75,12 @@ def test_flower_engine_attaches_to_a_running_ray_cluster(ray_cluster, tmp_path):
         capture_output=True, text=True, timeout=600)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
-    assert "Connecting to existing Ray cluster" in log, log[-4000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert [r["round"] for r in result["rounds"]] == [0, 1, 2]
     assert result["rounds"][-1]["num_clients"] == 4
     assert result["summary"]["final_test_accuracy"] > result["rounds"][0]["test_accuracy"]
-    # the actors ran inside the cluster we started: its session logs hold their worker logs
+    # the actors ran inside the cluster we started (a private cluster would log under
+    # /tmp/ray instead): its session holds their worker logs
     logs = list(Path(temp_dir).glob("session_*/logs/worker-*"))
     assert logs, f"no worker logs under {temp_dir}: the run did not use this cluster"
 
@@ -90,6 +90,6 @@ def test_unreachable_ray_address_fails_with_the_address(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "fedswarm", "sim", "--engine", "flower", "--ray-address", f"127.0.0.1:{port}",
          "--clients", "2", "--rounds", "1", "--db", str(tmp_path / "s.db")],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, RAY_gcs_rpc_server_connect_timeout_s="5"))
+        capture_output=True, text=True, timeout=600)
     assert out.returncode != 0
-    assert f"127.0.0.1:{port}" in out.stdout + out.stderr
+    assert f"no Ray cluster answers at 127.0.0.1:{port}" in " ".join((out.stdout + out.stderr).split())
