@@ -30,6 +30,8 @@ send payloads that are not a model; they run on ``--engine inprocess``), ``--dp`
 from __future__ import annotations
 
 import json
+import math
+import os
 import random
 import re
 import traceback
@@ -94,13 +96,22 @@ def default_memory_budget(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.5)
-    try:
-        import psutil
+    return int(min(available_ram() * 0.25, 8e9))
 
-        avail = psutil.virtual_memory().available
-    except ImportError:  # pragma: no cover - psutil ships with the sim extra
-        avail = 4 * 2**30
-    return int(min(avail * 0.25, 8e9))
+
+def available_ram() -> int:
+    """Bytes of RAM available to new work: Linux's MemAvailable, else free pages."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 4 * 2**30
 
 
 # -- which runs it serves ----------------------------------------------------------------------
@@ -218,13 +229,18 @@ class BatchedTrainer:
         steps = schedule.steps.tolist()
         bss = schedule.batch_size.tolist()
         seeds = schedule.seeds.tolist()
-        for k in range(k_total):
+        # one example: every step is that example, whatever the generator says (vectorized:
+        # the many-clients-on-a-small-task case)
+        single = (n_k == 1).numpy()
+        if single.any():
+            ks = np.nonzero(single)[0]
+            step_ok = torch.arange(s_max)[None, :] < schedule.steps[ks][:, None]  # [k1, S]
+            rows1 = torch.from_numpy(self.flat_idx[self.offsets[schedule.partitions[ks].numpy()]])
+            idx[ks, :, 0] = torch.where(step_ok, rows1[:, None], torch.zeros((), dtype=torch.int64))
+            valid[ks, :, 0] = step_ok
+        for k in np.nonzero(~single)[0].tolist():
             lo, hi = int(self.offsets[parts[k]]), int(self.offsets[parts[k] + 1])
             n, bs, s_k = hi - lo, bss[k], steps[k]
-            if n == 1:  # one example: every step is that example, whatever the generator says
-                idx[k, :s_k, 0] = int(self.flat_idx[lo])
-                valid[k, :s_k, 0] = True
-                continue
             g = torch.Generator().manual_seed(seeds[k])
             rows = torch.from_numpy(self.flat_idx[lo:hi])
             order = torch.randperm(n, generator=g)
@@ -271,20 +287,27 @@ class BatchedTrainer:
 
     def average(self, start: torch.Tensor, schedule: ClientSchedule, weights: torch.Tensor, *,
                 momentum: float = 0.0, chunk_size: int | None = None, memory_budget: int | None = None,
-                on_chunk: Callable[[int], None] | None = None):
+                on_chunk: Callable[[int], None] | None = None, per_client_loss: bool = True):
         """FedAvg's numerator, chunk by chunk: yield ``(rows, sum_k w_k theta_k [d] float64,
-        mean_loss [C], num_examples [C])`` over the chunk's clients, ``theta_k`` being client
-        ``k``'s model after local SGD from ``start`` and ``w_k = weights[k]``.
+        mean_loss [C] or None, num_examples [C], sum_k w_k mean_loss_k)`` over the chunk's
+        clients, ``theta_k`` being client ``k``'s model after local SGD from ``start`` and
+        ``w_k = weights[k]``.
 
         When every client takes exactly one step, no client's model is ever formed: all
         start from ``start``, so ``sum_k w_k (start - lr_k g_k) = W start - grad(sum_k w_k
         lr_k L_k)(start)``, one backward pass over all the clients' examples at once (each
         example weighted ``w_k lr_k / b_k`` in its client's batch of ``b_k``). The same
-        numbers as :meth:`fit` (a test holds them together), with no ``[K, d]`` tensor."""
+        numbers as :meth:`fit` (a test holds them together), with no ``[K, d]`` tensor.
+
+        ``per_client_loss=False`` (no per-node rows wanted) goes further: clients with the
+        same per-example weight ``w_k lr_k / b_k`` are one group, and each group is one call
+        of the task's objective on all its examples (``sum_i c ell_i = c N_g mean_g``), with
+        no vmap at all; the round's weighted loss is exact, per-client losses are None."""
         if schedule.partitions.numel() == 0:
             return
         if bool((schedule.steps == 1).all()):
-            yield from self._one_step_average(start, schedule, weights, chunk_size, memory_budget, on_chunk)
+            yield from self._one_step_average(start, schedule, weights, chunk_size, memory_budget, on_chunk,
+                                              per_client_loss)
             return
         for rows, new, loss, n in self.fit(start, schedule, momentum=momentum, chunk_size=chunk_size,
                                            memory_budget=memory_budget, on_chunk=on_chunk):
@@ -293,9 +316,10 @@ class BatchedTrainer:
                 raise FloatingPointError(f"client at position {int(bad.nonzero()[0, 0]) + rows.start} of the round "
                                          "diverged (non-finite parameters); lower --lr")
             w = weights[rows].to(new.device, new.dtype)
-            yield rows, (w @ new).cpu().to(torch.float64), loss.cpu(), n
+            loss = loss.cpu()
+            yield rows, (w @ new).cpu().to(torch.float64), loss, n, float((loss * weights[rows]).sum())
 
-    def _one_step_average(self, start, schedule, weights, chunk_size, memory_budget, on_chunk):
+    def _one_step_average(self, start, schedule, weights, chunk_size, memory_budget, on_chunk, per_client_loss):
         idx_all, valid_all = self.minibatches(schedule)
         idx_all, valid_all = idx_all[:, 0], valid_all[:, 0]  # [K, B]: the one step
         k_total, b_max = idx_all.shape
@@ -316,19 +340,43 @@ class BatchedTrainer:
             coef = (w * schedule.lr[lo:hi].to(self.device, torch.float32) / per_client.clamp_min(1))[client_of]
             theta = start.clone().requires_grad_(True)
             params = self._params(theta)
-            per_example = vmap(lambda xi, yi: functional_call(self._objective, params, (xi[None], yi[None])))(
-                self.x[rows], self.y[rows])
-            (g,) = torch.autograd.grad((per_example * coef).sum(), theta)
-            loss = torch.zeros(hi - lo, device=self.device).index_add_(0, client_of, per_example.detach())
-            loss = loss / per_client.clamp_min(1)
-            if not bool(torch.isfinite(loss).all()) or not bool(torch.isfinite(g).all()):
-                bad = (~torch.isfinite(loss)).nonzero()
+            w_chunk = weights[lo:hi].to(torch.float64)
+            if per_client_loss:
+                per_example = vmap(lambda xi, yi: functional_call(self._objective, params, (xi[None], yi[None])))(
+                    self.x[rows], self.y[rows])
+                (g,) = torch.autograd.grad((per_example * coef).sum(), theta)
+                loss = torch.zeros(hi - lo, device=self.device).index_add_(0, client_of, per_example.detach())
+                loss = (loss / per_client.clamp_min(1)).cpu()
+                loss_wsum = float((loss.to(torch.float64) * w_chunk).sum())
+                finite = bool(torch.isfinite(loss).all())
+            else:
+                g, loss_wsum = self._grouped_step(params, theta, rows, client_of, coef, w, per_client)
+                loss, finite = None, math.isfinite(loss_wsum)
+            if not finite or not bool(torch.isfinite(g).all()):
+                bad = (~torch.isfinite(loss)).nonzero() if loss is not None else torch.zeros(0, 1)
                 where = f"client at position {int(bad[0, 0]) + lo} of the round" if bad.numel() else "a client"
                 raise FloatingPointError(f"{where} diverged (non-finite loss or gradient); lower --lr")
             contribution = float(w.sum()) * start.to(torch.float64) - g.to(torch.float64)
-            yield slice(lo, hi), contribution.cpu(), loss.cpu(), n_examples[lo:hi]
+            yield slice(lo, hi), contribution.cpu(), loss, n_examples[lo:hi], loss_wsum
             if on_chunk is not None:
                 on_chunk(hi - lo)
+
+    def _grouped_step(self, params, theta, rows, client_of, coef, w, per_client) -> tuple[torch.Tensor, float]:
+        """Gradient of ``sum_i coef_i ell_i`` and ``sum_k w_k mean_loss_k``, one objective call
+        per distinct coefficient (clients of a group share ``w_k / b_k`` and ``lr_k``)."""
+        w_over_b = (w / per_client.clamp_min(1))[client_of]
+        keys, group_of_example = torch.unique(torch.stack([coef, w_over_b], dim=1), dim=0, return_inverse=True)
+        total = theta.new_zeros(())
+        loss_wsum = 0.0
+        for g_idx in range(keys.shape[0]):
+            members = group_of_example == g_idx
+            n_g = int(members.sum())
+            mean_g = functional_call(self._objective, params, (self.x[rows[members]], self.y[rows[members]]))
+            total = total + keys[g_idx, 0] * n_g * mean_g
+            # the group's sum of w_k * mean_loss_k is (w_k / b_k) * (sum of its examples' losses)
+            loss_wsum += float(keys[g_idx, 1]) * n_g * float(mean_g.detach())
+        (g,) = torch.autograd.grad(total, theta)
+        return g, loss_wsum
 
     def _fit_chunk(self, start: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, steps: torch.Tensor,
                    lr: torch.Tensor, momentum: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -549,14 +597,14 @@ def _one_round(cfg, trainer: BatchedTrainer, counter: _ByteCounter, global_vec: 
 
     policy_json = {c: json.dumps(p, sort_keys=True) for c, p in zip(classes, pols)}
     weights = trainer.num_examples(sched.partitions).to(torch.float32)  # FedAvg weighs by num-examples
-    for rows, part_sum, loss, n in trainer.average(global_vec, sched, weights, momentum=momentum,
-                                                   chunk_size=chunk_size, memory_budget=memory_budget,
-                                                   on_chunk=on_chunk):
+    for rows, part_sum, loss, n, loss_wsum in trainer.average(global_vec, sched, weights, momentum=momentum,
+                                                              chunk_size=chunk_size, memory_budget=memory_budget,
+                                                              on_chunk=on_chunk, per_client_loss=record_nodes):
         acc += part_sum
-        w = weights[rows]
-        weight_sum += float(w.sum())
-        loss_sum += float((loss * w).sum())
-        loss_list, n_list = loss.tolist(), n.tolist()
+        weight_sum += float(weights[rows].sum())
+        loss_sum += loss_wsum
+        n_list = n.tolist()
+        loss_list = loss.tolist() if loss is not None else [0.0] * len(n_list)  # sizes: any float is 8 bytes
         steps_list = sched.steps[rows].tolist()
         for j, i in enumerate(range(rows.start, rows.stop)):
             node_id = sample[i]

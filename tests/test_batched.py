@@ -59,12 +59,20 @@ EQUIVALENT = {
     "logreg-one-step": dict(task="synthetic-logreg", clients=30, rounds=2, local_steps=1, fraction=0.3),
     # more clients than training examples: one cycled example each
     "clients-beyond-examples": dict(clients=1500, rounds=2, local_steps=1, fraction=0.01),
+    # one-step rounds without per-node rows: one objective call per group of equal weights
+    "one-step-grouped": dict(clients=12, rounds=2, local_steps=1, batch_size=50, partition="dirichlet:0.5"),
+    "logreg-grouped": dict(task="synthetic-logreg", clients=25, rounds=2, local_steps=1, batch_size=40,
+                           devices="gpu:5,edge-wifi:20", policies={"gpu": {"lr": 0.05}}),
 }
 
 
 @pytest.mark.parametrize("case", sorted(EQUIVALENT))
 def test_batched_gives_the_inprocess_models(case, tmp_path, monkeypatch):
     kw = EQUIVALENT[case]
+    if case.endswith("-grouped"):  # as for rounds too large for per-node rows: no per-client losses
+        import fedswarm.sim.batched as batched
+
+        monkeypatch.setattr(batched, "NODE_ROWS_MAX", 0)
     ref, ref_res = _models(RunConfig(engine="inprocess", **kw), tmp_path, monkeypatch)
     got, got_res = _models(RunConfig(engine="batched", **kw), tmp_path, monkeypatch)
     assert len(got) == len(ref) == kw["rounds"] + 1
@@ -104,10 +112,17 @@ def test_one_step_shortcut_equals_per_client_models():
     start = torch.randn(trainer.layout.d) * 0.1
     sched = _schedule(list(range(0, 40, 3)), steps=1, bs=16, lr=0.3)
     weights = trainer.num_examples(sched.partitions).float()
-    short = sum(part for _, part, _, _ in trainer.average(start, sched, weights, chunk_size=5))
-    models = torch.cat([new for _, new, _, _ in trainer.fit(start, sched, chunk_size=4)])
+    fitted = list(trainer.fit(start, sched, chunk_size=4))
+    models = torch.cat([new for _, new, _, _ in fitted])
+    losses = torch.cat([loss for _, _, loss, _ in fitted])
     oracle = (weights.double().numpy()[:, None] * models.double().numpy()).sum(axis=0)
-    np.testing.assert_allclose(short.numpy(), oracle, atol=2e-4)
+    loss_oracle = float((weights.double() * losses.double()).sum())
+    for per_client_loss in (True, False):  # vmap over examples, or one objective call per group
+        out = list(trainer.average(start, sched, weights, chunk_size=5, per_client_loss=per_client_loss))
+        np.testing.assert_allclose(sum(o[1] for o in out).numpy(), oracle, atol=2e-4)
+        assert sum(o[4] for o in out) == pytest.approx(loss_oracle, rel=1e-5)
+        if per_client_loss:
+            assert torch.allclose(torch.cat([o[2] for o in out]), losses, atol=1e-5)
     assert trainer.layout.d == models.shape[1]
 
 
