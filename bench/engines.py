@@ -240,7 +240,8 @@ def run(out_dir: Path, quick: bool = False, *, sizes: list[int] | None = None, r
                 if per_round * rounds > cap_s:  # fewer rounds; one if one round fits the cap
                     run_rounds = min(rounds, max(int(cap_s // per_round), 1 if per_round <= cap_s else 0))
                     row["cap"] = (f"{run_rounds} of {rounds} rounds: a round predicted {per_round:.0f} s, cap "
-                                  f"{cap_s:.0f} s") if run_rounds else f"not run: a round predicted {per_round:.0f} s > cap {cap_s:.0f} s"
+                                  f"{cap_s:.0f} s") if run_rounds else (
+                        f"not run: a round predicted {per_round:.0f} s > cap {cap_s:.0f} s")
             if run_rounds == 0:
                 row.update(status="capped")
                 rows.append(row)
@@ -289,7 +290,8 @@ def _print(rows: list[dict], console: Console) -> None:
 
     for r in rows:
         note = r.get("cap") or ("" if r.get("status") == "finished" else str(r.get("status", "")))
-        table.add_row(r["engine"], str(r["clients"]), str(r.get("rounds_run", 0)), f(r.get("client_rounds_per_s"), ",.0f"),
+        table.add_row(r["engine"], str(r["clients"]), str(r.get("rounds_run", 0)),
+                      f(r.get("client_rounds_per_s"), ",.0f"),
                       f(r.get("speed_vs_flower"), ".1f"), f(r.get("s_per_round"), ".3f"),
                       f(r.get("first_round_s"), ".2f"), f(r.get("setup_s"), ".1f"),
                       f(r.get("peak_rss_mb"), ".0f"), f(r.get("memory_vs_flower"), ".2f"),
@@ -305,7 +307,8 @@ def _plot(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, engine in enumerate(ENGINES):
-        pts = [(r["clients"], r["client_rounds_per_s"]) for r in rows if r["engine"] == engine and r.get("client_rounds_per_s")]
+        pts = [(r["clients"], r["client_rounds_per_s"]) for r in rows
+               if r["engine"] == engine and r.get("client_rounds_per_s")]
         if pts:
             ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=engine)
     ax.set_xscale("log")

@@ -541,7 +541,8 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     policies = PolicyBook(cfg.policies)
     policies.write(train_config)
     meter = _Meter()
-    recorder = RoundRecorder(store, run_id, meter, evaluate, listeners=listeners, policies=policies,  # type: ignore[arg-type]
+    recorder = RoundRecorder(store, run_id, meter, evaluate,  # type: ignore[arg-type]  (a _Meter: only take())
+                             listeners=listeners, policies=policies,
                              train_config=train_config, node_kind="sim")
     counter = _ByteCounter(train_config)
     all_nodes = list(range(1, cfg.clients + 1))
