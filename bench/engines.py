@@ -254,6 +254,8 @@ def run(out_dir: Path, quick: bool = False, *, sizes: list[int] | None = None, r
                 row["client_rounds_per_s"] = clients / row["s_per_round"]
                 last_per_client[engine] = row["s_per_round"] / clients
             rows.append(row)
+            # after every cell, so a long run interrupted still leaves what it measured
+            (out_dir / "engines.partial.json").write_text(json.dumps(rows, indent=2))
     _ratios(rows)
     _print(rows, console)
     meta = {"load_average": os.getloadavg(), "cpu_count": os.cpu_count(), "task": TASK}
