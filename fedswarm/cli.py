@@ -74,7 +74,9 @@ def sim(
     lr: Optional[float] = typer.Option(None, "--lr", help="Client learning rate (default 0.3)."),
     momentum: Optional[float] = typer.Option(None, "--momentum", help="Client SGD momentum in [0, 1) (default 0)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for init, split and sampling (default 0)."),
-    engine: Optional[str] = typer.Option(None, "--engine", "-e", help="inprocess (default, no Ray), flower (Flower's Simulation Engine on Ray) or array (decentralized algorithms on [n, d] tensors: fast, no Flower messages)."),
+    engine: Optional[str] = typer.Option(None, "--engine", "-e", help="inprocess (default, no Ray), flower (Flower's Simulation Engine on Ray), array (decentralized algorithms on [n, d] tensors: fast, no Flower messages) or batched (every sampled client trained at once with torch.func.vmap: 10,000+ clients per round; FedAvg). See README 'Which engine when'."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="--engine batched: memory one chunk of clients may use, e.g. 2GB (default: a quarter of free RAM up to 8 GB, or half the free GPU memory)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="--engine flower: attach to a running Ray cluster at this address (e.g. 127.0.0.1:6379) instead of starting one."),
     device: Optional[str] = typer.Option(None, "--device", help="Torch device: cpu (default), auto, cuda, cuda:N, mps."),
     name: Optional[str] = typer.Option(None, "--name", help="A label for the run."),
     devices: Optional[str] = typer.Option(None, "--devices", help="Device classes for the time model, e.g. gpu:4,edge-wifi:12 (profiles: datacenter, gpu, cpu, edge-wifi, edge-lte, straggler); rounds then report simulated time."),
@@ -104,6 +106,7 @@ def sim(
         "batch_size": batch_size, "lr": lr, "momentum": momentum, "seed": seed, "engine": engine,
         "device": device, "name": name, "devices": devices, "profiles": profiles, "topology": topology,
         "byzantine": byzantine, "attack": attack, "dp": dp, "dp_sgd": dp_sgd,
+        "memory_budget": memory_budget, "ray_address": ray_address,
     }
     quiet_flower(verbose)  # before the strategy is built to check it
     try:
@@ -122,6 +125,11 @@ def sim(
 
         get_task(cfg.task)
         _check_strategy(cfg)
+        if cfg.engine == "batched":
+            from fedswarm.sim.batched import check_supported, parse_memory_budget
+
+            check_supported(cfg)
+            parse_memory_budget(cfg.memory_budget)
     except ConfigError as exc:
         fail(str(exc))
     from fedswarm.sim.run import run_simulation_cli

@@ -119,9 +119,18 @@ class RunConfig(TrainingSpec):
     )
     local_epochs: int = Field(2, ge=1, le=10_000, description="Local epochs per round.")
     momentum: float = Field(0.0, ge=0.0, lt=1.0, description="Client SGD momentum.")
-    engine: Literal["inprocess", "flower", "array"] = Field(
-        "inprocess", description="'inprocess' (no Ray, default), 'flower' (Flower's Simulation Engine) or 'array' "
-        "(decentralized algorithms on [n, d] tensors, no Flower messages)."
+    engine: Literal["inprocess", "flower", "array", "batched"] = Field(
+        "inprocess", description="'inprocess' (no Ray, default), 'flower' (Flower's Simulation Engine), 'array' "
+        "(decentralized algorithms on [n, d] tensors, no Flower messages) or 'batched' (all sampled clients "
+        "trained at once with torch.func.vmap)."
+    )
+    memory_budget: str | None = Field(
+        None, description="--engine batched: memory for one chunk of clients, e.g. '2GB' (default: a quarter "
+        "of free RAM, at most 8 GB, or half of free GPU memory)."
+    )
+    ray_address: str | None = Field(
+        None, description="--engine flower: attach to this running Ray cluster (e.g. '127.0.0.1:6379') "
+        "instead of starting one."
     )
     test_fraction: float = Field(
         0.2, gt=0.0, lt=1.0, description="Share of the task's data held out as the global test set."

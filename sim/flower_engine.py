@@ -19,12 +19,35 @@ from fedswarm.server.app import run_server
 from fedswarm.server.recorder import RoundListener
 from fedswarm.sim.simtime import make_round_timer
 
-__all__ = ["run_flower"]
+__all__ = ["run_flower", "check_ray_address"]
+
+
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, naming the address, when nothing listens at a ``HOST:PORT`` Ray address
+    (Ray itself would retry for minutes). ``auto`` and ``ray://`` addresses go to Ray as is."""
+    import socket
+
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"--ray-address '{address}': expected HOST:PORT (the head's GCS port, 6379 by default), "
+                         "'auto' or ray://HOST:PORT")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ConnectionError(f"no Ray cluster answers at {address} ({exc}); start one with "
+                              f"'ray start --head --port {port}'") from None
 
 
 def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None,
                num_cpus_per_client: float = 1.0, num_gpus_per_client: float = 0.0) -> str:
-    """Run one simulation on Flower's Simulation Engine; returns the final run status."""
+    """Run one simulation on Flower's Simulation Engine; returns the final run status.
+
+    With ``cfg.ray_address`` the engine attaches to that running Ray cluster (``ray start
+    --head`` on one machine, ``ray start --address HEAD`` on the others) instead of starting
+    a private one, so the virtual SuperNodes' actors spread over every machine that joined."""
     try:
         from flwr.simulation import run_simulation
     except ImportError as exc:  # pragma: no cover
@@ -38,13 +61,15 @@ def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
     def _main(grid: Grid, context: Context) -> None:
         run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners, sim_time=sim_time)
 
+    init_args: dict = {"log_to_driver": False, "include_dashboard": False}
+    if cfg.ray_address:  # attach to a running cluster: its resources are what the cluster has
+        check_ray_address(cfg.ray_address)
+        init_args["address"] = cfg.ray_address
+    else:
+        init_args["num_cpus"] = os.cpu_count() or 1
     backend_config = {
         "client_resources": {"num_cpus": num_cpus_per_client, "num_gpus": num_gpus_per_client},
-        "init_args": {
-            "num_cpus": os.cpu_count() or 1,
-            "log_to_driver": False,
-            "include_dashboard": False,
-        },
+        "init_args": init_args,
     }
     # One intra-op thread per actor (Ray workers inherit this environment): the actors
     # already use every core between them.
@@ -58,8 +83,9 @@ def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
                        backend_config=backend_config)
     except Exception as exc:
         run = store.get_run(run_id)
+        where = f" (Ray cluster at {cfg.ray_address})" if cfg.ray_address else ""
         if run is not None and run.status in ("pending", "running", "paused"):
-            store.set_status(run_id, "failed", error=f"Flower's Simulation Engine failed: {exc}")
+            store.set_status(run_id, "failed", error=f"Flower's Simulation Engine failed{where}: {exc}")
         raise
     finally:
         flwr_logger.setLevel(level)

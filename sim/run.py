@@ -21,8 +21,11 @@ __all__ = ["run_engine", "run_simulation_cli"]
 SMALL_MODEL = 1_000_000
 
 
-def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | None = None) -> str:
+def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | None = None,
+               on_clients=None) -> str:
     """Run ``cfg`` on its engine, recording into ``run_id``; return the final status.
+
+    ``on_clients(done, total)`` hears the batched engine's progress within a round.
 
     Asynchronous algorithms (registry kind ``async``) run on the virtual-clock engine
     whatever ``cfg.engine`` says: Flower's synchronous rounds cannot express them; those of
@@ -46,6 +49,12 @@ def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | N
         from fedswarm.sim.flower_engine import run_flower
 
         return run_flower(cfg, store=store, run_id=run_id, listeners=listeners)
+    if cfg.engine == "batched":
+        from fedswarm.sim.batched import run_batched
+
+        if cfg.device == "cpu":
+            torch.set_num_threads(min(2, torch.get_num_threads()))  # batched math does use a second core
+        return run_batched(cfg, store=store, run_id=run_id, listeners=listeners, on_clients=on_clients)
     from fedswarm.sim.inprocess import run_inprocess
 
     if cfg.device == "cpu":
@@ -75,13 +84,25 @@ def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, ou
                   f"{cfg.rounds} rounds, partition {cfg.partition}, engine {cfg.engine} -> {store.url}")
     t0 = time.perf_counter()
     progress = Progress(
-        TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
+        TextColumn("[bold]{task.description}"), MofNCompleteColumn(), BarColumn(),
         TextColumn("acc {task.fields[acc]}"), TextColumn("up {task.fields[up]}"), TextColumn("{task.fields[eps]}"),
         TimeElapsedColumn(), console=console, transient=False,
     )
     status = "failed"
     with progress:
-        bar = progress.add_task("rounds", total=cfg.rounds, acc="-", up="0 B", eps="")
+        bar = progress.add_task("round", total=cfg.rounds, acc="-", up="0 B", eps="")
+        on_clients = None
+        if cfg.engine == "batched":  # within a round: clients trained and clients per second
+            clients_bar = progress.add_task("clients", total=1, acc="-", up="", eps="")
+            t_round = [time.perf_counter()]
+
+            def on_clients(done: int, total: int) -> None:
+                if done <= 0:
+                    return
+                rate = done / max(time.perf_counter() - t_round[0], 1e-9)
+                progress.update(clients_bar, completed=done, total=total, eps=f"{rate:,.0f} clients/s")
+                if done >= total:
+                    t_round[0] = time.perf_counter()
         totals = {"up": 0}
 
         def on_round(rnd: int, row: dict[str, Any]) -> None:
@@ -100,7 +121,7 @@ def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, ou
                                        f"{row.get('delta', row.get('delta_example'))})")
 
         try:
-            status = run_engine(cfg, store=store, run_id=run_id, listeners=[on_round])
+            status = run_engine(cfg, store=store, run_id=run_id, listeners=[on_round], on_clients=on_clients)
         except KeyboardInterrupt:
             store.set_status(run_id, "stopped", error="interrupted from the keyboard")
             status = "stopped"
