@@ -74,7 +74,7 @@ def sim(
     lr: Optional[float] = typer.Option(None, "--lr", help="Client learning rate (default 0.3)."),
     momentum: Optional[float] = typer.Option(None, "--momentum", help="Client SGD momentum in [0, 1) (default 0)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for init, split and sampling (default 0)."),
-    engine: Optional[str] = typer.Option(None, "--engine", "-e", help="inprocess (default, no Ray), flower (Flower's Simulation Engine on Ray), array (decentralized algorithms on [n, d] tensors: fast, no Flower messages) or batched (every sampled client trained at once with torch.func.vmap: 10,000+ clients per round; FedAvg). See README 'Which engine when'."),
+    engine: Optional[str] = typer.Option(None, "--engine", "-e", help="inprocess (default, no Ray), flower (Flower's Simulation Engine on Ray), array (decentralized algorithms, every node one row of an n-by-d tensor: fast, no Flower messages) or batched (every sampled client trained at once with torch.func.vmap: 10,000+ clients per round; FedAvg). See README 'Which engine when'."),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="--engine batched: memory one chunk of clients may use, e.g. 2GB (default: a quarter of free RAM up to 8 GB, or half the free GPU memory)."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="--engine flower: attach to a running Ray cluster at this address (e.g. 127.0.0.1:6379) instead of starting one."),
     device: Optional[str] = typer.Option(None, "--device", help="Torch device: cpu (default), auto, cuda, cuda:N, mps."),
