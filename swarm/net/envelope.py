@@ -39,7 +39,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 from fedswarm.swarm.net.identity import SIGNATURE_BYTES, Identity, verify
 
-__all__ = ["DROP_REASONS", "Conn", "Dropped", "Message", "Verifier", "recv_message", "send_message"]
+__all__ = ["DROP_REASONS", "Conn", "Dropped", "Message", "Verifier", "header_frame", "recv_message", "send_message"]
 
 VERSION = 1
 _LEN = struct.Struct(">I")
@@ -47,7 +47,7 @@ _HEADER_DOMAIN = b"fedswarm-swarm-v1\x00"
 _MAC_DOMAIN = b"fedswarm-mac\x00"
 TAG_BYTES = 16
 DROP_REASONS = ("malformed", "oversized", "not_allowed", "forged", "expired", "replayed", "misdirected",
-                "invalid_payload", "timeout", "closed")
+                "invalid_payload", "timeout", "closed", "revoked", "untrusted", "identity_mismatch")
 
 
 class Dropped(Exception):
@@ -192,6 +192,14 @@ def _dump(obj: dict) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
 
 
+def header_frame(ident: Identity, kind: str, *, to: str, blen: int, nonce: str, meta: dict | None = None,
+                 re: str | None = None, ts: float | None = None) -> bytes:
+    """The signed header frame of a message announcing a ``blen``-byte body."""
+    header = _dump({"v": VERSION, "from": ident.peer_id, "to": to, "ts": time.time() if ts is None else ts,
+                    "nonce": nonce, "kind": kind, "re": re, "meta": meta or {}, "blen": blen})
+    return _LEN.pack(len(header) + SIGNATURE_BYTES) + header + ident.sign(_HEADER_DOMAIN + header)
+
+
 def send_message(conn: Conn, ident: Identity, kind: str, *, to: str, meta: dict | None = None,
                  body=b"", re: str | None = None, chunk_bytes: int = 1 << 20, ts: float | None = None,
                  nonce: str | None = None) -> str:
@@ -201,10 +209,7 @@ def send_message(conn: Conn, ident: Identity, kind: str, *, to: str, meta: dict 
     if len(view) and not to:
         raise ValueError("a message with a body needs a known recipient (its tag key depends on it)")
     nonce = nonce or os.urandom(16).hex()
-    header = _dump({"v": VERSION, "from": ident.peer_id, "to": to, "ts": time.time() if ts is None else ts,
-                    "nonce": nonce, "kind": kind, "re": re, "meta": meta or {}, "blen": len(view)})
-    sig = ident.sign(_HEADER_DOMAIN + header)
-    conn.sendall(_LEN.pack(len(header) + SIGNATURE_BYTES) + header + sig)
+    conn.sendall(header_frame(ident, kind, to=to, meta=meta, blen=len(view), re=re, ts=ts, nonce=nonce))
     if len(view):
         mac = _body_mac(ident, to, nonce, ident.peer_id, to)
         for start in range(0, len(view), chunk_bytes):
