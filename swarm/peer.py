@@ -85,6 +85,7 @@ class PeerConfig:
     tls_ca: str | None = None
     swarm_ca: str | None = None  # permissioned swarm: mutual TLS with certificates this CA issued
     tls_crl: str | None = None  # the swarm CA's revocation list
+    encrypt: bool = True  # AES-256-GCM model bodies when the link has no TLS (TLS encrypts already)
     max_body_mb: int = 1024
     save_models: bool = False
     eval_every: int = 1
@@ -143,6 +144,7 @@ class Peer:
             tls_c = client_tls_context(cfg.tls_ca) if cfg.tls_cert else None
         self.transport = Transport(self.ident, self.verifier, self._handle, host=host, port=port,
                                    tls_server=tls_s, tls_client=tls_c, bind_identity=bool(cfg.swarm_ca),
+                                   encrypt=cfg.encrypt and tls_s is None,
                                    io_timeout_s=max(30.0, cfg.round_timeout_s))
         self.membership = Membership(self.id, self.transport.address, admit=self.verifier.admit,
                                      interval_s=cfg.heartbeat_s, suspect_after=cfg.suspect_after,

@@ -216,3 +216,67 @@ def test_issue_for_existing_key_then_join(pki, tmp_path):
         assert d.id in a.membership.ids()
     finally:
         stop_all([a])
+
+
+# -- encrypted bodies (the default without TLS) ---------------------------------------------
+class _Pipe(Recorder):
+    """A Conn whose reads replay what was sent (one message, in memory)."""
+
+    def __init__(self, data: bytes | None = None):
+        super().__init__()
+        if data is not None:
+            self.data += data
+        self.pos = 0
+
+    def recv_exact_into(self, view) -> None:
+        n = len(view)
+        if self.pos + n > len(self.data):
+            from fedswarm.swarm.net.envelope import Dropped
+
+            raise Dropped("closed", "end of recording")
+        view[:] = self.data[self.pos : self.pos + n]
+        self.pos += n
+
+
+def _frames(data: bytes) -> list[bytes]:
+    out, pos = [], 0
+    while pos < len(data):
+        n = struct.unpack(">I", data[pos : pos + 4])[0]
+        out.append(data[pos : pos + 4 + n])
+        pos += 4 + n
+    return out
+
+
+def test_encrypted_body_round_trip_and_every_tampering_refused():
+    from fedswarm.swarm.net.envelope import Dropped, Verifier, recv_message
+    from fedswarm.swarm.net.identity import Identity
+
+    a, b, eve = Identity.generate(), Identity.generate(), Identity.generate()
+    body = os.urandom(10_000)
+    pipe = _Pipe()
+    send_message(pipe, b, "model", to=a.peer_id, meta={"round": 1}, body=body,
+                 chunk_bytes=4096, encrypt=True)
+    wire = bytes(pipe.data)
+    assert body[:64] not in wire and body[5000:5064] not in wire  # the body is not on the wire in clear
+    frames = _frames(wire)
+    assert len(frames) == 1 + 3  # header + three encrypted chunks (4096, 4096, 1808), no trailer
+    msg = recv_message(_Pipe(wire), Verifier(a, None))
+    assert bytes(msg.body) == body
+    # flipped byte, swapped chunks, dropped last chunk, wrong recipient: all refused
+    flipped = bytearray(wire)
+    flipped[len(frames[0]) + 100] ^= 1
+    swapped = frames[0] + frames[2] + frames[1] + frames[3]
+    truncated = b"".join(frames[:3])
+    cases = {"forged": [bytes(flipped), swapped], "closed": [truncated]}
+    for reason, datas in cases.items():
+        for data in datas:
+            with pytest.raises(Dropped) as exc:
+                recv_message(_Pipe(data), Verifier(a, None))
+            assert exc.value.reason == reason
+    with pytest.raises(Dropped, match="forged|misdirected"):
+        recv_message(_Pipe(wire), Verifier(eve, None))
+    # a peer that requires encryption refuses a body in clear
+    clear = _Pipe()
+    send_message(clear, b, "model", to=a.peer_id, meta={"round": 1}, body=body)
+    with pytest.raises(Dropped, match="not encrypted"):
+        recv_message(_Pipe(bytes(clear.data)), Verifier(a, None, require_encryption=True))

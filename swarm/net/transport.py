@@ -135,7 +135,7 @@ class Session:
         if self.remote is None:
             raise RuntimeError("cannot send before the remote peer is known")
         self.last_nonce = send_message(self.conn, self.t.ident, kind, to=self.remote, meta=meta, body=body,
-                                       re=re, chunk_bytes=self.t.chunk_bytes)
+                                       re=re, chunk_bytes=self.t.chunk_bytes, encrypt=self.t.encrypt)
         return self.last_nonce
 
     def recv(self, timeout: float | None = None, expect_re: str | None = None) -> Message:
@@ -181,7 +181,7 @@ class Transport:
                  port: int = 0, tls_server: ssl.SSLContext | None = None,
                  tls_client: ssl.SSLContext | None = None, io_timeout_s: float = 30.0,
                  connect_timeout_s: float = 3.0, max_connections: int = 64, chunk_bytes: int = 1 << 20,
-                 bind_identity: bool = False):
+                 bind_identity: bool = False, encrypt: bool = False):
         self.ident = ident
         self.verifier = verifier
         self.handler = handler
@@ -191,6 +191,7 @@ class Transport:
         self.connect_timeout_s = connect_timeout_s
         self.chunk_bytes = chunk_bytes
         self.bind_identity = bind_identity
+        self.encrypt = encrypt  # AES-GCM bodies (pointless under TLS, which already encrypts)
         if bind_identity and (tls_server is None or tls_client is None):
             raise ValueError("binding identities to certificates needs TLS on both sides")
         self.stats = TransportStats()
