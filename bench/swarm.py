@@ -158,6 +158,104 @@ def exchange_rows(reps: int, d: int = D_EXCHANGE) -> list[dict]:
              "seconds_all": times[k][1:]} for k in EXCHANGE_PATHS]
 
 
+def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
+    """Where the time of one 40 MB exchange goes, step by step, in this process (median
+    wall ms of ``reps``): what a raw socket pays (a copy) next to what the swarm adds."""
+    import hmac
+    import ssl
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+    from fedswarm.certs import init_pki
+    from fedswarm.swarm.net.envelope import alloc_body
+
+    chunk = 4 << 20
+    src = bytearray(os.urandom(1000)) * (n // 1000)
+    aes = AESGCM(os.urandom(32))
+    cts = [aes.encrypt(i.to_bytes(12, "big"), memoryview(src)[o : o + chunk], None)
+           for i, o in enumerate(range(0, n, chunk))]
+    warm = bytearray(n)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-swarm-prof-"))
+    init_pki(tmp / "pki", hosts=[], peers=2)
+
+    def tls_pair():
+        def ctx(server: bool, name: str):
+            c = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+            c.check_hostname = False
+            c.load_verify_locations(tmp / "pki" / "ca.pem")
+            c.verify_mode = ssl.CERT_REQUIRED
+            c.load_cert_chain(tmp / "pki" / "peers" / name / "cert.pem",
+                              tmp / "pki" / "peers" / name / "keys" / "private.pem")
+            return c
+        ci, co, si, so = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+        c, s = ctx(False, "p0").wrap_bio(ci, co), ctx(True, "p1").wrap_bio(si, so, server_side=True)
+        for _ in range(6):
+            for o in (c, s):
+                try:
+                    o.do_handshake()
+                except ssl.SSLWantReadError:
+                    pass
+            si.write(co.read())
+            ci.write(so.read())
+        return c, co
+
+    def step_copy():
+        memoryview(warm)[:] = src
+
+    def step_fresh():
+        memoryview(alloc_body(n))[:] = src
+
+    def step_poly():
+        m = Poly1305(hmac.new(b"k", b"m", "sha256").digest())
+        for o in range(0, n, chunk):
+            m.update(memoryview(src)[o : o + chunk])
+        m.finalize()
+
+    def step_gcm_enc():
+        out = bytearray(chunk + 16)
+        for i, o in enumerate(range(0, n, chunk)):
+            piece = memoryview(src)[o : o + chunk]
+            aes.encrypt_into(i.to_bytes(12, "big"), piece, None, memoryview(out)[: len(piece) + 16])
+
+    def step_gcm_dec():
+        v = memoryview(warm)
+        for i, o in enumerate(range(0, n, chunk)):
+            aes.decrypt_into(i.to_bytes(12, "big"), cts[i], None, v[o : o + len(cts[i]) - 16])
+
+    def step_tls_enc():
+        c, co = tls_pair()
+        for o in range(0, n, 1 << 20):
+            c.write(memoryview(src)[o : o + (1 << 20)])
+            co.read()
+
+    def step_validate():
+        x = torch.frombuffer(warm, dtype=torch.float32)
+        torch.aminmax(x)
+
+    steps = {"copy 40 MB into a warm buffer (what a raw socket costs per side, roughly)": step_copy,
+             "copy into a fresh body buffer (page faults included)": step_fresh,
+             "Poly1305 tag of the body (clear mode, each side)": step_poly,
+             "AES-256-GCM encrypt, 4 MB chunks (encrypted mode, sender)": step_gcm_enc,
+             "AES-256-GCM decrypt_into, 4 MB chunks (encrypted mode, receiver)": step_gcm_dec,
+             "TLS 1.3 record encryption through Python's ssl (mutual-TLS mode, sender)": step_tls_enc,
+             "finiteness check (aminmax, receiver)": step_validate}
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        for name, fn in steps.items():
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+            rows.append({"benchmark": "profile", "step": name, "ms": 1e3 * statistics.median(ts),
+                         "load": os.getloadavg()[0]})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
 # -- 2. swarm round time ---------------------------------------------------------------
 def _round_period(histories: list[list[dict]], skip: int = 2) -> tuple[float, float, int]:
     """(median, p90) over rounds of the time between the last peer finishing r-1 and r."""
@@ -288,11 +386,13 @@ def round_row_flower(rounds: int, budget_s: float = 600.0) -> dict:
 
 
 # -- driver ----------------------------------------------------------------------------
-def run(out_dir: Path, quick: bool = False, exchange_only: bool = False) -> list[dict]:
+def run(out_dir: Path, quick: bool = False, exchange_only: bool = False, profile: bool = False) -> list[dict]:
     """Run the measurements, write ``swarm.json`` and ``swarm.png``, print the table."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = exchange_rows(reps=3 if quick else 7)
+    if profile:
+        rows += profile_rows()
     if not exchange_only:
         rows.append(round_rows_threads(rounds=12 if quick else 30))
     if not quick and not exchange_only:
@@ -313,7 +413,9 @@ def _table(rows: list[dict]) -> None:
         t.add_column(col, justify="right" if col != "what" else "left")
     f = lambda v, spec: "-" if v is None or not math.isfinite(v) else format(v, spec)
     for r in rows:
-        if r["benchmark"] == "exchange":
+        if r["benchmark"] == "profile":
+            t.add_row("profile, 40 MB", r["step"], f(r["ms"] / 1e3, ".3f"), "-", "-", "-")
+        elif r["benchmark"] == "exchange":
             t.add_row("exchange 40 MB", r["transport"], f(r["seconds"], ".3f"), f(r["MBps"], ".0f"),
                       f(r["ratio_vs_raw"], ".2f"), "-")
         else:
@@ -332,7 +434,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     ex = [r for r in rows if r["benchmark"] == "exchange"]
     rd = [r for r in rows if r["benchmark"] == "round" and r.get("round_s")]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    axes[0].bar([r["transport"].split(" (")[0] for r in ex], [r["MBps"] for r in ex], color=["#888", "#2a7", "#a72", "#27a"][: len(ex)])
+    axes[0].bar([r["transport"].split(" (")[0] for r in ex], [r["MBps"] for r in ex],
+                color=["#888", "#2a7", "#a72", "#27a"][: len(ex)])
     axes[0].set_ylabel("MB/s (40 MB model, loopback)")
     axes[0].set_title("model exchange throughput")
     axes[1].bar([r["runtime"].replace(": ", "\n") for r in rd], [r["round_s"] for r in rd], color="#27a")
@@ -353,8 +456,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("bench"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--exchange-only", action="store_true", help="only the 40 MB exchange (raw, plain, mutual TLS)")
+    ap.add_argument("--profile", action="store_true", help="also time each step of an exchange in-process")
     a = ap.parse_args(argv)
-    run(a.out, quick=a.quick, exchange_only=a.exchange_only)
+    run(a.out, quick=a.quick, exchange_only=a.exchange_only, profile=a.profile)
 
 
 if __name__ == "__main__":

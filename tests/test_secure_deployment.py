@@ -38,7 +38,9 @@ def test_tls_supernode_auth_two_registered_nodes_run_and_intruders_are_refused(t
     env = dict(os.environ, FLWR_HOME=str(tmp_path / "flwr"), PYTHONUNBUFFERED="1",
                PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     pki, port, db = tmp_path / "pki", free_port(), tmp_path / "store.db"
-    run = lambda cmd, **kw: subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, **kw)
+
+    def run(cmd: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
 
     made = run([str(BIN / "fedswarm"), "certs", "init", "--out", str(pki), "--host", "localhost", "--host",
                 "127.0.0.1", "--supernodes", "3"])

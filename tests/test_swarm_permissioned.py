@@ -24,7 +24,8 @@ from tests.swarm_helpers import Recorder, start_all, stop_all
 
 def _peer(pki, name: str, tmp, *, join: str | None = None, ca=None, crl=True, **kw) -> Peer:
     cfg = PeerConfig(join=[join] if join else [], algorithm="dpsgd", task="synthetic-logreg", num_partitions=4,
-                     partition_id=0, swarm_ca=str(ca or pki / "ca.pem"), tls_cert=str(pki / "peers" / name / "cert.pem"),
+                     partition_id=0, swarm_ca=str(ca or pki / "ca.pem"),
+                     tls_cert=str(pki / "peers" / name / "cert.pem"),
                      keys=str(pki / "peers" / name / "keys"), tls_crl=str(pki / "crl.pem") if crl else None,
                      state_dir=str(tmp / f"state-{pki.name}-{name}"),
                      **{"min_peers": 1, "heartbeat_s": 0.1, "round_timeout_s": 5.0, "start_timeout_s": 3.0, **kw})

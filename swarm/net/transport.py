@@ -117,7 +117,8 @@ class TransportStats:
 
     def by_kind(self) -> dict[str, dict[str, int]]:
         with self._lock:
-            return {k: {"sent": self.sent[k], "received": self.received[k]} for k in set(self.sent) | set(self.received)}
+            kinds = set(self.sent) | set(self.received)
+            return {k: {"sent": self.sent[k], "received": self.received[k]} for k in kinds}
 
 
 class Session:
