@@ -101,3 +101,23 @@ def test_a_non_peer_certificate_names_no_peer(tmp_path):
     init_pki(tmp_path, hosts=["localhost"])
     with pytest.raises(ValueError, match="Ed25519"):
         peer_id_of_cert(_cert(tmp_path / "superlink" / "server.pem"))
+
+
+def test_client_passes_the_auth_key_to_flower_and_refuses_a_loose_one(tmp_path):
+    from fedswarm.cli import app
+
+    init_pki(tmp_path, hosts=["localhost"], supernodes=1)
+    key = tmp_path / "supernodes" / "sn0.key"
+    args = ["client", "--superlink", "localhost:9093", "--root-certificates", str(tmp_path / "ca.pem"),
+            "--auth-key", str(key), "--device-class", "cpu", "--dry-run"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    cmd = res.output.split()
+    assert cmd[cmd.index("--auth-supernode-private-key") + 1] == str(key)
+    assert cmd[cmd.index("--root-certificates") + 1] == str(tmp_path / "ca.pem")
+    os.chmod(key, 0o644)
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "chmod 600" in res.output
+    os.chmod(key, 0o600)
+    res = CliRunner().invoke(app, [*args[:-1], "--insecure", "--dry-run"])
+    assert res.exit_code == 2 and "--insecure cannot be combined" in res.output
