@@ -1,10 +1,14 @@
 """Swarm transport and round time, measured (wall-clock, this machine, loopback).
 
 1. **Model exchange**: a 10M-parameter float32 model (40 MB) pushed from one peer to
-   another in a separate process (signed envelope, chunked stream, SHA-256 body hash,
-   dtype/length/finiteness validation on arrival, signed ack), beside a raw socket copy
-   of the same bytes between the same two processes (``sendall`` → ``recv_into`` a
-   preallocated buffer, one-byte ack), alternating in one run. Median of the reps.
+   another in a separate process, three ways in rotation in one run: a raw socket copy
+   of the same bytes (``sendall`` → ``recv_into`` a preallocated buffer, one-byte ack);
+   the swarm without TLS (signed header, Poly1305 body tag), the same with the body
+   AES-256-GCM encrypted (the swarm's default without TLS); and the swarm as a
+   permissioned swarm runs it, with mutual TLS (encrypted, certificates from the swarm's
+   CA bound to the signing keys). Both swarm paths validate dtype, length and finiteness
+   on arrival and answer with a signed ack. Median of the reps; the load average is
+   recorded beside the figures.
 2. **Gossip round, 16 peers, digits-mlp** (D-PSGD on a ring, one local step per round):
    the swarm's round period = median over rounds of the time between the last peer
    finishing round r−1 and the last peer finishing round r. Quick: 16 peers as threads of
@@ -49,22 +53,37 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # -- 1. exchange throughput ------------------------------------------------------------
-def _receiver(pipe, sender_id: str, d: int) -> None:
-    """Child process: a swarm transport that validates and acks models, and a raw socket
-    server that reads the same number of bytes."""
+def _transport(pki: Path, name: str, handler, *, mode: str, **kw):
+    """A transport for peer ``name`` of the bench's PKI: ``plain`` (signed envelopes, Poly1305
+    body tags), ``encrypted`` (signed envelopes, AES-256-GCM bodies) or ``secure`` (mutual
+    TLS with CA-issued certificates bound to the key)."""
     from fedswarm.swarm.net.envelope import Verifier
-    from fedswarm.swarm.net.identity import Identity
+    from fedswarm.swarm.net.identity import create_or_load
+    from fedswarm.swarm.net.transport import Transport, permissioned_tls
+
+    d = pki / "peers" / name
+    ident = create_or_load(d / "keys")
+    other = create_or_load(pki / "peers" / ("p1" if name == "p0" else "p0") / "keys")
+    tls = {"encrypt": mode == "encrypted"}
+    if mode == "secure":
+        tls_s, tls_c = permissioned_tls(str(pki / "ca.pem"), str(d / "cert.pem"), str(d / "keys" / "private.pem"),
+                                        ident.peer_id, str(pki / "crl.pem"))
+        tls = {"tls_server": tls_s, "tls_client": tls_c, "bind_identity": True}
+    return Transport(ident, Verifier(ident, {other.peer_id}), handler, chunk_bytes=4 << 20, **tls, **kw)
+
+
+def _receiver(pipe, pki: str, d: int) -> None:
+    """Child process: swarm transports (plain and mutual TLS) that validate and ack models,
+    and a raw socket server that reads the same number of bytes."""
     from fedswarm.swarm.net.payload import read_vector
-    from fedswarm.swarm.net.transport import Transport
 
     torch.set_num_threads(1)
-    ident = Identity.generate()
 
     def handle(msg, s):
         read_vector(msg.meta, msg.body, d)  # validated as a peer would, before any use
         s.send("ack", re=msg.nonce)
 
-    t = Transport(ident, Verifier(ident, {sender_id}), handle, chunk_bytes=4 << 20).start()
+    ts = {m: _transport(Path(pki), "p1", handle, mode=m).start() for m in ("plain", "encrypted", "secure")}
     raw = socket.create_server(("127.0.0.1", 0))
     buf = bytearray(4 * d)
 
@@ -81,52 +100,160 @@ def _receiver(pipe, sender_id: str, d: int) -> None:
                 c.sendall(b"k")
 
     threading.Thread(target=serve_raw, daemon=True).start()
-    pipe.send((ident.peer_id, t.address, raw.getsockname()[1]))
+    pipe.send((ts["plain"].ident.peer_id, {m: t.address for m, t in ts.items()}, raw.getsockname()[1]))
     pipe.recv()  # until the parent is done
-    t.stop()
+    for t in ts.values():
+        t.stop()
     raw.close()
 
 
-def exchange_rows(reps: int, d: int = D_EXCHANGE) -> list[dict]:
-    from fedswarm.swarm.net.envelope import Verifier
-    from fedswarm.swarm.net.identity import Identity
-    from fedswarm.swarm.net.payload import vector_body
-    from fedswarm.swarm.net.transport import Transport
+EXCHANGE_PATHS = {
+    "raw": "raw socket copy",
+    "plain": "swarm, no TLS, body in clear (signed header, Poly1305 body tag, validated)",
+    "encrypted": "swarm, no TLS, body AES-256-GCM (signed header, encrypted + authenticated chunks, validated)",
+    "secure": "swarm, mutual TLS (encrypted, CA-issued certs bound to the signing key, validated)",
+}
 
-    ident = Identity.generate()
+
+def exchange_rows(reps: int, d: int = D_EXCHANGE) -> list[dict]:
+    from fedswarm.certs import init_pki
+    from fedswarm.swarm.net.payload import vector_body
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-swarm-pki-"))
+    init_pki(tmp / "pki", hosts=[], peers=2)
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=_receiver, args=(child, ident.peer_id, d), daemon=True)
+    proc = mp.get_context("spawn").Process(target=_receiver, args=(child, str(tmp / "pki"), d), daemon=True)
     proc.start()
+    times: dict[str, list[float]] = {k: [] for k in EXCHANGE_PATHS}
+    sent: dict[str, int] = {}
     try:
-        peer_id, addr, raw_port = parent.recv()
-        t = Transport(ident, Verifier(ident, {peer_id}), lambda m, s: None, chunk_bytes=4 << 20,
-                      io_timeout_s=120)
+        peer_id, addrs, raw_port = parent.recv()
+        senders = {m: (_transport(tmp / "pki", "p0", lambda m, s: None, mode=m, io_timeout_s=120), a)
+                   for m, a in addrs.items()}
         meta, body = vector_body(torch.randn(d))
-        swarm_s, raw_s = [], []
-        for _ in range(reps + 1):  # the first pair warms up both paths
-            t0 = time.perf_counter()
-            t.request(addr, peer_id, "model", meta, body, timeout=120)
-            swarm_s.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            with socket.create_connection(("127.0.0.1", raw_port)) as s:
-                s.sendall(body)
-                s.recv(1)
-            raw_s.append(time.perf_counter() - t0)
-        sent = t.stats.totals()[0] // (reps + 1)
-        t.stop()
+        for _ in range(reps + 1):  # the first round warms up every path; the order rotates
+            for key in times:
+                t0 = time.perf_counter()
+                if key == "raw":
+                    with socket.create_connection(("127.0.0.1", raw_port)) as s:
+                        s.sendall(body)
+                        s.recv(1)
+                else:
+                    t, addr = senders[key]
+                    t.request(addr, peer_id, "model", meta, body, timeout=120)
+                times[key].append(time.perf_counter() - t0)
+        for key, (t, _) in senders.items():
+            sent[key] = t.stats.totals()[0] // (reps + 1)
+            t.stop()
     finally:
         parent.send("done")
         proc.join(10)
         if proc.is_alive():
             proc.kill()
-    raw_med, swarm_med = statistics.median(raw_s[1:]), statistics.median(swarm_s[1:])
-    common = {"benchmark": "exchange", "params": d, "payload_bytes": 4 * d, "reps": reps}
-    return [
-        {**common, "transport": "raw socket copy", "seconds": raw_med, "MBps": 4 * d / raw_med / 1e6,
-         "ratio_vs_raw": 1.0, "wire_bytes": 4 * d + 1},
-        {**common, "transport": "swarm (signed header, Poly1305 body tag, validated)", "seconds": swarm_med,
-         "MBps": 4 * d / swarm_med / 1e6, "ratio_vs_raw": raw_med / swarm_med, "wire_bytes": sent},
-    ]
+        shutil.rmtree(tmp, ignore_errors=True)
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    common = {"benchmark": "exchange", "params": d, "payload_bytes": 4 * d, "reps": reps, "load": os.getloadavg()[0]}
+    return [{**common, "transport": EXCHANGE_PATHS[k], "path": k, "seconds": med[k], "MBps": 4 * d / med[k] / 1e6,
+             "ratio_vs_raw": med["raw"] / med[k], "wire_bytes": sent.get(k, 4 * d + 1),
+             "seconds_all": times[k][1:]} for k in EXCHANGE_PATHS]
+
+
+def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
+    """Where the time of one 40 MB exchange goes, step by step, in this process (median
+    wall ms of ``reps``): what a raw socket pays (a copy) next to what the swarm adds."""
+    import hmac
+    import ssl
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+    from fedswarm.certs import init_pki
+    from fedswarm.swarm.net.envelope import alloc_body
+
+    chunk = 4 << 20
+    src = bytearray(os.urandom(1000)) * (n // 1000)
+    aes = AESGCM(os.urandom(32))
+    cts = [aes.encrypt(i.to_bytes(12, "big"), memoryview(src)[o : o + chunk], None)
+           for i, o in enumerate(range(0, n, chunk))]
+    warm = bytearray(n)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-swarm-prof-"))
+    init_pki(tmp / "pki", hosts=[], peers=2)
+
+    def tls_pair():
+        def ctx(server: bool, name: str):
+            c = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+            c.check_hostname = False
+            c.load_verify_locations(tmp / "pki" / "ca.pem")
+            c.verify_mode = ssl.CERT_REQUIRED
+            c.load_cert_chain(tmp / "pki" / "peers" / name / "cert.pem",
+                              tmp / "pki" / "peers" / name / "keys" / "private.pem")
+            return c
+        ci, co, si, so = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+        c, s = ctx(False, "p0").wrap_bio(ci, co), ctx(True, "p1").wrap_bio(si, so, server_side=True)
+        for _ in range(6):
+            for o in (c, s):
+                try:
+                    o.do_handshake()
+                except ssl.SSLWantReadError:
+                    pass
+            si.write(co.read())
+            ci.write(so.read())
+        return c, co
+
+    def step_copy():
+        memoryview(warm)[:] = src
+
+    def step_fresh():
+        memoryview(alloc_body(n))[:] = src
+
+    def step_poly():
+        m = Poly1305(hmac.new(b"k", b"m", "sha256").digest())
+        for o in range(0, n, chunk):
+            m.update(memoryview(src)[o : o + chunk])
+        m.finalize()
+
+    def step_gcm_enc():
+        out = bytearray(chunk + 16)
+        for i, o in enumerate(range(0, n, chunk)):
+            piece = memoryview(src)[o : o + chunk]
+            aes.encrypt_into(i.to_bytes(12, "big"), piece, None, memoryview(out)[: len(piece) + 16])
+
+    def step_gcm_dec():
+        v = memoryview(warm)
+        for i, o in enumerate(range(0, n, chunk)):
+            aes.decrypt_into(i.to_bytes(12, "big"), cts[i], None, v[o : o + len(cts[i]) - 16])
+
+    def step_tls_enc():
+        c, co = tls_pair()
+        for o in range(0, n, 1 << 20):
+            c.write(memoryview(src)[o : o + (1 << 20)])
+            co.read()
+
+    def step_validate():
+        x = torch.frombuffer(warm, dtype=torch.float32)
+        torch.aminmax(x)
+
+    steps = {"copy 40 MB into a warm buffer (what a raw socket costs per side, roughly)": step_copy,
+             "copy into a fresh body buffer (page faults included)": step_fresh,
+             "Poly1305 tag of the body (clear mode, each side)": step_poly,
+             "AES-256-GCM encrypt, 4 MB chunks (encrypted mode, sender)": step_gcm_enc,
+             "AES-256-GCM decrypt_into, 4 MB chunks (encrypted mode, receiver)": step_gcm_dec,
+             "TLS 1.3 record encryption through Python's ssl (mutual-TLS mode, sender)": step_tls_enc,
+             "finiteness check (aminmax, receiver)": step_validate}
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        for name, fn in steps.items():
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+            rows.append({"benchmark": "profile", "step": name, "ms": 1e3 * statistics.median(ts),
+                         "load": os.getloadavg()[0]})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows
 
 
 # -- 2. swarm round time ---------------------------------------------------------------
@@ -259,13 +386,16 @@ def round_row_flower(rounds: int, budget_s: float = 600.0) -> dict:
 
 
 # -- driver ----------------------------------------------------------------------------
-def run(out_dir: Path, quick: bool = False) -> list[dict]:
+def run(out_dir: Path, quick: bool = False, exchange_only: bool = False, profile: bool = False) -> list[dict]:
     """Run the measurements, write ``swarm.json`` and ``swarm.png``, print the table."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = exchange_rows(reps=3 if quick else 7)
-    rows.append(round_rows_threads(rounds=12 if quick else 30))
-    if not quick:
+    if profile:
+        rows += profile_rows()
+    if not exchange_only:
+        rows.append(round_rows_threads(rounds=12 if quick else 30))
+    if not quick and not exchange_only:
         rows.append(round_rows_processes(rounds=20))
         rows.append(round_row_flower(rounds=4))
     (out_dir / "swarm.json").write_text(json.dumps(rows, indent=2, default=str))
@@ -283,7 +413,9 @@ def _table(rows: list[dict]) -> None:
         t.add_column(col, justify="right" if col != "what" else "left")
     f = lambda v, spec: "-" if v is None or not math.isfinite(v) else format(v, spec)
     for r in rows:
-        if r["benchmark"] == "exchange":
+        if r["benchmark"] == "profile":
+            t.add_row("profile, 40 MB", r["step"], f(r["ms"] / 1e3, ".3f"), "-", "-", "-")
+        elif r["benchmark"] == "exchange":
             t.add_row("exchange 40 MB", r["transport"], f(r["seconds"], ".3f"), f(r["MBps"], ".0f"),
                       f(r["ratio_vs_raw"], ".2f"), "-")
         else:
@@ -302,7 +434,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     ex = [r for r in rows if r["benchmark"] == "exchange"]
     rd = [r for r in rows if r["benchmark"] == "round" and r.get("round_s")]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    axes[0].bar([r["transport"].split(" (")[0] for r in ex], [r["MBps"] for r in ex], color=["#888", "#2a7"])
+    axes[0].bar([r["transport"].split(" (")[0] for r in ex], [r["MBps"] for r in ex],
+                color=["#888", "#2a7", "#a72", "#27a"][: len(ex)])
     axes[0].set_ylabel("MB/s (40 MB model, loopback)")
     axes[0].set_title("model exchange throughput")
     axes[1].bar([r["runtime"].replace(": ", "\n") for r in rd], [r["round_s"] for r in rd], color="#27a")
@@ -322,8 +455,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("bench"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--exchange-only", action="store_true", help="only the 40 MB exchange (raw, plain, mutual TLS)")
+    ap.add_argument("--profile", action="store_true", help="also time each step of an exchange in-process")
     a = ap.parse_args(argv)
-    run(a.out, quick=a.quick)
+    run(a.out, quick=a.quick, exchange_only=a.exchange_only, profile=a.profile)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,11 @@
 The SuperNode receives fedswarm's Flower App from the SuperLink when a run starts
 (``flwr run .``) and executes ``fedswarm.client.app:app`` from this installation; its
 node config tells the ClientApp which partition to train on and which device class it is.
+
+A secure deployment (``fedswarm certs``) passes the CA as ``root_certificates`` (the
+SuperLink's certificate is verified against it) and the node's authentication key
+(``auth_private_key``, an OpenSSH ECDSA key whose public half the operator registered
+with ``flwr supernode register``): the SuperLink then refuses every node it does not know.
 """
 
 from __future__ import annotations
@@ -23,8 +28,12 @@ def node_config_string(partition_id: int, num_partitions: int, device_class: str
 
 def supernode_command(superlink: str, partition_id: int, num_partitions: int, *, device_class: str | None = None,
                       insecure: bool = False, root_certificates: Path | None = None,
-                      clientappio_port: int | None = None) -> list[str]:
+                      clientappio_port: int | None = None, auth_private_key: Path | None = None) -> list[str]:
     """The ``flower-supernode`` command line for this node."""
+    if insecure and (root_certificates is not None or auth_private_key is not None):
+        raise ValueError("--insecure cannot be combined with --root-certificates or --auth-key")
+    if auth_private_key is not None:
+        _check_auth_key(Path(auth_private_key))
     exe = shutil.which("flower-supernode") or str(Path(sys.executable).with_name("flower-supernode"))
     cmd = [exe, "--superlink", superlink,
            "--node-config", node_config_string(partition_id, num_partitions, device_class or probe_device_class())]
@@ -32,6 +41,27 @@ def supernode_command(superlink: str, partition_id: int, num_partitions: int, *,
         cmd.append("--insecure")
     if root_certificates is not None:
         cmd += ["--root-certificates", str(root_certificates)]
+    if auth_private_key is not None:
+        cmd += ["--auth-supernode-private-key", str(auth_private_key)]
     if clientappio_port is not None:
         cmd += ["--port", str(clientappio_port)]
     return cmd
+
+
+def _check_auth_key(path: Path) -> None:
+    """Refuse, before Flower does with a vaguer message, a key that is missing, readable by
+    others, or not an OpenSSH EC private key (what ``fedswarm certs`` writes)."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+
+    if not path.is_file():
+        raise ValueError(f"auth key {path} does not exist")
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise ValueError(f"auth key {path} is readable by others (mode {mode:o}); chmod 600 it")
+    try:
+        key = load_ssh_private_key(path.read_bytes(), None)
+    except (ValueError, TypeError):
+        key = None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"auth key {path} is not an OpenSSH EC private key (make one with `fedswarm certs supernode`)")

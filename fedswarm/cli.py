@@ -208,7 +208,8 @@ def client(
     num_partitions: int = typer.Option(1, "--num-partitions", min=1, help="How many partitions the data is split into."),
     device_class: Optional[str] = typer.Option(None, "--device-class", help="Device class reported to the server (default: probed)."),
     insecure: bool = typer.Option(False, "--insecure", help="Connect without TLS (loopback tests and demos only)."),
-    root_certificates: Optional[Path] = typer.Option(None, "--root-certificates", help="CA certificate for TLS."),
+    root_certificates: Optional[Path] = typer.Option(None, "--root-certificates", help="CA certificate for TLS (ca.pem from `fedswarm certs`)."),
+    auth_key: Optional[Path] = typer.Option(None, "--auth-key", help="This node's authentication private key (supernodes/NAME.key from `fedswarm certs`); its .pub must be registered on the SuperLink with `flwr supernode register`."),
     clientappio_port: Optional[int] = typer.Option(None, "--clientappio-port", help="Local port for the SuperNode's ClientAppIo API (default: Flower's)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the flower-supernode command and exit."),
 ) -> None:
@@ -219,9 +220,12 @@ def client(
         fail(f"invalid value for 'partition-id': must be < num-partitions ({num_partitions}) (got {partition_id})")
     if not insecure and root_certificates is None:
         fail("TLS needs --root-certificates CA.pem (or pass --insecure for a loopback demo)")
-    cmd = supernode_command(superlink, partition_id, num_partitions, device_class=device_class,
-                            insecure=insecure, root_certificates=root_certificates,
-                            clientappio_port=clientappio_port)
+    try:
+        cmd = supernode_command(superlink, partition_id, num_partitions, device_class=device_class,
+                                insecure=insecure, root_certificates=root_certificates,
+                                clientappio_port=clientappio_port, auth_private_key=auth_key)
+    except ValueError as exc:
+        fail(str(exc))
     if dry_run:
         print(" ".join(cmd))
         return
@@ -285,6 +289,16 @@ def _mount_swarm() -> None:
 
 
 _mount_swarm()
+
+
+def _mount_certs() -> None:
+    """``fedswarm certs``: the CA, TLS certificates and node keys of a secure deployment."""
+    from fedswarm.certs import certs_app
+
+    app.add_typer(certs_app(), name="certs")
+
+
+_mount_certs()
 
 
 def main() -> None:

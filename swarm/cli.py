@@ -69,6 +69,9 @@ def peer(
     tls_cert: Path | None = typer.Option(None, "--tls-cert", help="TLS certificate (PEM) of this peer."),
     tls_key: Path | None = typer.Option(None, "--tls-key", help="TLS private key (PEM) of this peer."),
     tls_ca: Path | None = typer.Option(None, "--tls-ca", help="CA to verify peers' certificates (default: encrypt only)."),
+    swarm_ca: Path | None = typer.Option(None, "--swarm-ca", help="Permissioned swarm: only peers with a certificate this CA issued (`fedswarm certs`) may join; mutual TLS, identity bound to the certificate. --tls-key defaults to the identity key."),
+    tls_crl: Path | None = typer.Option(None, "--tls-crl", help="The swarm CA's revocation list (crl.pem from `fedswarm certs revoke`)."),
+    encrypt: bool = typer.Option(True, "--encrypt/--no-encrypt", help="Without TLS, send model bodies AES-256-GCM encrypted (keys from the peers' identity keys; no forward secrecy: use --swarm-ca for that)."),
     max_body_mb: int = typer.Option(1024, "--max-body-mb", min=1, help="Largest message body accepted, MiB."),
     save_models: bool = typer.Option(False, "--save-models", help="Save the model of every round under STATE_DIR/models."),
     linger: float = typer.Option(5.0, "--linger", min=0.0, help="Seconds to keep serving after the last round."),
@@ -93,7 +96,8 @@ def peer(
         round_timeout_s=round_timeout, heartbeat_s=heartbeat, suspect_after=suspect_after,
         remove_after=remove_after, db=db, report_url=report, token=token, run_id=run_id,
         tls_cert=str(tls_cert) if tls_cert else None, tls_key=str(tls_key) if tls_key else None,
-        tls_ca=str(tls_ca) if tls_ca else None, max_body_mb=max_body_mb, save_models=save_models,
+        tls_ca=str(tls_ca) if tls_ca else None, swarm_ca=str(swarm_ca) if swarm_ca else None,
+        tls_crl=str(tls_crl) if tls_crl else None, encrypt=encrypt, max_body_mb=max_body_mb, save_models=save_models,
         linger_s=linger, min_round_s=min_round_s, device=device, threads=threads)
     try:
         p = Peer(cfg)

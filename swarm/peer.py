@@ -38,6 +38,7 @@ from fedswarm.swarm.net.transport import (
     Transport,
     client_tls_context,
     parse_addr,
+    permissioned_tls,
     server_tls_context,
 )
 
@@ -75,6 +76,9 @@ class PeerConfig(TrainingSpec):
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    swarm_ca: str | None = None  # permissioned swarm: mutual TLS with certificates this CA issued
+    tls_crl: str | None = None  # the swarm CA's revocation list
+    encrypt: bool = True  # AES-256-GCM model bodies when the link has no TLS (TLS encrypts already)
     max_body_mb: int = 1024
     save_models: bool = False
     eval_every: int = 1
@@ -90,9 +94,12 @@ class PeerConfig(TrainingSpec):
         host, _ = parse_addr(self.listen)
         if self.insecure_allow_any and host not in LOOPBACK:
             raise ValueError("--insecure-allow-any is for loopback demos only; listen on 127.0.0.1 or pass --allow")
-        if not self.insecure_allow_any and not self.allow:
-            raise ValueError("a peer needs --allow FILE (admitted public keys), or --insecure-allow-any on loopback")
-        if bool(self.tls_cert) != bool(self.tls_key):
+        if not self.insecure_allow_any and not self.allow and not self.swarm_ca:
+            raise ValueError("a peer needs --swarm-ca CA.pem (permissioned swarm), --allow FILE (admitted public "
+                             "keys), or --insecure-allow-any on loopback")
+        if self.swarm_ca and not self.tls_cert:
+            raise ValueError("a permissioned swarm (--swarm-ca) needs --tls-cert: this peer's certificate")
+        if bool(self.tls_cert) != bool(self.tls_key) and not self.swarm_ca:
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         if not 0 <= self.partition_id < self.num_partitions:
             raise ValueError(f"partition-id must be in 0..{self.num_partitions - 1} (got {self.partition_id})")
@@ -116,13 +123,20 @@ class Peer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ident = identity or create_or_load(cfg.keys or self.dir / "keys")
         self.id = self.ident.peer_id
-        allowed = None if cfg.insecure_allow_any else load_allow_list(cfg.allow) | {self.id}
+        # a permissioned swarm admits by certificate (bound to the signing key), not by list
+        allowed = None if cfg.insecure_allow_any or (cfg.swarm_ca and not cfg.allow) \
+            else load_allow_list(cfg.allow) | {self.id}
         self.verifier = Verifier(self.ident, allowed, max_body_bytes=cfg.max_body_mb << 20)
         host, port = parse_addr(cfg.listen)
-        tls_s = server_tls_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
-        tls_c = client_tls_context(cfg.tls_ca) if cfg.tls_cert else None
+        if cfg.swarm_ca:
+            key = cfg.tls_key or str(Path(cfg.keys or self.dir / "keys") / "private.pem")
+            tls_s, tls_c = permissioned_tls(cfg.swarm_ca, cfg.tls_cert, key, self.id, cfg.tls_crl)
+        else:
+            tls_s = server_tls_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+            tls_c = client_tls_context(cfg.tls_ca) if cfg.tls_cert else None
         self.transport = Transport(self.ident, self.verifier, self._handle, host=host, port=port,
-                                   tls_server=tls_s, tls_client=tls_c,
+                                   tls_server=tls_s, tls_client=tls_c, bind_identity=bool(cfg.swarm_ca),
+                                   encrypt=cfg.encrypt and tls_s is None,
                                    io_timeout_s=max(30.0, cfg.round_timeout_s))
         self.membership = Membership(self.id, self.transport.address, admit=self.verifier.admit,
                                      interval_s=cfg.heartbeat_s, suspect_after=cfg.suspect_after,
@@ -332,7 +346,8 @@ class Peer:
             "peer_id": self.id, "address": self.transport.address, "algorithm": self.cfg.algorithm,
             "partition_id": self.cfg.partition_id, "rounds_done": self.round, "restarts": self.restarts,
             "bytes_up": bytes_up, "bytes_down": bytes_down, "bytes_by_kind": self.transport.stats.by_kind(),
-            "dropped": self.verifier.drop_counts(), "late": self.inbox.late, "wall_s": wall_s,
+            "dropped": self.verifier.drop_counts(), "refused": list(self.transport.refusals),
+            "late": self.inbox.late, "wall_s": wall_s,
             "events": [(t, e, p[:8]) for t, e, p in self.membership.events],
             "config": {k: v for k, v in self.cfg.model_dump().items() if k != "token"},
             "rows": self.history,

@@ -35,19 +35,22 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 from fedswarm.swarm.net.identity import SIGNATURE_BYTES, Identity, verify
 
-__all__ = ["DROP_REASONS", "Conn", "Dropped", "Message", "Verifier", "recv_message", "send_message"]
+__all__ = ["DROP_REASONS", "Conn", "Dropped", "Message", "Verifier", "header_frame", "recv_message", "send_message"]
 
 VERSION = 1
 _LEN = struct.Struct(">I")
 _HEADER_DOMAIN = b"fedswarm-swarm-v1\x00"
 _MAC_DOMAIN = b"fedswarm-mac\x00"
+_ENC_DOMAIN = b"fedswarm-enc\x00"
+ENC_AES_GCM = "aes256gcm"
 TAG_BYTES = 16
 DROP_REASONS = ("malformed", "oversized", "not_allowed", "forged", "expired", "replayed", "misdirected",
-                "invalid_payload", "timeout", "closed")
+                "invalid_payload", "timeout", "closed", "revoked", "untrusted", "identity_mismatch")
 
 
 class Dropped(Exception):
@@ -130,7 +133,7 @@ class Verifier:
 
     def __init__(self, ident: Identity, allowed: set[str] | None, *, max_body_bytes: int = 1 << 30,
                  max_header_bytes: int = 1 << 20, max_chunk_bytes: int = 4 << 20, window_s: float = 120.0,
-                 max_nonces: int = 1_000_000):
+                 max_nonces: int = 1_000_000, require_encryption: bool = False):
         self.ident = ident
         self.peer_id = ident.peer_id
         self.allowed = allowed
@@ -139,6 +142,7 @@ class Verifier:
         self.max_chunk_bytes = max_chunk_bytes
         self.window_s = window_s
         self.max_nonces = max_nonces
+        self.require_encryption = require_encryption
         self.dropped: dict[str, int] = {r: 0 for r in DROP_REASONS}
         self._seen: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._lock = threading.Lock()
@@ -192,20 +196,53 @@ def _dump(obj: dict) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
 
 
+def header_frame(ident: Identity, kind: str, *, to: str, blen: int, nonce: str, meta: dict | None = None,
+                 re: str | None = None, ts: float | None = None, enc: bool = False) -> bytes:
+    """The signed header frame of a message announcing a ``blen``-byte body."""
+    h = {"v": VERSION, "from": ident.peer_id, "to": to, "ts": time.time() if ts is None else ts,
+         "nonce": nonce, "kind": kind, "re": re, "meta": meta or {}, "blen": blen}
+    if enc:
+        h["enc"] = ENC_AES_GCM
+    header = _dump(h)
+    return _LEN.pack(len(header) + SIGNATURE_BYTES) + header + ident.sign(_HEADER_DOMAIN + header)
+
+
+def _body_cipher(ident: Identity, other: str, nonce: str, sender: str, receiver: str) -> AESGCM:
+    try:
+        shared = ident.shared_secret(other)
+    except ValueError as exc:
+        raise Dropped("forged", f"no shared key with {other[:8]}: {exc}") from None
+    info = _ENC_DOMAIN + bytes.fromhex(nonce) + bytes.fromhex(sender) + bytes.fromhex(receiver)
+    return AESGCM(hmac.new(shared, info, hashlib.sha256).digest())
+
+
+def _chunk_nonce(i: int, last: bool) -> bytes:
+    return i.to_bytes(8, "big") + (b"\x00\x00\x00\x01" if last else b"\x00\x00\x00\x00")
+
+
 def send_message(conn: Conn, ident: Identity, kind: str, *, to: str, meta: dict | None = None,
                  body=b"", re: str | None = None, chunk_bytes: int = 1 << 20, ts: float | None = None,
-                 nonce: str | None = None) -> str:
+                 nonce: str | None = None, encrypt: bool = False) -> str:
     """Sign and send one message; returns its nonce. ``body`` is any bytes-like object
-    (a memoryview of a tensor's storage is sent without a copy)."""
+    (a memoryview of a tensor's storage is sent without a copy). With ``encrypt`` the body
+    travels AES-256-GCM encrypted chunk by chunk (each chunk authenticated) instead of in
+    clear with a Poly1305 tag."""
     view = memoryview(body).cast("B") if len(body) else memoryview(b"")
     if len(view) and not to:
         raise ValueError("a message with a body needs a known recipient (its tag key depends on it)")
     nonce = nonce or os.urandom(16).hex()
-    header = _dump({"v": VERSION, "from": ident.peer_id, "to": to, "ts": time.time() if ts is None else ts,
-                    "nonce": nonce, "kind": kind, "re": re, "meta": meta or {}, "blen": len(view)})
-    sig = ident.sign(_HEADER_DOMAIN + header)
-    conn.sendall(_LEN.pack(len(header) + SIGNATURE_BYTES) + header + sig)
-    if len(view):
+    enc = encrypt and bool(len(view))
+    conn.sendall(header_frame(ident, kind, to=to, meta=meta, blen=len(view), re=re, ts=ts, nonce=nonce, enc=enc))
+    if enc:
+        aes = _body_cipher(ident, to, nonce, ident.peer_id, to)
+        out = bytearray(4 + min(chunk_bytes, len(view)) + TAG_BYTES)
+        for i, start in enumerate(range(0, len(view), chunk_bytes)):
+            piece = view[start : start + chunk_bytes]
+            frame = memoryview(out)[: 4 + len(piece) + TAG_BYTES]
+            _LEN.pack_into(frame, 0, len(piece) + TAG_BYTES)
+            aes.encrypt_into(_chunk_nonce(i, start + len(piece) == len(view)), piece, None, frame[4:])
+            conn.sendall(frame)  # one write per chunk: length and ciphertext together
+    elif len(view):
         mac = _body_mac(ident, to, nonce, ident.peer_id, to)
         for start in range(0, len(view), chunk_bytes):
             piece = view[start : start + chunk_bytes]
@@ -254,6 +291,28 @@ def recv_message(conn: Conn, v: Verifier, *, expect_re: str | None = None) -> Me
         raise Dropped("timeout", "peer too slow") from None
 
 
+def _recv_encrypted(conn: Conn, v: Verifier, h: dict, body) -> None:
+    """Read and decrypt AES-GCM chunks into ``body``: every chunk is authenticated before
+    the next is read, numbered (no reordering), and the last one is marked (no truncation)."""
+    sender, blen = h["from"], h["blen"]
+    aes = _body_cipher(v.ident, sender, h["nonce"], sender, h["to"])
+    scratch = bytearray(min(v.max_chunk_bytes, blen) + TAG_BYTES)
+    view, got, i = memoryview(body), 0, 0
+    while got < blen:
+        c = conn.read_len()
+        n = c - TAG_BYTES
+        if n <= 0 or n > v.max_chunk_bytes or got + n > blen:
+            raise Dropped("oversized" if n > v.max_chunk_bytes else "malformed", f"body chunk of {c} bytes at {got}")
+        frame = memoryview(scratch)[:c]
+        conn.recv_exact_into(frame)
+        try:
+            aes.decrypt_into(_chunk_nonce(i, got + n == blen), frame, None, view[got : got + n])
+        except InvalidTag:
+            raise Dropped("forged", f"body chunk {i} does not decrypt (from {sender[:8]})") from None
+        got += n
+        i += 1
+
+
 def _recv(conn: Conn, v: Verifier, expect_re: str | None) -> Message:
     n = conn.read_len()
     if n > v.max_header_bytes:
@@ -277,7 +336,13 @@ def _recv(conn: Conn, v: Verifier, expect_re: str | None) -> Message:
     if blen and not h["to"]:
         raise Dropped("malformed", "a message with a body must name its recipient")
     body = alloc_body(blen)
-    if blen:
+    if blen and h.get("enc") == ENC_AES_GCM:
+        _recv_encrypted(conn, v, h, body)
+    elif blen and h.get("enc") is not None:
+        raise Dropped("malformed", f"unknown body encryption {h.get('enc')!r}")
+    elif v.require_encryption and blen:
+        raise Dropped("malformed", "body not encrypted (this peer requires encryption)")
+    elif blen:
         mac = _body_mac(v.ident, sender, h["nonce"], sender, h["to"])
         view, got = memoryview(body), 0
         while got < blen:

@@ -19,7 +19,7 @@ import socket
 import ssl
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 
 from fedswarm.swarm.net.envelope import (
@@ -32,7 +32,8 @@ from fedswarm.swarm.net.envelope import (
 )
 from fedswarm.swarm.net.identity import Identity
 
-__all__ = ["Session", "Transport", "TransportStats", "client_tls_context", "parse_addr", "server_tls_context"]
+__all__ = ["Session", "Transport", "TransportStats", "client_tls_context", "parse_addr", "server_tls_context",
+           "tls_refusal"]
 
 log = logging.getLogger("fedswarm.swarm")
 
@@ -45,25 +46,55 @@ def parse_addr(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
     return (host.strip("[]") or default_host), int(port)
 
 
-def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
+def _load_crl(ctx: ssl.SSLContext, crl: str | None) -> None:
+    if crl:
+        ctx.load_verify_locations(crl)
+        ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF  # a revoked certificate fails the handshake
+
+
+def server_tls_context(cert: str, key: str, *, client_ca: str | None = None, crl: str | None = None) -> ssl.SSLContext:
+    """TLS for the listening side. With ``client_ca`` (a permissioned swarm), every client
+    must present a certificate issued by that CA and not revoked in ``crl``: mutual TLS."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(cert, key)
+    if client_ca:
+        ctx.load_verify_locations(client_ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        _load_crl(ctx, crl)
     return ctx
 
 
-def client_tls_context(ca: str | None = None) -> ssl.SSLContext:
-    """With ``ca``: verify the peer's certificate against it. Without: encrypt only; peers
-    are authenticated by their Ed25519 signatures, not by TLS."""
+def client_tls_context(ca: str | None = None, *, cert: str | None = None, key: str | None = None,
+                       crl: str | None = None) -> ssl.SSLContext:
+    """With ``ca``: verify the peer's certificate against it (and ``crl``). Without: encrypt
+    only; peers are authenticated by their Ed25519 signatures, not by TLS. With ``cert`` and
+    ``key``: present our certificate too (mutual TLS)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.check_hostname = False  # peers are addressed by IP; the CA (and the bound peer id) pin them
     if ca:
         ctx.load_verify_locations(ca)
-        ctx.check_hostname = False  # peers are addressed by IP; the CA pins them
+        _load_crl(ctx, crl)
     else:
-        ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
+    if cert:
+        ctx.load_cert_chain(cert, key)
     return ctx
+
+
+def tls_refusal(exc: BaseException) -> tuple[str, str]:
+    """``(reason, detail)`` for a failed TLS handshake: ``revoked``, ``untrusted`` (no
+    certificate, or one from another CA, or expired) or ``malformed`` (not TLS at all)."""
+    text = getattr(exc, "verify_message", "") or getattr(exc, "reason", "") or str(exc)
+    low = f"{text} {exc}".lower()
+    if "revoked" in low:
+        return "revoked", f"certificate revoked ({text})"
+    if "unknown_ca" in low or "unknown ca" in low:
+        return "untrusted", f"the other side does not trust our certificate: another swarm's CA? ({text})"
+    if any(k in low for k in ("certificate", "issuer", "verify", "expired", "peer did not return")):
+        return "untrusted", f"certificate not trusted ({text})"
+    return "malformed", f"TLS handshake failed ({text})"
 
 
 class TransportStats:
@@ -86,24 +117,26 @@ class TransportStats:
 
     def by_kind(self) -> dict[str, dict[str, int]]:
         with self._lock:
-            return {k: {"sent": self.sent[k], "received": self.received[k]} for k in set(self.sent) | set(self.received)}
+            kinds = set(self.sent) | set(self.received)
+            return {k: {"sent": self.sent[k], "received": self.received[k]} for k in kinds}
 
 
 class Session:
     """Both ends of one connection: send and receive verified messages with one peer."""
 
-    def __init__(self, transport: Transport, conn: Conn, remote: str | None, kind: str):
+    def __init__(self, transport: Transport, conn: Conn, remote: str | None, kind: str, cert_id: str | None = None):
         self.t = transport
         self.conn = conn
         self.remote = remote  # peer id, once known
         self.kind = kind  # what the bytes are counted under
+        self.cert_id = cert_id  # the peer id the remote's TLS certificate proves (permissioned swarm)
         self.last_nonce: str | None = None
 
     def send(self, kind: str, meta: dict | None = None, body=b"", re: str | None = None) -> str:
         if self.remote is None:
             raise RuntimeError("cannot send before the remote peer is known")
         self.last_nonce = send_message(self.conn, self.t.ident, kind, to=self.remote, meta=meta, body=body,
-                                       re=re, chunk_bytes=self.t.chunk_bytes)
+                                       re=re, chunk_bytes=self.t.chunk_bytes, encrypt=self.t.encrypt)
         return self.last_nonce
 
     def recv(self, timeout: float | None = None, expect_re: str | None = None) -> Message:
@@ -113,6 +146,10 @@ class Session:
             msg = recv_message(self.conn, self.t.verifier, expect_re=expect_re)
         finally:
             self.conn.sock.settimeout(self.t.io_timeout_s)
+        if self.cert_id is not None and msg.sender != self.cert_id:
+            self.t.verifier.count("identity_mismatch")
+            raise Dropped("identity_mismatch", f"message signed by {msg.sender[:8]} over the TLS connection of "
+                                               f"{self.cert_id[:8]}")
         if self.remote and msg.sender != self.remote:
             self.t.verifier.count("misdirected")
             raise Dropped("misdirected", "a different peer answered")
@@ -144,7 +181,8 @@ class Transport:
     def __init__(self, ident: Identity, verifier: Verifier, handler: Handler, *, host: str = "127.0.0.1",
                  port: int = 0, tls_server: ssl.SSLContext | None = None,
                  tls_client: ssl.SSLContext | None = None, io_timeout_s: float = 30.0,
-                 connect_timeout_s: float = 3.0, max_connections: int = 64, chunk_bytes: int = 1 << 20):
+                 connect_timeout_s: float = 3.0, max_connections: int = 64, chunk_bytes: int = 1 << 20,
+                 bind_identity: bool = False, encrypt: bool = False):
         self.ident = ident
         self.verifier = verifier
         self.handler = handler
@@ -153,7 +191,12 @@ class Transport:
         self.io_timeout_s = io_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.chunk_bytes = chunk_bytes
+        self.bind_identity = bind_identity
+        self.encrypt = encrypt  # AES-GCM bodies (pointless under TLS, which already encrypts)
+        if bind_identity and (tls_server is None or tls_client is None):
+            raise ValueError("binding identities to certificates needs TLS on both sides")
         self.stats = TransportStats()
+        self.refusals: deque[dict] = deque(maxlen=200)  # the latest refused connections, for the report
         self._slots = threading.BoundedSemaphore(max_connections)
         self._stop = threading.Event()
         self._sock = socket.create_server((host, port), reuse_port=False)
@@ -197,14 +240,45 @@ class Transport:
             self._workers.add(w)
             w.start()
 
+    def refuse(self, reason: str, detail: str, addr: str) -> None:
+        """Count, log and remember a refused connection."""
+        self.verifier.count(reason)
+        self.refusals.append({"t": time.time(), "addr": addr, "reason": reason, "detail": detail})
+        log.warning("%s: refused %s: %s", self.ident.short_id, addr, detail)
+
+    def _cert_id(self, sock) -> str | None:
+        if not self.bind_identity:
+            return None
+        from fedswarm.certs import peer_id_of_cert
+
+        der = sock.getpeercert(binary_form=True)
+        if not der:
+            raise Dropped("untrusted", "no certificate presented")
+        try:
+            return peer_id_of_cert(der)
+        except ValueError as exc:
+            raise Dropped("untrusted", str(exc)) from None
+
     def _serve(self, sock: socket.socket) -> None:
         session = None
+        addr = "?"
         try:
+            addr = "%s:%s" % sock.getpeername()[:2]
             sock.settimeout(self.io_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls_server is not None:
-                sock = self.tls_server.wrap_socket(sock, server_side=True)
-            session = Session(self, Conn(sock), None, "unknown")
+                try:
+                    sock = self.tls_server.wrap_socket(sock, server_side=True)
+                    cert_id = self._cert_id(sock)
+                except ssl.SSLError as exc:
+                    self.refuse(*tls_refusal(exc), addr)
+                    return
+                except Dropped as exc:
+                    self.refuse(exc.reason, exc.detail, addr)
+                    return
+            else:
+                cert_id = None
+            session = Session(self, Conn(sock), None, "unknown", cert_id)
             msg = session.recv()
             session.kind = msg.kind
             self.handler(msg, session)
@@ -235,8 +309,24 @@ class Transport:
                 sock.settimeout(self.io_timeout_s)
                 if self.tls_client is not None:
                     sock = self.tls_client.wrap_socket(sock)
-                return Session(self, Conn(sock), remote, kind)
-            except (OSError, ssl.SSLError):
+                try:
+                    cert_id = self._cert_id(sock)
+                except Dropped as exc:
+                    sock.close()
+                    self.refuse(exc.reason, exc.detail, addr)
+                    raise
+                if cert_id is not None and remote and cert_id != remote:
+                    sock.close()
+                    detail = f"{addr} presented the certificate of {cert_id[:8]}, not of {remote[:8]}"
+                    self.refuse("identity_mismatch", detail, addr)
+                    raise Dropped("identity_mismatch", detail)
+                return Session(self, Conn(sock), remote, kind, cert_id)
+            except ssl.SSLError as exc:
+                sock.close()
+                reason, detail = tls_refusal(exc)
+                self.refuse(reason, detail, addr)
+                raise Dropped(reason, detail) from None
+            except OSError:
                 if attempt == retries or self._stop.is_set():
                     raise
                 time.sleep(backoff_s * (2**attempt))
@@ -252,3 +342,21 @@ class Transport:
             return s.recv(timeout=timeout, expect_re=nonce)
         finally:
             s.close()
+
+
+def permissioned_tls(ca: str, cert: str, key: str, peer_id: str, crl: str | None = None
+                     ) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server, client) contexts of a permissioned swarm: mutual TLS against the swarm's CA
+    (and its CRL), with ``cert`` checked to be issued for ``peer_id``'s Ed25519 key, so the
+    identity a peer proves in the handshake is the one its messages are signed with."""
+    from cryptography import x509
+
+    from fedswarm.certs import peer_id_of_cert
+
+    with open(cert, "rb") as f:
+        mine = x509.load_pem_x509_certificate(f.read())
+    if peer_id_of_cert(mine) != peer_id:
+        raise ValueError(f"{cert} is not issued for this peer's key {peer_id[:16]}… "
+                         f"(issue one with `fedswarm certs peer --public-key {peer_id}`)")
+    return (server_tls_context(cert, key, client_ca=ca, crl=crl),
+            client_tls_context(ca, cert=cert, key=key, crl=crl))
