@@ -22,8 +22,8 @@ virtual-clock engine. All times are **simulated** seconds from the time model
    arm) against D-PSGD and DSGDm-N: wire bytes to a target accuracy; 6. DaSGD (τ = 4,
    δ = 1, 2) and Prague (groups of 4 ready workers) against synchronous all-reduce
    averaging every step and local SGD (τ = 4), on ``edge-wifi:16`` and with one 10x
-   straggler: simulated seconds to target. Arms 4–6 (:func:`run_extra`, ~20 s) drive the
-   gossip objects on ``[n, d]`` in this process (Prague: its virtual-clock simulation);
+   straggler: simulated seconds to target. Arms 4–6 (:func:`run_extra`, ~20 s) run on the
+   array engine (``fedswarm.sim.array_engine``; Prague: its virtual-clock simulation);
    their bytes are the algorithms' wire accounting, the synchronous arms' times follow
    :func:`_delayed_times` (the all-reduce is a ring over the slowest link).
 
@@ -250,56 +250,34 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 # --------------------------------------------------------------------------- extra arms
 # LSGD vs EASGD vs D-PSGD; SQuARM-SGD vs D-PSGD/DSGDm bytes to target; DaSGD vs
-# synchronous averaging with stragglers. These drive the gossip objects directly on
-# [n, d] (every node's gradient computed in this process with the same trainers, seeds
-# and minibatches as the engines use), which is what keeps them quick: no Flower
-# messages, so bytes are the algorithms' own wire accounting (``meta["wire_bytes"]``,
-# the codec's payload size), not measured serialized messages.
+# synchronous averaging with stragglers. These run on the array engine (every node's
+# gradient computed in this process with the same trainers, seeds and minibatches as the
+# other engines), which is what keeps them quick: no Flower messages. Bytes are the
+# algorithms' own wire accounting where they keep one (``meta["wire_bytes"]``, the codec's
+# payload size), else the serialized payloads the engine measured.
 
 EXTRA_DEVICES = {"no straggler (edge-wifi:16)": "edge-wifi:16", "1 straggler (10x)": STRAGGLER_DEVICES}
 
 
 def _array_arm(algorithm: str, params: dict, iterations: int, *, topology: str = "ring", lr: float = LR,
                partition: str = "iid") -> dict:
-    """Train ``algorithm`` on [n, d] for ``iterations``; test accuracy of the node-average
-    model and cumulative wire bytes after every iteration."""
-    from fedswarm.local import round_seed
-    from fedswarm.params import get_flat
-    from fedswarm.strategies.decentralized.node import minibatch_gradient
-    from fedswarm.algorithms.decentralized import make_algorithm
-    from fedswarm.algorithms.decentralized.topology import make_topology
-    from fedswarm.tasks import get_task
-    from fedswarm.train import evaluate_flat, trainer_for
+    """Train ``algorithm`` on the array engine (:class:`fedswarm.sim.array_engine.ArraySimulation`)
+    for ``iterations``; test accuracy of the node-average model and cumulative wire bytes
+    after every iteration (the algorithm's own accounting where it keeps one, else the
+    serialized payloads the engine measured)."""
+    from fedswarm.sim.array_engine import ArraySimulation
+    from fedswarm.train import evaluate_flat
 
-    cfg = _config(algorithm, 1, lr=lr, partition=partition, topology=topology)
-    task = get_task(TASK)
-    model = task.model(SEED)
-    x0 = get_flat(model).detach().cpu()
+    cfg = _config(algorithm, iterations, lr=lr, partition=partition, topology=topology, params=params)
+    sim = ArraySimulation(cfg)
     data = task_data(cfg)
-    trainers = [trainer_for(cfg, i, NODES) for i in range(NODES)]
-    topo = make_topology(topology, NODES, SEED)
-    algo = make_algorithm(algorithm, **params)
-    algo.check_topology(topo)
-    state = algo.init_state(x0.repeat(NODES, 1))
-    d = x0.numel()
-    accs, wire, bytes_dpsgd_like = [], [], 0.0
-    for t in range(iterations):
-        pairs = [minibatch_gradient(trainers[i], state.x[i], BATCH, round_seed(SEED, t + 1, i))
-                 for i in range(NODES)]
-        grads = torch.stack([g for g, _ in pairs])
-        if algorithm == "lsgd":
-            algo.local_step(state, grads, lr, losses=[loss for _, loss in pairs])
-            algo.mix(state)
-        else:
-            algo.local_step(state, grads, lr)
-            W = topo.mixing_matrix(t)
-            algo.mix(state, algo.message(state), W)
-            if "wire_bytes" not in state.meta:  # full model to each neighbour every iteration
-                bytes_dpsgd_like += 4.0 * d * float(topo.degrees(t).sum())
-        accs.append(evaluate_flat(task, model, state.x.mean(dim=0), data.test_x, data.test_y,
+    accs, wire, sent = [], [], 0.0
+    for _ in range(iterations):
+        sent += sum(sim.step()["sent"])
+        accs.append(evaluate_flat(sim.task, sim.model, sim.average(), data.test_x, data.test_y,
                                   torch.device("cpu"))[1])
-        wire.append(state.meta.get("wire_bytes", bytes_dpsgd_like))
-    return {"accuracy": accs, "wire_bytes": wire, "algo": algo.summary()}
+        wire.append(sim.state.meta.get("wire_bytes", sent))
+    return {"accuracy": accs, "wire_bytes": wire, "algo": sim.algo.summary()}
 
 
 def _first(values: list[float], accs: list[float], target: float) -> float | None:

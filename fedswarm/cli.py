@@ -74,7 +74,7 @@ def sim(
     lr: Optional[float] = typer.Option(None, "--lr", help="Client learning rate (default 0.3)."),
     momentum: Optional[float] = typer.Option(None, "--momentum", help="Client SGD momentum in [0, 1) (default 0)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for init, split and sampling (default 0)."),
-    engine: Optional[str] = typer.Option(None, "--engine", "-e", help="inprocess (default, no Ray) or flower (Flower's Simulation Engine on Ray)."),
+    engine: Optional[str] = typer.Option(None, "--engine", "-e", help="inprocess (default, no Ray), flower (Flower's Simulation Engine on Ray) or array (decentralized algorithms on [n, d] tensors: fast, no Flower messages)."),
     device: Optional[str] = typer.Option(None, "--device", help="Torch device: cpu (default), auto, cuda, cuda:N, mps."),
     name: Optional[str] = typer.Option(None, "--name", help="A label for the run."),
     devices: Optional[str] = typer.Option(None, "--devices", help="Device classes for the time model, e.g. gpu:4,edge-wifi:12 (profiles: datacenter, gpu, cpu, edge-wifi, edge-lte, straggler); rounds then report simulated time."),
@@ -137,8 +137,13 @@ def _check_strategy(cfg: RunConfig) -> None:
     from fedswarm.algorithms.privacy.accountant import PrivacyBudgetExceeded
     from fedswarm.params import ParamLayout
     from fedswarm.server.app import build_strategy
+    from fedswarm.strategies import registry
     from fedswarm.tasks import get_task
 
+    if cfg.engine == "array" or registry.get(cfg.strategy).kind == "array":
+        from fedswarm.sim.array_engine import check_config
+
+        return check_config(cfg)  # no Flower strategy on the array engine
     try:
         build_strategy(cfg, ParamLayout.from_module(get_task(cfg.task).model(cfg.seed)))
     except PrivacyBudgetExceeded as exc:

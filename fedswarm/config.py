@@ -119,8 +119,9 @@ class RunConfig(TrainingSpec):
     )
     local_epochs: int = Field(2, ge=1, le=10_000, description="Local epochs per round.")
     momentum: float = Field(0.0, ge=0.0, lt=1.0, description="Client SGD momentum.")
-    engine: Literal["inprocess", "flower"] = Field(
-        "inprocess", description="'inprocess' (no Ray, default) or 'flower' (Flower's Simulation Engine)."
+    engine: Literal["inprocess", "flower", "array"] = Field(
+        "inprocess", description="'inprocess' (no Ray, default), 'flower' (Flower's Simulation Engine) or 'array' "
+        "(decentralized algorithms on [n, d] tensors, no Flower messages)."
     )
     test_fraction: float = Field(
         0.2, gt=0.0, lt=1.0, description="Share of the task's data held out as the global test set."

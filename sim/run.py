@@ -25,10 +25,18 @@ def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | N
     """Run ``cfg`` on its engine, recording into ``run_id``; return the final status.
 
     Asynchronous algorithms (registry kind ``async``) run on the virtual-clock engine
-    whatever ``cfg.engine`` says: Flower's synchronous rounds cannot express them."""
+    whatever ``cfg.engine`` says: Flower's synchronous rounds cannot express them; those of
+    kind ``array`` (LSGD: it needs every worker's loss) run on the array engine."""
     from fedswarm.strategies import registry
 
-    if registry.get(cfg.strategy).kind == "async":
+    kind = registry.get(cfg.strategy).kind
+    if cfg.engine == "array" or kind == "array":
+        from fedswarm.sim.array_engine import run_array
+
+        if cfg.device == "cpu":
+            torch.set_num_threads(1)
+        return run_array(cfg, store, run_id, listeners)
+    if kind == "async":
         from fedswarm.sim.async_engine import run_async
 
         if cfg.device == "cpu":
@@ -47,6 +55,10 @@ def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | N
 
 def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, out: Path | None,
                        console: Console) -> str:
+    from fedswarm.strategies import registry
+
+    if registry.get(cfg.strategy).kind == "array" and cfg.engine != "array":
+        cfg = cfg.model_copy(update={"engine": "array"})  # it runs nowhere else: record what runs it
     store = Store(db)
     if run_id is not None:
         run = store.get_run(run_id)

@@ -40,7 +40,7 @@ from fedswarm.strategies import registry
 from fedswarm.strategies.decentralized.node import message_nbytes_of
 from fedswarm.algorithms.decentralized.topology import make_topology
 from fedswarm.tasks import get_task
-from fedswarm.wire import vector_to_arrayrecord
+from fedswarm.wire import PAYLOAD_ARRAYS, PAYLOAD_META, vector_to_arrayrecord
 
 __all__ = ["RoundTimer", "node_profiles", "model_message_nbytes", "make_round_timer"]
 
@@ -60,8 +60,10 @@ def model_message_nbytes(cfg: RunConfig) -> int:
     """Serialized size of one message carrying the task's full float32 model."""
     import torch
 
+    from flwr.app import ConfigRecord
+
     d = ParamLayout.from_module(get_task(cfg.task).model(cfg.seed)).d
-    return message_nbytes_of(vector_to_arrayrecord(torch.zeros(d)))
+    return message_nbytes_of(vector_to_arrayrecord(torch.zeros(d)), ConfigRecord({"kind": "dense"}))
 
 
 def _partition_of(msg: Message, n: int) -> int | None:
@@ -120,11 +122,12 @@ def _gossip_timer(cfg: RunConfig, profiles: list[Profile], params: dict) -> Roun
 
     def sim_time(round: int, traffic: Traffic) -> float:
         for msg in traffic.replies:
-            if msg.has_error() or "message" not in msg.content.array_records:
+            if msg.has_error() or PAYLOAD_ARRAYS not in msg.content.array_records:
                 continue
             pid = _partition_of(msg, n)
             if pid is not None and 0 <= pid < n:
-                sizes[pid] = message_nbytes_of(msg.content.array_records["message"])
+                sizes[pid] = message_nbytes_of(msg.content.array_records[PAYLOAD_ARRAYS],
+                                               msg.content.config_records[PAYLOAD_META])
         degrees = topology.degrees(round).tolist()
         return gossip_round_time_s(profiles, degrees, sizes, samples, overlap=overlap)
 

@@ -8,8 +8,8 @@ net.payload     model / codec payloads and their validation
 net.membership  gossip of member lists, heartbeat failure detection, the topology
 net.inbox       per-round messages, waited on with a timeout
 drivers         each algorithm's round over sockets (gossip objects, Swarm
-                Learning merge, Leader SGD); adpsgd, squarm: the other two
-algorithms      per-node math the strategies package does not have yet
+                Learning merge, Leader SGD); adpsgd, squarm: the other two.
+                Drivers only route: the math is fedswarm.algorithms.decentralized
 checkpoint      atomic per-round checkpoints
 peer            the peer process: composition of the above, the round loop
 report          heartbeats and rounds to a dashboard or a run store

@@ -1,15 +1,19 @@
 """The round of each algorithm over real sockets: what a peer sends, to whom, what it
 waits for and how it mixes. The math lives in the algorithm objects
-(:mod:`fedswarm.algorithms.decentralized`, :mod:`fedswarm.swarm.algorithms`); a driver only
-routes messages and renormalises the mixing weights over the neighbours that answered.
+(:mod:`fedswarm.algorithms.decentralized`); a driver only routes the algorithm's
+:class:`~fedswarm.payload.Payload` and renormalises the mixing weights over the
+neighbours that answered. One round is one iteration of the algorithm: the gradient
+(:func:`fedswarm.strategies.decentralized.steps.local_gradient`, the seed of
+:func:`~fedswarm.strategies.decentralized.steps.node_seed`) is the one the router's nodes
+and the array engine compute, so the three runtimes agree.
 
 =============  ======================================  ==========================================
 driver         per round                               bytes per peer per round
 =============  ======================================  ==========================================
-gossip         push model to each neighbour, mix        4d·deg sent (+ envelopes)
+gossip         push the payload to each neighbour, mix  payload·deg sent (+ envelopes)
 swarm_merge    model to the leader, merged model back   4d up, 4d down; leader (P−1)·4d each way
-lsgd           every τ rounds: loss to all, pull         12 B·(P−1) + 4d pulled (non-leaders)
-squarm         codec(x − x̂) to neighbours if triggered  codec bytes·deg (0 if not triggered)
+lsgd           when a pull is due: loss to all, pull     12 B·(P−1) + 4d per pull (non-leaders)
+squarm         codec(x − x̂) to neighbours if triggered  codec bytes·deg every H rounds
 adpsgd         see :mod:`fedswarm.swarm.adpsgd`         4d each way per averaging
 =============  ======================================  ==========================================
 """
@@ -21,22 +25,20 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
-from fedswarm.swarm.algorithms import (
-    SWARM_ALGORITHMS,
-    elect_leader,
-    leader_pull,
-    merge_leader,
-    weighted_merge,
-)
+from fedswarm.algorithms.decentralized import ALGORITHMS, make_algorithm, merge_leader, weighted_merge
+from fedswarm.strategies.decentralized.steps import local_gradient, node_seed
 from fedswarm.swarm.net.envelope import Dropped, Message
 from fedswarm.swarm.net.membership import View
-from fedswarm.swarm.net.payload import read_vector, vector_body
+from fedswarm.swarm.net.payload import payload_body, read_payload, read_vector, vector_body
 from fedswarm.swarm.net.transport import Session
+
+from fedswarm.payload import Payload, PayloadError
 
 if TYPE_CHECKING:
     from fedswarm.swarm.peer import Peer
 
-__all__ = ["Driver", "GossipDriver", "LeaderDriver", "SwarmMergeDriver", "algorithm_names", "make_driver"]
+__all__ = ["Driver", "GossipDriver", "LeaderDriver", "SwarmMergeDriver", "algorithm_description", "algorithm_names",
+           "make_driver"]
 
 
 def renormalise(weights: dict[str, float], keep: set[str]) -> dict[str, float]:
@@ -87,42 +89,61 @@ class Driver:
     def load_state_dict(self, s: dict) -> None:
         raise NotImplementedError
 
+    def gradient(self, x: torch.Tensor, r: int) -> tuple[torch.Tensor, float]:
+        """This peer's gradient for round (iteration) ``r`` at ``x``, as every runtime
+        computes it."""
+        c = self.peer.cfg
+        return local_gradient(self.peer.trainer, x, steps=c.local_steps or 1, batch_size=c.batch_size, lr=c.lr,
+                              seed=node_seed(c.seed, r, c.partition_id))
+
 
 class GossipDriver(Driver):
     """Synchronous gossip with an algorithm object of :mod:`fedswarm.algorithms.decentralized`
-    (dpsgd, d2, dsgdm, qgm): the same ``local_step``/``message``/``node_mix`` calls as the
-    simulator, with ``node_mix``'s weights renormalised over the neighbours that answered."""
+    (dpsgd, d2, dsgdm, qgm, easgd, dasgd): the same ``local_step``/``payload``/``node_mix``
+    calls as the router's nodes, with ``node_mix``'s weights renormalised over the
+    neighbours that answered."""
 
     push_kinds = ("model",)
 
     def __init__(self, peer: Peer):
         super().__init__(peer)
-        from fedswarm.algorithms.decentralized import make_algorithm
-
         self.algo = make_algorithm(peer.cfg.algorithm, **peer.cfg.params)
         self.state = self.algo.init_state(peer.x0[None])
+        self.state.index0 = peer.cfg.partition_id
         self._checked: set[tuple] = set()
 
     def model(self) -> torch.Tensor:
         return self.state.x[0]
+
+    def accept(self, msg: Message) -> Any:
+        """The neighbour's message: a payload frame, or a bare float32 vector frame (a
+        dense message, as ``Peer.send_model`` sends), checked and decoded by the algorithm."""
+        if "arrays" in msg.meta:
+            payload = read_payload(msg.meta, msg.body)
+        else:
+            payload = Payload({"vector": read_vector(msg.meta, msg.body, self.peer.d)}, {"kind": "dense"})
+        try:
+            return self.algo.read_payload(payload, self.peer.d)
+        except PayloadError as exc:
+            raise Dropped("invalid_payload", str(exc)) from None
 
     def round(self, r: int, view: View) -> dict[str, Any]:
         p, lr = self.peer, self.peer.cfg.lr
         if view.topology is not None and (view.ids, r % view.topology.period) not in self._checked:
             self.algo.check_topology(view.topology)
             self._checked.add((view.ids, r % view.topology.period))
-        x = self.state.x[0]
-        res = p.train(x, r)
-        grads = ((x - res.flat) / lr)[None]  # the local update as a gradient: fit() took the steps
-        self.algo.local_step(self.state, grads, lr)
+        self.state.step = r - 1  # round r is iteration r, also after a catch-up skipped rounds
+        grad, loss = self.gradient(self.state.x[0], r)
+        self.algo.local_step(self.state, grad[None], lr)
         nbrs = view.neighbors(r)
-        p.send_model(nbrs, "model", r, self.algo.message(self.state)[0])
+        meta, body = payload_body(self.algo.payload(self.state, 0))
+        p.push(nbrs, "model", r, body, meta)
         got = p.inbox.wait("model", r, nbrs, p.cfg.round_timeout_s, p.stop)
         w = renormalise(view.weights(r), {p.id, *got})
         index = {pid: k for k, pid in enumerate(view.ids)}
         self.algo.node_mix(self.state, view.index, {index[j]: v for j, v in got.items()},
                            {index[j]: v for j, v in w.items()})
-        return {"train_loss": res.loss, "neighbours": len(nbrs), "answered": len(got)}
+        return {"train_loss": loss, "neighbours": len(nbrs), "answered": len(got)}
 
     def state_dict(self) -> dict:
         s = self.state
@@ -188,28 +209,31 @@ class SwarmMergeDriver(Driver):
 
 
 class LeaderDriver(Driver):
-    """Leader SGD (docs/algorithms.md §9), synchronous and single-leader: every ``tau`` rounds
-    each peer sends its round's mean training loss (the paper's stochastic estimate of
-    f(x_j)) to all members, elects ``argmin`` (ties: lowest id) and pulls from the leader
-    ``x ← (1 − c) x + c x̃`` with ``c = pull``. Simplified from the paper: no local groups
-    (one global leader), the pull is applied once per period rather than as a penalty in
-    every step, and peers whose loss does not arrive in time are not candidates."""
+    """Leader SGD (docs/algorithms.md §9) with the LSGD object of
+    :mod:`fedswarm.algorithms.decentralized.leader`, modes ``multi`` (local leaders of
+    contiguous groups of the sorted members, plus the global leader) and ``single``.
+    One round is one iteration; when a pull is due each peer sends its loss estimate to
+    all members, the object names the leaders (``node_pulls``), the peer fetches each
+    leader's model as it was before this step's pulls and the object applies the pulls.
+    Peers whose loss does not arrive in time are not candidates. ``async`` (leader
+    servers) is not offered over sockets yet: the array engine runs it."""
 
     push_kinds = ("loss",)
-    catch_up = "all"
+    catch_up = None  # rounds without a pull wait for nobody: a peer behind is slower, not failed
 
     def __init__(self, peer: Peer):
         super().__init__(peer)
-        params = {**SWARM_ALGORITHMS["lsgd"][1], **peer.cfg.params}
-        self.tau, self.pull = int(params["tau"]), float(params["pull"])
-        if self.tau < 1 or not 0 <= self.pull <= 1:
-            raise ValueError("lsgd needs tau >= 1 and pull in [0, 1]")
-        self.x = peer.x0.clone()
+        self.algo = make_algorithm("lsgd", **peer.cfg.params)
+        if self.algo.mode == "async":
+            raise ValueError("lsgd mode 'async' runs on the array engine (fedswarm sim --engine array); "
+                             "the swarm offers 'multi' and 'single'")
+        self.state = self.algo.init_state(peer.x0[None])
+        self.state.index0 = peer.cfg.partition_id
         self.snapshots: dict[int, torch.Tensor] = {}
         self._cv = threading.Condition()
 
     def model(self) -> torch.Tensor:
-        return self.x
+        return self.state.x[0]
 
     def accept(self, msg: Message) -> Any:
         loss = msg.meta.get("loss")
@@ -232,48 +256,72 @@ class LeaderDriver(Driver):
             s.send("model", meta, body, re=msg.nonce)
         return True
 
+    def _fetch(self, leader: str, r: int) -> torch.Tensor | None:
+        p = self.peer
+        addr = p.membership.addr_of(leader)
+        if addr is None:
+            return None
+        try:
+            resp = p.transport.request(addr, leader, "pull", {"round": r}, timeout=2 * p.cfg.round_timeout_s)
+            return read_vector(resp.meta, resp.body, p.d).clone() if resp.kind == "model" else None
+        except Dropped as exc:
+            if exc.reason == "invalid_payload":  # transport-level drops are counted already
+                p.verifier.count(exc.reason)
+        except OSError:
+            pass
+        return None
+
     def round(self, r: int, view: View) -> dict[str, Any]:
         p = self.peer
-        res = p.train(self.x, r)
-        self.x = res.flat
-        row: dict[str, Any] = {"train_loss": res.loss}
-        if r % self.tau or view.n == 1:
+        self.state.step = r - 1  # round r is iteration r, also after a catch-up skipped rounds
+        grad, loss = self.gradient(self.state.x[0], r)
+        self.algo.local_step(self.state, grad[None], p.cfg.lr, losses=[loss])
+        row: dict[str, Any] = {"train_loss": loss}
+        if not any(self.algo.due(self.state.step)) or view.n == 1:
+            self.algo.finish_node_pulls(self.state, [], [])
             return row
         with self._cv:
-            self.snapshots[r] = self.x.clone()
-            for old in [k for k in self.snapshots if k < r - 2 * self.tau]:
+            self.snapshots[r] = self.state.x[0].clone()
+            for old in [k for k in self.snapshots if k < r - 2 * self.algo.tau_global]:
                 del self.snapshots[old]
             self._cv.notify_all()
         others = [j for j in view.ids if j != p.id]
-        p.push(others, "loss", r, meta={"loss": res.loss})
-        losses = p.inbox.wait("loss", r, others, p.cfg.round_timeout_s, p.stop)
-        losses[p.id] = res.loss
-        leader = elect_leader(losses)
-        row.update(leader=leader[:8], candidates=len(losses))
-        if leader != p.id and (addr := p.membership.addr_of(leader)):
-            try:
-                resp = p.transport.request(addr, leader, "pull", {"round": r}, timeout=2 * p.cfg.round_timeout_s)
-                if resp.kind == "model":
-                    self.x = leader_pull(self.x, read_vector(resp.meta, resp.body, p.d), self.pull)
-                    row["pulled"] = True
-            except Dropped as exc:
-                if exc.reason == "invalid_payload":  # transport-level drops are counted already
-                    p.verifier.count(exc.reason)
-            except OSError:
-                pass
+        f = self.algo.loss_estimate(self.state)
+        p.push(others, "loss", r, meta={"loss": f})
+        got = p.inbox.wait("loss", r, others, p.cfg.round_timeout_s, p.stop)
+        index = {pid: k for k, pid in enumerate(view.ids)}
+        losses = {index[j]: v for j, v in got.items()}
+        losses[view.index] = f
+        pulls = self.algo.node_pulls(self.state, view.index, view.n, losses)
+        models = [None if lead == view.index else self._fetch(view.ids[lead], r) for lead, _ in pulls]
+        self.algo.finish_node_pulls(self.state, pulls, models)
+        row.update(leader=view.ids[pulls[-1][0]][:8], candidates=len(losses),
+                   pulled=any(m is not None for m in models))
         return row
 
+    def state_dict(self) -> dict:
+        s = self.state
+        return {"x": s.x, "buffers": s.buffers, "step": s.step, "meta": s.meta}
+
     def load_state_dict(self, s: dict) -> None:
-        self.x = s["x"]
+        self.state.x, self.state.buffers = s["x"], dict(s["buffers"])
+        self.state.step, self.state.meta = int(s["step"]), dict(s["meta"])
 
 
-#: gossip objects of :mod:`fedswarm.algorithms.decentralized` whose ``node_mix`` a peer can drive as is
-GOSSIP_OBJECTS = ("dpsgd", "d2", "dsgdm", "qgm")
+#: algorithm objects whose ``node_mix`` a peer drives as is (GossipDriver)
+GOSSIP_OBJECTS = ("dpsgd", "d2", "dsgdm", "qgm", "easgd", "dasgd")
+#: the others the swarm runs, each with its own driver
+SWARM_ONLY = {"swarm_merge": "Swarm Learning: each round an elected leader merges by weighted mean and "
+                             "redistributes (Warnat-Herresthal et al., Nature 2021; docs/algorithms.md §16)"}
 
 
 def algorithm_names() -> list[str]:
     """What ``fedswarm peer --algorithm`` accepts."""
-    return [*GOSSIP_OBJECTS, "adpsgd", *SWARM_ALGORITHMS]
+    return [*GOSSIP_OBJECTS, "adpsgd", "lsgd", "squarm", *SWARM_ONLY]
+
+
+def algorithm_description(name: str) -> str:
+    return SWARM_ONLY[name] if name in SWARM_ONLY else ALGORITHMS[name].description
 
 
 def make_driver(peer: Peer) -> Driver:

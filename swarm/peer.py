@@ -41,13 +41,10 @@ from fedswarm.swarm.net.transport import (
     server_tls_context,
 )
 
-__all__ = ["Peer", "PeerConfig", "round_seed"]
+__all__ = ["Peer", "PeerConfig"]
 
 log = logging.getLogger("fedswarm.swarm")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-# The minibatch seed of one peer's round: fedswarm's one recipe, round_seed(seed, round, partition).
 
 
 class PeerConfig(TrainingSpec):
@@ -240,6 +237,8 @@ class Peer:
 
     # -- training ------------------------------------------------------------------------
     def train(self, x: torch.Tensor, r: int):
+        """``local_steps`` plain SGD steps from ``x`` with this round's minibatch seed (the
+        seed every runtime uses: :func:`fedswarm.config.round_seed`)."""
         c = self.cfg
         return self.trainer.fit(x, steps=c.local_steps, batch_size=c.batch_size, lr=c.lr,
                                 seed=round_seed(c.seed, r, c.partition_id))

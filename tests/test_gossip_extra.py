@@ -234,6 +234,71 @@ def test_lsgd_zero_lr_converges_to_the_leader_and_needs_losses():
         algo.local_step(state, torch.zeros(N, D), 0.1)
 
 
+def test_lsgd_single_leader_mode_matches_numpy():
+    x0, grads = _x0(), _grads(4)
+    losses = [torch.tensor([3.0, 1.0, 2.0, 5.0]), torch.tensor([1.0, 4.0, 0.5, 2.0])] * 2
+    lr, c2 = 0.1, 0.3
+    algo = make_algorithm("lsgd", mode="single", c1=0.9, c2=c2, tau_local=1, tau_global=2)  # c1, τ_l unused
+    state = algo.init_state(x0)
+    x = x0.numpy().astype(np.float64).copy()
+    f_sum = np.zeros(N)
+    for t, (g, f) in enumerate(zip(grads, losses)):
+        algo.local_step(state, g, lr, losses=f)
+        algo.mix(state)
+        x = x - lr * g.numpy()
+        f_sum += f.numpy()
+        if (t + 1) % 2 == 0:  # the leader is the lowest mean loss since the last pull
+            lead = int(np.argmin(f_sum / 2))
+            x = (1 - c2) * x + c2 * x[lead]
+            f_sum[:] = 0
+        np.testing.assert_allclose(state.x.numpy(), x, atol=1e-5)
+    assert algo.wire_bytes(100, 2) == 4 * 100 // 2
+
+
+def test_lsgd_async_matches_numpy_leader_servers():
+    """Async LSGD replayed under its fixed staggered schedule: worker i reports to its
+    group's server when (k + i) % τ_l == 0 and to the global one when (k + i) % τ_g == 0,
+    in node order; a better loss becomes the server's (possibly stale) leader."""
+    T, lr, c1, c2, tl, tg = 6, 0.1, 0.2, 0.3, 2, 3
+    x0, grads = _x0(), _grads(T)
+    gen = torch.Generator().manual_seed(5)
+    losses = [torch.rand(N, generator=gen, dtype=torch.float64) for _ in range(T)]
+    algo = make_algorithm("lsgd", mode="async", groups=2, c1=c1, c2=c2, tau_local=tl, tau_global=tg)
+    state = algo.init_state(x0)
+    x = x0.numpy().astype(np.float64).copy()
+    groups = [[0, 1], [2, 3]]
+    loc = {0: [x[0].copy(), np.inf], 1: [x[2].copy(), np.inf]}  # group -> [leader copy, its loss]
+    glob = [x[0].copy(), np.inf]
+    f_sum, f_cnt = np.zeros(N), np.zeros(N)
+    became = []
+    for t in range(T):
+        algo.local_step(state, grads[t], lr, losses=losses[t])
+        algo.mix(state)
+        x = x - lr * grads[t].numpy()
+        f_sum += losses[t].numpy()
+        f_cnt += 1
+        for i in range(N):
+            k = t + 1 + i
+            due = [(loc[0 if i in groups[0] else 1], c1, k % tl == 0), (glob, c2, k % tg == 0)]
+            if not any(d for _, _, d in due):
+                continue
+            f = f_sum[i] / f_cnt[i]
+            for server, c, d in due:
+                if not d:
+                    continue
+                if f < server[1]:
+                    server[0], server[1] = x[i].copy(), f
+                    became.append((t, i))
+                x[i] = (1 - c) * x[i] + c * server[0]
+            f_sum[i], f_cnt[i] = 0, 0
+        np.testing.assert_allclose(state.x.numpy(), x, atol=1e-5)
+    assert became  # some worker became a leader, and later pulls used stale copies
+    with pytest.raises(ValueError, match="mode"):
+        make_algorithm("lsgd", mode="ring")
+    with pytest.raises(ValueError, match="server_exchange"):
+        algo.node_pulls(state.node(0), 0, N, {0: 1.0})
+
+
 # ------------------------------------------------------------------------------ DaSGD
 
 

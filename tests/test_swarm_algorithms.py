@@ -5,12 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fedswarm.swarm.algorithms import (
-    elect_leader,
-    leader_pull,
-    merge_leader,
-    weighted_merge,
-)
+from fedswarm.algorithms.decentralized import elect_leader, leader_pull, merge_leader, weighted_merge
 
 from tests.swarm_helpers import make_peers, run_all
 
@@ -18,9 +13,9 @@ ALGOS = {
     "dpsgd": {},
     "qgm": {},
     "adpsgd": {},
-    "lsgd": {"tau": 2, "pull": 0.5},
+    "lsgd": {"mode": "single", "tau_global": 2, "c2": 0.5},
     "swarm_merge": {},
-    "squarm": {"codec": "topk", "ratio": 0.1},
+    "squarm": {"codec": "topk", "ratio": 0.1, "period": 1},
 }
 
 

@@ -27,7 +27,7 @@ def _oracle_dpsgd(spec: SwarmSpec, ids: list[str]) -> list[torch.Tensor]:
     over the sorted peer ids, no failures. Returns X after each round."""
     from fedswarm.algorithms.decentralized import make_algorithm
     from fedswarm.algorithms.decentralized.topology import make_topology
-    from fedswarm.config import round_seed
+    from fedswarm.strategies.decentralized.steps import node_seed
 
     from fedswarm.config import RunConfig
     from fedswarm.params import get_flat
@@ -47,7 +47,7 @@ def _oracle_dpsgd(spec: SwarmSpec, ids: list[str]) -> list[torch.Tensor]:
         for r in range(1, spec.rounds + 1):
             grads = torch.stack([
                 (state.x[k] - trainers[k].fit(state.x[k], steps=spec.local_steps, batch_size=spec.batch_size,
-                                              lr=spec.lr, seed=round_seed(spec.seed, r, order[k])).flat) / spec.lr
+                                              lr=spec.lr, seed=node_seed(spec.seed, r, order[k])).flat) / spec.lr
                 for k in range(n)])
             algo.local_step(state, grads, spec.lr)
             algo.mix(state, algo.message(state), topo.mixing_matrix(r))

@@ -22,9 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
+import numpy as np
 import torch
 
 from fedswarm.algorithms.decentralized.topology import Topology, check_mixing
+from fedswarm.payload import Payload, PayloadError, check_array
 
 __all__ = ["GossipState", "DecentralizedAlgorithm", "gossip", "consensus_distance"]
 
@@ -43,12 +45,20 @@ class GossipState:
         Completed iterations (one local step plus one mix).
     meta : dict[str, Any]
         Small per-state scalars (e.g. the last learning rate).
+    index0 : int
+        Global index of row 0 (a peer's one-node state: its node index), so per-node
+        randomness (codec seeds) is the same whichever runtime holds the node.
+    payloads : dict[int, Payload]
+        Transient: messages the last local step encoded, by row (compressed algorithms);
+        not part of the persisted state.
     """
 
     x: torch.Tensor
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     step: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    index0: int = 0
+    payloads: dict[int, Payload] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -66,6 +76,7 @@ class GossipState:
             buffers={k: v[i : i + 1].clone() for k, v in self.buffers.items()},
             step=self.step,
             meta=dict(self.meta),
+            index0=self.index0 + i,
         )
 
     def clone(self) -> "GossipState":
@@ -74,6 +85,7 @@ class GossipState:
             buffers={k: v.clone() for k, v in self.buffers.items()},
             step=self.step,
             meta=dict(self.meta),
+            index0=self.index0,
         )
 
 
@@ -143,6 +155,26 @@ class DecentralizedAlgorithm:
     def message(self, state: GossipState) -> torch.Tensor:
         """What each node sends to each of its neighbours this iteration, ``[n, d]``."""
         return state.x
+
+    # -- the wire
+    def payload(self, state: GossipState, row: int = 0) -> Payload:
+        """Row ``row``'s message as it travels (every runtime sends this): by default the
+        dense float32 vector ``message(state)[row]``; compressed algorithms override."""
+        return Payload({"vector": self.message(state)[row].detach().to(torch.float32).contiguous()},
+                       {"kind": "dense"})
+
+    def read_payload(self, payload: Payload, d: int) -> torch.Tensor:
+        """The ``[d]`` message in a payload that came off a network: checked (keys, dtype,
+        length, finiteness), :class:`~fedswarm.payload.PayloadError` naming what is wrong."""
+        if payload.meta.get("kind") != "dense" or set(payload.arrays) != {"vector"}:
+            raise PayloadError(f"{self.name} expects a dense message with one array 'vector' "
+                               f"(got kind {payload.meta.get('kind')!r}, arrays {sorted(payload.arrays)})")
+        arr = payload.arrays["vector"]
+        arr = arr.detach().cpu().numpy() if isinstance(arr, torch.Tensor) else np.asarray(arr)
+        check_array("vector", arr)
+        if arr.dtype != np.float32 or arr.size != d:
+            raise PayloadError(f"message has {arr.size} values of {arr.dtype}, expected {d} float32")
+        return torch.from_numpy(arr.reshape(-1).copy())
 
     # -- mixing
     def mix(self, state: GossipState, received: torch.Tensor, W: torch.Tensor) -> None:

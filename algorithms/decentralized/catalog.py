@@ -25,9 +25,11 @@ from fedswarm.algorithms.decentralized.adpsgd import (ADPSGD, bipartite_split, e
                                                      pairwise_average)
 from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm, GossipState, consensus_distance
 from fedswarm.algorithms.decentralized.dasgd import DaSGD
-from fedswarm.algorithms.decentralized.leader import EASGD, LSGD
+from fedswarm.algorithms.decentralized.leader import (EASGD, LSGD, LSGD_MODES, elect_leader, leader_pull,
+                                                     leader_server_update)
 from fedswarm.algorithms.decentralized.prague import Prague, partial_allreduce
 from fedswarm.algorithms.decentralized.squarm import SQuARM
+from fedswarm.algorithms.decentralized.swarm_merge import merge_leader, weighted_merge
 from fedswarm.algorithms.decentralized.sync import D2, DPSGD, DSGDm, QGDSGDm
 from fedswarm.hyperparams import HyperParam
 
@@ -42,6 +44,11 @@ __all__ = [
     "SQuARM",
     "EASGD",
     "LSGD",
+    "elect_leader",
+    "leader_pull",
+    "leader_server_update",
+    "merge_leader",
+    "weighted_merge",
     "DaSGD",
     "Prague",
     "partial_allreduce",
@@ -134,14 +141,17 @@ ALGORITHMS: dict[str, AlgorithmEntry] = {
         ),
         AlgorithmEntry(
             "lsgd", LSGD,
-            (HyperParam("groups", 2, "number of contiguous worker groups (local leaders)", ge=1),
+            (HyperParam("mode", "multi", "'multi': local leaders per group plus a global leader; 'single': "
+                        "the global leader only; 'async': leader servers under a fixed staggered schedule",
+                        choices=LSGD_MODES),
+             HyperParam("groups", 2, "number of contiguous worker groups (local leaders)", ge=1),
              HyperParam("c1", 0.1, "pull towards the group's leader", ge=0.0, le=1.0),
              HyperParam("c2", 0.1, "pull towards the global leader", ge=0.0, le=1.0),
              HyperParam("tau_local", 4, "τ_l: steps between local pulls", ge=1),
              HyperParam("tau_global", 16, "τ_g: steps between global pulls", ge=1),
              HyperParam("momentum", 0.0, "local heavy-ball momentum", ge=0.0, lt=1.0), _WD),
             "LSGD: every τ steps workers pull towards the lowest-loss worker of their group and of all "
-            "([n, d] simulator only: needs every worker's loss)",
+            "(array engine and swarm: needs every worker's loss)",
             "Teng et al., NeurIPS 2019, arXiv:1905.10395",
         ),
         AlgorithmEntry(

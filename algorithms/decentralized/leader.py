@@ -1,7 +1,9 @@
-"""EASGD and LSGD (Leader SGD), synchronous versions on ``[n, d]`` (docs/algorithms.md §9).
+"""EASGD and LSGD (Leader SGD) on ``[n, d]`` (docs/algorithms.md §9).
 
 Both replace neighbour gossip with a pull: EASGD towards an elastic center variable,
-LSGD towards the best-performing worker of the group and of the whole run.
+LSGD towards the best-performing worker of the group and of the whole run (single-leader,
+multi-leader and asynchronous forms). The leader election and the pull are module
+functions (:func:`elect_leader`, :func:`leader_pull`) that every runtime uses.
 """
 
 from __future__ import annotations
@@ -12,7 +14,33 @@ import torch
 
 from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm, GossipState
 
-__all__ = ["EASGD", "LSGD", "contiguous_groups"]
+__all__ = ["EASGD", "LSGD", "LSGD_MODES", "contiguous_groups", "elect_leader", "leader_pull", "leader_server_update"]
+
+
+def elect_leader(losses: Mapping[Any, float]) -> Any:
+    """LSGD's leader, ``j* = argmin_j f_j`` (ties: the smallest key). Keys are node indices
+    on ``[n, d]`` and peer ids in the swarm; the same rule everywhere."""
+    if not losses:
+        raise ValueError("no losses to elect a leader from")
+    return min(losses, key=lambda j: (float(losses[j]), j))
+
+
+def leader_pull(x: torch.Tensor, leader_x: torch.Tensor, c: float) -> torch.Tensor:
+    """LSGD's periodic pull as in the official code, ``x ← (1 − c) x + c x̃`` (rows of ``x``
+    towards ``leader_x``), accumulated in float64, returned in ``x``'s dtype."""
+    if not 0.0 <= c <= 1.0:
+        raise ValueError(f"pull strength must be in [0, 1] (got {c})")
+    return ((1.0 - c) * x.to(torch.float64) + c * leader_x.to(torch.float64)).to(x.dtype)
+
+
+def leader_server_update(leader_x: torch.Tensor, leader_f: float, x: torch.Tensor,
+                         f: float) -> tuple[torch.Tensor, float, bool]:
+    """Asynchronous LSGD's leader server: a report ``(x, f)`` with a lower loss than the
+    stored leader's becomes the leader. Returns the (new) leader copy, its loss, and
+    whether the reporter took over."""
+    if f < leader_f:
+        return x.clone(), float(f), True
+    return leader_x, float(leader_f), False
 
 
 def contiguous_groups(n: int, groups: int) -> list[list[int]]:
@@ -101,36 +129,60 @@ class EASGD(DecentralizedAlgorithm):
         return {"beta": self.beta, "period": self.period, **super().hyperparams()}
 
 
+LSGD_MODES = ("multi", "single", "async")
+
+
 class LSGD(DecentralizedAlgorithm):
-    """LSGD, Leader SGD (Teng et al., NeurIPS 2019, arXiv:1905.10395; docs/algorithms.md §9), the
-    synchronous multi-leader version as in the official code (``yunfei-teng/LSGD``)::
+    """LSGD, Leader SGD (Teng et al., NeurIPS 2019, arXiv:1905.10395; docs/algorithms.md §9), in
+    the three forms of the paper, as the official code (``yunfei-teng/LSGD``) applies the
+    pulls, periodically::
 
         x_i ← x_i − η g_i                                   (every step; momentum optional)
         every τ_l steps:  x_i ← (1 − c1) x_i + c1 x̃_group(i),  x̃_group = x_{argmin_{j∈G} f_j}
         every τ_g steps:  x_i ← (1 − c2) x_i + c2 x̃_global,   x̃_global = x_{argmin_j f_j}
 
+    ``mode``:
+
+    * ``multi`` (default): ``groups`` contiguous groups (:func:`contiguous_groups`), each
+      with its local leader, plus the global leader. When both pulls fall on the same step
+      the local pull comes first (a leader does not move, so the global leader's model is
+      the same before and after it).
+    * ``single``: one leader, the global pull only (``groups``, ``c1``, ``tau_local`` unused).
+    * ``async``: the paper's leader servers without barriers, replayed under a fixed
+      schedule so every runtime computes the same thing. Each group's server and the global
+      server hold a leader copy ``x̃`` and its loss ``f̃`` (buffers ``lead_local`` and
+      ``lead_global``, replicated per member). Worker ``i`` talks to its group's server at
+      its steps ``k`` with ``(k + i) % τ_l == 0`` and to the global server when
+      ``(k + i) % τ_g == 0`` (staggered: not all at once), in node order within a step:
+      it reports ``f_i``; if ``f_i < f̃`` (or the server is empty) it becomes the leader,
+      ``x̃ ← x_i``; then it pulls ``x_i ← (1 − c) x_i + c x̃``. The leader it pulls towards
+      can be stale (the worker that reported it has moved on since): that is the
+      asynchronous form's point. This schedule is a reconstruction, not the paper's timing.
+
     ``f_j`` is worker ``j``'s training loss, passed to :meth:`local_step` as ``losses``
-    (``[n]``). Groups are contiguous (``contiguous_groups``). When both pulls fall on the
-    same step the local pull is applied first (the leaders themselves do not move).
+    (``[n]``); the estimate is the mean minibatch loss since the worker's last pull.
 
-    Simplifications: ``f_j`` is the mean minibatch loss since the last pull (the code
-    all-gathers the recent training loss, the paper's stochastic LSGD estimates f from
-    it); ties go to the lowest index; BatchNorm statistics are not averaged (no BN in the
-    flat vector); the asynchronous variant (leader servers) is not here. W is ignored:
-    the groups, not the gossip graph, define who talks to whom. It needs every worker's
-    loss, so it runs on the ``[n, d]`` simulator, not on the per-node router.
+    Simplifications: ties go to the lowest index; BatchNorm statistics are not averaged
+    (no BN in the flat vector). W is ignored: the groups, not the gossip graph, define
+    who talks to whom.
 
-    State: ``x``, momentum (if ``momentum > 0``), the running loss per worker.
-    Wire: per pull, an all-gather of 12 bytes per worker and the leader's model, 4d bytes,
-    received by every other member; ``meta["wire_bytes"]`` counts received model bytes
-    plus the 12-byte reports.
+    Per-node runtimes (the swarm) drive the same math with :meth:`due`, :meth:`node_pulls`
+    and :meth:`finish_node_pulls` (sync modes), and :func:`leader_server_update` on the
+    server peer with :meth:`node_pull` / :meth:`end_node_step` on the worker (async).
+
+    State: ``x``, momentum (if ``momentum > 0``), the running loss per worker; ``async``:
+    the leader copies. Wire: per pull, an all-gather of 12 bytes per worker (sync; a
+    12-byte report in async) and the leader's model, 4d bytes, received by every other
+    member; ``meta["wire_bytes"]`` counts received model bytes plus the 12-byte reports.
     """
 
     name = "lsgd"
 
-    def __init__(self, groups: int = 2, c1: float = 0.1, c2: float = 0.1, tau_local: int = 4,
-                 tau_global: int = 16, momentum: float = 0.0, weight_decay: float = 0.0):
+    def __init__(self, mode: str = "multi", groups: int = 2, c1: float = 0.1, c2: float = 0.1,
+                 tau_local: int = 4, tau_global: int = 16, momentum: float = 0.0, weight_decay: float = 0.0):
         super().__init__(weight_decay)
+        if mode not in LSGD_MODES:
+            raise ValueError(f"mode must be one of {', '.join(LSGD_MODES)} (got {mode!r})")
         for nm, v in (("c1", c1), ("c2", c2)):
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{nm} must be in [0, 1] (got {v})")
@@ -138,16 +190,24 @@ class LSGD(DecentralizedAlgorithm):
             raise ValueError("groups, tau_local and tau_global must be >= 1")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1) (got {momentum})")
+        self.mode = mode
         self.groups, self.c1, self.c2 = int(groups), float(c1), float(c2)
         self.tau_local, self.tau_global, self.momentum = int(tau_local), int(tau_global), float(momentum)
 
     def _init_buffers(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"momentum": torch.zeros_like(x)} if self.momentum else {}
+        bufs = {"momentum": torch.zeros_like(x)} if self.momentum else {}
+        if self.mode == "async":
+            bufs.update({"lead_local": x.clone(), "lead_global": x.clone()})
+        return bufs
 
     def init_state(self, x0: torch.Tensor) -> GossipState:
         state = super().init_state(x0)
-        state.meta.update({"wire_bytes": 0.0, "loss_sum": torch.zeros(state.n, dtype=torch.float64),
-                           "loss_count": 0, "leaders": []})
+        n = state.n
+        state.meta.update({"wire_bytes": 0.0, "loss_sum": torch.zeros(n, dtype=torch.float64),
+                           "loss_count": torch.zeros(n, dtype=torch.float64), "leaders": []})
+        if self.mode == "async":  # empty servers: the first report becomes the leader
+            state.meta["lead_local_loss"] = torch.full((n,), float("inf"), dtype=torch.float64)
+            state.meta["lead_global_loss"] = torch.full((n,), float("inf"), dtype=torch.float64)
         return state
 
     def local_step(self, state: GossipState, grads: torch.Tensor, lr: float,
@@ -157,6 +217,8 @@ class LSGD(DecentralizedAlgorithm):
         losses = torch.as_tensor(losses, dtype=torch.float64).reshape(-1)
         if losses.numel() != state.n:
             raise ValueError(f"losses must have {state.n} values, got {losses.numel()}")
+        if not bool(torch.isfinite(losses).all()):
+            raise ValueError("lsgd losses must be finite")
         g = self._grad(state, grads)
         if self.momentum:
             m = self.momentum * state.buffers["momentum"] + g
@@ -164,43 +226,139 @@ class LSGD(DecentralizedAlgorithm):
             g = m
         state.x = state.x - lr * g
         state.meta["loss_sum"] = state.meta["loss_sum"] + losses
-        state.meta["loss_count"] += 1
+        state.meta["loss_count"] = state.meta["loss_count"] + 1.0
 
+    # -- which pulls are due
+    def due(self, step: int, i: int = 0) -> tuple[bool, bool]:
+        """``(local, global)``: whether node ``i`` pulls after iteration ``step`` (0-based).
+        In the sync modes every node pulls on the same steps; in ``async`` node ``i``'s
+        schedule is shifted by ``i``."""
+        k = step + 1 + (i if self.mode == "async" else 0)
+        local = self.mode != "single" and k % self.tau_local == 0
+        return local, k % self.tau_global == 0
+
+    def _estimate(self, state: GossipState) -> torch.Tensor:
+        return state.meta["loss_sum"] / state.meta["loss_count"].clamp(min=1.0)
+
+    def _reset_loss(self, state: GossipState, rows) -> None:
+        state.meta["loss_sum"][rows] = 0.0
+        state.meta["loss_count"][rows] = 0.0
+
+    # -- all nodes at once
     def mix(self, state: GossipState, received: torch.Tensor | None = None, W: torch.Tensor | None = None) -> None:
         """Apply the pulls due after this step (``received`` and ``W`` are ignored)."""
-        k = state.step + 1
-        pull_l, pull_g = k % self.tau_local == 0, k % self.tau_global == 0
-        if pull_l or pull_g:
-            f = state.meta["loss_sum"] / max(1, state.meta["loss_count"])
-            x = state.x.to(torch.float64)
-            leaders = []
-            d, n = state.d, state.n
-            if pull_l:
-                for grp in contiguous_groups(n, self.groups):
-                    idx = torch.tensor(grp)
-                    lead = grp[int(torch.argmin(f[idx]))]
+        if self.mode == "async":
+            for i in range(state.n):
+                self.server_exchange(state, i, i)
+        else:
+            local, glob = self.due(state.step)
+            if local or glob:
+                f = self._estimate(state)
+                n, leaders = state.n, []
+                x = state.x.clone()
+                if local:
+                    for grp in contiguous_groups(n, self.groups):
+                        lead = elect_leader({j: float(f[j]) for j in grp})
+                        leaders.append(lead)
+                        x[grp] = leader_pull(x[grp], x[lead], self.c1)
+                        state.meta["wire_bytes"] += 4.0 * state.d * (len(grp) - 1) + 12.0 * len(grp)
+                if glob:
+                    lead = elect_leader({j: float(f[j]) for j in range(n)})
                     leaders.append(lead)
-                    x[idx] = (1.0 - self.c1) * x[idx] + self.c1 * x[lead]
-                    state.meta["wire_bytes"] += 4.0 * d * (len(grp) - 1) + 12.0 * len(grp)
-            if pull_g:
-                lead = int(torch.argmin(f))
-                leaders.append(lead)
-                x = (1.0 - self.c2) * x + self.c2 * x[lead]
-                state.meta["wire_bytes"] += 4.0 * d * (n - 1) + 12.0 * n
-            state.x = x.to(state.x.dtype)
-            state.meta["leaders"] = leaders
-            state.meta["loss_sum"] = torch.zeros(n, dtype=torch.float64)
-            state.meta["loss_count"] = 0
+                    x = leader_pull(x, x[lead], self.c2)
+                    state.meta["wire_bytes"] += 4.0 * state.d * (n - 1) + 12.0 * n
+                state.x = x
+                state.meta["leaders"] = leaders
+                self._reset_loss(state, slice(None))
         state.step += 1
 
+    # -- one node (the swarm)
+    def node_pulls(self, state: GossipState, i: int, n: int, losses: Mapping[int, float]) -> list[tuple[int, float]]:
+        """Sync modes, node ``i`` of ``n``: the pulls due after this step, in order, as
+        ``(leader index, c)``; ``losses`` maps node indices (``i`` and whoever answered)
+        to their estimate (:meth:`loss_estimate`). Fetch each leader's model (as it was
+        before any pull of this step) and call :meth:`finish_node_pulls`."""
+        if self.mode == "async":
+            raise ValueError("async lsgd talks to leader servers: use leader_server_update / node_pull "
+                             "(server_exchange on [n, d])")
+        local, glob = self.due(state.step)
+        pulls = []
+        if local:
+            grp = next(g for g in contiguous_groups(n, self.groups) if i in g)
+            pulls.append((elect_leader({j: v for j, v in losses.items() if j in grp}), self.c1))
+        if glob:
+            pulls.append((elect_leader(dict(losses)), self.c2))
+        return pulls
+
+    def loss_estimate(self, state: GossipState) -> float:
+        """A one-node state's loss estimate ``f_i`` (what it reports)."""
+        return float(self._estimate(state)[0])
+
+    def node_pull(self, state: GossipState, leader_x: torch.Tensor, c: float) -> None:
+        """One pull of a one-node state towards a leader's model ``[d]`` (no step ends)."""
+        state.x = leader_pull(state.x, leader_x.reshape(1, -1), c)
+        state.meta["wire_bytes"] += 4.0 * state.d
+
+    def end_node_step(self, state: GossipState, reported: bool) -> None:
+        """End a one-node iteration; ``reported``: the node reported its loss this step,
+        so its running estimate starts afresh."""
+        if reported:
+            self._reset_loss(state, slice(None))
+        state.step += 1
+
+    def finish_node_pulls(self, state: GossipState, pulls: list[tuple[int, float]],
+                          leader_models: Sequence[torch.Tensor | None]) -> None:
+        """Apply ``pulls`` to a one-node state with the leaders' models (None: the leader is
+        this node, or its model did not arrive: no pull), then end the iteration."""
+        for (_, c), xl in zip(pulls, leader_models):
+            if xl is not None:
+                self.node_pull(state, xl, c)
+        if pulls:
+            state.meta["leaders"] = [j for j, _ in pulls]
+        self.end_node_step(state, bool(pulls))
+
+    def server_exchange(self, state: GossipState, row: int, i: int) -> None:
+        """Async mode on ``[n, d]``: row ``row`` (node ``i``) reports to its group's and
+        then the global leader server if due (:func:`leader_server_update`), and pulls
+        towards the leader copy each returns. The servers' copies are the buffers
+        ``lead_local`` (replicated over the group's rows) and ``lead_global`` (over all).
+        A peer-to-peer runtime hosts each server on one peer and calls
+        :func:`leader_server_update` there, :meth:`node_pull` on the worker."""
+        local, glob = self.due(state.step, i)
+        if not (local or glob):
+            return
+        f = float(self._estimate(state)[row])
+        pulls = (("lead_local", "lead_local_loss", self.c1, local), ("lead_global", "lead_global_loss", self.c2, glob))
+        for buf, loss_key, c, is_due in pulls:
+            if not is_due:
+                continue
+            rows = self._server_rows(state, i, buf)
+            x_lead, f_lead, took = leader_server_update(state.buffers[buf][rows[0]],
+                                                        float(state.meta[loss_key][rows[0]]), state.x[row], f)
+            if took:
+                state.buffers[buf][rows], state.meta[loss_key][rows] = x_lead, f_lead
+                state.meta["leaders"] = [i]
+            else:
+                state.meta["wire_bytes"] += 4.0 * state.d
+            state.x[row] = leader_pull(state.x[row], x_lead, c)
+            state.meta["wire_bytes"] += 12.0
+        self._reset_loss(state, row)
+
+    def _server_rows(self, state: GossipState, i: int, buf: str) -> list[int]:
+        if buf == "lead_global":
+            return list(range(state.n))
+        return next(g for g in contiguous_groups(state.n, self.groups) if i in g)
+
     def node_mix(self, state, i, received, weights) -> None:
-        raise NotImplementedError("lsgd needs every worker's loss: it runs on the [n, d] simulator "
-                                  "(or the swarm's LeaderDriver), not per node")
+        raise NotImplementedError("lsgd pulls towards leaders, it does not gossip: per node use "
+                                  "node_pulls/finish_node_pulls (sync) or server_exchange (async)")
 
     def wire_bytes(self, d: int, degree: int) -> int:
         """Model bytes a non-leader worker receives per iteration, averaged over the periods."""
-        return 4 * d // self.tau_local + 4 * d // self.tau_global
+        local = 0 if self.mode == "single" else 4 * d // self.tau_local
+        return local + 4 * d // self.tau_global
 
     def hyperparams(self) -> dict[str, Any]:
-        return {"groups": self.groups, "c1": self.c1, "c2": self.c2, "tau_local": self.tau_local,
-                "tau_global": self.tau_global, "momentum": self.momentum, **super().hyperparams()}
+        return {"mode": self.mode, "groups": self.groups, "c1": self.c1, "c2": self.c2,
+                "tau_local": self.tau_local, "tau_global": self.tau_global, "momentum": self.momentum,
+                **super().hyperparams()}

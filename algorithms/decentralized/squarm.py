@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from fedswarm.params import ParamLayout
 from fedswarm.algorithms.compression.codecs import make_codec
-from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm, GossipState
+from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm, GossipState, gossip
+from fedswarm.payload import Payload, PayloadError, check_array
 
 __all__ = ["SQuARM"]
 
@@ -102,16 +104,58 @@ class SQuARM(DecentralizedAlgorithm):
         state.x = state.x - lr * (self.momentum * v + g)
         q = torch.zeros_like(state.x)
         sync = self.is_sync(state.step)
+        state.payloads = {}
         if sync:
             delta = state.x - state.buffers["x_hat"]
             fire = delta.pow(2).sum(dim=1) > self.threshold * lr * lr
-            if bool(fire.any()):
-                rows = delta[fire]
-                layout = self._layout(state.d)
-                payload = self.codec.encode(rows, layout, seed=self.seed * 1_000_003 + state.step)
-                q[fire] = self.codec.decode(payload, layout).to(q.dtype)
+            layout = self._layout(state.d)
+            for r in torch.nonzero(fire).reshape(-1).tolist():  # one payload per node: what it sends
+                payload = self.codec.encode(delta[r : r + 1], layout, seed=self._codec_seed(state, r))
+                state.payloads[r] = payload
+                q[r] = self.codec.decode(payload, layout)[0].to(q.dtype)
         state.buffers["q"] = q
         state.meta["sync"] = 1.0 if sync else 0.0
+
+    def _codec_seed(self, state: GossipState, row: int) -> int:
+        return (self.seed * 1_000_003 + state.step * 7_919 + state.index0 + row) % (2**31 - 1)
+
+    def payload(self, state: GossipState, row: int = 0) -> Payload:
+        """The codec's payload of ``q_row`` if the node fired this step, else an empty
+        ``skip`` message (a few bytes of metadata)."""
+        p = state.payloads.get(row)
+        return p if p is not None else Payload({}, {"kind": "skip"})
+
+    def read_payload(self, payload: Payload, d: int) -> torch.Tensor:
+        if payload.meta.get("kind") == "skip":
+            if payload.arrays:
+                raise PayloadError("a squarm 'skip' message carries no arrays")
+            return torch.zeros(d)
+        for k, a in payload.arrays.items():
+            check_array(k, a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a))
+        q = self.codec.decode(payload, self._layout(d))
+        if q.shape != (1, d):
+            raise PayloadError(f"squarm message decodes to shape {tuple(q.shape)}, expected (1, {d})")
+        return q[0].to(torch.float32)
+
+    def replica_mix(self, state: GossipState, i: int, replicas: Mapping[int, torch.Tensor],
+                    weights: Mapping[int, float]) -> None:
+        """A peer's mix from explicit copies: ``replicas[j]`` is node ``i``'s copy of
+        ``x̂_j`` for each neighbour ``j`` (the caller has already added ``q_j``), so
+        ``s_i = w_ii x̂_i + Σ_j w_ij x̂_j`` is recomputed rather than kept incrementally.
+        Same result as :meth:`node_mix` on a static topology (to float rounding), and it
+        stays right when the neighbour set changes (the swarm's membership)."""
+        if state.n != 1:
+            raise ValueError(f"replica_mix needs a one-node state, got n={state.n}")
+        if set(weights) != {i, *replicas}:
+            raise ValueError(f"weights must cover node {i} and exactly the replicas held "
+                             f"(weights: {sorted(weights)}, replicas: {sorted(replicas)})")
+        self._account(state, (state.buffers["q"] != 0).any(dim=1), torch.tensor([len(replicas)]))
+        x_hat = state.buffers["x_hat"] + state.buffers["q"]  # x̂_i after this step's q_i
+        order = sorted(replicas)
+        X = torch.stack([x_hat[0]] + [replicas[j].reshape(-1).to(x_hat.dtype) for j in order])
+        w = torch.tensor([[weights[i]] + [weights[j] for j in order]], dtype=torch.float64)
+        state.buffers["s"] = torch.zeros_like(x_hat)  # _finish adds the mix: s = Σ_j w_ij x̂_j
+        self._finish(state, gossip(w, X))
 
     def message(self, state: GossipState) -> torch.Tensor:
         return state.buffers["q"]

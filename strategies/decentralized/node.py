@@ -10,9 +10,10 @@ hands it the messages of its neighbours. Each exchange the node
    (``algo.node_mix``), which completes that iteration;
 3. unless this is the final exchange, takes the next iteration's local step at its
    current model and computes its outgoing message;
-4. saves its state, then replies with ``message`` (what its neighbours get next) and
-   ``model`` (its model after the mix, for the node-average accuracy; left out when it
-   equals the message, as for D-PSGD).
+4. saves its state, then replies with the algorithm's payload (``algo.payload``: what its
+   neighbours get next, compressed when the algorithm compresses) and ``model`` (its model
+   after the mix, for the node-average accuracy, when the router asks for it; left out
+   when the dense message is the model, as for D-PSGD).
 
 State is written only at the very end, so a node that fails mid-exchange keeps its
 previous state: the failure costs that round its update, nothing more.
@@ -26,14 +27,15 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from fedswarm.local import node_partition, round_seed, run_config_of
-from fedswarm.params import set_flat
+from fedswarm.local import node_partition, run_config_of
 from fedswarm.strategies import registry
+from fedswarm.strategies.decentralized.steps import local_gradient, minibatch_gradient, node_seed
 from fedswarm.algorithms.decentralized import GossipState, make_algorithm
 from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm
-from fedswarm.train import LocalTrainer, trainer_for
+from fedswarm.train import trainer_for
 from fedswarm.payload import PayloadError
-from fedswarm.wire import arrayrecord_to_vector, recorddict_nbytes, vector_to_arrayrecord
+from fedswarm.wire import (PAYLOAD_ARRAYS, PAYLOAD_META, arrayrecord_to_vector, payload_from_records, payload_to_records,
+                           recorddict_nbytes, vector_to_arrayrecord)
 
 __all__ = [
     "NO_STATE",
@@ -42,6 +44,7 @@ __all__ = [
     "save_state",
     "load_state",
     "message_nbytes_of",
+    "neighbour_keys",
     "make_client_update",
 ]
 
@@ -51,41 +54,15 @@ NO_STATE = "fedswarm: no gossip state on this node"
 _STATE, _META = "gossip.state", "gossip.meta"
 
 
-def minibatch_gradient(trainer: LocalTrainer, flat: torch.Tensor, batch_size: int,
-                       seed: int) -> tuple[torch.Tensor, float]:
-    """Gradient ``[d]`` and loss of the node's objective at ``flat`` on one minibatch.
-
-    The minibatch is the first one :meth:`LocalTrainer.fit` would draw with ``seed``, so
-    one gossip iteration sees exactly the data one FedAvg local step with that seed sees.
-    """
-    model = trainer.model
-    set_flat(model, flat.to(trainer.device))
-    model.train()
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randperm(trainer.num_examples, generator=g)[:batch_size].to(trainer.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    loss = trainer.task.objective(model, trainer.x[idx], trainer.y[idx])
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    flat_g = torch.cat([(torch.zeros_like(p) if gr is None else gr).reshape(-1)
-                        for p, gr in zip(params, grads)])
-    return flat_g.detach().to(torch.float32).cpu(), float(loss.item())
+def message_nbytes_of(arrays: ArrayRecord, meta: ConfigRecord) -> int:
+    """Serialized size of one gossip message (the algorithm's payload records as they
+    would travel peer to peer), measured, not computed from a formula."""
+    return recorddict_nbytes(RecordDict({PAYLOAD_ARRAYS: arrays, PAYLOAD_META: meta}))
 
 
-def local_gradient(trainer: LocalTrainer, flat: torch.Tensor, *, steps: int, batch_size: int,
-                   lr: float, seed: int) -> tuple[torch.Tensor, float]:
-    """What a node feeds to ``algo.local_step``: the minibatch gradient when ``steps`` is
-    1 (the papers' setting), else the pseudo-gradient ``(x − x_H) / lr`` of ``H = steps``
-    plain local SGD steps (decentralized local SGD)."""
-    if steps == 1:
-        return minibatch_gradient(trainer, flat, batch_size, seed)
-    res = trainer.fit(flat, steps=steps, batch_size=batch_size, lr=lr, momentum=0.0, seed=seed)
-    return (flat - res.flat) / lr, res.loss
-
-
-def message_nbytes_of(message: ArrayRecord) -> int:
-    """Serialized size of one gossip message (its record as it would travel peer to
-    peer), measured, not computed from a formula."""
-    return recorddict_nbytes(RecordDict({"message": message}))
+def neighbour_keys(j: int) -> tuple[str, str]:
+    """Where the router puts neighbour ``j``'s payload in a node's message."""
+    return f"nbr.{j}", f"nbr.{j}.meta"
 
 
 # --------------------------------------------------------------------------- state
@@ -118,18 +95,23 @@ def load_state(context: Context, algorithm: str, d: int) -> GossipState:
     return GossipState(x=x, buffers=buffers, step=int(meta["step"]), meta=extra)
 
 
-def _received(content: RecordDict, i: int, d: int) -> tuple[dict[int, torch.Tensor], dict[int, float], int]:
-    """Neighbours' messages and node ``i``'s mixing weights. A malformed message is
-    rejected and its weight moved to ``i`` itself, so the model is never touched by it."""
-    if "neighbours" not in content.array_records:
+def _received(content: RecordDict, algo: DecentralizedAlgorithm, i: int,
+              d: int) -> tuple[dict[int, torch.Tensor], dict[int, float], int]:
+    """Neighbours' messages (their payloads, decoded by the algorithm) and node ``i``'s
+    mixing weights. A malformed message is rejected and its weight moved to ``i`` itself,
+    so the model is never touched by it."""
+    if "weights" not in content.config_records:
         return {}, {}, 0
-    rec = content.array_records["neighbours"]
     weights = {int(k): float(v) for k, v in content.config_records["weights"].items()}
     received, rejected = {}, 0
-    for key in rec:
-        j = int(key)
+    for j in [j for j in weights if j != i]:
+        arrays_key, meta_key = neighbour_keys(j)
         try:
-            received[j] = arrayrecord_to_vector(ArrayRecord({key: rec[key]}), d)
+            if arrays_key not in content.array_records or meta_key not in content.config_records:
+                raise PayloadError(f"no message from neighbour {j}")
+            sub = RecordDict({PAYLOAD_ARRAYS: content.array_records[arrays_key],
+                              PAYLOAD_META: content.config_records[meta_key]})
+            received[j] = algo.read_payload(payload_from_records(sub, max_bytes=8 * d + 4096), d)
         except PayloadError:
             rejected += 1
     for j in [j for j in weights if j != i and j not in received]:
@@ -147,7 +129,9 @@ def make_client_update(algorithm: str) -> Callable[[Message, Context], RecordDic
     def client_update(msg: Message, context: Context) -> RecordDict:
         cfg = run_config_of(msg, context)
         pid, n = node_partition(context, cfg)
-        algo: DecentralizedAlgorithm = make_algorithm(algorithm, **registry.resolve_params(algorithm, cfg.params))
+        params = registry.resolve_params(algorithm, cfg.params)
+        params.pop("report_every", None)  # the router's, not the algorithm's
+        algo: DecentralizedAlgorithm = make_algorithm(algorithm, **params)
         trainer = trainer_for(cfg, pid, n)
         d = trainer.layout.d
         content = msg.content
@@ -156,7 +140,8 @@ def make_client_update(algorithm: str) -> Callable[[Message, Context], RecordDic
             state = algo.init_state(arrayrecord_to_vector(content.array_records["init"], d))
         else:
             state = load_state(context, algorithm, d)
-        received, weights, rejected = _received(content, pid, d)
+        state.index0 = pid
+        received, weights, rejected = _received(content, algo, pid, d)
         if weights:
             algo.node_mix(state, pid, received, weights)
         model = state.x[0].clone()
@@ -166,13 +151,14 @@ def make_client_update(algorithm: str) -> Callable[[Message, Context], RecordDic
         if not bool(conf.get("final", False)):
             steps = cfg.local_steps or 1
             grad, loss = local_gradient(trainer, model, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr,
-                                        seed=round_seed(cfg.seed, int(conf["iteration"]), pid))
+                                        seed=node_seed(cfg.seed, int(conf["iteration"]), pid))
             algo.local_step(state, grad[None], cfg.lr)
-            message = algo.message(state)[0]
-            reply["message"] = vector_to_arrayrecord(message)
+            payload = algo.payload(state, 0)
+            payload_to_records(payload, reply)  # the algorithm's real message (compressed if it compresses)
             metrics.update({"num-examples": steps * min(cfg.batch_size, trainer.num_examples),
                             "train_loss": loss, "steps": steps})
-            if not torch.equal(message, model) and bool(conf.get("report-model", True)):
+            dense_is_model = payload.meta.get("kind") == "dense" and torch.equal(algo.message(state)[0], model)
+            if not dense_is_model and bool(conf.get("report-model", True)):
                 reply["model"] = vector_to_arrayrecord(model)
         else:
             reply["model"] = vector_to_arrayrecord(model)

@@ -41,22 +41,24 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedswarm.config import ConfigError
-from fedswarm.strategies.decentralized.node import NO_STATE, make_client_update, message_nbytes_of
+from fedswarm.hyperparams import HyperParam
+from fedswarm.strategies.decentralized.node import NO_STATE, make_client_update, message_nbytes_of, neighbour_keys
 from fedswarm.algorithms.decentralized import ALGORITHMS, consensus_distance, make_algorithm
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register
 from fedswarm.algorithms.decentralized.topology import make_topology
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.strategy_utils import ReportsRounds
-from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
+from fedswarm.wire import (PAYLOAD_ARRAYS, PAYLOAD_META, arrayrecord_to_vector, payload_from_records,
+                           vector_to_arrayrecord)
 
 __all__ = ["DecentralizedStrategy", "SYNC_ALGORITHMS"]
 
 #: Synchronous gossip algorithms served by the router.
-#: ``squarm``: the router's ``p2p_bytes`` measures its dense decoded message, not the
-#: codec's payload (node state ``meta["wire_bytes"]`` has the compressed count);
+#: Every node's message is its algorithm's Payload (``squarm``: the codec's payload, or a
+#: few bytes when it does not fire), so ``p2p_bytes`` and ``bytes_up`` are the real bytes;
 #: ``easgd`` needs ``--topology complete``; ``dasgd`` averages along the topology
 #: (``complete`` = the paper's all-reduce). ``lsgd`` is not here: it needs every node's
-#: loss, so it runs on the ``[n, d]`` simulator only.
+#: loss, so it runs on the array engine and the swarm.
 SYNC_ALGORITHMS = ("dpsgd", "d2", "dsgdm", "qgm", "squarm", "easgd", "dasgd")
 
 
@@ -81,23 +83,32 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
         config, the router uses them only to check the topology.
     node_wait_s : float
         How long :meth:`start` waits for all nodes to connect.
+    report_every : int
+        Nodes whose message is not their model send their model (for the node-average
+        accuracy) every ``report_every`` rounds and in the last one; ``0``: the last only.
+        Rounds without reports record no accuracy (null), and their ``bytes_up`` are the
+        messages alone.
     """
 
     def __init__(self, algorithm: str, num_nodes: int, topology: str = "ring", seed: int = 0,
-                 algorithm_params: dict | None = None, node_wait_s: float = 600.0):
+                 algorithm_params: dict | None = None, node_wait_s: float = 600.0, report_every: int = 1):
         if algorithm not in SYNC_ALGORITHMS:
             raise ValueError(f"the router runs {', '.join(SYNC_ALGORITHMS)}, not '{algorithm}'")
         self.algorithm = algorithm
         self.algorithm_params = dict(algorithm_params or {})
         self.num_nodes = int(num_nodes)
         self.topology = make_topology(topology, self.num_nodes, seed)
-        make_algorithm(algorithm, **self.algorithm_params).check_topology(self.topology)
+        self.algo = make_algorithm(algorithm, **self.algorithm_params)  # checks the topology and replies
+        self.algo.check_topology(self.topology)
+        if int(report_every) < 0:
+            raise ValueError(f"report_every must be >= 0 (got {report_every})")
+        self.report_every = int(report_every)
         self.node_wait_s = float(node_wait_s)
         self.message_type = message_type_of(algorithm)
         self._pid_of: dict[int, int] = {}  # node id -> topology index (partition id)
         self._node_of: dict[int, int] = {}  # and back
         self._needs_init: set[int] = set()  # node ids that lost their state
-        self._messages: dict[int, ArrayRecord] = {}  # topology index -> its latest message
+        self._messages: dict[int, tuple[ArrayRecord, ConfigRecord]] = {}  # topology index -> latest payload
         self._iterations = 0  # iterations completed by earlier calls of start()
         self._average: torch.Tensor | None = None
 
@@ -146,7 +157,9 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
         for t in range(num_rounds + 1):
             it = done + t  # messages of iteration `it` are mixed in this exchange
             first = t == 0
-            messages = [self._train_message(nid, it, first, t == num_rounds, initial_arrays, train_config)
+            final = t == num_rounds
+            report = final or (self.report_every > 0 and (it + 1) % self.report_every == 0)
+            messages = [self._train_message(nid, it, first, final, report, initial_arrays, train_config)
                         for nid in node_ids]
             p2p = 0 if first else self._p2p_bytes(it)
             replies = list(grid.send_and_receive(messages, timeout=timeout))
@@ -154,17 +167,19 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
             if first:
                 continue
             self._iterations = it
+            unreported: dict = {}
             if models:
                 X = torch.stack([models[i] for i in sorted(models)])
                 self._average = X.mean(dim=0)
                 cd = consensus_distance(X)
             else:
                 cd = None
+                unreported = {"test_accuracy": None, "test_loss": None}  # no model this round: no accuracy
             arrays = vector_to_arrayrecord(self._average)
             result.arrays = arrays
             if evaluate_fn is not None:
                 self.note(consensus_distance=cd, p2p_bytes=p2p, nodes_reporting=len(models),
-                          nodes_failed=len(node_ids) - len(models))
+                          nodes_failed=len(node_ids) - self._answered, **unreported)
                 res = evaluate_fn(t, arrays)
                 if res is not None:
                     result.evaluate_metrics_serverapp[t] = res
@@ -180,13 +195,13 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
             time.sleep(1.0)
         return ids
 
-    def _train_message(self, nid: int, it: int, first: bool, final: bool, initial: ArrayRecord,
+    def _train_message(self, nid: int, it: int, first: bool, final: bool, report: bool, initial: ArrayRecord,
                        train_config: ConfigRecord) -> Message:
         conf = ConfigRecord(dict(train_config))
         conf["server-round"] = it
         conf["iteration"] = it + 1  # the local step this exchange computes
         conf["final"] = final
-        conf["report-model"] = not first
+        conf["report-model"] = report and not first
         content = RecordDict({"config": conf})
         if nid not in self._pid_of or nid in self._needs_init:
             content["init"] = initial
@@ -198,20 +213,23 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
             # so the row still sums to 1 (the column does not, for this one iteration).
             weights = {str(j): w[j] for j in got}
             weights[str(i)] = w[i] + sum(v for j, v in w.items() if j != i and j not in got)
-            content["neighbours"] = ArrayRecord({str(j): rec["vector"] for j, rec in got.items()})
+            for j, (arrays, meta) in got.items():
+                arrays_key, meta_key = neighbour_keys(j)
+                content[arrays_key], content[meta_key] = arrays, meta
             content["weights"] = ConfigRecord(weights)
         return Message(content=content, message_type=self.message_type, dst_node_id=nid)
 
     def _p2p_bytes(self, it: int) -> int:
         """Bytes the messages of iteration ``it`` would move peer to peer."""
         deg = self.topology.degrees(it)
-        return sum(message_nbytes_of(rec) * int(deg[i]) for i, rec in self._messages.items())
+        return sum(message_nbytes_of(*rec) * int(deg[i]) for i, rec in self._messages.items())
 
     def _collect(self, replies: list[Message], d: int) -> dict[int, torch.Tensor]:
         """Keep each node's new message; return the models the nodes reported, by topology
         index (a node that failed, timed out or sent a malformed reply is missing)."""
-        messages: dict[int, ArrayRecord] = {}
+        messages: dict[int, tuple[ArrayRecord, ConfigRecord]] = {}
         models: dict[int, torch.Tensor] = {}
+        answered = 0
         for reply in replies:
             nid = reply.metadata.src_node_id
             if reply.has_error():
@@ -225,22 +243,28 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
                     raise PayloadError(f"bad partition-id {pid}")
                 if self._node_of.get(pid, nid) != nid:
                     raise PayloadError(f"partition-id {pid} is already node {self._node_of[pid]}'s")
-                msg = reply.content.array_records.get("message")
-                if msg is not None and list(msg.keys()) != ["vector"]:
-                    raise PayloadError(f"message must hold one array 'vector', got {list(msg.keys())}")
-                model = reply.content.array_records.get("model", msg)
-                vec = arrayrecord_to_vector(msg, d) if msg is not None else None
-                models_vec = vec if model is msg else arrayrecord_to_vector(model, d)
+                msg, vec = None, None
+                if PAYLOAD_ARRAYS in reply.content.array_records:  # the algorithm's message, checked here
+                    payload = payload_from_records(reply.content, max_bytes=8 * d + 4096)
+                    vec = self.algo.read_payload(payload, d)
+                    msg = (reply.content.array_records[PAYLOAD_ARRAYS], reply.content.config_records[PAYLOAD_META])
+                model = reply.content.array_records.get("model")
+                if model is not None:
+                    models_vec = arrayrecord_to_vector(model, d)
+                else:  # a dense message is the model (D-PSGD); a compressed one is not
+                    models_vec = vec if msg is not None and msg[1].get("kind") == "dense" else None
             except (KeyError, TypeError, ValueError, PayloadError) as exc:
                 self.reject(reply, exc)
                 continue
             self._pid_of[nid], self._node_of[pid] = pid, nid
             self._needs_init.discard(nid)
+            answered += 1
             if msg is not None:
                 messages[pid] = msg
             if models_vec is not None:
                 models[pid] = models_vec
         self._messages = messages
+        self._answered = answered
         return models
 
 
@@ -253,8 +277,11 @@ def _builder(algorithm: str):
         if cfg.fraction != 1.0:
             raise ConfigError(f"invalid value for 'fraction': decentralized strategies train every node "
                               f"every round, so it must be 1 (got {cfg.fraction})")
+        params = dict(params)
+        report_every = params.pop("report_every", 1)
         try:
-            return DecentralizedStrategy(algorithm, cfg.clients, cfg.topology, cfg.seed, params)
+            return DecentralizedStrategy(algorithm, cfg.clients, cfg.topology, cfg.seed, params,
+                                         report_every=report_every)
         except ValueError as exc:
             raise ConfigError(f"invalid value for 'topology': {exc}") from None
 
@@ -267,17 +294,36 @@ def _build_async(params: dict, ctx: BuildContext):
                       f"(fedswarm sim --strategy {name}), not in Flower's synchronous rounds")
 
 
+#: The router's own parameter, next to each algorithm's.
+REPORT_EVERY = HyperParam("report_every", 1, "router: nodes whose message is not their model report it every N "
+                          "rounds for the accuracy (0: the last round only; other rounds record no accuracy)", ge=0)
+
 for _name in SYNC_ALGORITHMS:
     _alg = ALGORITHMS[_name]
     register(StrategyEntry(
         name=_name,
         description=f"{_alg.description} (decentralized: no global model; --topology sets the graph)",
         build=_builder(_name),
-        hyperparams=_alg.hyperparams,
+        hyperparams=_alg.hyperparams + (REPORT_EVERY,),
         client_update=make_client_update(_name),
         kind="decentralized",
         paper=_alg.paper,
     ))
+
+def _build_array(params: dict, ctx: BuildContext):
+    name = ctx.config.strategy
+    raise ConfigError(f"{name} needs every worker's loss each pull: it runs on the array engine "
+                      f"(fedswarm sim --engine array --strategy {name}) or the swarm, not on the router")
+
+
+register(StrategyEntry(
+    name="lsgd",
+    description=f"{ALGORITHMS['lsgd'].description} (runs on the array engine and the swarm)",
+    build=_build_array,
+    hyperparams=ALGORITHMS["lsgd"].hyperparams,
+    kind="array",
+    paper=ALGORITHMS["lsgd"].paper,
+))
 
 register(StrategyEntry(
     name="adpsgd",

@@ -29,7 +29,7 @@ def _pg_bin() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def pg_url():
+def pg_server():
     bindir = _pg_bin()
     if bindir is None:
         pytest.skip("PostgreSQL server binaries missing: apt-get install -y postgresql")
@@ -49,10 +49,23 @@ def pg_url():
     subprocess.run([*prefix, f"{bindir}/pg_ctl", "-D", data, "-o", opts, "-l", os.path.join(root, "log"),
                     "-w", "-t", "60", "start"], check=True, capture_output=True)
     try:
-        yield f"postgresql+psycopg://fedswarm@127.0.0.1:{port}/postgres"
+        yield port
     finally:
         subprocess.run([*prefix, f"{bindir}/pg_ctl", "-D", data, "-m", "fast", "-w", "stop"], capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture()
+def pg_url(pg_server):
+    """A fresh database per test on the module's server, so repeated runs (pytest --count) start clean."""
+    import uuid
+
+    import psycopg
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(f"host=127.0.0.1 port={pg_server} user=fedswarm dbname=postgres", autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    yield f"postgresql+psycopg://fedswarm@127.0.0.1:{pg_server}/{name}"
 
 
 def test_store_round_trip_on_postgres(pg_url):
@@ -95,7 +108,7 @@ def test_dashboard_on_postgres(pg_url, tmp_path, monkeypatch):
         c.headers["X-CSRF-Token"] = login(c, "admin", ADMIN_PW)
         assert c.get("/api/health").json()["store"] == "postgresql"
         rid = c.post("/api/runs", json={"config": {"rounds": 3, "clients": 2}}).json()["id"]
-        wait_for(lambda: c.get(f"/api/runs/{rid}").json()["display_status"] == "finished", timeout=30)
+        wait_for(lambda: c.get(f"/api/runs/{rid}").json()["display_status"] == "finished", timeout=120)
         run = c.get(f"/api/runs/{rid}").json()
         assert run["rounds_done"] == 3 and len(run["nodes"]) == 2
         assert [r["round"] for r in c.get(f"/api/runs/{rid}/rounds").json()] == [1, 2, 3]

@@ -42,7 +42,7 @@ def test_openapi_lists_the_api(anon):
 
 def test_start_run_writes_store_toml_and_events(app, admin):
     rid = _start(admin, strategy="topk", params={"k": "0.05"}, name="my run")
-    wait_for(lambda: _status(admin, rid) == "finished", timeout=30)
+    wait_for(lambda: _status(admin, rid) == "finished", timeout=120)
     run = admin.get(f"/api/runs/{rid}").json()
     assert run["name"] == "my run" and run["rounds_done"] == 3 and run["pid"]
     assert run["config"]["params"] == {"k": 0.05}  # coerced to the hyperparameter's type

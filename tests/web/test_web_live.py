@@ -48,7 +48,7 @@ def test_rounds_stream_to_viewers_in_order_and_resume(fake_server):
     with c.stream("GET", f"/api/runs/{rid}/stream", timeout=30) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = _events(r, lambda ev: any(k == "status" and d["status"] == "finished" for k, d, _ in ev)
-                         and sum(k == "round" for k, _, _ in ev) == 5, timeout=30)
+                         and sum(k == "round" for k, _, _ in ev) == 5, timeout=120)
     assert [d["round"] for k, d, _ in events if k == "round"] == [1, 2, 3, 4, 5]
     # Reconnecting with Last-Event-ID sends only what was missed.
     with c.stream("GET", f"/api/runs/{rid}/stream", headers={"Last-Event-ID": "3"}, timeout=60) as r:
@@ -61,7 +61,7 @@ def test_global_stream_sends_run_summaries(fake_server):
     with c.stream("GET", "/api/stream", timeout=30) as r:
         rid = c.post("/api/runs", json={"config": {"rounds": 2}}).json()["id"]
         events = _events(r, lambda ev: any(k == "run" and d["id"] == rid and d["display_status"] == "finished"
-                                           for k, d, _ in ev), timeout=30)
+                                           for k, d, _ in ev), timeout=120)
     last = [d for k, d, _ in events if k == "run" and d["id"] == rid][-1]
     assert last["rounds_done"] == 2 and last["bytes_up"] > 0
 

@@ -57,7 +57,7 @@ def test_start_from_form(app, admin):
     run = app.state.ctx.store.get_run(rid)
     assert run.config["params"] == {"k": 0.2, "error_feedback": False, "mode": "sync"}
     assert run.config["partition"] == "dirichlet:0.5" and "local_steps" not in run.config
-    wait_for(lambda: app.state.ctx.store.get_run(rid).status == "finished", timeout=30)
+    wait_for(lambda: app.state.ctx.store.get_run(rid).status == "finished", timeout=120)
 
 
 def test_form_errors_are_shown_with_the_values_kept(app, admin):

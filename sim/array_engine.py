@@ -1,0 +1,193 @@
+"""The ``array`` engine: every node of a decentralized algorithm as one row of ``[n, d]``.
+
+No Flower messages, no per-node contexts: each iteration computes every node's gradient
+(the same :func:`~fedswarm.strategies.decentralized.steps.local_gradient` and seeds as the
+router's nodes and the swarm's peers), then calls the algorithm object once for all nodes
+(``local_step``, ``mix``: a gossip step is one matrix product). It runs every synchronous
+algorithm of :data:`fedswarm.algorithms.decentralized.ALGORITHMS` (dpsgd, d2, dsgdm, qgm,
+squarm, easgd, dasgd) and LSGD in its three modes, which the router cannot (it needs
+every worker's loss). AD-PSGD and Prague run on the virtual-clock engine.
+
+Recording is the other engines': one round per iteration, the node-average model's test
+accuracy, ``consensus_distance``, per-node rows. Bytes: each node's message is its
+algorithm's :class:`~fedswarm.payload.Payload`, measured serialized as Flower records
+(as the router would carry it), times its degree in that round's topology;
+``bytes_up = bytes_down = p2p_bytes``. LSGD has no per-neighbour message: its bytes are
+the object's own wire accounting (``meta["wire_bytes"]``, noted as such).
+
+    fedswarm sim --engine array --strategy dpsgd --clients 64
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord
+
+from fedswarm.config import ConfigError, RunConfig
+from fedswarm.algorithms.decentralized import ALGORITHMS, DecentralizedAlgorithm, consensus_distance, make_algorithm
+from fedswarm.algorithms.decentralized.topology import make_topology
+from fedswarm.params import get_flat
+from fedswarm.payload import Payload
+from fedswarm.server.metered_grid import Traffic
+from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
+from fedswarm.sim.async_engine import _P2PGrid
+from fedswarm.store import Store
+from fedswarm.strategies.decentralized.steps import local_gradient, node_seed
+from fedswarm.tasks import get_task
+from fedswarm.train import evaluate_flat, resolve_device, task_data, trainer_for
+from fedswarm.wire import arrayrecord_to_vector, payload_to_records, recorddict_nbytes, vector_to_arrayrecord
+
+__all__ = ["ARRAY_ALGORITHMS", "ArraySimulation", "check_config", "payload_nbytes", "run_array", "run_recorded"]
+
+#: What the array engine runs (the asynchronous AD-PSGD and Prague need the virtual clock).
+ARRAY_ALGORITHMS = ("dpsgd", "d2", "dsgdm", "qgm", "squarm", "easgd", "dasgd", "lsgd")
+
+_SIZES: dict[tuple, int] = {}
+
+
+def payload_nbytes(payload: Payload) -> int:
+    """Serialized size of ``payload`` as Flower records (measured once per distinct shape
+    and metadata, then cached: the size depends on nothing else)."""
+    key = (tuple((k, str(getattr(a, "dtype", "")), tuple(a.shape)) for k, a in payload.arrays.items()),
+           tuple(sorted((k, repr(v)) for k, v in payload.meta.items())))
+    if key not in _SIZES:
+        _SIZES[key] = recorddict_nbytes(payload_to_records(payload))
+    return _SIZES[key]
+
+
+def _algorithm_params(cfg: RunConfig) -> dict[str, Any]:
+    from fedswarm.strategies import registry
+
+    own = {h.name for h in ALGORITHMS[cfg.strategy].hyperparams}  # not the router's report_every
+    return {k: v for k, v in registry.resolve_params(cfg.strategy, cfg.params).items() if k in own}
+
+
+def check_config(cfg: RunConfig) -> None:
+    """Raise :class:`~fedswarm.config.ConfigError` (one line) unless the array engine can
+    run ``cfg``: a supported algorithm, valid hyperparameters, a topology it accepts."""
+    if cfg.strategy not in ARRAY_ALGORITHMS:
+        raise ConfigError(f"invalid value for 'engine': the array engine runs {', '.join(ARRAY_ALGORITHMS)}, "
+                          f"not '{cfg.strategy}'")
+    try:
+        algo = make_algorithm(cfg.strategy, **_algorithm_params(cfg))
+        if cfg.strategy != "lsgd":
+            algo.check_topology(make_topology(cfg.topology, cfg.clients, cfg.seed))
+    except ValueError as exc:
+        raise ConfigError(f"invalid value for 'topology' or 'params': {exc}") from None
+
+
+class ArraySimulation:
+    """``n`` nodes of ``cfg.strategy`` on ``[n, d]``; :meth:`step` runs one iteration.
+
+    Node ``i`` trains on partition ``i`` and is node ``i`` of ``cfg.topology``; every node
+    starts from the task's seeded model. Hyperparameters are ``cfg.params`` (resolved
+    against the catalog)."""
+
+    def __init__(self, cfg: RunConfig, algorithm: DecentralizedAlgorithm | None = None):
+        if cfg.strategy not in ARRAY_ALGORITHMS:
+            raise ValueError(f"the array engine runs {', '.join(ARRAY_ALGORITHMS)}, not '{cfg.strategy}'"
+                             + (" (asynchronous: it runs on the virtual-clock engine)"
+                                if cfg.strategy in ALGORITHMS else ""))
+        self.cfg, n = cfg, cfg.clients
+        self.n = n
+        self.algo = algorithm or make_algorithm(cfg.strategy, **_algorithm_params(cfg))
+        self.topology = make_topology(cfg.topology, n, cfg.seed)
+        self.uses_losses = cfg.strategy == "lsgd"
+        if not self.uses_losses:
+            self.algo.check_topology(self.topology)
+        self.task = get_task(cfg.task)
+        self.device = resolve_device(cfg.device)
+        self.model = self.task.model(cfg.seed).to(self.device)
+        self.x0 = get_flat(self.model).detach().cpu()
+        self.trainers = [trainer_for(cfg, i, n) for i in range(n)]
+        self.state = self.algo.init_state(self.x0.repeat(n, 1))
+        self.steps = cfg.local_steps or 1
+        self.t = 0  # iterations done
+
+    def gradients(self, t: int) -> tuple[torch.Tensor, list[float]]:
+        """Every node's gradient ``[n, d]`` at its current model for iteration ``t`` (1-based)."""
+        c = self.cfg
+        pairs = [local_gradient(self.trainers[i], self.state.x[i], steps=self.steps, batch_size=c.batch_size,
+                                lr=c.lr, seed=node_seed(c.seed, t, i)) for i in range(self.n)]
+        return torch.stack([g for g, _ in pairs]), [loss for _, loss in pairs]
+
+    def step(self) -> dict[str, Any]:
+        """One iteration on every node; returns its losses and per-node bytes sent."""
+        self.t += 1
+        t, st, algo = self.t, self.state, self.algo
+        grads, losses = self.gradients(t)
+        if self.uses_losses:
+            before = float(st.meta.get("wire_bytes", 0.0))
+            algo.local_step(st, grads, self.cfg.lr, losses=losses)
+            algo.mix(st)
+            total = float(st.meta.get("wire_bytes", 0.0)) - before
+            sent = [total / self.n] * self.n  # the object's accounting, spread evenly
+        else:
+            algo.local_step(st, grads, self.cfg.lr)
+            W = self.topology.mixing_matrix(t)
+            deg = self.topology.degrees(t)
+            sent = [payload_nbytes(algo.payload(st, i)) * int(deg[i]) for i in range(self.n)]
+            algo.mix(st, algo.message(st), W)
+        return {"losses": losses, "sent": sent}
+
+    def average(self) -> torch.Tensor:
+        return self.state.x.mean(dim=0)
+
+
+def run_array(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
+    """Run ``cfg`` on the array engine, recording ``cfg.rounds`` iterations into ``run_id``;
+    return the final status."""
+    torch.manual_seed(cfg.seed)
+    sim = ArraySimulation(cfg)
+    data = task_data(cfg)
+
+    def evaluate(arrays: ArrayRecord) -> tuple[float, float]:
+        return evaluate_flat(sim.task, sim.model, arrayrecord_to_vector(arrays), data.test_x, data.test_y,
+                             sim.device)
+
+    grid = _P2PGrid()  # what the recorder reads: the bytes the messages would move
+    recorder = RoundRecorder(store, run_id, grid, evaluate, listeners=listeners)  # type: ignore[arg-type]
+    samples = sim.steps * cfg.batch_size
+
+    def loop() -> None:
+        recorder.note(consensus_distance=None)
+        recorder(0, vector_to_arrayrecord(sim.x0))
+        rnd, total = 0, cfg.rounds
+        while rnd < total:
+            rnd += 1
+            recorder.reset_clock()
+            out = sim.step()
+            sent = out["sent"]
+            grid.pending = Traffic(bytes_up=int(sum(sent)), bytes_down=int(sum(sent)))
+            store.add_node_rounds(run_id, rnd, [
+                {"node_id": str(i + 1), "bytes_up": int(sent[i]), "num_examples": samples,
+                 "train_loss": out["losses"][i]} for i in range(sim.n)])
+            recorder.note(train_loss=sum(out["losses"]) / sim.n, consensus_distance=consensus_distance(sim.state.x),
+                          p2p_bytes=int(sum(sent)), num_clients=sim.n, nodes_reporting=sim.n,
+                          bytes_source="wire_accounting" if sim.uses_losses else "serialized_payloads")
+            recorder(rnd, vector_to_arrayrecord(sim.average()))
+            total, recorder.extra_rounds = total + recorder.extra_rounds, 0
+
+    return run_recorded(store, run_id, loop)
+
+
+def run_recorded(store: Store, run_id: str, loop: Callable[[], None]) -> str:
+    """Run ``loop`` as run ``run_id``: status ``running``, then ``finished``, ``stopped``
+    (a stop control, :class:`~fedswarm.server.recorder.StopRun`) or ``failed`` (re-raised);
+    returns the final status. (The virtual-clock engine's ``run_clocked`` has the same
+    bookkeeping inline and could call this.)"""
+    store.set_status(run_id, "running")
+    try:
+        loop()
+    except StopRun as stop:
+        store.set_status(run_id, "stopped")
+        store.add_event(run_id, "stopped", str(stop))
+        return "stopped"
+    except BaseException as exc:
+        store.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+    store.set_status(run_id, "finished")
+    return "finished"

@@ -1,0 +1,53 @@
+"""A node's local step, shared by every decentralized runtime (the router's node half,
+the array engine, the swarm peers): the seed of its minibatches and its gradient.
+
+Flower-free (torch and the trainer only), so the swarm uses it too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fedswarm.config import round_seed
+from fedswarm.params import set_flat
+from fedswarm.train import LocalTrainer
+
+__all__ = ["node_seed", "minibatch_gradient", "local_gradient"]
+
+
+def node_seed(seed: int, iteration: int, node: int) -> int:
+    """The minibatch seed of node ``node`` at iteration ``iteration`` (1-based):
+    :func:`fedswarm.config.round_seed`, fedswarm's one seed recipe, so every engine draws the
+    same data."""
+    return round_seed(seed, iteration, node)
+
+
+def minibatch_gradient(trainer: LocalTrainer, flat: torch.Tensor, batch_size: int,
+                       seed: int) -> tuple[torch.Tensor, float]:
+    """Gradient ``[d]`` and loss of the node's objective at ``flat`` on one minibatch.
+
+    The minibatch is the first one :meth:`LocalTrainer.fit` would draw with ``seed``, so
+    one gossip iteration sees exactly the data one FedAvg local step with that seed sees.
+    """
+    model = trainer.model
+    set_flat(model, flat.to(trainer.device))
+    model.train()
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(trainer.num_examples, generator=g)[:batch_size].to(trainer.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss = trainer.task.objective(model, trainer.x[idx], trainer.y[idx])
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    flat_g = torch.cat([(torch.zeros_like(p) if gr is None else gr).reshape(-1)
+                        for p, gr in zip(params, grads)])
+    return flat_g.detach().to(torch.float32).cpu(), float(loss.item())
+
+
+def local_gradient(trainer: LocalTrainer, flat: torch.Tensor, *, steps: int, batch_size: int,
+                   lr: float, seed: int) -> tuple[torch.Tensor, float]:
+    """What a node feeds to ``algo.local_step``: the minibatch gradient when ``steps`` is
+    1 (the papers' setting), else the pseudo-gradient ``(x − x_H) / lr`` of ``H = steps``
+    plain local SGD steps (decentralized local SGD)."""
+    if steps == 1:
+        return minibatch_gradient(trainer, flat, batch_size, seed)
+    res = trainer.fit(flat, steps=steps, batch_size=batch_size, lr=lr, momentum=0.0, seed=seed)
+    return (flat - res.flat) / lr, res.loss
