@@ -216,7 +216,7 @@ class SwarmMergeDriver(Driver):
 
 
 class LeaderDriver(Driver):
-    """Leader SGD (algorithms.md §9) with the LSGD object of
+    """Leader SGD (docs/algorithms.md §9) with the LSGD object of
     :mod:`fedswarm.algorithms.decentralized.leader`, in its three modes. One round is one
     iteration; node ``i`` is the ``i``-th of the sorted members, groups are contiguous.
 
@@ -436,7 +436,7 @@ class LeaderDriver(Driver):
 GOSSIP_OBJECTS = ("dpsgd", "d2", "dsgdm", "qgm", "easgd", "dasgd")
 #: the others the swarm runs, each with its own driver
 SWARM_ONLY = {"swarm_merge": "Swarm Learning: each round an elected leader merges by weighted mean and "
-                             "redistributes (Warnat-Herresthal et al., Nature 2021; algorithms.md §16)"}
+                             "redistributes (Warnat-Herresthal et al., Nature 2021; docs/algorithms.md §16)"}
 
 
 def algorithm_names() -> list[str]:

@@ -48,9 +48,6 @@ log = logging.getLogger("fedswarm.swarm")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-# The minibatch seed of one peer's round: fedswarm's one recipe, round_seed(seed, round, partition).
-
-
 class PeerConfig(TrainingSpec):
     """Everything one peer needs. Times in seconds. The training fields (task, partition,
     seed, rounds, local_steps, batch_size, lr, topology, params, device) are fedswarm's

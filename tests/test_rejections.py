@@ -65,9 +65,9 @@ class MalformedGrid(Grid):
 
 
 def _flower_strategies() -> list[str]:
-    """Every registered strategy the Flower ServerApp runs (the ``async`` ones, A(D)-PSGD
-    and Prague, run only on the asynchronous simulator, and the ``array`` one, LSGD, only on
-    the array engine and the swarm: they are no Flower strategies and get no replies)."""
+    """Every registered strategy the Flower ServerApp runs: not the ``async`` ones (A(D)-PSGD,
+    Prague: the asynchronous simulator) nor the ``array`` ones (LSGD: the array engine and
+    the swarm); those are no Flower strategies."""
     return [e.name for e in registry.entries() if e.kind not in ("async", "array")]
 
 

@@ -1,4 +1,4 @@
-"""EASGD and LSGD (Leader SGD) on ``[n, d]`` (algorithms.md §9).
+"""EASGD and LSGD (Leader SGD) on ``[n, d]`` (docs/algorithms.md §9).
 
 Both replace neighbour gossip with a pull: EASGD towards an elastic center variable,
 LSGD towards the best-performing worker of the group and of the whole run (single-leader,
@@ -133,7 +133,7 @@ LSGD_MODES = ("multi", "single", "async")
 
 
 class LSGD(DecentralizedAlgorithm):
-    """LSGD, Leader SGD (Teng et al., NeurIPS 2019, arXiv:1905.10395; algorithms.md §9), in
+    """LSGD, Leader SGD (Teng et al., NeurIPS 2019, arXiv:1905.10395; docs/algorithms.md §9), in
     the three forms of the paper, as the official code (``yunfei-teng/LSGD``) applies the
     pulls, periodically::
 

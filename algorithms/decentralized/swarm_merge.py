@@ -1,4 +1,4 @@
-"""Swarm Learning's merge (Warnat-Herresthal et al., Nature 2021; algorithms.md §16).
+"""Swarm Learning's merge (Warnat-Herresthal et al., Nature 2021; docs/algorithms.md §16).
 
 Each round one elected peer collects every member's model and merges them by a
 sample-weighted mean; the swarm driver (:mod:`fedswarm.swarm.drivers`) only routes.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from fedswarm.config import round_seed
 from fedswarm.params import set_flat
 from fedswarm.train import LocalTrainer
 
