@@ -57,7 +57,13 @@ class RoundRecorder:
         self.node_kind = node_kind  # "sim" (virtual nodes) or "supernode" (real SuperNodes)
         self.poll_s = poll_s
         self.observers = list(observers or [])  # observer(traffic) -> metrics for the round's row
-        self.offset = 0  # rounds done by earlier calls of Strategy.start (add_rounds)
+        self.offset = 0  # rounds done by earlier calls of Strategy.start (add_rounds, resume)
+        # checkpoint(round, arrays) after every recorded round (fedswarm.server.checkpoint);
+        # with checkpoint_at_round_end the strategy calls round_done() when its round's own
+        # updates are made (HL evaluates before it learns from the round)
+        self.checkpoint: Callable[[int, ArrayRecord], Any] | None = None
+        self.checkpoint_at_round_end = False
+        self._unsaved: tuple[int, ArrayRecord] | None = None
         self.extra_rounds = 0
         self.last_round = 0
         self._notes: dict[str, Any] = {}
@@ -98,11 +104,23 @@ class RoundRecorder:
             self.store.add_node_rounds(self.run_id, rnd, node_rows)
             self._seen_nodes(node_rows)
         self.last_round = rnd
+        if server_round > 0 and self.checkpoint is not None:
+            self._unsaved = (rnd, arrays)
+            if not self.checkpoint_at_round_end:
+                self.round_done()
         for listener in self.listeners:
             listener(rnd, row)
-        self._apply_controls()
+        if self._apply_controls() and self.checkpoint is not None and self._unsaved is None:
+            self.checkpoint(rnd, arrays)  # a policy or more rounds: the checkpoint carries them
         self._t_last = time.perf_counter()  # time paused does not count as round time
         return MetricRecord({"test_loss": test_loss, "test_accuracy": test_acc})
+
+    def round_done(self, *_: Any) -> None:
+        """The round's state is complete: write the checkpoint of the last recorded round."""
+        if self._unsaved is not None and self.checkpoint is not None:
+            rnd, arrays = self._unsaved
+            self._unsaved = None
+            self.checkpoint(rnd, arrays)
 
     def _replies(self, traffic) -> tuple[float | None, int, list[dict]]:
         loss_sum, n_sum, rows = 0.0, 0, []
@@ -172,8 +190,9 @@ class RoundRecorder:
                              f"policy of '{device_class}' is now {new}; applies from round {self.last_round + 1}",
                              data={"device_class": device_class, "policy": new})
 
-    def _apply_controls(self) -> None:
-        paused = False
+    def _apply_controls(self) -> bool:
+        """Apply pending controls; True if one changed what a checkpoint holds."""
+        paused = changed = False
         while True:
             for c in self.store.pending_controls(self.run_id):
                 self.store.mark_applied(c.id)
@@ -187,6 +206,7 @@ class RoundRecorder:
                     self.store.set_status(self.run_id, "running")
                 elif c.kind == "policy":
                     self._apply_policy(c.payload)
+                    changed = True
                 elif c.kind == "add_rounds":
                     n = int(c.payload.get("rounds", 0))
                     if n > 0:
@@ -195,5 +215,5 @@ class RoundRecorder:
                         self.store.update_run(self.run_id, total_rounds=(run.total_rounds if run else 0) + n)
                         self.store.add_event(self.run_id, "rounds_added", f"{n} rounds added")
             if not paused:
-                return
+                return changed
             time.sleep(self.poll_s)

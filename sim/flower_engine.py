@@ -16,6 +16,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
 from fedswarm.server.app import run_server
+from fedswarm.server.checkpoint import ServerCheckpoint
 from fedswarm.server.recorder import RoundListener
 from fedswarm.sim.simtime import make_round_timer
 
@@ -23,8 +24,11 @@ __all__ = ["run_flower"]
 
 
 def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None,
-               num_cpus_per_client: float = 1.0, num_gpus_per_client: float = 0.0) -> str:
-    """Run one simulation on Flower's Simulation Engine; returns the final run status."""
+               num_cpus_per_client: float = 1.0, num_gpus_per_client: float = 0.0,
+               resume: ServerCheckpoint | None = None) -> str:
+    """Run one simulation on Flower's Simulation Engine; returns the final run status.
+    ``resume``: continue the run from this checkpoint (the Ray nodes start empty: the
+    strategy resynchronises them)."""
     try:
         from flwr.simulation import run_simulation
     except ImportError as exc:  # pragma: no cover
@@ -36,7 +40,7 @@ def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
-        run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners, sim_time=sim_time)
+        run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners, sim_time=sim_time, resume=resume)
 
     backend_config = {
         "client_resources": {"num_cpus": num_cpus_per_client, "num_gpus": num_gpus_per_client},

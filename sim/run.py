@@ -21,14 +21,18 @@ __all__ = ["run_engine", "run_simulation_cli"]
 SMALL_MODEL = 1_000_000
 
 
-def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | None = None) -> str:
+def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | None = None,
+               resume: Any = None) -> str:
     """Run ``cfg`` on its engine, recording into ``run_id``; return the final status.
 
     Asynchronous algorithms (registry kind ``async``) run on the virtual-clock engine
-    whatever ``cfg.engine`` says: Flower's synchronous rounds cannot express them."""
+    whatever ``cfg.engine`` says: Flower's synchronous rounds cannot express them.
+    ``resume``: a checkpoint of this run to continue from (fedswarm.server.resume)."""
     from fedswarm.strategies import registry
 
     if registry.get(cfg.strategy).kind == "async":
+        if resume is not None:
+            raise RuntimeError(f"'{cfg.strategy}' runs on the virtual-clock engine, which cannot resume a run yet")
         from fedswarm.sim.async_engine import run_async
 
         if cfg.device == "cpu":
@@ -37,23 +41,25 @@ def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | N
     if cfg.engine == "flower":
         from fedswarm.sim.flower_engine import run_flower
 
-        return run_flower(cfg, store=store, run_id=run_id, listeners=listeners)
+        return run_flower(cfg, store=store, run_id=run_id, listeners=listeners, resume=resume)
     from fedswarm.sim.inprocess import run_inprocess
 
     if cfg.device == "cpu":
         torch.set_num_threads(1)  # tiny models: thread fan-out costs more than it gains
-    return run_inprocess(cfg, store=store, run_id=run_id, listeners=listeners)
+    return run_inprocess(cfg, store=store, run_id=run_id, listeners=listeners, resume=resume)
 
 
 def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, out: Path | None,
-                       console: Console) -> str:
+                       console: Console, resume: Any = None) -> str:
+    """``resume``: a checkpoint of run ``run_id`` to continue from (``fedswarm resume``)."""
     store = Store(db)
     if run_id is not None:
         run = store.get_run(run_id)
         if run is None:
             raise SystemExit(f"error: no run '{run_id}' in {store.url}")
-        store.update_run(run_id, config=cfg.model_dump(), strategy=cfg.strategy, task=cfg.task,
-                         engine=cfg.engine, total_rounds=cfg.rounds)
+        if resume is None:
+            store.update_run(run_id, config=cfg.model_dump(), strategy=cfg.strategy, task=cfg.task,
+                             engine=cfg.engine, total_rounds=cfg.rounds)
     else:
         run_id = store.create_run(cfg.model_dump(), name=cfg.name)
     import os
@@ -69,7 +75,8 @@ def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, ou
     )
     status = "failed"
     with progress:
-        bar = progress.add_task("rounds", total=cfg.rounds, acc="-", up="0 B", eps="")
+        bar = progress.add_task("rounds", total=cfg.rounds, completed=getattr(resume, "round", 0), acc="-",
+                                up="0 B", eps="")
         totals = {"up": 0}
 
         def on_round(rnd: int, row: dict[str, Any]) -> None:
@@ -88,7 +95,7 @@ def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, ou
                                        f"{row.get('delta', row.get('delta_example'))})")
 
         try:
-            status = run_engine(cfg, store=store, run_id=run_id, listeners=[on_round])
+            status = run_engine(cfg, store=store, run_id=run_id, listeners=[on_round], resume=resume)
         except KeyboardInterrupt:
             store.set_status(run_id, "stopped", error="interrupted from the keyboard")
             status = "stopped"
