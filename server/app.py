@@ -100,6 +100,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
         store, run_id, strategy, cfg.strategy, policies, byzantine=byzantine,
         grid_state=engine_state.state_dict if engine_state is not None else None).save
     recorder.checkpoint_at_round_end = bool(getattr(strategy, "checkpoint_at_round_end", False))
+    recorder.min_train_nodes = getattr(strategy, "min_train_nodes", None)
     rounds = cfg.rounds
     if resume is not None:
         arrays, rounds = resume_into(resume, store=store, run_id=run_id, strategy=strategy, recorder=recorder,

@@ -64,6 +64,7 @@ class RoundRecorder:
         self.checkpoint: Callable[[int, ArrayRecord], Any] | None = None
         self.checkpoint_at_round_end = False
         self._unsaved: tuple[int, ArrayRecord] | None = None
+        self.min_train_nodes: int | None = None  # the strategy's minimum, said in rounds that lost nodes
         self.extra_rounds = 0
         self.last_round = 0
         self._notes: dict[str, Any] = {}
@@ -95,6 +96,15 @@ class RoundRecorder:
             "sim_time_s": self.sim_time(rnd, traffic) if (self.sim_time and server_round > 0) else None,
             "num_clients": len(node_rows),
         }
+        failed = sum(1 for r in node_rows if r.get("status") == "failed")
+        if failed and server_round > 0:
+            # A node that vanished mid-round costs the round its update (DESIGN.md): the round
+            # row says so, with the minimum the strategy needed to go on without it.
+            row.update(nodes_failed=failed, min_train_nodes=self.min_train_nodes)
+            self.store.add_event(self.run_id, "nodes_failed",
+                                 f"round {rnd}: {failed} of {len(node_rows)} nodes failed; aggregated the "
+                                 f"{len(node_rows) - failed} others (strategy minimum {self.min_train_nodes})",
+                                 data={"round": rnd, "failed": failed, "min_train_nodes": self.min_train_nodes})
         for observe in self.observers:
             row.update(observe(traffic))
         notes, self._notes = self._notes, {}
