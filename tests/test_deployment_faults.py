@@ -138,16 +138,17 @@ def _model(db: Path, run_id: str) -> torch.Tensor:
     return arrayrecord_to_vector(load_latest(Store(db), run_id).arrays)
 
 
-RUN = "rounds=4 clients={n} local_epochs=3 batch_size=1000 seed=5 task='{task}' db='{db}'"
+RUN = "rounds=3 clients={n} local_epochs=3 batch_size=1000 seed=5 task='{task}' db='{db}'"
 
 
+@pytest.mark.timeout(1200)  # ClientApp processes start per message: slow on a loaded machine
 def test_serverapp_killed_mid_round_resumes_on_the_superlink(tmp_path, hold_dir):
     db, ref_db = tmp_path / "store.db", tmp_path / "ref.db"
-    steps_before = 2 * 2 * 3  # rounds 1-2, two nodes, three full-batch epochs: round 3 holds
+    steps_before = 1 * 2 * 3  # round 1, two nodes, three full-batch epochs: round 2 holds
     dep = Deployment(tmp_path, f"{steps_before}:{hold_dir}")
     # the same run, uninterrupted, on the in-process engine (same seed, same model: DESIGN.md)
     reference = subprocess.Popen([sys.executable, "-m", "fedswarm", "sim", "--task", TASK, "--clients", "2",
-                                  "--rounds", "4", "--local-epochs", "3", "--batch-size", "1000", "--seed", "5",
+                                  "--rounds", "3", "--local-epochs", "3", "--batch-size", "1000", "--seed", "5",
                                   "--db", str(ref_db)],
                                  cwd=ROOT, env={k: v for k, v in dep.env.items() if k != HOLD_ENV},
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -155,27 +156,27 @@ def test_serverapp_killed_mid_round_resumes_on_the_superlink(tmp_path, hold_dir)
         dep.start(2)
         dep.flwr("run", str(ROOT), "test", "--run-config", RUN.format(n=2, task=TASK, db=db))
         try:
-            wait_until(lambda: list(hold_dir.glob("held-*")), 300, interval=0.1, what="round 3 in flight")
+            wait_until(lambda: list(hold_dir.glob("held-*")), 600, interval=0.1, what="round 2 in flight")
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{dep.logs()}") from None
         run = _one_run(db)
-        assert run.status == "running" and [r.round for r in Store(db).rounds(run.id)] == [0, 1, 2]
-        assert Store(db).latest_checkpoint(run.id).round == 2 and run.pid and _alive(run.pid)
-        os.kill(run.pid, signal.SIGKILL)  # the ServerApp process, in the middle of round 3
+        assert run.status == "running" and [r.round for r in Store(db).rounds(run.id)] == [0, 1]
+        assert Store(db).latest_checkpoint(run.id).round == 1 and run.pid and _alive(run.pid)
+        os.kill(run.pid, signal.SIGKILL)  # the ServerApp process, in the middle of round 2
         wait_until(lambda: not _alive(run.pid), 60, what="the ServerApp gone")
-        (hold_dir / "release").write_text("")  # the clients finish their round-3 work for a dead server
+        (hold_dir / "release").write_text("")  # the clients finish their round-2 work for a dead server
         assert _one_run(db).status == "running"  # SIGKILL: nothing recorded the death
         out = dep.fedswarm("resume", run.id, "--db", str(db), "--federation", "test")
         assert "resumes on federation 'test'" in out
         try:
-            done = wait_until(lambda: _status(db, "finished", "failed"), 300, interval=0.5, what="the resumed run")
+            done = wait_until(lambda: _status(db, "finished", "failed"), 600, interval=0.5, what="the resumed run")
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{dep.logs()}") from None
         assert done.status == "finished", f"{done.error}\n{dep.logs()}"
-        out, _ = reference.communicate(timeout=300)
+        out, _ = reference.communicate(timeout=600)
         assert reference.returncode == 0, out[-3000:]
         store, ref_store = Store(db), Store(ref_db)
-        assert [r.round for r in store.rounds(run.id)] == [0, 1, 2, 3, 4]
+        assert [r.round for r in store.rounds(run.id)] == [0, 1, 2, 3]
         assert all(r.num_clients == 2 for r in store.rounds(run.id) if r.round > 0)
         (ref,) = ref_store.list_runs()
         torch.testing.assert_close(_model(db, run.id), _model(ref_db, ref.id), rtol=0, atol=1e-5)
@@ -187,6 +188,7 @@ def test_serverapp_killed_mid_round_resumes_on_the_superlink(tmp_path, hold_dir)
         dep.stop()
 
 
+@pytest.mark.timeout(1200)
 def test_supernode_killed_mid_round_round_completes_and_node_rejoins(tmp_path, hold_dir):
     db = tmp_path / "store.db"
     dep = Deployment(tmp_path, f"{1 * 3 * 3}:{hold_dir}")  # round 1 runs; round 2 holds on every node
@@ -194,7 +196,7 @@ def test_supernode_killed_mid_round_round_completes_and_node_rejoins(tmp_path, h
         dep.start(3)
         dep.flwr("run", str(ROOT), "test", "--run-config", RUN.format(n=3, task=TASK, db=db))
         try:
-            wait_until(lambda: len(list(hold_dir.glob("held-*"))) == 3, 300, interval=0.1, what="round 2 in flight")
+            wait_until(lambda: len(list(hold_dir.glob("held-*"))) == 3, 600, interval=0.1, what="round 2 in flight")
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{dep.logs()}") from None
         run = _one_run(db)
@@ -205,12 +207,12 @@ def test_supernode_killed_mid_round_round_completes_and_node_rejoins(tmp_path, h
         (hold_dir / "release").write_text("")
         dep.start_node(2, 3)  # the device comes back
         try:
-            done = wait_until(lambda: _status(db, "finished", "failed"), 420, interval=0.5, what="the run finishing")
+            done = wait_until(lambda: _status(db, "finished", "failed"), 700, interval=0.5, what="the run finishing")
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{dep.logs()}") from None
         assert done.status == "finished", f"{done.error}\n{dep.logs()}"
         rows = {r.round: r for r in store.rounds(run.id)}
-        assert sorted(rows) == [0, 1, 2, 3, 4]
+        assert sorted(rows) == [0, 1, 2, 3]
         # round 2 completed with the other two; the store says a node failed and the minimum
         nodes2 = [n for n in store.node_rounds(run.id) if n.round == 2]
         failed = [n for n in nodes2 if n.status == "failed"]
@@ -222,7 +224,7 @@ def test_supernode_killed_mid_round_round_completes_and_node_rejoins(tmp_path, h
         later = [n for n in store.node_rounds(run.id) if n.round >= 3 and n.status == "ok"]
         rejoined = {n.node_id for n in later} - first
         assert len(rejoined) == 1, [(n.round, n.node_id, n.status) for n in store.node_rounds(run.id)]
-        assert all(rows[r].num_clients == 3 and rows[r].metrics.get("nodes_failed") is None for r in (3, 4))
-        assert rows[4].test_accuracy > 0.5
+        assert rows[3].num_clients == 3 and rows[3].metrics.get("nodes_failed") is None
+        assert rows[3].test_accuracy > 0.5
     finally:
         dep.stop()
