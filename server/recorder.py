@@ -136,7 +136,7 @@ class RoundRecorder:
         loss_sum, n_sum, rows = 0.0, 0, []
         seen: set[int] = set()
         for msg in traffic.replies:
-            node = msg.metadata.src_node_id
+            node = traffic.node_of(msg) if hasattr(traffic, "node_of") else msg.metadata.src_node_id
             if node in seen:
                 continue  # a two-phase round's second reply: one row per node per round
             seen.add(node)
