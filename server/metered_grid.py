@@ -126,7 +126,7 @@ class MeteredGrid(Grid):
     def _remember(self, messages: list[Message], ids: Iterable[str] | None = None) -> None:
         ids = list(ids) if ids is not None else [m.metadata.message_id for m in messages]
         with self._lock:
-            for m, mid in zip(messages, ids):
+            for m, mid in zip(messages, ids, strict=False):  # ids may be fewer if a push failed
                 if mid:
                     self._traffic.sent_to[mid] = m.metadata.dst_node_id
 

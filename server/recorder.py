@@ -18,7 +18,6 @@ from flwr.app import ArrayRecord, MetricRecord
 
 from fedswarm.policy import PolicyBook
 from fedswarm.store import Store
-from fedswarm.wire import arrayrecord_to_vector
 from fedswarm.server.metered_grid import MeteredGrid
 
 __all__ = ["RoundRecorder", "StopRun", "RoundListener"]

@@ -129,7 +129,7 @@ def _same(a, b, path="state") -> None:
             _same(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _same(x, y, f"{path}[{i}]")
     elif isinstance(a, np.random.Generator):
         assert a.bit_generator.state == b.bit_generator.state, path
