@@ -3,8 +3,10 @@
 ``flwr run .`` on this project starts it; fedswarm's engines call :func:`run_server`
 with their own Grid. The run config comes from Flower's ``run_config`` (the
 ``[tool.flwr.app.config]`` table of pyproject.toml plus ``--run-config`` overrides);
-two extra keys are not part of the run config itself: ``db`` (the store's path or URL,
-else ``FEDSWARM_DB``, else ./fedswarm.db) and ``run-id`` (record into an existing run).
+three extra keys are not part of the run config itself: ``db`` (the store's path or URL,
+else ``FEDSWARM_DB``, else ./fedswarm.db), ``run-id`` (record into an existing run) and
+``resume`` (true: continue ``run-id`` from its last checkpoint, see :mod:`.resume`).
+Every round is checkpointed into the store (:mod:`.checkpoint`).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ What a resumed run does, wherever it runs (:func:`resume_into`):
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from fedswarm.config import RunConfig
@@ -49,6 +50,9 @@ def prepare_resume(store: Store, run_id: str) -> tuple[RunConfig, ServerCheckpoi
         raise CheckpointError(f"no run '{run_id}' in {store.url}")
     if run.status == "finished":
         raise CheckpointError(f"run '{run_id}' finished: there is nothing to resume")
+    if run.status in ("running", "paused") and run.pid and run.pid != os.getpid() and _alive(run.pid):
+        raise CheckpointError(f"run '{run_id}' is {run.status} in process {run.pid} on this machine: stop it "
+                              f"first (`fedswarm` dashboard or kill {run.pid}), then resume it")
     try:
         cfg = RunConfig.model_validate(run.config)
     except ValueError as exc:
@@ -58,6 +62,23 @@ def prepare_resume(store: Store, run_id: str) -> tuple[RunConfig, ServerCheckpoi
         raise CheckpointError(f"the checkpoint of run '{run_id}' is of strategy '{ck.strategy_name}', "
                               f"the run's config says '{cfg.strategy}'")
     return cfg, ck
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs here (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def resume_into(ck: ServerCheckpoint, *, store: Store, run_id: str, strategy: Any, recorder: Any, policies: Any,

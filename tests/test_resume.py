@@ -184,6 +184,16 @@ def test_resume_refuses_runs_without_a_checkpoint_or_finished(tmp_path):
     done = _uninterrupted(_cfg("fedavg", rounds=1), store)
     with pytest.raises(CheckpointError, match="finished"):
         prepare_resume(store, done)
+    # a run whose process still runs is not resumed twice; once that process is gone, it is
+    live = _crashed(_cfg("fedavg", rounds=2), store, after=1)
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        store.update_run(live, status="running", pid=other.pid)
+        with pytest.raises(CheckpointError, match=f"running in process {other.pid}"):
+            prepare_resume(store, live)
+    finally:
+        other.communicate(b"")
+    assert prepare_resume(store, live)[1].round == 1
 
 
 def test_store_keeps_the_newest_checkpoints_in_one_transaction(tmp_path):
