@@ -225,6 +225,6 @@ def test_supernode_killed_mid_round_round_completes_and_node_rejoins(tmp_path, h
         rejoined = {n.node_id for n in later} - first
         assert len(rejoined) == 1, [(n.round, n.node_id, n.status) for n in store.node_rounds(run.id)]
         assert rows[3].num_clients == 3 and rows[3].metrics.get("nodes_failed") is None
-        assert rows[3].test_accuracy > 0.5
+        assert rows[3].test_accuracy > rows[0].test_accuracy + 0.2  # it trained (3 full-batch steps a round)
     finally:
         dep.stop()
