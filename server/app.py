@@ -190,7 +190,7 @@ def main(grid: Grid, context: Context) -> None:
     cfg, db, run_id = split_run_config(run_config)
     store = Store(db)
     checkpoint = None
-    if resuming:  # `fedswarm resume RUN_ID --superlink ...`: the run's own config, from its checkpoint on
+    if resuming:  # `fedswarm resume RUN_ID --federation NAME`: the run's own config, from its checkpoint on
         from fedswarm.server.resume import prepare_resume
 
         if run_id is None:

@@ -99,6 +99,7 @@ def resume_into(ck: ServerCheckpoint, *, store: Store, run_id: str, strategy: An
         policies.update(device_class, policy)
     policies.write(train_config)
     dropped = store.drop_rounds_after(run_id, ck.round)
+    store.update_run(run_id, error=None, finished_at=None)  # what ended it is in the events, not the run now
     run = store.get_run(run_id)
     total = int(run.total_rounds) if run is not None and run.total_rounds else ck.round
     recorder.offset = recorder.last_round = ck.round
