@@ -139,6 +139,71 @@ def sim(
         raise typer.Exit(1)
 
 
+@app.command()
+def resume(
+    run_id: str = typer.Argument(..., help="The run to continue (see `fedswarm runs`)."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write result.json and accuracy.png here."),
+    federation: Optional[str] = typer.Option(
+        None, "--federation", help="A deployment run: the SuperLink connection (in $FLWR_HOME/config.toml) to "
+                                   "resume it on, with `flwr run`."),
+    app_dir: Optional[Path] = typer.Option(None, "--app", help="A deployment run: the Flower App to run (default: "
+                                                                "this fedswarm's project directory)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and Ray's logs."),
+) -> None:
+    """Continue a failed, stopped or killed run from its last checkpoint, in the same run and store.
+
+    Every round of every run is checkpointed in the store. The run goes on from the round after
+    its checkpoint up to its total, on the engine it ran on; rounds recorded after the checkpoint
+    are redone, so each round is recorded once. A deployment run (`flwr run`) resumes on the
+    SuperLink given with --federation; its SuperNodes get their state back from the server."""
+    from fedswarm.server.checkpoint import CheckpointError
+    from fedswarm.server.resume import prepare_resume
+    from fedswarm.store import Store
+
+    store = Store(db)
+    try:
+        cfg, checkpoint = prepare_resume(store, run_id)
+    except CheckpointError as exc:
+        fail(str(exc))
+    run = store.get_run(run_id)
+    if run.engine == "deployment":
+        if not federation:
+            fail(f"run '{run_id}' ran on a SuperLink: give --federation NAME (a connection in "
+                 f"$FLWR_HOME/config.toml) to resume it there")
+        _resume_deployment(run_id, store.url, federation, app_dir)
+        return
+    if federation:
+        fail(f"run '{run_id}' is a simulation (engine {run.engine or cfg.engine}); --federation is for deployment runs")
+    quiet_flower(verbose)
+    from fedswarm.sim.run import run_simulation_cli
+
+    console.print(f"resuming run [bold]{run_id}[/] after round {checkpoint.round}")
+    status = run_simulation_cli(cfg, db=store.url, run_id=run_id, out=out, console=console, resume=checkpoint)
+    if status == "failed":
+        raise typer.Exit(1)
+
+
+def _resume_deployment(run_id: str, db_url: str, federation: str, app_dir: Path | None) -> None:
+    """``flwr run APP FEDERATION`` with the run config that makes fedswarm's ServerApp resume."""
+    import shutil
+    import subprocess
+
+    from fedswarm.server.resume import RESUME_KEY
+
+    app_dir = app_dir or Path(__file__).resolve().parents[1]
+    if not (app_dir / "pyproject.toml").is_file():
+        fail(f"no Flower App in {app_dir} (no pyproject.toml): give --app DIR")
+    flwr = shutil.which("flwr") or str(Path(sys.executable).parent / "flwr")
+    run_config = f"run-id={json.dumps(run_id)} db={json.dumps(db_url)} {RESUME_KEY}=true"
+    proc = subprocess.run([flwr, "run", str(app_dir), federation, "--run-config", run_config],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        fail(f"flwr run failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[-2000:]}", code=1)
+    console.print(f"run [bold]{run_id}[/] resumes on federation '{federation}'; follow it with "
+                  f"`fedswarm runs --db {db_url}`")
+
+
 def _check_strategy(cfg: RunConfig) -> None:
     """Build the run's strategy once before starting, so a tolerance bound, a privacy
     budget or an unsupported combination fails as one line (exit 2), not mid-run."""

@@ -24,10 +24,12 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
     create_engine,
+    delete,
     event,
     func,
     inspect,
@@ -36,7 +38,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, defer, mapped_column, sessionmaker
 
 __all__ = [
     "Base",
@@ -182,6 +184,10 @@ class Checkpoint(Base):
     round: Mapped[int] = mapped_column(Integer)
     path: Mapped[str] = mapped_column(Text)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+    # The checkpoint itself (fedswarm.server.checkpoint), when it is kept in the store: then
+    # it is committed in one transaction with its row, and ``path`` names it as "store:".
+    data: Mapped[bytes | None] = mapped_column(LargeBinary)
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Control(Base):
@@ -404,9 +410,43 @@ class Store:
             s.add(Checkpoint(run_id=run_id, round=round, path=path))
 
     def latest_checkpoint(self, run_id: str) -> Checkpoint | None:
+        """The newest checkpoint's row (its ``data`` not loaded: see :meth:`checkpoint_data`)."""
         with self.session() as s:
-            q = select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.round.desc())
+            q = (select(Checkpoint).options(defer(Checkpoint.data)).where(Checkpoint.run_id == run_id)
+                 .order_by(Checkpoint.round.desc(), Checkpoint.id.desc()))
             return s.scalars(q).first()
+
+    def save_checkpoint(self, run_id: str, round: int, data: bytes, *, keep: int = 2) -> None:
+        """Keep ``data`` as the run's checkpoint after ``round``, in one transaction that also
+        drops all but the newest ``keep`` checkpoints of the run: a process killed at any
+        instant leaves the previous checkpoint or this one, never part of one."""
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        with self.session() as s:
+            s.execute(delete(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.round >= round))
+            s.add(Checkpoint(run_id=run_id, round=round, path=f"store:checkpoints/{run_id}/{round}",
+                             data=data, size_bytes=len(data)))
+            s.flush()
+            old = select(Checkpoint.id).where(Checkpoint.run_id == run_id).order_by(
+                Checkpoint.round.desc(), Checkpoint.id.desc()).offset(keep)
+            s.execute(delete(Checkpoint).where(Checkpoint.id.in_(list(s.scalars(old)))))
+
+    def checkpoint_data(self, run_id: str) -> tuple[int, bytes] | None:
+        """(round, bytes) of the run's newest checkpoint kept in the store, or None."""
+        with self.session() as s:
+            q = (select(Checkpoint.round, Checkpoint.data).where(Checkpoint.run_id == run_id,
+                                                                 Checkpoint.data.is_not(None))
+                 .order_by(Checkpoint.round.desc(), Checkpoint.id.desc()).limit(1))
+            row = s.execute(q).first()
+            return (int(row[0]), bytes(row[1])) if row is not None else None
+
+    def drop_rounds_after(self, run_id: str, round: int) -> int:
+        """Delete the round and per-node rows after ``round`` (a resumed run redoes those
+        rounds from its checkpoint, so each round stays recorded once); how many rounds."""
+        with self.session() as s:
+            n = s.execute(delete(Round).where(Round.run_id == run_id, Round.round > round)).rowcount
+            s.execute(delete(NodeRound).where(NodeRound.run_id == run_id, NodeRound.round > round))
+            return int(n or 0)
 
     def add_control(self, run_id: str, kind: str, payload: dict | None = None, *,
                     actor: str | None = None) -> int:

@@ -3,13 +3,16 @@
 ``flwr run .`` on this project starts it; fedswarm's engines call :func:`run_server`
 with their own Grid. The run config comes from Flower's ``run_config`` (the
 ``[tool.flwr.app.config]`` table of pyproject.toml plus ``--run-config`` overrides);
-two extra keys are not part of the run config itself: ``db`` (the store's path or URL,
-else ``FEDSWARM_DB``, else ./fedswarm.db) and ``run-id`` (record into an existing run).
+three extra keys are not part of the run config itself: ``db`` (the store's path or URL,
+else ``FEDSWARM_DB``, else ./fedswarm.db), ``run-id`` (record into an existing run) and
+``resume`` (true: continue ``run-id`` from its last checkpoint, see :mod:`.resume`).
+Every round is checkpointed into the store (:mod:`.checkpoint`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import traceback
 from typing import Callable
@@ -28,7 +31,10 @@ from fedswarm.tasks import get_task
 from fedswarm.train import evaluate_flat, resolve_device, task_data
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 from fedswarm.server.metered_grid import MeteredGrid, Traffic
+from fedswarm.server.checkpoint import ServerCheckpoint, ServerCheckpointer
 from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
+from fedswarm.server.resume import RESUME_KEY, resume_into
+from fedswarm.strategies.resumable import shift_rounds
 from fedswarm.strategies.federated.dp import attach_dp
 
 __all__ = ["app", "run_server", "split_run_config"]
@@ -50,11 +56,13 @@ def split_run_config(run_config: dict) -> tuple[RunConfig, str | None, str | Non
 def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
                listeners: list[RoundListener] | None = None,
                sim_time: Callable[[int, Traffic], float | None] | None = None,
-               node_kind: str = "sim") -> str:
+               node_kind: str = "sim", resume: ServerCheckpoint | None = None) -> str:
     """Run ``cfg.strategy`` for ``cfg.rounds`` rounds over ``grid``; return the final status.
 
     ``sim_time(round, traffic)``, given by a simulation engine, returns the simulated time
-    the round would take on the nodes' device classes (the time model)."""
+    the round would take on the nodes' device classes (the time model). The run is
+    checkpointed after every round (:mod:`fedswarm.server.checkpoint`); ``resume``, a
+    checkpoint of this run, continues it after the checkpoint's round (:mod:`.resume`)."""
     random.seed(cfg.seed)  # Flower's node sampling uses the random module
     torch.manual_seed(cfg.seed)
     task = get_task(cfg.task)
@@ -68,6 +76,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
         return evaluate_flat(task, model, flat, data.test_x, data.test_y, device)
 
     strategy = build_strategy(cfg, layout)
+    engine_state = grid if callable(getattr(grid, "state_dict", None)) else None  # clients' state, if it has it
+    byzantine = None
     if cfg.byzantine:
         from fedswarm.algorithms.robust.attacks import parse_attack
         from fedswarm.server.byzantine import ByzantineGrid
@@ -77,6 +87,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
         grid = ByzantineGrid(grid, parse_attack(cfg.attack or "signflip"), cfg.byzantine, seed=cfg.seed,
                              layout=layout, on_attack=lambda nodes, spec: recorder.note(
                                  byzantine_nodes=[str(n) for n in nodes], attack=spec))
+        byzantine = grid
     metered = MeteredGrid(grid)
     arrays = vector_to_arrayrecord(get_flat(model))
     # Policies travel as policy.<class> keys (current, per round), not as the initial table.
@@ -87,11 +98,21 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
     recorder = RoundRecorder(store, run_id, metered, evaluate, listeners=listeners, sim_time=sim_time,
                              policies=policies, train_config=train_config, node_kind=node_kind,
                              observers=observers)
+    recorder.checkpoint = ServerCheckpointer(
+        store, run_id, strategy, cfg.strategy, policies, byzantine=byzantine,
+        grid_state=engine_state.state_dict if engine_state is not None else None).save
+    recorder.checkpoint_at_round_end = bool(getattr(strategy, "checkpoint_at_round_end", False))
+    recorder.min_train_nodes = getattr(strategy, "min_train_nodes", None)
+    rounds = cfg.rounds
+    if resume is not None:
+        arrays, rounds = resume_into(resume, store=store, run_id=run_id, strategy=strategy, recorder=recorder,
+                                     policies=policies, train_config=train_config, engine=engine_state,
+                                     byzantine=byzantine)
     store.set_status(run_id, "running")
     status = "finished"
     try:
-        rounds = cfg.rounds
         while rounds > 0:
+            shift_rounds(strategy, recorder.offset)  # clients are told the run's round, not start()'s
             recorder.reset_clock()
             result = strategy.start(metered, arrays, num_rounds=rounds, timeout=ROUND_TIMEOUT_S,
                                     train_config=train_config, evaluate_fn=recorder)
@@ -164,10 +185,20 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    cfg, db, run_id = split_run_config(context.run_config)
+    run_config = dict(context.run_config)
+    resuming = str(run_config.pop(RESUME_KEY, "")).lower() in ("1", "true", "yes")
+    cfg, db, run_id = split_run_config(run_config)
     store = Store(db)
-    if run_id is None or store.get_run(run_id) is None:
+    checkpoint = None
+    if resuming:  # `fedswarm resume RUN_ID --federation NAME`: the run's own config, from its checkpoint on
+        from fedswarm.server.resume import prepare_resume
+
+        if run_id is None:
+            raise ConfigError(f"'{RESUME_KEY}' needs the 'run-id' of the run to resume")
+        cfg, checkpoint = prepare_resume(store, run_id)
+    elif run_id is None or store.get_run(run_id) is None:
         run_id = store.create_run(cfg.model_dump(), run_id=run_id)
-    # Started by a SuperLink (`flwr run`), not by a fedswarm simulation engine.
-    store.update_run(run_id, engine="deployment")
-    run_server(grid, cfg, store=store, run_id=run_id, node_kind="supernode")
+    # Started by a SuperLink (`flwr run`), not by a fedswarm simulation engine; the pid is
+    # this ServerApp process's (what the dashboard watches, and stops).
+    store.update_run(run_id, engine="deployment", pid=os.getpid())
+    run_server(grid, cfg, store=store, run_id=run_id, node_kind="supernode", resume=checkpoint)

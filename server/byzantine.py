@@ -23,6 +23,7 @@ attacked, so the recorder puts them in the round's row.
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable, Iterable
 
@@ -73,6 +74,17 @@ class ByzantineGrid(Grid):
                 raise ValueError(f"{self.k} Byzantine clients asked for, the federation has {len(nodes)} nodes")
             self._byzantine = sorted(random.Random(self.seed).sample(nodes, self.k))
         return self._byzantine
+
+    # -- checkpoint (fedswarm.server.checkpoint): a resumed run attacks as the first did -----
+    def state_dict(self) -> dict:
+        return {"byzantine": self._byzantine, "sent": {n: copy.deepcopy(a) for n, a in self._sent.items()},
+                "generator": self._generator.get_state(), "rng": self._rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._byzantine = state["byzantine"]
+        self._sent = dict(state["sent"])
+        self._generator.set_state(state["generator"])
+        self._rng.bit_generator.state = state["rng"]
 
     # -- Grid ----------------------------------------------------------------------------
     def set_run(self, run):  # type: ignore[override]

@@ -63,6 +63,16 @@ class Traffic:
     node_up: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     node_down: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     replies: list[Message] = field(default_factory=list)
+    sent_to: dict[str, int] = field(default_factory=dict)  # message id -> the node it was sent to
+
+    def node_of(self, reply: Message) -> int:
+        """The node a reply is about: its sender, or, for an error the SuperLink wrote in the
+        name of a node that vanished (sender: the SuperLink), the node the message went to."""
+        if reply.has_error():
+            node = self.sent_to.get(reply.metadata.reply_to_message_id)
+            if node is not None:
+                return node
+        return reply.metadata.src_node_id
 
 
 class MeteredGrid(Grid):
@@ -93,7 +103,7 @@ class MeteredGrid(Grid):
             for m in replies:
                 n = serialized_size(m)
                 self._traffic.bytes_up += n
-                self._traffic.node_up[m.metadata.src_node_id] += n
+                self._traffic.node_up[self._traffic.node_of(m)] += n
                 self._traffic.replies.append(m)
 
     # -- Grid --------------------------------------------------------------------------
@@ -113,10 +123,19 @@ class MeteredGrid(Grid):
     def get_nodes(self):  # type: ignore[override]
         return self.inner.get_nodes()
 
+    def _remember(self, messages: list[Message], ids: Iterable[str] | None = None) -> None:
+        ids = list(ids) if ids is not None else [m.metadata.message_id for m in messages]
+        with self._lock:
+            for m, mid in zip(messages, ids, strict=False):  # ids may be fewer if a push failed
+                if mid:
+                    self._traffic.sent_to[mid] = m.metadata.dst_node_id
+
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         msgs = list(messages)
         self._count_down(msgs)
-        return self.inner.push_messages(msgs)
+        ids = list(self.inner.push_messages(msgs))
+        self._remember(msgs, ids)
+        return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         replies = list(self.inner.pull_messages(message_ids))
@@ -127,5 +146,6 @@ class MeteredGrid(Grid):
         msgs = list(messages)
         self._count_down(msgs)
         replies = list(self.inner.send_and_receive(msgs, timeout=timeout))
+        self._remember(msgs)
         self._count_up(replies)
         return replies

@@ -63,7 +63,14 @@ class RoundRecorder(RoundNotes):
         self.node_kind = node_kind  # "sim" (virtual nodes) or "supernode" (real SuperNodes)
         self.poll_s = poll_s
         self.observers = list(observers or [])  # observer(traffic) -> metrics for the round's row
-        self.offset = 0  # rounds done by earlier calls of Strategy.start (add_rounds)
+        self.offset = 0  # rounds done by earlier calls of Strategy.start (add_rounds, resume)
+        # checkpoint(round, arrays) after every recorded round (fedswarm.server.checkpoint);
+        # with checkpoint_at_round_end the strategy calls round_done() when its round's own
+        # updates are made (HL evaluates before it learns from the round)
+        self.checkpoint: Callable[[int, ArrayRecord], Any] | None = None
+        self.checkpoint_at_round_end = False
+        self._unsaved: tuple[int, ArrayRecord] | None = None
+        self.min_train_nodes: int | None = None  # the strategy's minimum, said in rounds that lost nodes
         self.extra_rounds = 0
         self.last_round = 0
         self._t_last = time.perf_counter()
@@ -90,6 +97,15 @@ class RoundRecorder(RoundNotes):
             "sim_time_s": self.sim_time(rnd, traffic) if (self.sim_time and server_round > 0) else None,
             "num_clients": len(node_rows),
         }
+        failed = sum(1 for r in node_rows if r.get("status") == "failed")
+        if failed and server_round > 0:
+            # A node that vanished mid-round costs the round its update (DESIGN.md): the round
+            # row says so, with the minimum the strategy needed to go on without it.
+            row.update(nodes_failed=failed, min_train_nodes=self.min_train_nodes)
+            self.store.add_event(self.run_id, "nodes_failed",
+                                 f"round {rnd}: {failed} of {len(node_rows)} nodes failed; aggregated the "
+                                 f"{len(node_rows) - failed} others (strategy minimum {self.min_train_nodes})",
+                                 data={"round": rnd, "failed": failed, "min_train_nodes": self.min_train_nodes})
         for observe in self.observers:
             row.update(observe(traffic))
         row.update(notes)
@@ -103,17 +119,29 @@ class RoundRecorder(RoundNotes):
             self.store.add_node_rounds(self.run_id, rnd, node_rows)
             self._seen_nodes(node_rows)
         self.last_round = rnd
+        if server_round > 0 and self.checkpoint is not None:
+            self._unsaved = (rnd, arrays)
+            if not self.checkpoint_at_round_end:
+                self.round_done()
         for listener in self.listeners:
             listener(rnd, row)
-        self._apply_controls()
+        if self._apply_controls() and self.checkpoint is not None and self._unsaved is None:
+            self.checkpoint(rnd, arrays)  # a policy or more rounds: the checkpoint carries them
         self._t_last = time.perf_counter()  # time paused does not count as round time
         return MetricRecord({"test_loss": test_loss, "test_accuracy": test_acc})
+
+    def round_done(self, *_: Any) -> None:
+        """The round's state is complete: write the checkpoint of the last recorded round."""
+        if self._unsaved is not None and self.checkpoint is not None:
+            rnd, arrays = self._unsaved
+            self._unsaved = None
+            self.checkpoint(rnd, arrays)
 
     def _replies(self, traffic, rejections: dict[str, str]) -> tuple[float | None, int, list[dict]]:
         loss_sum, n_sum, rows = 0.0, 0, []
         seen: set[int] = set()
         for msg in traffic.replies:
-            node = msg.metadata.src_node_id
+            node = traffic.node_of(msg) if hasattr(traffic, "node_of") else msg.metadata.src_node_id
             if node in seen:
                 continue  # a two-phase round's second reply: one row per node per round
             seen.add(node)
@@ -183,8 +211,9 @@ class RoundRecorder(RoundNotes):
                              f"policy of '{device_class}' is now {new}; applies from round {self.last_round + 1}",
                              data={"device_class": device_class, "policy": new})
 
-    def _apply_controls(self) -> None:
-        paused = False
+    def _apply_controls(self) -> bool:
+        """Apply pending controls; True if one changed what a checkpoint holds."""
+        paused = changed = False
         while True:
             for c in self.store.pending_controls(self.run_id):
                 self.store.mark_applied(c.id)
@@ -198,6 +227,7 @@ class RoundRecorder(RoundNotes):
                     self.store.set_status(self.run_id, "running")
                 elif c.kind == "policy":
                     self._apply_policy(c.payload)
+                    changed = True
                 elif c.kind == "add_rounds":
                     n = int(c.payload.get("rounds", 0))
                     if n > 0:
@@ -206,5 +236,5 @@ class RoundRecorder(RoundNotes):
                         self.store.update_run(self.run_id, total_rounds=(run.total_rounds if run else 0) + n)
                         self.store.add_event(self.run_id, "rounds_added", f"{n} rounds added")
             if not paused:
-                return
+                return changed
             time.sleep(self.poll_s)

@@ -16,6 +16,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
 from fedswarm.server.app import run_server
+from fedswarm.server.checkpoint import ServerCheckpoint
 from fedswarm.server.recorder import RoundListener
 from fedswarm.sim.simtime import make_round_timer
 
@@ -42,12 +43,15 @@ def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
 
 
 def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None,
-               num_cpus_per_client: float = 1.0, num_gpus_per_client: float = 0.0) -> str:
+               num_cpus_per_client: float = 1.0, num_gpus_per_client: float = 0.0,
+               resume: ServerCheckpoint | None = None) -> str:
     """Run one simulation on Flower's Simulation Engine; returns the final run status.
 
     With ``cfg.ray_address`` the engine attaches to that running Ray cluster (``ray start
     --head`` on one machine, ``ray start --address HEAD`` on the others) instead of starting
-    a private one, so the virtual SuperNodes' actors spread over every machine that joined."""
+    a private one, so the virtual SuperNodes' actors spread over every machine that joined.
+    ``resume``: continue the run from this checkpoint (the Ray nodes start empty: the
+    strategy resynchronises them)."""
     try:
         from flwr.simulation import run_simulation
     except ImportError as exc:  # pragma: no cover
@@ -59,7 +63,7 @@ def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
-        run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners, sim_time=sim_time)
+        run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners, sim_time=sim_time, resume=resume)
 
     init_args: dict = {"log_to_driver": False, "include_dashboard": False}
     if cfg.ray_address:  # attach to a running cluster: its resources are what the cluster has

@@ -17,6 +17,8 @@ from uuid import uuid4
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
+from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
@@ -24,6 +26,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
 from fedswarm.server.app import run_server
+from fedswarm.server.checkpoint import ServerCheckpoint
 from fedswarm.server.recorder import RoundListener
 from fedswarm.sim.simtime import make_round_timer
 
@@ -50,6 +53,23 @@ class InProcessGrid(Grid):
             self.contexts[i + 1] = Context(run_id=self._run.run_id, node_id=i + 1, node_config=node_config,
                                            state=RecordDict(), run_config=dict(run_config or {}))
         self._queue: dict[str, Message] = {}
+
+    # -- checkpoint (fedswarm.server.checkpoint): the virtual nodes' own state ------------
+    def state_dict(self) -> dict:
+        """Every node's ``Context.state`` (residuals, replicas, local models), serialized
+        as Flower serializes records, so a resumed run's nodes hold what they held."""
+        return {"nodes": {nid: recorddict_to_proto(ctx.state).SerializeToString()
+                          for nid, ctx in self.contexts.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        nodes = state["nodes"]
+        if set(nodes) != set(self.contexts):
+            raise ValueError(f"the checkpoint has the state of nodes {sorted(nodes)}, this grid has "
+                             f"{sorted(self.contexts)}: was the number of clients changed?")
+        for nid, data in nodes.items():
+            proto = ProtoRecordDict()
+            proto.ParseFromString(data)
+            self.contexts[nid].state = recorddict_from_proto(proto)
 
     def set_run(self, run: Run) -> None:
         self._run = run
@@ -101,8 +121,9 @@ class InProcessGrid(Grid):
 
 
 def run_inprocess(cfg: RunConfig, *, store: Store, run_id: str,
-                  listeners: list[RoundListener] | None = None) -> str:
-    """Run one simulation on the in-process engine; returns the final run status."""
+                  listeners: list[RoundListener] | None = None, resume: ServerCheckpoint | None = None) -> str:
+    """Run one simulation on the in-process engine; returns the final run status.
+    ``resume``: continue the run from this checkpoint (the nodes' state included)."""
     from fedswarm.client.app import app as client_app
 
     grid = InProcessGrid(client_app, cfg.clients, run_config=cfg.to_flat())
@@ -110,4 +131,4 @@ def run_inprocess(cfg: RunConfig, *, store: Store, run_id: str,
     TaskIdentity.task_id = 1
     TaskIdentity.node_id = 0
     return run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners,
-                      sim_time=make_round_timer(cfg))
+                      sim_time=make_round_timer(cfg), resume=resume)

@@ -22,24 +22,29 @@ SMALL_MODEL = 1_000_000
 
 
 def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | None = None,
-               on_clients=None) -> str:
+               on_clients=None, resume: Any = None) -> str:
     """Run ``cfg`` on its engine, recording into ``run_id``; return the final status.
 
     ``on_clients(done, total)`` hears the batched engine's progress within a round.
 
     Asynchronous algorithms (registry kind ``async``) run on the virtual-clock engine
     whatever ``cfg.engine`` says: Flower's synchronous rounds cannot express them; those of
-    kind ``array`` (LSGD: it needs every worker's loss) run on the array engine."""
+    kind ``array`` (LSGD: it needs every worker's loss) run on the array engine.
+    ``resume``: a checkpoint of this run to continue from (fedswarm.server.resume)."""
     from fedswarm.strategies import registry
 
     kind = registry.get(cfg.strategy).kind
     if cfg.engine == "array" or kind == "array":
+        if resume is not None:
+            raise RuntimeError(f"'{cfg.strategy}' on the array engine cannot resume a run yet")
         from fedswarm.sim.array_engine import run_array
 
         if cfg.device == "cpu":
             torch.set_num_threads(1)
         return run_array(cfg, store, run_id, listeners)
     if kind == "async":
+        if resume is not None:
+            raise RuntimeError(f"'{cfg.strategy}' runs on the virtual-clock engine, which cannot resume a run yet")
         from fedswarm.sim.async_engine import run_async
 
         if cfg.device == "cpu":
@@ -48,8 +53,10 @@ def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | N
     if cfg.engine == "flower":
         from fedswarm.sim.flower_engine import run_flower
 
-        return run_flower(cfg, store=store, run_id=run_id, listeners=listeners)
+        return run_flower(cfg, store=store, run_id=run_id, listeners=listeners, resume=resume)
     if cfg.engine == "batched":
+        if resume is not None:
+            raise RuntimeError("the batched engine cannot resume a run yet: resume it with --engine inprocess")
         from fedswarm.sim.batched import run_batched
 
         if cfg.device == "cpu":
@@ -59,11 +66,12 @@ def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | N
 
     if cfg.device == "cpu":
         torch.set_num_threads(1)  # tiny models: thread fan-out costs more than it gains
-    return run_inprocess(cfg, store=store, run_id=run_id, listeners=listeners)
+    return run_inprocess(cfg, store=store, run_id=run_id, listeners=listeners, resume=resume)
 
 
 def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, out: Path | None,
-                       console: Console) -> str:
+                       console: Console, resume: Any = None) -> str:
+    """``resume``: a checkpoint of run ``run_id`` to continue from (``fedswarm resume``)."""
     from fedswarm.strategies import registry
 
     if registry.get(cfg.strategy).kind == "array" and cfg.engine != "array":
@@ -73,8 +81,9 @@ def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, ou
         run = store.get_run(run_id)
         if run is None:
             raise SystemExit(f"error: no run '{run_id}' in {store.url}")
-        store.update_run(run_id, config=cfg.model_dump(), strategy=cfg.strategy, task=cfg.task,
-                         engine=cfg.engine, total_rounds=cfg.rounds)
+        if resume is None:
+            store.update_run(run_id, config=cfg.model_dump(), strategy=cfg.strategy, task=cfg.task,
+                             engine=cfg.engine, total_rounds=cfg.rounds)
     else:
         run_id = store.create_run(cfg.model_dump(), name=cfg.name)
     import os
@@ -90,7 +99,8 @@ def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, ou
     )
     status = "failed"
     with progress:
-        bar = progress.add_task("round", total=cfg.rounds, acc="-", up="0 B", eps="")
+        bar = progress.add_task("rounds", total=cfg.rounds, completed=getattr(resume, "round", 0), acc="-",
+                                up="0 B", eps="")
         on_clients = None
         if cfg.engine == "batched":  # within a round: clients trained and clients per second
             clients_bar = progress.add_task("clients", total=1, acc="-", up="", eps="")
@@ -121,7 +131,8 @@ def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, ou
                                        f"{row.get('delta', row.get('delta_example'))})")
 
         try:
-            status = run_engine(cfg, store=store, run_id=run_id, listeners=[on_round], on_clients=on_clients)
+            status = run_engine(cfg, store=store, run_id=run_id, listeners=[on_round], on_clients=on_clients,
+                                resume=resume)
         except KeyboardInterrupt:
             store.set_status(run_id, "stopped", error="interrupted from the keyboard")
             status = "stopped"

@@ -48,6 +48,7 @@ from fedswarm.hyperparams import HyperParam
 from fedswarm.strategies.decentralized.node import NO_STATE, make_client_update, message_nbytes_of, neighbour_keys
 from fedswarm.algorithms.decentralized import ALGORITHMS, consensus_distance, make_algorithm
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register
+from fedswarm.strategies.resumable import capture, restore
 from fedswarm.algorithms.decentralized.topology import make_topology
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.strategy_utils import ReportsRounds
@@ -114,6 +115,24 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
         self._messages: dict[int, tuple[ArrayRecord, ConfigRecord]] = {}  # topology index -> latest payload
         self._iterations = 0  # iterations completed by earlier calls of start()
         self._average: torch.Tensor | None = None
+
+    # -- checkpoint (fedswarm.strategies.resumable) ------------------------------------
+    #: start() numbers the iterations across calls itself (``_iterations``)
+    counts_own_rounds = True
+    _STATE = ("_pid_of", "_node_of", "_needs_init", "_messages", "_iterations", "_average")
+
+    def state_dict(self) -> dict:
+        """Which node holds which topology index, the messages in flight to be mixed next,
+        the iterations done and the node-average model (the nodes keep their own models)."""
+        return capture(self, self._STATE)
+
+    def load_state_dict(self, state: dict) -> None:
+        restore(self, state, self._STATE)
+
+    def resync_clients(self) -> None:
+        """The nodes' models may be gone: every known node starts again from the model the
+        run resumes with (the node average), as a node that reported lost state does."""
+        self._needs_init |= set(self._pid_of)
 
     # -- Flower's round-loop hooks: unused, start() drives the exchanges itself ---------
     def configure_train(self, server_round, arrays, config, grid) -> Iterable[Message]:

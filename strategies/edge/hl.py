@@ -40,6 +40,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from fedswarm.algorithms.selection.hl import NodeStates, QAgent, distance_matrix, hl_reward
 from fedswarm.hyperparams import HyperParam
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
+from fedswarm.strategies.resumable import capture, restore
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.strategy_utils import ReportsRounds
 from fedswarm.wire import arrayrecord_to_vector, recorddict_nbytes
@@ -115,6 +116,7 @@ class HomogeneousLearning(ReportsRounds, Strategy):
         self._initial: ArrayRecord | None = None  # the model every episode restarts from
         self._arrays: ArrayRecord | None = None
         self._p2p: int | None = None
+        self._hopped = 0  # the absolute round of the last hop (what a checkpoint has done)
 
     # -- Flower's round-loop hooks: unused, start() drives the chain itself ----------
     def configure_train(self, server_round, arrays, config, grid) -> Iterable[Message]:
@@ -133,6 +135,25 @@ class HomogeneousLearning(ReportsRounds, Strategy):
         log(INFO, "\t├── Homogeneous Learning over %d nodes, selector '%s'", self.num_nodes, self.selector)
         log(INFO, "\t└── episodes end at accuracy %.3g or after %d rounds; model reset: %s",
             self.target_accuracy, self.max_episode_rounds, self.reset_model)
+
+    # -- checkpoint (fedswarm.strategies.resumable) ------------------------------------
+    #: start() numbers the hops across calls itself (``_rounds``)
+    counts_own_rounds = True
+    checkpoint_at_round_end = True  # evaluate_fn comes before the hop's learning: see round_done
+    _STATE = ("agent", "_rng", "episode", "_state", "_loss", "_examples", "_initial", "_arrays", "_p2p")
+
+    def state_dict(self) -> dict:
+        """The learned policy (Q-agent weights, replay, exploration), the episode in flight,
+        what each node last reported, the travelling and initial models, the hops done."""
+        state = capture(self, self._STATE)
+        state["rounds"] = self._hopped
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        rounds = int(state.pop("rounds"))
+        restore(self, state, self._STATE)
+        self._rounds = self._hopped = rounds
 
     # -- selection ------------------------------------------------------------------
     def select(self, state: NodeStates) -> int:
@@ -201,6 +222,9 @@ class HomogeneousLearning(ReportsRounds, Strategy):
                     self.agent.end_episode()
             else:
                 self._state = nxt
+            round_done = getattr(evaluate_fn, "round_done", None)
+            if callable(round_done):  # the hop's learning is done: a checkpoint may be taken
+                round_done(t)
         self._rounds += num_rounds
         result.arrays = self._arrays
         if self.agent_path and self.selector == "learned":
@@ -219,6 +243,7 @@ class HomogeneousLearning(ReportsRounds, Strategy):
              timeout: float) -> tuple[ArrayRecord | None, float | None, int | None]:
         """Send the model to one node; (its model, train loss, examples), all None when the
         node failed or replied with something malformed (the model stays as it was)."""
+        self._hopped = server_round
         conf = ConfigRecord(dict(train_config))
         conf["server-round"] = server_round
         msg = Message(RecordDict({"arrays": self._arrays, "config": conf}), message_type="train",

@@ -57,6 +57,7 @@ from fedswarm.params import ParamLayout, get_flat
 from fedswarm.local import prepare_local
 from fedswarm.hyperparams import HyperParam
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register
+from fedswarm.strategies.resumable import capture, restore
 from fedswarm.tasks.staged import StagedModel, StageModel, step_flops
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.strategy_utils import ReportsRounds
@@ -192,6 +193,7 @@ class ProgFed(ReportsRounds, FedAvg):
         self._sent_heads: set[int] = set()
         self._done = 0  # rounds run by earlier calls of start() (a run extended with more rounds)
         self._base = 0
+        self._configured = 0  # the absolute round last configured (what a checkpoint has done)
 
     def summary(self) -> None:
         log(INFO, "\t├── ProgFed: %d stages, %d rounds each before the last, server_lr %.3g",
@@ -226,6 +228,23 @@ class ProgFed(ReportsRounds, FedAvg):
                 self.heads[s] = self.new_head(s)
         return capped
 
+    # -- checkpoint (fedswarm.strategies.resumable) ----------------------------------------
+    #: configure_train numbers rounds across calls of start() itself (``_base``)
+    counts_own_rounds = True
+
+    def state_dict(self) -> dict:
+        """The stage heads (local heads of the stage in flight and of capped classes),
+        the stage and the rounds done: a resumed run continues the schedule, not restarts it."""
+        state = capture(self, ("heads", "_stage", "_sent_heads"))
+        state["done"] = self._configured
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        done = int(state.pop("done"))
+        restore(self, state, ("heads", "_stage", "_sent_heads"))
+        self._done = self._base = self._configured = done
+
     # -- Flower hooks -------------------------------------------------------------------
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
@@ -253,6 +272,7 @@ class ProgFed(ReportsRounds, FedAvg):
         num = int(len(list(grid.get_node_ids())) * self.fraction_train)
         node_ids, _ = sample_nodes(grid, self.min_available_nodes, max(num, self.min_train_nodes))
         server_round += self._base
+        self._configured = server_round
         stage = self.stage_of(server_round)
         full = arrayrecord_to_vector(arrays, self.d)
         capped = self._enter(stage, _caps(config))

@@ -163,6 +163,15 @@ class PartialVariableTraining(ReportsRounds, FedAvg):
             self.fraction, len(self.layout), self.server_lr, "sent" if self.send_ids else "from the seed")
         super().summary()
 
+    # -- checkpoint (fedswarm.strategies.resumable): the subsets are drawn from (seed,
+    # round, node), so nothing but the round number (the server's) carries over
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"PVT keeps no state between rounds; got {sorted(state)}")
+
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:

@@ -75,6 +75,8 @@ class CodedStrategy(CompressedStrategy):
         See :class:`~fedswarm.strategies.federated.compressed_base.CompressedStrategy`.
     """
 
+    state_attrs = CompressedStrategy.state_attrs + ("workers", "_rng")  # worker map, decoder projections
+
     def __init__(self, layout: ParamLayout, num_workers: int, s: int, *, scheme: str = "solon", m: int = 1,
                  name: str = "solon", **kwargs: Any):
         super().__init__(layout, min_available_nodes=num_workers, min_train_nodes=num_workers, **kwargs)

@@ -42,6 +42,7 @@ from fedswarm.local import LocalFit, local_fit, node_partition, run_config_of
 from fedswarm.params import ParamLayout
 from fedswarm.strategies.federated.compressed_sync import ReplicaSync, client_sync, save_replica
 from fedswarm.strategies.registry import message_type_of
+from fedswarm.strategies.resumable import capture, restore
 from fedswarm.strategies.strategy_utils import ReportsRounds, layout_from_json, layout_json, layout_of_arrays
 from fedswarm.train import LocalTrainer, TrainResult, trainer_for
 from fedswarm.payload import Payload, PayloadError
@@ -295,6 +296,25 @@ class CompressedStrategy(ReportsRounds, Strategy):
             rec[key] = Array(np.ascontiguousarray(x[off:off + n].reshape(shape).numpy()))
             off += n
         return rec
+
+    # -- checkpoint (fedswarm.strategies.resumable) --------------------------------------
+    #: What changes from round to round; subclasses with more state add their attributes.
+    state_attrs: tuple[str, ...] = ("round", "sync", "pending", "_keys", "dp")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The public model and replica bookkeeping, pending selections, the round count
+        and the DP mechanism's state (clip, accountant, noise generator)."""
+        return capture(self, self.state_attrs)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        restore(self, state, self.state_attrs)
+
+    def resync_clients(self) -> None:
+        """The clients' replicas may be gone: every node gets the full model next round,
+        and no pending selection refers to a residual it may no longer hold."""
+        self.sync.nodes.clear()
+        self.sync.sent.clear()
+        self.pending.clear()
 
     def _ensure_model(self, arrays: ArrayRecord) -> None:
         if self.sync.x is not None:

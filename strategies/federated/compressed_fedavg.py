@@ -97,6 +97,8 @@ class CompressedFedAvg(CompressedStrategy):
     name = "compressed_fedavg"
     supports_dp = True
 
+    state_attrs = CompressedStrategy.state_attrs + ("server_ef",)  # the downlink's error feedback
+
     def __init__(self, layout: ParamLayout | None = None, codec: str = "topk", codec_params: dict | None = None,
                  error_feedback: bool = True, downlink_codec: str = "none",
                  downlink_codec_params: dict | None = None, **kwargs: Any):

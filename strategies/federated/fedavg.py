@@ -45,6 +45,14 @@ class CheckedFedAvg(ReportsRounds, FedAvg):
         return super().aggregate_train(server_round, kept)
 
 
+    # -- checkpoint (fedswarm.strategies.resumable): FedAvg keeps nothing between rounds
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"FedAvg keeps no state between rounds; got {sorted(state)}")
+
 def build(params: dict, ctx: BuildContext) -> FedAvg:
     cfg = ctx.config
     kwargs = dict(

@@ -286,6 +286,8 @@ class FetchSGD(SketchStrategy):
 
     name = "fetchsgd"
 
+    state_attrs = SketchStrategy.state_attrs + ("s_u", "s_e")  # sketched momentum and error accumulation
+
     def __init__(self, layout: ParamLayout | None = None, momentum: float = 0.9, **kwargs: Any):
         super().__init__(layout, **kwargs)
         self.momentum = float(momentum)

@@ -1,0 +1,135 @@
+"""The server's checkpoint: everything a run needs to go on after round R, kept in the store.
+
+After every recorded round :class:`ServerCheckpointer` serializes
+
+- the global model (the ArrayRecord the next round starts from),
+- the strategy's state (:mod:`fedswarm.strategies.resumable`: optimizer and momentum,
+  error-feedback residuals, replica-sync bookkeeping, HL's policy, ProgFed's stage, the DP
+  accountant, a robust or coded strategy's state),
+- the process's random states (Flower samples nodes with ``random``),
+- the per-device-class policies in force, and the attack's state of a ``--byzantine`` run,
+- what the engine can give of the clients' own state (the in-process engine: every
+  virtual node's ``Context.state``, so residuals and replicas come back too),
+
+and commits it with :meth:`fedswarm.store.Store.save_checkpoint`: one transaction, so a
+process killed at any instant leaves the previous checkpoint or the new one. A
+checkpoint is loaded with ``torch.load(weights_only=False)``: it holds Python objects, and it
+is trusted exactly as far as the store it comes from (whoever can write the store can
+change any run in it).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord
+
+from fedswarm.store import Store
+from fedswarm.strategies.resumable import rng_state, strategy_state
+
+__all__ = ["CHECKPOINT_FORMAT", "CheckpointError", "ServerCheckpoint", "ServerCheckpointer", "dumps", "loads",
+           "load_latest"]
+
+log = logging.getLogger("fedswarm.server")
+
+CHECKPOINT_FORMAT = 1
+#: Checkpoints kept per run (the newest, and the one before in case the newest is unreadable).
+KEEP = 2
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or one this code cannot continue from."""
+
+
+@dataclass
+class ServerCheckpoint:
+    """A run's state after ``round`` (what :meth:`ServerCheckpointer.save` wrote)."""
+
+    round: int
+    arrays: ArrayRecord
+    strategy: dict[str, Any]
+    rng: dict[str, Any]
+    policies: dict[str, dict[str, Any]]
+    grid: dict[str, Any] | None  # the engine's client state, when it has any to give
+    byzantine: dict[str, Any] | None
+    strategy_name: str
+
+
+def _arrays_to_plain(arrays: ArrayRecord) -> list[tuple[str, np.ndarray]]:
+    return [(k, np.array(arrays[k].numpy(), copy=True)) for k in arrays.keys()]
+
+
+def _arrays_from_plain(items: list[tuple[str, np.ndarray]]) -> ArrayRecord:
+    rec = ArrayRecord()
+    for k, v in items:
+        rec[k] = Array(np.ascontiguousarray(v))
+    return rec
+
+
+def dumps(ck: ServerCheckpoint) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"format": CHECKPOINT_FORMAT, "round": ck.round, "arrays": _arrays_to_plain(ck.arrays),
+                "strategy": ck.strategy, "rng": ck.rng, "policies": ck.policies, "grid": ck.grid,
+                "byzantine": ck.byzantine, "strategy_name": ck.strategy_name}, buf)
+    return buf.getvalue()
+
+
+def loads(data: bytes) -> ServerCheckpoint:
+    try:
+        raw = torch.load(io.BytesIO(data), weights_only=False)
+    except Exception as exc:  # a truncated or foreign blob: say what it is, not a pickle trace
+        raise CheckpointError(f"the checkpoint cannot be read ({type(exc).__name__}: {exc})") from None
+    if not isinstance(raw, dict) or raw.get("format") != CHECKPOINT_FORMAT:
+        got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        raise CheckpointError(f"checkpoint format {got!r}, this fedswarm reads format {CHECKPOINT_FORMAT}")
+    return ServerCheckpoint(round=int(raw["round"]), arrays=_arrays_from_plain(raw["arrays"]),
+                            strategy=raw["strategy"], rng=raw["rng"], policies=raw["policies"], grid=raw["grid"],
+                            byzantine=raw["byzantine"], strategy_name=str(raw["strategy_name"]))
+
+
+def load_latest(store: Store, run_id: str) -> ServerCheckpoint:
+    """The run's newest checkpoint; :class:`CheckpointError` naming why there is none."""
+    if store.get_run(run_id) is None:
+        raise CheckpointError(f"no run '{run_id}' in {store.url}")
+    found = store.checkpoint_data(run_id)
+    if found is None:
+        raise CheckpointError(f"run '{run_id}' has no checkpoint in {store.url} (it stopped before its first "
+                              f"round was recorded, or was recorded by a runtime that does not checkpoint)")
+    rnd, data = found
+    ck = loads(data)
+    if ck.round != rnd:
+        raise CheckpointError(f"checkpoint row of round {rnd} holds round {ck.round}")
+    return ck
+
+
+class ServerCheckpointer:
+    """Writes the run's checkpoint after every recorded round (the recorder calls it).
+
+    ``grid_state`` is the engine's ``state_dict`` (clients' state), or None; ``byzantine``
+    the ``--byzantine`` grid, whose attack randomness must continue too."""
+
+    def __init__(self, store: Store, run_id: str, strategy: Any, strategy_name: str, policies: Any, *,
+                 grid_state: Any = None, byzantine: Any = None, keep: int = KEEP):
+        self.store, self.run_id = store, run_id
+        self.strategy, self.strategy_name = strategy, strategy_name
+        self.policies = policies
+        self.grid_state = grid_state
+        self.byzantine = byzantine
+        self.keep = keep
+        strategy_state(strategy)  # a strategy that cannot be checkpointed fails now, not after round 1
+
+    def save(self, rnd: int, arrays: ArrayRecord) -> int:
+        """Checkpoint the run after round ``rnd``; the checkpoint's size in bytes."""
+        ck = ServerCheckpoint(
+            round=int(rnd), arrays=arrays, strategy=strategy_state(self.strategy), rng=rng_state(),
+            policies=self.policies.as_dict(), grid=self.grid_state() if self.grid_state is not None else None,
+            byzantine=self.byzantine.state_dict() if self.byzantine is not None else None,
+            strategy_name=self.strategy_name)
+        data = dumps(ck)
+        self.store.save_checkpoint(self.run_id, int(rnd), data, keep=self.keep)
+        return len(data)
