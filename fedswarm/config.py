@@ -221,7 +221,7 @@ class RunConfig(TrainingSpec):
         try:
             return cls.model_validate(values)
         except ValidationError as exc:
-            raise ConfigError(_describe(exc)) from None
+            raise ConfigError(describe_validation_error(exc)) from None
 
     @classmethod
     def allowed_keys(cls) -> list[str]:
@@ -257,7 +257,7 @@ class RunConfig(TrainingSpec):
         return cls.build(values)
 
 
-def _describe(exc: ValidationError) -> str:
+def describe_validation_error(exc: ValidationError) -> str:
     """One line per problem, naming the key and what is allowed."""
     lines = []
     for err in exc.errors():

@@ -87,18 +87,25 @@ def peer(
                         format="%(asctime)s %(levelname)s %(message)s")
     if report and not token:
         _fail("--report needs --token (or $FEDSWARM_TOKEN)")
-    cfg = PeerConfig(
-        listen=listen, join=list(join or []), algorithm=algorithm, params=_params(set_), task=task,
-        partition=partition, partition_id=partition_id, num_partitions=num_partitions, rounds=rounds,
-        local_steps=local_steps, batch_size=batch_size, lr=lr, seed=seed, topology=topology,
-        keys=str(keys_dir) if keys_dir else None, allow=str(allow) if allow else None,
-        insecure_allow_any=insecure_allow_any, state_dir=str(state_dir), min_peers=min_peers,
-        round_timeout_s=round_timeout, heartbeat_s=heartbeat, suspect_after=suspect_after,
-        remove_after=remove_after, db=db, report_url=report, token=token, run_id=run_id,
-        tls_cert=str(tls_cert) if tls_cert else None, tls_key=str(tls_key) if tls_key else None,
-        tls_ca=str(tls_ca) if tls_ca else None, swarm_ca=str(swarm_ca) if swarm_ca else None,
-        tls_crl=str(tls_crl) if tls_crl else None, encrypt=encrypt, max_body_mb=max_body_mb, save_models=save_models,
-        linger_s=linger, min_round_s=min_round_s, device=device, threads=threads)
+    from pydantic import ValidationError
+
+    from fedswarm.config import describe_validation_error
+
+    try:
+        cfg = PeerConfig(
+            listen=listen, join=list(join or []), algorithm=algorithm, params=_params(set_), task=task,
+            partition=partition, partition_id=partition_id, num_partitions=num_partitions, rounds=rounds,
+            local_steps=local_steps, batch_size=batch_size, lr=lr, seed=seed, topology=topology,
+            keys=str(keys_dir) if keys_dir else None, allow=str(allow) if allow else None,
+            insecure_allow_any=insecure_allow_any, state_dir=str(state_dir), min_peers=min_peers,
+            round_timeout_s=round_timeout, heartbeat_s=heartbeat, suspect_after=suspect_after,
+            remove_after=remove_after, db=db, report_url=report, token=token, run_id=run_id,
+            tls_cert=str(tls_cert) if tls_cert else None, tls_key=str(tls_key) if tls_key else None,
+            tls_ca=str(tls_ca) if tls_ca else None, swarm_ca=str(swarm_ca) if swarm_ca else None,
+            tls_crl=str(tls_crl) if tls_crl else None, encrypt=encrypt, max_body_mb=max_body_mb, save_models=save_models,
+            linger_s=linger, min_round_s=min_round_s, device=device, threads=threads)
+    except ValidationError as exc:
+        _fail(describe_validation_error(exc))
     try:
         p = Peer(cfg)
     except (ValueError, OSError) as exc:

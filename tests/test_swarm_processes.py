@@ -181,3 +181,12 @@ def test_swarm_command_rejects_bad_arguments(tmp_path):
     for args in (["--fail", "2"], ["--fail", "4@2"], ["--algorithm", "nope"]):
         res = CliRunner().invoke(app, ["swarm", "--peers", "4", "--out", str(tmp_path), *args])
         assert res.exit_code == 2, (args, res.output)
+
+
+def test_peer_command_names_a_bad_value_in_one_line(tmp_path):
+    from fedswarm.swarm.cli import app
+    from typer.testing import CliRunner
+
+    res = CliRunner().invoke(app, ["peer", "--lr", "0", "--state-dir", str(tmp_path)])
+    assert res.exit_code == 2, res.output
+    assert "invalid value for 'lr'" in res.output and "Traceback" not in res.output
