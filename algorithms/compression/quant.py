@@ -70,8 +70,24 @@ class Fp16Codec(Codec):
         return 2 * K * layout.d
 
 
-def _columns(layout: ParamLayout) -> int:
-    return sum(s.matrix_shape[1] for s in layout.specs)
+# ``scale="auto"``: a tensor keeps CNTK's per-column pairs only when its columns have at
+# least this many rows (64 bits of scales per column cost <= 0.25 bit per value there).
+AUTO_MIN_ROWS = 256
+
+
+def _scale_shape(spec, scale: str) -> tuple[int, int]:
+    """``(rows, cols)`` of the groups sharing one (a0, a1) pair: each of the ``cols``
+    columns of ``rows`` values has its own pair. ``column``: the tensor's matrix columns;
+    ``tensor``: the whole tensor is one column; ``auto``: columns if they have at least
+    ``AUTO_MIN_ROWS`` rows, else the whole tensor."""
+    rows, cols = spec.matrix_shape
+    if scale == "column" or (scale == "auto" and rows >= AUTO_MIN_ROWS):
+        return rows, cols
+    return spec.numel, 1
+
+
+def _columns(layout: ParamLayout, scale: str = "column") -> int:
+    return sum(_scale_shape(s, scale)[1] for s in layout.specs)
 
 
 class OneBitCodec(Codec):
@@ -95,6 +111,13 @@ class OneBitCodec(Codec):
     float32 for wide matrices. Arrays: ``bits`` uint8 [K, ceil(d/8)], ``means`` float32
     [K, C, 2] (mean of the negatives, mean of the non-negatives).
 
+    ``scale``: which values share a pair. ``column`` (default) is CNTK's, built for
+    speech DNNs with columns of thousands of rows; on small layers it costs more than the
+    bits (a conv ``[8, 1, 3, 3]`` has 9 columns of 8 rows: 64 bits of scales per 8 bits of
+    signs, capping digits-cnn4 at 11.9x). ``tensor``: one pair per tensor (C = number of
+    tensors). ``auto``: columns where they have >= 256 rows, else the tensor (the
+    ``onebit`` strategy's default).
+
     Paper: Seide, Fu, Droppo, Li, Yu, "1-Bit Stochastic Gradient Descent and its
     Application to Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014;
     quantizer as in CNTK's ``ColumnQuantizer``.
@@ -102,6 +125,10 @@ class OneBitCodec(Codec):
 
     name = "onebit"
     paper = "Seide et al., Interspeech 2014"
+    hyperparams = (
+        HyperParam("scale", "column", "values sharing one (a0, a1) pair: column (CNTK), tensor, or auto "
+                   "(columns of >= 256 rows, else the whole tensor)", choices=("column", "tensor", "auto")),
+    )
 
     def _encode(self, x, layout, seed):
         k = x.shape[0]
@@ -109,7 +136,7 @@ class OneBitCodec(Codec):
         acc = _acc_dtype(x.device)
         s_pos, s_neg, n_pos, n_all = [], [], [], []
         for spec in layout.specs:  # reductions per tensor: each has its own column stride
-            rows, cols = spec.matrix_shape
+            rows, cols = _scale_shape(spec, self.params["scale"])
             sl = slice(spec.offset, spec.end)
             xt = x[:, sl].view(k, rows, cols)
             s_pos.append(xt.clamp(min=0).sum(1, dtype=acc))
@@ -126,7 +153,7 @@ class OneBitCodec(Codec):
     def _array_specs(self, k, layout, params):
         return {
             "bits": (torch.uint8, (k, (layout.d + 7) // 8)),
-            "means": (torch.float32, (k, _columns(layout), 2)),
+            "means": (torch.float32, (k, _columns(layout, params["scale"]), 2)),
         }
 
     def _decode(self, arrays, k, layout, params, seed):
@@ -139,7 +166,7 @@ class OneBitCodec(Codec):
         out = torch.empty(k, layout.d, dtype=torch.float32, device=dev)
         c = 0
         for spec in layout.specs:
-            rows, cols = spec.matrix_shape
+            rows, cols = _scale_shape(spec, params["scale"])
             sl = slice(spec.offset, spec.end)
             # lerp is exact at both ends (it evaluates from the nearer end), so a1 and a0
             # come back bit for bit
@@ -153,7 +180,7 @@ class OneBitCodec(Codec):
         return out
 
     def wire_bytes(self, layout, K=1):
-        return K * ((layout.d + 7) // 8 + 8 * _columns(layout))
+        return K * ((layout.d + 7) // 8 + 8 * _columns(layout, self.params["scale"]))
 
 
 class SignCodec(Codec):
