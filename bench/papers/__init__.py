@@ -19,6 +19,7 @@ page committed as ``docs/reproductions.md``. ``FEDSWARM_PAPERS_ONLY=id1,id2`` ru
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
 import sys
 import tempfile
@@ -44,6 +45,7 @@ class Scale:
     fl_clients: int
     fl_rounds_cnn: int
     fl_rounds_large: int
+    fl_rounds_sketch: int  # rounds of one local step (the sketching papers' regime)
     edge_rounds: int
     edge_quick: bool  # bench/edge.py's quick arms (PVT 2x only, fewer HL episodes)
     dec_epochs: int
@@ -54,9 +56,9 @@ class Scale:
 
 
 SCALES = {
-    "tiny": Scale("tiny", 4, 2, 2, 2, True, 1, 1, (0.05,), 0.3, 1),
-    "quick": Scale("quick", 10, 6, 6, 8, True, 6, 10, (0.05,), 0.8, 1),
-    "full": Scale("full", 20, 15, 15, 24, False, 20, 60, (0.02, 0.05, 0.1), 0.9, 3),
+    "tiny": Scale("tiny", 4, 2, 2, 2, 2, True, 1, 1, (0.05,), 0.3, 1),
+    "quick": Scale("quick", 10, 6, 6, 30, 8, True, 6, 10, (0.05,), 0.8, 1),
+    "full": Scale("full", 20, 15, 15, 150, 24, False, 20, 60, (0.02, 0.05, 0.1), 0.9, 3),
 }
 
 
@@ -173,7 +175,13 @@ def run(out_dir: Path, quick: bool = False, scale: str | None = None) -> list[di
     sc = SCALES[scale or ("quick" if quick else "full")]
     only = [x for x in os.environ.get("FEDSWARM_PAPERS_ONLY", "").split(",") if x] or None
     t0 = time.perf_counter()
-    results = run_claims(sc, only, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    flwr_log = logging.getLogger("flwr")
+    level = flwr_log.level
+    flwr_log.setLevel(logging.WARNING)  # dozens of runs: Flower's per-round log would bury the progress lines
+    try:
+        results = run_claims(sc, only, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    finally:
+        flwr_log.setLevel(level)
     meta = {"command": "fedswarm bench papers" + (" --quick" if sc.name == "quick" else ""),
             "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "wall_s": time.perf_counter() - t0, "load": _load(), "seeds_small_gap": sc.seeds_small_gap,
