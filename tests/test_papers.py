@@ -10,7 +10,7 @@ import operator
 import pytest
 
 from fedswarm.bench import papers
-from fedswarm.bench.papers.report import Check, Measured, verdict
+from fedswarm.bench.papers.report import Check, Measured, combine, verdict
 
 OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
 
@@ -87,13 +87,27 @@ def test_doc_verdicts_follow_numbers(tmp_path, monkeypatch):
               for c in papers.CLAIMS]
     monkeypatch.setattr(papers, "CLAIMS", claims)
     monkeypatch.setenv("FEDSWARM_PAPERS_ONLY", "dasgd,prague")
-    papers.run(tmp_path, scale="tiny")
-    data, _ = _check_outputs(tmp_path, ["dasgd", "prague"])
+    papers.run(tmp_path / "a", scale="tiny")
+    data, _ = _check_outputs(tmp_path / "a", ["dasgd", "prague"])
     assert [e["verdict"] for e in data["claims"]] == ["reproduced", "not reproduced"]
     values.update(dasgd=0.9, prague=2.0)
-    papers.run(tmp_path, scale="tiny")
-    data, _ = _check_outputs(tmp_path, ["dasgd", "prague"])
-    assert [e["verdict"] for e in data["claims"]] == ["direction only", "reproduced"]
+    monkeypatch.setenv("FEDSWARM_PAPERS_ONLY", "prague")
+    papers.run(tmp_path / "b", scale="tiny")
+    data, _ = _check_outputs(tmp_path / "b", ["prague"])
+    assert [e["verdict"] for e in data["claims"]] == ["reproduced"]
+
+    # combine: the later run wins for the claims it measured, each keeps its own command
+    merged = combine([tmp_path / "a", tmp_path / "b"], tmp_path / "m", [c.id for c in claims])
+    data, doc = _check_outputs(tmp_path / "m", ["dasgd", "prague"])
+    assert [e["verdict"] for e in data["claims"]] == ["reproduced", "reproduced"]
+    assert [e["command"] for e in merged["claims"]] == ["FEDSWARM_PAPERS_ONLY=dasgd,prague fedswarm bench papers",
+                                                       "FEDSWARM_PAPERS_ONLY=prague fedswarm bench papers"]
+    assert doc.count("- `FEDSWARM_PAPERS_ONLY=") == 2
+    tampered = json.loads((tmp_path / "b" / "papers.json").read_text())
+    tampered["claims"][0]["verdict"] = "not reproduced"
+    (tmp_path / "b" / "papers.json").write_text(json.dumps(tampered))
+    with pytest.raises(ValueError, match="its checks give 'reproduced'"):
+        combine([tmp_path / "b"], tmp_path / "m2", ["prague"])
 
 
 def test_unknown_claim_id_is_an_error(tmp_path, monkeypatch):

@@ -13,7 +13,10 @@ settings, under an hour on 2 cores when the machine is otherwise idle).
 
 Writes ``OUT/papers.json`` (every claim: checks, verdict, the arms' numbers),
 ``OUT/papers_<claim>.png`` (one per claim) and ``OUT/reproductions.md``, the generated
-page committed as ``docs/reproductions.md``. ``FEDSWARM_PAPERS_ONLY=id1,id2`` runs a subset.
+page committed as ``docs/reproductions.md``. ``FEDSWARM_PAPERS_ONLY=id1,id2`` runs a subset;
+``python -m fedswarm.bench.papers combine OUT RUN1 RUN2 ...`` merges the ``papers.json`` of
+several runs (e.g. the quick run of every claim and full runs of some) into one page, each
+claim labelled with the mode and command that measured it.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class Scale:
 SCALES = {
     "tiny": Scale("tiny", 4, 2, 2, 2, 2, True, 1, 1, (0.05,), 0.3, 1),
     "quick": Scale("quick", 10, 6, 6, 30, 8, True, 6, 10, (0.05,), 0.8, 1),
-    "full": Scale("full", 20, 15, 15, 150, 24, False, 20, 60, (0.02, 0.05, 0.1), 0.9, 3),
+    "full": Scale("full", 20, 15, 15, 100, 24, False, 20, 60, (0.02, 0.05, 0.1), 0.9, 3),
 }
 
 
@@ -182,14 +185,17 @@ def run(out_dir: Path, quick: bool = False, scale: str | None = None) -> list[di
         results = run_claims(sc, only, progress=lambda s: print(s, file=sys.stderr, flush=True))
     finally:
         flwr_log.setLevel(level)
-    meta = {"command": "fedswarm bench papers" + (" --quick" if sc.name == "quick" else ""),
+    command = "fedswarm bench papers" + (" --quick" if sc.name == "quick" else "")
+    if only:
+        command = f"FEDSWARM_PAPERS_ONLY={','.join(only)} {command}"
+    meta = {"command": command,
             "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "wall_s": time.perf_counter() - t0, "load": _load(), "seeds_small_gap": sc.seeds_small_gap,
             "claims_run": [c.id for c, _ in results]}
     entries = write_json(out_dir / "papers.json", sc.name, results, meta)
     for c, m in results:
         write_plot(out_dir / f"papers_{c.id}.png", c, m)
-    write_doc(out_dir / "reproductions.md", sc.name, entries, meta)
+    write_doc(out_dir / "reproductions.md", sc.name, entries, [{"mode": sc.name, **meta}])
     for e in entries:
         print(f"  {e['id']:<14} {e['verdict']:<15} {e['ours']}")
     # the registry prints "wrote OUT/papers.json and OUT/papers.png": papers.png is the summary
