@@ -116,6 +116,8 @@ def combine(sources: list[Path], out_dir: Path, order: list[str]) -> dict:
         data = json.loads((Path(src) / "papers.json").read_text())
         runs += data.get("runs") or [{k: v for k, v in data.items() if k != "claims"}]
         for e in data["claims"]:
+            e.setdefault("mode", data["mode"])  # runs written before claims carried their own
+            e.setdefault("command", data["command"])
             checks = [Check(**{k: c[k] for k in ("name", "value", "op", "threshold", "direction", "unit")})
                       for c in e["checks"]]
             if verdict(checks) != e["verdict"]:
