@@ -17,20 +17,22 @@ MIXED = ParamLayout.from_shapes([("w1", (512, 6)), ("b1", (512,)), ("w2", (3, 51
 
 
 def np_onebit_groups(x: np.ndarray, layout, group_of) -> np.ndarray:
-    """Oracle: ``group_of(shape) -> 'column' | 'tensor'``; each group (a matrix column, or
-    the whole tensor) gets the mean of its negatives and of its non-negatives."""
+    """Oracle: ``group_of(shape)`` gives 'column', 'tensor' or an int g (g consecutive
+    matrix columns); each group gets the mean of its negatives and of its non-negatives."""
     out = np.empty_like(x)
     for k in range(x.shape[0]):
         for s in layout.specs:
             v = x[k, s.offset:s.offset + s.numel].astype(np.float64)
             rows = s.shape[0] if s.shape else 1
-            m = v.reshape(rows, -1) if group_of(s.shape) == "column" else v.reshape(-1, 1)
+            how = group_of(s.shape)
+            m = v.reshape(-1, 1) if how == "tensor" else v.reshape(rows, -1)
+            g = how if isinstance(how, int) else 1
             q = np.empty_like(m)
-            for j in range(m.shape[1]):
-                col = m[:, j]
-                a0 = col[col < 0].mean() if (col < 0).any() else 0.0
-                a1 = col[col >= 0].mean() if (col >= 0).any() else 0.0
-                q[:, j] = np.where(col >= 0, a1, a0)
+            for j0 in range(0, m.shape[1], g):
+                blk = m[:, j0:j0 + g]
+                a0 = blk[blk < 0].mean() if (blk < 0).any() else 0.0
+                a1 = blk[blk >= 0].mean() if (blk >= 0).any() else 0.0
+                q[:, j0:j0 + g] = np.where(blk >= 0, a1, a0)
             out[k, s.offset:s.offset + s.numel] = q.reshape(-1)
     return out
 
@@ -44,12 +46,13 @@ def roundtrip(codec, x, layout):
     ("column", lambda shape: "column"),
     ("tensor", lambda shape: "tensor"),
     ("auto", lambda shape: "column" if shape[0] >= 256 else "tensor"),
+    ("block", lambda shape: 1 if shape[0] >= 256 else -(-256 // shape[0])),
 ])
 def test_onebit_scale_matches_oracle(scale, group_of):
     x = np.random.default_rng(3).standard_normal((2, MIXED.d)).astype(np.float32)
     p, got = roundtrip(make_codec("onebit", scale=scale), x, MIXED)
     np.testing.assert_allclose(got, np_onebit_groups(x, MIXED, group_of), rtol=1e-6, atol=1e-7)
-    groups = {"column": 6 + 1 + 512 + 1, "tensor": 4, "auto": 6 + 1 + 1 + 1}[scale]
+    groups = {"column": 6 + 1 + 512 + 1, "tensor": 4, "auto": 6 + 1 + 1 + 1, "block": 6 + 1 + 6 + 1}[scale]
     assert p.arrays["means"].shape == (2, groups, 2)
     assert p.meta["scale"] == scale
 
@@ -63,6 +66,8 @@ def test_onebit_wire_on_small_layers():
     assert 4 * d / per_column < 13.0
     assert auto == (d + 7) // 8 + 8 * len(CNN4.specs)
     assert 4 * d / auto > 30.0
+    block = make_codec("onebit", scale="block").wire_bytes(CNN4)
+    assert auto < block and 4 * d / block > 20.0  # finer than a tensor, still <= 0.25 bit per value of scales
 
 
 def test_onebit_strategy_defaults_to_auto_scale():

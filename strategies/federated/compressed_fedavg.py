@@ -167,8 +167,9 @@ class OneBitSGD(CompressedFedAvg):
     layout : ParamLayout
     error_feedback : bool (default: True)
     scale : str (default: "auto")
-        Values sharing one (a0, a1) pair, both ways: ``column`` (the paper's), ``tensor`` or
-        ``auto`` (columns of >= 256 rows, else the tensor; see
+        Values sharing one (a0, a1) pair, both ways: ``column`` (the paper's), ``tensor``,
+        ``block`` (columns grouped to >= 256 values) or ``auto`` (columns of >= 256 rows,
+        else the tensor; see
         :class:`~fedswarm.algorithms.compression.quant.OneBitCodec`). Per column, small
         layers pay 64 bits of scales per few bits of signs.
     server_lr, fraction_train, min_train_nodes, min_available_nodes, seed, history
@@ -269,8 +270,8 @@ register(StrategyEntry(
     build=_build_onebit,
     hyperparams=(HyperParam("error_feedback", True, "keep client and server quantization residuals"),
                  HyperParam("scale", "auto", "values sharing one pair of reconstruction values: column (the "
-                            "paper's), tensor, or auto (columns of >= 256 rows, else the tensor)",
-                            choices=("column", "tensor", "auto")),
+                            "paper's), tensor, auto (columns of >= 256 rows, else the tensor) or block (columns "
+                            "grouped to >= 256 values)", choices=("column", "tensor", "auto", "block")),
                  *_COMMON),
     client_update=client_update,
     paper="Seide et al., Interspeech 2014",
