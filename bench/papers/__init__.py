@@ -82,12 +82,14 @@ CLAIMS: list[Claim] = [
           "Seide, Fu, Droppo, Li, Yu, Interspeech 2014", "no accuracy loss at about 32x less data",
           ">= 15x less uplink, within 1 point of FedAvg",
           "federated rounds of local SGD instead of data-parallel minibatch gradients; a 25k-parameter CNN on "
-          "digits instead of speech DNNs; scales per tensor on layers whose columns are short",
+          "digits instead of speech DNNs; scales per block of >= 256 values instead of per column; 1-bit on the "
+          "uplink only (the paper also quantizes the aggregate: the note gives that arm)",
           fed.onebit_cnn4, "fl"),
     Claim("onebit-large", "1-bit SGD with error feedback (large task)",
           "Seide et al., Interspeech 2014", "no accuracy loss at about 32x less data",
           ">= 25x less uplink, within 1 point of FedAvg",
-          "federated rounds on digits-mlp-wide (d = 301,066) instead of speech DNNs", fed.onebit_large, "fl"),
+          "federated rounds on digits-mlp-wide (d = 301,066) instead of speech DNNs; 1-bit on the uplink only "
+          "(the note gives the two-way arm)", fed.onebit_large, "fl"),
     Claim("sketched-sgd", "Sketched-SGD",
           "Ivkin, Rothchild, Ullah, Braverman, Stoica, Arora, NeurIPS 2019",
           "up to 40x less communication with no accuracy loss", ">= 10x less uplink, within 2 points of FedAvg",
