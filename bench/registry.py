@@ -24,6 +24,7 @@ BENCHMARKS = {
     "swarm": "fedswarm.bench.swarm",
     "robust": "fedswarm.bench.robust",
     "privacy": "fedswarm.bench.privacy",
+    "papers": "fedswarm.bench.papers",
 }
 
 

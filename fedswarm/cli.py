@@ -302,7 +302,7 @@ def client(
 # --------------------------------------------------------------------------------------
 @app.command()
 def bench(
-    name: str = typer.Argument(..., help="Benchmark name: engines, codecs, compression, decentralized, edge, swarm, dashboard, robust, privacy."),
+    name: str = typer.Argument(..., help="Benchmark name: engines, codecs, compression, decentralized, edge, swarm, dashboard, robust, privacy, papers (every seed paper's claim in miniature; also writes DIR/reproductions.md)."),
     out: Path = typer.Option(Path("bench"), "--out", "-o", help="Writes DIR/NAME.json and DIR/NAME.png."),
     quick: bool = typer.Option(False, "--quick", help="A smaller run that finishes in under two minutes on 2 cores."),
     device: str = typer.Option("cpu", "--device", help="Torch device for benchmarks that take one (codecs): cpu or cuda."),

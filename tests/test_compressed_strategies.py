@@ -96,7 +96,7 @@ def _formula(name: str, layout: ParamLayout) -> int:
     if name == "compressed_fedavg":
         return make_codec(p["codec"], **parse_codec_params(p["codec_params"])).wire_bytes(layout)
     if name == "onebit":
-        return make_codec("onebit").wire_bytes(layout)
+        return make_codec("onebit", scale="auto").wire_bytes(layout)  # the strategy's default
     if name == "gtopk":
         return make_codec("topk", ratio=p["density"]).wire_bytes(layout)
     sketch = 4 * p["rows"] * p["cols"]
@@ -162,7 +162,7 @@ def test_onebit_with_error_feedback_is_exact_on_two_valued_columns():
     per column, so the server's second quantization is exact too and no residual is left."""
     rng = np.random.default_rng(0)
     pattern = rng.random(LAYOUT.d) < 0.5
-    strategy = OneBitSGD(LAYOUT)
+    strategy = OneBitSGD(LAYOUT, scale="column")  # the paper's per-column pairs (the test's premise)
     x0 = torch.from_numpy(rng.standard_normal(LAYOUT.d).astype(np.float32))
     _start(strategy, x0)
     codec, ef, replies, deltas, weights = make_codec("onebit"), ErrorFeedback(), [], [], [3, 5, 8]

@@ -70,8 +70,38 @@ class Fp16Codec(Codec):
         return 2 * K * layout.d
 
 
-def _columns(layout: ParamLayout) -> int:
-    return sum(s.matrix_shape[1] for s in layout.specs)
+# ``scale="auto"``: a tensor keeps CNTK's per-column pairs only when its columns have at
+# least this many rows (64 bits of scales per column cost <= 0.25 bit per value there);
+# ``scale="block"``: consecutive columns are grouped until a group holds this many values.
+AUTO_MIN_ROWS = 256
+
+
+def _scale_shape(spec, scale: str) -> tuple[int, int, int]:
+    """``(rows, cols, g)``: the tensor viewed as ``rows x cols``, and ``g`` consecutive
+    columns sharing one (a0, a1) pair (``ceil(cols / g)`` pairs). ``column``: g = 1 on
+    the tensor's matrix columns; ``tensor``: the whole tensor is one column; ``auto``:
+    columns if they have at least ``AUTO_MIN_ROWS`` rows, else the whole tensor;
+    ``block``: g = ceil(AUTO_MIN_ROWS / rows) columns (one column when it is that tall)."""
+    rows, cols = spec.matrix_shape
+    if scale == "column" or (scale == "auto" and rows >= AUTO_MIN_ROWS):
+        return rows, cols, 1
+    if scale == "block":
+        return rows, cols, min(cols, -(-AUTO_MIN_ROWS // rows))
+    return spec.numel, 1, 1
+
+
+def _columns(layout: ParamLayout, scale: str = "column") -> int:
+    """Number of (a0, a1) pairs."""
+    return sum(-(-c // g) for _, c, g in (_scale_shape(s, scale) for s in layout.specs))
+
+
+def _group_sum(t: torch.Tensor, g: int) -> torch.Tensor:
+    """``[k, cols]`` per-column sums to ``[k, ceil(cols / g)]`` per-group sums."""
+    if g == 1:
+        return t
+    k, cols = t.shape
+    n = -(-cols // g)
+    return torch.nn.functional.pad(t, (0, n * g - cols)).view(k, n, g).sum(2)
 
 
 class OneBitCodec(Codec):
@@ -95,6 +125,14 @@ class OneBitCodec(Codec):
     float32 for wide matrices. Arrays: ``bits`` uint8 [K, ceil(d/8)], ``means`` float32
     [K, C, 2] (mean of the negatives, mean of the non-negatives).
 
+    ``scale``: which values share a pair. ``column`` (default) is CNTK's, built for
+    speech DNNs with columns of thousands of rows; on small layers it costs more than the
+    bits (a conv ``[8, 1, 3, 3]`` has 9 columns of 8 rows: 64 bits of scales per 8 bits of
+    signs, capping digits-cnn4 at 11.9x). ``tensor``: one pair per tensor (C = number of
+    tensors). ``auto``: columns where they have >= 256 rows, else the tensor (the
+    ``onebit`` strategy's default). ``block``: consecutive columns grouped until a group
+    holds >= 256 values (ceil(256/rows) columns; finer than a tensor, <= 0.25 bit/value).
+
     Paper: Seide, Fu, Droppo, Li, Yu, "1-Bit Stochastic Gradient Descent and its
     Application to Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014;
     quantizer as in CNTK's ``ColumnQuantizer``.
@@ -102,6 +140,11 @@ class OneBitCodec(Codec):
 
     name = "onebit"
     paper = "Seide et al., Interspeech 2014"
+    hyperparams = (
+        HyperParam("scale", "column", "values sharing one (a0, a1) pair: column (CNTK), tensor, auto "
+                   "(columns of >= 256 rows, else the whole tensor) or block (consecutive columns grouped to "
+                   ">= 256 values)", choices=("column", "tensor", "auto", "block")),
+    )
 
     def _encode(self, x, layout, seed):
         k = x.shape[0]
@@ -109,13 +152,13 @@ class OneBitCodec(Codec):
         acc = _acc_dtype(x.device)
         s_pos, s_neg, n_pos, n_all = [], [], [], []
         for spec in layout.specs:  # reductions per tensor: each has its own column stride
-            rows, cols = spec.matrix_shape
+            rows, cols, g = _scale_shape(spec, self.params["scale"])
             sl = slice(spec.offset, spec.end)
             xt = x[:, sl].view(k, rows, cols)
-            s_pos.append(xt.clamp(min=0).sum(1, dtype=acc))
-            s_neg.append(xt.clamp(max=0).sum(1, dtype=acc))
-            n_pos.append(nonneg[:, sl].view(k, rows, cols).sum(1, dtype=torch.int32))
-            n_all.append(torch.full((cols,), rows, dtype=torch.int32, device=x.device))
+            s_pos.append(_group_sum(xt.clamp(min=0).sum(1, dtype=acc), g))
+            s_neg.append(_group_sum(xt.clamp(max=0).sum(1, dtype=acc), g))
+            n_pos.append(_group_sum(nonneg[:, sl].view(k, rows, cols).sum(1, dtype=torch.int32), g))
+            n_all.append(_group_sum(torch.full((1, cols), rows, dtype=torch.int32, device=x.device), g)[0])
         npos = torch.cat(n_pos, 1)
         nneg = torch.cat(n_all).unsqueeze(0) - npos
         hi = torch.cat(s_pos, 1) / npos.clamp(min=1)
@@ -126,7 +169,7 @@ class OneBitCodec(Codec):
     def _array_specs(self, k, layout, params):
         return {
             "bits": (torch.uint8, (k, (layout.d + 7) // 8)),
-            "means": (torch.float32, (k, _columns(layout), 2)),
+            "means": (torch.float32, (k, _columns(layout, params["scale"]), 2)),
         }
 
     def _decode(self, arrays, k, layout, params, seed):
@@ -139,21 +182,25 @@ class OneBitCodec(Codec):
         out = torch.empty(k, layout.d, dtype=torch.float32, device=dev)
         c = 0
         for spec in layout.specs:
-            rows, cols = spec.matrix_shape
+            rows, cols, g = _scale_shape(spec, params["scale"])
+            n = -(-cols // g)
             sl = slice(spec.offset, spec.end)
+            a0, a1 = lo[:, c : c + n], hi[:, c : c + n]
+            if g > 1:  # each group's pair to each of its columns
+                a0, a1 = a0.repeat_interleave(g, dim=1)[:, :cols], a1.repeat_interleave(g, dim=1)[:, :cols]
             # lerp is exact at both ends (it evaluates from the nearer end), so a1 and a0
             # come back bit for bit
             torch.lerp(
-                lo[:, None, c : c + cols].expand(k, rows, cols),
-                hi[:, None, c : c + cols].expand(k, rows, cols),
+                a0[:, None, :].expand(k, rows, cols),
+                a1[:, None, :].expand(k, rows, cols),
                 w[:, sl].view(k, rows, cols),
                 out=out[:, sl].view(k, rows, cols),
             )
-            c += cols
+            c += n
         return out
 
     def wire_bytes(self, layout, K=1):
-        return K * ((layout.d + 7) // 8 + 8 * _columns(layout))
+        return K * ((layout.d + 7) // 8 + 8 * _columns(layout, self.params["scale"]))
 
 
 class SignCodec(Codec):

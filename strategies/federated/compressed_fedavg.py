@@ -173,6 +173,12 @@ class OneBitSGD(CompressedFedAvg):
     ----------
     layout : ParamLayout
     error_feedback : bool (default: True)
+    scale : str (default: "auto")
+        Values sharing one (a0, a1) pair, both ways: ``column`` (the paper's), ``tensor``,
+        ``block`` (columns grouped to >= 256 values) or ``auto`` (columns of >= 256 rows,
+        else the tensor; see
+        :class:`~fedswarm.algorithms.compression.quant.OneBitCodec`). Per column, small
+        layers pay 64 bits of scales per few bits of signs.
     server_lr, fraction_train, min_train_nodes, min_available_nodes, seed, history
         See :class:`~fedswarm.strategies.federated.compressed_base.CompressedStrategy`.
 
@@ -182,8 +188,9 @@ class OneBitSGD(CompressedFedAvg):
 
     name = "onebit"
 
-    def __init__(self, layout: ParamLayout | None = None, error_feedback: bool = True, **kwargs: Any):
-        super().__init__(layout, codec="onebit", error_feedback=error_feedback, downlink_codec="onebit", **kwargs)
+    def __init__(self, layout: ParamLayout | None = None, error_feedback: bool = True, scale: str = "auto", **kwargs: Any):
+        super().__init__(layout, codec="onebit", codec_params={"scale": scale}, error_feedback=error_feedback,
+                         downlink_codec="onebit", downlink_codec_params={"scale": scale}, **kwargs)
 
 
 # -- the client half -----------------------------------------------------------------------
@@ -241,7 +248,8 @@ def _build_cfa(params: dict, ctx: BuildContext) -> CompressedFedAvg:
 
 def _build_onebit(params: dict, ctx: BuildContext) -> OneBitSGD:
     cfg = ctx.config
-    return OneBitSGD(ctx.layout, error_feedback=params["error_feedback"], server_lr=params["server_lr"],
+    return OneBitSGD(ctx.layout, error_feedback=params["error_feedback"], scale=params["scale"],
+                     server_lr=params["server_lr"],
                      fraction_train=cfg.fraction, min_available_nodes=cfg.clients, seed=cfg.seed)
 
 
@@ -265,9 +273,13 @@ register(StrategyEntry(
 
 register(StrategyEntry(
     name="onebit",
-    description="1-bit SGD: per-column 1-bit quantization with error feedback, 1-bit aggregate sent down.",
+    description="1-bit SGD: 1-bit quantization (per column or tensor) with error feedback, 1-bit aggregate sent down.",
     build=_build_onebit,
-    hyperparams=(HyperParam("error_feedback", True, "keep client and server quantization residuals"), *_COMMON),
+    hyperparams=(HyperParam("error_feedback", True, "keep client and server quantization residuals"),
+                 HyperParam("scale", "auto", "values sharing one pair of reconstruction values: column (the "
+                            "paper's), tensor, auto (columns of >= 256 rows, else the tensor) or block (columns "
+                            "grouped to >= 256 values)", choices=("column", "tensor", "auto", "block")),
+                 *_COMMON),
     client_update=client_update,
     paper="Seide et al., Interspeech 2014",
 ))
