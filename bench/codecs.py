@@ -26,7 +26,7 @@ from fedswarm.params import ParamLayout
 from fedswarm.algorithms.compression.codecs import CODECS, make_codec
 from fedswarm.wire import message_nbytes, payload_to_records
 
-__all__ = ["run", "benchmark_layout", "main"]
+__all__ = ["run", "benchmark_layout"]
 
 _MEMORY_LIMIT = 4 * 2**30  # skip a (d, K) cell whose working set would exceed ~4 GB
 _WORKING_SET = 5  # input + output + codec temporaries, in multiples of the input size

@@ -44,7 +44,7 @@ from fedswarm.config import RunConfig
 from fedswarm.store import Store
 from fedswarm.tasks import Task, get_task
 
-__all__ = ["run", "main", "digits_mlp_wide", "ARMS", "QUICK_ARMS"]
+__all__ = ["run", "digits_mlp_wide", "ARMS", "QUICK_ARMS"]
 
 TASK = "fedswarm.bench.compression:digits_mlp_wide"
 CLIENTS, PARTITION, SEED = 50, "dirichlet:0.5", 0

@@ -50,7 +50,7 @@ from fedswarm.timemodel import BUILTIN_PROFILES, gossip_round_time_s, sync_round
 from fedswarm.store import Store
 from fedswarm.train import task_data
 
-__all__ = ["run", "main"]
+__all__ = ["run"]
 
 NODES, BATCH, SEED, TASK = 16, 16, 0, "digits-mlp"
 LR = 0.3

@@ -263,7 +263,8 @@ def _progfed(store: Store, base_cfg: RunConfig, base_rid: str, base: list[dict])
     fa, pf = rows
     two = lambda r: r["bytes_up"] + r["bytes_down"]  # noqa: E731
     pf["note"] = (f"compute {100 * (1 - pf['flops'] / fa['flops']):.0f}% less, two-way bytes "
-                  f"{100 * (1 - two(pf) / two(fa)):.0f}% less, acc {100 * (pf['final_acc'] - fa['final_acc']):+.1f} pts")
+                  f"{100 * (1 - two(pf) / two(fa)):.0f}% less, "
+                  f"acc {100 * (pf['final_acc'] - fa['final_acc']):+.1f} pts")
     if fa["two_way_to_target"] and pf["two_way_to_target"]:
         pf["note"] += (f"; to {target:.3f}: bytes {100 * (1 - pf['two_way_to_target'] / fa['two_way_to_target']):.0f}%"
                        f", compute {100 * (1 - pf['flops_to_target'] / fa['flops_to_target']):.0f}% less")
@@ -299,7 +300,8 @@ def _hl(store: Store, quick: bool) -> list[dict]:
             stats.append(dict(rounds=n, bytes=sum(r["bytes_up"] + r["bytes_down"] for r in er[:n]),
                               hop_cost=sum(r["hop_cost"] for r in er[:n]), reached=hit is not None))
         use = stats[-tail:] if selector == "learned" else stats
-        mean = lambda k: sum(s[k] for s in use) / len(use)  # noqa: E731
+        def mean(k: str, use: list[dict] = use) -> float:
+            return sum(s[k] for s in use) / len(use)
         rows.append(dict(comparison="HL node selection", arm=selector, episodes=len(stats),
                          measured_episodes=len(use), reached=f"{sum(s['reached'] for s in use)}/{len(use)}",
                          rounds_to_target=mean("rounds"), bytes_to_target=mean("bytes"),

@@ -33,7 +33,7 @@ def run_benchmark(name: str, out: Path, *, quick: bool, console: Console, device
         mod = importlib.import_module(BENCHMARKS[name])
     except ImportError as exc:
         console.print(f"[bold red]error:[/] benchmark '{name}' is not available: {exc}")
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     out.mkdir(parents=True, exist_ok=True)
     kwargs = {}
     if device != "cpu":

@@ -62,36 +62,85 @@ def quiet_flower(verbose: bool) -> None:
 # --------------------------------------------------------------------------------------
 @app.command(no_args_is_help=False)
 def sim(
-    strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help="Strategy name (see `fedswarm strategies`). Default: fedavg."),
-    task: Optional[str] = typer.Option(None, "--task", "-t", help="Task: digits-mlp (default), digits-cnn, digits-cnn4, synthetic-logreg, mnist, cifar10, femnist (and their -resnet variants), or module:function."),
+    strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help=(
+        "Strategy name (see `fedswarm strategies`). Default: fedavg."
+    )),
+    task: Optional[str] = typer.Option(None, "--task", "-t", help=(
+        "Task: digits-mlp (default), digits-cnn, digits-cnn4, synthetic-logreg, mnist, cifar10, femnist (and their "
+        "-resnet variants), or module:function."
+    )),
     clients: Optional[int] = typer.Option(None, "--clients", "-n", help="Number of clients (default 20)."),
     rounds: Optional[int] = typer.Option(None, "--rounds", "-r", help="Number of rounds (default 10)."),
-    fraction: Optional[float] = typer.Option(None, "--fraction", help="Fraction of clients sampled per round, in (0, 1] (default 1)."),
-    partition: Optional[str] = typer.Option(None, "--partition", "-p", help="Data split: iid (default), dirichlet:ALPHA, shards:K."),
+    fraction: Optional[float] = typer.Option(None, "--fraction", help=(
+        "Fraction of clients sampled per round, in (0, 1] (default 1)."
+    )),
+    partition: Optional[str] = typer.Option(None, "--partition", "-p", help=(
+        "Data split: iid (default), dirichlet:ALPHA, shards:K."
+    )),
     local_epochs: Optional[int] = typer.Option(None, "--local-epochs", help="Local epochs per round (default 2)."),
-    local_steps: Optional[int] = typer.Option(None, "--local-steps", help="Local SGD steps per round; overrides --local-epochs."),
+    local_steps: Optional[int] = typer.Option(None, "--local-steps", help=(
+        "Local SGD steps per round; overrides --local-epochs."
+    )),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Local minibatch size (default 16)."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Client learning rate (default 0.3)."),
     momentum: Optional[float] = typer.Option(None, "--momentum", help="Client SGD momentum in [0, 1) (default 0)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for init, split and sampling (default 0)."),
-    engine: Optional[str] = typer.Option(None, "--engine", "-e", help="inprocess (default, no Ray), flower (Flower's Simulation Engine on Ray), array (decentralized algorithms, every node one row of an n-by-d tensor: fast, no Flower messages) or batched (every sampled client trained at once with torch.func.vmap: 10,000+ clients per round; FedAvg). See README 'Which engine when'."),
-    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="--engine batched: memory one chunk of clients may use, e.g. 2GB (default: a quarter of free RAM up to 8 GB, or half the free GPU memory)."),
-    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="--engine flower: attach to a running Ray cluster at this address (e.g. 127.0.0.1:6379) instead of starting one."),
-    device: Optional[str] = typer.Option(None, "--device", help="Torch device: cpu (default), auto, cuda, cuda:N, mps."),
+    engine: Optional[str] = typer.Option(None, "--engine", "-e", help=(
+        "inprocess (default, no Ray), flower (Flower's Simulation Engine on Ray), array (decentralized algorithms, "
+        "every node one row of an n-by-d tensor: fast, no Flower messages) or batched (every sampled client trained at"
+        " once with torch.func.vmap: 10,000+ clients per round; FedAvg). See README 'Which engine when'."
+    )),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help=(
+        "--engine batched: memory one chunk of clients may use, e.g. 2GB (default: a quarter of free RAM up to 8 GB, "
+        "or half the free GPU memory)."
+    )),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help=(
+        "--engine flower: attach to a running Ray cluster at this address (e.g. 127.0.0.1:6379) instead of starting "
+        "one."
+    )),
+    device: Optional[str] = typer.Option(None, "--device", help=(
+        "Torch device: cpu (default), auto, cuda, cuda:N, mps."
+    )),
     name: Optional[str] = typer.Option(None, "--name", help="A label for the run."),
-    devices: Optional[str] = typer.Option(None, "--devices", help="Device classes for the time model, e.g. gpu:4,edge-wifi:12 (profiles: datacenter, gpu, cpu, edge-wifi, edge-lte, straggler); rounds then report simulated time."),
-    profiles: Optional[str] = typer.Option(None, "--profiles", help="A TOML file of device/link profiles merged over the built-in ones."),
-    topology: Optional[str] = typer.Option(None, "--topology", help="Gossip topology for decentralized strategies: ring (default), torus, exp, onepeer-exp, complete, random:D, edges:PATH."),
-    policy: Optional[list[str]] = typer.Option(None, "--policy", help="Per-device-class policy CLASS:KEY=VALUE (repeatable), e.g. edge-lte:local_steps=2. Keys: local_steps, local_epochs, batch_size, lr, codec, pvt_fraction, progfed_max_stage."),
-    byzantine: Optional[int] = typer.Option(None, "--byzantine", help="K Byzantine clients (chosen with the seed) whose replies --attack rewrites; recorded per round, never told to the aggregator."),
-    attack: Optional[str] = typer.Option(None, "--attack", help="NAME[:k=v,...]: signflip[:scale=S], gaussian[:std=S,add=true], alie[:z=Z], ipm[:eps=E], signvote, labelflip, random (default signflip)."),
-    dp: Optional[str] = typer.Option(None, "--dp", help="Client-level DP-FedAvg: noise_multiplier=N[,clip=C,delta=D,adaptive=true,target_epsilon=E] or target_epsilon=E[,delta=D] (noise calibrated to the rounds). Epsilon is reported every round."),
-    dp_sgd: Optional[str] = typer.Option(None, "--dp-sgd", help="Example-level DP-SGD in every client (opacus): noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]."),
+    devices: Optional[str] = typer.Option(None, "--devices", help=(
+        "Device classes for the time model, e.g. gpu:4,edge-wifi:12 (profiles: datacenter, gpu, cpu, edge-wifi, "
+        "edge-lte, straggler); rounds then report simulated time."
+    )),
+    profiles: Optional[str] = typer.Option(None, "--profiles", help=(
+        "A TOML file of device/link profiles merged over the built-in ones."
+    )),
+    topology: Optional[str] = typer.Option(None, "--topology", help=(
+        "Gossip topology for decentralized strategies: ring (default), torus, exp, onepeer-exp, complete, random:D, "
+        "edges:PATH."
+    )),
+    policy: Optional[list[str]] = typer.Option(None, "--policy", help=(
+        "Per-device-class policy CLASS:KEY=VALUE (repeatable), e.g. edge-lte:local_steps=2. Keys: local_steps, "
+        "local_epochs, batch_size, lr, codec, pvt_fraction, progfed_max_stage."
+    )),
+    byzantine: Optional[int] = typer.Option(None, "--byzantine", help=(
+        "K Byzantine clients (chosen with the seed) whose replies --attack rewrites; recorded per round, never told to"
+        " the aggregator."
+    )),
+    attack: Optional[str] = typer.Option(None, "--attack", help=(
+        "NAME[:k=v,...]: signflip[:scale=S], gaussian[:std=S,add=true], alie[:z=Z], ipm[:eps=E], signvote, labelflip, "
+        "random (default signflip)."
+    )),
+    dp: Optional[str] = typer.Option(None, "--dp", help=(
+        "Client-level DP-FedAvg: noise_multiplier=N[,clip=C,delta=D,adaptive=true,target_epsilon=E] or "
+        "target_epsilon=E[,delta=D] (noise calibrated to the rounds). Epsilon is reported every round."
+    )),
+    dp_sgd: Optional[str] = typer.Option(None, "--dp-sgd", help=(
+        "Example-level DP-SGD in every client (opacus): noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]."
+    )),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Strategy hyperparameter KEY=VALUE (repeatable)."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="A TOML run config; command-line options override it."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help=(
+        "A TOML run config; command-line options override it."
+    )),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write DIR/result.json (and DIR/accuracy.png)."),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="Record into this existing run of the store (used by the dashboard)."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help=(
+        "Record into this existing run of the store (used by the dashboard)."
+    )),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and Ray's logs."),
 ) -> None:
     """Simulate a federation on this machine: progress bar, summary table, result.json.
@@ -250,7 +299,9 @@ def runs(
 
 @app.command()
 def strategies(
-    as_json: bool = typer.Option(False, "--json", help="Print the catalog as JSON (the dashboard's form is built from it)."),
+    as_json: bool = typer.Option(False, "--json", help=(
+        "Print the catalog as JSON (the dashboard's form is built from it)."
+    )),
 ) -> None:
     """Every registered strategy, codec and task, with hyperparameters and defaults."""
     from fedswarm.sim.report import catalog, catalog_tables
@@ -270,12 +321,23 @@ def strategies(
 def client(
     superlink: str = typer.Option(..., "--superlink", help="The SuperLink's Fleet API address, HOST:PORT."),
     partition_id: int = typer.Option(0, "--partition-id", min=0, help="Which data partition this node trains on."),
-    num_partitions: int = typer.Option(1, "--num-partitions", min=1, help="How many partitions the data is split into."),
-    device_class: Optional[str] = typer.Option(None, "--device-class", help="Device class reported to the server (default: probed)."),
+    num_partitions: int = typer.Option(1, "--num-partitions", min=1, help=(
+        "How many partitions the data is split into."
+    )),
+    device_class: Optional[str] = typer.Option(None, "--device-class", help=(
+        "Device class reported to the server (default: probed)."
+    )),
     insecure: bool = typer.Option(False, "--insecure", help="Connect without TLS (loopback tests and demos only)."),
-    root_certificates: Optional[Path] = typer.Option(None, "--root-certificates", help="CA certificate for TLS (ca.pem from `fedswarm certs`)."),
-    auth_key: Optional[Path] = typer.Option(None, "--auth-key", help="This node's authentication private key (supernodes/NAME.key from `fedswarm certs`); its .pub must be registered on the SuperLink with `flwr supernode register`."),
-    clientappio_port: Optional[int] = typer.Option(None, "--clientappio-port", help="Local port for the SuperNode's ClientAppIo API (default: Flower's)."),
+    root_certificates: Optional[Path] = typer.Option(None, "--root-certificates", help=(
+        "CA certificate for TLS (ca.pem from `fedswarm certs`)."
+    )),
+    auth_key: Optional[Path] = typer.Option(None, "--auth-key", help=(
+        "This node's authentication private key (supernodes/NAME.key from `fedswarm certs`); its .pub must be "
+        "registered on the SuperLink with `flwr supernode register`."
+    )),
+    clientappio_port: Optional[int] = typer.Option(None, "--clientappio-port", help=(
+        "Local port for the SuperNode's ClientAppIo API (default: Flower's)."
+    )),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the flower-supernode command and exit."),
 ) -> None:
     """Join a federation: start a Flower SuperNode that runs fedswarm's ClientApp."""
@@ -302,10 +364,15 @@ def client(
 # --------------------------------------------------------------------------------------
 @app.command()
 def bench(
-    name: str = typer.Argument(..., help="Benchmark name: engines, codecs, compression, decentralized, edge, swarm, dashboard, robust, privacy, papers (every seed paper's claim in miniature; also writes DIR/reproductions.md)."),
+    name: str = typer.Argument(..., help=(
+        "Benchmark name: engines, codecs, compression, decentralized, edge, swarm, dashboard, robust, privacy, papers "
+        "(every seed paper's claim in miniature; also writes DIR/reproductions.md)."
+    )),
     out: Path = typer.Option(Path("bench"), "--out", "-o", help="Writes DIR/NAME.json and DIR/NAME.png."),
     quick: bool = typer.Option(False, "--quick", help="A smaller run that finishes in under two minutes on 2 cores."),
-    device: str = typer.Option("cpu", "--device", help="Torch device for benchmarks that take one (codecs): cpu or cuda."),
+    device: str = typer.Option("cpu", "--device", help=(
+        "Torch device for benchmarks that take one (codecs): cpu or cuda."
+    )),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and Ray's logs."),
 ) -> None:
     """Run a benchmark: prints a table, writes JSON and a PNG, compares side by side in one run."""
@@ -322,12 +389,24 @@ def dashboard(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8080, "--port", min=1, max=65535, help="Port to listen on."),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
-    superlink: Optional[str] = typer.Option(None, "--superlink", help="A SuperLink connection name from Flower's config.toml, for the nodes and federation pages (or $FEDSWARM_SUPERLINK)."),
-    https: bool = typer.Option(False, "--https", help="Users reach the dashboard over HTTPS (e.g. a TLS-terminating proxy): cookies are Secure and pages send HSTS."),
-    behind_proxy: bool = typer.Option(False, "--behind-proxy", help="Trust X-Forwarded-For/-Proto from the proxy in front (client addresses for the login throttle, the scheme). Only with a proxy really there."),
-    certfile: Optional[Path] = typer.Option(None, "--certfile", help="Serve TLS directly with this certificate (PEM); implies --https."),
+    superlink: Optional[str] = typer.Option(None, "--superlink", help=(
+        "A SuperLink connection name from Flower's config.toml, for the nodes and federation pages (or "
+        "$FEDSWARM_SUPERLINK)."
+    )),
+    https: bool = typer.Option(False, "--https", help=(
+        "Users reach the dashboard over HTTPS (e.g. a TLS-terminating proxy): cookies are Secure and pages send HSTS."
+    )),
+    behind_proxy: bool = typer.Option(False, "--behind-proxy", help=(
+        "Trust X-Forwarded-For/-Proto from the proxy in front (client addresses for the login throttle, the scheme). "
+        "Only with a proxy really there."
+    )),
+    certfile: Optional[Path] = typer.Option(None, "--certfile", help=(
+        "Serve TLS directly with this certificate (PEM); implies --https."
+    )),
     keyfile: Optional[Path] = typer.Option(None, "--keyfile", help="The private key (PEM) of --certfile."),
-    report_timeout: Optional[float] = typer.Option(None, "--report-timeout", min=5, help="Seconds without a report after which a run registered through ingest shows as lost (default 120)."),
+    report_timeout: Optional[float] = typer.Option(None, "--report-timeout", min=5, help=(
+        "Seconds without a report after which a run registered through ingest shows as lost (default 120)."
+    )),
 ) -> None:
     """Open the web dashboard: start, watch, pause and stop runs; see every node.
 

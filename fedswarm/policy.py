@@ -33,7 +33,8 @@ class DevicePolicy(BaseModel):
     local_epochs: int | None = Field(None, ge=1, le=10_000, description="local epochs per round")
     batch_size: int | None = Field(None, ge=1, le=1_000_000, description="local minibatch size")
     lr: float | None = Field(None, gt=0, le=100, allow_inf_nan=False, description="client learning rate")
-    codec: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="uplink codec (compressed strategies)")
+    codec: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+                              description="uplink codec (compressed strategies)")
     codec_params: dict[str, Any] | None = Field(None, description="codec hyperparameters")
     pvt_fraction: float | None = Field(None, gt=0, le=1, allow_inf_nan=False,
                                        description="share of variables trained (partial-variable training)")

@@ -174,7 +174,7 @@ class ByzantineGrid(Grid):
                 if vec.shape[0] != 1:
                     return None
 
-                def write_codec(x: torch.Tensor, meta=dict(payload.meta), name=name) -> None:
+                def write_codec(x: torch.Tensor, meta=dict(payload.meta), name=name) -> None:  # noqa: B006 (bound now)
                     params = {h.name: meta[h.name] for h in CODECS[name].hyperparams}
                     new = make_codec(name, **params).encode(x[None].float(), self.layout, seed=int(meta["seed"]))
                     payload_to_records(new, content)

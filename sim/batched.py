@@ -342,8 +342,10 @@ class BatchedTrainer:
             params = self._params(theta)
             w_chunk = weights[lo:hi].to(torch.float64)
             if per_client_loss:
-                per_example = vmap(lambda xi, yi: functional_call(self._objective, params, (xi[None], yi[None])))(
-                    self.x[rows], self.y[rows])
+                def one(xi, yi, params=params):  # one example's loss; called at once, within this chunk
+                    return functional_call(self._objective, params, (xi[None], yi[None]))
+
+                per_example = vmap(one)(self.x[rows], self.y[rows])
                 (g,) = torch.autograd.grad((per_example * coef).sum(), theta)
                 loss = torch.zeros(hi - lo, device=self.device).index_add_(0, client_of, per_example.detach())
                 loss = (loss / per_client.clamp_min(1)).cpu()

@@ -52,7 +52,8 @@ def summary_table(result: dict) -> Table:
     if s.get("epsilon_example") is not None:
         t.add_row("privacy spent (example level)", f"ε = {s['epsilon_example']:.3f} at δ = {s.get('delta_example'):g}")
     if s.get("byzantine_nodes"):
-        t.add_row("Byzantine clients", f"{len(s['byzantine_nodes'])} ({s.get('attack')}): nodes {', '.join(s['byzantine_nodes'])}")
+        t.add_row("Byzantine clients",
+                  f"{len(s['byzantine_nodes'])} ({s.get('attack')}): nodes {', '.join(s['byzantine_nodes'])}")
     failed = [r["round"] for r in rows if r.get("decode_failed")]
     if failed:
         t.add_row("rounds not decoded", f"{len(failed)} (more liars than the code corrects): {failed[:10]}")

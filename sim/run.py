@@ -122,7 +122,8 @@ def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, ou
             run = store.get_run(run_id)
             total = run.total_rounds if run is not None else cfg.rounds
             acc = row.get("test_accuracy")
-            eps = " ".join(f"{label} {row[key]:.3f}" for key, label in (("epsilon", "ε"), ("epsilon_example", "ε/example"))
+            eps = " ".join(f"{label} {row[key]:.3f}" for key, label in (("epsilon", "ε"), ("epsilon_example",
+                                                                                           "ε/example"))
                            if row.get(key) is not None)
             progress.update(bar, completed=rnd, total=total, acc=f"{acc:.3f}" if acc is not None else "-",
                             up=human_bytes(totals["up"]), eps=eps)

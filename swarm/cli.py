@@ -41,26 +41,38 @@ def _params(items: list[str] | None) -> dict:
 def peer(
     listen: str = typer.Option("127.0.0.1:7070", "--listen", help="HOST:PORT to listen on."),
     join: list[str] | None = typer.Option(None, "--join", help="HOST:PORT of any known peer (repeatable)."),
-    algorithm: str = typer.Option("dpsgd", "--algorithm", "-a", help="dpsgd, d2, dsgdm, qgm, adpsgd, lsgd, swarm_merge, squarm."),
+    algorithm: str = typer.Option("dpsgd", "--algorithm", "-a", help=(
+        "dpsgd, d2, dsgdm, qgm, adpsgd, lsgd, swarm_merge, squarm."
+    )),
     set_: list[str] | None = typer.Option(None, "--set", help="Algorithm hyperparameter KEY=VALUE (repeatable)."),
     task: str = typer.Option("digits-mlp", "--task", "-t", help="Task (model + data)."),
     partition: str = typer.Option("iid", "--partition", "-p", help="iid, dirichlet:ALPHA or shards:K."),
     partition_id: int = typer.Option(0, "--partition-id", min=0, help="This peer's data partition."),
-    num_partitions: int = typer.Option(1, "--num-partitions", min=1, help="How many partitions the data is split into."),
+    num_partitions: int = typer.Option(1, "--num-partitions", min=1, help=(
+        "How many partitions the data is split into."
+    )),
     rounds: int = typer.Option(10, "--rounds", "-r", min=1, help="Rounds to train."),
     local_steps: int = typer.Option(10, "--local-steps", min=1, help="Local SGD steps per round."),
     batch_size: int = typer.Option(16, "--batch-size", min=1, help="Local minibatch size."),
     lr: float = typer.Option(0.1, "--lr", min=0.0, help="Learning rate."),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed (model init is shared by every peer)."),
-    topology: str = typer.Option("ring", "--topology", help="Topology over the sorted member ids: ring, torus, exp, complete, ..."),
-    keys_dir: Path | None = typer.Option(None, "--keys", help="Key directory (created on first start). Default: STATE_DIR/keys."),
+    topology: str = typer.Option("ring", "--topology", help=(
+        "Topology over the sorted member ids: ring, torus, exp, complete, ..."
+    )),
+    keys_dir: Path | None = typer.Option(None, "--keys", help=(
+        "Key directory (created on first start). Default: STATE_DIR/keys."
+    )),
     allow: Path | None = typer.Option(None, "--allow", help="Allow list: one public key per line, # comments."),
     insecure_allow_any: bool = typer.Option(False, "--insecure-allow-any", help="Admit any key (loopback demos only)."),
     state_dir: Path = typer.Option(Path("peer-state"), "--state-dir", help="Checkpoint, result.json and models."),
     min_peers: int = typer.Option(1, "--min-peers", min=1, help="Wait until this many peers are known before round 1."),
-    round_timeout: float = typer.Option(10.0, "--round-timeout", min=0.1, help="Seconds to wait for neighbours in a round."),
+    round_timeout: float = typer.Option(10.0, "--round-timeout", min=0.1, help=(
+        "Seconds to wait for neighbours in a round."
+    )),
     heartbeat: float = typer.Option(0.5, "--heartbeat", min=0.01, help="Heartbeat interval in seconds."),
-    suspect_after: int = typer.Option(4, "--suspect-after", min=1, help="Missed heartbeats before a peer is suspected."),
+    suspect_after: int = typer.Option(4, "--suspect-after", min=1, help=(
+        "Missed heartbeats before a peer is suspected."
+    )),
     remove_after: int = typer.Option(8, "--remove-after", min=1, help="Missed heartbeats before a peer is removed."),
     db: str | None = typer.Option(None, "--db", help="Record into this run store (SQLite path or URL)."),
     report: str | None = typer.Option(None, "--report", help="Dashboard URL to POST heartbeats and rounds to."),
@@ -68,12 +80,24 @@ def peer(
     run_id: str | None = typer.Option(None, "--run-id", help="Run id to report under (default swarm-ALGORITHM-SEED)."),
     tls_cert: Path | None = typer.Option(None, "--tls-cert", help="TLS certificate (PEM) of this peer."),
     tls_key: Path | None = typer.Option(None, "--tls-key", help="TLS private key (PEM) of this peer."),
-    tls_ca: Path | None = typer.Option(None, "--tls-ca", help="CA to verify peers' certificates (default: encrypt only)."),
-    swarm_ca: Path | None = typer.Option(None, "--swarm-ca", help="Permissioned swarm: only peers with a certificate this CA issued (`fedswarm certs`) may join; mutual TLS, identity bound to the certificate. --tls-key defaults to the identity key."),
-    tls_crl: Path | None = typer.Option(None, "--tls-crl", help="The swarm CA's revocation list (crl.pem from `fedswarm certs revoke`)."),
-    encrypt: bool = typer.Option(True, "--encrypt/--no-encrypt", help="Without TLS, send model bodies AES-256-GCM encrypted (keys from the peers' identity keys; no forward secrecy: use --swarm-ca for that)."),
+    tls_ca: Path | None = typer.Option(None, "--tls-ca", help=(
+        "CA to verify peers' certificates (default: encrypt only)."
+    )),
+    swarm_ca: Path | None = typer.Option(None, "--swarm-ca", help=(
+        "Permissioned swarm: only peers with a certificate this CA issued (`fedswarm certs`) may join; mutual TLS, "
+        "identity bound to the certificate. --tls-key defaults to the identity key."
+    )),
+    tls_crl: Path | None = typer.Option(None, "--tls-crl", help=(
+        "The swarm CA's revocation list (crl.pem from `fedswarm certs revoke`)."
+    )),
+    encrypt: bool = typer.Option(True, "--encrypt/--no-encrypt", help=(
+        "Without TLS, send model bodies AES-256-GCM encrypted (keys from the peers' identity keys; no forward secrecy:"
+        " use --swarm-ca for that)."
+    )),
     max_body_mb: int = typer.Option(1024, "--max-body-mb", min=1, help="Largest message body accepted, MiB."),
-    save_models: bool = typer.Option(False, "--save-models", help="Save the model of every round under STATE_DIR/models."),
+    save_models: bool = typer.Option(False, "--save-models", help=(
+        "Save the model of every round under STATE_DIR/models."
+    )),
     linger: float = typer.Option(5.0, "--linger", min=0.0, help="Seconds to keep serving after the last round."),
     min_round_s: float = typer.Option(0.0, "--min-round-s", min=0.0, help="Pace: each round lasts at least this long."),
     device: str = typer.Option("cpu", "--device", help="Torch device."),
@@ -102,7 +126,8 @@ def peer(
             remove_after=remove_after, db=db, report_url=report, token=token, run_id=run_id,
             tls_cert=str(tls_cert) if tls_cert else None, tls_key=str(tls_key) if tls_key else None,
             tls_ca=str(tls_ca) if tls_ca else None, swarm_ca=str(swarm_ca) if swarm_ca else None,
-            tls_crl=str(tls_crl) if tls_crl else None, encrypt=encrypt, max_body_mb=max_body_mb, save_models=save_models,
+            tls_crl=str(tls_crl) if tls_crl else None, encrypt=encrypt, max_body_mb=max_body_mb,
+            save_models=save_models,
             linger_s=linger, min_round_s=min_round_s, device=device, threads=threads)
     except ValidationError as exc:
         _fail(describe_validation_error(exc))
@@ -127,11 +152,17 @@ def peer(
 
 def swarm(
     peers: int = typer.Option(4, "--peers", "-n", min=1, max=256, help="Number of peer processes."),
-    algorithm: str = typer.Option("dpsgd", "--algorithm", "-a", help="dpsgd, d2, dsgdm, qgm, adpsgd, lsgd, swarm_merge, squarm."),
+    algorithm: str = typer.Option("dpsgd", "--algorithm", "-a", help=(
+        "dpsgd, d2, dsgdm, qgm, adpsgd, lsgd, swarm_merge, squarm."
+    )),
     rounds: int = typer.Option(10, "--rounds", "-r", min=1, help="Rounds."),
-    out: Path = typer.Option(Path("swarm-out"), "--out", "-o", help="Writes DIR/result.json; peers' state under DIR/peers."),
+    out: Path = typer.Option(Path("swarm-out"), "--out", "-o", help=(
+        "Writes DIR/result.json; peers' state under DIR/peers."
+    )),
     fail: str | None = typer.Option(None, "--fail", help="K@R: kill K peers when the swarm reaches round R."),
-    restart_after: float | None = typer.Option(None, "--restart-after", help="Restart the killed peers after this many seconds."),
+    restart_after: float | None = typer.Option(None, "--restart-after", help=(
+        "Restart the killed peers after this many seconds."
+    )),
     task: str = typer.Option("digits-mlp", "--task", "-t", help="Task (model + data)."),
     partition: str = typer.Option("iid", "--partition", "-p", help="iid, dirichlet:ALPHA or shards:K."),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed."),
@@ -140,7 +171,9 @@ def swarm(
     lr: float = typer.Option(0.1, "--lr", min=0.0, help="Learning rate."),
     topology: str = typer.Option("ring", "--topology", help="Topology over the sorted member ids."),
     set_: list[str] | None = typer.Option(None, "--set", help="Algorithm hyperparameter KEY=VALUE (repeatable)."),
-    round_timeout: float = typer.Option(10.0, "--round-timeout", min=0.1, help="Seconds to wait for neighbours in a round."),
+    round_timeout: float = typer.Option(10.0, "--round-timeout", min=0.1, help=(
+        "Seconds to wait for neighbours in a round."
+    )),
     timeout: float = typer.Option(600.0, "--timeout", min=1.0, help="Stop everything after this many seconds."),
 ) -> None:
     """Start N peers on this machine, wait for them and write DIR/result.json."""
@@ -172,7 +205,8 @@ def _print_table(result: dict) -> None:
         t.add_column(col, justify="right")
     f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731  (— = not measured)
     for r in result["rounds"]:
-        t.add_row(str(r["round"]), str(r["num_clients"]), f(r["test_accuracy"], ".3f"), f(r["mean_peer_accuracy"], ".3f"),
+        t.add_row(str(r["round"]), str(r["num_clients"]), f(r["test_accuracy"], ".3f"), f(r["mean_peer_accuracy"],
+                                                                                          ".3f"),
                   f(r.get("consensus_distance"), ".3g"), f(r["bytes_up"], ","), f(r["wall_s"], ".2f"))
     Console(width=None if sys.stdout.isatty() else 140).print(t)
 

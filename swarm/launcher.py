@@ -201,7 +201,8 @@ def aggregate(spec: SwarmSpec, pdirs: list[Path], ids: list[str], *, killed=(), 
                                                                        torch.device("cpu"))
             entry["consensus_distance"] = float((X - avg).pow(2).sum(dim=1).mean())
         else:
-            entry["test_loss"], entry["test_accuracy"], entry["consensus_distance"] = None, entry["mean_peer_accuracy"], None
+            entry["test_loss"], entry["consensus_distance"] = None, None
+            entry["test_accuracy"] = entry["mean_peer_accuracy"]
         rounds.append(entry)
     peers = []
     for i, rec in enumerate(records):

@@ -180,7 +180,8 @@ class Peer:
             self.verifier.count("malformed")
             s.send("nack", {"reason": f"unknown kind {msg.kind!r}"}, re=msg.nonce)
 
-    def push(self, targets: list[str], kind: str, r: int, body=b"", meta: dict | None = None) -> dict[str, Message | None]:
+    def push(self, targets: list[str], kind: str, r: int, body=b"", meta: dict | None = None) -> dict[str,
+                                                                                                      Message | None]:
         """Send ``kind`` for round ``r`` to each target in parallel; their ack (or None)."""
         meta = {**(meta or {}), "round": r}
         futures = {t: self.pool.submit(self._send_one, t, kind, meta, body) for t in targets}

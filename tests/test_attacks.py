@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedswarm.algorithms.robust.attacks import alie_z, parse_attack
 from fedswarm.params import ParamLayout
@@ -71,7 +71,8 @@ class _FakeGrid:
             nid = m.metadata.dst_node_id
             self.seen[nid] = m
             x = arrayrecord_to_vector(m.content.array_records["arrays"]) + self.changes[nid]
-            reply = Message(RecordDict({"arrays": vector_to_arrayrecord(x), "metrics": MetricRecord({"num-examples": 1})}),
+            reply = Message(RecordDict({"arrays": vector_to_arrayrecord(x),
+                                        "metrics": MetricRecord({"num-examples": 1})}),
                             reply_to=m)
             reply.metadata.__dict__["_src_node_id"] = nid
             out.append(reply)
@@ -127,5 +128,5 @@ def test_random_bytes_attack_keeps_sizes():
 
 def test_too_many_byzantine_is_refused():
     with pytest.raises(ValueError, match="7 Byzantine clients asked for, the federation has 6"):
-        ByzantineGrid(_FakeGrid(6, 2), parse_attack("ipm"), 7, seed=0, layout=None).byzantine
+        _ = ByzantineGrid(_FakeGrid(6, 2), parse_attack("ipm"), 7, seed=0, layout=None).byzantine
     assert math.isfinite(alie_z(3, 3))

@@ -150,7 +150,7 @@ def test_minibatches_are_the_local_trainers():
         part = torch.from_numpy(partition_indices(data.train_y.numpy(), "iid", 40, cfg.seed)[pid])
         visited: list[torch.Tensor] = []
 
-        def objective(model, x, y):
+        def objective(model, x, y, visited=visited):
             visited.append(x.clone())
             return model(x).sum()
 

@@ -32,7 +32,8 @@ LAYOUT = ParamLayout.from_shapes(
 )
 D = LAYOUT.d
 # small-d settings that keep every codec non-trivial at d = 106
-SMALL = {"topk": {"ratio": 0.05}, "randk": {"ratio": 0.1}, "qsgd": {"levels": 4, "bucket": 32}, "countsketch": {"k_ratio": 0.1}}
+SMALL = {"topk": {"ratio": 0.05}, "randk": {"ratio": 0.1}, "qsgd": {"levels": 4, "bucket": 32},
+         "countsketch": {"k_ratio": 0.1}}
 PER_ROW_SEED = {"qsgd"}  # codecs whose row i uses seed + i; the rest share the seed
 
 
@@ -128,7 +129,8 @@ def np_countsketch_decode(x: np.ndarray, buckets, signs, cols: int, k: int) -> n
         for j in range(rows):
             for i in range(d):
                 table[j, buckets[j, i]] += signs[j, i] * float(x[r, i])
-        est = np.array([np.sort([signs[j, i] * table[j, buckets[j, i]] for j in range(rows)])[(rows - 1) // 2] for i in range(d)])
+        est = np.array([np.sort([signs[j, i] * table[j, buckets[j, i]] for j in range(rows)])[(rows - 1) // 2]
+                        for i in range(d)])
         keep = np.argsort(-np.abs(est), kind="stable")[:k]
         out[r, keep] = est[keep]
     return out
@@ -442,9 +444,11 @@ def first_float(p: Payload) -> str:
 MUTATIONS = {
     "missing array": (lambda p: with_arrays(p, **{next(iter(p.arrays)): None}), "missing array"),
     "extra array": (lambda p: with_arrays(p, junk=torch.zeros(2, 3)), "unexpected array"),
-    "wrong dtype": (lambda p: with_arrays(p, **{k: v.to(torch.float64) for k, v in list(p.arrays.items())[:1]}), "dtype float64"),
+    "wrong dtype": (lambda p: with_arrays(p, **{k: v.to(torch.float64) for k, v in list(p.arrays.items())[:1]}),
+                    "dtype float64"),
     "wrong shape": (lambda p: with_arrays(p, **{k: v[..., :-1] for k, v in list(p.arrays.items())[:1]}), "shape"),
-    "nan": (lambda p: with_arrays(p, **{first_float(p): p.arrays[first_float(p)].clone().fill_(float("nan"))}), "non-finite"),
+    "nan": (lambda p: with_arrays(p, **{first_float(p): p.arrays[first_float(p)].clone().fill_(float("nan"))}),
+            "non-finite"),
     "missing meta": (lambda p: with_meta(p, d=None), "missing d"),
     "extra meta": (lambda p: with_meta(p, extra=1), "unexpected keys extra"),
     "other codec": (lambda p: with_meta(p, codec="zip"), "'codec' is 'zip'"),
@@ -572,7 +576,8 @@ def test_every_codec_is_described():
         assert rows[name]["description"]
         for h in rows[name]["hyperparams"]:
             assert h["help"] and h["allowed"]
-    assert [r["name"] for r in describe_codecs() if r["error_feedback"]] == ["onebit", "sign", "topk", "randk", "countsketch"]
+    assert [r["name"] for r in describe_codecs() if r["error_feedback"]] == ["onebit", "sign", "topk", "randk",
+                                                                             "countsketch"]
     assert [r["name"] for r in describe_codecs() if r["unbiased"]] == ["none", "qsgd"]
 
 

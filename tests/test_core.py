@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedswarm.config import ConfigError, RunConfig, parse_set
 from fedswarm.params import ParamLayout, get_flat, set_flat
@@ -176,7 +176,8 @@ def test_partitions_cover_the_pool():
     skew = partition_indices(labels, "dirichlet:0.05", 20, seed=1)
     top_share = np.mean([np.bincount(labels[p], minlength=10).max() / len(p) for p in skew])
     assert top_share > 0.6
-    assert partition_indices(labels, "iid", 20, seed=1)[0].tolist() == partition_indices(labels, "iid", 20, 1)[0].tolist()
+    assert partition_indices(labels, "iid", 20, seed=1)[0].tolist() == partition_indices(labels, "iid", 20,
+                                                                                         1)[0].tolist()
 
 
 def test_logreg_oracle_is_the_optimum():

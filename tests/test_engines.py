@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from fedswarm.config import RunConfig
 from fedswarm.sim.inprocess import run_inprocess

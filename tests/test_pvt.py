@@ -177,7 +177,8 @@ def test_ids_from_the_shared_seed_give_the_same_model():
     k = pvt_schedule.num_selected(len(layout), 0.34)
     trained = set()
     for node in (1, 2):
-        trained |= set(pvt_schedule.select_variables(len(layout), k, pvt_schedule.selection_seed(cfg.seed, 1, node)).tolist())
+        trained |= set(pvt_schedule.select_variables(len(layout), k, pvt_schedule.selection_seed(cfg.seed, 1,
+                                                                                                 node)).tolist())
     untouched = layout.mask([s.name for i, s in enumerate(layout.specs) if i not in trained])
     assert untouched.any() and torch.equal(models[0][untouched], flat[untouched])
     assert not torch.equal(models[0][~untouched], flat[~untouched])
@@ -196,7 +197,8 @@ def test_all_variables_is_fedavg():
     msg, flat = _message(cfg, node_id=1)
     models = []
     for strategy, fedavg_cfg in ((pvt.build(pvt.resolve_params("pvt", cfg.params), pvt.BuildContext(cfg, layout)),
-                                  None), (FedAvg(min_available_nodes=3), cfg.model_copy(update={"strategy": "fedavg"}))):
+                                  None), (FedAvg(min_available_nodes=3),
+                                          cfg.model_copy(update={"strategy": "fedavg"}))):
         run_cfg = fedavg_cfg or cfg
         grid = InProcessGrid(app, 3, run_config=run_cfg.to_flat())
         conf = ConfigRecord(dict(msg.content["config"]))

@@ -97,7 +97,8 @@ def test_killed_peer_costs_neighbours_an_exchange_and_restarts_from_its_checkpoi
     from fedswarm.swarm.net.identity import create_or_load
 
     n, victim = 3, 2
-    spec = SwarmSpec(peers=n, algorithm="dpsgd", rounds=500, local_steps=5, task="synthetic-logreg", round_timeout_s=1.0,
+    spec = SwarmSpec(peers=n, algorithm="dpsgd", rounds=500, local_steps=5, task="synthetic-logreg",
+                     round_timeout_s=1.0,
                      heartbeat_s=0.2, save_models=False, extra_args=["--min-round-s", "0.25", "--linger", "0"])
     pdirs = [tmp_path / f"p{i}" for i in range(n)]
     ids = [create_or_load(d / "keys").peer_id for d in pdirs]

@@ -37,7 +37,8 @@ def list_nodes(supernodes_too: bool = Query(True, alias="supernodes",
 
 
 @router.get("/policies", response_model=list[schemas.PolicyOut], responses=ERRORS, tags=["policies"])
-def list_policies(run_id: str | None = Query(None, pattern=schemas.RUN_ID_PATTERN), _: Principal = Depends(require_reader),
+def list_policies(run_id: str | None = Query(None, pattern=schemas.RUN_ID_PATTERN),
+                  _: Principal = Depends(require_reader),
                   ctx: WebContext = Depends(get_ctx)) -> list[schemas.PolicyOut]:
     """The policy of each device class per run (every change folded in order)."""
     return queries.policies(ctx.store, run_id)

@@ -102,7 +102,8 @@ class Codec:
         meta = {"codec": self.name, "K": int(x.shape[0]), "d": layout.d, "seed": int(seed), **self.params}
         return Payload(arrays=arrays, meta=meta)
 
-    def decode(self, payload: Payload, layout: ParamLayout, *, device: torch.device | str | None = None) -> torch.Tensor:
+    def decode(self, payload: Payload, layout: ParamLayout, *,
+               device: torch.device | str | None = None) -> torch.Tensor:
         """The ``[K, d]`` float32 vector a payload stands for, on ``device`` (default: the
         payload's device, CPU for numpy arrays). Raises PayloadError if it is malformed."""
         k, params, seed = self._check_meta(payload, layout)
@@ -126,12 +127,14 @@ class Codec:
     def _encode(self, x: torch.Tensor, layout: ParamLayout, seed: int) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def _decode(self, arrays: dict[str, torch.Tensor], k: int, layout: ParamLayout, params: dict[str, Any], seed: int) -> torch.Tensor:
+    def _decode(self, arrays: dict[str, torch.Tensor], k: int, layout: ParamLayout, params: dict[str, Any],
+                seed: int) -> torch.Tensor:
         """``arrays`` are checked against ``_array_specs``; ``params`` and ``seed`` come from
         the payload's meta."""
         raise NotImplementedError
 
-    def _array_specs(self, k: int, layout: ParamLayout, params: dict[str, Any]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    def _array_specs(self, k: int, layout: ParamLayout,
+                     params: dict[str, Any]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Expected ``{key: (dtype, shape)}`` of a valid payload; raise PayloadError if the
         hyperparameters themselves are inconsistent with the layout."""
         raise NotImplementedError
@@ -167,7 +170,8 @@ class Codec:
             raise self._fail(f"meta {exc}") from None
         return k, params, int(meta["seed"])
 
-    def _check_arrays(self, payload: Payload, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], device: torch.device) -> dict[str, torch.Tensor]:
+    def _check_arrays(self, payload: Payload, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                      device: torch.device) -> dict[str, torch.Tensor]:
         arrays = payload.arrays
         missing, extra = set(specs) - set(arrays), set(arrays) - set(specs)
         if missing:

@@ -181,7 +181,8 @@ class ClientLevelDP:
         metrics = {"dp_clip": self.clip, "dp_noise_multiplier": self.noise_multiplier,
                    "dp_clipped_fraction": float(1.0 - within.float().mean())}
         if self.spec.adaptive:
-            b = (float(within.sum()) + float(torch.randn((), generator=self.generator, dtype=torch.float64)) * sigma_b) / k
+            b = (float(within.sum()) + float(torch.randn((), generator=self.generator,
+                                                         dtype=torch.float64)) * sigma_b) / k
             self.clip *= math.exp(-self.spec.clip_lr * (b - self.spec.quantile))
         self.accountant.step(self.q, self.noise_multiplier, 1)
         metrics["epsilon"] = self.accountant.epsilon()

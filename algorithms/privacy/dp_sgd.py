@@ -69,7 +69,8 @@ def dp_sgd_fit(trainer, flat: torch.Tensor, spec, *, steps: int, batch_size: int
             opt.zero_grad(set_to_none=True)
             if idx.numel() == 0:  # nobody sampled: the step is noise alone
                 for p in params:
-                    p.grad = torch.randn(p.shape, generator=g).to(p.device) * (spec.noise_multiplier * spec.clip / batch)
+                    p.grad = torch.randn(p.shape,
+                                         generator=g).to(p.device) * (spec.noise_multiplier * spec.clip / batch)
                 opt.original_optimizer.step()
                 continue
             loss = trainer.task.objective(gsm, trainer.x[idx], trainer.y[idx])

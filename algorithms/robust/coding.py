@@ -82,7 +82,6 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import numpy as np
 from numpy.polynomial import chebyshev as C
@@ -280,7 +279,8 @@ class PolynomialCode:
         if resid > tol:
             return DecodeResult(False, None, (), missing,
                                 f"after dropping {len(drop)} rows the rest is still not a codeword "
-                                f"(residual {resid / max(norm, 1e-300):.1e} of the messages): more than {t} workers lied")
+                                f"(residual {resid / max(norm, 1e-300):.1e} of the messages): "
+                                f"more than {t} workers lied")
         sums = C.chebvander(self.beta, self.k - 1) @ coef  # [m, ℓ]
         liars = tuple(int(rows[i]) for i in drop)
         return DecodeResult(True, sums.reshape(-1)[:d].copy(), liars, missing, "", greedy,

@@ -75,7 +75,7 @@ def _cached_offsets(_key: str, raw: bytes, dtype: str, spec: str, num_partitions
 def _cached(_key: str, raw: bytes, dtype: str, spec: str, num_partitions: int, seed: int) -> tuple[np.ndarray, ...]:
     try:
         from datasets import Dataset
-        from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, ShardPartitioner
+        from flwr_datasets.partitioner import IidPartitioner, ShardPartitioner
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise RuntimeError(
             "partitioning needs flwr-datasets: install fedswarm with the 'sim' extra "

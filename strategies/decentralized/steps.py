@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from fedswarm.config import round_seed
 from fedswarm.params import set_flat
 from fedswarm.train import LocalTrainer
 

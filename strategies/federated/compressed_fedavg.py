@@ -188,7 +188,8 @@ class OneBitSGD(CompressedFedAvg):
 
     name = "onebit"
 
-    def __init__(self, layout: ParamLayout | None = None, error_feedback: bool = True, scale: str = "auto", **kwargs: Any):
+    def __init__(self, layout: ParamLayout | None = None, error_feedback: bool = True, scale: str = "auto",
+                 **kwargs: Any):
         super().__init__(layout, codec="onebit", codec_params={"scale": scale}, error_feedback=error_feedback,
                          downlink_codec="onebit", downlink_codec_params={"scale": scale}, **kwargs)
 

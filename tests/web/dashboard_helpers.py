@@ -78,7 +78,7 @@ def start_server(tmp_path: Path, fake: bool, poll: float = 0.3, env: dict | None
         wait_for(lambda: _up(server), timeout=90, interval=0.2)
     except AssertionError:
         server.stop()
-        raise AssertionError("dashboard did not start:\n" + log.read_text()[-3000:])
+        raise AssertionError("dashboard did not start:\n" + log.read_text()[-3000:]) from None
     return server
 
 

@@ -127,7 +127,8 @@ def test_silent_remote_run_shows_lost_with_its_timeout(app, anon, admin):
     with app.state.ctx.store.session() as s:
         from fedswarm.store import Run
 
-        s.get(Run, "far").last_report_at = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None) - dt.timedelta(seconds=31)
+        s.get(Run,
+              "far").last_report_at = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None) - dt.timedelta(seconds=31)
     app.state.ctx.cache.clear()
     run = admin.get("/api/runs/far").json()
     assert run["display_status"] == "lost" and "no report for over 30 s" in run["lost_reason"]
