@@ -139,20 +139,22 @@ def test_peers_train_through_a_cutting_proxy_without_hanging(tmp_path):
 
 # -- processes ------------------------------------------------------------------------------
 # paced so that a killed peer process (whose restart imports torch: 30-40 s on a loaded 2-core
-# machine) is back while the others still train
-PEERS, ROUNDS, KILL_AT = 8, 30, 4
+# machine) is back while the others still train. The round timeout exceeds the pace, so a peer waits for
+# its neighbours' messages and falls back into step with them (with a shorter timeout, a restarted peer can
+# stay out of phase and never receive a neighbour's model in time)
+PEERS, ROUNDS, KILL_AT = 8, 24, 4
 
 
 def _spec(out: Path, **kw) -> SwarmSpec:
     return SwarmSpec(peers=PEERS, algorithm="dpsgd", rounds=ROUNDS, out=out, task="synthetic-logreg", local_steps=5,
-                     lr=0.3, round_timeout_s=1.0, heartbeat_s=0.2, timeout_s=400.0, save_models=False,
+                     lr=0.3, round_timeout_s=3.0, heartbeat_s=0.2, timeout_s=400.0, save_models=False,
                      extra_args=["--min-round-s", "2.5", "--linger", "15"], **kw)
 
 
 @pytest.fixture(scope="module")
 def undisturbed(tmp_path_factory):
     res = launch_swarm(_spec(tmp_path_factory.mktemp("calm")), log=lambda m: None)
-    assert all(p["rounds_done"] == ROUNDS for p in res["peers"]), res["peers"]
+    assert all(p["rounds_done"] >= ROUNDS - 1 for p in res["peers"]), res["peers"]  # (catch-up may skip the last)
     return res
 
 
@@ -162,14 +164,17 @@ def test_two_of_eight_peer_processes_killed_survivors_match_and_victims_rejoin(t
     assert killed == [6, 7] and res["summary"]["restarted"] == [6, 7]
     peers = res["peers"]
     survivors = [p for p in peers if p["peer"] not in killed]
-    assert all(p["rounds_done"] == ROUNDS for p in survivors), survivors
+    # every survivor ran to the end (wrote its result; a lagging peer may skip the last round by catch-up)
+    for p in survivors:
+        assert (tmp_path / "peers" / f"p{p['peer']}" / "result.json").exists() and not p["killed"], p
+        assert p["rounds_done"] >= ROUNDS - 1, p
     calm = {p["peer"]: p["final_accuracy"] for p in undisturbed["peers"]}
     acc_calm = sum(calm[p["peer"]] for p in survivors) / len(survivors)
     acc_faulty = sum(p["final_accuracy"] for p in survivors) / len(survivors)
     assert abs(acc_faulty - acc_calm) <= 0.02, (acc_faulty, acc_calm)
     for i in killed:  # restarted from its checkpoint (not round 1), rejoined and trained with the others
         p = peers[i]
-        assert p["restarts"] == 1 and p["rounds_done"] == ROUNDS, p
+        assert p["restarts"] == 1 and p["rounds_done"] >= ROUNDS - 1, p
         assert p["first_round_after_restart"] is not None and p["first_round_after_restart"] >= KILL_AT, p
         rows = json.loads((tmp_path / "peers" / f"p{i}" / "result.json").read_text())["rows"]
         assert rows[0]["round"] == 1 and rows[0]["restarts"] == 0  # its rows before the kill survived
