@@ -337,8 +337,9 @@ def round_row_flower(rounds: int, budget_s: float = 600.0) -> dict:
         f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
     db, procs = tmp / "store.db", []
     log = open(tmp / "processes.log", "w")
-    spawn = lambda cmd: procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                                      start_new_session=True))
+    def spawn(cmd):
+        return procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                          start_new_session=True))
     try:
         spawn(["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--database",
                str(tmp / "state.db"), "--disable-runtime-dependency-installation"])
@@ -411,7 +412,8 @@ def _table(rows: list[dict]) -> None:
     t = Table(title="swarm on loopback (wall-clock seconds, this machine)")
     for col in ("measure", "what", "seconds (median)", "MB/s", "vs raw", "p90 s"):
         t.add_column(col, justify="right" if col != "what" else "left")
-    f = lambda v, spec: "-" if v is None or not math.isfinite(v) else format(v, spec)
+    def f(v, spec):
+        return "-" if v is None or not math.isfinite(v) else format(v, spec)
     for r in rows:
         if r["benchmark"] == "profile":
             t.add_row("profile, 40 MB", r["step"], f(r["ms"] / 1e3, ".3f"), "-", "-", "-")

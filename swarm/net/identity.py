@@ -4,7 +4,8 @@ A peer's identity is an Ed25519 key pair kept in a key directory (``private.pem`
 0600, and ``public.txt``). The same key pair, mapped to Curve25519 (as libsodium's
 ``crypto_sign_ed25519_*_to_curve25519`` do), gives every pair of peers a static
 Diffie-Hellman secret (:meth:`Identity.shared_secret`) with no handshake: it keys the
-one-time Poly1305 tag that authenticates a message body far faster than hashing it. Its **peer id** is the hex of the 32-byte raw public key; the
+one-time Poly1305 tag that authenticates a message body far faster than hashing it. Its
+**peer id** is the hex of the 32-byte raw public key; the
 swarm sorts peer ids to derive the topology, so every peer computes the same graph.
 :func:`create_or_load` is what ``fedswarm keys`` does: create the pair on first use,
 load it afterwards.
