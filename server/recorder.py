@@ -238,3 +238,20 @@ class RoundRecorder(RoundNotes):
             if not paused:
                 return changed
             time.sleep(self.poll_s)
+
+def run_recorded(store: Store, run_id: str, loop: Callable[[], None]) -> str:
+    """Run ``loop`` as run ``run_id``: status ``running``, then ``finished``, ``stopped``
+    (a stop control, :class:`~fedswarm.server.recorder.StopRun`) or ``failed`` (re-raised);
+    returns the final status. The array engine and the virtual-clock engine both run through it."""
+    store.set_status(run_id, "running")
+    try:
+        loop()
+    except StopRun as stop:
+        store.set_status(run_id, "stopped")
+        store.add_event(run_id, "stopped", str(stop))
+        return "stopped"
+    except BaseException as exc:
+        store.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+    store.set_status(run_id, "finished")
+    return "finished"

@@ -20,7 +20,6 @@ the object's own wire accounting (``meta["wire_bytes"]``, noted as such).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from fedswarm.algorithms.decentralized.topology import make_topology
 from fedswarm.params import get_flat
 from fedswarm.payload import Payload
 from fedswarm.server.metered_grid import Traffic
-from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
+from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
 from fedswarm.sim.async_engine import _P2PGrid
 from fedswarm.store import Store
 from fedswarm.config import round_seed
@@ -41,7 +40,7 @@ from fedswarm.tasks import get_task
 from fedswarm.train import evaluate_flat, resolve_device, task_data, trainer_for
 from fedswarm.wire import arrayrecord_to_vector, payload_to_records, recorddict_nbytes, vector_to_arrayrecord
 
-__all__ = ["ARRAY_ALGORITHMS", "ArraySimulation", "check_config", "payload_nbytes", "run_array", "run_recorded"]
+__all__ = ["ARRAY_ALGORITHMS", "ArraySimulation", "check_config", "payload_nbytes", "run_array"]
 
 #: What the array engine runs (the asynchronous AD-PSGD and Prague need the virtual clock).
 ARRAY_ALGORITHMS = ("dpsgd", "d2", "dsgdm", "qgm", "squarm", "easgd", "dasgd", "lsgd")
@@ -175,20 +174,3 @@ def run_array(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundLi
     return run_recorded(store, run_id, loop)
 
 
-def run_recorded(store: Store, run_id: str, loop: Callable[[], None]) -> str:
-    """Run ``loop`` as run ``run_id``: status ``running``, then ``finished``, ``stopped``
-    (a stop control, :class:`~fedswarm.server.recorder.StopRun`) or ``failed`` (re-raised);
-    returns the final status. (The virtual-clock engine's ``run_clocked`` has the same
-    bookkeeping inline and could call this.)"""
-    store.set_status(run_id, "running")
-    try:
-        loop()
-    except StopRun as stop:
-        store.set_status(run_id, "stopped")
-        store.add_event(run_id, "stopped", str(stop))
-        return "stopped"
-    except BaseException as exc:
-        store.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
-        raise
-    store.set_status(run_id, "finished")
-    return "finished"

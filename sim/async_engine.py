@@ -38,7 +38,8 @@ from fedswarm.config import RunConfig
 from fedswarm.local import round_seed
 from fedswarm.params import get_flat
 from fedswarm.server.metered_grid import Traffic
-from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
+from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
+
 from fedswarm.sim.simtime import model_message_nbytes, node_profiles
 from fedswarm.timemodel import BUILTIN_PROFILES, Profile, VirtualClock, compute_time_s, transfer_time_s
 from fedswarm.store import Store
@@ -277,8 +278,7 @@ def run_clocked(cfg: RunConfig, store: Store, run_id: str, listeners: list[Round
 
     grid = _P2PGrid()
     recorder = RoundRecorder(store, run_id, grid, evaluate, listeners=listeners)  # type: ignore[arg-type]
-    store.set_status(run_id, "running")
-    try:
+    def loop() -> None:
         sim = make_sim(x0.repeat(n, 1), profiles, gradient, steps)
         recorder(0, vector_to_arrayrecord(x0))
         rnd, total, last_t = 0, cfg.rounds, 0.0
@@ -289,15 +289,8 @@ def run_clocked(cfg: RunConfig, store: Store, run_id: str, listeners: list[Round
             _record(recorder, store, run_id, rnd, sim, profiles, grid, last_t, samples=steps * cfg.batch_size)
             last_t = sim.now
             total, recorder.extra_rounds = total + recorder.extra_rounds, 0
-    except StopRun as stop:
-        store.set_status(run_id, "stopped")
-        store.add_event(run_id, "stopped", str(stop))
-        return "stopped"
-    except BaseException as exc:
-        store.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
-        raise
-    store.set_status(run_id, "finished")
-    return "finished"
+
+    return run_recorded(store, run_id, loop)
 
 
 def _record(recorder: RoundRecorder, store: Store, run_id: str, rnd: int, sim: ClockedNodes,
