@@ -286,9 +286,9 @@ class Peer:
             self.start()
             r = self.round
             while r < self.cfg.rounds and not self.stop.is_set():
-                # Catch up past rounds the neighbours finished, but never past the last one: a peer
-                # one round behind still trains (and mixes what it can) in the final round.
-                r = min(self.driver.next_round(r + 1), self.cfg.rounds)
+                r = self.driver.next_round(r + 1)
+                if r > self.cfg.rounds:
+                    break
                 self.inbox.set_round(r)
                 self._one_round(r)
             self.membership.set_info(done=True)
