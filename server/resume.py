@@ -30,6 +30,7 @@ import os
 from typing import Any
 
 from fedswarm.config import RunConfig
+from fedswarm.procs import pid_alive
 from fedswarm.store import Store
 from fedswarm.server.checkpoint import CheckpointError, ServerCheckpoint, load_latest
 from fedswarm.strategies.resumable import load_strategy_state, resync_clients, set_rng_state
@@ -50,7 +51,7 @@ def prepare_resume(store: Store, run_id: str) -> tuple[RunConfig, ServerCheckpoi
         raise CheckpointError(f"no run '{run_id}' in {store.url}")
     if run.status == "finished":
         raise CheckpointError(f"run '{run_id}' finished: there is nothing to resume")
-    if run.status in ("running", "paused") and run.pid and run.pid != os.getpid() and _alive(run.pid):
+    if run.status in ("running", "paused") and run.pid and run.pid != os.getpid() and pid_alive(run.pid):
         raise CheckpointError(f"run '{run_id}' is {run.status} in process {run.pid} on this machine: stop it "
                               f"first (`fedswarm` dashboard or kill {run.pid}), then resume it")
     try:
@@ -64,21 +65,6 @@ def prepare_resume(store: Store, run_id: str) -> tuple[RunConfig, ServerCheckpoi
     return cfg, ck
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs here (a zombie, dead but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
 
 
 def resume_into(ck: ServerCheckpoint, *, store: Store, run_id: str, strategy: Any, recorder: Any, policies: Any,

@@ -15,6 +15,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from fedswarm.procs import pid_alive
+
 __all__ = ["to_toml", "spawn_run", "spawn_resume", "pid_alive", "terminate", "log_tail"]
 
 
@@ -81,37 +83,6 @@ def spawn_resume(runner: list[str], db_url: str, run_id: str, runs_dir: Path) ->
         proc = subprocess.Popen([*runner, "resume", run_id, "--db", db_url], stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(run_dir), close_fds=True)
     return proc.pid
-
-
-def pid_alive(pid: int | None) -> bool:
-    """True while the process lives; reaps it first if it is our own exited child."""
-    if not pid or pid <= 0:
-        return False
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return False
-    except ChildProcessError:
-        pass  # not our child (started by an earlier dashboard): ask the kernel instead
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return False
-    return not _is_zombie(pid)
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
 
 
 def terminate(pid: int | None) -> bool:

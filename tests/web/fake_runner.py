@@ -63,12 +63,12 @@ def main() -> int:
                 store.update_run(rid, total_rounds=total)
             store.mark_applied(c.id)
         if paused:
-            time.sleep(0.05)
+            time.sleep(0.05)  # the fake run's control poll interval, as the real runner polls the store
             continue
         if rnd >= total:
             break
         rnd += 1
-        time.sleep(delay)
+        time.sleep(delay)  # stands for a round's training time (FAKE_ROUND_S); no test waits on it
         acc = 1 - 0.9 * math.exp(-rnd / 3)
         store.add_round(rid, rnd, train_loss=2.3 * math.exp(-rnd / 4), test_loss=2.4 * math.exp(-rnd / 4),
                         test_accuracy=acc, bytes_up=1000 * int(cfg.get("clients", 4)),
