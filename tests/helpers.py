@@ -40,3 +40,18 @@ def port_open(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def runs_ended(db) -> list | None:
+    """The runs in the store at ``db`` once its newest run has finished or failed, else None
+    (no store file yet, or still running): a condition for :func:`wait_until`."""
+    from fedswarm.store import Store
+
+    if not db.exists():
+        return None
+    store = Store(db)
+    try:
+        runs = store.list_runs()
+        return runs if runs and runs[0].status in ("finished", "failed") else None
+    finally:
+        store.close()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fedswarm.store import Store
-from tests.helpers import free_port, port_open, wait_until
+from tests.helpers import runs_ended, free_port, port_open, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # flwr is a dependency: its commands sit beside this interpreter
@@ -58,14 +58,7 @@ def test_superlink_two_supernodes_two_rounds(tmp_path):
         assert started.returncode == 0, started.stdout + started.stderr
 
         def ended():
-            if not db.exists():
-                return None
-            store = Store(db)
-            try:
-                runs = store.list_runs()
-                return runs if runs and runs[0].status in ("finished", "failed") else None
-            finally:
-                store.close()
+            return runs_ended(db)
 
         try:
             runs = wait_until(ended, 240, interval=0.5, what="the run finishing")
