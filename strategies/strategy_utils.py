@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from flwr.app import Message, MetricRecord, RecordDict
 from flwr.common import log
+from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState
 from fedswarm.params import ParamLayout
@@ -35,9 +36,22 @@ from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
 __all__ = ["load_vector", "save_vector", "load_error_feedback", "save_error_feedback", "layout_of_arrays",
            "layout_json", "layout_from_json", "RoundNotes", "ReportsRounds", "notes_for", "clean_reason",
-           "check_model_reply"]
+           "check_model_reply", "sample_train_nodes"]
 
 MAX_REASON = 500
+
+
+def sample_train_nodes(grid: Any, fraction: float, min_train_nodes: int,
+                       min_available_nodes: int) -> tuple[list[int], list[int]]:
+    """Sample ``max(fraction · available, min_train_nodes)`` nodes once ``min_available_nodes`` are connected.
+
+    Flower's strategies count the fraction on the nodes connected *before* waiting, so a
+    round that starts while nodes are still registering trains on fewer than asked; here the
+    count is taken after the wait. Returns the sampled node ids and all connected ones.
+    """
+    _, available = sample_nodes(grid, min_available_nodes, 0)
+    num = max(int(len(available) * fraction), min_train_nodes)
+    return sample_nodes(grid, min_available_nodes, num)
 
 
 def clean_reason(reason: object) -> str:

@@ -60,7 +60,9 @@ def test_user_app_on_flower_simulation_engine_sends_the_codecs_bytes():
     def main(grid: Grid, context: Context) -> None:
         metered = MeteredGrid(grid)
         rounds = Rounds(metered)
-        strategy = fedswarm.strategies.CompressedFedAvg(codec="topk", codec_params={"ratio": 0.01})
+        # Every node in every round: wait for all of them to register (Flower samples whoever is connected).
+        strategy = fedswarm.strategies.CompressedFedAvg(codec="topk", codec_params={"ratio": 0.01},
+                                                        min_available_nodes=NODES, min_train_nodes=NODES)
         result = strategy.start(grid=metered, initial_arrays=_initial(), num_rounds=3, evaluate_fn=rounds)
         seen.update(rounds=rounds, result=result, strategy=strategy)
 

@@ -49,7 +49,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
-from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from fedswarm.config import ConfigError
 from fedswarm.algorithms.selection.progfed import default_stage_rounds, samples_processed, stage_of
@@ -60,7 +59,7 @@ from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_ty
 from fedswarm.strategies.resumable import capture, restore
 from fedswarm.tasks.staged import StagedModel, StageModel, step_flops
 from fedswarm.payload import PayloadError
-from fedswarm.strategies.strategy_utils import ReportsRounds
+from fedswarm.strategies.strategy_utils import ReportsRounds, sample_train_nodes
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
 __all__ = ["ProgFed", "flops_per_sample", "client_update", "HYPERPARAMS"]
@@ -269,8 +268,7 @@ class ProgFed(ReportsRounds, FedAvg):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        num = int(len(list(grid.get_node_ids())) * self.fraction_train)
-        node_ids, _ = sample_nodes(grid, self.min_available_nodes, max(num, self.min_train_nodes))
+        node_ids, _ = sample_train_nodes(grid, self.fraction_train, self.min_train_nodes, self.min_available_nodes)
         server_round += self._base
         self._configured = server_round
         stage = self.stage_of(server_round)

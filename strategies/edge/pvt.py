@@ -43,7 +43,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
-from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from fedswarm.local import prepare_local, server_round
 from fedswarm.algorithms.selection.pvt import num_selected, select_variables, selection_seed
@@ -51,7 +50,7 @@ from fedswarm.params import ParamLayout, set_flat
 from fedswarm.hyperparams import HyperParam
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register, resolve_params
 from fedswarm.payload import PayloadError
-from fedswarm.strategies.strategy_utils import ReportsRounds
+from fedswarm.strategies.strategy_utils import ReportsRounds, sample_train_nodes
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
 __all__ = [
@@ -182,8 +181,7 @@ class PartialVariableTraining(ReportsRounds, FedAvg):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        num = int(len(list(grid.get_node_ids())) * self.fraction_train)
-        node_ids, _ = sample_nodes(grid, self.min_available_nodes, max(num, self.min_train_nodes))
+        node_ids, _ = sample_train_nodes(grid, self.fraction_train, self.min_train_nodes, self.min_available_nodes)
         config["server-round"] = server_round
         # What clients read (run config keys): set here too, so the strategy works in any
         # ServerApp, not only fedswarm's (whose run config already carries them).

@@ -35,7 +35,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
-from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from fedswarm.config import RunConfig
 from fedswarm.local import LocalFit, local_fit, node_partition, run_config_of
@@ -43,7 +42,8 @@ from fedswarm.params import ParamLayout
 from fedswarm.strategies.federated.compressed_sync import ReplicaSync, client_sync, save_replica
 from fedswarm.strategies.registry import message_type_of
 from fedswarm.strategies.resumable import capture, restore
-from fedswarm.strategies.strategy_utils import ReportsRounds, layout_from_json, layout_json, layout_of_arrays
+from fedswarm.strategies.strategy_utils import (ReportsRounds, layout_from_json, layout_json, layout_of_arrays,
+                                                sample_train_nodes)
 from fedswarm.train import LocalTrainer, TrainResult, trainer_for
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import arrayrecord_to_vector, payload_from_records, vector_to_arrayrecord
@@ -179,8 +179,8 @@ class CompressedStrategy(ReportsRounds, Strategy):
         self._ensure_model(arrays)
         if self.dp is not None:
             self.dp.before_round()  # refuses a round past the privacy budget
-        num = int(len(list(grid.get_node_ids())) * self.fraction_train)
-        node_ids, available = sample_nodes(grid, self.min_available_nodes, max(num, self.min_train_nodes))
+        node_ids, available = sample_train_nodes(grid, self.fraction_train, self.min_train_nodes,
+                                                 self.min_available_nodes)
         log(INFO, "configure_train: sampled %s nodes (out of %s)", len(node_ids), len(available))
         config["server-round"] = server_round
         # Rounds of this strategy object, counted across calls of start() (Flower restarts

@@ -1,0 +1,30 @@
+"""Strategies sample the train fraction of the nodes connected *after* waiting for enough.
+
+A round that starts while SuperNodes are still registering must not train on fewer nodes
+than asked (CI once saw Flower's simulation engine sample 1 of 3 nodes in round 1).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fedswarm.strategies.strategy_utils import sample_train_nodes
+
+
+class RegisteringGrid:
+    """Nodes that register late: one is connected at the first look, all of them afterwards."""
+
+    def __init__(self, nodes: list[int]):
+        self.nodes, self.looks = nodes, 0
+
+    def get_node_ids(self):
+        self.looks += 1
+        return self.nodes[:1] if self.looks == 1 else list(self.nodes)
+
+
+@pytest.mark.parametrize(("fraction", "min_train", "expected"), [(1.0, 1, 3), (0.5, 1, 1), (0.34, 2, 2)])
+def test_fraction_is_counted_after_the_wait(fraction, min_train, expected):
+    grid = RegisteringGrid([7, 8, 9])
+    sampled, available = sample_train_nodes(grid, fraction, min_train, min_available_nodes=3)
+    assert sorted(available) == [7, 8, 9]
+    assert len(sampled) == expected and len(set(sampled)) == expected and set(sampled) <= {7, 8, 9}
