@@ -20,8 +20,9 @@ into the reply itself (``rejected = 1`` in its first MetricRecord, ``rejected_re
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, MutableMapping
-from logging import WARNING
+from logging import INFO, WARNING
 from typing import Any
 
 import torch
@@ -36,9 +37,25 @@ from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
 __all__ = ["load_vector", "save_vector", "load_error_feedback", "save_error_feedback", "layout_of_arrays",
            "layout_json", "layout_from_json", "RoundNotes", "ReportsRounds", "notes_for", "clean_reason",
-           "check_model_reply", "sample_train_nodes"]
+           "check_model_reply", "sample_train_nodes", "wait_for_nodes"]
 
 MAX_REASON = 500
+NODE_WAIT_S = 600.0  # how long a strategy waits for the nodes it needs, by default
+
+
+def wait_for_nodes(grid: Any, num_nodes: int, timeout_s: float) -> list[int]:
+    """Wait until ``num_nodes`` nodes are connected; their sorted ids (all connected ones).
+
+    Raises ``RuntimeError`` naming how many came if fewer than ``num_nodes`` connect within
+    ``timeout_s`` seconds (nodes register with the SuperLink one by one after it starts).
+    """
+    deadline = time.monotonic() + timeout_s
+    while len(ids := sorted(int(n) for n in grid.get_node_ids())) < num_nodes:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(ids)} of {num_nodes} nodes connected within {timeout_s:.0f} s")
+        log(INFO, "Waiting for nodes: %d of %d connected", len(ids), num_nodes)
+        time.sleep(1.0)  # polling the grid, as Flower's own sample_nodes does: it has no connect event
+    return ids
 
 
 def sample_train_nodes(grid: Any, fraction: float, min_train_nodes: int,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedswarm.strategies.strategy_utils import sample_train_nodes
+from fedswarm.strategies.strategy_utils import sample_train_nodes, wait_for_nodes
 
 
 class RegisteringGrid:
@@ -28,3 +28,14 @@ def test_fraction_is_counted_after_the_wait(fraction, min_train, expected):
     sampled, available = sample_train_nodes(grid, fraction, min_train, min_available_nodes=3)
     assert sorted(available) == [7, 8, 9]
     assert len(sampled) == expected and len(set(sampled)) == expected and set(sampled) <= {7, 8, 9}
+
+
+def test_wait_for_nodes_returns_once_enough_have_registered():
+    grid = RegisteringGrid([9, 7, 8])
+    assert wait_for_nodes(grid, 3, timeout_s=60) == [7, 8, 9]
+    assert grid.looks == 2
+
+
+def test_wait_for_nodes_names_how_many_came_when_time_runs_out():
+    with pytest.raises(RuntimeError, match="only 1 of 3 nodes connected within 0 s"):
+        wait_for_nodes(RegisteringGrid([5]), 3, timeout_s=0)

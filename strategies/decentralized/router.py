@@ -33,7 +33,6 @@ records; ``--set report_every=N`` sets how often nodes also report their models.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 
@@ -51,7 +50,7 @@ from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_ty
 from fedswarm.strategies.resumable import capture, restore
 from fedswarm.algorithms.decentralized.topology import make_topology
 from fedswarm.payload import PayloadError
-from fedswarm.strategies.strategy_utils import ReportsRounds
+from fedswarm.strategies.strategy_utils import NODE_WAIT_S, ReportsRounds, wait_for_nodes
 from fedswarm.wire import (PAYLOAD_ARRAYS, PAYLOAD_META, arrayrecord_to_vector, payload_from_records,
                            vector_to_arrayrecord)
 
@@ -95,7 +94,7 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
     """
 
     def __init__(self, algorithm: str, num_nodes: int, topology: str = "ring", seed: int = 0,
-                 algorithm_params: dict | None = None, node_wait_s: float = 600.0, report_every: int = 1):
+                 algorithm_params: dict | None = None, node_wait_s: float = NODE_WAIT_S, report_every: int = 1):
         if algorithm not in SYNC_ALGORITHMS:
             raise ValueError(f"the router runs {', '.join(SYNC_ALGORITHMS)}, not '{algorithm}'")
         self.algorithm = algorithm
@@ -208,14 +207,7 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
         return result
 
     def _wait_for_nodes(self, grid: Grid) -> list[int]:
-        deadline = time.monotonic() + self.node_wait_s
-        while len(ids := sorted(grid.get_node_ids())) < self.num_nodes:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"only {len(ids)} of {self.num_nodes} nodes connected "
-                                   f"within {self.node_wait_s:.0f} s")
-            log(INFO, "Waiting for nodes: %d of %d connected", len(ids), self.num_nodes)
-            time.sleep(1.0)
-        return ids
+        return wait_for_nodes(grid, self.num_nodes, self.node_wait_s)
 
     def _train_message(self, nid: int, it: int, first: bool, final: bool, report: bool, initial: ArrayRecord,
                        train_config: ConfigRecord) -> Message:

@@ -27,7 +27,6 @@ communication cost). Each round also notes ``node`` (index in sorted node ids),
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 
@@ -42,7 +41,7 @@ from fedswarm.hyperparams import HyperParam
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
 from fedswarm.strategies.resumable import capture, restore
 from fedswarm.payload import PayloadError
-from fedswarm.strategies.strategy_utils import ReportsRounds
+from fedswarm.strategies.strategy_utils import NODE_WAIT_S, ReportsRounds, wait_for_nodes
 from fedswarm.wire import arrayrecord_to_vector, recorddict_nbytes
 
 __all__ = ["HomogeneousLearning", "SELECTORS", "HYPERPARAMS"]
@@ -90,7 +89,7 @@ class HomogeneousLearning(ReportsRounds, Strategy):
                  gamma: float = 0.9, agent_lr: float = 0.1, epsilon_decay: float = 0.1, agent_target: str = "mc",
                  seed: int = 0,
                  agent_path: str = "", accuracy_fn: Callable[[ArrayRecord], float] | None = None,
-                 node_wait_s: float = 600.0):
+                 node_wait_s: float = NODE_WAIT_S):
         if selector not in SELECTORS:
             raise ValueError(f"selector must be one of {', '.join(SELECTORS)}, got '{selector}'")
         self.num_nodes, self.d = int(num_nodes), int(d)
@@ -268,14 +267,7 @@ class HomogeneousLearning(ReportsRounds, Strategy):
         return rec, loss, examples
 
     def _wait_for_nodes(self, grid: Grid) -> list[int]:
-        deadline = time.monotonic() + self.node_wait_s
-        while len(ids := sorted(grid.get_node_ids())) < self.num_nodes:
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"only {len(ids)} of {self.num_nodes} nodes connected within {self.node_wait_s:.0f} s")
-            log(INFO, "Waiting for nodes: %d of %d connected", len(ids), self.num_nodes)
-            time.sleep(1.0)
-        return ids[: self.num_nodes]
+        return wait_for_nodes(grid, self.num_nodes, self.node_wait_s)[: self.num_nodes]
 
 
 # --------------------------------------------------------------------------- registry

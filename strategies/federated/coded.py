@@ -43,6 +43,7 @@ from fedswarm.payload import Payload, PayloadError
 from fedswarm.strategies.federated.compressed_base import (Accepted, CompressedStrategy, Step, begin, finish,
                                                            read_payload)
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
+from fedswarm.strategies.strategy_utils import NODE_WAIT_S, wait_for_nodes
 from fedswarm.train import TrainResult
 from fedswarm.wire import payload_to_records, vector_to_arrayrecord
 
@@ -98,7 +99,7 @@ class CodedStrategy(CompressedStrategy):
 
     def configure_train(self, server_round, arrays, config, grid) -> Iterable[Message]:
         if not self.workers:
-            nodes = sorted(int(n) for n in grid.get_node_ids())
+            nodes = wait_for_nodes(grid, self.P, NODE_WAIT_S)
             if len(nodes) != self.P:
                 raise ConfigError(f"{self.name} is built for P={self.P} workers, the federation has {len(nodes)} nodes")
             self.workers = {nid: i for i, nid in enumerate(nodes)}
