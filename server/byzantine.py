@@ -36,6 +36,7 @@ from fedswarm.algorithms.compression.codecs import CODECS, make_codec
 from fedswarm.algorithms.robust.attacks import Attack
 from fedswarm.params import ParamLayout
 from fedswarm.payload import Payload, PayloadError
+from fedswarm.server.metered_grid import WrappingGrid
 from fedswarm.wire import PAYLOAD_ARRAYS, PAYLOAD_META, arrayrecord_to_vector, payload_from_records, payload_to_records
 
 __all__ = ["ByzantineGrid", "BYZANTINE_RECORD"]
@@ -51,14 +52,15 @@ class _View:
         self.vector, self.write, self.kind = vector, write, kind
 
 
-class ByzantineGrid(Grid):
+class ByzantineGrid(WrappingGrid):
     """Delegates to ``inner``; ``k`` nodes attack with ``attack`` (see the module doc)."""
 
     def __init__(self, inner: Grid, attack: Attack, k: int, *, seed: int, layout: ParamLayout,
                  on_attack: Callable[[list[int], str], None] | None = None):
         if k < 0:
             raise ValueError(f"the number of Byzantine clients must be >= 0, got {k}")
-        self.inner, self.attack, self.k, self.seed, self.layout = inner, attack, int(k), int(seed), layout
+        super().__init__(inner)
+        self.attack, self.k, self.seed, self.layout = attack, int(k), int(seed), layout
         self.on_attack = on_attack
         self._byzantine: list[int] | None = None
         self._sent: dict[int, ArrayRecord] = {}  # node -> the model arrays it was last sent
@@ -86,23 +88,7 @@ class ByzantineGrid(Grid):
         self._generator.set_state(state["generator"])
         self._rng.bit_generator.state = state["rng"]
 
-    # -- Grid ----------------------------------------------------------------------------
-    def set_run(self, run):  # type: ignore[override]
-        self.inner.set_run(run)
-
-    @property
-    def run(self):  # type: ignore[override]
-        return self.inner.run
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # type: ignore[override]
-        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self.inner.get_node_ids()
-
-    def get_nodes(self):  # type: ignore[override]
-        return self.inner.get_nodes()
-
+    # -- Grid: messages (the rest is WrappingGrid's) -------------------------------------
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         return self.inner.push_messages(self._outgoing(list(messages)))
 

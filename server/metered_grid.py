@@ -16,7 +16,43 @@ from flwr.app import Message
 from flwr.common.serde import metadata_to_proto, recorddict_to_proto
 from flwr.serverapp import Grid
 
-__all__ = ["MeteredGrid", "Traffic", "serialized_size"]
+__all__ = ["MeteredGrid", "Traffic", "WrappingGrid", "serialized_size"]
+
+
+class WrappingGrid(Grid):
+    """A Grid over another Grid (``inner``): run, messages' creation and the node list pass through.
+
+    Subclasses decide what happens to the messages themselves (``push_messages``,
+    ``pull_messages``, ``send_and_receive``): the base passes them through too.
+    """
+
+    def __init__(self, inner: Grid):
+        self.inner = inner
+
+    def set_run(self, run):  # type: ignore[override]
+        self.inner.set_run(run)
+
+    @property
+    def run(self):  # type: ignore[override]
+        return self.inner.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # type: ignore[override]
+        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.inner.get_node_ids()
+
+    def get_nodes(self):  # type: ignore[override]
+        return self.inner.get_nodes()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.inner.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.inner.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self.inner.send_and_receive(messages, timeout=timeout)
 
 
 def _varint_len(n: int) -> int:
@@ -75,11 +111,11 @@ class Traffic:
         return reply.metadata.src_node_id
 
 
-class MeteredGrid(Grid):
+class MeteredGrid(WrappingGrid):
     """Delegates to ``inner`` and counts serialized bytes both ways."""
 
     def __init__(self, inner: Grid):
-        self.inner = inner
+        super().__init__(inner)
         self._lock = threading.Lock()
         self._traffic = Traffic()
 
@@ -106,23 +142,7 @@ class MeteredGrid(Grid):
                 self._traffic.node_up[self._traffic.node_of(m)] += n
                 self._traffic.replies.append(m)
 
-    # -- Grid --------------------------------------------------------------------------
-    def set_run(self, run):  # type: ignore[override]
-        self.inner.set_run(run)
-
-    @property
-    def run(self):  # type: ignore[override]
-        return self.inner.run
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # type: ignore[override]
-        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self.inner.get_node_ids()
-
-    def get_nodes(self):  # type: ignore[override]
-        return self.inner.get_nodes()
-
+    # -- Grid: messages (the rest is WrappingGrid's) -------------------------------------
     def _remember(self, messages: list[Message], ids: Iterable[str] | None = None) -> None:
         ids = list(ids) if ids is not None else [m.metadata.message_id for m in messages]
         with self._lock:
