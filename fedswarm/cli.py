@@ -132,6 +132,10 @@ def sim(
     dp_sgd: Optional[str] = typer.Option(None, "--dp-sgd", help=(
         "Example-level DP-SGD in every client (opacus): noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]."
     )),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help=(
+        "Checkpoint the server into the store every K rounds (default 1); `fedswarm resume` redoes at most K - 1 "
+        "rounds. Larger K: less checkpoint time and store traffic."
+    )),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Strategy hyperparameter KEY=VALUE (repeatable)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=(
         "A TOML run config; command-line options override it."
@@ -155,7 +159,7 @@ def sim(
         "batch_size": batch_size, "lr": lr, "momentum": momentum, "seed": seed, "engine": engine,
         "device": device, "name": name, "devices": devices, "profiles": profiles, "topology": topology,
         "byzantine": byzantine, "attack": attack, "dp": dp, "dp_sgd": dp_sgd,
-        "memory_budget": memory_budget, "ray_address": ray_address,
+        "memory_budget": memory_budget, "ray_address": ray_address, "checkpoint_every": checkpoint_every,
     }
     quiet_flower(verbose)  # before the strategy is built to check it
     try:

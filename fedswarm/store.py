@@ -441,11 +441,12 @@ class Store:
             return (int(row[0]), bytes(row[1])) if row is not None else None
 
     def drop_rounds_after(self, run_id: str, round: int) -> int:
-        """Delete the round and per-node rows after ``round`` (a resumed run redoes those
-        rounds from its checkpoint, so each round stays recorded once); how many rounds."""
+        """Delete the round, per-node and rejection rows after ``round`` (a resumed run redoes
+        those rounds from its checkpoint, so each round stays recorded once); how many rounds."""
         with self.session() as s:
             n = s.execute(delete(Round).where(Round.run_id == run_id, Round.round > round)).rowcount
             s.execute(delete(NodeRound).where(NodeRound.run_id == run_id, NodeRound.round > round))
+            s.execute(delete(Rejection).where(Rejection.run_id == run_id, Rejection.round > round))
             return int(n or 0)
 
     def add_control(self, run_id: str, kind: str, payload: dict | None = None, *,

@@ -6,7 +6,8 @@ with their own Grid. The run config comes from Flower's ``run_config`` (the
 three extra keys are not part of the run config itself: ``db`` (the store's path or URL,
 else ``FEDSWARM_DB``, else ./fedswarm.db), ``run-id`` (record into an existing run) and
 ``resume`` (true: continue ``run-id`` from its last checkpoint, see :mod:`.resume`).
-Every round is checkpointed into the store (:mod:`.checkpoint`).
+Every ``checkpoint_every``-th round (default: every round) is checkpointed into the store
+(:mod:`.checkpoint`).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
 
     ``sim_time(round, traffic)``, given by a simulation engine, returns the simulated time
     the round would take on the nodes' device classes (the time model). The run is
-    checkpointed after every round (:mod:`fedswarm.server.checkpoint`); ``resume``, a
+    checkpointed after every ``cfg.checkpoint_every``-th round (:mod:`fedswarm.server.checkpoint`); ``resume``, a
     checkpoint of this run, continues it after the checkpoint's round (:mod:`.resume`)."""
     random.seed(cfg.seed)  # Flower's node sampling uses the random module
     torch.manual_seed(cfg.seed)
@@ -102,6 +103,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
         store, run_id, strategy, cfg.strategy, policies, byzantine=byzantine,
         grid_state=engine_state.state_dict if engine_state is not None else None).save
     recorder.checkpoint_at_round_end = bool(getattr(strategy, "checkpoint_at_round_end", False))
+    recorder.checkpoint_every = cfg.checkpoint_every
     recorder.min_train_nodes = getattr(strategy, "min_train_nodes", None)
     rounds = cfg.rounds
     if resume is not None:
@@ -114,6 +116,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
         while rounds > 0:
             shift_rounds(strategy, recorder.offset)  # clients are told the run's round, not start()'s
             recorder.reset_clock()
+            recorder.final_round = recorder.offset + rounds
             result = strategy.start(metered, arrays, num_rounds=rounds, timeout=ROUND_TIMEOUT_S,
                                     train_config=train_config, evaluate_fn=recorder)
             arrays = result.arrays if result.arrays is not None else arrays

@@ -8,9 +8,10 @@ a deployment (``engine = deployment``) through ``flwr run`` on the SuperLink nam
 
 What a resumed run does, wherever it runs (:func:`resume_into`):
 
-1. the rounds recorded after the checkpoint's round (a round that finished after the last
-   checkpoint was written, or was half written) are deleted, so every round ends up
-   recorded exactly once;
+1. the rounds recorded after the checkpoint's round (rounds between checkpoints with
+   ``--checkpoint-every K``, a round that finished after the last checkpoint was written, or
+   was half written) are deleted, with their per-node rows and rejections, so every round
+   ends up recorded exactly once;
 2. the strategy, the policies in force, the attack of a ``--byzantine`` run and the random
    states are put back as they were after that round;
 3. the clients: an engine that checkpointed their state (the in-process engine) gets it

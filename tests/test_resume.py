@@ -117,6 +117,40 @@ def test_resumed_run_ends_with_the_uninterrupted_model(name, tmp_path):
     assert any(e.kind == "resumed" for e in store.events(rid))
 
 
+@pytest.mark.parametrize("name", ["fedavg", "compressed_fedavg"])
+def test_resume_from_a_checkpoint_k_rounds_apart(name, tmp_path):
+    """--checkpoint-every 2, 5 rounds, the process dies after round 3: the newest checkpoint
+    is round 2's, round 3 is redone (its rows deleted, not doubled) and the model is the
+    uninterrupted run's (1e-5). Checkpoints exist only for rounds 2, 4 and the final 5."""
+    cfg = _cfg(name, rounds=5, checkpoint_every=2)
+    store = Store(tmp_path / "store.db")
+    ref_store = Store(tmp_path / "ref.db")
+    ref = _uninterrupted(cfg, ref_store)
+    written: list[int] = []
+    save = store.save_checkpoint
+    store.save_checkpoint = lambda run_id, rnd, data, **kw: (written.append(rnd), save(run_id, rnd, data, **kw))
+    rid = _crashed(cfg, store, after=3)
+    assert written == [2] and _rounds(store, rid) == [0, 1, 2, 3]
+    cfg2, ck = prepare_resume(store, rid)
+    assert ck.round == 2 and cfg2.checkpoint_every == 2
+    assert run_engine(cfg2, store=store, run_id=rid, resume=ck) == "finished"
+    assert written == [2, 4, 5]
+    assert _rounds(store, rid) == [0, 1, 2, 3, 4, 5] == _rounds(ref_store, ref)
+    assert len([n for n in store.node_rounds(rid) if n.round == 3]) == 4  # round 3's nodes once, not twice
+    torch.testing.assert_close(_final_model(store, rid), _final_model(ref_store, ref), rtol=0, atol=1e-5)
+    assert [r.test_accuracy for r in store.rounds(rid)] == pytest.approx(
+        [r.test_accuracy for r in ref_store.rounds(ref)], abs=1e-6)
+    (event,) = [e for e in store.events(rid) if e.kind == "resumed"]
+    assert event.data["dropped_rounds"] == 1
+
+
+def test_checkpoint_every_is_validated():
+    for bad in (0, -1, "two"):
+        with pytest.raises(ValueError, match="checkpoint_every"):
+            RunConfig.build({"checkpoint_every": bad})
+    assert RunConfig.build({}).checkpoint_every == 1
+
+
 def _same(a, b, path="state") -> None:
     """Deep equality of two state trees (tensors, arrays, records, plain objects)."""
     if isinstance(a, torch.Tensor):
