@@ -45,7 +45,7 @@ RUNS, ROUNDS, NODES = 50, 101, 10
 BASELINE = Path(__file__).with_name("dashboard_baseline.json")
 _SERVE = ("import sys, uvicorn; from fedswarm.web.app import create_app; "
           "app = create_app(sys.argv[1], admin_password='bench-password-1', catalog_cmd=['true'], "
-          "poll_interval_s=float(sys.argv[3])); "
+          "poll_interval_s=float(sys.argv[3]), freeze_gc=True); "
           "uvicorn.run(app, host='127.0.0.1', port=int(sys.argv[2]), log_level='warning', "
           "timeout_graceful_shutdown=2)")
 
