@@ -50,7 +50,8 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
                runner: list[str] | None = None, catalog_cmd: list[str] | None = None,
                poll_interval_s: float = 0.3, secure_cookies: bool = False, https: bool = False,
                behind_proxy: bool = False, report_timeout_s: float | None = None,
-               announce: Any = print, freeze_gc: bool = False, **limits: Any) -> FastAPI:
+               announce: Any = print, freeze_gc: bool = False, cached_reads: bool = True,
+               **limits: Any) -> FastAPI:
     """The dashboard app over the store at ``db_url`` (a path or an SQLAlchemy URL).
 
     On first start (no users yet) it creates user ``admin`` with ``admin_password``, else
@@ -62,6 +63,8 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
     and schemas) out of the garbage collector's reach (:func:`gc.freeze`), so that a full
     collection scans only what requests made since: measured, it took full-collection pauses
     from ~60 ms to ~3 ms of CPU. For a serving process, not for tests that build many apps.
+    ``cached_reads``: answer repeats of the busiest reads before routing
+    (:class:`~fedswarm.web.hot_reads.CachedReads`); off only to benchmark without it.
     ``limits`` override :class:`Settings` quotas (``ingest_per_minute``, ...).
     """
     kw: dict[str, Any] = dict(superlink=superlink, admin_password=admin_password, secret_key=secret_key,
@@ -106,7 +109,8 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
                               "Authenticate with the session cookie (plus X-CSRF-Token on writes) "
                               "or `Authorization: Bearer <token>`.")
     app.state.ctx = ctx
-    app.add_middleware(CachedReads, ctx=ctx, session_cookie=SESSION_COOKIE)  # inside SecurityHeaders
+    if cached_reads:
+        app.add_middleware(CachedReads, ctx=ctx, session_cookie=SESSION_COOKIE)  # inside SecurityHeaders
     app.add_middleware(SecurityHeaders, https=settings.https, session_cookie=SESSION_COOKIE)
     app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
     docs.mount(app)
