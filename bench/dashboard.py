@@ -56,7 +56,7 @@ _SERVE = ("import sys, uvicorn; from fedswarm.web.app import create_app; "
           "app = create_app(sys.argv[1], admin_password='bench-password-1', catalog_cmd=['true'], "
           "poll_interval_s=float(sys.argv[3]), freeze_gc=now, cached_reads=now); "
           "uvicorn.run(app, host='127.0.0.1', port=int(sys.argv[2]), log_level='warning', "
-          "timeout_graceful_shutdown=2)")
+          "timeout_graceful_shutdown=2, proxy_headers=False)")  # as `fedswarm dashboard` without --behind-proxy
 
 
 def _free_port() -> int:
