@@ -414,6 +414,10 @@ def dashboard(
         "Trust X-Forwarded-For/-Proto from the proxy in front (client addresses for the login throttle, the scheme). "
         "Only with a proxy really there."
     )),
+    trusted_proxies: str = typer.Option("127.0.0.1,::1", "--trusted-proxies", help=(
+        "With --behind-proxy: the proxy addresses or networks (comma-separated, e.g. 10.0.0.5,10.1.0.0/16) whose "
+        "X-Forwarded-* headers are believed; from any other address they are ignored. '*' trusts every address."
+    )),
     certfile: Optional[Path] = typer.Option(None, "--certfile", help=(
         "Serve TLS directly with this certificate (PEM); implies --https."
     )),
@@ -429,10 +433,16 @@ def dashboard(
     if (certfile is None) != (keyfile is None):
         fail("--certfile and --keyfile go together")
     try:
+        from fedswarm.web.app import proxy_options
         from fedswarm.web.app import run as run_dashboard
     except ImportError as exc:
         fail(f"the dashboard is not available: {exc}", code=1)
+    try:
+        proxy_options(behind_proxy, trusted_proxies)
+    except ValueError as exc:
+        fail(f"--trusted-proxies: {exc}")
     run_dashboard(host=host, port=port, db=db, superlink=superlink, https=https, behind_proxy=behind_proxy,
+                  trusted_proxies=trusted_proxies,
                   certfile=str(certfile) if certfile else None, keyfile=str(keyfile) if keyfile else None,
                   report_timeout_s=report_timeout)
 
