@@ -10,6 +10,12 @@ reason. Sockets are blocking with timeouts (``recv_into`` straight into the body
 
 Bytes are counted on the socket (after framing, before TLS): ``stats.sent`` and
 ``stats.received``, in total and per message kind.
+
+In a permissioned swarm (mutual TLS, certificates bound to the signing keys) a body needs no
+tag of its own (see :mod:`~fedswarm.swarm.net.envelope`), and a connection to a peer already
+met resumes the TLS 1.3 session from its ticket: no certificate signatures to make and check
+(bench: ``python -m fedswarm.bench.swarm --exchange-only --profile``), the certificate proved
+again from the session on every connection.
 """
 
 from __future__ import annotations
