@@ -25,7 +25,8 @@ serialized (:mod:`fedswarm.sim.batched_round`), once per size class of the round
 
 What it does not do: the strategies not in :data:`SUPPORTED_STRATEGIES` (they run on
 ``--engine inprocess``; :func:`check_supported` says so in one line), ``--dp``,
-``--dp-sgd``, ``--byzantine``, models with buffers (batch-norm statistics), and the
+``--dp-sgd``, ``--byzantine`` with FedAvg or with a data-poisoning attack (labelflip),
+models with buffers (batch-norm statistics), and the
 ``--devices`` time model's simulated seconds (rows carry ``sim_time_s = null``).
 """
 
@@ -59,9 +60,11 @@ __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budg
            "available_ram", "round_schedule", "check_supported", "SUPPORTED_STRATEGIES", "BatchedRun",
            "add_client"]
 
-#: Strategies this engine serves: FedAvg, and the compressed strategies whose client half
-#: is :func:`fedswarm.strategies.federated.compressed_fedavg.client_update`.
-SUPPORTED_STRATEGIES = ("fedavg", "compressed_fedavg", "onebit")
+#: Strategies this engine serves: FedAvg, and the strategies whose client half is
+#: :func:`fedswarm.strategies.federated.compressed_fedavg.client_update` (the compressed
+#: ones and the Byzantine-robust rules), see :mod:`fedswarm.sim.batched_compressed`.
+SUPPORTED_STRATEGIES = ("fedavg", "compressed_fedavg", "onebit", "median", "trimmed_mean", "krum", "multikrum",
+                        "bulyan", "signum")
 
 # Rounds with more clients than this record the round's totals but no per-node rows:
 # 10,000 rows a round would cost the store more than the training does.
@@ -78,9 +81,19 @@ def check_supported(cfg: RunConfig) -> None:
     if cfg.strategy not in SUPPORTED_STRATEGIES:
         raise ConfigError(f"--engine batched serves {', '.join(SUPPORTED_STRATEGIES)}; strategy '{cfg.strategy}' "
                           "runs on --engine inprocess (or flower)")
-    for key, what in (("dp", "--dp"), ("dp_sgd", "--dp-sgd"), ("byzantine", "--byzantine")):
+    for key, what in (("dp", "--dp"), ("dp_sgd", "--dp-sgd")):
         if getattr(cfg, key):
             raise ConfigError(f"--engine batched does not run {what}; use --engine inprocess")
+    if cfg.byzantine:
+        from fedswarm.algorithms.robust.attacks import parse_attack
+
+        try:
+            attack = parse_attack(cfg.attack or "signflip")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if cfg.strategy == "fedavg" or attack.kind == "data":
+            what = "fedavg" if cfg.strategy == "fedavg" else f"the '{attack.name}' attack (it poisons training data)"
+            raise ConfigError(f"--engine batched does not run --byzantine with {what}; use --engine inprocess")
 
 
 # -- the engine --------------------------------------------------------------------------------

@@ -28,16 +28,17 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedswarm.algorithms.compression.codecs import decode_payload, make_codec
 from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState, error_feedback_step
-from fedswarm.payload import Payload
+from fedswarm.payload import Payload, PayloadError
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
-from fedswarm.sim.batched_round import reply_size, round_schedule, varint_len
+from fedswarm.sim.batched_round import make_reply, reply_size, round_schedule, varint_len
 from fedswarm.strategies.federated.compressed_base import KNOBS, SELECT, Accepted
 from fedswarm.strategies.federated.compressed_fedavg import client_codec, uplink_seed
 from fedswarm.wire import payload_to_records, vector_to_arrayrecord
@@ -46,13 +47,33 @@ __all__ = ["CompressedRounds", "client_payload"]
 
 
 class _Nodes:
-    """What ``configure_train`` asks of a grid here: the node ids (1..N, as the in-process grid)."""
+    """What ``configure_train`` and the Byzantine grid ask of a grid here: the node ids
+    (1..N, as the in-process grid), and, for the Byzantine grid, the round's replies."""
 
     def __init__(self, n: int):
         self._ids = list(range(1, n + 1))
+        self.replies: list[Message] = []
 
     def get_node_ids(self) -> list[int]:
         return self._ids
+
+    def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
+        return self.replies
+
+
+@dataclass
+class _Reply:
+    """One client's reply this round: its content and sizes, and what the server reads of it."""
+
+    k: int  # position in the round's sample
+    node_id: int
+    content: RecordDict
+    up: int
+    down: int
+    n: int
+    loss: float
+    value: torch.Tensor  # the decoded update
+    rejected: str | None = None
 
 
 def client_payload(payload: Payload, row: int, seed: int) -> Payload:
@@ -76,6 +97,15 @@ class CompressedRounds:
         self.initial = model
         self.arrays = vector_to_arrayrecord(model)
         self.grid = _Nodes(cfg.clients)
+        self._inner = _Nodes(cfg.clients)
+        self.byzantine = None
+        if cfg.byzantine:
+            from fedswarm.algorithms.robust.attacks import parse_attack
+            from fedswarm.server.byzantine import ByzantineGrid
+
+            self.byzantine = ByzantineGrid(self._inner, parse_attack(cfg.attack or "signflip"), cfg.byzantine,
+                                           seed=cfg.seed, layout=self.layout, on_attack=lambda nodes, spec: notes.note(
+                                               byzantine_nodes=[str(n) for n in nodes], attack=spec))
         self.residuals: dict[int, torch.Tensor] = {}  # partition id -> the client's error-feedback residual
         self._down: dict[tuple, int] = {}
         self._up: dict[tuple, int] = {}
@@ -99,11 +129,7 @@ class CompressedRounds:
         codecs = {c: client_codec(knobs, p) for c, p in zip(classes, pols)}
         ef = bool(knobs.get("error_feedback", True))
         x = self.model
-        traffic = Traffic()
-        record_nodes = total <= engine.NODE_ROWS_MAX
-        node_rows: list[dict] | None = [] if record_nodes else None
-        accepted: list[Accepted] = []
-        loss_sum = weight_sum = 0.0
+        replies: list[_Reply] = []
         for rows, new, loss, n in trainer.fit(x, sched, momentum=cfg.momentum, chunk_size=run.chunk_size,
                                               memory_budget=run.memory_budget, on_chunk=run.progress(total)):
             bad = ~torch.isfinite(new).all(dim=1)
@@ -117,25 +143,55 @@ class CompressedRounds:
             n_list, loss_list, steps_list = n.tolist(), loss.tolist(), sched.steps[rows].tolist()
             for j, k in enumerate(ks):
                 msg = messages[k]
-                down = self._down_size(msg)
                 content = payload_to_records(sent[j], RecordDict())
                 content["metrics"] = MetricRecord({"num-examples": n_list[j], "train_loss": loss_list[j],
                                                    "steps": steps_list[j]})
                 content["node"] = ConfigRecord({"device_class": classes[k], "policy": policy_json[classes[k]]})
                 up = self._up_size(msg, content, sent[j], n_list[j], steps_list[j])
-                engine.add_client(traffic, node_rows, node_ids[k], up, down, n_list[j], loss_list[j], classes[k],
-                                  pols[k])
-                accepted.append(Accepted(node_ids[k], None, float(n_list[j]), decoded[j]))
-                loss_sum += n_list[j] * loss_list[j]
-                weight_sum += n_list[j]
-        for nid in node_ids:  # every client replied: it holds its replica, applied any selection
-            strategy.sync.ack(nid)
-            strategy.pending.pop(nid, None)
+                replies.append(_Reply(k, node_ids[k], content, up, self._down_size(msg), n_list[j], loss_list[j],
+                                      decoded[j]))
+        if self.byzantine is not None:
+            self._attack(messages, replies)
+        traffic = Traffic()
+        node_rows: list[dict] | None = [] if total <= engine.NODE_ROWS_MAX else None
+        accepted: list[Accepted] = []
+        loss_sum = weight_sum = 0.0
+        for r in replies:
+            engine.add_client(traffic, node_rows, r.node_id, r.up, r.down, r.n, r.loss, classes[r.k], pols[r.k])
+            strategy.sync.ack(r.node_id)  # a content reply: the client saved its replica
+            strategy.pending.pop(r.node_id, None)  # ... and applied the selection it was sent
+            if r.rejected is not None:
+                if node_rows is not None:
+                    node_rows[-1].update(status="rejected", reason=r.rejected)
+                continue
+            accepted.append(Accepted(r.node_id, None, float(r.n), r.value))
+            loss_sum += r.n * r.loss
+            weight_sum += r.n
         accepted.sort(key=lambda a: a.node_id)
         strategy.apply_accepted(server_round, accepted)
         self.arrays = strategy.model_arrays()
         run.meter.traffic = traffic
-        return {"train_loss": loss_sum / weight_sum, "num_clients": total}, node_rows or []
+        row = {"train_loss": loss_sum / weight_sum if weight_sum else None, "num_clients": total}
+        return row, node_rows or []
+
+    # -- Byzantine clients (--byzantine): the attack of fedswarm.server.byzantine, unchanged --
+    def _attack(self, messages: list[Message], replies: list[_Reply]) -> None:
+        """Pass the round's real replies through :class:`~fedswarm.server.byzantine.ByzantineGrid`
+        (which rewrites the chosen nodes' replies, as between the in-process grid and the
+        meter), then read each attacked reply as the server does (the strategy's
+        ``parse_reply``; a reply it refuses is rejected) and measure it again."""
+        msgs = [make_reply(messages[r.k], r.content) for r in replies]
+        bad = set(self.byzantine.byzantine)
+        self._inner.replies = msgs
+        self.byzantine.send_and_receive(messages)
+        for r, msg in zip(replies, msgs):
+            if r.node_id not in bad:
+                continue
+            r.up = serialized_size(msg)
+            try:
+                r.value = self.strategy.parse_reply(msg)
+            except (PayloadError, KeyError, TypeError, ValueError) as exc:
+                r.rejected = self.strategy.reject(msg, str(exc) or type(exc).__name__)
 
     # -- the clients' codec, on the client axis -------------------------------------------
     def _encode(self, delta: torch.Tensor, pids: list[int], codecs: list[tuple[str, dict]], strategy_round: int,

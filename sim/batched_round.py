@@ -19,7 +19,7 @@ from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim.batched_trainer import ClientSchedule
 from fedswarm.wire import vector_to_arrayrecord
 
-__all__ = ["Meter", "ByteCounter", "round_schedule", "varint_len", "reply_size"]
+__all__ = ["Meter", "ByteCounter", "round_schedule", "varint_len", "make_reply", "reply_size"]
 
 
 class Meter:
@@ -98,9 +98,9 @@ class ByteCounter:
         return out
 
 
-def reply_size(ins: Message, content: RecordDict) -> int:
-    """Serialized bytes of the reply with ``content`` that the node ``ins`` went to sends
-    back, as the grid meters it (the reply carries the ids of both messages)."""
+def make_reply(ins: Message, content: RecordDict) -> Message:
+    """The reply with ``content`` from the node ``ins`` went to, as the grid hands it to the
+    server (both messages carry ids)."""
     if not ins.metadata.message_id:
         ins.metadata.__dict__["_message_id"] = str(uuid4())  # what the grid gives it on push
     TaskIdentity.node_id = ins.metadata.dst_node_id  # the reply's source, as on a SuperNode
@@ -109,4 +109,9 @@ def reply_size(ins: Message, content: RecordDict) -> int:
     finally:
         TaskIdentity.node_id = 0
     reply.metadata.__dict__["_message_id"] = str(uuid4())
-    return serialized_size(reply)
+    return reply
+
+
+def reply_size(ins: Message, content: RecordDict) -> int:
+    """Serialized bytes of the reply with ``content`` to ``ins``, as the grid meters it."""
+    return serialized_size(make_reply(ins, content))
