@@ -98,6 +98,11 @@ class Topology:
         row = self.mixing_matrix(round)[i]
         return {j: float(row[j]) for j in [i, *self.neighbors(i, round)]}
 
+    def staleness(self, i: int, round: int = 0) -> int:
+        """How many iterations old node ``i``'s gradient model is at ``round``: 0 for a
+        graph; a fixed schedule (:mod:`.schedule`) replays an asynchronous run's."""
+        return 0
+
     def spectral_gap(self, round: int = 0) -> float:
         """``1 − max(|λ₂(W)|, |λ_n(W)|)`` at ``round``. For a time-varying topology one
         round's graph may be disconnected (gap 0); the gossip mixes over a period."""

@@ -151,7 +151,8 @@ def make_client_update(algorithm: str) -> Callable[[Message, Context], RecordDic
         reply = RecordDict()
         if not bool(conf.get("final", False)):
             steps = cfg.local_steps or 1
-            grad, loss = local_gradient(trainer, model, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr,
+            point = algo.gradient_point(state, 0, int(conf.get("staleness", 0)))  # a fixed schedule's may be stale
+            grad, loss = local_gradient(trainer, point, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr,
                                         seed=round_seed(cfg.seed, int(conf["iteration"]), pid))
             algo.local_step(state, grad[None], cfg.lr)
             payload = algo.payload(state, 0)
