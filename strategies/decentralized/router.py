@@ -18,10 +18,12 @@ iteration (they keep its weight on themselves) and the round its model; it resum
 the state it had before.
 
 Accounting. Bytes through the grid are server hops, measured by the MeteredGrid as
-usual. What would travel peer to peer is noted per round as ``p2p_bytes``: the
-serialized size of each node's message times its degree. Accuracy is that of the
-node-average model (nodes report their models; the average is only evaluated, never sent
-back) and ``consensus_distance`` is ``(1/n) Σ_i ‖x_i − x̄‖²``.
+usual; ``bytes_up`` is the algorithm's messages, and the nodes' model reports (monitoring,
+``report.model``, for the accuracy only) are recorded apart as ``bytes_report``. What
+would travel peer to peer is noted per round as ``p2p_bytes``: the serialized size of
+each node's message times its degree. Accuracy is that of the node-average model (nodes
+report their models; the average is only evaluated, never sent back) and
+``consensus_distance`` is ``(1/n) Σ_i ‖x_i − x̄‖²``.
 
 Registered: ``dpsgd``, ``d2``, ``dsgdm``, ``qgm``, ``squarm``, ``easgd``, ``dasgd`` (kind
 ``decentralized``, topology from ``RunConfig.topology``); ``adpsgd``, ``prague`` (kind ``async``:
@@ -48,7 +50,8 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedswarm.config import ConfigError
 from fedswarm.hyperparams import HyperParam
-from fedswarm.strategies.decentralized.node import NO_STATE, make_client_update, message_nbytes_of, neighbour_keys
+from fedswarm.strategies.decentralized.node import (NO_STATE, REPORT_MODEL, make_client_update, message_nbytes_of,
+                                                   neighbour_keys)
 from fedswarm.algorithms.decentralized import ALGORITHMS, consensus_distance, make_algorithm, make_schedule
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register
 from fedswarm.strategies.resumable import capture, restore
@@ -285,7 +288,7 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
                     payload = payload_from_records(reply.content, max_bytes=8 * d + 4096)
                     vec = self.algo.read_payload(payload, d)
                     msg = (reply.content.array_records[PAYLOAD_ARRAYS], reply.content.config_records[PAYLOAD_META])
-                model = reply.content.array_records.get("model")
+                model = reply.content.array_records.get(REPORT_MODEL)
                 if model is not None:
                     models_vec = arrayrecord_to_vector(model, d)
                 else:  # a dense message is the model (D-PSGD); a compressed one is not
