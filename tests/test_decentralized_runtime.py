@@ -285,3 +285,14 @@ def test_squarm_at_the_papers_ratio_reports_the_codecs_bytes_and_model_reports_a
     assert r2["test_accuracy"] is not None  # reported, so evaluated...
     assert 4 * d * n <= r2["bytes_report"] <= 4 * d * n * 1.01  # ...with the dense models counted apart
     assert r2["p2p_bytes"] == pytest.approx(n * 2 * formula, rel=0.10)
+    summary = result["summary"]  # the run's totals and its table keep the two apart too
+    assert summary["total_bytes_report"] == sum(r.get("bytes_report") or 0 for r in result["rounds"])
+    assert summary["total_bytes_up"] == sum(r["bytes_up"] for r in result["rounds"])
+    assert summary["total_bytes_up"] < summary["total_bytes_report"] / 10
+    from rich.console import Console
+
+    from fedswarm.sim.report import summary_table
+
+    console = Console(record=True, width=200)
+    console.print(summary_table(result))
+    assert "model reports (monitoring, not in bytes up)" in console.export_text()
