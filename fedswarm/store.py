@@ -344,6 +344,9 @@ class Store:
         }
         sims = [r["sim_time_s"] for r in rows if r["sim_time_s"] is not None]
         summary["sim_time_s"] = sum(sims) if sims else None
+        reports = [r["bytes_report"] for r in rows if r.get("bytes_report") is not None]
+        if reports:  # monitoring (decentralized nodes' model reports), not in total_bytes_up
+            summary["total_bytes_report"] = sum(reports)
         # Privacy spent and attacks suffered, when the run had them (DP, --byzantine).
         for key in ("epsilon", "epsilon_example"):
             eps = [r[key] for r in rows if r.get(key) is not None]

@@ -109,6 +109,8 @@ class RoundRecorder(RoundNotes):
                                  f"round {rnd}: {failed} of {len(node_rows)} nodes failed; aggregated the "
                                  f"{len(node_rows) - failed} others (strategy minimum {self.min_train_nodes})",
                                  data={"round": rnd, "failed": failed, "min_train_nodes": self.min_train_nodes})
+        if getattr(traffic, "report_up", 0):  # monitoring (report.* records), apart from bytes_up
+            row["bytes_report"] = traffic.report_up
         for observe in self.observers:
             row.update(observe(traffic))
         row.update(notes)
