@@ -11,11 +11,18 @@ round, so 50,500 per-node rows), starts the dashboard in its own process, then
 * **SSE fan-out**: 100 viewers hold ``/api/runs/{id}/stream`` open while rounds are written;
   for each (viewer, round) the time from the write to the viewer receiving it.
 
+Side by side in one run: two servers over the same store take turns on each endpoint, ``now``
+(the app as shipped) and ``plain`` (the same code with the cached-read fast path,
+:class:`fedswarm.web.hot_reads.CachedReads`, and the post-start ``gc.freeze`` turned off), so
+their ratio is measured under the same machine load. On a machine with 2 or more usable cores
+the servers are pinned to the first core and the load generator (this process, wrk) to the
+others, so they do not fight for one core; a single uvicorn worker uses one core anyway.
+
 It writes ``dashboard.json`` (the rows) and ``dashboard.png``. When
 ``BASELINE`` (``dashboard_baseline.json`` beside this file: the same benchmark run on the
-code before issue 16's changes) exists, its figures are printed and plotted beside the new ones.
-The load generator shares the machine's cores with the server, so figures are a floor on what
-the app can do; the load average is recorded with the rows.
+code before issue 16's changes, an older run on a differently loaded machine) exists, its
+figures are printed and plotted beside the new ones. The load average is recorded with the
+rows: on a machine shared with other work, figures are a floor on what the app can do.
 """
 
 from __future__ import annotations
@@ -43,11 +50,13 @@ CLIENTS = 50
 VIEWERS = 100
 RUNS, ROUNDS, NODES = 50, 101, 10
 BASELINE = Path(__file__).with_name("dashboard_baseline.json")
+VARIANTS = ("plain", "now")  # measured in this order on each endpoint
 _SERVE = ("import sys, uvicorn; from fedswarm.web.app import create_app; "
+          "now = sys.argv[4] == 'now'; "
           "app = create_app(sys.argv[1], admin_password='bench-password-1', catalog_cmd=['true'], "
-          "poll_interval_s=float(sys.argv[3])); "
+          "poll_interval_s=float(sys.argv[3]), freeze_gc=now, cached_reads=now); "
           "uvicorn.run(app, host='127.0.0.1', port=int(sys.argv[2]), log_level='warning', "
-          "timeout_graceful_shutdown=2)")
+          "timeout_graceful_shutdown=2, proxy_headers=False)")  # as `fedswarm dashboard` without --behind-proxy
 
 
 def _free_port() -> int:
@@ -91,10 +100,22 @@ def seed_store(db: str, runs: int = RUNS, rounds: int = ROUNDS, nodes: int = NOD
     return ids, live, token
 
 
-def _start_server(db: str, poll_s: float) -> tuple[subprocess.Popen, str]:
+def _cores() -> tuple[set[int] | None, set[int] | None]:
+    """(server cores, load-generator cores): the first usable core and the rest, or (None, None)
+    on a one-core machine or where affinity cannot be set."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None, None
+    return ({cpus[0]}, set(cpus[1:])) if len(cpus) >= 2 else (None, None)
+
+
+def _start_server(db: str, poll_s: float, variant: str = "now",
+                  cores: set[int] | None = None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE, db, str(port), str(poll_s)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE, db, str(port), str(poll_s), variant],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=pin)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         if proc.poll() is not None:
@@ -239,7 +260,9 @@ def _plot(rows: list[dict], base: list[dict], delays_ms: list[float], path: Path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    api = [r for r in rows if r["test"] == "api"]
+    api = [r for r in rows if r["test"] == "api" and r.get("server") == "now"]
+    plain = {(r["endpoint"], r["store"]): r["p99_ms"] for r in rows
+             if r["test"] == "api" and r.get("server") == "plain"}
     fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5))
     labels = [f"{r['endpoint'].replace('/api/', '')}\n{r['store']}" for r in api]
     xs = list(range(len(api)))
@@ -249,8 +272,11 @@ def _plot(rows: list[dict], base: list[dict], delays_ms: list[float], path: Path
                   and x["store"] == r["store"]), None)
         return m["p99_ms"] if m else float("nan")
 
-    a.bar([x - 0.2 for x in xs], [before(r) for r in api], 0.4, label="p99 before (baseline)", color="#94a3b8")
-    a.bar([x + 0.2 for x in xs], [r["p99_ms"] for r in api], 0.4, label="p99 now", color="#2563eb")
+    a.bar([x - 0.27 for x in xs], [before(r) for r in api], 0.27, label="p99 before issue 16 (baseline file)",
+          color="#94a3b8")
+    a.bar(xs, [plain.get((r["endpoint"], r["store"]), float("nan")) for r in api], 0.27,
+          label="p99 plain (this run, no cached reads)", color="#f59e0b")
+    a.bar([x + 0.27 for x in xs], [r["p99_ms"] for r in api], 0.27, label="p99 now (this run)", color="#2563eb")
     a.axhline(50, color="r", ls="--", label="target 50 ms")
     a.set_yscale("log")
     a.set_xticks(xs, labels, rotation=20, fontsize=7)
@@ -270,6 +296,15 @@ def _plot(rows: list[dict], base: list[dict], delays_ms: list[float], path: Path
     plt.close(fig)
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def run(out_dir: Path, quick: bool = False) -> list[dict]:
     """Run the benchmark; write ``dashboard.json`` and ``dashboard.png`` to ``out_dir``."""
     out_dir = Path(out_dir)
@@ -278,37 +313,48 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
     tmp = tempfile.mkdtemp(prefix="fedswarm-bench-")
     db = os.path.join(tmp, "bench.db")
     ids, live, token = seed_store(db)
-    proc, url = _start_server(db, poll_s)
+    server_cores, client_cores = _cores()
+    own_cores = os.sched_getaffinity(0) if client_cores else None
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
     rows: list[dict] = []
     load = os.getloadavg()[0]
     d_ms: list[float] = []
     try:
+        for variant in VARIANTS:
+            servers[variant] = _start_server(db, poll_s, variant, server_cores)
+        if client_cores:
+            os.sched_setaffinity(0, client_cores)  # this process and the wrk it starts
+        pinning = (f"server on core {sorted(server_cores)}, load generator on {sorted(client_cores)}"
+                   if client_cores else "not pinned")
         endpoints = ["/api/health", "/api/runs", f"/api/runs/{ids[0]}", f"/api/runs/{ids[0]}/rounds"]
         for store_state in ("quiet", "writing"):
             for ep in endpoints:
                 if store_state == "writing" and ep == "/api/health":
                     continue
-                if store_state == "writing":
-                    with _Writer(db, live):
+                for variant in VARIANTS:
+                    url = servers[variant][1]
+                    if store_state == "writing":
+                        with _Writer(db, live):
+                            res = _load(url + ep, token, seconds)
+                    else:
                         res = _load(url + ep, token, seconds)
-                else:
-                    res = _load(url + ep, token, seconds)
-                rows.append({"test": "api", "endpoint": ep.replace(ids[0], "{id}"), "store": store_state,
-                             "concurrency": CLIENTS, "duration_s": seconds, **res})
+                    rows.append({"test": "api", "endpoint": ep.replace(ids[0], "{id}"), "store": store_state,
+                                 "server": variant, "concurrency": CLIENTS, "duration_s": seconds,
+                                 "pinning": pinning, "loadavg_1m": round(os.getloadavg()[0], 2), **res})
+        url = servers["now"][1]
         first = len(_fetch_rounds(url, token, live)) + 1
         delays = asyncio.run(_fanout(url, token, live, db, rounds, gap_s=0.5, first_round=first))
         d_ms = [d * 1e3 for d in delays]
-        rows.append({"test": "sse", "endpoint": "/api/runs/{id}/stream", "store": "writing", "viewers": VIEWERS,
-                     "rounds": rounds, "delivered": len(d_ms), "expected": VIEWERS * rounds,
+        rows.append({"test": "sse", "endpoint": "/api/runs/{id}/stream", "store": "writing", "server": "now",
+                     "viewers": VIEWERS, "rounds": rounds, "delivered": len(d_ms), "expected": VIEWERS * rounds,
                      "poll_interval_s": poll_s, "median_ms": statistics.median(d_ms) if d_ms else float("nan"),
                      "p99_ms": _pct(d_ms, 99), "max_ms": max(d_ms, default=float("nan")),
                      "under_1s": sum(d < 1000 for d in d_ms) / max(1, len(d_ms))})
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        if own_cores:
+            os.sched_setaffinity(0, own_cores)
+        for proc, _ in servers.values():
+            _stop(proc)
         shutil.rmtree(tmp, ignore_errors=True)
     for r in rows:
         r["loadavg_1m_at_start"] = round(load, 2)
@@ -327,12 +373,23 @@ def _fetch_rounds(url: str, token: str, run_id: str) -> list:
 def _print(rows: list[dict], base: list[dict]) -> None:
     if base:
         print(f"baseline: {BASELINE.name} ({json.loads(BASELINE.read_text()).get('note', '')})")
-    print(f"{'test':5} {'endpoint':24} {'store':8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} "
-          f"{'errors':>6} | {'before p50':>10} {'before p99':>10} {'before req/s':>12}")
+    pin = next((r["pinning"] for r in rows if "pinning" in r), "")
+    print(f"server 'now': as shipped; 'plain': without cached reads and gc.freeze; {pin}; "
+          f"1-min load at start {rows[0]['loadavg_1m_at_start'] if rows else float('nan')}")
+    print(f"{'test':5} {'endpoint':24} {'store':8} {'server':6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} "
+          f"{'errors':>6} {'load':>5} | {'base p50':>8} {'base p99':>8} {'base req/s':>10}")
     for r in rows:
         b = next((x for x in base if x["test"] == r["test"] and x["endpoint"] == r["endpoint"]
                   and x.get("store") == r.get("store")), {})
         errors = r.get("errors", r.get("expected", 0) - r.get("delivered", 0))
-        print(f"{r['test']:5} {r['endpoint']:24} {r.get('store', ''):8} {r['median_ms']:8.1f} {r['p99_ms']:8.1f} "
-              f"{r.get('rps', float('nan')):7.0f} {errors:6d} | {b.get('median_ms', float('nan')):10.1f} "
-              f"{b.get('p99_ms', float('nan')):10.1f} {b.get('rps', float('nan')):12.0f}")
+        print(f"{r['test']:5} {r['endpoint']:24} {r.get('store', ''):8} {r.get('server', ''):6} "
+              f"{r['median_ms']:8.1f} {r['p99_ms']:8.1f} {r.get('rps', float('nan')):7.0f} {errors:6d} "
+              f"{r.get('loadavg_1m', float('nan')):5.1f} | {b.get('median_ms', float('nan')):8.1f} "
+              f"{b.get('p99_ms', float('nan')):8.1f} {b.get('rps', float('nan')):10.0f}")
+    now = {(r["endpoint"], r["store"]): r for r in rows if r["test"] == "api" and r.get("server") == "now"}
+    for r in rows:
+        if r["test"] == "api" and r.get("server") == "plain" and (r["endpoint"], r["store"]) in now:
+            n = now[(r["endpoint"], r["store"])]
+            print(f"ratio plain/now {r['endpoint']:24} {r['store']:8} p50 x{r['median_ms'] / n['median_ms']:.1f}  "
+                  f"p99 x{r['p99_ms'] / n['p99_ms']:.1f}  req/s x{n['rps'] / r['rps']:.1f}; "
+                  f"now p99 {'<' if n['p99_ms'] < 50 else '>='} 50 ms")

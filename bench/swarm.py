@@ -1,14 +1,18 @@
 """Swarm transport and round time, measured (wall-clock, this machine, loopback).
 
 1. **Model exchange**: a 10M-parameter float32 model (40 MB) pushed from one peer to
-   another in a separate process, three ways in rotation in one run: a raw socket copy
-   of the same bytes (``sendall`` → ``recv_into`` a preallocated buffer, one-byte ack);
-   the swarm without TLS (signed header, Poly1305 body tag), the same with the body
+   another in a separate process, four ways in rotation in one run: a raw socket copy
+   of the same bytes (connect, ``sendall`` → ``recv_into`` a preallocated buffer, a small
+   ack); the swarm without TLS (signed header, Poly1305 body tag), the same with the body
    AES-256-GCM encrypted (the swarm's default without TLS); and the swarm as a
    permissioned swarm runs it, with mutual TLS (encrypted, certificates from the swarm's
-   CA bound to the signing keys). Both swarm paths validate dtype, length and finiteness
-   on arrival and answer with a signed ack. Median of the reps; the load average is
-   recorded beside the figures.
+   CA bound to the signing keys; a TLS 1.3 session ticket from the previous exchange
+   resumes the session, as between gossiping neighbours; the first, full handshake is
+   ``seconds_first``). Every swarm path validates dtype, length and finiteness on arrival
+   and answers with a signed ack. Median of the reps; the load average is recorded beside
+   the figures, and so is each side's CPU time per exchange (``send_cpu_ms``,
+   ``recv_cpu_ms``: thread CPU time, much less sensitive than wall time to a loaded
+   machine; a transfer cannot be faster than its busier side's CPU time).
 2. **Gossip round, 16 peers, digits-mlp** (D-PSGD on a ring, one local step per round):
    the swarm's round period = median over rounds of the time between the last peer
    finishing round r−1 and the last peer finishing round r. Quick: 16 peers as threads of
@@ -35,6 +39,7 @@ import shutil
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -81,7 +86,8 @@ def _receiver(pipe, pki: str, d: int) -> None:
 
     def handle(msg, s):
         read_vector(msg.meta, msg.body, d)  # validated as a peer would, before any use
-        s.send("ack", re=msg.nonce)
+        # one thread per connection: its CPU time so far is this exchange's (handshake included)
+        s.send("ack", {"cpu_s": time.thread_time()}, re=msg.nonce)
 
     ts = {m: _transport(Path(pki), "p1", handle, mode=m).start() for m in ("plain", "encrypted", "secure")}
     raw = socket.create_server(("127.0.0.1", 0))
@@ -94,10 +100,11 @@ def _receiver(pipe, pki: str, d: int) -> None:
             except OSError:
                 return
             with c:
+                cpu0 = time.thread_time()
                 view, got = memoryview(buf), 0
                 while got < len(buf):
                     got += c.recv_into(view[got:])
-                c.sendall(b"k")
+                c.sendall(struct.pack(">d", time.thread_time() - cpu0))
 
     threading.Thread(target=serve_raw, daemon=True).start()
     pipe.send((ts["plain"].ident.peer_id, {m: t.address for m, t in ts.items()}, raw.getsockname()[1]))
@@ -125,6 +132,7 @@ def exchange_rows(reps: int, d: int = D_EXCHANGE) -> list[dict]:
     proc = mp.get_context("spawn").Process(target=_receiver, args=(child, str(tmp / "pki"), d), daemon=True)
     proc.start()
     times: dict[str, list[float]] = {k: [] for k in EXCHANGE_PATHS}
+    cpu: dict[str, list[tuple[float, float]]] = {k: [] for k in EXCHANGE_PATHS}  # (sender, receiver) s
     sent: dict[str, int] = {}
     try:
         peer_id, addrs, raw_port = parent.recv()
@@ -133,15 +141,17 @@ def exchange_rows(reps: int, d: int = D_EXCHANGE) -> list[dict]:
         meta, body = vector_body(torch.randn(d))
         for _ in range(reps + 1):  # the first round warms up every path; the order rotates
             for key in times:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 if key == "raw":
                     with socket.create_connection(("127.0.0.1", raw_port)) as s:
                         s.sendall(body)
-                        s.recv(1)
+                        ack = s.recv(8, socket.MSG_WAITALL)
+                    recv_cpu = struct.unpack(">d", ack)[0]
                 else:
                     t, addr = senders[key]
-                    t.request(addr, peer_id, "model", meta, body, timeout=120)
+                    recv_cpu = t.request(addr, peer_id, "model", meta, body, timeout=120).meta["cpu_s"]
                 times[key].append(time.perf_counter() - t0)
+                cpu[key].append((time.thread_time() - c0, recv_cpu))
         for key, (t, _) in senders.items():
             sent[key] = t.stats.totals()[0] // (reps + 1)
             t.stop()
@@ -154,8 +164,10 @@ def exchange_rows(reps: int, d: int = D_EXCHANGE) -> list[dict]:
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
     common = {"benchmark": "exchange", "params": d, "payload_bytes": 4 * d, "reps": reps, "load": os.getloadavg()[0]}
     return [{**common, "transport": EXCHANGE_PATHS[k], "path": k, "seconds": med[k], "MBps": 4 * d / med[k] / 1e6,
-             "ratio_vs_raw": med["raw"] / med[k], "wire_bytes": sent.get(k, 4 * d + 1),
-             "seconds_all": times[k][1:]} for k in EXCHANGE_PATHS]
+             "ratio_vs_raw": med["raw"] / med[k], "wire_bytes": sent.get(k, 4 * d + 8),
+             "send_cpu_ms": 1e3 * statistics.median(c[0] for c in cpu[k][1:]),
+             "recv_cpu_ms": 1e3 * statistics.median(c[1] for c in cpu[k][1:]),
+             "seconds_first": times[k][0], "seconds_all": times[k][1:]} for k in EXCHANGE_PATHS]
 
 
 def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
@@ -233,6 +245,38 @@ def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
         x = torch.frombuffer(warm, dtype=torch.float32)
         torch.aminmax(x)
 
+    def handshakes(resume: bool) -> float:
+        """CPU ms of both sides of one mutual-TLS handshake (CRL checked), median of 5."""
+        from fedswarm.swarm.net.identity import create_or_load
+        from fedswarm.swarm.net.transport import permissioned_tls
+
+        def ctxs(name):
+            d = tmp / "pki" / "peers" / name
+            return permissioned_tls(str(tmp / "pki" / "ca.pem"), str(d / "cert.pem"), str(d / "keys" / "private.pem"),
+                                    create_or_load(d / "keys").peer_id, str(tmp / "pki" / "crl.pem"))
+        server, client, ticket, out = ctxs("p1")[0], ctxs("p0")[1], None, []
+        for _ in range(6):
+            a, b = socket.socketpair()
+            cpu_s = []
+
+            def serve(a=a, cpu_s=cpu_s):
+                c0 = time.thread_time()
+                with server.wrap_socket(a, server_side=True) as x:
+                    x.sendall(b"k")
+                    x.recv(1)
+                cpu_s.append(time.thread_time() - c0)
+            th = threading.Thread(target=serve)
+            th.start()
+            c0 = time.thread_time()
+            with client.wrap_socket(b, session=ticket if resume else None) as y:
+                y.recv(1)  # the session ticket came before this byte
+                y.sendall(b"k")
+                ticket = y.session
+            c1 = time.thread_time() - c0
+            th.join()
+            out.append(c1 + cpu_s[0])
+        return 1e3 * statistics.median(out[1:])
+
     steps = {"copy 40 MB into a warm buffer (what a raw socket costs per side, roughly)": step_copy,
              "copy into a fresh body buffer (page faults included)": step_fresh,
              "Poly1305 tag of the body (clear mode, each side)": step_poly,
@@ -243,6 +287,9 @@ def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
     torch.set_num_threads(1)
     rows = []
     try:
+        for name, resume in (("mutual-TLS handshake, full (CPU of both sides)", False),
+                             ("mutual-TLS handshake, resumed with a session ticket (CPU of both sides)", True)):
+            rows.append({"benchmark": "profile", "step": name, "ms": handshakes(resume), "load": os.getloadavg()[0]})
         for name, fn in steps.items():
             ts = []
             for _ in range(reps):
@@ -410,19 +457,19 @@ def _table(rows: list[dict]) -> None:
     from rich.table import Table
 
     t = Table(title="swarm on loopback (wall-clock seconds, this machine)")
-    for col in ("measure", "what", "seconds (median)", "MB/s", "vs raw", "p90 s"):
+    for col in ("measure", "what", "seconds (median)", "MB/s", "vs raw", "p90 s", "CPU ms send/recv"):
         t.add_column(col, justify="right" if col != "what" else "left")
     def f(v, spec):
         return "-" if v is None or not math.isfinite(v) else format(v, spec)
     for r in rows:
         if r["benchmark"] == "profile":
-            t.add_row("profile, 40 MB", r["step"], f(r["ms"] / 1e3, ".3f"), "-", "-", "-")
+            t.add_row("profile, 40 MB", r["step"], f(r["ms"] / 1e3, ".4f"), "-", "-", "-", "-")
         elif r["benchmark"] == "exchange":
             t.add_row("exchange 40 MB", r["transport"], f(r["seconds"], ".3f"), f(r["MBps"], ".0f"),
-                      f(r["ratio_vs_raw"], ".2f"), "-")
+                      f(r["ratio_vs_raw"], ".2f"), "-", f"{r['send_cpu_ms']:.0f} / {r['recv_cpu_ms']:.0f}")
         else:
             t.add_row("round, 16 peers", r["runtime"] + (f" ({r['note'][:60]})" if r.get("note") else ""),
-                      f(r["round_s"], ".3f"), "-", "-", f(r["round_s_p90"], ".3f"))
+                      f(r["round_s"], ".3f"), "-", "-", f(r["round_s_p90"], ".3f"), "-")
     console = Console()
     (console if console.is_terminal else Console(width=160)).print(t)
 
@@ -457,8 +504,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("bench"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--exchange-only", action="store_true", help="only the 40 MB exchange (raw, plain, mutual TLS)")
-    ap.add_argument("--profile", action="store_true", help="also time each step of an exchange in-process")
+    ap.add_argument("--exchange-only", action="store_true",
+                    help="only the 40 MB exchange (raw, plain, encrypted, mutual TLS)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also time each step of an exchange in-process (handshakes, copies, crypto, checks)")
     a = ap.parse_args(argv)
     run(a.out, quick=a.quick, exchange_only=a.exchange_only, profile=a.profile)
 

@@ -132,6 +132,10 @@ def sim(
     dp_sgd: Optional[str] = typer.Option(None, "--dp-sgd", help=(
         "Example-level DP-SGD in every client (opacus): noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]."
     )),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help=(
+        "Checkpoint the server into the store every K rounds (default 1); `fedswarm resume` redoes at most K - 1 "
+        "rounds. Larger K: less checkpoint time and store traffic."
+    )),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Strategy hyperparameter KEY=VALUE (repeatable)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=(
         "A TOML run config; command-line options override it."
@@ -155,7 +159,7 @@ def sim(
         "batch_size": batch_size, "lr": lr, "momentum": momentum, "seed": seed, "engine": engine,
         "device": device, "name": name, "devices": devices, "profiles": profiles, "topology": topology,
         "byzantine": byzantine, "attack": attack, "dp": dp, "dp_sgd": dp_sgd,
-        "memory_budget": memory_budget, "ray_address": ray_address,
+        "memory_budget": memory_budget, "ray_address": ray_address, "checkpoint_every": checkpoint_every,
     }
     quiet_flower(verbose)  # before the strategy is built to check it
     try:
@@ -198,6 +202,10 @@ def resume(
                                    "resume it on, with `flwr run`."),
     app_dir: Optional[Path] = typer.Option(None, "--app", help="A deployment run: the Flower App to run (default: "
                                                                 "this fedswarm's project directory)."),
+    accept_client_state_loss: bool = typer.Option(
+        False, "--accept-client-state-loss", help="Resume even though the clients' own state (error-feedback "
+        "residuals, replicas, decentralized nodes' models) cannot be restored: deployment and --engine flower runs of "
+        "such strategies. The clients are resynchronised; the model will differ from an uninterrupted run's."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and Ray's logs."),
 ) -> None:
     """Continue a failed, stopped or killed run from its last checkpoint, in the same run and store.
@@ -205,14 +213,17 @@ def resume(
     Every round of every run is checkpointed in the store. The run goes on from the round after
     its checkpoint up to its total, on the engine it ran on; rounds recorded after the checkpoint
     are redone, so each round is recorded once. A deployment run (`flwr run`) resumes on the
-    SuperLink given with --federation; its SuperNodes get their state back from the server."""
+    SuperLink given with --federation. The resume is exact (same model as uninterrupted) on the
+    in-process engine for every strategy, and anywhere for strategies without client state
+    (fedavg...); a strategy whose clients keep state in Context.state resumed in a deployment or on
+    Flower's engine loses that state, and is refused unless --accept-client-state-loss."""
     from fedswarm.server.checkpoint import CheckpointError
     from fedswarm.server.resume import prepare_resume
     from fedswarm.store import Store
 
     store = Store(db)
     try:
-        cfg, checkpoint = prepare_resume(store, run_id)
+        cfg, checkpoint = prepare_resume(store, run_id, accept_client_state_loss=accept_client_state_loss)
     except CheckpointError as exc:
         fail(str(exc))
     run = store.get_run(run_id)
@@ -220,7 +231,7 @@ def resume(
         if not federation:
             fail(f"run '{run_id}' ran on a SuperLink: give --federation NAME (a connection in "
                  f"$FLWR_HOME/config.toml) to resume it there")
-        _resume_deployment(run_id, store.url, federation, app_dir)
+        _resume_deployment(run_id, store.url, federation, app_dir, accept_client_state_loss)
         return
     if federation:
         fail(f"run '{run_id}' is a simulation (engine {run.engine or cfg.engine}); --federation is for deployment runs")
@@ -233,18 +244,21 @@ def resume(
         raise typer.Exit(1)
 
 
-def _resume_deployment(run_id: str, db_url: str, federation: str, app_dir: Path | None) -> None:
+def _resume_deployment(run_id: str, db_url: str, federation: str, app_dir: Path | None,
+                       accept_loss: bool = False) -> None:
     """``flwr run APP FEDERATION`` with the run config that makes fedswarm's ServerApp resume."""
     import shutil
     import subprocess
 
-    from fedswarm.server.resume import RESUME_KEY
+    from fedswarm.server.resume import ACCEPT_LOSS_KEY, RESUME_KEY
 
     app_dir = app_dir or Path(__file__).resolve().parents[1]
     if not (app_dir / "pyproject.toml").is_file():
         fail(f"no Flower App in {app_dir} (no pyproject.toml): give --app DIR")
     flwr = shutil.which("flwr") or str(Path(sys.executable).parent / "flwr")
     run_config = f"run-id={json.dumps(run_id)} db={json.dumps(db_url)} {RESUME_KEY}=true"
+    if accept_loss:
+        run_config += f" {ACCEPT_LOSS_KEY}=true"
     proc = subprocess.run([flwr, "run", str(app_dir), federation, "--run-config", run_config],
                           capture_output=True, text=True)
     if proc.returncode != 0:
@@ -366,10 +380,12 @@ def client(
 def bench(
     name: str = typer.Argument(..., help=(
         "Benchmark name: engines, codecs, compression, decentralized, edge, swarm, dashboard, robust, privacy, papers "
-        "(every seed paper's claim in miniature; also writes DIR/reproductions.md)."
+        "(every seed paper's claim in miniature; also writes DIR/reproductions.md; --quick about 35 min, full mode "
+        "about 2 h on 2 busy cores; FEDSWARM_PAPERS_ONLY=id1,id2 runs a subset)."
     )),
     out: Path = typer.Option(Path("bench"), "--out", "-o", help="Writes DIR/NAME.json and DIR/NAME.png."),
-    quick: bool = typer.Option(False, "--quick", help="A smaller run that finishes in under two minutes on 2 cores."),
+    quick: bool = typer.Option(False, "--quick", help=(
+        "A smaller run that finishes in under two minutes on 2 cores (papers: about 35 min).")),
     device: str = typer.Option("cpu", "--device", help=(
         "Torch device for benchmarks that take one (codecs): cpu or cuda."
     )),
@@ -400,6 +416,10 @@ def dashboard(
         "Trust X-Forwarded-For/-Proto from the proxy in front (client addresses for the login throttle, the scheme). "
         "Only with a proxy really there."
     )),
+    trusted_proxies: str = typer.Option("127.0.0.1,::1", "--trusted-proxies", help=(
+        "With --behind-proxy: the proxy addresses or networks (comma-separated, e.g. 10.0.0.5,10.1.0.0/16) whose "
+        "X-Forwarded-* headers are believed; from any other address they are ignored. '*' trusts every address."
+    )),
     certfile: Optional[Path] = typer.Option(None, "--certfile", help=(
         "Serve TLS directly with this certificate (PEM); implies --https."
     )),
@@ -415,10 +435,16 @@ def dashboard(
     if (certfile is None) != (keyfile is None):
         fail("--certfile and --keyfile go together")
     try:
+        from fedswarm.web.app import proxy_options
         from fedswarm.web.app import run as run_dashboard
     except ImportError as exc:
         fail(f"the dashboard is not available: {exc}", code=1)
+    try:
+        proxy_options(behind_proxy, trusted_proxies)
+    except ValueError as exc:
+        fail(f"--trusted-proxies: {exc}")
     run_dashboard(host=host, port=port, db=db, superlink=superlink, https=https, behind_proxy=behind_proxy,
+                  trusted_proxies=trusted_proxies,
                   certfile=str(certfile) if certfile else None, keyfile=str(keyfile) if keyfile else None,
                   report_timeout_s=report_timeout)
 

@@ -155,6 +155,9 @@ class RunConfig(TrainingSpec):
         "'target_epsilon=E[,delta=D]'."))
     dp_sgd: str | None = Field(None, description=(
         "Example-level DP-SGD in every client (opacus): 'noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]'."))
+    checkpoint_every: int = Field(1, ge=1, le=1_000_000, description=(
+        "Checkpoint the server every K rounds (and when a control changes the run); a resume redoes the rounds "
+        "after the newest checkpoint, at most K - 1."))
 
     @field_validator("policies")
     @classmethod

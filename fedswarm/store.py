@@ -1,14 +1,14 @@
-"""The run store: every runtime writes it, the dashboard reads it.
+"""The run store: every runtime writes it, the dashboard reads it (the queries: :class:`Store`).
 
 SQLAlchemy 2.0; an SQLite file by default (``--db PATH_OR_URL`` or ``FEDSWARM_DB``),
 PostgreSQL by URL. Tables (DESIGN.md, "Run store"): runs, rounds, node_rounds, nodes,
 events, checkpoints, controls. ``result.json`` is an export of one run
-(:meth:`Store.export_result`).
+(:meth:`Store.export_result`). The tables are in :mod:`fedswarm.store_schema`, their creation and
+upgrades in :mod:`fedswarm.store_migrations`; both are re-exported here.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import uuid
@@ -17,28 +17,31 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from sqlalchemy import (
-    JSON,
-    BigInteger,
-    DateTime,
-    Float,
-    ForeignKey,
-    Index,
-    Integer,
-    LargeBinary,
-    String,
-    Text,
-    UniqueConstraint,
     create_engine,
     delete,
     event,
     func,
-    inspect,
     select,
     update,
 )
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, defer, mapped_column, sessionmaker
+from sqlalchemy.orm import Session, defer, sessionmaker
+
+from fedswarm.store_migrations import create_schema, migrate, sqlite_pragmas
+from fedswarm.store_schema import (
+    CONTROL_KINDS,
+    RUN_STATUSES,
+    Base,
+    Checkpoint,
+    Control,
+    Event,
+    Node,
+    NodeRound,
+    Rejection,
+    Round,
+    Run,
+    _now,
+)
 
 __all__ = [
     "Base",
@@ -53,159 +56,11 @@ __all__ = [
     "Store",
     "default_db_url",
     "create_schema",
+    "migrate",
+    "to_url",
     "RUN_STATUSES",
+    "CONTROL_KINDS",
 ]
-
-RUN_STATUSES = ("pending", "running", "paused", "finished", "failed", "stopped")
-
-
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
-
-
-class Base(DeclarativeBase):
-    pass
-
-
-class Run(Base):
-    __tablename__ = "runs"
-    __table_args__ = (Index("ix_runs_created_at", "created_at"), Index("ix_runs_strategy", "strategy"))
-
-    id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    name: Mapped[str | None] = mapped_column(String(200))
-    status: Mapped[str] = mapped_column(String(16), default="pending", index=True)
-    strategy: Mapped[str] = mapped_column(String(64), default="")
-    task: Mapped[str] = mapped_column(String(200), default="")
-    engine: Mapped[str] = mapped_column(String(32), default="")
-    config: Mapped[dict] = mapped_column(JSON, default=dict)
-    seed: Mapped[int] = mapped_column(Integer, default=0)
-    code_version: Mapped[str] = mapped_column(String(64), default="")
-    total_rounds: Mapped[int] = mapped_column(Integer, default=0)
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
-    started_at: Mapped[dt.datetime | None] = mapped_column(DateTime)
-    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime)
-    error: Mapped[str | None] = mapped_column(Text)
-    pid: Mapped[int | None] = mapped_column(Integer)
-    summary: Mapped[dict] = mapped_column(JSON, default=dict)
-    # Who registered the run: "dashboard" (started from the web), "token:<id>" (an ingest
-    # token), "cli" or None (written by a runtime directly). Ingest tokens act only on runs
-    # they own or are bound to (fedswarm.web.deps.authorize_run).
-    owner: Mapped[str | None] = mapped_column(String(64))
-    last_report_at: Mapped[dt.datetime | None] = mapped_column(DateTime)  # last ingest call for the run
-    lost_after_s: Mapped[float | None] = mapped_column(Float)  # no report for this long: shown as lost
-
-
-class Round(Base):
-    __tablename__ = "rounds"
-    __table_args__ = (UniqueConstraint("run_id", "round"),)
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
-    round: Mapped[int] = mapped_column(Integer)
-    train_loss: Mapped[float | None] = mapped_column(Float)
-    test_loss: Mapped[float | None] = mapped_column(Float)
-    test_accuracy: Mapped[float | None] = mapped_column(Float)
-    bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
-    bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
-    wall_s: Mapped[float] = mapped_column(Float, default=0.0)
-    sim_time_s: Mapped[float | None] = mapped_column(Float)
-    num_clients: Mapped[int] = mapped_column(Integer, default=0)
-    metrics: Mapped[dict] = mapped_column(JSON, default=dict)  # anything else (consensus_distance, ...)
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
-    reported_by: Mapped[str | None] = mapped_column(String(64))  # the ingest token that wrote it, if any
-    node_rows: Mapped[int | None] = mapped_column(Integer)  # per-node rows of the round
-    failed_node_rows: Mapped[int | None] = mapped_column(Integer)  # of which failed or rejected
-
-
-class NodeRound(Base):
-    __tablename__ = "node_rounds"
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
-    round: Mapped[int] = mapped_column(Integer)
-    node_id: Mapped[str] = mapped_column(String(64))
-    bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
-    bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
-    num_examples: Mapped[int | None] = mapped_column(Integer)
-    train_loss: Mapped[float | None] = mapped_column(Float)
-    device_class: Mapped[str | None] = mapped_column(String(64))
-    policy: Mapped[dict] = mapped_column(JSON, default=dict)
-    status: Mapped[str] = mapped_column(String(16), default="ok")  # ok | failed | rejected
-    reason: Mapped[str | None] = mapped_column(Text)
-
-
-class Rejection(Base):
-    """A reply a strategy refused (malformed, non-finite, too large, not its own...): it never
-    touched the model. Written by the run recorder from the strategy's ``reject`` calls."""
-
-    __tablename__ = "rejections"
-    __table_args__ = (Index("ix_rejections_run_id_round", "run_id", "round"),)
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    round: Mapped[int] = mapped_column(Integer)
-    node_id: Mapped[str] = mapped_column(String(64))
-    reason: Mapped[str] = mapped_column(Text, default="")
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
-
-
-class Node(Base):
-    __tablename__ = "nodes"
-
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(16), default="supernode")  # supernode | peer | sim
-    run_id: Mapped[str | None] = mapped_column(String(36), index=True)
-    device_class: Mapped[str | None] = mapped_column(String(64))
-    status: Mapped[str] = mapped_column(String(16), default="online")
-    info: Mapped[dict] = mapped_column(JSON, default=dict)
-    rejected_updates: Mapped[int] = mapped_column(Integer, default=0)
-    last_seen: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
-    owner: Mapped[str | None] = mapped_column(String(64))  # "token:<id>" for nodes reported through ingest
-
-
-class Event(Base):
-    __tablename__ = "events"
-    __table_args__ = (Index("ix_events_run_id_id", "run_id", "id"),)
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[str | None] = mapped_column(String(36), index=True)
-    ts: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
-    kind: Mapped[str] = mapped_column(String(32))
-    message: Mapped[str] = mapped_column(Text, default="")
-    data: Mapped[dict] = mapped_column(JSON, default=dict)
-    actor: Mapped[str | None] = mapped_column(String(64))
-
-
-class Checkpoint(Base):
-    __tablename__ = "checkpoints"
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
-    round: Mapped[int] = mapped_column(Integer)
-    path: Mapped[str] = mapped_column(Text)
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
-    # The checkpoint itself (fedswarm.server.checkpoint), when it is kept in the store: then
-    # it is committed in one transaction with its row, and ``path`` names it as "store:".
-    data: Mapped[bytes | None] = mapped_column(LargeBinary)
-    size_bytes: Mapped[int | None] = mapped_column(BigInteger)
-
-
-class Control(Base):
-    """A request to a running run: pause, resume, stop, add_rounds, policy."""
-
-    __tablename__ = "controls"
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
-    kind: Mapped[str] = mapped_column(String(16))
-    payload: Mapped[dict] = mapped_column(JSON, default=dict)
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
-    applied_at: Mapped[dt.datetime | None] = mapped_column(DateTime)
-    actor: Mapped[str | None] = mapped_column(String(64))
-
-
-CONTROL_KINDS = ("pause", "resume", "stop", "add_rounds", "policy")
-
 
 def default_db_url() -> str:
     """``FEDSWARM_DB`` if set, else ``./fedswarm.db``."""
@@ -219,22 +74,6 @@ def to_url(path_or_url: str | os.PathLike) -> str:
     return f"sqlite:///{Path(s).expanduser().resolve()}"
 
 
-def create_schema(engine: Engine) -> None:
-    """Create the tables (and indexes) the store lacks. Several processes often open one
-    new store at the same moment (a swarm's peers, a run and whoever polls it, the
-    dashboard); ``create_all`` checks which tables exist and then creates them, so a table
-    another process created in between fails with "already exists". That object is there
-    now and the next pass skips it, so the retries end: at most one per schema object."""
-    objects = sum(1 + len(table.indexes) for table in Base.metadata.tables.values())
-    for attempt in range(objects + 1):
-        try:
-            Base.metadata.create_all(engine)
-            return
-        except DBAPIError as exc:
-            if "already exists" not in str(exc) or attempt == objects:
-                raise
-
-
 class Store:
     """A handle on the run store. Thread-safe; one per process is enough."""
 
@@ -245,7 +84,7 @@ class Store:
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
         self.engine: Engine = create_engine(self.url, **kwargs)
         if self.url.startswith("sqlite"):
-            event.listen(self.engine, "connect", _sqlite_pragmas)
+            event.listen(self.engine, "connect", sqlite_pragmas)
         migrate(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
@@ -441,11 +280,12 @@ class Store:
             return (int(row[0]), bytes(row[1])) if row is not None else None
 
     def drop_rounds_after(self, run_id: str, round: int) -> int:
-        """Delete the round and per-node rows after ``round`` (a resumed run redoes those
-        rounds from its checkpoint, so each round stays recorded once); how many rounds."""
+        """Delete the round, per-node and rejection rows after ``round`` (a resumed run redoes
+        those rounds from its checkpoint, so each round stays recorded once); how many rounds."""
         with self.session() as s:
             n = s.execute(delete(Round).where(Round.run_id == run_id, Round.round > round)).rowcount
             s.execute(delete(NodeRound).where(NodeRound.run_id == run_id, NodeRound.round > round))
+            s.execute(delete(Rejection).where(Rejection.run_id == run_id, Rejection.round > round))
             return int(n or 0)
 
     def add_control(self, run_id: str, kind: str, payload: dict | None = None, *,
@@ -504,6 +344,9 @@ class Store:
         }
         sims = [r["sim_time_s"] for r in rows if r["sim_time_s"] is not None]
         summary["sim_time_s"] = sum(sims) if sims else None
+        reports = [r["bytes_report"] for r in rows if r.get("bytes_report") is not None]
+        if reports:  # monitoring (decentralized nodes' model reports), not in total_bytes_up
+            summary["total_bytes_report"] = sum(reports)
         # Privacy spent and attacks suffered, when the run had them (DP, --byzantine).
         for key in ("epsilon", "epsilon_example"):
             eps = [r[key] for r in rows if r.get(key) is not None]
@@ -532,46 +375,6 @@ class Store:
         path = out / "result.json"
         path.write_text(json.dumps(self.export_result(run_id), indent=2, default=str))
         return path
-
-
-def migrate(engine: Engine) -> None:
-    """Bring a store made by an older fedswarm up to this schema, in place.
-
-    New tables come from ``create_all``; columns added since (all nullable) are added with
-    ``ALTER TABLE ... ADD COLUMN``, and missing indexes are created. Old rows keep NULL in
-    the new columns, which every reader treats as "unknown". Works on SQLite and PostgreSQL.
-    """
-    create_schema(engine)
-    insp = inspect(engine)
-    for table in Base.metadata.sorted_tables:
-        have = {c["name"] for c in insp.get_columns(table.name)}
-        for col in (c for c in table.columns if c.name not in have):
-            ddl = col.type.compile(dialect=engine.dialect)
-            with _made_elsewhere_ok():  # another process may migrate the same store at once
-                with engine.begin() as conn:
-                    conn.exec_driver_sql(f'ALTER TABLE {table.name} ADD COLUMN "{col.name}" {ddl}')
-        for index in table.indexes:
-            with _made_elsewhere_ok():
-                index.create(engine, checkfirst=True)
-
-
-@contextmanager
-def _made_elsewhere_ok():
-    """Ignore the error of creating a schema object that another process just created."""
-    try:
-        yield
-    except DBAPIError as exc:
-        msg = str(exc).lower()
-        if "already exists" not in msg and "duplicate column" not in msg:
-            raise
-
-
-def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
-    cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA foreign_keys=ON")
-    cur.execute("PRAGMA synchronous=NORMAL")
-    cur.close()
 
 
 def _code_version() -> str:

@@ -5,8 +5,10 @@ with their own Grid. The run config comes from Flower's ``run_config`` (the
 ``[tool.flwr.app.config]`` table of pyproject.toml plus ``--run-config`` overrides);
 three extra keys are not part of the run config itself: ``db`` (the store's path or URL,
 else ``FEDSWARM_DB``, else ./fedswarm.db), ``run-id`` (record into an existing run) and
-``resume`` (true: continue ``run-id`` from its last checkpoint, see :mod:`.resume`).
-Every round is checkpointed into the store (:mod:`.checkpoint`).
+``resume`` (true: continue ``run-id`` from its last checkpoint, see :mod:`.resume`;
+``accept-client-state-loss`` = true lets a strategy with client state resume inexactly).
+Every ``checkpoint_every``-th round (default: every round) is checkpointed into the store
+(:mod:`.checkpoint`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 from fedswarm.server.metered_grid import MeteredGrid, Traffic
 from fedswarm.server.checkpoint import ServerCheckpoint, ServerCheckpointer
 from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
-from fedswarm.server.resume import RESUME_KEY, resume_into
+from fedswarm.server.resume import ACCEPT_LOSS_KEY, RESUME_KEY, resume_into
 from fedswarm.strategies.resumable import shift_rounds
 from fedswarm.strategies.federated.dp import attach_dp
 
@@ -61,7 +63,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
 
     ``sim_time(round, traffic)``, given by a simulation engine, returns the simulated time
     the round would take on the nodes' device classes (the time model). The run is
-    checkpointed after every round (:mod:`fedswarm.server.checkpoint`); ``resume``, a
+    checkpointed after every ``cfg.checkpoint_every``-th round (:mod:`fedswarm.server.checkpoint`); ``resume``, a
     checkpoint of this run, continues it after the checkpoint's round (:mod:`.resume`)."""
     random.seed(cfg.seed)  # Flower's node sampling uses the random module
     torch.manual_seed(cfg.seed)
@@ -102,6 +104,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
         store, run_id, strategy, cfg.strategy, policies, byzantine=byzantine,
         grid_state=engine_state.state_dict if engine_state is not None else None).save
     recorder.checkpoint_at_round_end = bool(getattr(strategy, "checkpoint_at_round_end", False))
+    recorder.checkpoint_every = cfg.checkpoint_every
     recorder.min_train_nodes = getattr(strategy, "min_train_nodes", None)
     rounds = cfg.rounds
     if resume is not None:
@@ -114,6 +117,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
         while rounds > 0:
             shift_rounds(strategy, recorder.offset)  # clients are told the run's round, not start()'s
             recorder.reset_clock()
+            recorder.final_round = recorder.offset + rounds
             result = strategy.start(metered, arrays, num_rounds=rounds, timeout=ROUND_TIMEOUT_S,
                                     train_config=train_config, evaluate_fn=recorder)
             arrays = result.arrays if result.arrays is not None else arrays
@@ -187,6 +191,7 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     run_config = dict(context.run_config)
     resuming = str(run_config.pop(RESUME_KEY, "")).lower() in ("1", "true", "yes")
+    accept_loss = str(run_config.pop(ACCEPT_LOSS_KEY, "")).lower() in ("1", "true", "yes")
     cfg, db, run_id = split_run_config(run_config)
     store = Store(db)
     checkpoint = None
@@ -195,7 +200,7 @@ def main(grid: Grid, context: Context) -> None:
 
         if run_id is None:
             raise ConfigError(f"'{RESUME_KEY}' needs the 'run-id' of the run to resume")
-        cfg, checkpoint = prepare_resume(store, run_id)
+        cfg, checkpoint = prepare_resume(store, run_id, accept_client_state_loss=accept_loss)
     elif run_id is None or store.get_run(run_id) is None:
         run_id = store.create_run(cfg.model_dump(), run_id=run_id)
     # Started by a SuperLink (`flwr run`), not by a fedswarm simulation engine; the pid is

@@ -1,6 +1,7 @@
 """The server's checkpoint: everything a run needs to go on after round R, kept in the store.
 
-After every recorded round :class:`ServerCheckpointer` serializes
+After every ``checkpoint_every``-th recorded round (``--checkpoint-every K``, default 1) and after a
+control changed the run, :class:`ServerCheckpointer` serializes
 
 - the global model (the ArrayRecord the next round starts from),
 - the strategy's state (:mod:`fedswarm.strategies.resumable`: optimizer and momentum,
@@ -108,7 +109,7 @@ def load_latest(store: Store, run_id: str) -> ServerCheckpoint:
 
 
 class ServerCheckpointer:
-    """Writes the run's checkpoint after every recorded round (the recorder calls it).
+    """Writes the run's checkpoint after a recorded round (the recorder decides which: every K-th).
 
     ``grid_state`` is the engine's ``state_dict`` (clients' state), or None; ``byzantine``
     the ``--byzantine`` grid, whose attack randomness must continue too."""

@@ -3,6 +3,12 @@
 Bytes down are the serialized size of each message the ServerApp pushes; bytes up the
 size of each reply it pulls. Per node, per round. Works over any Grid: Flower's
 deployment and simulation grids, and fedswarm's in-process grid.
+
+Monitoring is counted apart: records of a reply whose name starts with
+:data:`REPORT_PREFIX` (``report.``; e.g. a decentralized node's model, sent only so the
+server can evaluate the node average) are not the algorithm's traffic. Their bytes (the
+reply's size minus its size without them, both serialized) go to ``report_up``, and
+``bytes_up`` is the rest: the algorithm's messages with their framing.
 """
 
 from __future__ import annotations
@@ -16,7 +22,10 @@ from flwr.app import Message
 from flwr.common.serde import metadata_to_proto, recorddict_to_proto
 from flwr.serverapp import Grid
 
-__all__ = ["MeteredGrid", "Traffic", "WrappingGrid", "serialized_size"]
+__all__ = ["MeteredGrid", "REPORT_PREFIX", "Traffic", "WrappingGrid", "report_size", "serialized_size"]
+
+#: Reply records named ``report.*`` are monitoring, counted in ``Traffic.report_up``.
+REPORT_PREFIX = "report."
 
 
 class WrappingGrid(Grid):
@@ -90,12 +99,29 @@ def serialized_size(message: Message, content_cache: dict[int, int] | None = Non
     return total
 
 
+def report_size(message: Message, total: int | None = None) -> int:
+    """Bytes of ``message``'s monitoring records (:data:`REPORT_PREFIX`): its serialized
+    size minus the size of the same message without them (0 when it has none)."""
+    if message.has_error() or not message.has_content():
+        return 0
+    keys = [k for k in message.content if k.startswith(REPORT_PREFIX)]
+    if not keys:
+        return 0
+    from flwr.app import RecordDict
+
+    rest = RecordDict({k: v for k, v in message.content.items() if k not in keys})
+    without = _field_len(metadata_to_proto(message.metadata).ByteSize()) + _field_len(
+        recorddict_to_proto(rest).ByteSize())
+    return (serialized_size(message) if total is None else total) - without
+
+
 @dataclass
 class Traffic:
     """What crossed the grid since the last :meth:`MeteredGrid.take`."""
 
     bytes_up: int = 0
     bytes_down: int = 0
+    report_up: int = 0  # monitoring records (report.*) in replies, not in bytes_up
     node_up: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     node_down: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     replies: list[Message] = field(default_factory=list)
@@ -138,8 +164,10 @@ class MeteredGrid(WrappingGrid):
         with self._lock:
             for m in replies:
                 n = serialized_size(m)
-                self._traffic.bytes_up += n
-                self._traffic.node_up[self._traffic.node_of(m)] += n
+                report = report_size(m, n)
+                self._traffic.bytes_up += n - report
+                self._traffic.report_up += report
+                self._traffic.node_up[self._traffic.node_of(m)] += n - report
                 self._traffic.replies.append(m)
 
     # -- Grid: messages (the rest is WrappingGrid's) -------------------------------------

@@ -64,10 +64,13 @@ class RoundRecorder(RoundNotes):
         self.poll_s = poll_s
         self.observers = list(observers or [])  # observer(traffic) -> metrics for the round's row
         self.offset = 0  # rounds done by earlier calls of Strategy.start (add_rounds, resume)
-        # checkpoint(round, arrays) after every recorded round (fedswarm.server.checkpoint);
-        # with checkpoint_at_round_end the strategy calls round_done() when its round's own
-        # updates are made (HL evaluates before it learns from the round)
+        # checkpoint(round, arrays) after every checkpoint_every-th recorded round, the final round
+        # (final_round: the store then holds the run's last model) and after a control changed the run
+        # (fedswarm.server.checkpoint); with checkpoint_at_round_end the strategy calls round_done()
+        # when its round's own updates are made (HL evaluates before it learns from the round)
         self.checkpoint: Callable[[int, ArrayRecord], Any] | None = None
+        self.checkpoint_every = 1
+        self.final_round: int | None = None
         self.checkpoint_at_round_end = False
         self._unsaved: tuple[int, ArrayRecord] | None = None
         self.min_train_nodes: int | None = None  # the strategy's minimum, said in rounds that lost nodes
@@ -106,6 +109,8 @@ class RoundRecorder(RoundNotes):
                                  f"round {rnd}: {failed} of {len(node_rows)} nodes failed; aggregated the "
                                  f"{len(node_rows) - failed} others (strategy minimum {self.min_train_nodes})",
                                  data={"round": rnd, "failed": failed, "min_train_nodes": self.min_train_nodes})
+        if getattr(traffic, "report_up", 0):  # monitoring (report.* records), apart from bytes_up
+            row["bytes_report"] = traffic.report_up
         for observe in self.observers:
             row.update(observe(traffic))
         row.update(notes)
@@ -119,14 +124,20 @@ class RoundRecorder(RoundNotes):
             self.store.add_node_rounds(self.run_id, rnd, node_rows)
             self._seen_nodes(node_rows)
         self.last_round = rnd
-        if server_round > 0 and self.checkpoint is not None:
+        if server_round > 0 and self.checkpoint is not None and (rnd % self.checkpoint_every == 0
+                                                                  or rnd == self.final_round):
             self._unsaved = (rnd, arrays)
             if not self.checkpoint_at_round_end:
                 self.round_done()
         for listener in self.listeners:
             listener(rnd, row)
-        if self._apply_controls() and self.checkpoint is not None and self._unsaved is None:
-            self.checkpoint(rnd, arrays)  # a policy or more rounds: the checkpoint carries them
+        if self._apply_controls() and self.checkpoint is not None:
+            # a policy or more rounds: the checkpoint carries them, whatever checkpoint_every says
+            if self.checkpoint_at_round_end and server_round > 0:
+                self._unsaved = (rnd, arrays)  # written by round_done(), with the strategy's own updates
+            else:
+                self._unsaved = None
+                self.checkpoint(rnd, arrays)
         self._t_last = time.perf_counter()  # time paused does not count as round time
         return MetricRecord({"test_loss": test_loss, "test_accuracy": test_acc})
 

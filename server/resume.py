@@ -8,16 +8,19 @@ a deployment (``engine = deployment``) through ``flwr run`` on the SuperLink nam
 
 What a resumed run does, wherever it runs (:func:`resume_into`):
 
-1. the rounds recorded after the checkpoint's round (a round that finished after the last
-   checkpoint was written, or was half written) are deleted, so every round ends up
-   recorded exactly once;
+1. the rounds recorded after the checkpoint's round (rounds between checkpoints with
+   ``--checkpoint-every K``, a round that finished after the last checkpoint was written, or
+   was half written) are deleted, with their per-node rows and rejections, so every round
+   ends up recorded exactly once;
 2. the strategy, the policies in force, the attack of a ``--byzantine`` run and the random
    states are put back as they were after that round;
 3. the clients: an engine that checkpointed their state (the in-process engine) gets it
    back; otherwise (a new Flower run on the SuperLink, a new Ray simulation) their
    residuals and replicas are gone, and the strategy resynchronises every one of them by
    protocol (``resync_clients``: the full model next round, nodes re-initialised), never by
-   hoping their state survived;
+   hoping their state survived. Such a resume is NOT exact (:func:`client_state_lost` says
+   what is lost): :func:`prepare_resume` refuses it unless the caller accepts the loss
+   (``fedswarm resume --accept-client-state-loss``), and the ``resumed`` event says it;
 4. rounds go on from the checkpoint's round + 1 to the run's total (``add_rounds`` included),
    with the clients told the run's round numbers, so a deterministic run ends with the
    model the uninterrupted run would have had.
@@ -35,17 +38,57 @@ from fedswarm.store import Store
 from fedswarm.server.checkpoint import CheckpointError, ServerCheckpoint, load_latest
 from fedswarm.strategies.resumable import load_strategy_state, resync_clients, set_rng_state
 
-__all__ = ["RESUME_KEY", "prepare_resume", "resume_into"]
+__all__ = ["ACCEPT_LOSS_KEY", "RESUME_KEY", "client_state_lost", "prepare_resume", "resume_into"]
 
 log = logging.getLogger("fedswarm.server")
 
 #: The run-config key that tells fedswarm's ServerApp to resume ``run-id`` (deployment).
 RESUME_KEY = "resume"
+#: The run-config key with which a deployment resume accepts losing the clients' own state.
+ACCEPT_LOSS_KEY = "accept-client-state-loss"
+
+#: What a node keeps in its ``Context.state`` between rounds, per strategy family (by the
+#: class that defines ``resync_clients``), and what resynchronisation does instead.
+_CLIENT_STATE = {
+    "CompressedStrategy": ("each node's error-feedback residual (when the strategy keeps one) and its compressed "
+                           "replica / sketch state", "nodes restart with zero residuals and receive the full model "
+                           "once"),
+    "DecentralizedStrategy": ("each node's own model and algorithm memory (momentum, trackers, buffers)",
+                              "every node restarts from the resumed average model"),
+}
 
 
-def prepare_resume(store: Store, run_id: str) -> tuple[RunConfig, ServerCheckpoint]:
+def client_state_lost(ck: ServerCheckpoint) -> str | None:
+    """What the clients' own state is that resuming from ``ck`` cannot give back, or None.
+
+    None when the checkpoint carries the clients' state (the in-process engine saves every
+    virtual node's ``Context.state``) or when the strategy keeps none (FedAvg and the other
+    stateless ones: a resume is then exact anywhere). Otherwise (a deployment on SuperNodes,
+    or Flower's Ray engine: their ``Context.state`` lives in the nodes and a resume is a new
+    Flower run, so it starts empty) a sentence naming the state lost."""
+    if ck.grid is not None:
+        return None
+    import importlib
+
+    module, _, qualname = str(ck.strategy.get("class", "")).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), qualname)
+    except (ImportError, AttributeError, ValueError):
+        return None  # load_strategy_state names the mismatch when the run is rebuilt
+    if not callable(getattr(cls, "resync_clients", None)):
+        return None
+    owner = next((k for k in cls.__mro__ if "resync_clients" in vars(k)), cls).__name__
+    what, instead = _CLIENT_STATE.get(owner, ("the nodes' own state in Context.state", "the strategy resynchronises "
+                                                                                           "them"))
+    return (f"'{ck.strategy_name}' keeps {what} on the clients, and this engine cannot restore it: {instead}, so the "
+            f"model after the resume will differ from the uninterrupted run's")
+
+
+def prepare_resume(store: Store, run_id: str, *,
+                   accept_client_state_loss: bool = False) -> tuple[RunConfig, ServerCheckpoint]:
     """The run's config and its newest checkpoint; :class:`CheckpointError` saying why a
-    run cannot be resumed."""
+    run cannot be resumed, including a resume that would lose the clients' own state
+    (:func:`client_state_lost`) unless ``accept_client_state_loss``."""
     run = store.get_run(run_id)
     if run is None:
         raise CheckpointError(f"no run '{run_id}' in {store.url}")
@@ -62,6 +105,11 @@ def prepare_resume(store: Store, run_id: str) -> tuple[RunConfig, ServerCheckpoi
     if ck.strategy_name != cfg.strategy:
         raise CheckpointError(f"the checkpoint of run '{run_id}' is of strategy '{ck.strategy_name}', "
                               f"the run's config says '{cfg.strategy}'")
+    lost = client_state_lost(ck)
+    if lost and not accept_client_state_loss:
+        raise CheckpointError(f"run '{run_id}' cannot be resumed exactly: {lost}. Resume it anyway with "
+                              f"--accept-client-state-loss, or run it on the in-process engine, whose "
+                              f"checkpoints hold the clients' state")
     return cfg, ck
 
 
@@ -76,7 +124,10 @@ def resume_into(ck: ServerCheckpoint, *, store: Store, run_id: str, strategy: An
         engine.load_state_dict(ck.grid)
         clients = "restored with the server"
     else:
+        lost = client_state_lost(ck)
         clients = "resynchronised by the strategy" if resync_clients(strategy) else "stateless"
+        if lost:
+            clients = f"LOST, {clients} ({lost})"
     if byzantine is not None:
         if ck.byzantine is None:
             raise CheckpointError("the run attacks (--byzantine) but its checkpoint has no attack state")
@@ -91,7 +142,8 @@ def resume_into(ck: ServerCheckpoint, *, store: Store, run_id: str, strategy: An
     recorder.offset = recorder.last_round = ck.round
     message = (f"resumed after round {ck.round} of {total}: {max(0, total - ck.round)} rounds to go; clients' state "
                f"{clients}" + (f"; {dropped} round(s) recorded after the checkpoint will be redone" if dropped else ""))
-    store.add_event(run_id, "resumed", message, data={"round": ck.round, "dropped_rounds": dropped})
+    store.add_event(run_id, "resumed", message, data={"round": ck.round, "dropped_rounds": dropped,
+                                                      "client_state_lost": client_state_lost(ck)})
     log.warning("run %s %s", run_id, message)
     set_rng_state(ck.rng)  # last: nothing may draw between here and the next round
     return ck.arrays, max(0, total - ck.round)

@@ -5,8 +5,12 @@ No Flower messages, no per-node contexts: each iteration computes every node's g
 router's nodes and the swarm's peers), then calls the algorithm object once for all nodes
 (``local_step``, ``mix``: a gossip step is one matrix product). It runs every synchronous
 algorithm of :data:`fedswarm.algorithms.decentralized.ALGORITHMS` (dpsgd, d2, dsgdm, qgm,
-squarm, easgd, dasgd) and LSGD in its three modes, which the router cannot (it needs
-every worker's loss). AD-PSGD and Prague run on the virtual-clock engine.
+squarm, easgd, dasgd), LSGD in its three modes, which the router cannot (it needs
+every worker's loss), and AD-PSGD and Prague under a fixed schedule
+(``--set schedule=fixed``, :mod:`fedswarm.algorithms.decentralized.schedule`: seeded
+pairs/groups per iteration, gradients up to ``max_staleness`` iterations stale; the
+schedule takes the topology's place). Timed by a clock, they run on the virtual-clock
+engine.
 
 Recording is the other engines': one round per iteration, the node-average model's test
 accuracy, ``consensus_distance``, per-node rows. Bytes: each node's message is its
@@ -26,7 +30,8 @@ import torch
 from flwr.app import ArrayRecord
 
 from fedswarm.config import ConfigError, RunConfig
-from fedswarm.algorithms.decentralized import ALGORITHMS, DecentralizedAlgorithm, consensus_distance, make_algorithm
+from fedswarm.algorithms.decentralized import (ALGORITHMS, DecentralizedAlgorithm, consensus_distance, make_algorithm,
+                                              make_schedule, uses_fixed_schedule)
 from fedswarm.algorithms.decentralized.topology import make_topology
 from fedswarm.params import get_flat
 from fedswarm.payload import Payload
@@ -42,8 +47,10 @@ from fedswarm.wire import arrayrecord_to_vector, payload_to_records, recorddict_
 
 __all__ = ["ARRAY_ALGORITHMS", "ArraySimulation", "check_config", "payload_nbytes", "run_array"]
 
-#: What the array engine runs (the asynchronous AD-PSGD and Prague need the virtual clock).
-ARRAY_ALGORITHMS = ("dpsgd", "d2", "dsgdm", "qgm", "squarm", "easgd", "dasgd", "lsgd")
+#: What the array engine runs (AD-PSGD and Prague with ``schedule="fixed"`` only: timed by
+#: a clock they need the virtual-clock engine).
+ARRAY_ALGORITHMS = ("dpsgd", "d2", "dsgdm", "qgm", "squarm", "easgd", "dasgd", "lsgd", "adpsgd", "prague")
+SCHEDULED = ("adpsgd", "prague")
 
 _SIZES: dict[tuple, int] = {}
 
@@ -73,10 +80,23 @@ def check_config(cfg: RunConfig) -> None:
                           f"not '{cfg.strategy}'")
     try:
         algo = make_algorithm(cfg.strategy, **_algorithm_params(cfg))
+        _check_scheduled(algo)
         if cfg.strategy != "lsgd":
-            algo.check_topology(make_topology(cfg.topology, cfg.clients, cfg.seed))
+            algo.check_topology(_graph(algo, cfg))
     except ValueError as exc:
         raise ConfigError(f"invalid value for 'topology' or 'params': {exc}") from None
+
+
+def _check_scheduled(algo: DecentralizedAlgorithm) -> None:
+    if algo.name in SCHEDULED and not uses_fixed_schedule(algo):
+        raise ValueError(f"{algo.name} timed by a clock runs on the virtual-clock engine (fedswarm sim --strategy "
+                         f"{algo.name}); the array engine replays a fixed schedule: --set schedule=fixed")
+
+
+def _graph(algo: DecentralizedAlgorithm, cfg: RunConfig):
+    """The run's topology, or the fixed schedule drawn over it (AD-PSGD, Prague)."""
+    topo = make_topology(cfg.topology, cfg.clients, cfg.seed)
+    return make_schedule(algo, topo, cfg.seed) if uses_fixed_schedule(algo) else topo
 
 
 class ArraySimulation:
@@ -94,7 +114,8 @@ class ArraySimulation:
         self.cfg, n = cfg, cfg.clients
         self.n = n
         self.algo = algorithm or make_algorithm(cfg.strategy, **_algorithm_params(cfg))
-        self.topology = make_topology(cfg.topology, n, cfg.seed)
+        _check_scheduled(self.algo)
+        self.topology = _graph(self.algo, cfg)
         self.uses_losses = cfg.strategy == "lsgd"
         if not self.uses_losses:
             self.algo.check_topology(self.topology)
@@ -108,9 +129,12 @@ class ArraySimulation:
         self.t = 0  # iterations done
 
     def gradients(self, t: int) -> tuple[torch.Tensor, list[float]]:
-        """Every node's gradient ``[n, d]`` at its current model for iteration ``t`` (1-based)."""
-        c = self.cfg
-        pairs = [local_gradient(self.trainers[i], self.state.x[i], steps=self.steps, batch_size=c.batch_size,
+        """Every node's gradient ``[n, d]`` for iteration ``t`` (1-based), at its current
+        model (a fixed schedule's stale one: ``algo.gradient_point``)."""
+        c, st, topo = self.cfg, self.state, self.topology
+        points = [st.x[i] if self.uses_losses else self.algo.gradient_point(st, i, topo.staleness(i, t))
+                  for i in range(self.n)]
+        pairs = [local_gradient(self.trainers[i], points[i], steps=self.steps, batch_size=c.batch_size,
                                 lr=c.lr, seed=round_seed(c.seed, t, i)) for i in range(self.n)]
         return torch.stack([g for g, _ in pairs]), [loss for _, loss in pairs]
 

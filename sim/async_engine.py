@@ -51,7 +51,7 @@ from fedswarm.tasks import get_task
 from fedswarm.train import evaluate_flat, resolve_device, task_data, trainer_for
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
-__all__ = ["ADPSGDSimulation", "run_async", "DEFAULT_PROFILE"]
+__all__ = ["ADPSGDSimulation", "run_async", "check_clocked", "DEFAULT_PROFILE"]
 
 #: Every node's profile when the run names no devices.
 DEFAULT_PROFILE = "datacenter"
@@ -210,6 +210,7 @@ class ADPSGDSimulation(ClockedNodes):
             return
         one = GossipState(x=self.state.x[i : i + 1])
         self.algo.local_step(one, node.grad[None], self.lr)
+        self.algo.node_mix(one, 0, {}, {0: 1.0})  # the averaging was its own event: apply the step alone
         self.state.x[i] = one.x[0]
         node.steps += 1
         node.stats["steps"] += 1
@@ -243,6 +244,7 @@ def run_async(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundLi
     if registry.get(cfg.strategy).kind != "async" or cfg.strategy != "adpsgd":
         raise ValueError(f"the virtual-clock engine runs 'adpsgd' and 'prague', not '{cfg.strategy}'")
     params = registry.resolve_params(cfg.strategy, cfg.params)
+    check_clocked(cfg.strategy, params)
 
     def make(x: torch.Tensor, profiles: list[Profile], gradient: Callable, steps: int) -> ADPSGDSimulation:
         return ADPSGDSimulation(x, make_topology(cfg.topology, cfg.clients, cfg.seed), profiles, gradient,
@@ -251,6 +253,13 @@ def run_async(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundLi
                                 seed=cfg.seed)
 
     return run_clocked(cfg, store, run_id, listeners, make)
+
+
+def check_clocked(name: str, params: dict) -> None:
+    """Refuse a fixed schedule: the virtual clock times the events itself."""
+    if params.get("schedule", "clock") != "clock":
+        raise ValueError(f"{name} with schedule='fixed' replays a seeded schedule: it runs on the array engine "
+                         f"(--engine array), the router (--engine inprocess) or the swarm, not on the virtual clock")
 
 
 def run_clocked(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundListener] | None,

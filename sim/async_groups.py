@@ -28,7 +28,7 @@ import torch
 
 from fedswarm.config import RunConfig
 from fedswarm.server.recorder import RoundListener
-from fedswarm.sim.async_engine import ClockedNodes, run_clocked
+from fedswarm.sim.async_engine import ClockedNodes, check_clocked, run_clocked
 from fedswarm.sim.simtime import model_message_nbytes
 from fedswarm.store import Store
 from fedswarm.strategies import registry
@@ -141,6 +141,7 @@ def run_prague(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundL
     if cfg.strategy != "prague":
         raise ValueError(f"run_prague runs 'prague', not '{cfg.strategy}'")
     params = registry.resolve_params(cfg.strategy, cfg.params)
+    check_clocked(cfg.strategy, params)
 
     def make(x: torch.Tensor, profiles: list[Profile], gradient: Callable, steps: int) -> PragueSimulation:
         return PragueSimulation(x, profiles, gradient, lr=cfg.lr, samples_per_step=steps * cfg.batch_size,

@@ -39,6 +39,8 @@ def summary_table(result: dict) -> Table:
     t.add_row("final test loss", _fmt(rows[-1]["test_loss"] if rows else None))
     t.add_row("bytes up (total)", _fmt_bytes(s.get("total_bytes_up")))
     t.add_row("bytes down (total)", _fmt_bytes(s.get("total_bytes_down")))
+    if s.get("total_bytes_report") is not None:
+        t.add_row("model reports (monitoring, not in bytes up)", _fmt_bytes(s["total_bytes_report"]))
     t.add_row("rounds wall time", f"{s.get('wall_s', 0):.2f} s")
     if rows:
         t.add_row("mean round wall time", f"{sum(r['wall_s'] for r in rows) / len(rows):.3f} s")

@@ -28,7 +28,8 @@ def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | N
     ``on_clients(done, total)`` hears the batched engine's progress within a round.
 
     Asynchronous algorithms (registry kind ``async``) run on the virtual-clock engine
-    whatever ``cfg.engine`` says: Flower's synchronous rounds cannot express them; those of
+    whatever ``cfg.engine`` says: Flower's synchronous rounds cannot express them (with
+    ``--set schedule=fixed`` they replay a seeded schedule on the engine asked for); those of
     kind ``array`` (LSGD: it needs every worker's loss) run on the array engine.
     ``resume``: a checkpoint of this run to continue from (fedswarm.server.resume)."""
     from fedswarm.strategies import registry
@@ -42,7 +43,7 @@ def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | N
         if cfg.device == "cpu":
             torch.set_num_threads(1)
         return run_array(cfg, store, run_id, listeners)
-    if kind == "async":
+    if kind == "async" and cfg.params.get("schedule", "clock") == "clock":  # schedule=fixed: a Flower engine
         if resume is not None:
             raise RuntimeError(f"'{cfg.strategy}' runs on the virtual-clock engine, which cannot resume a run yet")
         from fedswarm.sim.async_engine import run_async

@@ -88,6 +88,7 @@ class ADPSGDDriver(Driver):
             row["exchange"] = self.exchange(self.rng.choice(partners))
         with self.lock:
             self.algo.local_step(self.state, g[None], lr)
+            self.algo.node_mix(self.state, 0, {}, {0: 1.0})  # averaged as its own event: the step alone
         row.update({f"avg_{k}": v for k, v in self.counts.items()})
         return row
 

@@ -15,7 +15,16 @@ swarm_merge    model to the leader, merged model back   4d up, 4d down; leader (
 lsgd           when a pull is due: loss to all, pull     12 B·(P−1) + 4d per pull (non-leaders)
 squarm         codec(x − x̂) to neighbours if triggered  codec bytes·deg every H rounds
 adpsgd         see :mod:`fedswarm.swarm.adpsgd`         4d each way per averaging
+scheduled      gossip along a fixed schedule's tick      4d to each partner of the tick
 =============  ======================================  ==========================================
+
+AD-PSGD and Prague have two modes (the algorithm's ``schedule`` parameter). ``clock``
+(default): AD-PSGD peers pair by message timing (:mod:`fedswarm.swarm.adpsgd`); Prague
+has no timed swarm form. ``fixed``: :class:`ScheduledDriver` replays the seeded fixed
+schedule of :mod:`fedswarm.algorithms.decentralized.schedule` (round ``r`` is tick ``r``:
+its pairs or groups exchange models, each gradient as stale as the schedule says), the
+same events the array engine and the Flower router replay, for tests, replays and
+comparisons (``fedswarm peer --algorithm adpsgd --set schedule=fixed``).
 """
 
 from __future__ import annotations
@@ -27,8 +36,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-from fedswarm.algorithms.decentralized import (ALGORITHMS, leader_server_update, make_algorithm, merge_leader,
-                                              weighted_merge)
+from fedswarm.algorithms.decentralized import (ALGORITHMS, leader_server_update, make_algorithm, make_schedule,
+                                              merge_leader, uses_fixed_schedule, weighted_merge)
 from fedswarm.algorithms.decentralized.leader import contiguous_groups
 from fedswarm.config import round_seed
 from fedswarm.strategies.decentralized.steps import local_gradient
@@ -44,8 +53,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedswarm.swarm")
 
-__all__ = ["Driver", "GossipDriver", "LeaderDriver", "SwarmMergeDriver", "algorithm_description", "algorithm_names",
-           "make_driver"]
+__all__ = ["Driver", "GossipDriver", "LeaderDriver", "ScheduledDriver", "SwarmMergeDriver", "algorithm_description",
+           "algorithm_names", "make_driver"]
 
 
 def renormalise(weights: dict[str, float], keep: set[str]) -> dict[str, float]:
@@ -140,21 +149,55 @@ class GossipDriver(Driver):
             self.algo.check_topology(view.topology)
             self._checked.add((view.ids, r % view.topology.period))
         self.state.step = r - 1  # round r is iteration r, also after a catch-up skipped rounds
-        grad, loss = self.gradient(self.state.x[0], r)
+        nbrs, weights, stale = self.graph(view, r)
+        grad, loss = self.gradient(self.algo.gradient_point(self.state, 0, stale), r)
         self.algo.local_step(self.state, grad[None], lr)
-        nbrs = view.neighbors(r)
         meta, body = payload_body(self.algo.payload(self.state, 0))
         p.push(nbrs, "model", r, body, meta)
         got = p.inbox.wait("model", r, nbrs, p.cfg.round_timeout_s, p.stop)
-        w = renormalise(view.weights(r), {p.id, *got})
+        w = renormalise(weights, {p.id, *got})
         index = {pid: k for k, pid in enumerate(view.ids)}
         self.algo.node_mix(self.state, view.index, {index[j]: v for j, v in got.items()},
                            {index[j]: v for j, v in w.items()})
         return {"train_loss": loss, "neighbours": len(nbrs), "answered": len(got)}
 
+    def graph(self, view: View, r: int) -> tuple[list[str], dict[str, float], int]:
+        """Round ``r``'s neighbours, this peer's mixing row and its gradient staleness."""
+        return view.neighbors(r), view.weights(r), 0
+
     def state_dict(self) -> dict:
         s = self.state
         return {"x": s.x, "buffers": s.buffers, "step": s.step, "meta": s.meta}
+
+
+class ScheduledDriver(GossipDriver):
+    """AD-PSGD or Prague replaying a seeded fixed schedule (``schedule="fixed"``; see the
+    module docstring): round ``r`` is tick ``r`` of ``make_schedule(algo, topology of the
+    sorted members, seed)``, so every peer draws the same events. The partners of the
+    tick exchange their payloads and ``node_mix`` with the tick's row (a peer in no pair
+    or group mixes with itself alone); the gradient is taken at
+    ``algo.gradient_point(state, 0, staleness)``. Every round runs (no catch-up: a replay
+    skips nothing); a partner that stays silent past ``round_timeout_s`` is mixed without,
+    as in any gossip round, and the replay is then no longer exact (logged per round as
+    ``answered < neighbours``)."""
+
+    catch_up = None
+
+    def __init__(self, peer: Peer):
+        super().__init__(peer)
+        if not uses_fixed_schedule(self.algo):
+            raise ValueError(f"{self.algo.name}: the scheduled driver needs schedule='fixed'")
+        self._schedules: dict[tuple, Any] = {}
+
+    def graph(self, view: View, r: int) -> tuple[list[str], dict[str, float], int]:
+        if view.topology is None:
+            return [], {view.ids[view.index]: 1.0}, 0
+        sched = self._schedules.get(view.ids)
+        if sched is None:
+            sched = self._schedules[view.ids] = make_schedule(self.algo, view.topology, self.peer.cfg.seed)
+        i = view.index
+        return ([view.ids[j] for j in sched.neighbors(i, r)],
+                {view.ids[j]: w for j, w in sched.weights(i, r).items()}, sched.staleness(i, r))
 
     def load_state_dict(self, s: dict) -> None:
         self.state.x, self.state.buffers = s["x"], dict(s["buffers"])
@@ -434,6 +477,8 @@ class LeaderDriver(Driver):
 
 #: algorithm objects whose ``node_mix`` a peer drives as is (GossipDriver)
 GOSSIP_OBJECTS = ("dpsgd", "d2", "dsgdm", "qgm", "easgd", "dasgd")
+#: asynchronous algorithms with a fixed-schedule mode (``ScheduledDriver``)
+SCHEDULED = ("adpsgd", "prague")
 #: the others the swarm runs, each with its own driver
 SWARM_ONLY = {"swarm_merge": "Swarm Learning: each round an elected leader merges by weighted mean and "
                              "redistributes (Warnat-Herresthal et al., Nature 2021; docs/algorithms.md §16)"}
@@ -441,7 +486,7 @@ SWARM_ONLY = {"swarm_merge": "Swarm Learning: each round an elected leader merge
 
 def algorithm_names() -> list[str]:
     """What ``fedswarm peer --algorithm`` accepts."""
-    return [*GOSSIP_OBJECTS, "adpsgd", "lsgd", "squarm", *SWARM_ONLY]
+    return [*GOSSIP_OBJECTS, "adpsgd", "prague", "lsgd", "squarm", *SWARM_ONLY]
 
 
 def algorithm_description(name: str) -> str:
@@ -458,10 +503,14 @@ def make_driver(peer: Peer) -> Driver:
         from fedswarm.swarm.squarm import SquarmDriver
 
         return SquarmDriver(peer)
+    if name in SCHEDULED and peer.cfg.params.get("schedule") == "fixed":
+        return ScheduledDriver(peer)
     if name == "adpsgd":
         from fedswarm.swarm.adpsgd import ADPSGDDriver
 
         return ADPSGDDriver(peer)
+    if name == "prague":
+        raise ValueError("prague on the swarm replays a fixed schedule only: --set schedule=fixed")
     if name in GOSSIP_OBJECTS:
         return GossipDriver(peer)
     raise ValueError(f"unknown swarm algorithm '{name}' (available: {', '.join(algorithm_names())})")

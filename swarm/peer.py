@@ -286,9 +286,11 @@ class Peer:
             self.start()
             r = self.round
             while r < self.cfg.rounds and not self.stop.is_set():
-                r = self.driver.next_round(r + 1)
-                if r > self.cfg.rounds:
-                    break
+                # Catch-up jumps to the round the neighbours are in: one past their last completed
+                # round, unless that was the final one; then the final round is still ours to train
+                # (their round-R messages wait in the inbox). Without the clamp a peer one round
+                # behind finished peers ends on a model that never saw round R.
+                r = min(self.driver.next_round(r + 1), self.cfg.rounds)
                 self.inbox.set_round(r)
                 self._one_round(r)
             self.membership.set_info(done=True)

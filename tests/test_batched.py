@@ -185,8 +185,8 @@ def test_unsupported_runs_say_so_in_one_line():
     from fedswarm.sim.batched import check_supported, parse_memory_budget
 
     with pytest.raises(ConfigError, match="inprocess") as exc:
-        check_supported(RunConfig(strategy="onebit", engine="batched"))
-    assert "\n" not in str(exc.value) and "onebit" in str(exc.value)
+        check_supported(RunConfig(strategy="draco", engine="batched"))
+    assert "\n" not in str(exc.value) and "draco" in str(exc.value)
     with pytest.raises(ConfigError, match="--dp"):
         check_supported(RunConfig(engine="batched", dp="noise_multiplier=1.0"))
     assert parse_memory_budget("2GB") == 2_000_000_000 and parse_memory_budget("512MiB") == 512 * 2**20
@@ -202,6 +202,6 @@ def test_cli_runs_the_batched_engine(tmp_path):
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "clients/s" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "fedswarm", "sim", "--engine", "batched", "--strategy", "onebit",
+    bad = subprocess.run([sys.executable, "-m", "fedswarm", "sim", "--engine", "batched", "--strategy", "draco",
                           "--db", str(tmp_path / "t.db")], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--engine inprocess" in bad.stdout + bad.stderr

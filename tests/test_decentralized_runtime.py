@@ -258,4 +258,41 @@ def test_squarm_on_the_router_sends_the_codecs_bytes_not_the_dense_model(tmp_pat
         assert per_node < 0.6 * 4 * d  # far from a dense float32 model
         assert rounds[r]["p2p_bytes"] == pytest.approx(n * 2 * formula, rel=0.10)  # ring: to 2 neighbours
         assert rounds[r]["test_accuracy"] is None  # no model reported: no accuracy recorded
-    assert rounds[4]["test_accuracy"] is not None and rounds[4]["bytes_up"] > n * 4 * d  # final models
+    # the final models are monitoring: bytes_report, not bytes_up (no message left to send)
+    assert rounds[4]["test_accuracy"] is not None and rounds[4]["bytes_report"] > n * 4 * d
+    assert rounds[4]["bytes_up"] < n * 200
+    assert all("bytes_report" not in rounds[r] for r in (1, 2, 3))
+
+
+def test_squarm_at_the_papers_ratio_reports_the_codecs_bytes_and_model_reports_apart(tmp_path):
+    """At top-1 % (the paper's ratio) on digits-mlp-wide (d = 301,066), with the default
+    report_every=1 (every round each node also sends its dense model for the accuracy):
+    bytes_up per node per round is within 10 % of the codec's formula (8k bytes), and the
+    dense reports are recorded apart as bytes_report (monitoring), measured on the
+    serialized replies."""
+    n, d = 4, sum(p.numel() for p in get_task("digits-mlp-wide").model(0).parameters())
+    assert d == 301_066
+    cfg = _cfg("squarm", n=n, rounds=3, lr=0.05, topology="ring", task="digits-mlp-wide",
+               params={"codec": "topk", "ratio": 0.01, "period": 1, "threshold": 0.0})
+    _, result, status, _, _ = _run(cfg, tmp_path)
+    assert status == "finished"
+    formula = make_algorithm("squarm", codec="topk", ratio=0.01).payload_bytes(d)
+    assert formula == 8 * 3011
+    rounds = {r["round"]: r for r in result["rounds"]}
+    r2 = rounds[2]  # one message per node (round 1 also carries exchange 0's)
+    per_node = r2["bytes_up"] / n
+    assert abs(per_node - formula) <= 0.10 * formula, (per_node, formula)
+    assert r2["test_accuracy"] is not None  # reported, so evaluated...
+    assert 4 * d * n <= r2["bytes_report"] <= 4 * d * n * 1.01  # ...with the dense models counted apart
+    assert r2["p2p_bytes"] == pytest.approx(n * 2 * formula, rel=0.10)
+    summary = result["summary"]  # the run's totals and its table keep the two apart too
+    assert summary["total_bytes_report"] == sum(r.get("bytes_report") or 0 for r in result["rounds"])
+    assert summary["total_bytes_up"] == sum(r["bytes_up"] for r in result["rounds"])
+    assert summary["total_bytes_up"] < summary["total_bytes_report"] / 10
+    from rich.console import Console
+
+    from fedswarm.sim.report import summary_table
+
+    console = Console(record=True, width=200)
+    console.print(summary_table(result))
+    assert "model reports (monitoring, not in bytes up)" in console.export_text()

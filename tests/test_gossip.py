@@ -382,7 +382,10 @@ def test_adpsgd_events_keep_the_sum_and_peer_view_agrees():
     before = state.x.clone()
     algo.mix(state, algo.message(state), pair_mixing_matrix(8, 2, 3))
     torch.testing.assert_close(state.x, pairwise_average(before, [(2, 3)]))
-    algo.local_step(state, torch.ones(8, 5), 0.5)
+    mixed = state.x.clone()
+    algo.local_step(state, torch.ones(8, 5), 0.5)  # pending (x ← W x − η g): applied by the next mix
+    assert torch.equal(state.x, mixed) and state.step == 1
+    algo.mix(state, algo.message(state), torch.eye(8, dtype=torch.float64))
     torch.testing.assert_close(state.x.sum(0), before.sum(0) - 4.0)
     assert state.step == 1
 

@@ -120,3 +120,24 @@ def test_registered():
     from fedswarm.bench.registry import BENCHMARKS
 
     assert BENCHMARKS["papers"] == "fedswarm.bench.papers"
+
+
+def test_tiny_run_of_hl_and_progfed(tmp_path, monkeypatch):
+    """HL: three real selector arms side by side, the saving computed from their rounds;
+    ProgFed: both of the paper's stage schedules against the one FedAvg run."""
+    monkeypatch.setenv("FEDSWARM_PAPERS_ONLY", "hl,progfed")
+    papers.run(tmp_path, scale="tiny")
+    data, _ = _check_outputs(tmp_path, ["progfed", "hl"])
+    progfed, hl = data["claims"]
+    arms = {r["arm"]: r for r in hl["rows"]}
+    assert set(arms) == {"random", "attention", "learned"}
+    for r in arms.values():
+        assert r["episodes"] == 2 and all(1 <= n <= 4 for n in r["episode_rounds"])
+    saved = next(c for c in hl["checks"] if c["name"].startswith("rounds saved"))["value"]
+    rounds = {k: r["rounds_to_target"] for k, r in arms.items()}
+    assert saved == pytest.approx(100 * (1 - rounds["attention"] / rounds["random"]))
+    fa, ts_s, ts_2s = progfed["rows"]
+    assert fa["arm"] == "FedAvg" and "T_s = 1" in ts_s["arm"] and "T_s = 1" in ts_2s["arm"]  # 2 rounds: T_s >= 1
+    saved = next(c for c in progfed["checks"] if c["name"] == "two-way traffic saved")["value"]
+    two = lambda r: r["bytes_up"] + r["bytes_down"]  # noqa: E731
+    assert saved == pytest.approx(100 * (1 - two(ts_s) / two(fa)))

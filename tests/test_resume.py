@@ -117,6 +117,99 @@ def test_resumed_run_ends_with_the_uninterrupted_model(name, tmp_path):
     assert any(e.kind == "resumed" for e in store.events(rid))
 
 
+@pytest.mark.parametrize("name", ["fedavg", "compressed_fedavg"])
+def test_resume_from_a_checkpoint_k_rounds_apart(name, tmp_path):
+    """--checkpoint-every 2, 5 rounds, the process dies after round 3: the newest checkpoint
+    is round 2's, round 3 is redone (its rows deleted, not doubled) and the model is the
+    uninterrupted run's (1e-5). Checkpoints exist only for rounds 2, 4 and the final 5."""
+    cfg = _cfg(name, rounds=5, checkpoint_every=2)
+    store = Store(tmp_path / "store.db")
+    ref_store = Store(tmp_path / "ref.db")
+    ref = _uninterrupted(cfg, ref_store)
+    written: list[int] = []
+    save = store.save_checkpoint
+    store.save_checkpoint = lambda run_id, rnd, data, **kw: (written.append(rnd), save(run_id, rnd, data, **kw))
+    rid = _crashed(cfg, store, after=3)
+    assert written == [2] and _rounds(store, rid) == [0, 1, 2, 3]
+    cfg2, ck = prepare_resume(store, rid)
+    assert ck.round == 2 and cfg2.checkpoint_every == 2
+    assert run_engine(cfg2, store=store, run_id=rid, resume=ck) == "finished"
+    assert written == [2, 4, 5]
+    assert _rounds(store, rid) == [0, 1, 2, 3, 4, 5] == _rounds(ref_store, ref)
+    assert len([n for n in store.node_rounds(rid) if n.round == 3]) == 4  # round 3's nodes once, not twice
+    torch.testing.assert_close(_final_model(store, rid), _final_model(ref_store, ref), rtol=0, atol=1e-5)
+    assert [r.test_accuracy for r in store.rounds(rid)] == pytest.approx(
+        [r.test_accuracy for r in ref_store.rounds(ref)], abs=1e-6)
+    (event,) = [e for e in store.events(rid) if e.kind == "resumed"]
+    assert event.data["dropped_rounds"] == 1
+
+
+def test_checkpoint_every_is_validated():
+    for bad in (0, -1, "two"):
+        with pytest.raises(ValueError, match="checkpoint_every"):
+            RunConfig.build({"checkpoint_every": bad})
+    assert RunConfig.build({}).checkpoint_every == 1
+
+
+def _as_deployment_checkpoint(store: Store, rid: str) -> None:
+    """Rewrite the run's newest checkpoint as a deployment's ServerApp writes it: without the
+    clients' state (Flower's grid has none to give; the SuperNodes keep it in Context.state)."""
+    ck = load_latest(store, rid)
+    ck.grid = None
+    store.save_checkpoint(rid, ck.round, dumps(ck))
+    store.update_run(rid, engine="deployment")
+
+
+@pytest.mark.parametrize("name", ["compressed_fedavg", "dpsgd", "fedavg"])
+def test_resume_that_would_lose_client_state_is_refused_or_says_so(name, tmp_path):
+    """A deployment resume is a new Flower run: the SuperNodes' Context.state (error-feedback
+    residuals, replicas, decentralized nodes' models) is empty. For strategies that keep such
+    state, prepare_resume refuses, naming what is lost; accepted, the run finishes with the loss
+    in its 'resumed' event, and its model is NOT the uninterrupted one (the loss is real). A
+    stateless strategy (fedavg) resumes as before, exactly."""
+    from fedswarm.server.resume import client_state_lost
+
+    cfg = _cfg(name)
+    store = Store(tmp_path / "store.db")
+    ref = _uninterrupted(cfg, store)
+    rid = _crashed(cfg, store, after=2)
+    assert client_state_lost(prepare_resume(store, rid)[1]) is None  # the in-process checkpoint holds the clients
+    _as_deployment_checkpoint(store, rid)
+    if name == "fedavg":
+        cfg2, ck = prepare_resume(store, rid)
+        assert client_state_lost(ck) is None
+    else:
+        what = "error-feedback residual" if name == "compressed_fedavg" else "own model and algorithm memory"
+        with pytest.raises(CheckpointError, match=f"cannot be resumed exactly: .*{what}.*--accept-client-state-loss"):
+            prepare_resume(store, rid)
+        cfg2, ck = prepare_resume(store, rid, accept_client_state_loss=True)
+    assert run_engine(cfg2, store=store, run_id=rid, resume=ck) == "finished"
+    assert _rounds(store, rid) == [0, 1, 2, 3, 4]
+    (event,) = [e for e in store.events(rid) if e.kind == "resumed"]
+    a, b = _final_model(store, rid), _final_model(store, ref)
+    if name == "fedavg":
+        assert event.data["client_state_lost"] is None
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    else:
+        assert what in event.data["client_state_lost"] and "LOST" in event.message
+        assert (a - b).abs().max() > 1e-4  # what was lost changed the model
+
+
+def test_cli_refuses_a_lossy_deployment_resume(tmp_path):
+    """`fedswarm resume RUN --federation F` on a deployment run of a strategy with client state:
+    exit 2 with the reason, before anything is started."""
+    cfg = _cfg("compressed_fedavg")
+    store = Store(tmp_path / "store.db")
+    rid = _crashed(cfg, store, after=2)
+    _as_deployment_checkpoint(store, rid)
+    done = subprocess.run([sys.executable, "-m", "fedswarm", "resume", rid, "--db", str(tmp_path / "store.db"),
+                           "--federation", "nowhere"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    out = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 2, out
+    assert "cannot be resumed exactly" in out and "error-feedback residual" in out, out
+
+
 def _same(a, b, path="state") -> None:
     """Deep equality of two state trees (tensors, arrays, records, plain objects)."""
     if isinstance(a, torch.Tensor):

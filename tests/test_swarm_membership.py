@@ -69,3 +69,44 @@ def test_inbox_waits_with_a_timeout_and_bounds_rounds():
     assert box.wait("model", 5, ["b", "c"], timeout=0.2) == {"b": 1}  # c never answers: one timeout
     assert 0.15 < time.monotonic() - t0 < 10  # waited its timeout out, and did not hang
     assert box.wait("model", 5, ["b"], timeout=5) == {"b": 1}  # all there: no wait
+
+
+def test_a_peer_that_falls_behind_still_trains_the_final_round(tmp_path):
+    """Catch-up jumps a lagging peer to the round its neighbours are in; when they have
+    finished every round, that is the final round, not one past it (the peer would end on
+    a model that never saw round R). p1 is held, by an event, until it sees p0 done."""
+    import threading
+
+    from tests.helpers import wait_until
+    from tests.swarm_helpers import make_peers, run_all
+
+    rounds = 3
+    p0, p1 = make_peers(tmp_path, 2, rounds=rounds, round_timeout_s=0.5, linger_s=60.0, local_steps=1)
+    release = threading.Event()
+    held = threading.Event()
+    next_round = p1.driver.next_round
+
+    def held_next_round(r: int) -> int:
+        held.set()
+        assert release.wait(120), "the test never released p1"
+        return next_round(r)
+
+    p1.driver.next_round = held_next_round
+    results: list = []
+    runner = threading.Thread(target=lambda: results.append(run_all([p0, p1], timeout=180)))
+    runner.start()
+    try:
+        assert held.wait(120), "p1 never reached its first round"
+        # p0 trains all its rounds alone (each waits one timeout for p1), and p1 hears it finished
+        wait_until(lambda: p1.membership.info_of(p0.id).get("round") == rounds, 120, what="p1 seeing p0 finish")
+        release.set()
+        runner.join(240)
+    finally:
+        release.set()
+        p0.stop.set()
+        p1.stop.set()
+    (r0, r1), = results
+    assert r0["rounds_done"] == rounds
+    assert r1["rounds_done"] == rounds, "the lagging peer ended without the final round"
+    (row,) = r1["rows"]  # it skipped the rounds p0 had finished without it, and trained the last one
+    assert row["round"] == rounds and row["answered"] == 1  # with p0's round-R model, still in its inbox

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Literal
+from typing import Callable, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import StreamingResponse
@@ -13,6 +13,7 @@ from pydantic import BaseModel
 import fedswarm
 from fedswarm.web import live, queries, schemas
 from fedswarm.web.accounts import Principal
+from fedswarm.web.cache import Answer
 from fedswarm.web.deps import RunIdPath, WebContext, get_ctx, require_admin, require_reader
 from fedswarm.web.launcher import log_tail
 from fedswarm.web.runs_service import RunError
@@ -45,18 +46,22 @@ def whoami(p: Principal = Depends(require_reader), ctx: WebContext = Depends(get
     return schemas.Whoami(name=p.name, role=p.role, csrf_token=ctx.csrf(p))
 
 
-def _json(body: bytes, headers: dict[str, str] | None = None) -> Response:
-    return Response(content=body, media_type="application/json", headers=headers)
-
-
-async def _cached(ctx: WebContext, key: tuple, build):
-    """A shared answer: from memory on the event loop when fresh, else built in a thread."""
-    hit = ctx.cache.peek(key)
-    return hit if hit is not None else await asyncio.to_thread(ctx.cache.get, key, build)
+async def _cached(ctx: WebContext, request: Request, key: tuple, build: Callable[[], Answer]) -> Response:
+    """A shared answer: from memory on the event loop when fresh (or recent, while a thread
+    rebuilds it), else built in a thread. The raw request is recorded as answered by ``key`` so
+    that :class:`~fedswarm.web.hot_reads.CachedReads` can serve its repeats."""
+    answer, refresh = ctx.cache.lookup(key)
+    if answer is None:
+        answer = await asyncio.to_thread(ctx.cache.get, key, build)
+    elif refresh:
+        ctx.cache.refresh_soon(key)
+    ctx.cache.alias(request.scope["path"], request.scope["query_string"], key)
+    return Response(content=answer.body, media_type="application/json", headers=dict(answer.headers))
 
 
 @router.get("/runs", response_model=list[schemas.RunOut], responses=ERRORS, tags=["runs"])
-async def list_runs(q: str | None = Query(None, max_length=100, description="search id, name, strategy and task"),
+async def list_runs(request: Request,
+                    q: str | None = Query(None, max_length=100, description="search id, name, strategy and task"),
               status: Status | None = Query(None, description="only runs shown with this status"),
               strategy: str | None = Query(None, max_length=64),
               sort: Sort = Query("created"), order: Literal["asc", "desc"] = Query("desc"),
@@ -67,12 +72,12 @@ async def list_runs(q: str | None = Query(None, max_length=100, description="sea
     query = queries.RunQuery(q=q, status=status, strategy=strategy, sort=sort, order=order, limit=limit,
                              offset=offset)
 
-    def build() -> tuple[int, bytes]:
+    def build() -> Answer:
         runs, total = queries.list_runs(ctx.store, query, ctx.settings.report_timeout_s)
-        return total, json.dumps([r.model_dump(mode="json") for r in runs]).encode()
+        return Answer(json.dumps([r.model_dump(mode="json") for r in runs]).encode(),
+                      (("X-Total-Count", str(total)),))
 
-    total, body = await _cached(ctx, ("runs", q, status, strategy, sort, order, limit, offset), build)
-    return _json(body, {"X-Total-Count": str(total)})
+    return await _cached(ctx, request, ("runs", q, status, strategy, sort, order, limit, offset), build)
 
 
 @router.post("/runs", response_model=schemas.RunOut, status_code=201, tags=["runs"],
@@ -91,29 +96,30 @@ def start_run(body: schemas.StartRunIn, p: Principal = Depends(require_admin),
 
 
 @router.get("/runs/{run_id}", response_model=schemas.RunDetailOut, responses=ERRORS, tags=["runs"])
-async def get_run(run_id: str = RunId, _: Principal = Depends(require_reader),
+async def get_run(request: Request, run_id: str = RunId, _: Principal = Depends(require_reader),
                   ctx: WebContext = Depends(get_ctx)) -> Response:
     """A run: config, progress, per-node table and device-class roll-up, controls (pending
     ones included), policies, recent events, and which actions are valid now."""
 
-    def build() -> bytes:
-        return run_detail(ctx, _run(ctx, run_id)).model_dump_json().encode()
+    def build() -> Answer:
+        return Answer(run_detail(ctx, _run(ctx, run_id)).model_dump_json().encode())
 
-    return _json(await _cached(ctx, ("run", run_id), build))
+    return await _cached(ctx, request, ("run", run_id), build)
 
 
 @router.get("/runs/{run_id}/rounds", response_model=list[schemas.RoundOut], responses=ERRORS, tags=["runs"])
-async def get_rounds(run_id: str = RunId, since: int = Query(-1, ge=-1, le=2**31 - 1,
+async def get_rounds(request: Request, run_id: str = RunId, since: int = Query(-1, ge=-1, le=2**31 - 1,
                                                       description="only rounds after this one"),
                limit: int = Query(10_000, ge=1, le=10_000, description="at most this many rounds (page with since)"),
                _: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)) -> Response:
     """Rounds in order. Pages of ``limit``: ask again with ``since`` = the last round received."""
 
-    def build() -> bytes:
+    def build() -> Answer:
         _run(ctx, run_id)
-        return json.dumps([r.model_dump(mode="json") for r in queries.rounds(ctx.store, run_id, since, limit)]).encode()
+        rows = queries.rounds(ctx.store, run_id, since, limit)
+        return Answer(json.dumps([r.model_dump(mode="json") for r in rows]).encode())
 
-    return _json(await _cached(ctx, ("rounds", run_id, since, limit), build))
+    return await _cached(ctx, request, ("rounds", run_id, since, limit), build)
 
 
 class LogOut(BaseModel):

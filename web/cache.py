@@ -1,43 +1,78 @@
-"""Serialized answers of the busiest read routes (``/api/runs``, a run's rounds), shared by
+"""Serialized answers of the busiest read routes (``/api/runs``, a run, its rounds), shared by
 every client that asks the same question while the store has not changed.
 
-An entry is valid while the store's *change mark* is what it was when the entry was built, and
+An entry is fresh while the store's *change mark* is what it was when the entry was built, and
 for at most ``ttl_s`` (liveness, "lost", depends on time, not only on writes). The mark is one
-cheap query (the highest id of rounds, events and controls: every round, status change, control
-and new run writes one of them, whichever process writes) made at most every ``mark_s``. So
-with many viewers the store answers a few queries a second, not one per request, and an answer
-is never staler than ``max(mark_s, poll)`` plus one rebuild: while one thread rebuilds an
-answer, others get the previous one instead of queueing behind it (stale-while-revalidate).
-``clear()`` (after this process's own writes) drops everything, so an actor sees its change.
+cheap query (the highest id of rounds, events, controls and per-node rows: every round, status
+change, control and new run writes one of them, whichever process writes) made at most every
+``mark_s``. So with many viewers the store answers a few queries a second, not one per request.
+
+Stale-while-revalidate: an entry that is no longer known to be fresh (its mark is older than
+``mark_s``, or the store changed, or ``ttl_s`` passed) but was built less than ``max_stale_s``
+ago is still served while one background thread re-checks the mark and, if needed, rebuilds it
+(:meth:`lookup` + :meth:`refresh_soon`). So an answer is at most ``max_stale_s`` old, and the
+event loop never waits on the store for a cached question. ``clear()`` (after this process's
+own writes) drops every entry, so an actor sees its change on the next read.
+
+:meth:`alias` records which raw request (path and query string) a validated route answered
+with which entry, so that :class:`fedswarm.web.hot_reads.CachedReads` can answer the same raw
+request again without the framework's routing and parameter validation.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 from sqlalchemy import text
 
 from fedswarm.store import Store
 
-__all__ = ["ResponseCache"]
+__all__ = ["ResponseCache", "Answer"]
+
+log = logging.getLogger(__name__)
 
 _MARK_SQL = text("SELECT (SELECT max(id) FROM rounds), (SELECT max(id) FROM events), "
                  "(SELECT max(id) FROM controls), (SELECT max(id) FROM node_rounds)")
 
 
+@dataclass(frozen=True)
+class Answer:
+    """A ready JSON answer: its body and any extra headers (e.g. ``X-Total-Count``)."""
+
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class _Entry:
+    expires: float
+    mark: tuple
+    built_at: float
+    value: object
+    build: Callable[[], object]
+
+
 class ResponseCache:
-    def __init__(self, store: Store, ttl_s: float = 1.0, mark_s: float = 0.25, max_entries: int = 512):
+    def __init__(self, store: Store, ttl_s: float = 1.0, mark_s: float = 0.25, max_entries: int = 512,
+                 max_stale_s: float = 1.0):
         self.store = store
         self.ttl_s = ttl_s
         self.mark_s = mark_s
         self.max_entries = max_entries
-        self._entries: dict[tuple, tuple[float, tuple, object]] = {}
+        self.max_stale_s = max_stale_s
+        self._entries: dict[tuple, _Entry] = {}
+        self._aliases: dict[tuple[str, bytes], tuple] = {}
         self._mark: tuple = ()
         self._mark_at = 0.0
         self._lock = threading.Lock()
         self._building: dict[tuple, threading.Lock] = {}
+        self._refreshing: set[tuple] = set()  # touched on the event loop only
+        self._generation = 0  # bumped by clear(): a build begun before it is not kept
         self.hits = self.misses = self.stale = 0
 
     def mark(self) -> tuple:
@@ -58,8 +93,46 @@ class ResponseCache:
             self.hits += 1
         return hit
 
+    def lookup(self, key: tuple) -> tuple[object | None, bool]:
+        """(answer, needs_refresh) without touching the store (safe on the event loop).
+
+        A fresh entry gives (answer, False); one that may be out of date but was built less than
+        ``max_stale_s`` ago gives (answer, True): serve it and call :meth:`refresh_soon`;
+        otherwise (None, True): build it with :meth:`get` in a thread."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None, True
+        now = time.monotonic()
+        if now - self._mark_at <= self.mark_s and entry.expires > now and entry.mark == self._mark:
+            self.hits += 1
+            return entry.value, False
+        if now - entry.built_at <= self.max_stale_s:
+            self.stale += 1
+            return entry.value, True
+        return None, True
+
+    def refresh_soon(self, key: tuple) -> asyncio.Future | None:
+        """Re-check (and if needed rebuild) ``key`` in a worker thread, once at a time; call on
+        the event loop. Returns the rebuild's future, or None when one is already running."""
+        entry = self._entries.get(key)
+        if entry is None or key in self._refreshing:
+            return None
+        self._refreshing.add(key)
+        fut = asyncio.get_running_loop().run_in_executor(None, self._refresh, key, entry.build)
+        fut.add_done_callback(lambda _: self._refreshing.discard(key))
+        return fut
+
+    def _refresh(self, key: tuple, build: Callable[[], object]) -> None:
+        try:
+            self.get(key, build)
+        except Exception as exc:  # e.g. the run is gone: forget the answer, the route will say why
+            log.debug("cache refresh of %s failed: %s", key, exc)
+            with self._lock:
+                self._entries.pop(key, None)
+
     def get(self, key: tuple, build: Callable[[], object]) -> object:
         """The cached answer for ``key``, or ``build()`` once (concurrent askers wait for it)."""
+        generation = self._generation
         mark = self.mark()
         hit = self._fresh(key, mark)
         if hit is not None:
@@ -71,7 +144,7 @@ class ResponseCache:
             stale = self._entries.get(key)
             if stale is not None:  # another thread is rebuilding it: the last answer, now
                 self.stale += 1
-                return stale[2]
+                return stale.value
             lock.acquire()
         try:
             hit = self._fresh(key, mark)
@@ -79,23 +152,39 @@ class ResponseCache:
                 self.hits += 1
                 return hit
             self.misses += 1
-            body = build()
+            value = build()
+            now = time.monotonic()
             with self._lock:
-                if len(self._entries) >= self.max_entries:
-                    self._entries.clear()
-                self._entries[key] = (time.monotonic() + self.ttl_s, mark, body)
-            return body
+                if generation == self._generation:  # no write of this process since we began
+                    if len(self._entries) >= self.max_entries:
+                        self._entries.clear()
+                    self._entries[key] = _Entry(now + self.ttl_s, mark, now, value, build)
+            return value
         finally:
             lock.release()
 
     def _fresh(self, key: tuple, mark: tuple) -> object | None:
         entry = self._entries.get(key)
-        if entry is not None and entry[0] > time.monotonic() and entry[1] == mark:
-            return entry[2]
+        if entry is not None and entry.expires > time.monotonic() and entry.mark == mark:
+            return entry.value
         return None
 
+    def alias(self, path: str, query: bytes, key: tuple) -> None:
+        """Remember that the validated request ``path?query`` is answered by entry ``key``."""
+        raw = (path, query)
+        if self._aliases.get(raw) != key:
+            with self._lock:
+                if len(self._aliases) >= 4 * self.max_entries:
+                    self._aliases.clear()
+                self._aliases[raw] = key
+
+    def key_for(self, path: str, query: bytes) -> tuple | None:
+        """The entry key a validated route gave for this raw request, if any."""
+        return self._aliases.get((path, query))
+
     def clear(self) -> None:
-        """Forget everything (this process just wrote something a reader must see at once)."""
+        """Forget every answer (this process just wrote something a reader must see at once)."""
         with self._lock:
+            self._generation += 1
             self._entries.clear()
             self._mark_at = 0.0

@@ -29,7 +29,8 @@ import torch
 from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm, GossipState
 from fedswarm.algorithms.decentralized.topology import Topology
 
-__all__ = ["ADPSGD", "pairwise_average", "pair_mixing_matrix", "bipartite_split", "exchange_roles"]
+__all__ = ["ADPSGD", "SCHEDULES", "check_schedule", "pairwise_average", "pair_mixing_matrix", "bipartite_split",
+           "exchange_roles"]
 
 
 def pair_mixing_matrix(n: int, i: int, j: int) -> torch.Tensor:
@@ -119,22 +120,43 @@ class ADPSGD(DecentralizedAlgorithm):
         x_i, x_j ← (x_i + x_j) / 2                   # average_pairs / node_average
         x_i ← x_i − η g                              # local_step, with the stale g
 
-    In matrix form ``X ← W_k X − η G(X̂)`` with ``W_k = pair_mixing_matrix(n, i, j)``, so
-    the generic :meth:`mix` also applies an averaging given as a matrix.
+    In matrix form ``X ← W_k X − η G(X̂)`` with ``W_k = pair_mixing_matrix(n, i, j)``:
+    :meth:`local_step` keeps ``−η g`` pending (as D-PSGD's "cta" order) and the mix
+    applies it after the averaging, so the generic ``local_step`` + :meth:`mix` (or
+    :meth:`node_mix`) is one AD-PSGD iteration with the averagings given as a matrix.
+    That is how the runtimes drive a fixed schedule (``schedule="fixed"``,
+    :mod:`.schedule`): a seeded list of which pairs average at tick ``t`` and how stale
+    each gradient is (up to ``max_staleness`` iterations). Event-driven runtimes (the
+    virtual clock, the swarm's timing mode) average pairs as separate events and finish
+    a local step with a mix that has no neighbour (``node_mix(state, i, {}, {i: 1})``).
 
-    State: ``x`` (the runtime guards it with a lock while averaging). ``step`` counts
-    local steps. Wire: one averaging moves a full model each way, 4d bytes sent and 4d
-    received by each endpoint; about one averaging per active local step.
+    State: ``x``, the pending update, ``max_staleness`` earlier models (the runtime
+    guards ``x`` with a lock while averaging). ``step`` counts local steps. Wire: one
+    averaging moves a full model each way, 4d bytes sent and 4d received by each
+    endpoint; about one averaging per active local step.
     """
 
     name = "adpsgd"
 
+    def __init__(self, schedule: str = "clock", max_staleness: int = 0, weight_decay: float = 0.0):
+        super().__init__(weight_decay)
+        self.schedule, self.max_staleness = check_schedule(self.name, schedule, max_staleness)
+
+    def _init_buffers(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"update": torch.zeros_like(x), **self._snapshot_buffers(x)}
+
     def local_step(self, state: GossipState, grads: torch.Tensor, lr: float) -> None:
-        state.x = state.x - lr * self._grad(state, grads)
+        """Compute ``−η g`` and keep it pending; the next mix applies it after averaging."""
+        self._remember(state)
+        state.buffers["update"] = -lr * self._grad(state, grads)
         state.step += 1
 
     def _finish(self, state: GossipState, mixed: torch.Tensor) -> None:
-        state.x = mixed  # an averaging is not an iteration: step counts local steps
+        # an averaging is not an iteration: step counts local steps
+        update = state.buffers.get("update")
+        state.x = mixed if update is None else mixed + update
+        if update is not None:
+            state.buffers["update"] = torch.zeros_like(mixed)
 
     def average_pairs(self, state: GossipState, pairs: torch.Tensor | Sequence[tuple[int, int]]) -> None:
         """Apply disjoint averaging events at once (a batch of concurrent events)."""
@@ -159,10 +181,32 @@ class ADPSGD(DecentralizedAlgorithm):
         return peers[k]
 
     def check_topology(self, topology: Topology) -> None:
+        """Timed by a clock: the graph must be bipartite (active/passive split). A fixed
+        schedule pairs along any graph (each edge's initiator from :func:`exchange_roles`)."""
         super().check_topology(topology)
-        for r in range(topology.period):
-            bipartite_split(topology, r)
+        if self.schedule == "clock":
+            for r in range(topology.period):
+                bipartite_split(topology, r)
 
     def wire_bytes(self, d: int, degree: int) -> int:
         """Bytes an endpoint sends per averaging event (4d), whatever its degree."""
         return 4 * d
+
+    def hyperparams(self) -> dict:
+        return {"schedule": self.schedule, "max_staleness": self.max_staleness, **super().hyperparams()}
+
+
+#: How an asynchronous algorithm's events are timed: by the runtime's clock or messages
+#: (``clock``), or replayed from a seeded fixed schedule, the same on every runtime (``fixed``).
+SCHEDULES = ("clock", "fixed")
+
+
+def check_schedule(name: str, schedule: str, max_staleness: int) -> tuple[str, int]:
+    """Validate an asynchronous algorithm's ``schedule`` / ``max_staleness``."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"{name}: schedule must be one of {', '.join(SCHEDULES)} (got {schedule!r})")
+    if int(max_staleness) < 0:
+        raise ValueError(f"{name}: max_staleness must be >= 0 (got {max_staleness})")
+    if schedule == "clock" and int(max_staleness):
+        raise ValueError(f"{name}: max_staleness applies to schedule='fixed' (the clock makes its own staleness)")
+    return schedule, int(max_staleness)

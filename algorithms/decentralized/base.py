@@ -222,6 +222,34 @@ class DecentralizedAlgorithm:
         state.x = mixed
         state.step += 1
 
+    # -- stale gradients (asynchronous algorithms under a fixed schedule)
+    #: how many earlier models ``local_step`` keeps (``snap.1`` = the model one iteration
+    #: ago, ...), so a gradient can be taken at a stale model; 0 for synchronous algorithms
+    max_staleness: int = 0
+
+    def _snapshot_buffers(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {f"snap.{s}": x.clone() for s in range(1, self.max_staleness + 1)}
+
+    def _remember(self, state: GossipState) -> None:
+        """Push the current models ``x^t`` into the snapshots (called by ``local_step``,
+        before ``x`` changes): afterwards ``snap.s`` holds ``x^{t+1-s}``."""
+        for s in range(self.max_staleness, 1, -1):
+            state.buffers[f"snap.{s}"] = state.buffers[f"snap.{s - 1}"]
+        if self.max_staleness:
+            state.buffers["snap.1"] = state.x.clone()
+
+    def gradient_point(self, state: GossipState, row: int = 0, staleness: int = 0) -> torch.Tensor:
+        """The model ``[d]`` at which row ``row`` takes its gradient this iteration: its
+        current model, or (``staleness = s >= 1``) its model ``s`` iterations ago, as a
+        fixed schedule replays an asynchronous run (``schedule.FixedSchedule.staleness``).
+        Every runtime asks this, so they take the same gradients."""
+        s = int(staleness)
+        if s == 0:
+            return state.x[row]
+        if not 0 < s <= self.max_staleness:
+            raise ValueError(f"{self.name}: staleness {s} is outside 0..max_staleness={self.max_staleness}")
+        return state.buffers[f"snap.{s}"][row]
+
     # -- checks and accounting
     def check_mixing_matrix(self, W: torch.Tensor) -> None:
         """Raise ValueError if this algorithm cannot use ``W``."""

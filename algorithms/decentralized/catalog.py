@@ -28,6 +28,7 @@ from fedswarm.algorithms.decentralized.dasgd import DaSGD
 from fedswarm.algorithms.decentralized.leader import (EASGD, LSGD, LSGD_MODES, elect_leader, leader_pull,
                                                      leader_server_update)
 from fedswarm.algorithms.decentralized.prague import Prague, partial_allreduce
+from fedswarm.algorithms.decentralized.schedule import FixedSchedule, make_schedule, uses_fixed_schedule
 from fedswarm.algorithms.decentralized.squarm import SQuARM
 from fedswarm.algorithms.decentralized.swarm_merge import merge_leader, weighted_merge
 from fedswarm.algorithms.decentralized.sync import D2, DPSGD, DSGDm, QGDSGDm
@@ -56,6 +57,9 @@ __all__ = [
     "pair_mixing_matrix",
     "bipartite_split",
     "exchange_roles",
+    "FixedSchedule",
+    "make_schedule",
+    "uses_fixed_schedule",
     "consensus_distance",
     "AlgorithmEntry",
     "ALGORITHMS",
@@ -80,6 +84,11 @@ class AlgorithmEntry:
 
 _WD = HyperParam("weight_decay", 0.0, "L2 weight decay added to the gradient (wd·x)", ge=0.0)
 _BETA = HyperParam("momentum", 0.9, "momentum factor β", ge=0.0, lt=1.0)
+_SCHEDULE = HyperParam("schedule", "clock", "asynchronous events timed by the runtime ('clock': the simulator's "
+                      "virtual clock, the swarm's messages) or replayed from a seeded fixed schedule, the same on "
+                      "the array engine, the router and the swarm ('fixed')", choices=("clock", "fixed"))
+_STALENESS = HyperParam("max_staleness", 0, "schedule='fixed': a gradient may be taken at the node's model up to "
+                        "this many iterations old (drawn per iteration and node from the seed)", ge=0)
 _NESTEROV = HyperParam("nesterov", False, "Nesterov momentum (epfml's scripts use it) instead of heavy ball")
 
 ALGORITHMS: dict[str, AlgorithmEntry] = {
@@ -111,7 +120,7 @@ ALGORITHMS: dict[str, AlgorithmEntry] = {
             "Lin, Karimireddy, Stich, Jaggi, ICML 2021, arXiv:2102.04761",
         ),
         AlgorithmEntry(
-            "adpsgd", ADPSGD, (_WD,),
+            "adpsgd", ADPSGD, (_SCHEDULE, _STALENESS, _WD),
             "AD-PSGD: asynchronous pairwise averaging between active and passive nodes",
             "Lian, Zhang, Zhang, Liu, ICML 2018, arXiv:1710.06952",
             synchronous=False,
@@ -165,7 +174,7 @@ ALGORITHMS: dict[str, AlgorithmEntry] = {
         AlgorithmEntry(
             "prague", Prague,
             (HyperParam("group_size", 4, "workers per Partial All-Reduce (n = synchronous all-reduce)", ge=2),
-             _WD),
+             _SCHEDULE, _STALENESS, _WD),
             "Prague: local SGD steps, each followed by a Partial All-Reduce among a group of ready workers",
             "Luo, He, Zhuo, Qian, ASPLOS 2020, doi:10.1145/3373376.3378499",
             synchronous=False,

@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from fedswarm.algorithms.decentralized.adpsgd import check_schedule
 from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm, GossipState
 
 __all__ = ["Prague", "partial_allreduce"]
@@ -38,20 +39,32 @@ class Prague(DecentralizedAlgorithm):
     computing (a reconstruction: the paper's exact policy is not known, §5 [?]).
     ``group_size = n`` is synchronous all-reduce SGD.
 
-    State: ``x`` (no extra memory; the group generator holds a queue of ready workers).
-    Wire: a ring all-reduce within the group: ``2(g−1)/g · 4d`` bytes sent per member per
-    P-Reduce, about one P-Reduce per local step.
+    In matrix form ``X ← W_k (X − η G)`` with ``W_k`` the groups' block averages, so the
+    generic ``local_step`` + :meth:`mix` is one Prague iteration: how the runtimes drive a
+    fixed schedule (``schedule="fixed"``, :mod:`.schedule`: seeded groups per tick and
+    gradients up to ``max_staleness`` iterations stale).
+
+    State: ``x`` and ``max_staleness`` earlier models (the group generator holds a queue
+    of ready workers). Wire: a ring all-reduce within the group: ``2(g−1)/g · 4d`` bytes
+    sent per member per P-Reduce, about one P-Reduce per local step (under a fixed
+    schedule the runtimes exchange models directly, ``(g−1)·4d`` per member).
     """
 
     name = "prague"
 
-    def __init__(self, group_size: int = 4, weight_decay: float = 0.0):
+    def __init__(self, group_size: int = 4, schedule: str = "clock", max_staleness: int = 0,
+                 weight_decay: float = 0.0):
         super().__init__(weight_decay)
         if int(group_size) < 2:
             raise ValueError(f"group_size must be >= 2 (got {group_size})")
         self.group_size = int(group_size)
+        self.schedule, self.max_staleness = check_schedule(self.name, schedule, max_staleness)
+
+    def _init_buffers(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self._snapshot_buffers(x)
 
     def local_step(self, state: GossipState, grads: torch.Tensor, lr: float) -> None:
+        self._remember(state)
         state.x = state.x - lr * self._grad(state, grads)
         state.step += 1
 
@@ -67,4 +80,5 @@ class Prague(DecentralizedAlgorithm):
         return int(round(2 * (g - 1) / g * 4 * d))
 
     def hyperparams(self):
-        return {"group_size": self.group_size, **super().hyperparams()}
+        return {"group_size": self.group_size, "schedule": self.schedule, "max_staleness": self.max_staleness,
+                **super().hyperparams()}

@@ -6,6 +6,10 @@ Stage ``s`` of ``S`` trains the first ``s`` blocks and a small head; stages 1..S
 
     T_s      = T / (2S)                     (the official CIFAR-100 config: S = 4, T_s = 375, T = 3000)
     stage(t) = min(S, 1 + (t - 1) // T_s)
+
+The default is the ResNet-18 config's; the official ConvNet configs use T_s = T / S
+(EMNIST: S = 3, T_s = 500, T = 1500; CIFAR-10: S = 4, T_s = 500, T = 2000), where the
+full model trains only the last 1/S of the rounds: pass ``stage_rounds`` for that.
 """
 
 from __future__ import annotations

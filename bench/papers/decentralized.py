@@ -2,10 +2,9 @@
 DSGDm, LSGD vs EASGD, DaSGD vs compute-only, Prague vs all-reduce.
 
 Sixteen nodes on ``digits-mlp`` (d = 4,810), batch 16 per node, as ``fedswarm bench
-decentralized``. Gossip runs go through :func:`gossip_arm`, the one adapter to the ``[n, d]``
-simulator: today a loop over the algorithm objects of ``fedswarm.algorithms.decentralized``
-(as ``bench/decentralized.py``'s ``_array_arm``, with a seed); at merge it can call the
-array engine instead. Times are simulated seconds from ``fedswarm/timemodel.py``.
+decentralized``. Gossip runs go through :func:`gossip_arm`, which runs the array engine
+(``sim/array_engine.py``: every node a row of ``[n, d]``, the algorithm objects of
+``fedswarm.algorithms.decentralized``). Times are simulated seconds from ``fedswarm/timemodel.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import math
 import tempfile
 from pathlib import Path
 
-import torch
 
 from fedswarm.bench.papers.report import Check, Measured, seed_stats
 from fedswarm.config import RunConfig
@@ -45,42 +43,23 @@ def iters_per_epoch() -> int:
 
 def gossip_arm(algorithm: str, params: dict, iterations: int, *, topology: str = "ring", lr: float = LR,
                partition: str = "iid", seed: int = 0, eval_every: int = 1) -> dict:
-    """Train ``algorithm`` on ``[n, d]`` for ``iterations``: test accuracy of the node average
-    every ``eval_every`` iterations (``iters``: 1-based iteration numbers) and the
-    algorithm's wire bytes. The adapter to switch to ``sim/array_engine.py`` at merge."""
+    """Train ``algorithm`` on ``[n, d]`` for ``iterations`` on the array engine
+    (:class:`fedswarm.sim.array_engine.ArraySimulation`): test accuracy of the node average
+    every ``eval_every`` iterations (``iters``: 1-based iteration numbers)."""
     from fedswarm.algorithms.decentralized import make_algorithm
-    from fedswarm.algorithms.decentralized.topology import make_topology
-    from fedswarm.local import round_seed
-    from fedswarm.params import get_flat
-    from fedswarm.strategies.decentralized.node import minibatch_gradient
-    from fedswarm.tasks import get_task
-    from fedswarm.train import evaluate_flat, task_data, trainer_for
+    from fedswarm.sim.array_engine import ArraySimulation
+    from fedswarm.train import evaluate_flat, task_data
 
     cfg = _cfg(algorithm, seed, lr=lr, partition=partition, topology=topology)
-    task = get_task(TASK)
-    model = task.model(seed)
-    x0 = get_flat(model).detach().cpu()
+    sim = ArraySimulation(cfg, make_algorithm(algorithm, **params))
     data = task_data(cfg)
-    trainers = [trainer_for(cfg, i, NODES) for i in range(NODES)]
-    topo = make_topology(topology, NODES, seed)
-    algo = make_algorithm(algorithm, **params)
-    algo.check_topology(topo)
-    state = algo.init_state(x0.repeat(NODES, 1))
     iters, accs = [], []
-    for t in range(iterations):
-        pairs = [minibatch_gradient(trainers[i], state.x[i], BATCH, round_seed(seed, t + 1, i)) for i in range(NODES)]
-        grads = torch.stack([g for g, _ in pairs])
-        if algorithm == "lsgd":
-            algo.local_step(state, grads, lr, losses=[loss for _, loss in pairs])
-            algo.mix(state)
-        else:
-            algo.local_step(state, grads, lr)
-            algo.mix(state, algo.message(state), topo.mixing_matrix(t))
-        if (t + 1) % eval_every == 0 or t + 1 == iterations:
-            iters.append(t + 1)
-            accs.append(evaluate_flat(task, model, state.x.mean(dim=0), data.test_x, data.test_y,
-                                      torch.device("cpu"))[1])
-    return {"iters": iters, "accuracy": accs, "algo": algo.summary(), "d": x0.numel()}
+    for t in range(1, iterations + 1):
+        sim.step()
+        if t % eval_every == 0 or t == iterations:
+            iters.append(t)
+            accs.append(evaluate_flat(sim.task, sim.model, sim.average(), data.test_x, data.test_y, sim.device)[1])
+    return {"iters": iters, "accuracy": accs, "algo": sim.algo.summary(), "d": sim.x0.numel()}
 
 
 def _first(xs: list[float], accs: list[float], target: float) -> float | None:

@@ -1,5 +1,5 @@
 """Federated and edge claims: 1-bit SGD, Sketched-SGD, FetchSGD, gs-SGD against global
-top-k, PVT, ProgFed and HL.
+top-k, PVT and ProgFed (HL: ``hl.py``).
 
 Every arm is a real in-process run (fedswarm's ServerApp and ClientApps); bytes are
 measured on the serialized Flower messages, both phases of two-phase strategies included.
@@ -18,7 +18,7 @@ from fedswarm.config import RunConfig
 from fedswarm.store import Store
 
 __all__ = ["FLRunner", "onebit_cnn4", "onebit_large", "sketched_sgd", "fetchsgd", "gs_sgd_vs_gtopk",
-           "pvt", "progfed", "hl"]
+           "pvt", "progfed"]
 
 LARGE = "digits-mlp-wide"
 CNN = "digits-cnn4"
@@ -239,6 +239,13 @@ def pvt(fl: FLRunner) -> Measured:
                 Check("less memory", mem, ">", 1.0, direction=True, unit="x"),
                 Check("less uplink", up, ">", 1.0, direction=True, unit="x")]
 
+    # The uplink's ceiling on this model: k = max(1, round(f·V)) of V whole tensors, drawn
+    # uniformly, carry k/V of the parameters on average, so E[uplink] = k·d/V (+ framing).
+    from fedswarm.algorithms.selection.pvt import num_selected
+    from fedswarm.tasks import get_task
+
+    sizes = [p.numel() for p in get_task(cfg.task).model(0).parameters()]
+    ceilings = {f: len(sizes) / num_selected(len(sizes), f) for f, _ in arms}
     scored = [(sum(c.passed for c in checks(r)), r["final_acc"], i) for i, r in enumerate(rows[1:], 1)]
     pick = rows[max(scored)[2]]
     cs = checks(pick)
@@ -254,46 +261,65 @@ def pvt(fl: FLRunner) -> Measured:
                 "nodes on digits-cnn4 8x wide; the arm shown is the PVT arm passing most checks",
         series={r["arm"]: [[up, a] for up, a in zip(r["cum_up"], r["curve"])] for r in rows},
         xlabel="cumulative uplink bytes (measured)", ylabel="test accuracy", rows=rows,
-        note=f"Other PVT arms: {others}" if others else "")
+        note=(f"Other PVT arms: {others}. " if others else "") + (
+            f"Ceiling: {cfg.task} has V = {len(sizes)} variables (tensors of {min(sizes)} to {max(sizes)} values); "
+            "a client trains k = max(1, round(f·V)) of them drawn uniformly, so the expected uplink ratio is V/k "
+            "before framing: " + ", ".join(f"{ceilings[f]:.0f}x at f = {f:.0%}" for f, _ in arms) + ". The 20x "
+            "target needs a model with more variables than digits-cnn4 (the paper's are speech Conformers)."))
+
+
+# ProgFed's stage schedule. The official configs give each stage before the last T_s rounds:
+# for its ConvNets (the model family of digits-cnn4) T_s = T/S: EMNIST, 3 stages,
+# update-cycle 500 of 1500 rounds; CIFAR-10, 4 stages, 500 of 2000. For ResNet-18 on
+# CIFAR-100, T_s = T/(2S) (375 of 3000): the strategy's default. The 63% headline is the
+# ConvNet kind of setting (the full model trains the last 1/S of the rounds).
+PROGFED_SCHEDULES = (("ConvNet schedule T_s = T/S", 1), ("ResNet schedule T_s = T/(2S)", 2))
+
+
+def _progfed_arm(fl: FLRunner, cfg, rid: str, base: list[dict], stage_rounds: int) -> tuple[dict, dict]:
+    from fedswarm.bench import edge
+
+    nodes: dict[int, list[int]] = {}
+    for n in fl.store.node_rounds(rid):
+        nodes.setdefault(n.round, []).append(int(n.node_id) - 1)  # in-process: node id = partition + 1
+    fa_rounds = [dict(r) for r in base]
+    for r, f in zip(fa_rounds, edge._fedavg_flops(cfg, base, nodes)):
+        r["flops"] = f
+    pf_rounds = edge._run(cfg.model_copy(update={"strategy": "progfed", "params": {"stage_rounds": stage_rounds}}),
+                          fl.store)[1]
+    rows = []
+    for arm, rr in (("FedAvg", fa_rounds), (f"ProgFed (4 stages, T_s = {stage_rounds})", pf_rounds)):
+        two = [r["bytes_up"] + r["bytes_down"] for r in rr]
+        rows.append(edge._fl_rows("ProgFed vs FedAvg", arm, rr, flops=sum(r["flops"] for r in rr),
+                                  cum_two_way=[sum(two[: i + 1]) for i in range(len(rr))]))
+    return rows[0], rows[1]
 
 
 def progfed(fl: FLRunner) -> Measured:
     from fedswarm.bench import edge
 
     cfg, rid, base = fl.edge_base()
-    fa, pf = edge._progfed(fl.store, cfg, rid, base)
+    stages = 4  # digits-cnn4's blocks
     two = lambda r: r["bytes_up"] + r["bytes_down"]  # noqa: E731
-    saved = 100 * (1 - two(pf) / two(fa))
-    flops = 100 * (1 - pf["flops"] / fa["flops"])
-    gap = 100 * (pf["final_acc"] - fa["final_acc"])
+    arms = []
+    for label, div in PROGFED_SCHEDULES:
+        fa, pf = _progfed_arm(fl, cfg, rid, base, max(1, round(cfg.rounds / (div * stages))))
+        arms.append((label, fa, pf, 100 * (1 - two(pf) / two(fa)), 100 * (1 - pf["flops"] / fa["flops"]),
+                     100 * (pf["final_acc"] - fa["final_acc"])))
+    label, fa, pf, saved, flops, gap = arms[0]
+    other = "; ".join(f"{lb} ({p['arm']}): {s:.0f}% less two-way traffic, {f:.0f}% less compute, {g:+.2f} pts"
+                      for lb, _, p, s, f, g in arms[1:])
     return Measured(
-        ours=f"{saved:.0f}% less two-way traffic, {flops:.0f}% less compute, {gap:+.2f} pts",
+        ours=f"{saved:.0f}% less two-way traffic, {flops:.0f}% less compute, {gap:+.2f} pts ({label})",
         checks=[Check("two-way traffic saved", saved, ">=", 50.0, unit=" %"),
                 Check("accuracy vs FedAvg", gap, ">=", -1.0, unit=" pts"),
                 Check("less traffic", saved, ">", 0.0, direction=True, unit=" %"),
                 Check("less compute", flops, ">", 0.0, direction=True, unit=" %")],
-        setting=f"digits-cnn4 (4 stages), {edge.FL['clients']} IID clients, {cfg.rounds} rounds, 10 local steps, "
-                "the paper's schedule T_s = T/8",
+        setting=f"digits-cnn4 (4 stages), {edge.FL['clients']} IID clients, {cfg.rounds} rounds, 10 local steps; "
+                f"{label} as in the paper's ConvNet configs (EMNIST: 3 stages, 500 of 1500 rounds each; "
+                "CIFAR-10: 4 stages, 500 of 2000); two-way bytes over the whole run",
         series={"FedAvg": [[x, a] for x, a in zip(fa["cum_two_way"], fa["curve"])],
-                "ProgFed": [[x, a] for x, a in zip(pf["cum_two_way"], pf["curve"])]},
-        xlabel="cumulative two-way bytes (measured)", ylabel="test accuracy", rows=[fa, pf])
-
-
-def hl(fl: FLRunner) -> Measured:
-    from fedswarm.bench import edge
-
-    rows = edge._hl(fl.store, fl.s.edge_quick)
-    rnd = next(r for r in rows if r["arm"] == "random")
-    learned = next(r for r in rows if r["arm"] == "learned")
-    cut = 100 * (1 - learned["rounds_to_target"] / rnd["rounds_to_target"]) if rnd["rounds_to_target"] else None
-    return Measured(
-        ours=f"{cut:.0f}% fewer rounds than random to {edge.HL_TARGET} (linear Q-function)" if cut is not None
-        else "random never reached the target",
-        checks=[Check("rounds saved vs random", cut, ">=", 40.0, unit=" %"),
-                Check("fewer rounds than random", cut, ">", 0.0, direction=True, unit=" %")],
-        setting=f"digits-mlp, {edge.HL['clients']} nodes, {edge.HL['partition']}, one epoch per hop, target "
-                f"{edge.HL_TARGET}; learned selector: last episodes of its training",
-        series={r["arm"]: [[i + 1, n] for i, n in enumerate(r["episode_rounds"]) if n is not None] for r in rows},
-        xlabel="episode", ylabel="rounds to target", rows=rows,
-        note="The policy measured is the linear Q-function (the self-attention policy trained by RL that the "
-             "paper describes is not implemented on this branch).")
+                **{f"ProgFed, {lb}": [[x, a] for x, a in zip(p["cum_two_way"], p["curve"])]
+                   for lb, _, p, *_ in arms}},
+        xlabel="cumulative two-way bytes (measured)", ylabel="test accuracy", rows=[fa] + [a[2] for a in arms],
+        note=f"Other schedule: {other}.")

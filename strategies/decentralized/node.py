@@ -11,9 +11,13 @@ hands it the messages of its neighbours. Each exchange the node
 3. unless this is the final exchange, takes the next iteration's local step at its
    current model and computes its outgoing message;
 4. saves its state, then replies with the algorithm's payload (``algo.payload``: what its
-   neighbours get next, compressed when the algorithm compresses) and ``model`` (its model
-   after the mix, for the node-average accuracy, when the router asks for it; left out
-   when the dense message is the model, as for D-PSGD).
+   neighbours get next, compressed when the algorithm compresses) and ``report.model`` (its
+   model after the mix, for the node-average accuracy, when the router asks for it; left
+   out when the dense message is the model, as for D-PSGD). ``report.*`` records are
+   monitoring: the MeteredGrid counts them as ``bytes_report``, apart from ``bytes_up``
+   (:data:`fedswarm.server.metered_grid.REPORT_PREFIX`). The metrics carry only what the
+   router and the recorder read (partition id, examples, loss; rejected neighbour messages
+   when there were any).
 
 State is written only at the very end, so a node that fails mid-exchange keeps its
 previous state: the failure costs that round its update, nothing more.
@@ -35,11 +39,13 @@ from fedswarm.algorithms.decentralized import GossipState, make_algorithm
 from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm
 from fedswarm.train import trainer_for
 from fedswarm.payload import PayloadError
+from fedswarm.server.metered_grid import REPORT_PREFIX
 from fedswarm.wire import (PAYLOAD_ARRAYS, PAYLOAD_META, arrayrecord_to_vector, payload_from_records,
                            payload_to_records, recorddict_nbytes, vector_to_arrayrecord)
 
 __all__ = [
     "NO_STATE",
+    "REPORT_MODEL",
     "minibatch_gradient",
     "local_gradient",
     "save_state",
@@ -53,6 +59,9 @@ __all__ = [
 NO_STATE = "fedswarm: no gossip state on this node"
 
 _STATE, _META = "gossip.state", "gossip.meta"
+
+#: Where a node's model report travels (monitoring, not the algorithm's message).
+REPORT_MODEL = f"{REPORT_PREFIX}model"
 
 
 def message_nbytes_of(arrays: ArrayRecord, meta: ConfigRecord) -> int:
@@ -146,23 +155,25 @@ def make_client_update(algorithm: str) -> Callable[[Message, Context], RecordDic
         if weights:
             algo.node_mix(state, pid, received, weights)
         model = state.x[0].clone()
-        metrics: dict[str, int | float] = {"partition-id": pid, "num-examples": 0, "neighbours": len(received),
-                                           "rejected_neighbours": rejected}
+        # only what the router and the recorder read: every byte here is framing on each reply
+        metrics: dict[str, int | float] = {"partition-id": pid, "num-examples": 0}
+        if rejected:
+            metrics["rejected_neighbours"] = rejected
         reply = RecordDict()
         if not bool(conf.get("final", False)):
             steps = cfg.local_steps or 1
-            grad, loss = local_gradient(trainer, model, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr,
+            point = algo.gradient_point(state, 0, int(conf.get("staleness", 0)))  # a fixed schedule's may be stale
+            grad, loss = local_gradient(trainer, point, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr,
                                         seed=round_seed(cfg.seed, int(conf["iteration"]), pid))
             algo.local_step(state, grad[None], cfg.lr)
             payload = algo.payload(state, 0)
             payload_to_records(payload, reply)  # the algorithm's real message (compressed if it compresses)
-            metrics.update({"num-examples": steps * min(cfg.batch_size, trainer.num_examples),
-                            "train_loss": loss, "steps": steps})
+            metrics.update({"num-examples": steps * min(cfg.batch_size, trainer.num_examples), "train_loss": loss})
             dense_is_model = payload.meta.get("kind") == "dense" and torch.equal(algo.message(state)[0], model)
             if not dense_is_model and bool(conf.get("report-model", True)):
-                reply["model"] = vector_to_arrayrecord(model)
+                reply[REPORT_MODEL] = vector_to_arrayrecord(model)
         else:
-            reply["model"] = vector_to_arrayrecord(model)
+            reply[REPORT_MODEL] = vector_to_arrayrecord(model)
         save_state(context, algorithm, state)  # last: a failure above leaves the old state
         reply["metrics"] = MetricRecord(metrics)
         return reply

@@ -18,15 +18,20 @@ iteration (they keep its weight on themselves) and the round its model; it resum
 the state it had before.
 
 Accounting. Bytes through the grid are server hops, measured by the MeteredGrid as
-usual. What would travel peer to peer is noted per round as ``p2p_bytes``: the
-serialized size of each node's message times its degree. Accuracy is that of the
-node-average model (nodes report their models; the average is only evaluated, never sent
-back) and ``consensus_distance`` is ``(1/n) Σ_i ‖x_i − x̄‖²``.
+usual; ``bytes_up`` is the algorithm's messages, and the nodes' model reports (monitoring,
+``report.model``, for the accuracy only) are recorded apart as ``bytes_report``. What
+would travel peer to peer is noted per round as ``p2p_bytes``: the serialized size of
+each node's message times its degree. Accuracy is that of the node-average model (nodes
+report their models; the average is only evaluated, never sent back) and
+``consensus_distance`` is ``(1/n) Σ_i ‖x_i − x̄‖²``.
 
 Registered: ``dpsgd``, ``d2``, ``dsgdm``, ``qgm``, ``squarm``, ``easgd``, ``dasgd`` (kind
 ``decentralized``, topology from ``RunConfig.topology``); ``adpsgd``, ``prague`` (kind ``async``:
-they run on the virtual-clock simulator, ``fedswarm.sim.async_engine``, not on Flower's
-synchronous rounds); ``lsgd`` (kind ``array``: the array engine, ``fedswarm.sim.array_engine``).
+timed by a clock they run on the virtual-clock simulator, ``fedswarm.sim.async_engine``; with
+``--set schedule=fixed`` the router replays their seeded fixed schedule,
+``fedswarm.algorithms.decentralized.schedule``: each round is one tick, the tick's pairs or
+groups are the round's graph and each node's gradient staleness travels in its config);
+``lsgd`` (kind ``array``: the array engine, ``fedswarm.sim.array_engine``).
 Every node's message is its algorithm's ``Payload`` (compressed for SQuARM), carried as
 records; ``--set report_every=N`` sets how often nodes also report their models.
 """
@@ -44,8 +49,9 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedswarm.config import ConfigError
 from fedswarm.hyperparams import HyperParam
-from fedswarm.strategies.decentralized.node import NO_STATE, make_client_update, message_nbytes_of, neighbour_keys
-from fedswarm.algorithms.decentralized import ALGORITHMS, consensus_distance, make_algorithm
+from fedswarm.strategies.decentralized.node import (NO_STATE, REPORT_MODEL, make_client_update, message_nbytes_of,
+                                                   neighbour_keys)
+from fedswarm.algorithms.decentralized import ALGORITHMS, consensus_distance, make_algorithm, make_schedule
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register
 from fedswarm.strategies.resumable import capture, restore
 from fedswarm.algorithms.decentralized.topology import make_topology
@@ -54,7 +60,7 @@ from fedswarm.strategies.strategy_utils import NODE_WAIT_S, ReportsRounds, wait_
 from fedswarm.wire import (PAYLOAD_ARRAYS, PAYLOAD_META, arrayrecord_to_vector, payload_from_records,
                            vector_to_arrayrecord)
 
-__all__ = ["DecentralizedStrategy", "SYNC_ALGORITHMS"]
+__all__ = ["DecentralizedStrategy", "SYNC_ALGORITHMS", "SCHEDULED_ALGORITHMS"]
 
 #: Synchronous gossip algorithms served by the router.
 #: Every node's message is its algorithm's Payload (``squarm``: the codec's payload, or a
@@ -63,6 +69,8 @@ __all__ = ["DecentralizedStrategy", "SYNC_ALGORITHMS"]
 #: (``complete`` = the paper's all-reduce). ``lsgd`` is not here: it needs every node's
 #: loss, so it runs on the array engine and the swarm.
 SYNC_ALGORITHMS = ("dpsgd", "d2", "dsgdm", "qgm", "squarm", "easgd", "dasgd")
+#: Asynchronous algorithms the router runs only under a fixed schedule (``schedule="fixed"``).
+SCHEDULED_ALGORITHMS = ("adpsgd", "prague")
 
 
 class DecentralizedStrategy(ReportsRounds, Strategy):
@@ -72,7 +80,9 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
     ----------
     algorithm : str
         A synchronous algorithm of :data:`fedswarm.algorithms.decentralized.ALGORITHMS`
-        (``dpsgd``, ``d2``, ``dsgdm``, ``qgm``); nodes run its per-node steps.
+        (:data:`SYNC_ALGORITHMS`), or ``adpsgd`` / ``prague`` with
+        ``algorithm_params["schedule"] == "fixed"`` (the topology is then the base graph
+        of the seeded schedule); nodes run its per-node steps.
     num_nodes : int
         Number of nodes; node ``i`` of the topology is the node whose ``partition-id``
         is ``i``.
@@ -95,13 +105,19 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
 
     def __init__(self, algorithm: str, num_nodes: int, topology: str = "ring", seed: int = 0,
                  algorithm_params: dict | None = None, node_wait_s: float = NODE_WAIT_S, report_every: int = 1):
-        if algorithm not in SYNC_ALGORITHMS:
-            raise ValueError(f"the router runs {', '.join(SYNC_ALGORITHMS)}, not '{algorithm}'")
+        params = dict(algorithm_params or {})
+        fixed = algorithm in SCHEDULED_ALGORITHMS and params.get("schedule") == "fixed"
+        if algorithm not in SYNC_ALGORITHMS and not fixed:
+            raise ValueError(f"the router runs {', '.join(SYNC_ALGORITHMS)}, and {', '.join(SCHEDULED_ALGORITHMS)} "
+                             f"with schedule='fixed', not '{algorithm}'"
+                             + (" timed by a clock" if algorithm in SCHEDULED_ALGORITHMS else ""))
         self.algorithm = algorithm
-        self.algorithm_params = dict(algorithm_params or {})
+        self.algorithm_params = params
         self.num_nodes = int(num_nodes)
-        self.topology = make_topology(topology, self.num_nodes, seed)
         self.algo = make_algorithm(algorithm, **self.algorithm_params)  # checks the topology and replies
+        self.topology = make_topology(topology, self.num_nodes, seed)
+        if fixed:  # the seeded schedule over the graph: round t is tick t
+            self.topology = make_schedule(self.algo, self.topology, seed)
         self.algo.check_topology(self.topology)
         if int(report_every) < 0:
             raise ValueError(f"report_every must be >= 0 (got {report_every})")
@@ -216,6 +232,8 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
         conf["iteration"] = it + 1  # the local step this exchange computes
         conf["final"] = final
         conf["report-model"] = report and not first
+        if nid in self._pid_of:  # a fixed schedule's gradient staleness (0 on a graph); iteration 1 has none
+            conf["staleness"] = self.topology.staleness(self._pid_of[nid], it + 1)
         content = RecordDict({"config": conf})
         if nid not in self._pid_of or nid in self._needs_init:
             content["init"] = initial
@@ -262,7 +280,7 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
                     payload = payload_from_records(reply.content, max_bytes=8 * d + 4096)
                     vec = self.algo.read_payload(payload, d)
                     msg = (reply.content.array_records[PAYLOAD_ARRAYS], reply.content.config_records[PAYLOAD_META])
-                model = reply.content.array_records.get("model")
+                model = reply.content.array_records.get(REPORT_MODEL)
                 if model is not None:
                     models_vec = arrayrecord_to_vector(model, d)
                 else:  # a dense message is the model (D-PSGD); a compressed one is not
@@ -304,8 +322,11 @@ def _builder(algorithm: str):
 
 def _build_async(params: dict, ctx: BuildContext):
     name = ctx.config.strategy
+    if params.get("schedule") == "fixed":
+        return _builder(name)(params, ctx)
     raise ConfigError(f"{name} is asynchronous: it runs on the virtual-clock simulator "
-                      f"(fedswarm sim --strategy {name}), not in Flower's synchronous rounds")
+                      f"(fedswarm sim --strategy {name}), not in Flower's synchronous rounds; "
+                      f"--set schedule=fixed replays a seeded fixed schedule on the router")
 
 
 #: The router's own parameter, next to each algorithm's.
@@ -344,7 +365,8 @@ register(StrategyEntry(
     description=f"{ALGORITHMS['adpsgd'].description} (asynchronous: virtual-clock simulator; "
                 "--devices sets each node's speed and link)",
     build=_build_async,
-    hyperparams=ALGORITHMS["adpsgd"].hyperparams,
+    hyperparams=ALGORITHMS["adpsgd"].hyperparams + (REPORT_EVERY,),
+    client_update=make_client_update("adpsgd"),
     kind="async",
     paper=ALGORITHMS["adpsgd"].paper,
 ))
@@ -354,7 +376,8 @@ register(StrategyEntry(
     description=f"{ALGORITHMS['prague'].description} (asynchronous: virtual-clock simulator; "
                 "--devices sets each node's speed and link)",
     build=_build_async,
-    hyperparams=ALGORITHMS["prague"].hyperparams,
+    hyperparams=ALGORITHMS["prague"].hyperparams + (REPORT_EVERY,),
+    client_update=make_client_update("prague"),
     kind="async",
     paper=ALGORITHMS["prague"].paper,
 ))

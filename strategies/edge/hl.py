@@ -11,8 +11,10 @@ hands it on; the next node is chosen by a learned policy, or by a baseline::
     the episode ends at acc ≥ target (or after max_episode_rounds); with reset_model the
     next one starts again from x_0, as the paper trains its agent
 
-``selector``: ``learned`` (the Q-learner of :mod:`fedswarm.algorithms.selection.hl`; read its
-docstring for what we simplify from the paper's DQN), ``random`` or ``round_robin``. The
+``selector``: ``attention`` (the paper's "self-attention" agent: a DQN on a PCA of the node
+models, :mod:`fedswarm.algorithms.selection.hl_attention`), ``learned`` (a linear Q-learner on
+what the chain reports, :mod:`fedswarm.algorithms.selection.hl`, kept as a baseline),
+``random`` or ``round_robin``. The
 model always moves on: no selector picks the node that holds it.
 
 State: the server keeps the agent (global, as in the paper's reference code) and the
@@ -37,6 +39,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedswarm.algorithms.selection.hl import NodeStates, QAgent, distance_matrix, hl_reward
+from fedswarm.algorithms.selection.hl_attention import DQNAgent, chain_state
 from fedswarm.hyperparams import HyperParam
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
 from fedswarm.strategies.resumable import capture, restore
@@ -46,7 +49,7 @@ from fedswarm.wire import arrayrecord_to_vector, recorddict_nbytes
 
 __all__ = ["HomogeneousLearning", "SELECTORS", "HYPERPARAMS"]
 
-SELECTORS = ("learned", "random", "round_robin")
+SELECTORS = ("attention", "learned", "random", "round_robin")
 
 
 class HomogeneousLearning(ReportsRounds, Strategy):
@@ -59,7 +62,8 @@ class HomogeneousLearning(ReportsRounds, Strategy):
     d : int
         Parameters of the model (to validate what nodes send back).
     selector : str
-        ``learned``, ``random`` or ``round_robin``.
+        ``attention`` (DQN on the node models' PCA, the paper's agent), ``learned`` (linear
+        Q), ``random`` or ``round_robin``.
     target_accuracy : float
         An episode ends when the model's test accuracy reaches it.
     max_episode_rounds : int
@@ -70,9 +74,12 @@ class HomogeneousLearning(ReportsRounds, Strategy):
     distance_weight : float
         Weight of the hop distance ``D[prev, a]`` in the reward (the paper: 1/10).
     gamma, agent_lr, epsilon_decay : float
-        The agent's discount, step size and per-episode exploration decay.
+        The agent's discount, step size and per-episode exploration decay (``attention``:
+        Adam's step size is ``dqn_lr``).
     agent_target : str
-        ``mc`` (Monte Carlo returns, the default) or ``td`` (TD(0)).
+        ``learned`` only: ``mc`` (Monte Carlo returns, the default) or ``td`` (TD(0)).
+    dqn_lr : float
+        ``attention`` only: the DQN's Adam step size (the paper: 1e-3).
     seed : int
         Seed of the distances, the random selector and the agent.
     agent_path : str
@@ -87,7 +94,7 @@ class HomogeneousLearning(ReportsRounds, Strategy):
     def __init__(self, num_nodes: int, d: int, selector: str = "learned", target_accuracy: float = 0.8,
                  max_episode_rounds: int = 35, reset_model: bool = True, distance_weight: float = 0.1,
                  gamma: float = 0.9, agent_lr: float = 0.1, epsilon_decay: float = 0.1, agent_target: str = "mc",
-                 seed: int = 0,
+                 dqn_lr: float = 1e-3, seed: int = 0,
                  agent_path: str = "", accuracy_fn: Callable[[ArrayRecord], float] | None = None,
                  node_wait_s: float = NODE_WAIT_S):
         if selector not in SELECTORS:
@@ -99,8 +106,14 @@ class HomogeneousLearning(ReportsRounds, Strategy):
         self.reset_model = bool(reset_model)
         self.distance_weight = float(distance_weight)
         self.distance = distance_matrix(self.num_nodes, seed)
-        self.agent = QAgent(self.num_nodes, self.distance, gamma=gamma, lr=agent_lr, epsilon_decay=epsilon_decay,
-                            target=agent_target, seed=seed)
+        self.state_k = min(10, self.num_nodes)  # PCA components per node (the paper: 10)
+        if selector == "attention":
+            self.agent: QAgent | DQNAgent = DQNAgent(self.num_nodes, self.num_nodes * self.state_k, gamma=gamma,
+                                                     lr=dqn_lr, epsilon_decay=epsilon_decay, seed=seed)
+        else:
+            self.agent = QAgent(self.num_nodes, self.distance, gamma=gamma, lr=agent_lr,
+                                epsilon_decay=epsilon_decay, target=agent_target, seed=seed)
+        self._obs: np.ndarray | None = None  # attention: the observation after the last hop
         self.agent_path = agent_path
         if agent_path:
             self.agent.load(agent_path)
@@ -139,7 +152,7 @@ class HomogeneousLearning(ReportsRounds, Strategy):
     #: start() numbers the hops across calls itself (``_rounds``)
     counts_own_rounds = True
     checkpoint_at_round_end = True  # evaluate_fn comes before the hop's learning: see round_done
-    _STATE = ("agent", "_rng", "episode", "_state", "_loss", "_examples", "_initial", "_arrays", "_p2p")
+    _STATE = ("agent", "_rng", "episode", "_state", "_loss", "_examples", "_initial", "_arrays", "_p2p", "_obs")
 
     def state_dict(self) -> dict:
         """The learned policy (Q-agent weights, replay, exploration), the episode in flight,
@@ -160,6 +173,8 @@ class HomogeneousLearning(ReportsRounds, Strategy):
             return (state.prev + 1) % self.num_nodes
         if self.selector == "random":  # any node but the one holding the model
             return self._rng.choice([a for a in range(self.num_nodes) if a != state.prev or self.num_nodes == 1])
+        if self.selector == "attention":
+            return self.agent.act(self._obs, state.prev)
         return self.agent.act(state)
 
     # -- the run --------------------------------------------------------------------
@@ -188,14 +203,21 @@ class HomogeneousLearning(ReportsRounds, Strategy):
                     self._arrays = self._initial
                 state, node = NodeStates.initial(self.num_nodes, self._loss, self._examples), 0
                 self.episode += 1
+                self._obs = np.zeros(self.num_nodes * self.state_k, dtype=np.float32)  # all nodes alike
                 learned_step = False
             else:
                 node = self.select(state)
                 learned_step = True
             hop = float(self.distance[state.prev, node]) if state.prev >= 0 else 0.0
+            sent = self._arrays
             arrays, loss, examples = self._hop(grid, node_ids[node], self._rounds + t, train_config, timeout)
             if arrays is not None:
                 self._arrays = arrays
+            obs = self._obs
+            if self.selector == "attention":  # the paper's observation: node models, PCA
+                obs = chain_state(arrayrecord_to_vector(sent, self.d),
+                                  None if arrays is None else arrayrecord_to_vector(arrays, self.d),
+                                  node, self.num_nodes, self.state_k)
             if loss is not None:
                 self._loss[node] = loss
             if examples is not None:
@@ -203,7 +225,7 @@ class HomogeneousLearning(ReportsRounds, Strategy):
             if notes is evaluate_fn:
                 if self._p2p is None:  # one model message; its size does not change
                     self._p2p = recorddict_nbytes(RecordDict({"arrays": self._arrays}))
-                extra = {"epsilon": self.agent.epsilon} if self.selector == "learned" else {}
+                extra = {"epsilon": self.agent.epsilon} if self.selector in ("learned", "attention") else {}
                 self.note(node=node, episode=self.episode, episode_round=state.step + 1, hop_cost=hop,
                      p2p_bytes=self._p2p, **extra)
             res = evaluate_fn(t, self._arrays) if evaluate_fn is not None else None
@@ -212,12 +234,15 @@ class HomogeneousLearning(ReportsRounds, Strategy):
             acc = self._accuracy(res, self._arrays)
             reached = acc >= self.target_accuracy
             nxt = state.after(node, loss, acc, examples)
+            reward = hl_reward(acc, self.target_accuracy, self.distance_weight * hop)
             if learned_step and self.selector == "learned":
-                self.agent.observe(state, node, hl_reward(acc, self.target_accuracy, self.distance_weight * hop),
-                                   nxt, terminal=reached)
+                self.agent.observe(state, node, reward, nxt, terminal=reached)
+            elif learned_step and self.selector == "attention":
+                self.agent.remember(self._obs, node, reward, obs, done=reached)
+            self._obs = obs
             if reached or nxt.step >= self.max_episode_rounds:
                 self._state = None
-                if self.selector == "learned":
+                if self.selector in ("learned", "attention"):
                     self.agent.end_episode()
             else:
                 self._state = nxt
@@ -226,7 +251,7 @@ class HomogeneousLearning(ReportsRounds, Strategy):
                 round_done(t)
         self._rounds += num_rounds
         result.arrays = self._arrays
-        if self.agent_path and self.selector == "learned":
+        if self.agent_path and self.selector in ("learned", "attention"):
             self.agent.save(self.agent_path)
         return result
 
@@ -283,6 +308,7 @@ HYPERPARAMS = (
     HyperParam("epsilon_decay", 0.1, "exploration decay per episode: eps <- eps * exp(-decay)", ge=0.0, le=10.0),
     HyperParam("agent_target", "mc", "the agent learns from Monte Carlo returns or TD(0) targets",
                choices=("mc", "td")),
+    HyperParam("dqn_lr", 1e-3, "selector 'attention': the DQN's Adam step size", gt=0.0, le=1.0),
     HyperParam("agent_path", "", "load the agent from this JSON file if it exists; save it there at the end"),
 )
 
@@ -306,7 +332,8 @@ def build(params: dict, ctx: BuildContext) -> HomogeneousLearning:
 ENTRY = register(StrategyEntry(
     name="hl",
     description="Homogeneous Learning: one node trains per round and passes the model on; the next node is "
-                "chosen by a learned Q-policy (or random / round_robin).",
+                "chosen by a learned policy (attention: the paper's DQN on the node models; learned: linear Q) or "
+                "random / round_robin.",
     build=build,
     hyperparams=HYPERPARAMS,
     paper="Sun, Ochiai, IEEE Access 10 (2022) 7695-7703 (arXiv 2110.05290)",

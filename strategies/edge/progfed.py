@@ -341,7 +341,7 @@ class ProgFed(ReportsRounds, FedAvg):
 
 HYPERPARAMS = (
     HyperParam("stage_rounds", 0, "rounds of each stage before the last (T_s); 0 = rounds / (2·stages), "
-               "the paper's schedule", ge=0, le=1_000_000),
+               "the paper's ResNet schedule (its ConvNet configs use rounds / stages)", ge=0, le=1_000_000),
     HyperParam("server_lr", 1.0, "server step size on the averaged deltas", gt=0.0, le=10.0),
 )
 

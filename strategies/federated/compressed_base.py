@@ -60,7 +60,7 @@ class Accepted:
     """One reply that passed validation."""
 
     node_id: int
-    message: Message
+    message: Message | None  # None: an engine computed the value without a message (--engine batched)
     weight: float  # num-examples
     value: Any  # what parse_reply returned
 
@@ -222,6 +222,19 @@ class CompressedStrategy(ReportsRounds, Strategy):
             accepted.append(Accepted(nid, msg, weight, value))
         accepted.sort(key=lambda a: a.node_id)
         metrics: dict[str, float] = {"accepted": len(accepted), "rejected": len(self._rejected), "failed": failed}
+        metrics.update(self.apply_accepted(server_round, accepted))
+        losses = [(a.weight, a.message.content.metric_records["metrics"].get("train_loss")) for a in accepted]
+        losses = [(w, float(v)) for w, v in losses if isinstance(v, (int, float)) and math.isfinite(v)]
+        if losses:
+            metrics["train_loss"] = sum(w * v for w, v in losses) / sum(w for w, _ in losses)
+        return self.model_arrays(), MetricRecord(metrics)
+
+    def apply_accepted(self, server_round: int, accepted: list[Accepted]) -> dict[str, float]:
+        """The server's half of a round once its replies are validated: DP (if attached),
+        the subclass's ``aggregate``, and the commit of a finite update; returns the round's
+        metrics. ``accepted`` is sorted by node id. Engines that produce the clients'
+        parsed values themselves (``--engine batched``) call this with ``message=None``."""
+        metrics: dict[str, float] = {}
         if self.dp is not None and accepted:
             # DP-FedAvg: the clipped, noised average replaces every client's vector, with
             # equal weights, so the subclass's (linear) aggregate of them is that average.
@@ -239,11 +252,7 @@ class CompressedStrategy(ReportsRounds, Strategy):
             else:
                 self.sync.commit(step.update, step.payload)
                 metrics.update(step.metrics)
-        losses = [(a.weight, a.message.content.metric_records["metrics"].get("train_loss")) for a in accepted]
-        losses = [(w, float(v)) for w, v in losses if isinstance(v, (int, float)) and math.isfinite(v)]
-        if losses:
-            metrics["train_loss"] = sum(w * v for w, v in losses) / sum(w for w, _ in losses)
-        return self.model_arrays(), MetricRecord(metrics)
+        return metrics
 
     def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
         return []  # the server evaluates the global model on the held-out test set

@@ -24,7 +24,8 @@ from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
 from fedswarm.payload import PayloadError
 from fedswarm.wire import payload_to_records
 
-__all__ = ["CompressedFedAvg", "OneBitSGD", "parse_codec_params", "client_update"]
+__all__ = ["CompressedFedAvg", "OneBitSGD", "parse_codec_params", "client_update", "client_codec",
+           "uplink_seed"]
 
 
 def parse_codec_params(text: str | dict | None) -> dict[str, Any]:
@@ -202,16 +203,31 @@ class OneBitSGD(CompressedFedAvg):
 _PER_CLIENT_SEED = {"qsgd"}
 
 
+def client_codec(knobs: Any, policy: dict) -> tuple[str, dict[str, Any]]:
+    """The uplink codec a client uses: the strategy's (``knobs``), unless its device-class
+    policy names another ``codec`` (its defaults then) or adds ``codec_params``."""
+    name, params = str(knobs["codec"]), json.loads(str(knobs.get("codec_params", "{}")))
+    if "codec" in policy and policy["codec"] != name:
+        name, params = policy["codec"], {}
+    params.update(policy.get("codec_params") or {})
+    return name, params
+
+
+def uplink_seed(seed: int, server_round: int, codec_name: str, partition_id: int) -> int:
+    """The seed of a client's uplink encode in round ``server_round`` (the strategy's own
+    round count): one per round, plus the partition id for codecs whose randomness is per
+    client (as row ``partition-id`` of one batch of all clients)."""
+    out = (seed * 1_000_003 + server_round * 10_007) % (2**31 - 1)
+    return out + partition_id if codec_name in _PER_CLIENT_SEED else out
+
+
 def client_update(msg: Message, context: Context) -> RecordDict:
     """Local SGD from the public model, then send ``C(δ + e)`` and keep the new residual.
     The node's device-class policy may choose another codec (``codec``/``codec_params``)."""
     cr = begin(msg, context)
     fit = train(cr)
     knobs = cr.knobs
-    name, params = str(knobs["codec"]), json.loads(str(knobs.get("codec_params", "{}")))
-    if "codec" in fit.policy and fit.policy["codec"] != name:
-        name, params = fit.policy["codec"], {}
-    params.update(fit.policy.get("codec_params") or {})
+    name, params = client_codec(knobs, fit.policy)
     codec = make_codec(name, **params)
     delta = (fit.result.flat - fit.start)[None]
     if "dp_clip" in knobs:  # DP-FedAvg: clip before compressing (the server clips again)
@@ -219,9 +235,7 @@ def client_update(msg: Message, context: Context) -> RecordDict:
 
         delta = clip_rows(delta, float(knobs["dp_clip"]))[0]
     key = f"{msg.metadata.message_type}.residual"
-    seed = (cr.cfg.seed * 1_000_003 + cr.round * 10_007) % (2**31 - 1)
-    if codec.name in _PER_CLIENT_SEED:  # as row `partition-id` of one batch of all clients
-        seed += int(context.node_config.get("partition-id", 0))
+    seed = uplink_seed(cr.cfg.seed, cr.round, codec.name, int(context.node_config.get("partition-id", 0)))
     if bool(knobs.get("error_feedback", True)):
         ef = load_error_feedback(context.state, key, cr.layout.d)
         payload, ef = error_feedback_step(ef, codec, delta[0], cr.layout, seed=seed)

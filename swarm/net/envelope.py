@@ -16,6 +16,12 @@ SHA-256 of the body for an Ed25519 signature was the bottleneck of large models.
 ``to`` names the receiving peer, so a message captured on one link cannot be replayed to
 another; ``re`` names the request a response answers.
 
+Over a connection whose mutual-TLS certificate is bound to the sender's signing key (a
+permissioned swarm), the trailer is left out and the header says so (``"tag": "tls"``):
+TLS's AEAD already authenticates every byte as coming from the holder of that key, in
+order; the receiver accepts such a body only on a connection bound to the header's
+sender, and refuses a header from anyone else before reading any body.
+
 Every refusal raises :class:`Dropped` with one of :data:`DROP_REASONS`; the
 :class:`Verifier` counts them (``verifier.dropped``), and the peer logs and reports them.
 """
@@ -48,6 +54,7 @@ _HEADER_DOMAIN = b"fedswarm-swarm-v1\x00"
 _MAC_DOMAIN = b"fedswarm-mac\x00"
 _ENC_DOMAIN = b"fedswarm-enc\x00"
 ENC_AES_GCM = "aes256gcm"
+TAG_TLS = "tls"  # header "tag": the body's integrity is the identity-bound TLS channel's
 TAG_BYTES = 16
 DROP_REASONS = ("malformed", "oversized", "not_allowed", "forged", "expired", "replayed", "misdirected",
                 "invalid_payload", "timeout", "closed", "revoked", "untrusted", "identity_mismatch")
@@ -197,12 +204,14 @@ def _dump(obj: dict) -> bytes:
 
 
 def header_frame(ident: Identity, kind: str, *, to: str, blen: int, nonce: str, meta: dict | None = None,
-                 re: str | None = None, ts: float | None = None, enc: bool = False) -> bytes:
+                 re: str | None = None, ts: float | None = None, enc: bool = False, tls_tag: bool = False) -> bytes:
     """The signed header frame of a message announcing a ``blen``-byte body."""
     h = {"v": VERSION, "from": ident.peer_id, "to": to, "ts": time.time() if ts is None else ts,
          "nonce": nonce, "kind": kind, "re": re, "meta": meta or {}, "blen": blen}
     if enc:
         h["enc"] = ENC_AES_GCM
+    if tls_tag:
+        h["tag"] = TAG_TLS
     header = _dump(h)
     return _LEN.pack(len(header) + SIGNATURE_BYTES) + header + ident.sign(_HEADER_DOMAIN + header)
 
@@ -222,18 +231,27 @@ def _chunk_nonce(i: int, last: bool) -> bytes:
 
 def send_message(conn: Conn, ident: Identity, kind: str, *, to: str, meta: dict | None = None,
                  body=b"", re: str | None = None, chunk_bytes: int = 1 << 20, ts: float | None = None,
-                 nonce: str | None = None, encrypt: bool = False) -> str:
+                 nonce: str | None = None, encrypt: bool = False, tls_bound: bool = False) -> str:
     """Sign and send one message; returns its nonce. ``body`` is any bytes-like object
     (a memoryview of a tensor's storage is sent without a copy). With ``encrypt`` the body
     travels AES-256-GCM encrypted chunk by chunk (each chunk authenticated) instead of in
-    clear with a Poly1305 tag."""
+    clear with a Poly1305 tag. ``tls_bound`` says ``conn`` is a mutual-TLS connection whose
+    certificates are bound to both peers' signing keys: the body goes without a tag of its
+    own (TLS authenticates it)."""
     view = memoryview(body).cast("B") if len(body) else memoryview(b"")
     if len(view) and not to:
         raise ValueError("a message with a body needs a known recipient (its tag key depends on it)")
     nonce = nonce or os.urandom(16).hex()
     enc = encrypt and bool(len(view))
-    conn.sendall(header_frame(ident, kind, to=to, meta=meta, blen=len(view), re=re, ts=ts, nonce=nonce, enc=enc))
-    if enc:
+    tls_tag = tls_bound and not enc and bool(len(view))
+    conn.sendall(header_frame(ident, kind, to=to, meta=meta, blen=len(view), re=re, ts=ts, nonce=nonce, enc=enc,
+                              tls_tag=tls_tag))
+    if tls_tag:
+        for start in range(0, len(view), chunk_bytes):
+            piece = view[start : start + chunk_bytes]
+            conn.sendall(_LEN.pack(len(piece)))
+            conn.sendall(piece)
+    elif enc:
         aes = _body_cipher(ident, to, nonce, ident.peer_id, to)
         out = bytearray(4 + min(chunk_bytes, len(view)) + TAG_BYTES)
         for i, start in enumerate(range(0, len(view), chunk_bytes)):
@@ -278,11 +296,15 @@ def _parse_header(raw: bytearray, v: Verifier) -> tuple[dict, bytes, bytes]:
     return h, _HEADER_DOMAIN + text, sig
 
 
-def recv_message(conn: Conn, v: Verifier, *, expect_re: str | None = None) -> Message:
+def recv_message(conn: Conn, v: Verifier, *, expect_re: str | None = None, bound_peer: str | None = None
+                 ) -> Message:
     """Read one message and verify it; raise :class:`Dropped` (and count it) if it is
-    malformed, oversized, not allowed, forged, expired, replayed or misdirected."""
+    malformed, oversized, not allowed, forged, expired, replayed or misdirected.
+    ``bound_peer``: the peer id ``conn``'s TLS certificate proves (a permissioned swarm); a
+    header signed by anyone else is ``identity_mismatch`` before its body is read, and only
+    such a connection may carry a body without a tag of its own."""
     try:
-        return _recv(conn, v, expect_re)
+        return _recv(conn, v, expect_re, bound_peer)
     except Dropped as exc:
         v.count(exc.reason)
         raise
@@ -313,7 +335,19 @@ def _recv_encrypted(conn: Conn, v: Verifier, h: dict, body) -> None:
         i += 1
 
 
-def _recv(conn: Conn, v: Verifier, expect_re: str | None) -> Message:
+def _recv_chunks(conn: Conn, v: Verifier, body, blen: int, mac: Poly1305 | None) -> None:
+    view, got = memoryview(body), 0
+    while got < blen:
+        c = conn.read_len()
+        if c == 0 or c > v.max_chunk_bytes or got + c > blen:
+            raise Dropped("oversized" if c else "malformed", f"body chunk of {c} bytes at offset {got}")
+        conn.recv_exact_into(view[got : got + c])
+        if mac is not None:
+            mac.update(view[got : got + c])
+        got += c
+
+
+def _recv(conn: Conn, v: Verifier, expect_re: str | None, bound_peer: str | None) -> Message:
     n = conn.read_len()
     if n > v.max_header_bytes:
         raise Dropped("oversized", f"header of {n} bytes, the limit is {v.max_header_bytes}")
@@ -325,6 +359,9 @@ def _recv(conn: Conn, v: Verifier, expect_re: str | None) -> Message:
         raise Dropped("not_allowed", f"key {sender[:16]}… is not on the allow list")
     if not verify(sender, sig, signed):
         raise Dropped("forged", f"bad header signature from {sender[:8]}")
+    if bound_peer is not None and sender != bound_peer:
+        raise Dropped("identity_mismatch", f"message signed by {sender[:8]} over the TLS connection of "
+                                           f"{bound_peer[:8]}")
     if h["to"] != v.peer_id and not (h["to"] == "" and h["kind"] in ("join", "probe")):
         raise Dropped("misdirected", f"addressed to {h['to'][:8]}, not to us")
     now = time.time()
@@ -335,8 +372,15 @@ def _recv(conn: Conn, v: Verifier, expect_re: str | None) -> Message:
     v.check_nonce(sender, h["nonce"], now)
     if blen and not h["to"]:
         raise Dropped("malformed", "a message with a body must name its recipient")
+    body_tag = h.get("tag")
+    if body_tag is not None and (body_tag != TAG_TLS or h.get("enc") is not None):
+        raise Dropped("malformed", f"unknown body tag {body_tag!r}")
+    if body_tag == TAG_TLS and bound_peer is None:
+        raise Dropped("malformed", "body without a tag over a connection not bound to the sender's certificate")
     body = alloc_body(blen)
-    if blen and h.get("enc") == ENC_AES_GCM:
+    if blen and body_tag == TAG_TLS:
+        _recv_chunks(conn, v, body, blen, None)  # TLS (bound to the sender, checked above) authenticates it
+    elif blen and h.get("enc") == ENC_AES_GCM:
         _recv_encrypted(conn, v, h, body)
     elif blen and h.get("enc") is not None:
         raise Dropped("malformed", f"unknown body encryption {h.get('enc')!r}")
@@ -344,14 +388,7 @@ def _recv(conn: Conn, v: Verifier, expect_re: str | None) -> Message:
         raise Dropped("malformed", "body not encrypted (this peer requires encryption)")
     elif blen:
         mac = _body_mac(v.ident, sender, h["nonce"], sender, h["to"])
-        view, got = memoryview(body), 0
-        while got < blen:
-            c = conn.read_len()
-            if c == 0 or c > v.max_chunk_bytes or got + c > blen:
-                raise Dropped("oversized" if c else "malformed", f"body chunk of {c} bytes at offset {got}")
-            conn.recv_exact_into(view[got : got + c])
-            mac.update(view[got : got + c])
-            got += c
+        _recv_chunks(conn, v, body, blen, mac)
         if conn.read_len() != TAG_BYTES:
             raise Dropped("malformed", "missing body tag")
         tag = bytes(conn.recv_exact(TAG_BYTES))

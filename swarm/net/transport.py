@@ -10,6 +10,12 @@ reason. Sockets are blocking with timeouts (``recv_into`` straight into the body
 
 Bytes are counted on the socket (after framing, before TLS): ``stats.sent`` and
 ``stats.received``, in total and per message kind.
+
+In a permissioned swarm (mutual TLS, certificates bound to the signing keys) a body needs no
+tag of its own (see :mod:`~fedswarm.swarm.net.envelope`), and a connection to a peer already
+met resumes the TLS 1.3 session from its ticket: no certificate signatures to make and check
+(bench: ``python -m fedswarm.bench.swarm --exchange-only --profile``), the certificate proved
+again from the session on every connection.
 """
 
 from __future__ import annotations
@@ -136,20 +142,17 @@ class Session:
         if self.remote is None:
             raise RuntimeError("cannot send before the remote peer is known")
         self.last_nonce = send_message(self.conn, self.t.ident, kind, to=self.remote, meta=meta, body=body,
-                                       re=re, chunk_bytes=self.t.chunk_bytes, encrypt=self.t.encrypt)
+                                       re=re, chunk_bytes=self.t.chunk_bytes, encrypt=self.t.encrypt,
+                                       tls_bound=self.cert_id is not None and self.cert_id == self.remote)
         return self.last_nonce
 
     def recv(self, timeout: float | None = None, expect_re: str | None = None) -> Message:
         if timeout is not None:
             self.conn.sock.settimeout(timeout)
         try:
-            msg = recv_message(self.conn, self.t.verifier, expect_re=expect_re)
+            msg = recv_message(self.conn, self.t.verifier, expect_re=expect_re, bound_peer=self.cert_id)
         finally:
             self.conn.sock.settimeout(self.t.io_timeout_s)
-        if self.cert_id is not None and msg.sender != self.cert_id:
-            self.t.verifier.count("identity_mismatch")
-            raise Dropped("identity_mismatch", f"message signed by {msg.sender[:8]} over the TLS connection of "
-                                               f"{self.cert_id[:8]}")
         if self.remote and msg.sender != self.remote:
             self.t.verifier.count("misdirected")
             raise Dropped("misdirected", "a different peer answered")
@@ -197,6 +200,13 @@ class Transport:
             raise ValueError("binding identities to certificates needs TLS on both sides")
         self.stats = TransportStats()
         self.refusals: deque[dict] = deque(maxlen=200)  # the latest refused connections, for the report
+        # TLS 1.3 session tickets per (address, peer): a later connection resumes (no certificate
+        # signatures to make and check, ~4 ms of CPU a side, see bench/swarm.py). Safe for the
+        # identity binding and revocation: the ticket holds the certificate the full handshake
+        # verified (``_cert_id`` checks it again on every connection), only that server can
+        # decrypt it, and the CRL a context checks never changes during its life.
+        self._tls_sessions: dict[tuple[str, str], ssl.SSLSession] = {}
+        self._tls_sessions_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_connections)
         self._stop = threading.Event()
         self._sock = socket.create_server((host, port), reuse_port=False)
@@ -308,7 +318,9 @@ class Transport:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.settimeout(self.io_timeout_s)
                 if self.tls_client is not None:
-                    sock = self.tls_client.wrap_socket(sock)
+                    with self._tls_sessions_lock:
+                        ticket = self._tls_sessions.get((addr, remote))
+                    sock = self.tls_client.wrap_socket(sock, session=ticket)
                 try:
                     cert_id = self._cert_id(sock)
                 except Dropped as exc:
@@ -339,9 +351,22 @@ class Transport:
         s = self.open_session(addr, remote, kind, retries=retries)
         try:
             nonce = s.send(kind, meta, body)
-            return s.recv(timeout=timeout, expect_re=nonce)
+            reply = s.recv(timeout=timeout, expect_re=nonce)
+            self._keep_tls_session(addr, remote, s)
+            return reply
         finally:
             s.close()
+
+    def _keep_tls_session(self, addr: str, remote: str, s: Session) -> None:
+        """After a verified exchange, keep the connection's newest session ticket for ``addr``."""
+        ticket = getattr(s.conn.sock, "session", None)
+        if ticket is None or not ticket.has_ticket:
+            return
+        with self._tls_sessions_lock:
+            self._tls_sessions.pop((addr, remote), None)
+            self._tls_sessions[(addr, remote)] = ticket
+            while len(self._tls_sessions) > 1024:  # bounded: the oldest go first
+                self._tls_sessions.pop(next(iter(self._tls_sessions)))
 
 
 def permissioned_tls(ca: str, cert: str, key: str, peer_id: str, crl: str | None = None

@@ -65,10 +65,10 @@ class Server:
 
 
 def start_server(tmp_path: Path, fake: bool, poll: float = 0.3, env: dict | None = None,
-                 report_timeout_s: float | None = None) -> Server:
+                 report_timeout_s: float | None = None, args: list[str] | None = None) -> Server:
     port, db, log = free_port(), tmp_path / "server.db", tmp_path / "server.log"
     cmd = [sys.executable, str(HERE / "serve.py"), "--db", str(db), "--port", str(port), "--poll", str(poll),
-           "--admin-password", ADMIN_PW] + (["--fake"] if fake else [])
+           "--admin-password", ADMIN_PW] + (["--fake"] if fake else []) + list(args or [])
     if report_timeout_s is not None:
         cmd += ["--report-timeout", str(report_timeout_s)]
     with open(log, "wb") as out:

@@ -10,7 +10,8 @@
   const charts = {
     acc: C("chart-acc", { format: "pct", yMin: 0, yMax: 1, robust: false, series: [{ name: "test accuracy", color: "#2563eb" }] }),
     loss: C("chart-loss", { series: [{ name: "train loss", color: "#d97706" }, { name: "test loss", color: "#9333ea" }] }),
-    bytes: C("chart-bytes", { format: "bytes", series: [{ name: "up", color: "#0d9488" }, { name: "down", color: "#64748b", dash: [5, 3] }] }),
+    bytes: C("chart-bytes", { format: "bytes", series: [{ name: "up", color: "#0d9488" }, { name: "down", color: "#64748b", dash: [5, 3] },
+      { name: "model reports (monitoring, not in up)", color: "#d97706", dash: [2, 3] }] }),
     time: C("chart-time", { format: "sec", series: [{ name: "wall", color: "#dc2626" }, { name: "simulated (time model)", color: "#16a34a", dash: [5, 3] }] }),
     consensus: C("chart-consensus", { empty: "no consensus distance recorded", series: [{ name: "consensus distance", color: "#9333ea" }] }),
     failed: C("chart-failed", { empty: "no per-node rows yet", series: [{ name: "failed or rejected", color: "#dc2626" }, { name: "nodes", color: "#94a3b8", dash: [4, 3] }] }),
@@ -28,7 +29,7 @@
   function rebuild() {
     for (const c of Object.values(charts)) c.clear();
     const rows = [...rounds.values()].sort((a, b) => a.round - b.round);
-    let up = 0, down = 0, wall = 0, sim = 0, simKnown = true, anyConsensus = false;
+    let up = 0, down = 0, report = 0, anyReport = false, wall = 0, sim = 0, simKnown = true, anyConsensus = false;
     const mode = xSel ? xSel.value : "round";
     const [xl, xf] = X_AXES[mode];
     charts.acc.setX(xl, xf);
@@ -41,6 +42,9 @@
       charts.loss.push(1, r.round, r.test_loss);
       charts.bytes.push(0, r.round, up);
       charts.bytes.push(1, r.round, down);
+      const rep = r.metrics ? r.metrics.bytes_report : undefined;  // decentralized nodes' model reports
+      if (rep != null) { anyReport = true; report += rep; }
+      charts.bytes.push(2, r.round, anyReport ? report : null);
       if (r.round > 0) { charts.time.push(0, r.round, r.wall_s); charts.time.push(1, r.round, r.sim_time_s); }
       const cd = r.metrics ? r.metrics.consensus_distance : undefined;
       if (cd !== undefined) anyConsensus = true;

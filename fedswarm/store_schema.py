@@ -1,0 +1,177 @@
+"""The run store's tables (SQLAlchemy 2.0 models): runs, rounds, node_rounds, rejections,
+nodes, events, checkpoints, controls (DESIGN.md, "Run store"). The queries are
+:class:`fedswarm.store.Store`'s, the schema's creation and upgrades :mod:`fedswarm.store_migrations`'s;
+``from fedswarm.store import Run`` (and every other name here) keeps working.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+__all__ = ["Base", "Run", "Round", "NodeRound", "Rejection", "Node", "Event", "Checkpoint", "Control",
+           "RUN_STATUSES", "CONTROL_KINDS"]
+
+RUN_STATUSES = ("pending", "running", "paused", "finished", "failed", "stopped")
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    __table_args__ = (Index("ix_runs_created_at", "created_at"), Index("ix_runs_strategy", "strategy"))
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    name: Mapped[str | None] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), default="pending", index=True)
+    strategy: Mapped[str] = mapped_column(String(64), default="")
+    task: Mapped[str] = mapped_column(String(200), default="")
+    engine: Mapped[str] = mapped_column(String(32), default="")
+    config: Mapped[dict] = mapped_column(JSON, default=dict)
+    seed: Mapped[int] = mapped_column(Integer, default=0)
+    code_version: Mapped[str] = mapped_column(String(64), default="")
+    total_rounds: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+    started_at: Mapped[dt.datetime | None] = mapped_column(DateTime)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime)
+    error: Mapped[str | None] = mapped_column(Text)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    summary: Mapped[dict] = mapped_column(JSON, default=dict)
+    # Who registered the run: "dashboard" (started from the web), "token:<id>" (an ingest
+    # token), "cli" or None (written by a runtime directly). Ingest tokens act only on runs
+    # they own or are bound to (fedswarm.web.deps.authorize_run).
+    owner: Mapped[str | None] = mapped_column(String(64))
+    last_report_at: Mapped[dt.datetime | None] = mapped_column(DateTime)  # last ingest call for the run
+    lost_after_s: Mapped[float | None] = mapped_column(Float)  # no report for this long: shown as lost
+
+
+class Round(Base):
+    __tablename__ = "rounds"
+    __table_args__ = (UniqueConstraint("run_id", "round"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    round: Mapped[int] = mapped_column(Integer)
+    train_loss: Mapped[float | None] = mapped_column(Float)
+    test_loss: Mapped[float | None] = mapped_column(Float)
+    test_accuracy: Mapped[float | None] = mapped_column(Float)
+    bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
+    wall_s: Mapped[float] = mapped_column(Float, default=0.0)
+    sim_time_s: Mapped[float | None] = mapped_column(Float)
+    num_clients: Mapped[int] = mapped_column(Integer, default=0)
+    metrics: Mapped[dict] = mapped_column(JSON, default=dict)  # anything else (consensus_distance, ...)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+    reported_by: Mapped[str | None] = mapped_column(String(64))  # the ingest token that wrote it, if any
+    node_rows: Mapped[int | None] = mapped_column(Integer)  # per-node rows of the round
+    failed_node_rows: Mapped[int | None] = mapped_column(Integer)  # of which failed or rejected
+
+
+class NodeRound(Base):
+    __tablename__ = "node_rounds"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    round: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[str] = mapped_column(String(64))
+    bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
+    num_examples: Mapped[int | None] = mapped_column(Integer)
+    train_loss: Mapped[float | None] = mapped_column(Float)
+    device_class: Mapped[str | None] = mapped_column(String(64))
+    policy: Mapped[dict] = mapped_column(JSON, default=dict)
+    status: Mapped[str] = mapped_column(String(16), default="ok")  # ok | failed | rejected
+    reason: Mapped[str | None] = mapped_column(Text)
+
+
+class Rejection(Base):
+    """A reply a strategy refused (malformed, non-finite, too large, not its own...): it never
+    touched the model. Written by the run recorder from the strategy's ``reject`` calls."""
+
+    __tablename__ = "rejections"
+    __table_args__ = (Index("ix_rejections_run_id_round", "run_id", "round"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    round: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[str] = mapped_column(String(64))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), default="supernode")  # supernode | peer | sim
+    run_id: Mapped[str | None] = mapped_column(String(36), index=True)
+    device_class: Mapped[str | None] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), default="online")
+    info: Mapped[dict] = mapped_column(JSON, default=dict)
+    rejected_updates: Mapped[int] = mapped_column(Integer, default=0)
+    last_seen: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+    owner: Mapped[str | None] = mapped_column(String(64))  # "token:<id>" for nodes reported through ingest
+
+
+class Event(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run_id_id", "run_id", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str | None] = mapped_column(String(36), index=True)
+    ts: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+    kind: Mapped[str] = mapped_column(String(32))
+    message: Mapped[str] = mapped_column(Text, default="")
+    data: Mapped[dict] = mapped_column(JSON, default=dict)
+    actor: Mapped[str | None] = mapped_column(String(64))
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    round: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+    # The checkpoint itself (fedswarm.server.checkpoint), when it is kept in the store: then
+    # it is committed in one transaction with its row, and ``path`` names it as "store:".
+    data: Mapped[bytes | None] = mapped_column(LargeBinary)
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class Control(Base):
+    """A request to a running run: pause, resume, stop, add_rounds, policy."""
+
+    __tablename__ = "controls"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    payload: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+    applied_at: Mapped[dt.datetime | None] = mapped_column(DateTime)
+    actor: Mapped[str | None] = mapped_column(String(64))
+
+
+CONTROL_KINDS = ("pause", "resume", "stop", "add_rounds", "policy")

@@ -1,0 +1,244 @@
+"""The compressed strategies on the batched engine: ``compressed_fedavg`` (every codec) and
+``onebit``, whose client half is
+:func:`fedswarm.strategies.federated.compressed_fedavg.client_update`.
+
+Server half: the strategy object itself, built as :func:`fedswarm.server.app.build_strategy`
+builds it. Its ``configure_train`` samples the nodes and writes every train message (the
+``compress`` knobs, the replica-sync body), so the downlink bytes are measured on those real
+messages; once the clients are done, its ``apply_accepted`` aggregates (its own
+``aggregate``: the weighted average, ``server_lr``, the downlink codec with the server's
+residual) and commits the update to the public model.
+
+Client half, on the client axis: the batched trainer trains every sampled client from the
+public model (every replica equals it), ``delta = theta_k - x`` is ``[C, d]``, and the
+client's codec with its error-feedback memory runs on that batch:
+:func:`~fedswarm.algorithms.compression.error_feedback.error_feedback_step` with a ``[C, d]``
+residual state (the sampled clients' rows), one ``encode`` for all the clients that share a
+codec and a seed. Codecs whose randomness is per client (their seed includes the partition
+id, :func:`~fedswarm.strategies.federated.compressed_fedavg.uplink_seed`) encode client by
+client. The server decodes the batched payload with the codec its meta names (what
+``parse_reply`` does with each client's) and hands the rows to the strategy as its accepted
+replies.
+
+Bytes up: a real reply (the client's own one-row payload, ``metrics``, ``node``) is built
+and serialized for every size class of the round and counted once per client of that class.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedswarm.algorithms.compression.codecs import decode_payload, make_codec
+from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState, error_feedback_step
+from fedswarm.payload import Payload, PayloadError
+from fedswarm.server.metered_grid import Traffic, serialized_size
+from fedswarm.sim import batched as engine
+from fedswarm.sim.batched_round import make_reply, reply_size, round_schedule, varint_len
+from fedswarm.strategies.federated.compressed_base import KNOBS, SELECT, Accepted
+from fedswarm.strategies.federated.compressed_fedavg import client_codec, uplink_seed
+from fedswarm.wire import payload_to_records, vector_to_arrayrecord
+
+__all__ = ["CompressedRounds", "client_payload"]
+
+
+class _Nodes:
+    """What ``configure_train`` and the Byzantine grid ask of a grid here: the node ids
+    (1..N, as the in-process grid), and, for the Byzantine grid, the round's replies."""
+
+    def __init__(self, n: int):
+        self._ids = list(range(1, n + 1))
+        self.replies: list[Message] = []
+
+    def get_node_ids(self) -> list[int]:
+        return self._ids
+
+    def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
+        return self.replies
+
+
+@dataclass
+class _Reply:
+    """One client's reply this round: its content and sizes, and what the server reads of it."""
+
+    k: int  # position in the round's sample
+    node_id: int
+    content: RecordDict
+    up: int
+    down: int
+    n: int
+    loss: float
+    value: torch.Tensor  # the decoded update
+    rejected: str | None = None
+
+
+def client_payload(payload: Payload, row: int, seed: int) -> Payload:
+    """Row ``row`` of a batched payload as the one-client payload that client sends
+    (every payload array has the leading client axis; ``meta`` says ``K = 1`` and its seed)."""
+    arrays = {k: v[row:row + 1] for k, v in payload.arrays.items()}
+    return Payload(arrays=arrays, meta={**payload.meta, "K": 1, "seed": int(seed)})
+
+
+class CompressedRounds:
+    """Rounds of a compressed strategy; ``model`` is the strategy's public model."""
+
+    def __init__(self, run, model: torch.Tensor, notes=None):
+        from fedswarm.server.app import build_strategy
+
+        self.run = run
+        cfg = run.cfg
+        self.layout = run.trainer.layout
+        self.strategy = build_strategy(cfg, self.layout)
+        self.strategy.bind_notes(notes)
+        self.initial = model
+        self.arrays = vector_to_arrayrecord(model)
+        self.grid = _Nodes(cfg.clients)
+        self._inner = _Nodes(cfg.clients)
+        self.byzantine = None
+        if cfg.byzantine:
+            from fedswarm.algorithms.robust.attacks import parse_attack
+            from fedswarm.server.byzantine import ByzantineGrid
+
+            self.byzantine = ByzantineGrid(self._inner, parse_attack(cfg.attack or "signflip"), cfg.byzantine,
+                                           seed=cfg.seed, layout=self.layout, on_attack=lambda nodes, spec: notes.note(
+                                               byzantine_nodes=[str(n) for n in nodes], attack=spec))
+        self.residuals: dict[int, torch.Tensor] = {}  # partition id -> the client's error-feedback residual
+        self._down: dict[tuple, int] = {}
+        self._up: dict[tuple, int] = {}
+
+    @property
+    def model(self) -> torch.Tensor:
+        """The public model (the initial one until the strategy's first round)."""
+        x = self.strategy.model
+        return self.initial if x is None else x
+
+    def round(self, server_round: int) -> tuple[dict, list[dict]]:
+        run, strategy = self.run, self.strategy
+        cfg, trainer = run.cfg, run.trainer
+        messages = list(strategy.configure_train(server_round, self.arrays, run.train_config, self.grid))
+        self._down = {}  # the sync bodies are this version's
+        node_ids = [m.metadata.dst_node_id for m in messages]
+        total = len(node_ids)
+        knobs = messages[0].content.config_records[KNOBS]
+        sched, classes, pols = round_schedule(cfg, node_ids, run.train_config, run.n_examples, server_round)
+        policy_json = {c: json.dumps(p, sort_keys=True) for c, p in zip(classes, pols)}
+        codecs = {c: client_codec(knobs, p) for c, p in zip(classes, pols)}
+        ef = bool(knobs.get("error_feedback", True))
+        x = self.model
+        replies: list[_Reply] = []
+        for rows, new, loss, n in trainer.fit(x, sched, momentum=cfg.momentum, chunk_size=run.chunk_size,
+                                              memory_budget=run.memory_budget, on_chunk=run.progress(total)):
+            bad = ~torch.isfinite(new).all(dim=1)
+            if bool(bad.any()):
+                raise FloatingPointError(f"client at position {int(bad.nonzero()[0, 0]) + rows.start} of the round "
+                                         "diverged (non-finite parameters); lower --lr")
+            delta = new.cpu() - x
+            pids = sched.partitions[rows].tolist()
+            ks = list(range(rows.start, rows.stop))
+            decoded, sent = self._encode(delta, pids, [codecs[classes[k]] for k in ks], strategy.round, ef)
+            n_list, loss_list, steps_list = n.tolist(), loss.tolist(), sched.steps[rows].tolist()
+            for j, k in enumerate(ks):
+                msg = messages[k]
+                content = payload_to_records(sent[j], RecordDict())
+                content["metrics"] = MetricRecord({"num-examples": n_list[j], "train_loss": loss_list[j],
+                                                   "steps": steps_list[j]})
+                content["node"] = ConfigRecord({"device_class": classes[k], "policy": policy_json[classes[k]]})
+                up = self._up_size(msg, content, sent[j], n_list[j], steps_list[j])
+                replies.append(_Reply(k, node_ids[k], content, up, self._down_size(msg), n_list[j], loss_list[j],
+                                      decoded[j]))
+        if self.byzantine is not None:
+            self._attack(messages, replies)
+        traffic = Traffic()
+        node_rows: list[dict] | None = [] if total <= engine.NODE_ROWS_MAX else None
+        accepted: list[Accepted] = []
+        loss_sum = weight_sum = 0.0
+        for r in replies:
+            engine.add_client(traffic, node_rows, r.node_id, r.up, r.down, r.n, r.loss, classes[r.k], pols[r.k])
+            strategy.sync.ack(r.node_id)  # a content reply: the client saved its replica
+            strategy.pending.pop(r.node_id, None)  # ... and applied the selection it was sent
+            if r.rejected is not None:
+                if node_rows is not None:
+                    node_rows[-1].update(status="rejected", reason=r.rejected)
+                continue
+            accepted.append(Accepted(r.node_id, None, float(r.n), r.value))
+            loss_sum += r.n * r.loss
+            weight_sum += r.n
+        accepted.sort(key=lambda a: a.node_id)
+        strategy.apply_accepted(server_round, accepted)
+        self.arrays = strategy.model_arrays()
+        run.meter.traffic = traffic
+        row = {"train_loss": loss_sum / weight_sum if weight_sum else None, "num_clients": total}
+        return row, node_rows or []
+
+    # -- Byzantine clients (--byzantine): the attack of fedswarm.server.byzantine, unchanged --
+    def _attack(self, messages: list[Message], replies: list[_Reply]) -> None:
+        """Pass the round's real replies through :class:`~fedswarm.server.byzantine.ByzantineGrid`
+        (which rewrites the chosen nodes' replies, as between the in-process grid and the
+        meter), then read each attacked reply as the server does (the strategy's
+        ``parse_reply``; a reply it refuses is rejected) and measure it again."""
+        msgs = [make_reply(messages[r.k], r.content) for r in replies]
+        bad = set(self.byzantine.byzantine)
+        self._inner.replies = msgs
+        self.byzantine.send_and_receive(messages)
+        for r, msg in zip(replies, msgs):
+            if r.node_id not in bad:
+                continue
+            r.up = serialized_size(msg)
+            try:
+                r.value = self.strategy.parse_reply(msg)
+            except (PayloadError, KeyError, TypeError, ValueError) as exc:
+                r.rejected = self.strategy.reject(msg, str(exc) or type(exc).__name__)
+
+    # -- the clients' codec, on the client axis -------------------------------------------
+    def _encode(self, delta: torch.Tensor, pids: list[int], codecs: list[tuple[str, dict]], strategy_round: int,
+                ef: bool) -> tuple[torch.Tensor, list[Payload]]:
+        """Each client's payload of ``delta`` (``[C, d]``) with its codec, seed and residual;
+        returns the server's decoding of them (``[C, d]``) and the one-client payloads."""
+        seed0 = self.run.cfg.seed
+        decoded = torch.empty_like(delta)
+        sent: list[Payload | None] = [None] * len(pids)
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for j, (name, params) in enumerate(codecs):  # clients of one codec and seed: one encode
+            seed = uplink_seed(seed0, strategy_round, name, pids[j])
+            groups[(name, json.dumps(params, sort_keys=True), seed)].append(j)
+        for (name, params_json, seed), members in groups.items():
+            codec = make_codec(name, **json.loads(params_json))
+            idx = torch.tensor(members)
+            rows = delta[idx]
+            if ef:
+                zero = torch.zeros(rows.shape[1])
+                state = ErrorFeedbackState(torch.stack([self.residuals.get(pids[j], zero) for j in members]))
+                payload, state = error_feedback_step(state, codec, rows, self.layout, seed=seed)
+                for i, j in enumerate(members):
+                    self.residuals[pids[j]] = state.residual[i].clone()
+            else:
+                payload = codec.encode(rows, self.layout, seed=seed)
+            decoded[idx] = decode_payload(payload, self.layout)
+            for i, j in enumerate(members):
+                sent[j] = client_payload(payload, i, seed)
+        if not bool(torch.isfinite(decoded).all()):
+            raise FloatingPointError("a client's update decodes to non-finite values; lower --lr")
+        return decoded, sent  # type: ignore[return-value]
+
+    # -- bytes ---------------------------------------------------------------------------------
+    def _down_size(self, msg: Message) -> int:
+        content = msg.content
+        if SELECT in content.config_records:  # a per-node body: measured as it is
+            return serialized_size(msg)
+        key = (int(content.config_records["sync"]["base"]), varint_len(msg.metadata.dst_node_id))
+        if key not in self._down:
+            self._down[key] = serialized_size(msg)
+        return self._down[key]
+
+    def _up_size(self, ins: Message, content: RecordDict, payload: Payload, n: int, steps: int) -> int:
+        shapes = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in payload.arrays.items())
+        node = content.config_records["node"]
+        key = (shapes, tuple(sorted(payload.meta.items())), n, steps, node["device_class"], node["policy"],
+               varint_len(ins.metadata.dst_node_id), ins.metadata.message_type)
+        if key not in self._up:
+            self._up[key] = reply_size(ins, content)
+        return self._up[key]

@@ -1,0 +1,117 @@
+"""One round of the batched engine, the parts every strategy shares: who trains and how
+(:func:`round_schedule`, the device classes' policies read as the in-process clients read
+them), and the bytes of the real messages (:class:`ByteCounter`, :class:`Meter`)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from uuid import uuid4
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedswarm.config import RunConfig
+from fedswarm.local import round_seed
+from fedswarm.policy import DEFAULT_CLASS, policy_for
+from fedswarm.server.metered_grid import Traffic, serialized_size
+from fedswarm.sim.batched_trainer import ClientSchedule
+from fedswarm.wire import vector_to_arrayrecord
+
+__all__ = ["Meter", "ByteCounter", "round_schedule", "varint_len", "make_reply", "reply_size"]
+
+
+class Meter:
+    """What :class:`RoundRecorder` reads after a round: the bytes this engine measured."""
+
+    def __init__(self):
+        self.traffic = Traffic()
+
+    def take(self) -> Traffic:
+        t, self.traffic = self.traffic, Traffic()
+        return t
+
+
+def varint_len(n: int) -> int:
+    return max(1, (int(n).bit_length() + 6) // 7)
+
+
+def round_schedule(cfg: RunConfig, node_ids: list[int], train_config: ConfigRecord, n_examples: np.ndarray,
+                   server_round: int) -> tuple[ClientSchedule, list[str], list[dict]]:
+    """Each sampled node's local-SGD arguments, read from its device class's policy the
+    way :func:`fedswarm.local.prepare_local` reads them."""
+    pids = np.asarray(node_ids, dtype=np.int64) - 1
+    classes = [DEFAULT_CLASS] * len(pids)
+    if cfg.devices:  # device_class_of's reading of --devices, parsed once for all nodes
+        from fedswarm.timemodel import parse_devices
+
+        every = parse_devices(cfg.devices, cfg.clients)
+        classes = [every[p] for p in pids.tolist()]
+    per_class: dict[str, dict] = {c: policy_for(train_config, c) for c in set(classes)}
+    steps = np.empty(len(pids), dtype=np.int64)
+    bss = np.empty(len(pids), dtype=np.int64)
+    lrs = np.empty(len(pids), dtype=np.float32)
+    by_class: dict[str, list[int]] = defaultdict(list)
+    for i, c in enumerate(classes):
+        by_class[c].append(i)
+    for c, members in by_class.items():
+        pol = per_class[c]
+        m = np.asarray(members)
+        bs = int(pol.get("batch_size", cfg.batch_size))
+        fixed = pol.get("local_steps", None if "local_epochs" in pol else cfg.local_steps)
+        epochs = int(pol.get("local_epochs", cfg.local_epochs))
+        n = n_examples[pids[m]]
+        steps[m] = fixed if fixed is not None else epochs * np.maximum(1, -(-n // bs))
+        bss[m] = bs
+        lrs[m] = float(pol.get("lr", cfg.lr))
+    seeds = [round_seed(cfg.seed, server_round, int(p)) for p in pids]
+    sched = ClientSchedule(torch.from_numpy(pids), torch.from_numpy(steps), torch.from_numpy(bss),
+                           torch.from_numpy(lrs), torch.tensor(seeds, dtype=torch.int64))
+    return sched, classes, [per_class[c] for c in classes]
+
+
+class ByteCounter:
+    """Serialized sizes of real train messages and replies, one per size class."""
+
+    def __init__(self, train_config: ConfigRecord):
+        self.train_config = train_config
+        self._cache: dict[tuple, tuple[int, int]] = {}
+
+    def sizes(self, arrays, new_vec: torch.Tensor, node_id: int, pid: int, n: int, steps: int, loss: float,
+              device_class: str, policy_json: str, server_round: int) -> tuple[int, int]:
+        key = (varint_len(node_id), varint_len(pid), varint_len(2 * pid), n, steps, device_class, policy_json,
+               varint_len(server_round))
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        config = ConfigRecord(dict(self.train_config))
+        config["server-round"] = server_round
+        # As Flower's FedAvg builds it (no group id), measured before the grid gives it an id.
+        ins = Message(RecordDict({"arrays": arrays, "config": config}), node_id, "train")
+        down = serialized_size(ins)
+        metrics = MetricRecord({"num-examples": n, "train_loss": loss, "steps": steps, "partition-id": pid})
+        node = ConfigRecord({"device_class": device_class, "policy": policy_json})
+        up = reply_size(ins, RecordDict({"arrays": vector_to_arrayrecord(new_vec), "metrics": metrics, "node": node}))
+        out = (down, up)
+        self._cache[key] = out
+        return out
+
+
+def make_reply(ins: Message, content: RecordDict) -> Message:
+    """The reply with ``content`` from the node ``ins`` went to, as the grid hands it to the
+    server (both messages carry ids)."""
+    if not ins.metadata.message_id:
+        ins.metadata.__dict__["_message_id"] = str(uuid4())  # what the grid gives it on push
+    TaskIdentity.node_id = ins.metadata.dst_node_id  # the reply's source, as on a SuperNode
+    try:
+        reply = Message(content, reply_to=ins)
+    finally:
+        TaskIdentity.node_id = 0
+    reply.metadata.__dict__["_message_id"] = str(uuid4())
+    return reply
+
+
+def reply_size(ins: Message, content: RecordDict) -> int:
+    """Serialized bytes of the reply with ``content`` to ``ins``, as the grid meters it."""
+    return serialized_size(make_reply(ins, content))

@@ -1,0 +1,111 @@
+"""The batched engine serves the compressed strategies: every round's global model equals
+the in-process engine's to 1e-5 (same seed and config), bytes up equal to the byte, bytes
+down equal but for the engine's name in the train config, for every codec, with and
+without error feedback, with a downlink codec, 1-bit SGD, and a per-class codec policy."""
+
+import pytest
+import torch
+
+from fedswarm.config import RunConfig
+from tests.test_batched import _models
+
+BASE = dict(clients=10, rounds=3, local_steps=2, fraction=0.6, lr=0.1)
+CASES = {
+    "topk-ef": dict(strategy="compressed_fedavg", params={"codec": "topk", "codec_params": "ratio=0.1"}),
+    "topk-no-ef": dict(strategy="compressed_fedavg", params={"codec": "topk", "codec_params": "ratio=0.05",
+                                                             "error_feedback": False}),
+    "randk": dict(strategy="compressed_fedavg", params={"codec": "randk", "codec_params": "ratio=0.2"}),
+    "qsgd": dict(strategy="compressed_fedavg", params={"codec": "qsgd"}),  # per-client seeds
+    "sign": dict(strategy="compressed_fedavg", params={"codec": "sign"}),
+    "onebit-codec": dict(strategy="compressed_fedavg", params={"codec": "onebit"}),
+    "fp16": dict(strategy="compressed_fedavg", params={"codec": "fp16", "server_lr": 0.5}),
+    "countsketch": dict(strategy="compressed_fedavg", params={"codec": "countsketch"}),
+    "topk-downlink": dict(strategy="compressed_fedavg", params={"codec": "topk", "codec_params": "ratio=0.1",
+                                                                "downlink_codec": "topk",
+                                                                "downlink_codec_params": "ratio=0.2"}),
+    "onebit": dict(strategy="onebit", clients=8, fraction=1.0, local_epochs=1, local_steps=None),
+    "class-codec": dict(strategy="compressed_fedavg", clients=8, fraction=1.0,
+                        params={"codec": "topk", "codec_params": "ratio=0.1"}, devices="gpu:4,edge-wifi:4",
+                        policies={"edge-wifi": {"codec": "randk", "codec_params": {"ratio": 0.3},
+                                                "local_steps": 3, "lr": 0.05}}),
+    "logreg-topk": dict(strategy="compressed_fedavg", task="synthetic-logreg", clients=12, local_steps=1, lr=0.5,
+                        params={"codec": "topk", "codec_params": "ratio=0.2"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_batched_serves_compressed_strategies(case, tmp_path, monkeypatch):
+    kw = {**BASE, **CASES[case]}
+    kw = {k: v for k, v in kw.items() if v is not None}
+    ref, ref_res = _models(RunConfig(engine="inprocess", **kw), tmp_path, monkeypatch)
+    got, got_res = _models(RunConfig(engine="batched", **kw), tmp_path, monkeypatch)
+    assert len(got) == len(ref) == kw["rounds"] + 1
+    for rnd, (a, b) in enumerate(zip(ref, got)):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0), f"round {rnd}: max diff {(a - b).abs().max():.3g}"
+    assert not torch.equal(ref[0], ref[-1])  # training moved the model
+    for r_ref, r_got in zip(ref_res["rounds"][1:], got_res["rounds"][1:]):
+        assert r_got["num_clients"] == r_ref["num_clients"]
+        assert r_got["train_loss"] == pytest.approx(r_ref["train_loss"], abs=1e-5)
+        assert r_got["bytes_up"] == r_ref["bytes_up"]
+        # The train config names the engine ('batched' is 2 bytes shorter than 'inprocess'),
+        # and each sync record carries a CRC-32 of the model: equal to 1e-5, not bit for bit,
+        # the two models' CRCs differ and so may their varint lengths (1 to 5 bytes).
+        extra = r_ref["bytes_down"] - r_got["bytes_down"] - 2 * r_ref["num_clients"]
+        assert abs(extra) <= 4 * r_ref["num_clients"], extra
+
+
+ROBUST = {
+    # every rule, clean and under the attacks that need the honest vectors of the round
+    "median-signflip": dict(strategy="median", byzantine=2, attack="signflip:scale=5"),
+    "trimmed-alie": dict(strategy="trimmed_mean", byzantine=2, attack="alie"),
+    "krum-ipm": dict(strategy="krum", byzantine=1, attack="ipm"),
+    "multikrum-gaussian": dict(strategy="multikrum", byzantine=1, attack="gaussian:std=0.5"),  # the attack's RNG
+    "bulyan-clean": dict(strategy="bulyan", clients=11, params={"f": 2}),
+    "signum-signvote": dict(strategy="signum", byzantine=2, attack="signvote"),
+    # random bytes: the strategy's own parse_reply rejects what it cannot read
+    "median-random": dict(strategy="median", byzantine=2, attack="random"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROBUST))
+def test_batched_serves_robust_rules_and_attacks(case, tmp_path, monkeypatch):
+    kw = {**BASE, "clients": 10, "fraction": 1.0, **ROBUST[case]}
+    ref, ref_res = _models(RunConfig(engine="inprocess", **kw), tmp_path, monkeypatch)
+    got, got_res = _models(RunConfig(engine="batched", **kw), tmp_path, monkeypatch)
+    assert len(got) == len(ref) == kw["rounds"] + 1
+    for rnd, (a, b) in enumerate(zip(ref, got)):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0), f"round {rnd}: max diff {(a - b).abs().max():.3g}"
+    assert not torch.equal(ref[0], ref[-1])
+    for r_ref, r_got in zip(ref_res["rounds"][1:], got_res["rounds"][1:]):
+        assert r_got["bytes_up"] == r_ref["bytes_up"]
+        assert r_got.get("rejected") == r_ref.get("rejected")
+        assert r_got.get("byzantine_nodes") == r_ref.get("byzantine_nodes")
+        if r_ref["train_loss"] is not None:
+            assert r_got["train_loss"] == pytest.approx(r_ref["train_loss"], abs=1e-5)
+    if kw.get("byzantine"):  # the attack did happen, to the same nodes
+        assert all(r["byzantine_nodes"] for r in got_res["rounds"][1:])
+    if kw.get("attack") == "random":  # ... and its replies were refused by the strategy
+        assert sum(r["rejected"] for r in got_res["rounds"][1:]) > 0
+
+
+def test_served_strategies_share_the_compressed_client_half():
+    """What batched_compressed assumes of every strategy it serves but FedAvg: the client
+    half is compressed_fedavg's (so one [K, d] codec step reproduces it)."""
+    from fedswarm.sim.batched import SUPPORTED_STRATEGIES
+    from fedswarm.strategies import registry
+    from fedswarm.strategies.federated.compressed_fedavg import client_update
+
+    for name in SUPPORTED_STRATEGIES:
+        if name != "fedavg":
+            assert registry.get(name).client_update is client_update, name
+
+
+def test_unserved_byzantine_runs_say_so_in_one_line():
+    from fedswarm.config import ConfigError
+    from fedswarm.sim.batched import check_supported
+
+    for cfg in (RunConfig(engine="batched", strategy="median", byzantine=1, attack="labelflip"),
+                RunConfig(engine="batched", byzantine=1)):
+        with pytest.raises(ConfigError, match="--engine inprocess") as exc:
+            check_supported(cfg)
+        assert "\n" not in str(exc.value)
