@@ -16,7 +16,9 @@ Side by side in one run: two servers over the same store take turns on each endp
 :class:`fedswarm.web.hot_reads.CachedReads`, and the post-start ``gc.freeze`` turned off), so
 their ratio is measured under the same machine load. On a machine with 2 or more usable cores
 the servers are pinned to the first core and the load generator (this process, wrk) to the
-others, so they do not fight for one core; a single uvicorn worker uses one core anyway.
+others, so they do not fight for one core; a single uvicorn worker uses one core anyway. Each
+row also gives the server's CPU time per request and how many seconds its event loop waited,
+runnable, for a core (Linux /proc): on a loaded machine that wait, not the app, makes the tail.
 
 It writes ``dashboard.json`` (the rows) and ``dashboard.png``. When
 ``BASELINE`` (``dashboard_baseline.json`` beside this file: the same benchmark run on the
