@@ -16,7 +16,9 @@ Side by side in one run: two servers over the same store take turns on each endp
 :class:`fedswarm.web.hot_reads.CachedReads`, and the post-start ``gc.freeze`` turned off), so
 their ratio is measured under the same machine load. On a machine with 2 or more usable cores
 the servers are pinned to the first core and the load generator (this process, wrk) to the
-others, so they do not fight for one core; a single uvicorn worker uses one core anyway.
+others, so they do not fight for one core; a single uvicorn worker uses one core anyway. Each
+row also gives the server's CPU time per request and how many seconds its event loop waited,
+runnable, for a core (Linux /proc): on a loaded machine that wait, not the app, makes the tail.
 
 It writes ``dashboard.json`` (the rows) and ``dashboard.png``. When
 ``BASELINE`` (``dashboard_baseline.json`` beside this file: the same benchmark run on the
@@ -243,8 +245,28 @@ async def _fanout(url: str, token: str, run_id: str, db: str, rounds: int, gap_s
     return [t - written[r] for r, t in received]
 
 
-def _load(url: str, token: str, seconds: int) -> dict:
-    return _wrk(url, token, seconds) if shutil.which("wrk") else asyncio.run(_httpx_load(url, token, seconds))
+def _server_clock(pid: int) -> tuple[float, float] | None:
+    """(CPU seconds of the whole server process, seconds its event-loop thread spent runnable but
+    waiting for a core), from /proc (Linux); None elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        wait = int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[1]) / 1e9
+        return cpu, wait
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _load(url: str, token: str, seconds: int, pid: int | None = None) -> dict:
+    """Load ``url``; with the server's ``pid``, also its CPU time per request and how long its
+    event loop waited for a core (a loaded machine shows here, not in the app)."""
+    before = _server_clock(pid) if pid else None
+    res = _wrk(url, token, seconds) if shutil.which("wrk") else asyncio.run(_httpx_load(url, token, seconds))
+    after = _server_clock(pid) if pid else None
+    if before and after and res["requests"]:
+        res["server_cpu_ms_per_request"] = round((after[0] - before[0]) * 1e3 / res["requests"], 3)
+        res["loop_waiting_for_cpu_s"] = round(after[1] - before[1], 2)
+    return res
 
 
 def _baseline() -> list[dict]:
@@ -332,12 +354,12 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
                 if store_state == "writing" and ep == "/api/health":
                     continue
                 for variant in VARIANTS:
-                    url = servers[variant][1]
+                    proc, url = servers[variant]
                     if store_state == "writing":
                         with _Writer(db, live):
-                            res = _load(url + ep, token, seconds)
+                            res = _load(url + ep, token, seconds, proc.pid)
                     else:
-                        res = _load(url + ep, token, seconds)
+                        res = _load(url + ep, token, seconds, proc.pid)
                     rows.append({"test": "api", "endpoint": ep.replace(ids[0], "{id}"), "store": store_state,
                                  "server": variant, "concurrency": CLIENTS, "duration_s": seconds,
                                  "pinning": pinning, "loadavg_1m": round(os.getloadavg()[0], 2), **res})
@@ -377,19 +399,25 @@ def _print(rows: list[dict], base: list[dict]) -> None:
     print(f"server 'now': as shipped; 'plain': without cached reads and gc.freeze; {pin}; "
           f"1-min load at start {rows[0]['loadavg_1m_at_start'] if rows else float('nan')}")
     print(f"{'test':5} {'endpoint':24} {'store':8} {'server':6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} "
-          f"{'errors':>6} {'load':>5} | {'base p50':>8} {'base p99':>8} {'base req/s':>10}")
+          f"{'errors':>6} {'load':>5} {'cpu ms/req':>10} {'loop wait s':>11} | {'base p50':>8} {'base p99':>8} "
+          f"{'base req/s':>10}")
     for r in rows:
         b = next((x for x in base if x["test"] == r["test"] and x["endpoint"] == r["endpoint"]
                   and x.get("store") == r.get("store")), {})
         errors = r.get("errors", r.get("expected", 0) - r.get("delivered", 0))
         print(f"{r['test']:5} {r['endpoint']:24} {r.get('store', ''):8} {r.get('server', ''):6} "
               f"{r['median_ms']:8.1f} {r['p99_ms']:8.1f} {r.get('rps', float('nan')):7.0f} {errors:6d} "
-              f"{r.get('loadavg_1m', float('nan')):5.1f} | {b.get('median_ms', float('nan')):8.1f} "
+              f"{r.get('loadavg_1m', float('nan')):5.1f} {r.get('server_cpu_ms_per_request', float('nan')):10.3f} "
+              f"{r.get('loop_waiting_for_cpu_s', float('nan')):11.2f} | {b.get('median_ms', float('nan')):8.1f} "
               f"{b.get('p99_ms', float('nan')):8.1f} {b.get('rps', float('nan')):10.0f}")
+    nan = float("nan")
     now = {(r["endpoint"], r["store"]): r for r in rows if r["test"] == "api" and r.get("server") == "now"}
     for r in rows:
         if r["test"] == "api" and r.get("server") == "plain" and (r["endpoint"], r["store"]) in now:
             n = now[(r["endpoint"], r["store"])]
+            b_cpu = n.get("server_cpu_ms_per_request", nan)
+            cpu = r.get("server_cpu_ms_per_request", nan) / b_cpu if b_cpu else nan
             print(f"ratio plain/now {r['endpoint']:24} {r['store']:8} p50 x{r['median_ms'] / n['median_ms']:.1f}  "
-                  f"p99 x{r['p99_ms'] / n['p99_ms']:.1f}  req/s x{n['rps'] / r['rps']:.1f}; "
+                  f"p99 x{r['p99_ms'] / n['p99_ms']:.1f}  req/s x{n['rps'] / r['rps']:.1f}  "
+                  f"CPU/request x{cpu:.1f}; "
                   f"now p99 {'<' if n['p99_ms'] < 50 else '>='} 50 ms")

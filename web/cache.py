@@ -83,16 +83,6 @@ class ResponseCache:
             self._mark_at = now
         return self._mark
 
-    def peek(self, key: tuple) -> object | None:
-        """The cached answer if it is fresh and the change mark is recent, without touching the
-        store (the event loop may call this; on None, call :meth:`get` in a thread)."""
-        if time.monotonic() - self._mark_at > self.mark_s:
-            return None
-        hit = self._fresh(key, self._mark)
-        if hit is not None:
-            self.hits += 1
-        return hit
-
     def lookup(self, key: tuple) -> tuple[object | None, bool]:
         """(answer, needs_refresh) without touching the store (safe on the event loop).
 
