@@ -39,7 +39,7 @@ from fedswarm.payload import Payload, PayloadError
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
 from fedswarm.sim.batched_round import make_reply, reply_size, round_schedule, varint_len
-from fedswarm.strategies.federated.compressed_base import KNOBS, SELECT, Accepted
+from fedswarm.strategies.federated.compressed_base import KNOBS, Accepted
 from fedswarm.strategies.federated.compressed_fedavg import client_codec, uplink_seed
 from fedswarm.wire import payload_to_records, vector_to_arrayrecord
 
@@ -63,17 +63,28 @@ class _Nodes:
 
 @dataclass
 class _Reply:
-    """One client's reply this round: its content and sizes, and what the server reads of it."""
+    """One client's reply this round: what it sends, its sizes, and what the server reads of it."""
 
     k: int  # position in the round's sample
     node_id: int
-    content: RecordDict
-    up: int
-    down: int
+    payload: Payload  # its one-client payload
+    size_key: tuple  # what its payload's serialized size depends on (shapes, meta)
     n: int
     loss: float
+    steps: int
+    device_class: str
+    policy_json: str
     value: torch.Tensor  # the decoded update
+    up: int = 0
+    down: int = 0
     rejected: str | None = None
+
+    def content(self) -> RecordDict:
+        """The reply's records, as :func:`~fedswarm.strategies.federated.compressed_base.finish` writes them."""
+        content = payload_to_records(self.payload, RecordDict())
+        content["metrics"] = MetricRecord({"num-examples": self.n, "train_loss": self.loss, "steps": self.steps})
+        content["node"] = ConfigRecord({"device_class": self.device_class, "policy": self.policy_json})
+        return content
 
 
 def client_payload(payload: Payload, row: int, seed: int) -> Payload:
@@ -142,14 +153,11 @@ class CompressedRounds:
             decoded, sent = self._encode(delta, pids, [codecs[classes[k]] for k in ks], strategy.round, ef)
             n_list, loss_list, steps_list = n.tolist(), loss.tolist(), sched.steps[rows].tolist()
             for j, k in enumerate(ks):
-                msg = messages[k]
-                content = payload_to_records(sent[j], RecordDict())
-                content["metrics"] = MetricRecord({"num-examples": n_list[j], "train_loss": loss_list[j],
-                                                   "steps": steps_list[j]})
-                content["node"] = ConfigRecord({"device_class": classes[k], "policy": policy_json[classes[k]]})
-                up = self._up_size(msg, content, sent[j], n_list[j], steps_list[j])
-                replies.append(_Reply(k, node_ids[k], content, up, self._down_size(msg), n_list[j], loss_list[j],
-                                      decoded[j]))
+                r = _Reply(k, node_ids[k], sent[j][0], sent[j][1], n_list[j], loss_list[j], steps_list[j], classes[k],
+                           policy_json[classes[k]], decoded[j])
+                r.down = self._down_size(messages[k])  # first: measuring a reply gives the message its id
+                r.up = self._up_size(messages[k], r)
+                replies.append(r)
         if self.byzantine is not None:
             self._attack(messages, replies)
         traffic = Traffic()
@@ -180,7 +188,7 @@ class CompressedRounds:
         (which rewrites the chosen nodes' replies, as between the in-process grid and the
         meter), then read each attacked reply as the server does (the strategy's
         ``parse_reply``; a reply it refuses is rejected) and measure it again."""
-        msgs = [make_reply(messages[r.k], r.content) for r in replies]
+        msgs = [make_reply(messages[r.k], r.content()) for r in replies]
         bad = set(self.byzantine.byzantine)
         self._inner.replies = msgs
         self.byzantine.send_and_receive(messages)
@@ -195,12 +203,13 @@ class CompressedRounds:
 
     # -- the clients' codec, on the client axis -------------------------------------------
     def _encode(self, delta: torch.Tensor, pids: list[int], codecs: list[tuple[str, dict]], strategy_round: int,
-                ef: bool) -> tuple[torch.Tensor, list[Payload]]:
+                ef: bool) -> tuple[torch.Tensor, list[tuple[Payload, tuple]]]:
         """Each client's payload of ``delta`` (``[C, d]``) with its codec, seed and residual;
-        returns the server's decoding of them (``[C, d]``) and the one-client payloads."""
+        returns the server's decoding of them (``[C, d]``) and the one-client payloads, each
+        with what its serialized size depends on (array shapes and dtypes, meta)."""
         seed0 = self.run.cfg.seed
         decoded = torch.empty_like(delta)
-        sent: list[Payload | None] = [None] * len(pids)
+        sent: list[tuple[Payload, tuple] | None] = [None] * len(pids)
         groups: dict[tuple, list[int]] = defaultdict(list)
         for j, (name, params) in enumerate(codecs):  # clients of one codec and seed: one encode
             seed = uplink_seed(seed0, strategy_round, name, pids[j])
@@ -218,27 +227,29 @@ class CompressedRounds:
             else:
                 payload = codec.encode(rows, self.layout, seed=seed)
             decoded[idx] = decode_payload(payload, self.layout)
+            shapes = tuple((k, (1, *v.shape[1:]), str(v.dtype)) for k, v in payload.arrays.items())
+            meta = tuple(sorted((k, v) for k, v in payload.meta.items() if k not in ("K", "seed")))
             for i, j in enumerate(members):
-                sent[j] = client_payload(payload, i, seed)
+                sent[j] = (client_payload(payload, i, seed), (shapes, meta, seed))
         if not bool(torch.isfinite(decoded).all()):
             raise FloatingPointError("a client's update decodes to non-finite values; lower --lr")
         return decoded, sent  # type: ignore[return-value]
 
     # -- bytes ---------------------------------------------------------------------------------
     def _down_size(self, msg: Message) -> int:
-        content = msg.content
-        if SELECT in content.config_records:  # a per-node body: measured as it is
+        """The train message's bytes: its body depends on the version the node holds (and a
+        pending selection, measured as it is), its metadata on the node id's length."""
+        nid = msg.metadata.dst_node_id
+        if nid in self.strategy.pending:
             return serialized_size(msg)
-        key = (int(content.config_records["sync"]["base"]), varint_len(msg.metadata.dst_node_id))
+        key = (self.strategy.sync.nodes.get(nid), varint_len(nid))
         if key not in self._down:
             self._down[key] = serialized_size(msg)
         return self._down[key]
 
-    def _up_size(self, ins: Message, content: RecordDict, payload: Payload, n: int, steps: int) -> int:
-        shapes = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in payload.arrays.items())
-        node = content.config_records["node"]
-        key = (shapes, tuple(sorted(payload.meta.items())), n, steps, node["device_class"], node["policy"],
-               varint_len(ins.metadata.dst_node_id), ins.metadata.message_type)
+    def _up_size(self, ins: Message, r: _Reply) -> int:
+        """The reply's bytes, measured on a real reply once per size class."""
+        key = (r.size_key, r.n, r.steps, r.device_class, r.policy_json, varint_len(r.node_id))
         if key not in self._up:
-            self._up[key] = reply_size(ins, content)
+            self._up[key] = reply_size(ins, r.content())
         return self._up[key]
