@@ -62,9 +62,9 @@ __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budg
 
 #: Strategies this engine serves: FedAvg, and the strategies whose client half is
 #: :func:`fedswarm.strategies.federated.compressed_fedavg.client_update` (the compressed
-#: ones and the Byzantine-robust rules), see :mod:`fedswarm.sim.batched_compressed`.
-SUPPORTED_STRATEGIES = ("fedavg", "compressed_fedavg", "onebit", "median", "trimmed_mean", "krum", "multikrum",
-                        "bulyan", "signum")
+#: ones and the Byzantine-robust rules), and gTop-k; see :mod:`fedswarm.sim.batched_compressed`.
+SUPPORTED_STRATEGIES = ("fedavg", "compressed_fedavg", "onebit", "gtopk", "median", "trimmed_mean", "krum",
+                        "multikrum", "bulyan", "signum")
 
 # Rounds with more clients than this record the round's totals but no per-node rows:
 # 10,000 rows a round would cost the store more than the training does.
@@ -194,9 +194,10 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     if cfg.strategy == "fedavg":
         rounds_of = FedAvgRounds(run, global_vec)
     else:
-        from fedswarm.sim.batched_compressed import CompressedRounds
+        from fedswarm.sim.batched_compressed import CompressedRounds, GTopKRounds
 
-        rounds_of = CompressedRounds(run, global_vec, notes=recorder)
+        runner = GTopKRounds if cfg.strategy == "gtopk" else CompressedRounds
+        rounds_of = runner(run, global_vec, notes=recorder)
     store.set_status(run_id, "running")
     try:
         recorder(0, rounds_of.model)

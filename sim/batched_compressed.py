@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
@@ -43,7 +44,7 @@ from fedswarm.strategies.federated.compressed_base import KNOBS, Accepted
 from fedswarm.strategies.federated.compressed_fedavg import client_codec, uplink_seed
 from fedswarm.wire import payload_to_records, vector_to_arrayrecord
 
-__all__ = ["CompressedRounds", "client_payload"]
+__all__ = ["CompressedRounds", "GTopKRounds", "client_payload"]
 
 
 class _Nodes:
@@ -137,7 +138,7 @@ class CompressedRounds:
         knobs = messages[0].content.config_records[KNOBS]
         sched, classes, pols = round_schedule(cfg, node_ids, run.train_config, run.n_examples, server_round)
         policy_json = {c: json.dumps(p, sort_keys=True) for c, p in zip(classes, pols)}
-        codecs = {c: client_codec(knobs, p) for c, p in zip(classes, pols)}
+        codecs = {c: client_codec(knobs, p) for c, p in zip(classes, pols)} if "codec" in knobs else {}
         ef = bool(knobs.get("error_feedback", True))
         x = self.model
         replies: list[_Reply] = []
@@ -150,7 +151,8 @@ class CompressedRounds:
             delta = new.cpu() - x
             pids = sched.partitions[rows].tolist()
             ks = list(range(rows.start, rows.stop))
-            decoded, sent = self._encode(delta, pids, [codecs[classes[k]] for k in ks], strategy.round, ef)
+            decoded, sent = self._client_step(delta, pids, [messages[k] for k in ks],
+                                              [codecs.get(classes[k]) for k in ks], strategy.round, ef)
             n_list, loss_list, steps_list = n.tolist(), loss.tolist(), sched.steps[rows].tolist()
             for j, k in enumerate(ks):
                 r = _Reply(k, node_ids[k], sent[j][0], sent[j][1], n_list[j], loss_list[j], steps_list[j], classes[k],
@@ -202,6 +204,13 @@ class CompressedRounds:
                 r.rejected = self.strategy.reject(msg, str(exc) or type(exc).__name__)
 
     # -- the clients' codec, on the client axis -------------------------------------------
+    def _client_step(self, delta: torch.Tensor, pids: list[int], ins: list[Message], codecs: list[tuple[str, dict]],
+                     strategy_round: int, ef: bool) -> tuple[list | torch.Tensor, list[tuple[Payload, tuple]]]:
+        """The clients' half after local training, for a chunk: ``delta`` ``[C, d]``, their
+        partition ids and train messages; returns what the server's ``parse_reply`` makes of
+        each reply and each client's one-row payload with its size key."""
+        return self._encode(delta, pids, codecs, strategy_round, ef)
+
     def _encode(self, delta: torch.Tensor, pids: list[int], codecs: list[tuple[str, dict]], strategy_round: int,
                 ef: bool) -> tuple[torch.Tensor, list[tuple[Payload, tuple]]]:
         """Each client's payload of ``delta`` (``[C, d]``) with its codec, seed and residual;
@@ -253,3 +262,45 @@ class CompressedRounds:
         if key not in self._up:
             self._up[key] = reply_size(ins, r.content())
         return self._up[key]
+
+
+class GTopKRounds(CompressedRounds):
+    """gTop-k (``gtopk``): each client's accumulator, cleared where the server used its last
+    message (the ``select`` mask in its train message, read by the client's own
+    :func:`~fedswarm.strategies.federated.compressed_base.taken_indices` against its state),
+    plus its model change (:func:`~fedswarm.strategies.federated.gtopk.accumulate`); the
+    local top-k of all the chunk's accumulators in one ``encode``. Each client's state is a
+    ``RecordDict`` kept as its ``Context.state`` would be."""
+
+    def __init__(self, run, model: torch.Tensor, notes=None):
+        super().__init__(run, model, notes)
+        self.states: dict[int, RecordDict] = {}  # partition id -> the client's state
+
+    def _client_step(self, delta, pids, ins, codecs, strategy_round, ef):
+        from fedswarm.algorithms.compression.sparse import TopKCodec
+        from fedswarm.strategies.federated.compressed_base import ClientRound, save_sent, taken_indices
+        from fedswarm.strategies.federated.gtopk import ACCUMULATOR, accumulate
+        from fedswarm.strategies.strategy_utils import load_vector, save_vector
+
+        d = self.layout.d
+        knobs = ins[0].content.config_records[KNOBS]
+        rounds, accs = [], []
+        for j, pid in enumerate(pids):
+            state = self.states.setdefault(pid, RecordDict())
+            cr = ClientRound(ins[j], SimpleNamespace(state=state), self.run.cfg, SimpleNamespace(layout=self.layout),
+                             knobs, delta[j], 0, "")
+            accs.append(accumulate(load_vector(state, ACCUMULATOR, d), taken_indices(cr, ACCUMULATOR), delta[j]))
+            rounds.append(cr)
+        payload = TopKCodec(ratio=float(knobs["density"])).encode(torch.stack(accs), self.layout)
+        shapes = tuple((k, (1, *v.shape[1:]), str(v.dtype)) for k, v in payload.arrays.items())
+        meta = tuple(sorted((k, v) for k, v in payload.meta.items() if k not in ("K", "seed")))
+        values, sent = [], []
+        for j, cr in enumerate(rounds):
+            idx, vals = payload.arrays["indices"][j], payload.arrays["values"][j]
+            save_vector(cr.state, ACCUMULATOR, accs[j])  # the sent values stay until the server says which it used
+            save_sent(cr, ACCUMULATOR, idx)
+            for key, value in cr.state.items():  # what finish() writes into the client's state
+                cr.context.state[key] = value
+            values.append((idx.to(torch.int64), vals.to(torch.float32)))  # what GlobalTopK.parse_reply returns
+            sent.append((client_payload(payload, j, int(payload.meta["seed"])), (shapes, meta, payload.meta["seed"])))
+        return values, sent
