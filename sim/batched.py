@@ -62,9 +62,10 @@ __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budg
 
 #: Strategies this engine serves: FedAvg, and the strategies whose client half is
 #: :func:`fedswarm.strategies.federated.compressed_fedavg.client_update` (the compressed
-#: ones and the Byzantine-robust rules), and gTop-k; see :mod:`fedswarm.sim.batched_compressed`.
+#: ones and the Byzantine-robust rules), and gTop-k; see :mod:`fedswarm.sim.batched_compressed`;
+#: and PVT (:mod:`fedswarm.sim.batched_pvt`).
 SUPPORTED_STRATEGIES = ("fedavg", "compressed_fedavg", "onebit", "gtopk", "median", "trimmed_mean", "krum",
-                        "multikrum", "bulyan", "signum")
+                        "multikrum", "bulyan", "signum", "pvt")
 
 # Rounds with more clients than this record the round's totals but no per-node rows:
 # 10,000 rows a round would cost the store more than the training does.
@@ -195,8 +196,9 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
         rounds_of = FedAvgRounds(run, global_vec)
     else:
         from fedswarm.sim.batched_compressed import CompressedRounds, GTopKRounds
+        from fedswarm.sim.batched_pvt import PVTRounds
 
-        runner = GTopKRounds if cfg.strategy == "gtopk" else CompressedRounds
+        runner = {"gtopk": GTopKRounds, "pvt": PVTRounds}.get(cfg.strategy, CompressedRounds)
         rounds_of = runner(run, global_vec, notes=recorder)
     store.set_status(run_id, "running")
     try:
