@@ -25,7 +25,7 @@ serialized (:mod:`fedswarm.sim.batched_round`), once per size class of the round
 
 What it does not do: the strategies not in :data:`SUPPORTED_STRATEGIES` (they run on
 ``--engine inprocess``; :func:`check_supported` says so in one line), ``--dp``,
-``--dp-sgd``, ``--byzantine`` with FedAvg or with a data-poisoning attack (labelflip),
+``--dp-sgd``, ``--byzantine`` with FedAvg or PVT or with a data-poisoning attack (labelflip),
 models with buffers (batch-norm statistics), and the
 ``--devices`` time model's simulated seconds (rows carry ``sim_time_s = null``).
 """
@@ -92,8 +92,9 @@ def check_supported(cfg: RunConfig) -> None:
             attack = parse_attack(cfg.attack or "signflip")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if cfg.strategy == "fedavg" or attack.kind == "data":
-            what = "fedavg" if cfg.strategy == "fedavg" else f"the '{attack.name}' attack (it poisons training data)"
+        if cfg.strategy in ("fedavg", "pvt") or attack.kind == "data":
+            what = (cfg.strategy if cfg.strategy in ("fedavg", "pvt")
+                    else f"the '{attack.name}' attack (it poisons training data)")
             raise ConfigError(f"--engine batched does not run --byzantine with {what}; use --engine inprocess")
 
 

@@ -67,6 +67,8 @@ ROBUST = {
     "signum-signvote": dict(strategy="signum", byzantine=2, attack="signvote"),
     # random bytes: the strategy's own parse_reply rejects what it cannot read
     "median-random": dict(strategy="median", byzantine=2, attack="random"),
+    # an attack on gTop-k's sparse replies (re-encoded top-k, read by GlobalTopK.parse_reply)
+    "gtopk-signflip": dict(strategy="gtopk", byzantine=2, attack="signflip", params={"density": 0.1}),
 }
 
 
@@ -107,8 +109,10 @@ def test_unserved_byzantine_runs_say_so_in_one_line():
     from fedswarm.config import ConfigError
     from fedswarm.sim.batched import check_supported
 
+    check_supported(RunConfig(engine="batched", strategy="gtopk", byzantine=1))  # served: no error
+
     for cfg in (RunConfig(engine="batched", strategy="median", byzantine=1, attack="labelflip"),
-                RunConfig(engine="batched", byzantine=1)):
+                RunConfig(engine="batched", byzantine=1), RunConfig(engine="batched", strategy="pvt", byzantine=1)):
         with pytest.raises(ConfigError, match="--engine inprocess") as exc:
             check_supported(cfg)
         assert "\n" not in str(exc.value)
