@@ -25,7 +25,7 @@ serialized (:mod:`fedswarm.sim.batched_round`), once per size class of the round
 
 What it does not do: the strategies not in :data:`SUPPORTED_STRATEGIES` (they run on
 ``--engine inprocess``; :func:`check_supported` says so in one line), ``--dp``,
-``--dp-sgd``, ``--byzantine`` with FedAvg or with a data-poisoning attack (labelflip),
+``--dp-sgd``, ``--byzantine`` with FedAvg or PVT or with a data-poisoning attack (labelflip),
 models with buffers (batch-norm statistics), and the
 ``--devices`` time model's simulated seconds (rows carry ``sim_time_s = null``).
 """
@@ -62,9 +62,10 @@ __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budg
 
 #: Strategies this engine serves: FedAvg, and the strategies whose client half is
 #: :func:`fedswarm.strategies.federated.compressed_fedavg.client_update` (the compressed
-#: ones and the Byzantine-robust rules), see :mod:`fedswarm.sim.batched_compressed`.
-SUPPORTED_STRATEGIES = ("fedavg", "compressed_fedavg", "onebit", "median", "trimmed_mean", "krum", "multikrum",
-                        "bulyan", "signum")
+#: ones and the Byzantine-robust rules), and gTop-k; see :mod:`fedswarm.sim.batched_compressed`;
+#: and PVT (:mod:`fedswarm.sim.batched_pvt`).
+SUPPORTED_STRATEGIES = ("fedavg", "compressed_fedavg", "onebit", "gtopk", "median", "trimmed_mean", "krum",
+                        "multikrum", "bulyan", "signum", "pvt")
 
 # Rounds with more clients than this record the round's totals but no per-node rows:
 # 10,000 rows a round would cost the store more than the training does.
@@ -91,8 +92,9 @@ def check_supported(cfg: RunConfig) -> None:
             attack = parse_attack(cfg.attack or "signflip")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if cfg.strategy == "fedavg" or attack.kind == "data":
-            what = "fedavg" if cfg.strategy == "fedavg" else f"the '{attack.name}' attack (it poisons training data)"
+        if cfg.strategy in ("fedavg", "pvt") or attack.kind == "data":
+            what = (cfg.strategy if cfg.strategy in ("fedavg", "pvt")
+                    else f"the '{attack.name}' attack (it poisons training data)")
             raise ConfigError(f"--engine batched does not run --byzantine with {what}; use --engine inprocess")
 
 
@@ -194,9 +196,11 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     if cfg.strategy == "fedavg":
         rounds_of = FedAvgRounds(run, global_vec)
     else:
-        from fedswarm.sim.batched_compressed import CompressedRounds
+        from fedswarm.sim.batched_compressed import CompressedRounds, GTopKRounds
+        from fedswarm.sim.batched_pvt import PVTRounds
 
-        rounds_of = CompressedRounds(run, global_vec, notes=recorder)
+        runner = {"gtopk": GTopKRounds, "pvt": PVTRounds}.get(cfg.strategy, CompressedRounds)
+        rounds_of = runner(run, global_vec, notes=recorder)
     store.set_status(run_id, "running")
     try:
         recorder(0, rounds_of.model)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
@@ -39,11 +40,11 @@ from fedswarm.payload import Payload, PayloadError
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
 from fedswarm.sim.batched_round import make_reply, reply_size, round_schedule, varint_len
-from fedswarm.strategies.federated.compressed_base import KNOBS, SELECT, Accepted
+from fedswarm.strategies.federated.compressed_base import KNOBS, Accepted
 from fedswarm.strategies.federated.compressed_fedavg import client_codec, uplink_seed
 from fedswarm.wire import payload_to_records, vector_to_arrayrecord
 
-__all__ = ["CompressedRounds", "client_payload"]
+__all__ = ["CompressedRounds", "GTopKRounds", "client_payload"]
 
 
 class _Nodes:
@@ -63,17 +64,28 @@ class _Nodes:
 
 @dataclass
 class _Reply:
-    """One client's reply this round: its content and sizes, and what the server reads of it."""
+    """One client's reply this round: what it sends, its sizes, and what the server reads of it."""
 
     k: int  # position in the round's sample
     node_id: int
-    content: RecordDict
-    up: int
-    down: int
+    payload: Payload  # its one-client payload
+    size_key: tuple  # what its payload's serialized size depends on (shapes, meta)
     n: int
     loss: float
+    steps: int
+    device_class: str
+    policy_json: str
     value: torch.Tensor  # the decoded update
+    up: int = 0
+    down: int = 0
     rejected: str | None = None
+
+    def content(self) -> RecordDict:
+        """The reply's records, as :func:`~fedswarm.strategies.federated.compressed_base.finish` writes them."""
+        content = payload_to_records(self.payload, RecordDict())
+        content["metrics"] = MetricRecord({"num-examples": self.n, "train_loss": self.loss, "steps": self.steps})
+        content["node"] = ConfigRecord({"device_class": self.device_class, "policy": self.policy_json})
+        return content
 
 
 def client_payload(payload: Payload, row: int, seed: int) -> Payload:
@@ -126,7 +138,7 @@ class CompressedRounds:
         knobs = messages[0].content.config_records[KNOBS]
         sched, classes, pols = round_schedule(cfg, node_ids, run.train_config, run.n_examples, server_round)
         policy_json = {c: json.dumps(p, sort_keys=True) for c, p in zip(classes, pols)}
-        codecs = {c: client_codec(knobs, p) for c, p in zip(classes, pols)}
+        codecs = {c: client_codec(knobs, p) for c, p in zip(classes, pols)} if "codec" in knobs else {}
         ef = bool(knobs.get("error_feedback", True))
         x = self.model
         replies: list[_Reply] = []
@@ -139,17 +151,15 @@ class CompressedRounds:
             delta = new.cpu() - x
             pids = sched.partitions[rows].tolist()
             ks = list(range(rows.start, rows.stop))
-            decoded, sent = self._encode(delta, pids, [codecs[classes[k]] for k in ks], strategy.round, ef)
+            decoded, sent = self._client_step(delta, pids, [messages[k] for k in ks],
+                                              [codecs.get(classes[k]) for k in ks], strategy.round, ef)
             n_list, loss_list, steps_list = n.tolist(), loss.tolist(), sched.steps[rows].tolist()
             for j, k in enumerate(ks):
-                msg = messages[k]
-                content = payload_to_records(sent[j], RecordDict())
-                content["metrics"] = MetricRecord({"num-examples": n_list[j], "train_loss": loss_list[j],
-                                                   "steps": steps_list[j]})
-                content["node"] = ConfigRecord({"device_class": classes[k], "policy": policy_json[classes[k]]})
-                up = self._up_size(msg, content, sent[j], n_list[j], steps_list[j])
-                replies.append(_Reply(k, node_ids[k], content, up, self._down_size(msg), n_list[j], loss_list[j],
-                                      decoded[j]))
+                r = _Reply(k, node_ids[k], sent[j][0], sent[j][1], n_list[j], loss_list[j], steps_list[j], classes[k],
+                           policy_json[classes[k]], decoded[j])
+                r.down = self._down_size(messages[k])  # first: measuring a reply gives the message its id
+                r.up = self._up_size(messages[k], r)
+                replies.append(r)
         if self.byzantine is not None:
             self._attack(messages, replies)
         traffic = Traffic()
@@ -180,7 +190,7 @@ class CompressedRounds:
         (which rewrites the chosen nodes' replies, as between the in-process grid and the
         meter), then read each attacked reply as the server does (the strategy's
         ``parse_reply``; a reply it refuses is rejected) and measure it again."""
-        msgs = [make_reply(messages[r.k], r.content) for r in replies]
+        msgs = [make_reply(messages[r.k], r.content()) for r in replies]
         bad = set(self.byzantine.byzantine)
         self._inner.replies = msgs
         self.byzantine.send_and_receive(messages)
@@ -194,13 +204,21 @@ class CompressedRounds:
                 r.rejected = self.strategy.reject(msg, str(exc) or type(exc).__name__)
 
     # -- the clients' codec, on the client axis -------------------------------------------
+    def _client_step(self, delta: torch.Tensor, pids: list[int], ins: list[Message], codecs: list[tuple[str, dict]],
+                     strategy_round: int, ef: bool) -> tuple[list | torch.Tensor, list[tuple[Payload, tuple]]]:
+        """The clients' half after local training, for a chunk: ``delta`` ``[C, d]``, their
+        partition ids and train messages; returns what the server's ``parse_reply`` makes of
+        each reply and each client's one-row payload with its size key."""
+        return self._encode(delta, pids, codecs, strategy_round, ef)
+
     def _encode(self, delta: torch.Tensor, pids: list[int], codecs: list[tuple[str, dict]], strategy_round: int,
-                ef: bool) -> tuple[torch.Tensor, list[Payload]]:
+                ef: bool) -> tuple[torch.Tensor, list[tuple[Payload, tuple]]]:
         """Each client's payload of ``delta`` (``[C, d]``) with its codec, seed and residual;
-        returns the server's decoding of them (``[C, d]``) and the one-client payloads."""
+        returns the server's decoding of them (``[C, d]``) and the one-client payloads, each
+        with what its serialized size depends on (array shapes and dtypes, meta)."""
         seed0 = self.run.cfg.seed
         decoded = torch.empty_like(delta)
-        sent: list[Payload | None] = [None] * len(pids)
+        sent: list[tuple[Payload, tuple] | None] = [None] * len(pids)
         groups: dict[tuple, list[int]] = defaultdict(list)
         for j, (name, params) in enumerate(codecs):  # clients of one codec and seed: one encode
             seed = uplink_seed(seed0, strategy_round, name, pids[j])
@@ -218,27 +236,71 @@ class CompressedRounds:
             else:
                 payload = codec.encode(rows, self.layout, seed=seed)
             decoded[idx] = decode_payload(payload, self.layout)
+            shapes = tuple((k, (1, *v.shape[1:]), str(v.dtype)) for k, v in payload.arrays.items())
+            meta = tuple(sorted((k, v) for k, v in payload.meta.items() if k not in ("K", "seed")))
             for i, j in enumerate(members):
-                sent[j] = client_payload(payload, i, seed)
+                sent[j] = (client_payload(payload, i, seed), (shapes, meta, seed))
         if not bool(torch.isfinite(decoded).all()):
             raise FloatingPointError("a client's update decodes to non-finite values; lower --lr")
         return decoded, sent  # type: ignore[return-value]
 
     # -- bytes ---------------------------------------------------------------------------------
     def _down_size(self, msg: Message) -> int:
-        content = msg.content
-        if SELECT in content.config_records:  # a per-node body: measured as it is
+        """The train message's bytes: its body depends on the version the node holds (and a
+        pending selection, measured as it is), its metadata on the node id's length."""
+        nid = msg.metadata.dst_node_id
+        if nid in self.strategy.pending:
             return serialized_size(msg)
-        key = (int(content.config_records["sync"]["base"]), varint_len(msg.metadata.dst_node_id))
+        key = (self.strategy.sync.nodes.get(nid), varint_len(nid))
         if key not in self._down:
             self._down[key] = serialized_size(msg)
         return self._down[key]
 
-    def _up_size(self, ins: Message, content: RecordDict, payload: Payload, n: int, steps: int) -> int:
-        shapes = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in payload.arrays.items())
-        node = content.config_records["node"]
-        key = (shapes, tuple(sorted(payload.meta.items())), n, steps, node["device_class"], node["policy"],
-               varint_len(ins.metadata.dst_node_id), ins.metadata.message_type)
+    def _up_size(self, ins: Message, r: _Reply) -> int:
+        """The reply's bytes, measured on a real reply once per size class."""
+        key = (r.size_key, r.n, r.steps, r.device_class, r.policy_json, varint_len(r.node_id))
         if key not in self._up:
-            self._up[key] = reply_size(ins, content)
+            self._up[key] = reply_size(ins, r.content())
         return self._up[key]
+
+
+class GTopKRounds(CompressedRounds):
+    """gTop-k (``gtopk``): each client's accumulator, cleared where the server used its last
+    message (the ``select`` mask in its train message, read by the client's own
+    :func:`~fedswarm.strategies.federated.compressed_base.taken_indices` against its state),
+    plus its model change (:func:`~fedswarm.strategies.federated.gtopk.accumulate`); the
+    local top-k of all the chunk's accumulators in one ``encode``. Each client's state is a
+    ``RecordDict`` kept as its ``Context.state`` would be."""
+
+    def __init__(self, run, model: torch.Tensor, notes=None):
+        super().__init__(run, model, notes)
+        self.states: dict[int, RecordDict] = {}  # partition id -> the client's state
+
+    def _client_step(self, delta, pids, ins, codecs, strategy_round, ef):
+        from fedswarm.algorithms.compression.sparse import TopKCodec
+        from fedswarm.strategies.federated.compressed_base import ClientRound, save_sent, taken_indices
+        from fedswarm.strategies.federated.gtopk import ACCUMULATOR, accumulate
+        from fedswarm.strategies.strategy_utils import load_vector, save_vector
+
+        d = self.layout.d
+        knobs = ins[0].content.config_records[KNOBS]
+        rounds, accs = [], []
+        for j, pid in enumerate(pids):
+            state = self.states.setdefault(pid, RecordDict())
+            cr = ClientRound(ins[j], SimpleNamespace(state=state), self.run.cfg, SimpleNamespace(layout=self.layout),
+                             knobs, delta[j], 0, "")
+            accs.append(accumulate(load_vector(state, ACCUMULATOR, d), taken_indices(cr, ACCUMULATOR), delta[j]))
+            rounds.append(cr)
+        payload = TopKCodec(ratio=float(knobs["density"])).encode(torch.stack(accs), self.layout)
+        shapes = tuple((k, (1, *v.shape[1:]), str(v.dtype)) for k, v in payload.arrays.items())
+        meta = tuple(sorted((k, v) for k, v in payload.meta.items() if k not in ("K", "seed")))
+        values, sent = [], []
+        for j, cr in enumerate(rounds):
+            idx, vals = payload.arrays["indices"][j], payload.arrays["values"][j]
+            save_vector(cr.state, ACCUMULATOR, accs[j])  # the sent values stay until the server says which it used
+            save_sent(cr, ACCUMULATOR, idx)
+            for key, value in cr.state.items():  # what finish() writes into the client's state
+                cr.context.state[key] = value
+            values.append((idx.to(torch.int64), vals.to(torch.float32)))  # what GlobalTopK.parse_reply returns
+            sent.append((client_payload(payload, j, int(payload.meta["seed"])), (shapes, meta, payload.meta["seed"])))
+        return values, sent

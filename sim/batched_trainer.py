@@ -160,11 +160,13 @@ class BatchedTrainer:
     # training ----------------------------------------------------------------------------
     def fit(self, start: torch.Tensor, schedule: ClientSchedule, *, momentum: float = 0.0,
             chunk_size: int | None = None, memory_budget: int | None = None,
-            on_chunk: Callable[[int], None] | None = None):
+            on_chunk: Callable[[int], None] | None = None, trained: torch.Tensor | None = None):
         """Run every scheduled client's local SGD from ``start`` ([d]); yield, chunk by
         chunk, ``(rows, new_params [C, d], mean_loss [C], num_examples [C])`` where ``rows``
         is the chunk's slice of the schedule. ``chunk_size`` overrides the chunk the memory
-        budget gives."""
+        budget gives. ``trained`` (``[K, d]`` bool): the coordinates each client trains; the
+        others are frozen (no gradient step, no momentum), as ``requires_grad = False``
+        freezes a tensor (PVT)."""
         k_total = schedule.partitions.numel()
         if k_total == 0:
             return
@@ -178,7 +180,8 @@ class BatchedTrainer:
         for lo in range(0, k_total, chunk_size):
             hi = min(k_total, lo + chunk_size)
             new, loss = self._fit_chunk(start, idx_all[lo:hi], valid_all[lo:hi], schedule.steps[lo:hi],
-                                        schedule.lr[lo:hi], momentum)
+                                        schedule.lr[lo:hi], momentum,
+                                        None if trained is None else trained[lo:hi].to(self.device))
             yield slice(lo, hi), new, loss, n_examples[lo:hi]
             if on_chunk is not None:
                 on_chunk(hi - lo)
@@ -279,7 +282,8 @@ class BatchedTrainer:
         return g, loss_wsum
 
     def _fit_chunk(self, start: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, steps: torch.Tensor,
-                   lr: torch.Tensor, momentum: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   lr: torch.Tensor, momentum: float,
+                   trained: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         c, s_max, _ = idx.shape
         dev = self.device
         params = start.expand(c, -1).clone()
@@ -296,6 +300,8 @@ class BatchedTrainer:
                 g, loss = self._full(params, x, y)
             else:
                 g, loss = self._masked(params, x, y, w.to(params.dtype))
+            if trained is not None:
+                g = torch.where(trained, g, torch.zeros((), device=dev))
             if buf is not None:
                 # torch.optim.SGD: the first step's buffer is the gradient itself
                 buf = torch.where(active[:, None], g if s == 0 else momentum * buf + g, buf)

@@ -28,6 +28,9 @@ CASES = {
                         params={"codec": "topk", "codec_params": "ratio=0.1"}, devices="gpu:4,edge-wifi:4",
                         policies={"edge-wifi": {"codec": "randk", "codec_params": {"ratio": 0.3},
                                                 "local_steps": 3, "lr": 0.05}}),
+    # gTop-k: accumulators cleared by the server's selection mask (sampled: masks wait for the node's next round)
+    "gtopk-tree": dict(strategy="gtopk", params={"density": 0.05}),
+    "gtopk-exact": dict(strategy="gtopk", clients=8, fraction=1.0, params={"density": 0.1, "merge": "exact"}),
     "logreg-topk": dict(strategy="compressed_fedavg", task="synthetic-logreg", clients=12, local_steps=1, lr=0.5,
                         params={"codec": "topk", "codec_params": "ratio=0.2"}),
 }
@@ -64,6 +67,8 @@ ROBUST = {
     "signum-signvote": dict(strategy="signum", byzantine=2, attack="signvote"),
     # random bytes: the strategy's own parse_reply rejects what it cannot read
     "median-random": dict(strategy="median", byzantine=2, attack="random"),
+    # an attack on gTop-k's sparse replies (re-encoded top-k, read by GlobalTopK.parse_reply)
+    "gtopk-signflip": dict(strategy="gtopk", byzantine=2, attack="signflip", params={"density": 0.1}),
 }
 
 
@@ -95,17 +100,22 @@ def test_served_strategies_share_the_compressed_client_half():
     from fedswarm.strategies import registry
     from fedswarm.strategies.federated.compressed_fedavg import client_update
 
+    from fedswarm.strategies.edge import pvt
+    from fedswarm.strategies.federated import gtopk
+
+    own = {"fedavg": None, "gtopk": gtopk.client_update, "pvt": pvt.client_update}  # their own round runners
     for name in SUPPORTED_STRATEGIES:
-        if name != "fedavg":
-            assert registry.get(name).client_update is client_update, name
+        assert registry.get(name).client_update is own.get(name, client_update), name
 
 
 def test_unserved_byzantine_runs_say_so_in_one_line():
     from fedswarm.config import ConfigError
     from fedswarm.sim.batched import check_supported
 
+    check_supported(RunConfig(engine="batched", strategy="gtopk", byzantine=1))  # served: no error
+
     for cfg in (RunConfig(engine="batched", strategy="median", byzantine=1, attack="labelflip"),
-                RunConfig(engine="batched", byzantine=1)):
+                RunConfig(engine="batched", byzantine=1), RunConfig(engine="batched", strategy="pvt", byzantine=1)):
         with pytest.raises(ConfigError, match="--engine inprocess") as exc:
             check_supported(cfg)
         assert "\n" not in str(exc.value)

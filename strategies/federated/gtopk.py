@@ -19,9 +19,9 @@ from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
 from fedswarm.payload import PayloadError
 from fedswarm.wire import payload_to_records
 
-__all__ = ["GlobalTopK", "merge_topk", "tree_merge", "client_update"]
+__all__ = ["GlobalTopK", "merge_topk", "tree_merge", "client_update", "accumulate", "ACCUMULATOR"]
 
-_KEY = "gtopk.acc"
+ACCUMULATOR = _KEY = "gtopk.acc"  # the client state key of the accumulator
 
 
 def merge_topk(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
@@ -140,15 +140,21 @@ class GlobalTopK(CompressedStrategy):
         return Step(update)
 
 
+def accumulate(acc: torch.Tensor, taken: torch.Tensor | None, delta: torch.Tensor) -> torch.Tensor:
+    """A client's accumulator for this round (in place): the coordinates of its last
+    message the server used (``taken``) are cleared, its local model change is added."""
+    if taken is not None:
+        acc[taken] = 0.0
+    return acc.add_(delta)
+
+
 def client_update(msg: Message, context: Context) -> RecordDict:
     """Fix the accumulator with the server's mask, train, accumulate, send the local top-k."""
     cr = begin(msg, context)
     acc = load_vector(context.state, _KEY, cr.layout.d)
     taken = taken_indices(cr, _KEY)
-    if taken is not None:
-        acc[taken] = 0.0
     fit = train(cr)
-    acc += fit.result.flat - fit.start
+    acc = accumulate(acc, taken, fit.result.flat - fit.start)
     codec = TopKCodec(ratio=float(cr.knobs["density"]))
     payload = codec.encode(acc[None], cr.layout)
     save_vector(cr.state, _KEY, acc)  # the sent values stay until the server says which it used

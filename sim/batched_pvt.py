@@ -1,0 +1,117 @@
+"""PVT (Partial Variable Training) on the batched engine.
+
+Server half: the strategy object itself (:class:`~fedswarm.strategies.edge.pvt.PartialVariableTraining`,
+built as :func:`fedswarm.server.app.build_strategy` builds it): its ``configure_train``
+samples and writes the train messages, its ``aggregate_train`` validates every reply and
+averages each variable over the clients that trained it, exactly as over any grid.
+
+Client half: each client's subset of variables is drawn with PVT's own schedule
+(:mod:`fedswarm.algorithms.selection.pvt`: ``num_selected``, ``select_variables``,
+``selection_seed`` from the run seed, the round and the node id; a class policy's
+``pvt_fraction`` first), and the batched trainer trains every sampled client at once with
+the other variables frozen (a ``[K, d]`` mask: no gradient step, no momentum, as
+``requires_grad = False``). The reply is the client's own: the trained tensors' deltas in
+layout order and their ids, its metrics and node report; it is built and measured for every
+client (PVT's replies differ in size from class to class).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from fedswarm.algorithms.selection.pvt import num_selected, select_variables, selection_seed
+from fedswarm.server.metered_grid import Traffic, serialized_size
+from fedswarm.sim import batched as engine
+from fedswarm.sim.batched_round import make_reply, round_schedule, varint_len
+from fedswarm.strategies.edge.pvt import UPDATE
+from fedswarm.strategies.registry import resolve_params
+from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
+
+__all__ = ["PVTRounds"]
+
+
+class _Nodes:
+    def __init__(self, n: int):
+        self._ids = list(range(1, n + 1))
+
+    def get_node_ids(self) -> list[int]:
+        return self._ids
+
+
+class PVTRounds:
+    """Rounds of ``pvt``; ``model`` is the global model."""
+
+    def __init__(self, run, model: torch.Tensor, notes=None):
+        from fedswarm.server.app import build_strategy
+
+        self.run = run
+        self.layout = run.trainer.layout
+        self.strategy = build_strategy(run.cfg, self.layout)
+        self.strategy.bind_notes(notes)
+        self.params = resolve_params("pvt", run.cfg.params)
+        self.model = model
+        self.grid = _Nodes(run.cfg.clients)
+
+    def _selection(self, node_ids: list[int], pols: list[dict], server_round: int) -> tuple[list, torch.Tensor]:
+        """Each client's variable ids (as its ``client_update`` draws them) and the ``[K, d]`` mask of them."""
+        specs, n_vars = self.layout.specs, len(self.layout)
+        ids, mask = [], torch.zeros(len(node_ids), self.layout.d, dtype=torch.bool)
+        for i, (nid, pol) in enumerate(zip(node_ids, pols)):
+            k = num_selected(n_vars, float(pol.get("pvt_fraction", self.params["fraction"])))
+            chosen = select_variables(n_vars, k, selection_seed(self.run.cfg.seed, server_round, nid))
+            for v in chosen.tolist():
+                mask[i, specs[v].offset:specs[v].end] = True
+            ids.append(chosen)
+        return ids, mask
+
+    def round(self, server_round: int) -> tuple[dict, list[dict]]:
+        run, strategy = self.run, self.strategy
+        cfg = run.cfg
+        messages = list(strategy.configure_train(server_round, vector_to_arrayrecord(self.model), run.train_config,
+                                                 self.grid))
+        node_ids = [m.metadata.dst_node_id for m in messages]
+        total = len(node_ids)
+        sched, classes, pols = round_schedule(cfg, node_ids, run.train_config, run.n_examples, server_round)
+        ids, mask = self._selection(node_ids, pols, server_round)
+        x = self.model
+        traffic = Traffic()
+        node_rows: list[dict] | None = [] if total <= engine.NODE_ROWS_MAX else None
+        down_cache: dict[int, int] = {}
+        replies = []
+        for rows, new, loss, n in run.trainer.fit(x, sched, momentum=cfg.momentum, chunk_size=run.chunk_size,
+                                                  memory_budget=run.memory_budget, on_chunk=run.progress(total),
+                                                  trained=mask):
+            new = new.cpu()
+            n_list, loss_list, steps_list = n.tolist(), loss.tolist(), sched.steps[rows].tolist()
+            for j, k in enumerate(range(rows.start, rows.stop)):
+                m = mask[k]
+                delta = new[j][m] - x[m]  # the trained tensors' slices, in layout order
+                arrays = ArrayRecord({"values": Array(np.ascontiguousarray(delta.numpy()))})
+                if self.params["send_ids"]:
+                    arrays["ids"] = Array(ids[k].numpy().astype(np.int32))
+                content = RecordDict({
+                    UPDATE: arrays,
+                    "metrics": MetricRecord({"num-examples": n_list[j], "train_loss": loss_list[j],
+                                             "steps": steps_list[j], "variables": int(ids[k].numel()),
+                                             "trained_params": int(delta.numel())}),
+                    "node": ConfigRecord({"device_class": classes[k],
+                                          "policy": json.dumps(pols[k], sort_keys=True)}),
+                })
+                ins = messages[k]
+                key = varint_len(ins.metadata.dst_node_id)  # every train message carries the same records
+                if key not in down_cache:
+                    down_cache[key] = serialized_size(ins)
+                reply = make_reply(ins, content)
+                replies.append(reply)
+                engine.add_client(traffic, node_rows, node_ids[k], serialized_size(reply), down_cache[key],
+                                  n_list[j], loss_list[j], classes[k], pols[k])
+        arrays, metrics = strategy.aggregate_train(server_round, replies)
+        if arrays is not None:
+            self.model = arrayrecord_to_vector(arrays, self.layout.d)
+        run.meter.traffic = traffic
+        train_loss = float(metrics["train_loss"]) if metrics is not None else None
+        return {"train_loss": train_loss, "num_clients": total}, node_rows or []
