@@ -78,8 +78,9 @@ class _Node:
 
 class ClockedNodes:
     """What every virtual-clock simulation exposes to the recorder loop. Subclasses hold
-    ``clock``, ``state`` (a GossipState), ``averagings`` and their per-node records in
-    ``members`` (each with ``steps``, ``stats`` and ``bytes_sent``)."""
+    ``clock``, ``state`` (a GossipState), ``averagings``, ``total_steps``, their per-node
+    records in ``members`` (each with ``steps``, ``stats`` and ``bytes_sent``) and handle
+    events in ``_dispatch(t, event)``."""
 
     members: list
     _averagings_seen: int = 0
@@ -95,6 +96,18 @@ class ClockedNodes:
 
     def steps(self) -> list[int]:
         return [m.steps for m in self.members]
+
+    def advance(self, steps: int) -> None:
+        """Process events until the nodes have taken ``steps`` more local steps (between
+        them: ``total_steps``, counted by the subclass's ``_dispatch``)."""
+        target = self.total_steps + steps
+        while self.total_steps < target:
+            self._dispatch(*self.clock.pop())
+
+    def advance_to(self, t: float) -> None:
+        """Process every event up to simulated time ``t``."""
+        while (nxt := self.clock.peek_time()) is not None and nxt <= t:
+            self._dispatch(*self.clock.pop())
 
     def take_averagings(self) -> int:
         """Averaging events (pairwise averagings, group reduces) completed since the last call."""
@@ -142,18 +155,6 @@ class ADPSGDSimulation(ClockedNodes):
         self._averagings_seen = 0
         for i in range(topology.n):
             self._start(i, 0.0)
-
-    # -- driving --------------------------------------------------------------------------
-    def advance(self, steps: int) -> None:
-        """Process events until the nodes have taken ``steps`` more local steps."""
-        target = self.total_steps + steps
-        while self.total_steps < target:
-            self._dispatch(*self.clock.pop())
-
-    def advance_to(self, t: float) -> None:
-        """Process every event up to simulated time ``t``."""
-        while (nxt := self.clock.peek_time()) is not None and nxt <= t:
-            self._dispatch(*self.clock.pop())
 
     # -- events ---------------------------------------------------------------------------
     def _start(self, i: int, t: float) -> None:

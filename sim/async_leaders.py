@@ -109,16 +109,6 @@ class LSGDSimulation(ClockedNodes):
     def _server_of(self, i: int) -> str:
         return next(f"local{g}" for g, members in enumerate(self.groups) if i in members)
 
-    # -- driving --------------------------------------------------------------------------
-    def advance(self, steps: int) -> None:
-        target = self.total_steps + steps
-        while self.total_steps < target:
-            self._dispatch(*self.clock.pop())
-
-    def advance_to(self, t: float) -> None:
-        while (nxt := self.clock.peek_time()) is not None and nxt <= t:
-            self._dispatch(*self.clock.pop())
-
     # -- events ---------------------------------------------------------------------------
     def _start(self, i: int, t: float) -> None:
         w = self.workers[i]
