@@ -165,6 +165,10 @@ class GossipDriver(Driver):
         s = self.state
         return {"x": s.x, "buffers": s.buffers, "step": s.step, "meta": s.meta}
 
+    def load_state_dict(self, s: dict) -> None:
+        self.state.x, self.state.buffers = s["x"], dict(s["buffers"])
+        self.state.step, self.state.meta = int(s["step"]), dict(s["meta"])
+
 
 class ScheduledDriver(GossipDriver):
     """AD-PSGD or Prague replaying a seeded fixed schedule (``schedule="fixed"``; see the
@@ -194,10 +198,6 @@ class ScheduledDriver(GossipDriver):
         i = view.index
         return ([view.ids[j] for j in sched.neighbors(i, r)],
                 {view.ids[j]: w for j, w in sched.weights(i, r).items()}, sched.staleness(i, r))
-
-    def load_state_dict(self, s: dict) -> None:
-        self.state.x, self.state.buffers = s["x"], dict(s["buffers"])
-        self.state.step, self.state.meta = int(s["step"]), dict(s["meta"])
 
 
 class SwarmMergeDriver(Driver):
