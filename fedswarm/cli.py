@@ -89,7 +89,9 @@ def sim(
         "inprocess (default, no Ray), flower (Flower's Simulation Engine on Ray), array (decentralized algorithms, "
         "every node one row of an n-by-d tensor: fast, no Flower messages) or batched (every sampled client trained at"
         " once with torch.func.vmap: 10,000+ clients per round; fedavg, compressed_fedavg, onebit, gtopk, pvt and the"
-        " robust rules median, trimmed_mean, krum, multikrum, bulyan, signum). See README 'Which engine when'."
+        " robust rules median, trimmed_mean, krum, multikrum, bulyan, signum) or clock (asynchronous algorithms on the"
+        " virtual clock, --devices sets each node's speed: adpsgd and prague always run there unless --set"
+        " schedule=fixed, lsgd with --set mode=async). See README 'Which engine when'."
     )),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help=(
         "--engine batched: memory one chunk of clients may use, e.g. 2GB (default: a quarter of free RAM up to 8 GB, "
@@ -277,6 +279,11 @@ def _check_strategy(cfg: RunConfig) -> None:
     from fedswarm.strategies import registry
     from fedswarm.tasks import get_task
 
+    if cfg.engine == "clock" or (registry.get(cfg.strategy).kind == "async"
+                                 and cfg.params.get("schedule", "clock") == "clock"):
+        from fedswarm.sim.async_engine import check_config as check_clock
+
+        return check_clock(cfg)  # the virtual clock: no Flower strategy
     if cfg.engine == "array" or registry.get(cfg.strategy).kind == "array":
         from fedswarm.sim.array_engine import check_config
 

@@ -119,10 +119,11 @@ class RunConfig(TrainingSpec):
     )
     local_epochs: int = Field(2, ge=1, le=10_000, description="Local epochs per round.")
     momentum: float = Field(0.0, ge=0.0, lt=1.0, description="Client SGD momentum.")
-    engine: Literal["inprocess", "flower", "array", "batched"] = Field(
+    engine: Literal["inprocess", "flower", "array", "batched", "clock"] = Field(
         "inprocess", description="'inprocess' (no Ray, default), 'flower' (Flower's Simulation Engine), 'array' "
-        "(decentralized algorithms on [n, d] tensors, no Flower messages) or 'batched' (all sampled clients "
-        "trained at once with torch.func.vmap)."
+        "(decentralized algorithms on [n, d] tensors, no Flower messages), 'batched' (all sampled clients "
+        "trained at once with torch.func.vmap) or 'clock' (asynchronous algorithms on the virtual clock: adpsgd, "
+        "prague, lsgd with mode=async)."
     )
     memory_budget: str | None = Field(
         None, description="--engine batched: memory for one chunk of clients, e.g. '2GB' (default: a quarter "

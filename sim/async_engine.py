@@ -51,7 +51,7 @@ from fedswarm.tasks import get_task
 from fedswarm.train import evaluate_flat, resolve_device, task_data, trainer_for
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
-__all__ = ["ADPSGDSimulation", "run_async", "check_clocked", "DEFAULT_PROFILE"]
+__all__ = ["ADPSGDSimulation", "run_async", "check_clocked", "check_config", "DEFAULT_PROFILE"]
 
 #: Every node's profile when the run names no devices.
 DEFAULT_PROFILE = "datacenter"
@@ -78,8 +78,9 @@ class _Node:
 
 class ClockedNodes:
     """What every virtual-clock simulation exposes to the recorder loop. Subclasses hold
-    ``clock``, ``state`` (a GossipState), ``averagings`` and their per-node records in
-    ``members`` (each with ``steps``, ``stats`` and ``bytes_sent``)."""
+    ``clock``, ``state`` (a GossipState), ``averagings``, ``total_steps``, their per-node
+    records in ``members`` (each with ``steps``, ``stats`` and ``bytes_sent``) and handle
+    events in ``_dispatch(t, event)``."""
 
     members: list
     _averagings_seen: int = 0
@@ -95,6 +96,18 @@ class ClockedNodes:
 
     def steps(self) -> list[int]:
         return [m.steps for m in self.members]
+
+    def advance(self, steps: int) -> None:
+        """Process events until the nodes have taken ``steps`` more local steps (between
+        them: ``total_steps``, counted by the subclass's ``_dispatch``)."""
+        target = self.total_steps + steps
+        while self.total_steps < target:
+            self._dispatch(*self.clock.pop())
+
+    def advance_to(self, t: float) -> None:
+        """Process every event up to simulated time ``t``."""
+        while (nxt := self.clock.peek_time()) is not None and nxt <= t:
+            self._dispatch(*self.clock.pop())
 
     def take_averagings(self) -> int:
         """Averaging events (pairwise averagings, group reduces) completed since the last call."""
@@ -142,18 +155,6 @@ class ADPSGDSimulation(ClockedNodes):
         self._averagings_seen = 0
         for i in range(topology.n):
             self._start(i, 0.0)
-
-    # -- driving --------------------------------------------------------------------------
-    def advance(self, steps: int) -> None:
-        """Process events until the nodes have taken ``steps`` more local steps."""
-        target = self.total_steps + steps
-        while self.total_steps < target:
-            self._dispatch(*self.clock.pop())
-
-    def advance_to(self, t: float) -> None:
-        """Process every event up to simulated time ``t``."""
-        while (nxt := self.clock.peek_time()) is not None and nxt <= t:
-            self._dispatch(*self.clock.pop())
 
     # -- events ---------------------------------------------------------------------------
     def _start(self, i: int, t: float) -> None:
@@ -260,6 +261,30 @@ def check_clocked(name: str, params: dict) -> None:
     if params.get("schedule", "clock") != "clock":
         raise ValueError(f"{name} with schedule='fixed' replays a seeded schedule: it runs on the array engine "
                          f"(--engine array), the router (--engine inprocess) or the swarm, not on the virtual clock")
+
+
+def check_config(cfg: RunConfig) -> None:
+    """Raise :class:`~fedswarm.config.ConfigError` (one line) unless the virtual clock can run
+    ``cfg``: adpsgd or prague timed by the clock (adpsgd on a bipartite graph), or lsgd with
+    ``mode=async``."""
+    from fedswarm.algorithms.decentralized import make_algorithm
+    from fedswarm.config import ConfigError
+
+    if cfg.strategy == "lsgd":
+        from fedswarm.sim.async_leaders import check_config as check_lsgd
+
+        return check_lsgd(cfg)
+    if cfg.strategy not in ("adpsgd", "prague"):
+        raise ConfigError(f"invalid value for 'engine': the virtual clock runs adpsgd, prague and lsgd "
+                          f"(mode=async), not '{cfg.strategy}'")
+    try:
+        params = registry.resolve_params(cfg.strategy, cfg.params)
+        check_clocked(cfg.strategy, params)
+        algo = make_algorithm(cfg.strategy, **{k: v for k, v in params.items() if k != "report_every"})
+        if cfg.strategy == "adpsgd":
+            algo.check_topology(make_topology(cfg.topology, cfg.clients, cfg.seed))
+    except ValueError as exc:
+        raise ConfigError(f"invalid value for 'topology' or 'params': {exc}") from None
 
 
 def run_clocked(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundListener] | None,

@@ -89,16 +89,6 @@ class PragueSimulation(ClockedNodes):
         link = min((self.workers[j].profile.link for j in group), key=lambda ln: ln.bandwidth_mbps)
         return 2 * (g - 1) * transfer_time_s(link, self.message_bytes / g)
 
-    # -- driving --------------------------------------------------------------------------
-    def advance(self, steps: int) -> None:
-        target = self.total_steps + steps
-        while self.total_steps < target:
-            self._dispatch(*self.clock.pop())
-
-    def advance_to(self, t: float) -> None:
-        while (nxt := self.clock.peek_time()) is not None and nxt <= t:
-            self._dispatch(*self.clock.pop())
-
     # -- events ---------------------------------------------------------------------------
     def _start(self, i: int, t: float) -> None:
         w = self.workers[i]

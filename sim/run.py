@@ -30,11 +30,20 @@ def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | N
     Asynchronous algorithms (registry kind ``async``) run on the virtual-clock engine
     whatever ``cfg.engine`` says: Flower's synchronous rounds cannot express them (with
     ``--set schedule=fixed`` they replay a seeded schedule on the engine asked for); those of
-    kind ``array`` (LSGD: it needs every worker's loss) run on the array engine.
+    kind ``array`` (LSGD: it needs every worker's loss) run on the array engine, LSGD's
+    asynchronous mode also on the virtual clock (``--engine clock``).
     ``resume``: a checkpoint of this run to continue from (fedswarm.server.resume)."""
     from fedswarm.strategies import registry
 
     kind = registry.get(cfg.strategy).kind
+    if cfg.engine == "clock" and cfg.strategy == "lsgd":  # LSGD's asynchronous mode on the virtual clock
+        if resume is not None:
+            raise RuntimeError("the virtual-clock engine cannot resume a run yet")
+        from fedswarm.sim.async_leaders import run_lsgd_async
+
+        if cfg.device == "cpu":
+            torch.set_num_threads(1)
+        return run_lsgd_async(cfg, store, run_id, listeners)
     if cfg.engine == "array" or kind == "array":
         if resume is not None:
             raise RuntimeError(f"'{cfg.strategy}' on the array engine cannot resume a run yet")
@@ -51,6 +60,8 @@ def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list | N
         if cfg.device == "cpu":
             torch.set_num_threads(1)
         return run_async(cfg, store, run_id, listeners)
+    if cfg.engine == "clock":
+        raise ValueError(f"the virtual-clock engine runs adpsgd, prague and lsgd (mode=async), not '{cfg.strategy}'")
     if cfg.engine == "flower":
         from fedswarm.sim.flower_engine import run_flower
 
@@ -75,7 +86,7 @@ def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, ou
     """``resume``: a checkpoint of run ``run_id`` to continue from (``fedswarm resume``)."""
     from fedswarm.strategies import registry
 
-    if registry.get(cfg.strategy).kind == "array" and cfg.engine != "array":
+    if registry.get(cfg.strategy).kind == "array" and cfg.engine not in ("array", "clock"):
         cfg = cfg.model_copy(update={"engine": "array"})  # it runs nowhere else: record what runs it
     store = Store(db)
     if run_id is not None:

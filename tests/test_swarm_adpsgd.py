@@ -108,3 +108,17 @@ def test_concurrent_exchanges_keep_the_sum_and_never_deadlock(tmp_path, n):
         torch.testing.assert_close(sum(_x(p) for p in peers), total, rtol=0, atol=1e-4)
     finally:
         stop_all(peers)
+
+
+def test_every_swarm_driver_restores_its_checkpoint_state():
+    """A restarted peer loads its driver's state (Peer.start): no driver may fall back to
+    the base class's NotImplementedError (GossipDriver once lost its load_state_dict to a
+    subclass inserted above it, and restarted gossip peers crashed)."""
+    from fedswarm.swarm.adpsgd import ADPSGDDriver
+    from fedswarm.swarm.drivers import Driver, GossipDriver, ScheduledDriver, SwarmMergeDriver
+    from fedswarm.swarm.leader import LeaderDriver
+    from fedswarm.swarm.squarm import SquarmDriver
+
+    for cls in (GossipDriver, ScheduledDriver, SwarmMergeDriver, LeaderDriver, SquarmDriver, ADPSGDDriver):
+        assert cls.load_state_dict is not Driver.load_state_dict, cls.__name__
+        assert cls.state_dict is not Driver.state_dict or cls is SwarmMergeDriver, cls.__name__
