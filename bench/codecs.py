@@ -4,7 +4,9 @@ For d = 10^6 and 10^7 float32 parameters (quick: 10^6 only) and K = 1 and K = 64
 each codec's ``decode(encode(x))`` is timed (median of up to 9 runs, 15 in the full mode,
 after a warm-up that also builds cached tables such as Count Sketch hashes; cells whose
 runs would take long get fewer, at least one) and reported in MB of float32
-input per second, beside two memory copies of the same tensor timed in the same run:
+input per second, beside two memory copies of the same tensor, each run interleaved
+with the codec's (copy, codec, copy, codec, ...; the ratios are medians of the per-pair
+ratios, robust to a load that changes during the run):
 ``memcpy`` = ``x.clone()`` (a fresh tensor: torch's allocator hands out 4 KB pages, so
 this pays ~10,000 page faults at 40 MB; the reference of record, ``vs memcpy``) and
 ``copy_`` = a copy into a warm preallocated tensor (pure memory bandwidth, the stricter
@@ -54,25 +56,42 @@ def benchmark_layout(d: int, width: int = 512) -> ParamLayout:
     return ParamLayout.from_shapes(shapes)
 
 
-def _timer(fn: Callable[[], object], device: torch.device, repeats: int, budget_s: float) -> tuple[float, float, int]:
-    """(median, min, runs) wall seconds of ``fn`` over up to ``repeats`` runs after one
-    warm-up run (which also builds cached tables); fewer runs (at least one) when they
-    would exceed ``budget_s``. The median is the figure of record; the min shows what the
-    code does when nothing else competes for the cores."""
+def _paired(fn: Callable[[], object], refs: dict[str, Callable[[], object]], device: torch.device, repeats: int,
+            budget_s: float) -> tuple[tuple[float, float, int], dict[str, tuple[float, float, int]], dict[str, float]]:
+    """Time ``fn`` interleaved with each reference (ref, fn, ref, fn, ...), so that both see
+    the same machine load: ``(fn's (median, min, runs), each ref's (median, min, runs),
+    each ref's median of the per-pair ratios ref_time / fn_time)``. The paired ratio is the
+    figure of record on a loaded machine, where load changes between separate runs."""
 
-    def once() -> float:
+    def once(f) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        fn()
+        f()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    first = once()
+    first = once(fn)  # warm-up: builds cached tables
+    for ref in refs.values():
+        once(ref)
     n = max(1, min(repeats, int(budget_s / max(first, 1e-9))))
-    times = [once() for _ in range(n)]
-    return statistics.median(times), min(times), n
+    times, ref_times = [], {name: [] for name in refs}
+    ratios = {name: [] for name in refs}
+    for _ in range(n):
+        for name, ref in refs.items():
+            r = once(ref)
+            t = once(fn)
+            ref_times[name].append(r)
+            ratios[name].append(r / t)
+            times.append(t)
+    stat = (statistics.median(times), min(times), len(times))
+    ref_stat = {name: (statistics.median(v), min(v), len(v)) for name, v in ref_times.items()}
+    return stat, ref_stat, {name: statistics.median(v) for name, v in ratios.items()}
+
+
+def _roundtrip(codec, x: torch.Tensor, layout: ParamLayout) -> Callable[[], object]:
+    return lambda: codec.decode(codec.encode(x, layout, seed=1), layout)
 
 
 def _message_bytes(payload) -> int:
@@ -88,9 +107,10 @@ def _message_bytes(payload) -> int:
 
 
 def _row(codec: str, d: int, k: int, dev: torch.device, wire: int, note: str, timing=None, copy=None,
-         warm=None) -> dict:
+         ratios=None) -> dict:
     """One table row; ``timing`` and ``copy`` are (median, min, runs) of the codec and of
-    the memory copy, None for a skipped cell."""
+    the memory copy (timed interleaved with it), ``ratios`` the paired median ratios
+    ``{"memcpy": .., "copy_": ..}``; None for a skipped cell."""
     row = {
         "codec": codec,
         "d": d,
@@ -113,15 +133,15 @@ def _row(codec: str, d: int, k: int, dev: torch.device, wire: int, note: str, ti
             "best_ms": None,
             "runs": 0,
         }
-    (t, t_min, runs), (c, c_min, _) = timing, copy
+    (t, t_min, runs), (_, c_min, _) = timing, copy
     return {
         **row,
         "mb_per_s": mb / t,
-        "vs_memcpy": c / t,
+        "vs_memcpy": ratios["memcpy"],
         "ms": 1e3 * t,
         "best_mb_per_s": mb / t_min,
         "best_vs_memcpy": c_min / t_min,
-        "vs_copy_": warm[0] / t if warm else None,
+        "vs_copy_": ratios["copy_"],
         "best_ms": 1e3 * t_min,
         "runs": runs,
     }
@@ -160,19 +180,14 @@ def _run(out_dir: Path, quick: bool, dev: torch.device, sizes: Sequence[int] | N
                 rows += [_row(n, d, k, dev, wire[n], note) for n in notes]
                 continue
             x = x1.expand(k, d) + 0.01 * torch.randn(k, d, generator=gen).to(dev)  # clients differ
-            copy = _timer(lambda x=x: x.clone(), dev, repeats, budget_s)
             buf = torch.empty_like(x)
-            warm = _timer(lambda x=x, buf=buf: buf.copy_(x), dev, repeats, budget_s)
-            buf = None
-            rows.append(_row("memcpy", d, k, dev, wire["memcpy"], notes["memcpy"], copy, copy, warm))
-            rows.append(_row("copy_", d, k, dev, wire["copy_"], notes["copy_"], warm, copy, warm))
-            for name in CODECS:
-                codec = make_codec(name)
-                timing = _timer(
-                    lambda c=codec, x=x, lay=layout: c.decode(c.encode(x, lay, seed=1), lay), dev, repeats, budget_s
-                )
-                rows.append(_row(name, d, k, dev, wire[name], notes[name], timing, copy, warm))
-            x = None  # free the batch before the next one is made
+            refs = {"memcpy": lambda x=x: x.clone(), "copy_": lambda x=x, buf=buf: buf.copy_(x)}
+            cells = {"memcpy": refs["memcpy"], "copy_": refs["copy_"]}
+            cells.update({name: _roundtrip(make_codec(name), x, layout) for name in CODECS})
+            for name, fn in cells.items():
+                timing, ref_timing, ratios = _paired(fn, refs, dev, repeats, budget_s)
+                rows.append(_row(name, d, k, dev, wire[name], notes[name], timing, ref_timing["memcpy"], ratios))
+            x = buf = None  # free the batch before the next one is made
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "codecs.json").write_text(json.dumps(rows, indent=1))
