@@ -184,25 +184,33 @@ class CountSketch:
     def sketch(self, x: torch.Tensor) -> torch.Tensor:
         """``[K, d]`` -> ``[K, r, c]`` tables (float dtype of x). Linear in x."""
         x, squeeze = self._vectors(x)
-        x = self._permuted(x)
-        k, c, d = x.shape[0], self.cols, self._span
-        full = d // c
-        # accumulate sigma·x_b at offset shift_b of a doubled row, then fold: 2c + 1 cells
+        k, c = x.shape[0], self.cols
+        # accumulate sigma·y_b at offset shift_b of a doubled row, then fold: 2c + 1 cells
         acc = torch.zeros(k, self.rows, 2 * c + 1, dtype=x.dtype, device=x.device)
-        if self._loop:
-            for j in range(self.rows):
-                row = acc[:, j]
-                for b in range(self.blocks):
-                    lo = b * c
-                    n = min(c, d - lo)
+        if self._loop:  # block by block: y_b = x_b permuted by pi stays in cache for the r adds
+            y = torch.empty(k, c, dtype=x.dtype, device=x.device)
+            for b in range(self.blocks):
+                self._permuted_block(x, b, y)
+                for j in range(self.rows):
                     s = self._shift_list[j][b]
-                    row[:, s : s + n].add_(x[:, lo : lo + n], alpha=-1 if self._neg_list[j][b] else 1)
+                    acc[:, j, s : s + c].add_(y, alpha=-1 if self._neg_list[j][b] else 1)
         else:
+            y = self._permuted(x)
             for j in range(self.rows):
-                self._sketch_row_batched(acc[:, j], x, j, full)
+                self._sketch_row_batched(acc[:, j], y, j, self._span // c)
         table = acc[:, :, :c] + acc[:, :, c : 2 * c]
         table.mul_(self.bucket_signs.to(table.dtype))
         return table[0] if squeeze else table
+
+    def _permuted_block(self, x: torch.Tensor, b: int, out: torch.Tensor) -> None:
+        """Block b of y (see :meth:`_permuted`) into ``out`` ``[K, c]``."""
+        c, lo = self.cols, b * self.cols
+        n = min(c, self.d - lo)
+        if n == c:
+            torch.index_select(x[:, lo : lo + c], 1, self._perm_inv, out=out)
+        else:
+            out.zero_()
+            out[:, self.perm[:n]] = x[:, lo : lo + n]
 
     def _permuted(self, x: torch.Tensor) -> torch.Tensor:
         """y ``[K, B·c]``: y[b·c + pi[p]] = x[b·c + p], zeros where the short last block ends."""
@@ -346,7 +354,7 @@ class CountSketch:
         parts = [torch.from_numpy(np.concatenate(v)) for v in vals]
         rows, cols = torch.from_numpy(np.concatenate(rows)), torch.from_numpy(np.concatenate(cols))
         est = median_small(parts)
-        real = self._perm_inv[cols % c] + cols // c * c < self.d
+        real = self._perm_inv[cols % c] + cols // c * c < self.d  # not the padding of the last block
         rows, cols = self._from_span(rows[real], cols[real])
         return rows, cols, est[real]
 
