@@ -117,7 +117,7 @@ class RandKCodec(Codec):
 
 @functools.lru_cache(maxsize=2)
 def _sketcher(d: int, rows: int, cols: int, seed: int, device: torch.device) -> CountSketch:
-    # the hash tables cost 9·r·d bytes and O(r·d) time to build: keep the last two
+    # the hash parameters are small (r·(d/c + 2c) values), but cheap to keep: the last two
     return CountSketch(d, rows, cols, seed, device)
 
 
