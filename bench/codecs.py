@@ -1,11 +1,18 @@
 """Codec throughput: encode + decode speed of every codec beside a plain memory copy.
 
 For d = 10^6 and 10^7 float32 parameters (quick: 10^6 only) and K = 1 and K = 64 clients,
-each codec's ``decode(encode(x))`` is timed (median of up to 5 runs, 11 in the full mode,
+each codec's ``decode(encode(x))`` is timed (median of up to 9 runs, 15 in the full mode,
 after a warm-up that also builds cached tables such as Count Sketch hashes; cells whose
 runs would take long get fewer, at least one) and reported in MB of float32
-input per second, beside ``x.clone()`` of the same tensor timed in the same run. Bytes
-on the wire are measured on a serialized Flower message of one client's payload.
+input per second, beside two memory copies of the same tensor, each run interleaved
+with the codec's (copy, codec, copy, codec, ...; the ratios are medians of the per-pair
+ratios, robust to a load that changes during the run):
+``memcpy`` = ``x.clone()`` (a fresh tensor: torch's allocator hands out 4 KB pages, so
+this pays ~10,000 page faults at 40 MB; the reference of record, ``vs memcpy``) and
+``copy_`` = a copy into a warm preallocated tensor (pure memory bandwidth, the stricter
+``vs copy_``). On a CPU the benchmark runs on ONE thread (``torch.set_num_threads(1)``,
+restored afterwards). Bytes on the wire are measured on a serialized Flower message of
+one client's payload.
 
     python -m fedswarm.bench.codecs --quick --out out/   # or: fedswarm bench codecs
 
@@ -49,25 +56,42 @@ def benchmark_layout(d: int, width: int = 512) -> ParamLayout:
     return ParamLayout.from_shapes(shapes)
 
 
-def _timer(fn: Callable[[], object], device: torch.device, repeats: int, budget_s: float) -> tuple[float, float, int]:
-    """(median, min, runs) wall seconds of ``fn`` over up to ``repeats`` runs after one
-    warm-up run (which also builds cached tables); fewer runs (at least one) when they
-    would exceed ``budget_s``. The median is the figure of record; the min shows what the
-    code does when nothing else competes for the cores."""
+def _paired(fn: Callable[[], object], refs: dict[str, Callable[[], object]], device: torch.device, repeats: int,
+            budget_s: float) -> tuple[tuple[float, float, int], dict[str, tuple[float, float, int]], dict[str, float]]:
+    """Time ``fn`` interleaved with each reference (ref, fn, ref, fn, ...), so that both see
+    the same machine load: ``(fn's (median, min, runs), each ref's (median, min, runs),
+    each ref's median of the per-pair ratios ref_time / fn_time)``. The paired ratio is the
+    figure of record on a loaded machine, where load changes between separate runs."""
 
-    def once() -> float:
+    def once(f) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        fn()
+        f()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    first = once()
+    first = once(fn)  # warm-up: builds cached tables
+    for ref in refs.values():
+        once(ref)
     n = max(1, min(repeats, int(budget_s / max(first, 1e-9))))
-    times = [once() for _ in range(n)]
-    return statistics.median(times), min(times), n
+    times, ref_times = [], {name: [] for name in refs}
+    ratios = {name: [] for name in refs}
+    for _ in range(n):
+        for name, ref in refs.items():
+            r = once(ref)
+            t = once(fn)
+            ref_times[name].append(r)
+            ratios[name].append(r / t)
+            times.append(t)
+    stat = (statistics.median(times), min(times), len(times))
+    ref_stat = {name: (statistics.median(v), min(v), len(v)) for name, v in ref_times.items()}
+    return stat, ref_stat, {name: statistics.median(v) for name, v in ratios.items()}
+
+
+def _roundtrip(codec, x: torch.Tensor, layout: ParamLayout) -> Callable[[], object]:
+    return lambda: codec.decode(codec.encode(x, layout, seed=1), layout)
 
 
 def _message_bytes(payload) -> int:
@@ -82,9 +106,11 @@ def _message_bytes(payload) -> int:
         TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
 
 
-def _row(codec: str, d: int, k: int, dev: torch.device, wire: int, note: str, timing=None, copy=None) -> dict:
+def _row(codec: str, d: int, k: int, dev: torch.device, wire: int, note: str, timing=None, copy=None,
+         ratios=None) -> dict:
     """One table row; ``timing`` and ``copy`` are (median, min, runs) of the codec and of
-    the memory copy, None for a skipped cell."""
+    the memory copy (timed interleaved with it), ``ratios`` the paired median ratios
+    ``{"memcpy": .., "copy_": ..}``; None for a skipped cell."""
     row = {
         "codec": codec,
         "d": d,
@@ -103,17 +129,19 @@ def _row(codec: str, d: int, k: int, dev: torch.device, wire: int, note: str, ti
             "ms": None,
             "best_mb_per_s": None,
             "best_vs_memcpy": None,
+            "vs_copy_": None,
             "best_ms": None,
             "runs": 0,
         }
-    (t, t_min, runs), (c, c_min, _) = timing, copy
+    (t, t_min, runs), (_, c_min, _) = timing, copy
     return {
         **row,
         "mb_per_s": mb / t,
-        "vs_memcpy": c / t,
+        "vs_memcpy": ratios["memcpy"],
         "ms": 1e3 * t,
         "best_mb_per_s": mb / t_min,
         "best_vs_memcpy": c_min / t_min,
+        "vs_copy_": ratios["copy_"],
         "best_ms": 1e3 * t_min,
         "runs": runs,
     }
@@ -123,6 +151,16 @@ def run(out_dir: Path, quick: bool = False, device: str = "cpu", *, sizes: Seque
     """Run the benchmark, write ``out_dir/codecs.json`` and ``out_dir/codecs.png``, print a
     table, and return the rows. ``sizes`` overrides the values of d (for tests)."""
     dev = torch.device(device)
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # the targets are per core
+    try:
+        return _run(out_dir, quick, dev, sizes)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(out_dir: Path, quick: bool, dev: torch.device, sizes: Sequence[int] | None) -> list[dict]:
     sizes = list(sizes) if sizes else [10**6] if quick else [10**6, 10**7]
     repeats, budget_s = (9, 1.5) if quick else (15, 10.0)
     gen = torch.Generator().manual_seed(0)
@@ -132,7 +170,9 @@ def run(out_dir: Path, quick: bool = False, device: str = "cpu", *, sizes: Seque
         x1 = torch.randn(1, d, generator=gen).to(dev)
         wire = {name: _message_bytes(make_codec(name).encode(x1, layout, seed=1)) for name in CODECS}
         wire["memcpy"] = 4 * d
-        notes = {"memcpy": "x.clone()", **{name: make_codec(name).summary() for name in CODECS}}
+        notes = {"memcpy": "x.clone()", "copy_": "warm.copy_(x)",
+                 **{name: make_codec(name).summary() for name in CODECS}}
+        wire["copy_"] = 4 * d
         for k in (1, 64):
             need = _WORKING_SET * 4 * k * d
             if need > _MEMORY_LIMIT:
@@ -140,15 +180,14 @@ def run(out_dir: Path, quick: bool = False, device: str = "cpu", *, sizes: Seque
                 rows += [_row(n, d, k, dev, wire[n], note) for n in notes]
                 continue
             x = x1.expand(k, d) + 0.01 * torch.randn(k, d, generator=gen).to(dev)  # clients differ
-            copy = _timer(lambda x=x: x.clone(), dev, repeats, budget_s)
-            rows.append(_row("memcpy", d, k, dev, wire["memcpy"], notes["memcpy"], copy, copy))
-            for name in CODECS:
-                codec = make_codec(name)
-                timing = _timer(
-                    lambda c=codec, x=x, lay=layout: c.decode(c.encode(x, lay, seed=1), lay), dev, repeats, budget_s
-                )
-                rows.append(_row(name, d, k, dev, wire[name], notes[name], timing, copy))
-            x = None  # free the batch before the next one is made
+            buf = torch.empty_like(x)
+            refs = {"memcpy": lambda x=x: x.clone(), "copy_": lambda x=x, buf=buf: buf.copy_(x)}
+            cells = {"memcpy": refs["memcpy"], "copy_": refs["copy_"]}
+            cells.update({name: _roundtrip(make_codec(name), x, layout) for name in CODECS})
+            for name, fn in cells.items():
+                timing, ref_timing, ratios = _paired(fn, refs, dev, repeats, budget_s)
+                rows.append(_row(name, d, k, dev, wire[name], notes[name], timing, ref_timing["memcpy"], ratios))
+            x = buf = None  # free the batch before the next one is made
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "codecs.json").write_text(json.dumps(rows, indent=1))
@@ -174,6 +213,7 @@ def _print(rows: list[dict]) -> None:
         "vs memcpy",
         "best MB/s",
         "best vs memcpy",
+        "vs copy_",
         "wire B/client",
         "compression",
         "note",
@@ -189,6 +229,7 @@ def _print(rows: list[dict]) -> None:
             _fmt(r["vs_memcpy"], ".3f"),
             _fmt(r["best_mb_per_s"], ",.0f"),
             _fmt(r["best_vs_memcpy"], ".3f"),
+            _fmt(r.get("vs_copy_"), ".3f"),
             f"{r['wire_bytes']:,}",
             f"{r['compression']:.1f}x",
             r["note"],
@@ -207,7 +248,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     for ax, (d, k) in zip(axes[0], cells, strict=True):
         sel = [r for r in rows if r["d"] == d and r["K"] == k and r["mb_per_s"] is not None]
         names = [r["codec"] for r in sel]
-        ax.bar(names, [r["mb_per_s"] for r in sel], color=["grey" if n == "memcpy" else "tab:blue" for n in names])
+        ax.bar(names, [r["mb_per_s"] for r in sel],
+               color=["grey" if n in ("memcpy", "copy_") else "tab:blue" for n in names])
         ax.set_yscale("log")
         ax.set_title(f"d = {d:.0e}, K = {k}")
         ax.set_ylabel("MB/s of float32 input")

@@ -1,9 +1,9 @@
-"""Codecs against plain-numpy oracles, exactly representable inputs, serialized sizes,
-malformed payloads and batch/single equivalence."""
+"""What every codec shares: exactly representable inputs, batch/single equivalence, serialized
+sizes, the Flower round trip, malformed payloads, configuration and the benchmark. The
+families' oracles are in test_codecs_quant.py and test_codecs_sparse.py."""
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -13,282 +13,11 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedswarm.config import ConfigError
 from fedswarm.params import ParamLayout
-from fedswarm.algorithms.compression.kernels import bit_lut, pack_bits, random_subset, topk_abs_indices, unpack_bits
 from fedswarm.algorithms.compression.codecs import CODECS, decode_payload, describe_codecs, make_codec
-from fedswarm.algorithms.compression.countsketch import PRIME, CountSketch
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import message_nbytes, payload_from_records, payload_to_records
 
-# A layout with matrices, a conv kernel, a scalar and biases; d = 106, not a multiple of 8.
-LAYOUT = ParamLayout.from_shapes(
-    [
-        ("fc1.weight", (6, 5)),
-        ("fc1.bias", (6,)),
-        ("conv.weight", (4, 3, 2, 2)),
-        ("scale", ()),
-        ("fc2.weight", (3, 6)),
-        ("fc2.bias", (3,)),
-    ]
-)
-D = LAYOUT.d
-# small-d settings that keep every codec non-trivial at d = 106
-SMALL = {"topk": {"ratio": 0.05}, "randk": {"ratio": 0.1}, "qsgd": {"levels": 4, "bucket": 32},
-         "countsketch": {"k_ratio": 0.1}}
-PER_ROW_SEED = {"qsgd"}  # codecs whose row i uses seed + i; the rest share the seed
-
-
-def randn(k: int, d: int = D, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((k, d)).astype(np.float32)
-
-
-def codec_for(name: str, **extra):
-    return make_codec(name, **{**SMALL.get(name, {}), **extra})
-
-
-def roundtrip(codec, x: np.ndarray, layout=LAYOUT, seed: int = 0) -> tuple[Payload, np.ndarray]:
-    payload = codec.encode(torch.from_numpy(x), layout, seed=seed)
-    return payload, codec.decode(payload, layout).numpy()
-
-
-def columns(layout):
-    """(offset, rows, cols) of each tensor seen as a matrix."""
-    for s in layout.specs:
-        rows = s.shape[0] if s.shape else 1
-        yield s.offset, rows, s.numel // rows
-
-
-# -- numpy oracles: naive re-derivations, written without looking at the torch code -------
-
-
-def np_onebit(x: np.ndarray, layout) -> np.ndarray:
-    out = np.empty_like(x)
-    for k in range(x.shape[0]):
-        for off, rows, cols in columns(layout):
-            m = x[k, off : off + rows * cols].reshape(rows, cols)
-            q = np.empty_like(m)
-            for j in range(cols):
-                col = m[:, j].astype(np.float64)
-                neg, pos = col[col < 0], col[col >= 0]
-                a0 = neg.mean() if neg.size else 0.0
-                a1 = pos.mean() if pos.size else 0.0
-                for i in range(rows):
-                    q[i, j] = a1 if col[i] >= 0 else a0
-            out[k, off : off + rows * cols] = q.reshape(-1)
-    return out
-
-
-def np_sign(x: np.ndarray) -> np.ndarray:
-    scale = np.abs(x.astype(np.float64)).sum(axis=1, keepdims=True) / x.shape[1]
-    return np.where(x >= 0, scale, -scale).astype(np.float32)
-
-
-def np_topk(x: np.ndarray, ratio: float) -> np.ndarray:
-    k = math.ceil(ratio * x.shape[1] - 1e-9)
-    out = np.zeros_like(x)
-    for r in range(x.shape[0]):
-        keep = np.argsort(-np.abs(x[r]), kind="stable")[:k]
-        out[r, keep] = x[r, keep]
-    return out
-
-
-def np_fp16(x: np.ndarray) -> np.ndarray:
-    return np.clip(x, -65504, 65504).astype(np.float16).astype(np.float32)
-
-
-def np_qsgd_levels(x: np.ndarray, s: int, bucket: int) -> tuple[np.ndarray, np.ndarray]:
-    """y = s·x/||bucket|| (float64) and the per-value norm."""
-    y, norm = np.zeros(x.shape), np.zeros(x.shape)
-    b = bucket or x.shape[1]
-    for r in range(x.shape[0]):
-        for start in range(0, x.shape[1], b):
-            seg = x[r, start : start + b].astype(np.float64)
-            n = np.sqrt((seg**2).sum())
-            norm[r, start : start + b] = n
-            y[r, start : start + b] = s * seg / n if n > 0 else 0.0
-    return y, norm
-
-
-def np_countsketch_hashes(d: int, coef: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """Bucket and sign of every coordinate from the coefficients, in exact Python ints."""
-    rows = coef.shape[0]
-    buckets, signs = np.zeros((rows, d), np.int64), np.zeros((rows, d), np.int64)
-    for j in range(rows):
-        a, b, c3, c2, c1, c0 = (int(v) for v in coef[j])
-        for i in range(d):
-            buckets[j, i] = ((a * i + b) % PRIME) % cols
-            h = (c3 * i**3 + c2 * i**2 + c1 * i + c0) % PRIME
-            signs[j, i] = -1 if h % 2 else 1
-    return buckets, signs
-
-
-def np_countsketch_decode(x: np.ndarray, buckets, signs, cols: int, k: int) -> np.ndarray:
-    rows, d = buckets.shape
-    out = np.zeros_like(x)
-    for r in range(x.shape[0]):
-        table = np.zeros((rows, cols))
-        for j in range(rows):
-            for i in range(d):
-                table[j, buckets[j, i]] += signs[j, i] * float(x[r, i])
-        est = np.array([np.sort([signs[j, i] * table[j, buckets[j, i]] for j in range(rows)])[(rows - 1) // 2]
-                        for i in range(d)])
-        keep = np.argsort(-np.abs(est), kind="stable")[:k]
-        out[r, keep] = est[keep]
-    return out
-
-
-# -- kernels ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("n", [1, 7, 8, 9, 106, 1000])
-def test_pack_bits_matches_numpy_little_bit_order(n):
-    bits = torch.rand(3, n, generator=torch.Generator().manual_seed(n)) < 0.5
-    packed = pack_bits(bits)
-    np.testing.assert_array_equal(packed.numpy(), np.packbits(bits.numpy(), axis=1, bitorder="little"))
-    assert torch.equal(unpack_bits(packed, n, bit_lut(0.0, 1.0, "cpu")), bits.float())
-    per_row = unpack_bits(packed, n, bit_lut(-torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 3.0]), "cpu"))
-    assert torch.equal(per_row, torch.where(bits, 1.0, -1.0) * torch.tensor([[1.0], [2.0], [3.0]]))
-
-
-@pytest.mark.parametrize("k", [1, 5, 100, 1000, 12_000])
-def test_topk_indices_sampled_path_is_exact(k):
-    x = torch.from_numpy(randn(3, 100_000, seed=k))  # d >= 4·16384 takes the sampled path
-    idx = topk_abs_indices(x, k)
-    ref = np.sort(np.argsort(-np.abs(x.numpy()), axis=1, kind="stable")[:, :k], axis=1)
-    np.testing.assert_array_equal(idx.numpy(), ref)
-
-
-def test_topk_indices_fall_back_when_the_sample_misleads():
-    from fedswarm.algorithms.compression.kernels import _sample_positions
-
-    n, k = 100_000, 8000
-    x = torch.full((2, n), 0.5)
-    sample = _sample_positions(n, x.device)
-    # the sampled coordinates are the only large ones, so the threshold sits at the
-    # ~1800th largest value and fewer than k coordinates reach it
-    x[0, sample] = 10.0 + torch.rand(sample.numel(), generator=torch.Generator().manual_seed(0))
-    idx = topk_abs_indices(x, k)
-    ref = x.abs().topk(k, dim=1).indices.sort(dim=1).values
-    assert torch.equal(x.gather(1, idx).sort(dim=1).values, x.gather(1, ref).sort(dim=1).values)
-    assert bool((idx[:, 1:] > idx[:, :-1]).all())
-
-
-def test_topk_indices_with_ties_and_zeros():
-    x = torch.zeros(2, 70_000)
-    x[0, 5], x[1, 69_999] = 3.0, -2.0
-    idx = topk_abs_indices(x, 10)  # the threshold is 0: every coordinate is a candidate
-    assert idx.shape == (2, 10) and 5 in idx[0].tolist() and 69_999 in idx[1].tolist()
-    assert bool((idx[:, 1:] > idx[:, :-1]).all())
-
-
-def test_random_subset_is_uniform_and_reproducible():
-    n, k, seeds = 50, 5, 4000
-    counts = np.zeros(n)
-    for s in range(seeds):
-        idx = random_subset(n, k, s).numpy()
-        assert len(set(idx.tolist())) == k and (np.diff(idx) > 0).all()
-        counts[idx] += 1
-    expected = seeds * k / n
-    assert np.abs(counts - expected).max() < 6 * math.sqrt(expected)
-    assert torch.equal(random_subset(10**6, 10**4, 3), random_subset(10**6, 10**4, 3))
-    assert not torch.equal(random_subset(10**6, 10**4, 3), random_subset(10**6, 10**4, 4))
-    big = random_subset(1000, 900, 1)  # the randperm path
-    assert big.unique().numel() == 900
-
-
-# -- decode(encode(x)) against the oracles ---------------------------------------------
-
-
-def test_none_and_fp16_match_oracle():
-    x = randn(3) * np.float32(1000)
-    x[0, 0], x[1, 1] = 1e6, -1e6  # beyond float16: saturates
-    assert np.array_equal(roundtrip(make_codec("none"), x)[1], x)
-    assert np.array_equal(roundtrip(make_codec("fp16"), x)[1], np_fp16(x))
-
-
-def test_onebit_matches_oracle():
-    x = randn(3)
-    x[1, 36 : 36 + 48] = np.abs(x[1, 36 : 36 + 48])  # a tensor with no negatives at all
-    payload, got = roundtrip(make_codec("onebit"), x)
-    np.testing.assert_allclose(got, np_onebit(x, LAYOUT), rtol=1e-6, atol=1e-7)
-    np.testing.assert_array_equal(payload.arrays["bits"].numpy(), np.packbits(x >= 0, axis=1, bitorder="little"))
-    assert payload.arrays["means"].shape == (3, 5 + 1 + 12 + 1 + 6 + 1, 2)
-
-
-def test_sign_matches_oracle():
-    x = randn(3)
-    x[0, :10] = 0.0  # sign(0) = +1
-    np.testing.assert_allclose(roundtrip(make_codec("sign"), x)[1], np_sign(x), rtol=1e-6)
-
-
-def test_topk_matches_oracle():
-    x = randn(3)
-    payload, got = roundtrip(codec_for("topk"), x)
-    np.testing.assert_array_equal(got, np_topk(x, 0.05))
-    idx = payload.arrays["indices"].numpy()
-    assert idx.dtype == np.int32 and (np.diff(idx, axis=1) > 0).all()
-
-
-@pytest.mark.parametrize("unbiased", [False, True])
-def test_randk_keeps_the_seeded_coordinates(unbiased):
-    x = randn(3)
-    codec = codec_for("randk", unbiased=unbiased)
-    payload, got = roundtrip(codec, x, seed=11)
-    k = math.ceil(0.1 * D)
-    support = np.flatnonzero(got[0])
-    assert len(support) == k and all((np.flatnonzero(row) == support).all() for row in got)  # shared
-    scale = D / k if unbiased else 1.0
-    np.testing.assert_allclose(got[:, support], x[:, support] * np.float32(scale), rtol=1e-6)
-    np.testing.assert_array_equal(payload.arrays["values"].numpy(), x[:, support])
-    other = np.flatnonzero(roundtrip(codec, x, seed=12)[1][0])
-    assert not np.array_equal(other, support)
-    assert codec.unbiased is unbiased and codec.error_feedback is not unbiased
-
-
-def test_qsgd_codes_round_to_a_neighbouring_level():
-    s, bucket = 4, 32
-    x = randn(3)
-    payload, got = roundtrip(codec_for("qsgd"), x, seed=5)
-    y, norm = np_qsgd_levels(x, s, bucket)
-    codes = payload.arrays["codes"].numpy().astype(np.float64)
-    assert payload.arrays["codes"].dtype == torch.int8
-    assert ((codes == np.floor(y)) | (codes == np.floor(y) + 1) | (np.abs(codes - y) < 1e-5)).all()
-    np.testing.assert_allclose(payload.arrays["norms"].numpy(), norm[:, ::bucket], rtol=1e-6)
-    np.testing.assert_allclose(got, norm / s * codes, rtol=1e-6, atol=1e-7)
-
-
-def test_qsgd_int16_codes_above_127_levels():
-    x = randn(2)
-    x[:, 0] = 100.0  # dominates the norm: its code is near 300
-    payload, _ = roundtrip(make_codec("qsgd", levels=300), x)
-    assert payload.arrays["codes"].dtype == torch.int16
-    assert int(payload.arrays["codes"].abs().max()) > 127
-
-
-def test_countsketch_codec_matches_oracle():
-    codec = codec_for("countsketch", rows=3)
-    x = randn(2)
-    _, got = roundtrip(codec, x, seed=9)
-    k = math.ceil(0.1 * D)
-    cs = CountSketch(D, 3, 10 * k, seed=9)
-    buckets, signs = np_countsketch_hashes(D, cs.coefficients.numpy(), 10 * k)
-    np.testing.assert_allclose(got, np_countsketch_decode(x, buckets, signs, 10 * k, k), rtol=1e-5, atol=1e-6)
-
-
-# -- inputs a codec represents exactly ---------------------------------------------------
-
-
-def test_onebit_two_valued_columns_are_exact():
-    rng = np.random.default_rng(1)
-    x = np.zeros((2, D), np.float32)
-    for k in range(2):
-        for off, rows, cols in columns(LAYOUT):
-            for j in range(cols):
-                hi = np.float32(rng.uniform(0, 3))
-                lo = np.float32(-rng.uniform(1e-3, 3))
-                pick = rng.random(rows) < 0.5
-                x[k, off + j : off + rows * cols : cols] = np.where(pick, hi, lo)
-    x[0, :30] = np.float32(0.1)  # one-sided and a non-dyadic value repeated 6 times per column
-    assert np.array_equal(roundtrip(make_codec("onebit"), x)[1], x)
+from tests.codec_oracles import (D, LAYOUT, PER_ROW_SEED, codec_for, randn, roundtrip)
 
 
 def test_exact_inputs_of_each_codec():
@@ -315,32 +44,6 @@ def test_exact_inputs_of_each_codec():
     assert np.array_equal(roundtrip(make_codec("countsketch", cols=100_000, k_ratio=1.0), x)[1], x)
 
 
-def test_qsgd_is_unbiased():
-    n, s = 4000, 4
-    x = torch.from_numpy(randn(1, 64, seed=3))
-    batch = x.expand(n, 64).contiguous()  # row i draws its noise from seed + i
-    codec = make_codec("qsgd", levels=s, bucket=0)
-    layout = ParamLayout.from_shapes([("v", (64,))])
-    dec = codec.decode(codec.encode(batch, layout, seed=100), layout)
-    assert dec.std(dim=0).max() > 0  # it is random
-    step = float(torch.linalg.vector_norm(x)) / s  # distance between two levels
-    bound = 6 * (step / 2) / math.sqrt(n)  # 6 sigma of the mean (variance <= step^2/4)
-    assert float((dec.mean(dim=0) - x[0]).abs().max()) < bound
-    # the bound is tight enough to catch a biased rounding (round to nearest)
-    nearest = torch.round(x * s / float(torch.linalg.vector_norm(x))) * step
-    assert float((nearest - x).abs().max()) > bound
-
-
-def test_qsgd_noise_depends_on_seed_only():
-    x = torch.from_numpy(randn(1))
-    codec = codec_for("qsgd")
-    a, b, c = (codec.encode(x, LAYOUT, seed=s).arrays["codes"] for s in (1, 1, 2))
-    assert torch.equal(a, b) and not torch.equal(a, c)
-
-
-# -- batches -----------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("name", list(CODECS))
 def test_batch_equals_separate_calls(name):
     codec = codec_for(name)
@@ -353,14 +56,6 @@ def test_batch_equals_separate_calls(name):
             assert torch.equal(arr, batch.arrays[key][i : i + 1]), key
         assert torch.equal(codec.decode(single, LAYOUT), dec[i : i + 1])
     assert dec.shape == (4, D) and dec.dtype == torch.float32 and dec.device == x.device
-
-
-def test_topk_batch_on_the_sampled_path():
-    layout = ParamLayout.from_shapes([("w", (1000, 100))])
-    x = torch.from_numpy(randn(3, 100_000, seed=4))
-    codec = make_codec("topk", ratio=0.001)
-    dec = codec.decode(codec.encode(x, layout), layout).numpy()
-    np.testing.assert_array_equal(dec, np_topk(x.numpy(), 0.001))
 
 
 # -- the wire: serialized sizes and the Flower round trip --------------------------------
@@ -542,9 +237,6 @@ def test_decode_does_not_alias_the_payload():
     assert bool((p.arrays["values"] == 1).all())
 
 
-# -- construction and description ---------------------------------------------------------
-
-
 def test_make_codec_rejects_bad_configuration():
     with pytest.raises(ConfigError, match="unknown codec 'gzip'"):
         make_codec("gzip")
@@ -587,6 +279,6 @@ def test_bench_codecs_writes_its_table(tmp_path):
     assert benchmark_layout(10**6).d == 10**6 and benchmark_layout(1000).d == 1000
     rows = run(tmp_path, quick=True, sizes=[5000])
     assert (tmp_path / "codecs.json").exists() and (tmp_path / "codecs.png").stat().st_size > 0
-    assert {(r["codec"], r["K"]) for r in rows} == {(c, k) for c in ["memcpy", *CODECS] for k in (1, 64)}
+    assert {(r["codec"], r["K"]) for r in rows} == {(c, k) for c in ["memcpy", "copy_", *CODECS] for k in (1, 64)}
     for r in rows:
-        assert r["mb_per_s"] > 0 and r["vs_memcpy"] > 0 and r["wire_bytes"] > 0 and r["runs"] >= 1
+        assert r["mb_per_s"] > 0 and r["vs_memcpy"] > 0 and r["vs_copy_"] > 0 and r["wire_bytes"] > 0 and r["runs"] >= 1

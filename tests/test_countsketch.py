@@ -1,4 +1,5 @@
-"""Count Sketch algebra (after csvec's tests) and its hashes against exact integer math."""
+"""Count Sketch algebra (after csvec's tests), its block-shift hashes against their
+definition, and its fast paths against plain loops."""
 
 from __future__ import annotations
 
@@ -7,34 +8,68 @@ import pytest
 import torch
 
 from fedswarm.algorithms.compression.kernels import median_small
-from fedswarm.algorithms.compression.countsketch import PRIME, CountSketch, poly_mod_prime
+from fedswarm.algorithms.compression import countsketch as cs_module
+from fedswarm.algorithms.compression.countsketch import CountSketch
 
 
 def test_same_seed_same_hashes_other_seed_other_hashes():
     a, b, c = CountSketch(1000, 5, 64, seed=3), CountSketch(1000, 5, 64, seed=3), CountSketch(1000, 5, 64, seed=4)
-    assert torch.equal(a.index, b.index) and torch.equal(a.signs, b.signs)
-    assert not torch.equal(a.index, c.index)
+    assert torch.equal(a.buckets(), b.buckets()) and torch.equal(a.signs, b.signs)
+    assert not torch.equal(a.buckets(), c.buckets())
     x = torch.randn(2, 1000)
     assert torch.equal(a.sketch(x), b.sketch(x))
 
 
-def test_hashes_match_exact_integer_arithmetic_for_large_coordinates():
-    d = 1 << 21  # a cubic of i ~ 2^21 overflows int64 unless reduced mod p at each step
+def oracle_hash(cs: CountSketch, j: int, i: int) -> tuple[int, int]:
+    """h_j(i), s_j(i) by the module's definition, in Python ints."""
+    block, pos = divmod(i, cs.cols)
+    h = (int(cs.perm[pos]) + int(cs.shifts[j, block])) % cs.cols
+    return h, int(cs.block_signs[j, block]) * int(cs.bucket_signs[j, h])
+
+
+def test_hashes_match_the_definition_for_large_coordinates():
+    d = (1 << 21) + 3  # a short last block
     cs = CountSketch(d, 3, 1000, seed=7)
-    buckets, signs = cs.buckets(), cs.signs
-    for i in [0, 1, 2, 12345, d // 2, d - 2, d - 1]:
+    idx = torch.tensor([0, 1, 999, 1000, 12345, d // 2, d - 4, d - 2, d - 1])
+    h, s = cs.hashes(idx)
+    for n, i in enumerate(idx.tolist()):
         for j in range(3):
-            a, b, c3, c2, c1, c0 = (int(v) for v in cs.coefficients[j])
-            assert int(buckets[j, i]) == ((a * i + b) % PRIME) % 1000
-            h = (c3 * i**3 + c2 * i**2 + c1 * i + c0) % PRIME
-            assert int(signs[j, i]) == (-1 if h % 2 else 1)
+            assert (int(h[j, n]), int(s[j, n])) == oracle_hash(cs, j, i)
 
 
-def test_polynomial_hash_does_not_overflow_at_the_extremes():
-    i = torch.tensor([0, 1, 2, 1 << 20, PRIME - 2, PRIME - 1])
-    for coef in [(PRIME - 1, PRIME - 1, PRIME - 1, PRIME - 1), (123456789, 0, 987654321, 5), (7, 3)]:
-        expected = [sum(c * v ** (len(coef) - 1 - n) for n, c in enumerate(coef)) % PRIME for v in i.tolist()]
-        assert poly_mod_prime(i, coef).tolist() == expected
+def test_collision_and_sign_properties():
+    """What Count Sketch's analysis needs: P[h(i) = h(i')] <= 1/c (never inside a block),
+    and E[s(i) s(i')] = 0 for i != i', over seeds."""
+    d, c, seeds = 40, 8, 4000
+    coll = np.zeros((d, d))
+    sign = np.zeros((d, d))
+    for seed in range(seeds):
+        cs = CountSketch(d, 1, c, seed=seed)
+        h, s = cs.buckets()[0].numpy(), cs.signs[0].numpy().astype(np.float64)
+        coll += h[:, None] == h[None, :]
+        sign += s[:, None] * s[None, :]
+    coll /= seeds
+    sign /= seeds
+    off = ~np.eye(d, dtype=bool)
+    same_block = (np.arange(d)[:, None] // c) == (np.arange(d)[None, :] // c)
+    assert coll[off & same_block].max() == 0
+    p = 1 / c  # different blocks: exactly 1/c; 6 sigma of a mean of `seeds` Bernoullis
+    assert np.abs(coll[off & ~same_block] - p).max() < 6 * np.sqrt(p * (1 - p) / seeds)
+    assert np.abs(sign[off]).max() < 6 / np.sqrt(seeds)
+
+
+def test_estimate_is_unbiased_over_seeds():
+    d, c, seeds = 60, 32, 3000
+    x = torch.randn(d, generator=torch.Generator().manual_seed(2))
+    total = torch.zeros(d, dtype=torch.float64)
+    for seed in range(seeds):
+        cs = CountSketch(d, 1, c, seed=seed)  # one row: the estimate is s(i)·S[h(i)]
+        total += cs.estimate(cs.sketch(x)).double()
+    # per-coordinate variance <= ||x||^2 / c
+    bound = 6 * float(x.norm()) / np.sqrt(c * seeds)
+    assert float((total / seeds - x.double()).abs().max()) < bound
+    # and the bound is tight enough to see a bias of 1/4 of a coordinate's size
+    assert bound < 0.25 * float(x.abs().mean())
 
 
 def test_hashes_look_uniform():
@@ -133,7 +168,7 @@ def test_zero_cells_zeroes_exactly_the_touched_cells():
 
 def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="d must be"):
-        CountSketch(PRIME, 1, 1)
+        CountSketch(0, 1, 1)
     with pytest.raises(ValueError, match="rows and cols"):
         CountSketch(10, 0, 5)
     cs = CountSketch(10, 2, 5)
@@ -162,3 +197,68 @@ def test_sketch_of_numpy_oracle():
                 table[k, j, b[j, i]] += s[j, i] * x[k, i]
     got = cs.sketch(torch.from_numpy(x).float())
     np.testing.assert_allclose(got.numpy(), table, rtol=1e-5, atol=1e-5)
+
+
+def np_sketch(cs: CountSketch, x: np.ndarray) -> np.ndarray:
+    """The sketch by the definition, one coordinate at a time (float64)."""
+    table = np.zeros((x.shape[0], cs.rows, cs.cols))
+    for j in range(cs.rows):
+        for i in range(cs.d):
+            h, s = oracle_hash(cs, j, i)
+            table[:, j, h] += s * x[:, i]
+    return table
+
+
+@pytest.mark.parametrize("d, rows, cols", [(300, 3, 17), (1000, 5, 37), (999, 2, 1000), (5, 3, 100), (3000, 3, 10)])
+@pytest.mark.parametrize("loop", [True, False])
+def test_sketch_and_estimate_match_the_definition(d, rows, cols, loop):
+    """Both kernels (a loop of slices over blocks; index_add_/gathers for many short
+    blocks) against a plain Python loop over coordinates."""
+    cs = CountSketch(d, rows, cols, seed=11)
+    cs._loop = loop
+    x = np.random.default_rng(0).standard_normal((2, d))
+    table = cs.sketch(torch.from_numpy(x).float())
+    np.testing.assert_allclose(table.numpy(), np_sketch(cs, x), rtol=1e-5, atol=1e-5)
+    t = table.double().numpy()
+    est = np.zeros((2, d))
+    for i in range(d):
+        vals = [oracle_hash(cs, j, i)[1] * t[:, j, oracle_hash(cs, j, i)[0]] for j in range(rows)]
+        est[:, i] = np.sort(np.stack(vals), axis=0)[(rows - 1) // 2]
+    got = cs.estimate(table)
+    np.testing.assert_allclose(got.numpy(), est, rtol=1e-6, atol=1e-6)
+    idx = torch.tensor([0, d // 2, d - 1, d // 3])
+    assert torch.equal(cs.estimate_at(table, idx), got[:, idx])
+
+
+@pytest.mark.parametrize("loop", [True, False])
+@pytest.mark.parametrize("d, k, rows, cols", [(200_000, 200, 5, 2000), (300_001, 50, 4, 500), (100_000, 1000, 3, 5000)])
+def test_unsketch_through_candidates_equals_the_dense_top_k(d, k, rows, cols, loop):
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(3, d, generator=gen)
+    x[:, torch.randperm(d, generator=gen)[:20]] *= 50
+    cs = CountSketch(d, rows, cols, seed=1)
+    cs._loop = loop
+    table = cs.sketch(x)
+    assert cs._unsketch_sparse(table, k) is not None  # the candidate path is taken
+    idx, vals = cs.unsketch(table, k)
+    est = cs.estimate(table)
+    ref = est.abs().topk(k, dim=1).values
+    # estimates tie often (coordinates sharing their median cell): compare magnitudes
+    assert torch.equal(vals.abs().sort(dim=1, descending=True).values, ref)
+    assert torch.equal(vals, est.gather(1, idx)) and bool((idx[:, 1:] > idx[:, :-1]).all())
+
+
+def test_unsketch_falls_back_to_the_dense_estimate():
+    d, k = 100_000, 100
+    x = torch.zeros(1, d)
+    x[0, :10] = 1.0  # the sampled estimates are all 0 or tiny: fewer than k candidates
+    cs = CountSketch(d, 5, 1000, seed=2)
+    table = cs.sketch(x)
+    assert cs._unsketch_sparse(table, k) is None
+    idx, vals = cs.unsketch(table, k)
+    assert set(range(10)) <= set(idx[0].tolist()) and torch.equal(vals, cs.estimate(table).gather(1, idx))
+
+
+def test_many_blocks_sketch_path_is_chosen_for_narrow_tables():
+    assert not CountSketch(10**6, 3, 100)._loop and CountSketch(10**6, 3, 10**4)._loop
+    assert cs_module._LOOP_COLS > 100

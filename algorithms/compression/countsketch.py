@@ -6,42 +6,58 @@ For rows j = 1..r, a bucket hash h_j: [d] -> [c] and a sign hash s_j: [d] -> {+1
     x̂_i = median_j s_j(i) · S[j, h_j(i)]         (estimate)
     ||x||_2 ≈ sqrt(median_j sum_c S[j, c]^2)      (l2 estimate)
 
-h_j is 2-wise independent, ((a·i + b) mod p) mod c, and s_j 4-wise independent, the
-parity of a cubic polynomial mod p, with p = 2^31 - 1. Every product of two residues is
-below 2^62, so the int64 arithmetic never overflows (csvec uses p = 2^61 - 1, whose
-cubic overflows int64). The coefficients come from ``torch.Generator().manual_seed(seed)``
-on the CPU, so every party with the same seed, on any device, shares the hashes.
+**Hash family (block-shift).** The d coordinates are cut into B = ceil(d / c) blocks of c
+(the last one may be shorter); coordinate i = b·c + p (block b, position p) goes, in row j,
+to bucket and sign::
 
-With c = O(k/eps) columns and r = O(log d) rows the top-k of the estimate finds the
-l2 heavy hitters (Charikar, Chen, Farach-Colton, ICALP 2002), which is how Sketched-SGD
-(Ivkin et al., NeurIPS 2019) and FetchSGD (Rothchild et al., ICML 2020) compress
-gradients. Wire: 4·r·c bytes per client, independent of d.
+    h_j(i) = (pi[p] + shift_j[b]) mod c      shift_j[b] uniform in [0, c), independent
+    s_j(i) = sigma_j[b] · rho_j[h_j(i)]      sigma_j[b], rho_j[m] uniform in {+1, -1}
 
-Memory: the hashes are kept as an int64 table index and an int8 sign per row and
-coordinate, 9·r·d bytes (450 MB for d = 10^7, r = 5).
+with pi a uniformly random permutation of [c] (one for all rows and blocks: it breaks up
+contiguous structure of a model's vector, e.g. a layer whose gradient lives in a band,
+which shifts alone would map onto contiguous buckets).
+
+all drawn from ``torch.Generator().manual_seed(seed)`` on the CPU (so every party with the
+same seed, on any device, shares the hashes; nothing but the seed travels). This is what
+the Count Sketch analysis (Charikar, Chen, Farach-Colton, ICALP 2002) uses, row by row:
+
+* collisions: two coordinates of one block never share a bucket (p -> pi[p] + shift is
+  a bijection of [c]); two of different blocks share one with probability exactly 1/c
+  (two independent uniform shifts). So P[h_j(i) = h_j(i')] <= 1/c for i != i'.
+* signs: for i, i' in different blocks, s_j(i)·s_j(i') carries sigma_j[b]·sigma_j[b'],
+  independent of the shifts and of rho, so E[s_j(i) s_j(i') | h_j] = 0; same-block pairs
+  never collide, so the terms they would add never appear.
+* hence E[s_j(i)·S[j, h_j(i)]] = x_i and Var <= ||x_{-i}||^2 / c (cross terms of two
+  colliding coordinates come from two different blocks and vanish the same way), and the
+  median over r independent rows gives the usual (eps, delta) guarantee. The l2
+  estimate is unbiased the same way; its variance is at most (2 + 1)·||x||^4 / c (the
+  extra ||x||^4 / c, by Cauchy-Schwarz, is from pairs of blocks whose shifts agree).
+
+The structure makes the kernels vectorizable (no d-long index tensors, no scatter): with
+y the vector permuted by pi within each block (one gather pass), a sketch row is
+``rho ⊙ sum_b sigma[b] · roll(y_b, shift[b])``, one contiguous slice-add per block, and an
+estimate row for block b is a contiguous window of the doubled table.
+
+With c = O(k/eps) columns and r = O(log d) rows the top-k of the estimate finds the l2
+heavy hitters, which is how Sketched-SGD (Ivkin et al., NeurIPS 2019) and FetchSGD
+(Rothchild et al., ICML 2020) compress gradients. Wire: 4·r·c bytes per client,
+independent of d. Memory: r·(B + c) hash values (no per-coordinate tables).
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
-from fedswarm.algorithms.compression.kernels import median_small, topk_abs_indices
+from fedswarm.algorithms.compression.kernels import median_small, sample_positions, topk_abs_indices
 
-__all__ = ["CountSketch", "PRIME", "poly_mod_prime"]
+__all__ = ["CountSketch"]
 
-PRIME = 2**31 - 1
-_BLOCK = 1 << 22  # elements of a [K, block] temporary on a CPU (16 MB)
+_BLOCK = 1 << 20  # coordinates per chunk of the dense estimate on a CPU (4 MB per [block] part)
 _BLOCK_GPU = 1 << 24
-
-
-def poly_mod_prime(i: torch.Tensor, coefficients: tuple[int, ...]) -> torch.Tensor:
-    """``(c_n·i^n + ... + c_1·i + c_0) mod p`` for int64 ``i`` in [0, p), coefficients
-    highest first, in [0, p). Horner's rule with a reduction after every step keeps each
-    intermediate below 2^62 + 2^31, so int64 never overflows."""
-    h = torch.full_like(i, coefficients[0] % PRIME)
-    for c in coefficients[1:]:
-        h = h.mul_(i).add_(c).remainder_(PRIME)
-    return h
+_LOOP_COLS = 2048  # c at least this (or at most 64 blocks): a Python loop over blocks, slices only
 
 
 class CountSketch:
@@ -50,45 +66,71 @@ class CountSketch:
     Parameters
     ----------
     d : int
-        Length of the sketched vectors, 1 <= d < 2^31 - 1.
+        Length of the sketched vectors, d >= 1.
     rows, cols : int
         Table shape r x c. More rows make the median estimate more reliable, more columns
         make collisions rarer.
     seed : int
-        Seeds the hash coefficients; parties that share it share the hashes.
+        Seeds the hashes; parties that share it share the hashes.
     device : torch.device or str
-        Where the hash tables live; inputs must be on it.
+        Where the hash parameters live; inputs must be on it.
 
     Methods take ``[K, d]`` vectors and ``[K, r, c]`` tables (a leading client axis);
     ``[d]`` and ``[r, c]`` are accepted as K = 1 and give results without the K axis.
     """
 
     def __init__(self, d: int, rows: int, cols: int, seed: int = 0, device: torch.device | str = "cpu"):
-        if not 1 <= d < PRIME:
-            raise ValueError(f"d must be in [1, {PRIME - 1}], got {d}")
+        if not 1 <= d < 2**62:
+            raise ValueError(f"d must be in [1, 2^62), got {d}")
         if rows < 1 or cols < 1:
             raise ValueError(f"rows and cols must be >= 1, got {rows} x {cols}")
         self.d, self.rows, self.cols, self.seed = int(d), int(rows), int(cols), int(seed)
         self.device = torch.device(device)
+        self.blocks = -(-self.d // self.cols)
+        self._span = self.blocks * self.cols  # length of the permuted, zero-padded vector y
         g = torch.Generator().manual_seed(self.seed)
-        coef = torch.randint(0, PRIME, (rows, 6), generator=g, dtype=torch.int64)
-        coef[:, 0] = coef[:, 0] % (PRIME - 1) + 1  # the bucket hash's slope a must be nonzero
-        self.coefficients = coef  # per row: a, b (bucket), c3, c2, c1, c0 (sign), on the CPU
-        i = torch.arange(d, dtype=torch.int64, device=self.device)
-        self.index = torch.empty(rows, d, dtype=torch.int64, device=self.device)
-        self.signs = torch.empty(rows, d, dtype=torch.int8, device=self.device)
-        for j in range(rows):  # one row at a time keeps the int64 temporaries to O(d)
-            a, b, c3, c2, c1, c0 = (int(v) for v in coef[j])
-            bucket = poly_mod_prime(i, (a, b)).remainder_(cols)
-            self.index[j] = bucket.add_(j * cols)  # position in the flattened r*c table
-            self.signs[j] = 1 - 2 * (poly_mod_prime(i, (c3, c2, c1, c0)) & 1)
+        shifts = torch.randint(0, cols, (rows, self.blocks), generator=g, dtype=torch.int64)
+        block_signs = 1 - 2 * torch.randint(0, 2, (rows, self.blocks), generator=g, dtype=torch.int64)
+        bucket_signs = 1 - 2 * torch.randint(0, 2, (rows, cols), generator=g, dtype=torch.int64)
+        perm = torch.randperm(cols, generator=g)
+        self.perm = perm.to(self.device)  # pi: position p of a block -> slot pi[p]
+        self._perm_inv = torch.argsort(perm).to(self.device)  # slot u -> position
+        self.shifts = shifts.to(self.device)  # [r, B] int64
+        self.block_signs = block_signs.to(torch.int8).to(self.device)  # [r, B] sigma
+        self.bucket_signs = bucket_signs.to(torch.int8).to(self.device)  # [r, c] rho
+        self._shift_list = shifts.tolist()
+        self._neg_list = (block_signs < 0).tolist()
+        # where block b's estimate terms start in the signed rows (see _signed_rows)
+        window_rows = shifts + 2 * cols * (block_signs < 0)
+        self._window_rows = window_rows.to(self.device)  # [r, B]
+        self._window_list = window_rows.tolist()
+        self._loop = self.cols >= _LOOP_COLS or self.blocks <= 64
 
     def __repr__(self) -> str:
         return f"CountSketch(d={self.d}, rows={self.rows}, cols={self.cols}, seed={self.seed})"
 
+    # -- the hash functions ----------------------------------------------------------------
+    def hashes(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, s)`` for coordinates ``indices`` (any shape, int): buckets ``[r, *shape]``
+        int64 and signs ``[r, *shape]`` int8, exactly as defined in the module docstring."""
+        i = indices.to(device=self.device, dtype=torch.int64)
+        block, pos = torch.div(i, self.cols, rounding_mode="floor"), torch.remainder(i, self.cols)
+        flat_b = block.reshape(-1)
+        h = (self.shifts[:, flat_b] + self.perm[pos.reshape(-1)]).remainder_(self.cols)  # [r, n]
+        rows = torch.arange(self.rows, device=self.device).unsqueeze(1)
+        s = self.block_signs[:, flat_b] * self.bucket_signs[rows, h]
+        shape = (self.rows, *i.shape)
+        return h.view(shape), s.view(shape)
+
     def buckets(self) -> torch.Tensor:
-        """h_j(i) as an ``[r, d]`` int64 tensor."""
-        return self.index - torch.arange(self.rows, device=self.device).unsqueeze(1) * self.cols
+        """h_j(i) for every coordinate, as an ``[r, d]`` int64 tensor (O(r·d) memory: for
+        tests and small d)."""
+        return self.hashes(torch.arange(self.d, device=self.device))[0]
+
+    @property
+    def signs(self) -> torch.Tensor:
+        """s_j(i) for every coordinate, as an ``[r, d]`` int8 tensor (for tests and small d)."""
+        return self.hashes(torch.arange(self.d, device=self.device))[1]
 
     # -- helpers ---------------------------------------------------------------------------
     def _vectors(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -109,52 +151,219 @@ class CountSketch:
             raise ValueError(f"tables are on {table.device}, the sketch on {self.device}")
         return table, squeeze
 
-    def _step(self, k: int) -> int:
-        # Work in blocks of coordinates so the r [K, block] temporaries stay ~16 MB: on
-        # 256 MB temporaries (K = 64, d = 10^6) a CPU spends more time faulting in fresh
-        # pages than computing, while much smaller blocks multiply per-op overheads (which
-        # are large on a loaded machine). A GPU wants the largest blocks.
-        block = _BLOCK if self.device.type == "cpu" else _BLOCK_GPU
-        return max(1, block // k)
+    def _signed_rows(self, table: torch.Tensor) -> list[torch.Tensor]:
+        """Per row j, the ``[K, 4c]`` buffer [T, T, -T, -T] of T = rho ⊙ S[:, j]: its window
+        ``[u, u + c)`` with u = shift + 2c·[sigma < 0] holds row j's estimate term
+        s_j(i)·S[j, h_j(i)] for the c positions of a block, in order."""
+        unsigned = table * self.bucket_signs.to(table.dtype)
+        return [torch.cat([u, u, -u, -u], 1) for u in unsigned.unbind(1)]
+
+    def _windows(self, bufs: list[torch.Tensor], signed: bool):
+        """Yield ``(lo, hi, parts)``, coordinates lo..hi in order, with ``parts[j]`` ``[K, hi - lo]``
+        row j's value at h_j(i) for each of them, read from ``bufs[j]``: a doubled row
+        ``[K, 2c]`` (``signed=False``) or the signed rows of :meth:`_signed_rows`. A block at
+        a time (slices, no copies) when blocks are long, else chunks of blocks gathered
+        through computed indices."""
+        k, c, d = bufs[0].shape[0], self.cols, self._span
+        if self._loop:
+            offsets = self._window_list if signed else self._shift_list
+            for b in range(self.blocks):
+                lo, n = b * c, min(c, d - b * c)
+                yield lo, lo + n, [bufs[j][:, w[b] : w[b] + n] for j, w in enumerate(offsets)]
+            return
+        offsets = self._window_rows if signed else self.shifts
+        step = max(1, (_BLOCK if self.device.type == "cpu" else _BLOCK_GPU) // (k * c))  # blocks per chunk
+        pos = torch.arange(c, device=self.device)
+        for b0 in range(0, self.blocks, step):
+            b1 = min(self.blocks, b0 + step)
+            lo, hi = b0 * c, min(b1 * c, d)
+            idx = [(offsets[j, b0:b1, None] + pos).view(-1)[: hi - lo] for j in range(self.rows)]
+            yield lo, hi, [bufs[j].index_select(1, idx[j]) for j in range(self.rows)]
 
     # -- operations ------------------------------------------------------------------------
     def sketch(self, x: torch.Tensor) -> torch.Tensor:
         """``[K, d]`` -> ``[K, r, c]`` tables (float dtype of x). Linear in x."""
         x, squeeze = self._vectors(x)
-        k = x.shape[0]
-        table = torch.zeros(k, self.rows * self.cols, dtype=x.dtype, device=x.device)
-        step = self._step(k)
-        for start in range(0, self.d, step):  # cache-sized blocks of coordinates
-            sl = slice(start, min(self.d, start + step))
+        k, c = x.shape[0], self.cols
+        # accumulate sigma·y_b at offset shift_b of a doubled row, then fold: 2c + 1 cells
+        acc = torch.zeros(k, self.rows, 2 * c + 1, dtype=x.dtype, device=x.device)
+        if self._loop:  # block by block: y_b = x_b permuted by pi stays in cache for the r adds
+            y = torch.empty(k, c, dtype=x.dtype, device=x.device)
+            for b in range(self.blocks):
+                self._permuted_block(x, b, y)
+                for j in range(self.rows):
+                    s = self._shift_list[j][b]
+                    acc[:, j, s : s + c].add_(y, alpha=-1 if self._neg_list[j][b] else 1)
+        else:
+            y = self._permuted(x)
             for j in range(self.rows):
-                table.index_add_(1, self.index[j, sl], x[:, sl] * self.signs[j, sl])
-        table = table.view(k, self.rows, self.cols)
+                self._sketch_row_batched(acc[:, j], y, j, self._span // c)
+        table = acc[:, :, :c] + acc[:, :, c : 2 * c]
+        table.mul_(self.bucket_signs.to(table.dtype))
         return table[0] if squeeze else table
+
+    def _permuted_block(self, x: torch.Tensor, b: int, out: torch.Tensor) -> None:
+        """Block b of y (see :meth:`_permuted`) into ``out`` ``[K, c]``."""
+        c, lo = self.cols, b * self.cols
+        n = min(c, self.d - lo)
+        if n == c:
+            torch.index_select(x[:, lo : lo + c], 1, self._perm_inv, out=out)
+        else:
+            out.zero_()
+            out[:, self.perm[:n]] = x[:, lo : lo + n]
+
+    def _permuted(self, x: torch.Tensor) -> torch.Tensor:
+        """y ``[K, B·c]``: y[b·c + pi[p]] = x[b·c + p], zeros where the short last block ends."""
+        k, c, d = x.shape[0], self.cols, self.d
+        full = d // c
+        y = torch.empty(k, self._span, dtype=x.dtype, device=x.device)
+        if full:
+            src = x[:, : full * c].reshape(k, full, c)
+            for i in range(k):  # index_select with out= needs a contiguous destination
+                torch.index_select(src[i], 1, self._perm_inv, out=y[i, : full * c].view(full, c))
+        if full < self.blocks:
+            last = y[:, full * c :]
+            last.zero_()
+            last[:, self.perm[: d - full * c]] = x[:, full * c :]
+        return y
+
+    def _sketch_row_batched(self, row: torch.Tensor, x: torch.Tensor, j: int, full: int) -> None:
+        """Many blocks: one index_add_ per sign into overlapping length-c windows of the
+        doubled row (index_add_ adds the source rows one after another, so overlapping
+        windows accumulate; on CUDA it adds atomically)."""
+        k, c, d = x.shape[0], self.cols, self._span
+        shifts, neg = self.shifts[j, :full], self.block_signs[j, :full] < 0
+        windows = row.as_strided((k, c + 1, c), (row.stride(0), 1, 1))
+        xb = x[:, : full * c].reshape(k, full, c)
+        for sel, alpha in ((~neg, 1), (neg, -1)):
+            where = sel.nonzero().squeeze(1)
+            if where.numel():
+                windows.index_add_(1, shifts[where], xb.index_select(1, where), alpha=alpha)
+        if full < self.blocks:  # the short last block
+            n, s = d - full * c, self._shift_list[j][full]
+            row[:, s : s + n].add_(x[:, full * c :], alpha=-1 if self._neg_list[j][full] else 1)
 
     def estimate(self, table: torch.Tensor) -> torch.Tensor:
         """``[K, r, c]`` -> ``[K, d]``: x̂_i = median_j s_j(i)·S[j, h_j(i)] (lower median for
         even r, as torch.median)."""
         table, squeeze = self._tables(table)
-        k = table.shape[0]
-        flat = table.reshape(k, -1)
-        out = torch.empty(k, self.d, dtype=table.dtype, device=table.device)
-        step = self._step(k)
-        for start in range(0, self.d, step):  # cache-sized blocks of coordinates
-            sl = slice(start, min(self.d, start + step))
-            n = sl.stop - sl.start
-            # gather with an expanded (stride-0) index beats index_select along dim 1
-            parts = [flat.gather(1, self.index[j, sl].expand(k, n)) * self.signs[j, sl] for j in range(self.rows)]
-            out[:, sl] = median_small(parts)
+        k, c = table.shape[0], self.cols
+        y = torch.empty(k, self._span, dtype=table.dtype, device=table.device)
+        for lo, hi, parts in self._windows(self._signed_rows(table), signed=True):
+            y[:, lo:hi] = median_small(parts)
+        out = y.view(k, self.blocks, c).index_select(2, self.perm).view(k, -1)[:, : self.d]  # back from pi
+        out = out.contiguous()
+        return out[0] if squeeze else out
+
+    def estimate_at(self, table: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The estimate of the coordinates ``indices`` ``[n]`` only: ``[K, r, c]`` ->
+        ``[K, n]``, equal to ``estimate(table)[:, indices]``."""
+        table, squeeze = self._tables(table)
+        h, s = self.hashes(indices.reshape(-1))  # [r, n]
+        rows = torch.arange(self.rows, device=self.device).unsqueeze(1)
+        parts = table[:, rows, h] * s.to(table.dtype)  # [K, r, n]
+        out = median_small(list(parts.unbind(1)))
         return out[0] if squeeze else out
 
     def unsketch(self, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Heavy hitters: the ``k`` coordinates with the largest ``|x̂_i|``, as
-        ``(indices [K, k] int64 ascending, values [K, k])``."""
+        ``(indices [K, k] int64 ascending, values [K, k])``; ties at the k-th magnitude
+        are broken arbitrarily.
+
+        The d-long estimate is never stored: a threshold t per client is taken from the
+        estimates at a fixed sample of coordinates (deliberately low, as in
+        :func:`~fedswarm.algorithms.compression.kernels.topk_abs_indices`), the estimate is
+        computed a block at a time and only coordinates with |x̂_i| >= t are kept, and
+        the exact top-k is taken among those. If some client keeps fewer than k, the
+        dense estimate and an exact top-k are used instead, so the answer never depends
+        on the sample."""
         table, squeeze = self._tables(table)
-        est = self.estimate(table)
-        idx = topk_abs_indices(est, min(int(k), self.d))
-        vals = est.gather(1, idx)
+        k = min(int(k), self.d)
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        picked = self._unsketch_sparse(table, k)
+        if picked is None:
+            est = self.estimate(table)
+            idx = topk_abs_indices(est, k)
+            picked = idx, est.gather(1, idx)
+        idx, vals = picked
         return (idx[0], vals[0]) if squeeze else (idx, vals)
+
+    def _unsketch_sparse(self, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """unsketch through thresholded candidates, or None (then the dense way is used)."""
+        sample = sample_positions(self.d, self.device)
+        if sample is None or 8 * k > self.d:
+            return None
+        kk = table.shape[0]
+        expected = sample.numel() * k / self.d
+        rank = math.ceil(1.25 * expected + 4.0 * math.sqrt(expected) + 8)
+        if rank > sample.numel():
+            return None
+        thr = self.estimate_at(table, sample).abs().topk(rank, dim=1).values[:, -1:]  # [K, 1]
+        if not bool((thr > 0).all()):  # a sparse vector: t = 0 would make every coordinate a candidate
+            return None
+        # |x̂_i| >= t needs |S[j, h_j(i)]| >= t in q rows or more (q = min(r - p, p + 1), p =
+        # (r - 1) // 2 the lower median's rank): count such rows per coordinate in uint8,
+        # then estimate only the coordinates that pass
+        p = (self.rows - 1) // 2
+        q = min(self.rows - p, p + 1)
+        heavy = (table.abs() >= thr.unsqueeze(2)).to(torch.uint8)  # [K, r, c]
+        masks = [torch.cat([m, m], 1) for m in heavy.unbind(1)]
+        if self.device.type == "cpu" and self._loop:
+            rows, cols, vals = self._candidates_numpy(table, masks, q)
+        else:
+            rows, cols = [], []
+            for lo, _, parts in self._windows(masks, signed=False):
+                r, i = (_sum_into(parts) >= q).nonzero(as_tuple=True)
+                rows.append(r)
+                cols.append(i + lo)
+            rows, cols = self._from_span(torch.cat(rows), torch.cat(cols))
+            h, sgn = self.hashes(cols)  # [r, n]
+            at = table[rows.unsqueeze(0), torch.arange(self.rows, device=self.device).unsqueeze(1), h] * sgn
+            vals = median_small(list(at.unbind(0)))
+        keep = vals.abs() >= thr[rows, 0]
+        rows, cols, vals = rows[keep], cols[keep], vals[keep]
+        out_idx, out_val = [], []
+        for client in range(kk):
+            sel = rows == client
+            if int(sel.sum()) < k:
+                return None
+            c_idx, c_val = cols[sel], vals[sel]
+            pick = c_val.abs().topk(k, sorted=False).indices
+            c_idx, order = c_idx[pick].sort()
+            out_idx.append(c_idx)
+            out_val.append(c_val[pick][order])
+        return torch.stack(out_idx), torch.stack(out_val)
+
+    def _candidates_numpy(self, table: torch.Tensor, masks: list[torch.Tensor], q: int):
+        """The CPU loop of :meth:`_unsketch_sparse` over blocks in numpy (a fraction of
+        torch's per-call cost on slices this small): ``(client, coordinate, estimate)`` of
+        every coordinate counted heavy in >= q rows, estimates read from the signed rows."""
+        c, d = self.cols, self._span
+        masks = [m.numpy() for m in masks]
+        signed = [b.numpy() for b in self._signed_rows(table)]
+        rows, cols, vals = [], [], [[] for _ in range(self.rows)]
+        for b in range(self.blocks):
+            lo, n = b * c, min(c, d - b * c)
+            count = _sum_into([m[:, s[b] : s[b] + n] for m, s in zip(masks, self._shift_list, strict=True)])
+            r, i = np.divmod(np.flatnonzero(count >= q), n)  # (2-d np.nonzero is ~10x slower)
+            rows.append(r)
+            cols.append(i + lo)
+            for j, w in enumerate(self._window_list):
+                vals[j].append(signed[j][r, i + w[b]])
+        parts = [torch.from_numpy(np.concatenate(v)) for v in vals]
+        rows, cols = torch.from_numpy(np.concatenate(rows)), torch.from_numpy(np.concatenate(cols))
+        est = median_small(parts)
+        real = self._perm_inv[cols % c] + cols // c * c < self.d  # not the padding of the last block
+        rows, cols = self._from_span(rows[real], cols[real])
+        return rows, cols, est[real]
+
+    def _from_span(self, rows: torch.Tensor, ycols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions in y (block, slot) to coordinates (block, pi^-1[slot]); padding dropped."""
+        c = self.cols
+        cols = ycols // c * c + self._perm_inv[ycols % c]
+        real = cols < self.d
+        return rows[real], cols[real]
 
     def l2_estimate(self, table: torch.Tensor) -> torch.Tensor:
         """``[K, r, c]`` -> ``[K]``: sqrt of the median over rows of the row's squared sum."""
@@ -174,9 +383,23 @@ class CountSketch:
         indices = indices.to(device=self.device, dtype=torch.int64)
         if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.d):
             raise ValueError(f"indices must lie in [0, {self.d})")
+        offset = (torch.arange(self.rows, device=self.device) * self.cols).view(-1, *([1] * indices.dim()))
+        cells = self.hashes(indices)[0] + offset  # [r, m] or [r, K, m]
         if indices.dim() == 1:
-            flat[:, self.index[:, indices].reshape(-1)] = 0
+            flat[:, cells.reshape(-1)] = 0
         else:
-            cells = self.index[:, indices]  # [r, K, m]
             flat.scatter_(1, cells.permute(1, 0, 2).reshape(t.shape[0], -1), 0.0)
         return table
+
+
+def _sum_into(parts: list):
+    """Elementwise sum of uint8 arrays/tensors (a fresh result; counts of at most 64 rows)."""
+    if isinstance(parts[0], np.ndarray):
+        out = parts[0].copy()
+        for m in parts[1:]:
+            np.add(out, m, out=out)
+        return out
+    out = parts[0].clone()
+    for m in parts[1:]:
+        out.add_(m)
+    return out

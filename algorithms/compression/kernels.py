@@ -1,8 +1,11 @@
-"""Tensor kernels the codecs share: bit packing, top-k selection by magnitude, random
-coordinate subsets from a seed, and the median over a small axis.
+"""Tensor kernels the codecs share: output buffers, bit packing, top-k selection by
+magnitude, random coordinate subsets from a seed, and the median over a small axis.
 
 Pure functions of tensors, vectorized over a leading client axis ``[K, n]``, computed on
-whatever device their input is on. Anything derived from a seed (random subsets, sample
+whatever device their input is on. On a CPU the hot loops go through numpy where it is
+faster than torch's eager kernels (packbits, take, flatnonzero, huge-page buffers); the
+torch versions (``pack_bits``, ``unpack_bits``) serve other devices and are the tests'
+oracle. Anything derived from a seed (random subsets, sample
 positions) is drawn on the CPU with torch's Mersenne Twister and then moved, so an encoder
 on a GPU and a decoder on a CPU regenerate the same coordinates.
 """
@@ -13,14 +16,21 @@ import functools
 import math
 import sys
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "new_empty",
+    "new_zeros",
+    "sign_bits",
+    "unpack_bool",
     "pack_bits",
     "unpack_bits",
+    "lut_decode",
     "bit_lut",
     "topk_abs_indices",
+    "sample_positions",
     "random_subset",
     "median_small",
 ]
@@ -29,7 +39,68 @@ if sys.byteorder != "little":  # pragma: no cover - every platform torch ships f
     raise ImportError("fedswarm's bit packing assumes a little-endian host")
 
 
+# -- output buffers --------------------------------------------------------------------
+
+
+def new_empty(k: int, n: int, device: torch.device | str) -> torch.Tensor:
+    """An uninitialized ``[K, n]`` float32 tensor. On a CPU its memory comes from numpy,
+    which asks the kernel for transparent huge pages for large arrays: a decoder's fresh
+    40 MB output then costs ~20 page faults instead of ~10,000 (torch's allocator uses
+    4 KB pages, which makes filling a fresh tensor several times slower than copying
+    into a warm one)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.empty(k, n, dtype=torch.float32, device=device)
+    return torch.from_numpy(np.empty((k, n), np.float32))
+
+
+def new_zeros(k: int, n: int, device: torch.device | str) -> torch.Tensor:
+    """A ``[K, n]`` float32 tensor of zeros. On a CPU from numpy's calloc: the kernel
+    maps zero pages lazily, so a sparse decoder pays only for the pages it writes."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.zeros(k, n, dtype=torch.float32, device=device)
+    return torch.from_numpy(np.zeros((k, n), np.float32))
+
+
 # -- bit packing -------------------------------------------------------------------------
+
+
+def sign_bits(x: torch.Tensor) -> torch.Tensor:
+    """``pack_bits(x >= 0)`` for a ``[K, n]`` float tensor; on a CPU through numpy's
+    packbits (C loops, no int64 temporaries), elsewhere through :func:`pack_bits`."""
+    if x.device.type != "cpu":
+        return pack_bits(x >= 0)
+    xn = x.detach().contiguous().numpy()
+    return torch.from_numpy(np.packbits(np.greater_equal(xn, 0), axis=1, bitorder="little"))
+
+
+def unpack_bool(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of :func:`sign_bits` / :func:`pack_bits`: ``[K, nbytes]`` uint8 ->
+    ``[K, n]`` bool (numpy's unpackbits on a CPU)."""
+    if packed.device.type != "cpu":
+        return unpack_bits(packed, n, bit_lut(0.0, 1.0, packed.device)).bool()
+    bits = np.unpackbits(packed.contiguous().numpy(), axis=1, count=n, bitorder="little")
+    return torch.from_numpy(bits).view(torch.bool)
+
+
+def lut_decode(packed: torch.Tensor, n: int, lut: torch.Tensor) -> torch.Tensor:
+    """:func:`unpack_bits` into a fresh contiguous ``[K, n]`` float32 tensor; on a CPU one
+    numpy ``take`` of 8 values per byte per client, into a :func:`new_empty` buffer."""
+    if packed.device.type != "cpu":
+        return unpack_bits(packed, n, lut).contiguous()
+    k, nbytes = packed.shape
+    full = n // 8
+    out = new_empty(k, n, "cpu")
+    src = packed.contiguous().numpy()
+    tables = lut.reshape(-1, 256, 8).expand(k, 256, 8).contiguous().numpy()
+    dst = out.numpy()
+    for i in range(k):
+        if full:
+            np.take(tables[i], src[i, :full], axis=0, out=dst[i, : 8 * full].reshape(full, 8), mode="clip")
+        if n > 8 * full:
+            dst[i, 8 * full :] = tables[i][src[i, full], : n - 8 * full]
+    return out
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -102,6 +173,13 @@ def _sample_positions(n: int, device: torch.device) -> torch.Tensor:
     return torch.randint(0, n, (_SAMPLE,), generator=g).to(device)
 
 
+def sample_positions(n: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """The fixed sample of coordinates (16k, with repeats) that top-k thresholds are
+    estimated from, or None when ``n < 4 * 16k`` (too few coordinates for sampling to
+    pay). Do not modify the result: it is cached."""
+    return None if n < 4 * _SAMPLE else _sample_positions(n, torch.device(device))
+
+
 def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest ``|x|`` in each row of ``[K, n]``, as ``[K, k]`` int64
     sorted ascending (ties broken arbitrarily).
@@ -118,26 +196,52 @@ def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
         raise ValueError(f"k must be in [1, {n}], got {k}")
     if k == n:
         return torch.arange(n, device=x.device).expand(kk, n).contiguous()
-    a = x.abs()
     if n < 4 * _SAMPLE or 8 * k > n:
-        return a.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+        return x.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
     expected = _SAMPLE * k / n
     rank = min(_SAMPLE, math.ceil(1.25 * expected + 4.0 * math.sqrt(expected) + 8))
-    sample = a.index_select(1, _sample_positions(n, x.device))
+    sample = x.index_select(1, _sample_positions(n, x.device)).abs_()
     thr = sample.topk(rank, dim=1).values[:, -1:]  # [K, 1]
-    rows, cols = (a >= thr).nonzero(as_tuple=True)  # row-major, so cols ascend within a row
+    if x.device.type == "cpu":
+        rows, cols = _at_least_cpu(x, thr)
+    else:
+        rows, cols = (x.abs() >= thr).nonzero(as_tuple=True)  # row-major, so cols ascend within a row
     counts = torch.bincount(rows, minlength=kk)  # (a bool sum over [K, n] is much slower)
     if bool((counts < k).any()):
-        return a.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+        return x.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
     width = int(counts.max())
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.arange(rows.numel(), device=x.device) - starts[rows]
-    cand = torch.full((kk, width), -1.0, dtype=a.dtype, device=x.device)  # -1 < any |x|
-    cand[rows, slot] = a[rows, cols]
+    cand = torch.full((kk, width), -1.0, dtype=x.dtype, device=x.device)  # -1 < any |x|
+    cand[rows, slot] = x[rows, cols].abs()
     pos = torch.zeros((kk, width), dtype=torch.int64, device=x.device)
     pos[rows, slot] = cols
     pick = cand.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
     return pos.gather(1, pick)  # slots are in column order, so sorted slots give sorted cols
+
+
+_CHUNK = 1 << 16  # coordinates per step of the CPU candidate scan (256 KB: stays in cache)
+
+
+def _at_least_cpu(x: torch.Tensor, thr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(|x| >= thr).nonzero(as_tuple=True)`` for a CPU ``[K, n]`` x and ``[K, 1]`` thr, in
+    cache-sized chunks through numpy: no d-long |x| or mask is ever written, and numpy's
+    flatnonzero is several times faster than torch's nonzero."""
+    xn = x.detach().contiguous().numpy()
+    t = thr.reshape(-1).numpy()
+    n = xn.shape[1]
+    buf = np.empty(min(n, _CHUNK), xn.dtype)
+    mask = np.empty(buf.shape, np.bool_)
+    rows, cols = [], []
+    for i in range(xn.shape[0]):
+        for lo in range(0, n, _CHUNK):
+            m = min(_CHUNK, n - lo)
+            np.abs(xn[i, lo : lo + m], out=buf[:m])
+            np.greater_equal(buf[:m], t[i], out=mask[:m])
+            hit = np.flatnonzero(mask[:m])
+            cols.append(hit + lo)
+            rows.append(np.full(hit.shape, i))
+    return torch.from_numpy(np.concatenate(rows)), torch.from_numpy(np.concatenate(cols))
 
 
 # -- random subsets ----------------------------------------------------------------------
@@ -194,6 +298,14 @@ def median_small(parts: list[torch.Tensor]) -> torch.Tensor:
     r = len(parts)
     if r == 1:
         return parts[0]
+    if r == 3:  # 4 ops
+        a, b, c = parts
+        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
+    if r == 5:  # 10 ops: med3(e, max(min(a, b), min(c, d)), min(max(a, b), max(c, d)))
+        a, b, c, d, e = parts
+        f = torch.maximum(torch.minimum(a, b), torch.minimum(c, d))
+        g = torch.minimum(torch.maximum(a, b), torch.maximum(c, d))
+        return torch.maximum(torch.minimum(e, f), torch.minimum(torch.maximum(e, f), g))
     if r > 15:
         return torch.stack(parts, 0).median(dim=0).values
     w = list(parts)

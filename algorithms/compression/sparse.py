@@ -10,7 +10,7 @@ import torch
 
 from fedswarm.algorithms.compression.base import Codec
 from fedswarm.hyperparams import HyperParam
-from fedswarm.algorithms.compression.kernels import random_subset, topk_abs_indices
+from fedswarm.algorithms.compression.kernels import new_zeros, random_subset, topk_abs_indices
 from fedswarm.algorithms.compression.countsketch import CountSketch
 
 __all__ = ["TopKCodec", "RandKCodec", "CountSketchCodec"]
@@ -22,8 +22,7 @@ def _count(ratio: float, d: int) -> int:
 
 
 def _scatter(k: int, d: int, idx: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(k, d, dtype=torch.float32, device=vals.device)
-    return out.scatter_(1, idx, vals)
+    return new_zeros(k, d, vals.device).scatter_(1, idx, vals)
 
 
 class TopKCodec(Codec):
@@ -110,8 +109,7 @@ class RandKCodec(Codec):
         idx = random_subset(layout.d, n, seed, vals.device)
         if params["unbiased"]:
             vals = vals * (layout.d / n)
-        out = torch.zeros(k, layout.d, dtype=torch.float32, device=vals.device)
-        return out.index_copy_(1, idx, vals)
+        return new_zeros(k, layout.d, vals.device).index_copy_(1, idx, vals)
 
     def wire_bytes(self, layout, K=1):
         return 4 * K * _count(self.params["ratio"], layout.d)
@@ -119,7 +117,7 @@ class RandKCodec(Codec):
 
 @functools.lru_cache(maxsize=2)
 def _sketcher(d: int, rows: int, cols: int, seed: int, device: torch.device) -> CountSketch:
-    # the hash tables cost 9·r·d bytes and O(r·d) time to build: keep the last two
+    # the hash parameters are small (r·(d/c + 2c) values), but cheap to keep: the last two
     return CountSketch(d, rows, cols, seed, device)
 
 
