@@ -8,15 +8,16 @@ and shown as mean ± std.
 
 Modes: ``--quick`` (CI-sized: few rounds and epochs, one seed; 34 min on a 2-core machine
 shared with 5 other jobs, load 10-36) and full (the issue's settings, 3 seeds for small
-gaps), about 2 hours on 2 busy cores. Full mode never ran end to end in one go; its time
-per claim, measured claim by claim on the shared 2-core machine (load in brackets) or
-estimated from the quick run's time per client-round:
+gaps), about 2 hours on 2 busy cores (sum of the figures below: ~2.2 h). Full mode never
+ran end to end in one go; its time per claim, measured claim by claim on the shared 2-core
+machine (load in brackets) or estimated from the quick run's time per client-round:
 
     onebit-cnn4 15 min [16-28], onebit-large 3 min [16-28]
     sketched-sgd ~33 min, fetchsgd ~9 min, gs-sgd ~27 min  (estimated: quick x 6.7 client-rounds
                                                             at load 10-36; never finished under load 36)
     pvt 3 min [4-6], progfed 3 min (one schedule; two now)
-    hl ~HLMIN min  (7,500 hops: 120 + 100 + 30 episodes)
+    hl ~22 min  (about 9,900 hops: 2 x 120 DQN + 20 random episodes, at 0.13 s a hop as the
+                 previous quick run; at load 30 a hop took 1.6 s)
     dpsgd 3, adpsgd 2, qg-dsgdm 10, lsgd 1, dasgd 0, prague 1 min [14-36]
 
     fedswarm bench papers [--quick] --out out/
