@@ -235,3 +235,10 @@ def test_hl_attention_selector_runs_and_learns_from_its_observations(store):
     assert rows[-1]["epsilon"] < rows[0]["epsilon"]  # two episodes ended: exploration decayed
     hl = HomogeneousLearning(4, d=10, selector="attention")
     assert isinstance(hl.agent, DQNAgent) and hl.agent.state_dim == 16
+    hl = HomogeneousLearning(4, d=10, selector="attention", attention_state="pca+visits")
+    assert hl.agent.state_dim == 16 + 8
+    s = NodeStates.initial(4).after(0, 1.0).after(2, 1.0).after(0, 1.0)  # steps 1..3: nodes 0, 2, 0
+    assert hl._observe(np.zeros(16, dtype=np.float32), s)[16:].tolist() == pytest.approx(
+        [0, 1, 0, 1] + [0.0, 1.0, 0.25, 1.0])  # never trained; waited/n (node 2: 3 - 2 = 1 step)
+    with pytest.raises(ValueError, match="attention_state"):
+        HomogeneousLearning(4, d=10, selector="attention", attention_state="graph")

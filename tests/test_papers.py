@@ -130,7 +130,8 @@ def test_tiny_run_of_hl_and_progfed(tmp_path, monkeypatch):
     data, _ = _check_outputs(tmp_path, ["progfed", "hl"])
     progfed, hl = data["claims"]
     arms = {r["arm"]: r for r in hl["rows"]}
-    assert set(arms) == {"random", "attention", "learned"}
+    assert set(arms) == {"random", "attention", "attention+visits", "learned"}
+    assert arms["attention"]["params"]["attention_state"] == "pca"  # the paper's state is the one checked
     for r in arms.values():
         assert r["episodes"] == 2 and all(1 <= n <= 4 for n in r["episode_rounds"])
     saved = next(c for c in hl["checks"] if c["name"].startswith("rounds saved"))["value"]

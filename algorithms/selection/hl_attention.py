@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["pca_scores", "chain_state", "QNetwork", "DQNAgent", "bellman_targets", "td_loss"]
+__all__ = ["pca_scores", "chain_state", "visit_features", "QNetwork", "DQNAgent", "bellman_targets", "td_loss"]
 
 HIDDEN = (500, 200)
 
@@ -79,6 +79,18 @@ def chain_state(shared: np.ndarray | torch.Tensor, trained: np.ndarray | torch.T
             raise ValueError(f"node {node} is not in 0..{n - 1}")
         rows[node] = t
     return pca_scores(rows, min(k, n)).reshape(-1).to(torch.float32).numpy()
+
+
+def visit_features(last_visit: np.ndarray, step: int) -> np.ndarray:
+    """Per node: whether it has not trained in this episode yet, and how long ago it last
+    did (``min((step − last_visit)/n, 1)``, 1 if never), ``[2n]`` float32. Not in the paper's
+    state: the ``pca+visits`` variant adds them (the chain's history, which the PCA of the
+    node models, equal but for the last node, does not carry)."""
+    last_visit = np.asarray(last_visit)
+    n = last_visit.size
+    never = last_visit < 0
+    waited = np.where(never, 1.0, np.minimum((step - last_visit) / n, 1.0))
+    return np.concatenate([never.astype(np.float32), waited.astype(np.float32)])
 
 
 class QNetwork(nn.Module):
@@ -126,19 +138,22 @@ class DQNAgent:
     batch, fit_batch, replay : int
         Transitions sampled per training pass (128), Adam minibatch within it (16), replay
         memory size (50,000).
+    passes : int
+        Training passes at the end of each episode (the paper: 1; more learn faster from
+        fewer episodes).
     seed : int
         Seeds the network's initialisation, exploration and replay sampling.
     """
 
     def __init__(self, n: int, state_dim: int, gamma: float = 0.9, lr: float = 1e-3, epsilon: float = 1.0,
                  epsilon_decay: float = 0.02, epsilon_min: float = 0.05, batch: int = 128, fit_batch: int = 16,
-                 replay: int = 50_000, seed: int = 0, hidden: tuple[int, ...] = HIDDEN):
+                 replay: int = 50_000, passes: int = 1, seed: int = 0, hidden: tuple[int, ...] = HIDDEN):
         if n < 2:
             raise ValueError(f"the DQN selector needs at least 2 nodes, got {n}")
         self.n, self.state_dim = int(n), int(state_dim)
         self.gamma, self.lr = float(gamma), float(lr)
         self.epsilon, self.epsilon_decay, self.epsilon_min = float(epsilon), float(epsilon_decay), float(epsilon_min)
-        self.batch, self.fit_batch = int(batch), int(fit_batch)
+        self.batch, self.fit_batch, self.passes = int(batch), int(fit_batch), int(passes)
         gen = torch.Generator().manual_seed(seed)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
@@ -193,8 +208,9 @@ class DQNAgent:
         return self.last_loss
 
     def end_episode(self) -> None:
-        """Train once (the reference code trains after each episode) and decay ε."""
-        self.train_pass()
+        """Train (``passes`` passes; the reference code: one after each episode) and decay ε."""
+        for _ in range(self.passes):
+            self.train_pass()
         self.episodes += 1
         self.epsilon = max(self.epsilon_min, self.epsilon * math.exp(-self.epsilon_decay))
 

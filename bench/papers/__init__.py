@@ -8,11 +8,17 @@ and shown as mean ± std.
 
 Modes: ``--quick`` (CI-sized: few rounds and epochs, one seed; 34 min on a 2-core machine
 shared with 5 other jobs, load 10-36) and full (the issue's settings, 3 seeds for small
-gaps). The full mode's total time was not measured: only its decentralized claims (16 min
-under the same load), its 1-bit claims (digits-cnn4 15 min, digits-mlp-wide 3 min) and
-ProgFed (3 min) and PVT (5 min) were run to the end; the
-100-round sketch arms did not finish under that load, so the target of under an hour on
-2 idle cores is unverified.
+gaps), about 2 hours on 2 busy cores (sum of the figures below: ~2.2 h). Full mode never
+ran end to end in one go; its time per claim, measured claim by claim on the shared 2-core
+machine (load in brackets) or estimated from the quick run's time per client-round:
+
+    onebit-cnn4 15 min [16-28], onebit-large 3 min [16-28]
+    sketched-sgd ~33 min, fetchsgd ~9 min, gs-sgd ~27 min  (estimated: quick x 6.7 client-rounds
+                                                            at load 10-36; never finished under load 36)
+    pvt 3 min [4-6], progfed 3 min (one schedule; two now)
+    hl ~22 min  (about 9,900 hops: 2 x 120 DQN + 20 random episodes, at 0.13 s a hop as the
+                 previous quick run; at load 30 a hop took 1.6 s)
+    dpsgd 3, adpsgd 2, qg-dsgdm 10, lsgd 1, dasgd 0, prague 1 min [14-36]
 
     fedswarm bench papers [--quick] --out out/
 
@@ -123,7 +129,8 @@ CLAIMS: list[Claim] = [
           "rounds -50.8% and communication -74.6% against random selection",
           "at least 40% fewer rounds than random",
           "digits-mlp (8x8 digits) instead of MNIST with a CNN; Dirichlet(0.1) nodes instead of 80% one class; "
-          "episodes capped at 60 rounds (the paper: 35); DQN targets not row-normalised, ε floor 0.05",
+          "episodes capped at 60 rounds (the paper: 35); DQN targets not row-normalised, ε floor 0.05, 4 training "
+          "passes per episode (the paper: 1) over 25 (quick) or 120 episodes",
           hl_claim.hl, "fl"),
     Claim("dpsgd", "D-PSGD against centralized SGD", "Lian et al., NeurIPS 2017",
           "same convergence per epoch as centralized SGD, faster on slow networks",

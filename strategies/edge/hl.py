@@ -39,7 +39,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedswarm.algorithms.selection.hl import NodeStates, QAgent, distance_matrix, hl_reward
-from fedswarm.algorithms.selection.hl_attention import DQNAgent, chain_state
+from fedswarm.algorithms.selection.hl_attention import DQNAgent, chain_state, visit_features
 from fedswarm.hyperparams import HyperParam
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
 from fedswarm.strategies.resumable import capture, restore
@@ -80,6 +80,11 @@ class HomogeneousLearning(ReportsRounds, Strategy):
         ``learned`` only: ``mc`` (Monte Carlo returns, the default) or ``td`` (TD(0)).
     dqn_lr : float
         ``attention`` only: the DQN's Adam step size (the paper: 1e-3).
+    dqn_passes : int
+        ``attention`` only: training passes after each episode (the paper: 1).
+    attention_state : str
+        ``attention`` only: ``pca`` (the paper's observation, the node models' PCA) or
+        ``pca+visits`` (plus each node's visit recency in the episode, ours).
     seed : int
         Seed of the distances, the random selector and the agent.
     agent_path : str
@@ -94,7 +99,7 @@ class HomogeneousLearning(ReportsRounds, Strategy):
     def __init__(self, num_nodes: int, d: int, selector: str = "learned", target_accuracy: float = 0.8,
                  max_episode_rounds: int = 35, reset_model: bool = True, distance_weight: float = 0.1,
                  gamma: float = 0.9, agent_lr: float = 0.1, epsilon_decay: float = 0.1, agent_target: str = "mc",
-                 dqn_lr: float = 1e-3, seed: int = 0,
+                 dqn_lr: float = 1e-3, dqn_passes: int = 1, attention_state: str = "pca", seed: int = 0,
                  agent_path: str = "", accuracy_fn: Callable[[ArrayRecord], float] | None = None,
                  node_wait_s: float = NODE_WAIT_S):
         if selector not in SELECTORS:
@@ -107,9 +112,13 @@ class HomogeneousLearning(ReportsRounds, Strategy):
         self.distance_weight = float(distance_weight)
         self.distance = distance_matrix(self.num_nodes, seed)
         self.state_k = min(10, self.num_nodes)  # PCA components per node (the paper: 10)
+        if attention_state not in ("pca", "pca+visits"):
+            raise ValueError(f"attention_state must be 'pca' or 'pca+visits', got '{attention_state}'")
+        self.attention_state = attention_state
         if selector == "attention":
-            self.agent: QAgent | DQNAgent = DQNAgent(self.num_nodes, self.num_nodes * self.state_k, gamma=gamma,
-                                                     lr=dqn_lr, epsilon_decay=epsilon_decay, seed=seed)
+            dim = self.num_nodes * self.state_k + (2 * self.num_nodes if attention_state == "pca+visits" else 0)
+            self.agent: QAgent | DQNAgent = DQNAgent(self.num_nodes, dim, gamma=gamma, lr=dqn_lr,
+                                                     epsilon_decay=epsilon_decay, passes=dqn_passes, seed=seed)
         else:
             self.agent = QAgent(self.num_nodes, self.distance, gamma=gamma, lr=agent_lr,
                                 epsilon_decay=epsilon_decay, target=agent_target, seed=seed)
@@ -167,6 +176,13 @@ class HomogeneousLearning(ReportsRounds, Strategy):
         restore(self, state, self._STATE)
         self._rounds = self._hopped = rounds
 
+    def _observe(self, pca: np.ndarray, state: NodeStates) -> np.ndarray:
+        """The attention agent's state vector: the PCA part, and with ``pca+visits`` the
+        nodes' visit recency in the episode."""
+        if self.attention_state == "pca":
+            return pca
+        return np.concatenate([pca, visit_features(state.last_visit, state.step)])
+
     # -- selection ------------------------------------------------------------------
     def select(self, state: NodeStates) -> int:
         if self.selector == "round_robin":
@@ -203,7 +219,7 @@ class HomogeneousLearning(ReportsRounds, Strategy):
                     self._arrays = self._initial
                 state, node = NodeStates.initial(self.num_nodes, self._loss, self._examples), 0
                 self.episode += 1
-                self._obs = np.zeros(self.num_nodes * self.state_k, dtype=np.float32)  # all nodes alike
+                self._obs = self._observe(np.zeros(self.num_nodes * self.state_k, dtype=np.float32), state)
                 learned_step = False
             else:
                 node = self.select(state)
@@ -213,9 +229,9 @@ class HomogeneousLearning(ReportsRounds, Strategy):
             arrays, loss, examples = self._hop(grid, node_ids[node], self._rounds + t, train_config, timeout)
             if arrays is not None:
                 self._arrays = arrays
-            obs = self._obs
+            pca = None
             if self.selector == "attention":  # the paper's observation: node models, PCA
-                obs = chain_state(arrayrecord_to_vector(sent, self.d),
+                pca = chain_state(arrayrecord_to_vector(sent, self.d),
                                   None if arrays is None else arrayrecord_to_vector(arrays, self.d),
                                   node, self.num_nodes, self.state_k)
             if loss is not None:
@@ -234,6 +250,7 @@ class HomogeneousLearning(ReportsRounds, Strategy):
             acc = self._accuracy(res, self._arrays)
             reached = acc >= self.target_accuracy
             nxt = state.after(node, loss, acc, examples)
+            obs = self._observe(pca, nxt) if pca is not None else self._obs
             reward = hl_reward(acc, self.target_accuracy, self.distance_weight * hop)
             if learned_step and self.selector == "learned":
                 self.agent.observe(state, node, reward, nxt, terminal=reached)
@@ -309,6 +326,10 @@ HYPERPARAMS = (
     HyperParam("agent_target", "mc", "the agent learns from Monte Carlo returns or TD(0) targets",
                choices=("mc", "td")),
     HyperParam("dqn_lr", 1e-3, "selector 'attention': the DQN's Adam step size", gt=0.0, le=1.0),
+    HyperParam("dqn_passes", 1, "selector 'attention': DQN training passes after each episode (the paper: 1)",
+               ge=1, le=1000),
+    HyperParam("attention_state", "pca", "selector 'attention': the paper's state (pca: the node models' PCA) "
+               "or pca+visits (plus each node's visit recency)", choices=("pca", "pca+visits")),
     HyperParam("agent_path", "", "load the agent from this JSON file if it exists; save it there at the end"),
 )
 
