@@ -15,7 +15,7 @@ machine (load in brackets) or estimated from the quick run's time per client-rou
     onebit-cnn4 15 min [16-28], onebit-large 3 min [16-28]
     sketched-sgd ~33 min, fetchsgd ~9 min, gs-sgd ~27 min  (estimated: quick x 6.7 client-rounds
                                                             at load 10-36; never finished under load 36)
-    pvt 3 min [4-6], progfed 3 min (one schedule; two now)
+    pvt 4 min [5-9], progfed 2.5 min [4-5] (96 rounds, two schedules)
     hl ~22 min  (about 9,900 hops: 2 x 120 DQN + 20 random episodes, at 0.13 s a hop as the
                  previous quick run; at load 30 a hop took 1.6 s)
     dpsgd 3, adpsgd 2, qg-dsgdm 10, lsgd 1, dasgd 0, prague 1 min [14-36]
