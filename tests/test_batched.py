@@ -2,6 +2,7 @@
 one-step shortcut equal to per-client training, chunking invisible in the result, the
 vectorized partition equal to flwr-datasets', and one-line refusals for what it cannot run."""
 
+import itertools
 import subprocess
 import sys
 
@@ -21,6 +22,7 @@ def _models(cfg: RunConfig, tmp_path, monkeypatch) -> tuple[list[torch.Tensor], 
     evaluates it) and the exported result."""
     import fedswarm.server.app as server_app
     import fedswarm.sim.batched as batched
+    import fedswarm.sim.inprocess as inprocess
     from fedswarm.train import evaluate_flat
 
     seen: list[torch.Tensor] = []
@@ -31,6 +33,10 @@ def _models(cfg: RunConfig, tmp_path, monkeypatch) -> tuple[list[torch.Tensor], 
 
     monkeypatch.setattr(server_app, "evaluate_flat", spy)
     monkeypatch.setattr(batched, "evaluate_flat", spy)
+    # Both engines number their runs from one process-wide counter, and the run id is a varint in
+    # every message's metadata: the 127th and 128th runs of a test worker differ by a byte per
+    # message. The engines under comparison get the same run id.
+    monkeypatch.setattr(inprocess, "_run_ids", itertools.repeat(1))
     from fedswarm.sim.run import run_engine
 
     store = Store(tmp_path / f"{cfg.engine}.db")
