@@ -48,6 +48,19 @@ def _models(cfg: RunConfig, tmp_path, monkeypatch) -> tuple[list[torch.Tensor], 
         store.close()
 
 
+def same_models_on_both_engines(kw: dict, tmp_path, monkeypatch) -> tuple[dict, dict, list[tuple[dict, dict]]]:
+    """Run ``kw`` on ``inprocess`` and on ``batched``; check that every round's global model
+    agrees to 1e-5 and that training moved it. Returns both results and their round rows
+    (after round 0) paired, for the caller's checks of what else must agree."""
+    ref, ref_res = _models(RunConfig(engine="inprocess", **kw), tmp_path, monkeypatch)
+    got, got_res = _models(RunConfig(engine="batched", **kw), tmp_path, monkeypatch)
+    assert len(got) == len(ref) == kw["rounds"] + 1
+    for rnd, (a, b) in enumerate(zip(ref, got)):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0), f"round {rnd}: max diff {(a - b).abs().max():.3g}"
+    assert not torch.equal(ref[0], ref[-1])  # training moved the model
+    return ref_res, got_res, list(zip(ref_res["rounds"][1:], got_res["rounds"][1:]))
+
+
 EQUIVALENT = {
     # several local steps with short last batches (144/143 examples, batch 16: masking)
     "epochs-uneven": dict(clients=10, rounds=2, local_epochs=1),
@@ -79,13 +92,8 @@ def test_batched_gives_the_inprocess_models(case, tmp_path, monkeypatch):
         import fedswarm.sim.batched as batched
 
         monkeypatch.setattr(batched, "NODE_ROWS_MAX", 0)
-    ref, ref_res = _models(RunConfig(engine="inprocess", **kw), tmp_path, monkeypatch)
-    got, got_res = _models(RunConfig(engine="batched", **kw), tmp_path, monkeypatch)
-    assert len(got) == len(ref) == kw["rounds"] + 1
-    for rnd, (a, b) in enumerate(zip(ref, got)):
-        assert torch.allclose(a, b, atol=1e-5, rtol=0), f"round {rnd}: max diff {(a - b).abs().max():.3g}"
-    assert not torch.equal(ref[0], ref[-1])  # training moved the model
-    for r_ref, r_got in zip(ref_res["rounds"][1:], got_res["rounds"][1:]):
+    _, got_res, pairs = same_models_on_both_engines(kw, tmp_path, monkeypatch)
+    for r_ref, r_got in pairs:
         assert r_got["num_clients"] == r_ref["num_clients"]
         assert r_got["train_loss"] == pytest.approx(r_ref["train_loss"], abs=1e-5)
         # replies are the same messages; the train message's config says 'batched' (2 bytes

@@ -4,10 +4,9 @@ down equal but for the engine's name in the train config, for every codec, with 
 without error feedback, with a downlink codec, 1-bit SGD, and a per-class codec policy."""
 
 import pytest
-import torch
 
 from fedswarm.config import RunConfig
-from tests.test_batched import _models
+from tests.test_batched import same_models_on_both_engines
 
 BASE = dict(clients=10, rounds=3, local_steps=2, fraction=0.6, lr=0.1)
 CASES = {
@@ -40,13 +39,8 @@ CASES = {
 def test_batched_serves_compressed_strategies(case, tmp_path, monkeypatch):
     kw = {**BASE, **CASES[case]}
     kw = {k: v for k, v in kw.items() if v is not None}
-    ref, ref_res = _models(RunConfig(engine="inprocess", **kw), tmp_path, monkeypatch)
-    got, got_res = _models(RunConfig(engine="batched", **kw), tmp_path, monkeypatch)
-    assert len(got) == len(ref) == kw["rounds"] + 1
-    for rnd, (a, b) in enumerate(zip(ref, got)):
-        assert torch.allclose(a, b, atol=1e-5, rtol=0), f"round {rnd}: max diff {(a - b).abs().max():.3g}"
-    assert not torch.equal(ref[0], ref[-1])  # training moved the model
-    for r_ref, r_got in zip(ref_res["rounds"][1:], got_res["rounds"][1:]):
+    _, got_res, pairs = same_models_on_both_engines(kw, tmp_path, monkeypatch)
+    for r_ref, r_got in pairs:
         assert r_got["num_clients"] == r_ref["num_clients"]
         assert r_got["train_loss"] == pytest.approx(r_ref["train_loss"], abs=1e-5)
         assert r_got["bytes_up"] == r_ref["bytes_up"]
@@ -75,13 +69,8 @@ ROBUST = {
 @pytest.mark.parametrize("case", sorted(ROBUST))
 def test_batched_serves_robust_rules_and_attacks(case, tmp_path, monkeypatch):
     kw = {**BASE, "clients": 10, "fraction": 1.0, **ROBUST[case]}
-    ref, ref_res = _models(RunConfig(engine="inprocess", **kw), tmp_path, monkeypatch)
-    got, got_res = _models(RunConfig(engine="batched", **kw), tmp_path, monkeypatch)
-    assert len(got) == len(ref) == kw["rounds"] + 1
-    for rnd, (a, b) in enumerate(zip(ref, got)):
-        assert torch.allclose(a, b, atol=1e-5, rtol=0), f"round {rnd}: max diff {(a - b).abs().max():.3g}"
-    assert not torch.equal(ref[0], ref[-1])
-    for r_ref, r_got in zip(ref_res["rounds"][1:], got_res["rounds"][1:]):
+    _, got_res, pairs = same_models_on_both_engines(kw, tmp_path, monkeypatch)
+    for r_ref, r_got in pairs:
         assert r_got["bytes_up"] == r_ref["bytes_up"]
         assert r_got.get("rejected") == r_ref.get("rejected")
         assert r_got.get("byzantine_nodes") == r_ref.get("byzantine_nodes")

@@ -3,10 +3,8 @@ engine's to 1e-5, bytes up equal to the byte, for the default fraction, a class 
 ``pvt_fraction`` with other local steps, momentum, ids re-derived from the seed, sampling."""
 
 import pytest
-import torch
 
-from fedswarm.config import RunConfig
-from tests.test_batched import _models
+from tests.test_batched import same_models_on_both_engines
 
 CASES = {
     "pvt": dict(clients=10, rounds=3, local_steps=3, fraction=0.6),
@@ -20,13 +18,8 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_batched_serves_pvt(case, tmp_path, monkeypatch):
     kw = {"strategy": "pvt", **CASES[case]}
-    ref, ref_res = _models(RunConfig(engine="inprocess", **kw), tmp_path, monkeypatch)
-    got, got_res = _models(RunConfig(engine="batched", **kw), tmp_path, monkeypatch)
-    assert len(got) == len(ref) == kw["rounds"] + 1
-    for rnd, (a, b) in enumerate(zip(ref, got)):
-        assert torch.allclose(a, b, atol=1e-5, rtol=0), f"round {rnd}: max diff {(a - b).abs().max():.3g}"
-    assert not torch.equal(ref[0], ref[-1])
-    for r_ref, r_got in zip(ref_res["rounds"][1:], got_res["rounds"][1:]):
+    _, got_res, pairs = same_models_on_both_engines(kw, tmp_path, monkeypatch)
+    for r_ref, r_got in pairs:
         assert r_got["num_clients"] == r_ref["num_clients"]
         assert r_got["train_loss"] == pytest.approx(r_ref["train_loss"], abs=1e-5)
         assert r_got["bytes_up"] == r_ref["bytes_up"]

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["NodeStates", "QAgent", "distance_matrix", "hl_reward"]
+__all__ = ["AgentFile", "NodeStates", "QAgent", "distance_matrix", "hl_reward"]
 
 
 def distance_matrix(n: int, seed: int) -> np.ndarray:
@@ -97,8 +97,30 @@ class NodeStates:
                           examples=ex)
 
 
+class AgentFile:
+    """An agent kept in one JSON file between runs: subclasses give ``to_dict`` (what is saved)
+    and ``restore(data, path)`` (check that ``data`` fits this run, then take it)."""
+
+    def to_dict(self) -> dict:
+        raise NotImplementedError
+
+    def restore(self, data: dict, path: Path) -> None:
+        raise NotImplementedError
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict()))
+
+    def load(self, path: str | Path) -> bool:
+        """Load what :meth:`save` wrote; False when there is no such file."""
+        p = Path(path)
+        if not p.is_file():
+            return False
+        self.restore(json.loads(p.read_text()), p)
+        return True
+
+
 @dataclass
-class QAgent:
+class QAgent(AgentFile):
     """ε-greedy linear Q-learner choosing the next node (see the module docstring).
 
     Parameters
@@ -259,17 +281,8 @@ class QAgent:
     def to_dict(self) -> dict:
         return {"n": self.n, "theta": self.theta.tolist(), "epsilon": self.epsilon, "episodes": self.episodes}
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict()))
-
-    def load(self, path: str | Path) -> bool:
-        """Load weights and ε saved by :meth:`save`; False when there is no such file."""
-        p = Path(path)
-        if not p.is_file():
-            return False
-        data = json.loads(p.read_text())
+    def restore(self, data: dict, path: Path) -> None:
         if int(data["n"]) != self.n or len(data["theta"]) != self.theta.size:
-            raise ValueError(f"agent file {p} is for {data['n']} nodes, this run has {self.n}")
+            raise ValueError(f"agent file {path} is for {data['n']} nodes, this run has {self.n}")
         self.theta = np.asarray(data["theta"], dtype=float)
         self.epsilon, self.episodes = float(data["epsilon"]), int(data["episodes"])
-        return True

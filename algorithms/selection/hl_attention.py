@@ -26,7 +26,6 @@ Torch only; ``numpy`` only at the edges (state vectors in and out).
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections import deque
@@ -35,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+
+from fedswarm.algorithms.selection.hl import AgentFile
 
 __all__ = ["pca_scores", "chain_state", "visit_features", "QNetwork", "DQNAgent", "bellman_targets", "td_loss"]
 
@@ -121,7 +122,7 @@ def td_loss(q: nn.Module, s: torch.Tensor, a: torch.Tensor, y: torch.Tensor) -> 
     return ((q(s).gather(1, a[:, None])[:, 0] - y) ** 2).mean()
 
 
-class DQNAgent:
+class DQNAgent(AgentFile):
     """ε-greedy DQN over state vectors (see the module docstring).
 
     Parameters
@@ -219,20 +220,11 @@ class DQNAgent:
         return {"kind": "dqn", "n": self.n, "state_dim": self.state_dim, "epsilon": self.epsilon,
                 "episodes": self.episodes, "weights": {k: v.tolist() for k, v in self.q.state_dict().items()}}
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict()))
-
-    def load(self, path: str | Path) -> bool:
-        """Load weights and ε saved by :meth:`save`; False when there is no such file."""
-        p = Path(path)
-        if not p.is_file():
-            return False
-        data = json.loads(p.read_text())
+    def restore(self, data: dict, path: Path) -> None:
         if data.get("kind") != "dqn" or int(data["n"]) != self.n or int(data["state_dim"]) != self.state_dim:
-            raise ValueError(f"agent file {p} is not a DQN agent for {self.n} nodes and state size {self.state_dim}")
+            raise ValueError(f"agent file {path} is not a DQN agent for {self.n} nodes and state size {self.state_dim}")
         self.q.load_state_dict({k: torch.tensor(v, dtype=torch.float32) for k, v in data["weights"].items()})
         self.epsilon, self.episodes = float(data["epsilon"]), int(data["episodes"])
-        return True
 
     def _vec(self, state: np.ndarray | torch.Tensor) -> torch.Tensor:
         v = torch.as_tensor(np.asarray(state, dtype=np.float32)).reshape(-1)
