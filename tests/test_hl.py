@@ -242,3 +242,17 @@ def test_hl_attention_selector_runs_and_learns_from_its_observations(store):
         [0, 1, 0, 1] + [0.0, 1.0, 0.25, 1.0])  # never trained; waited/n (node 2: 3 - 2 = 1 step)
     with pytest.raises(ValueError, match="attention_state"):
         HomogeneousLearning(4, d=10, selector="attention", attention_state="graph")
+
+
+def test_the_dqn_agent_survives_a_restart_through_its_file_and_refuses_another_shape(tmp_path):
+    path = tmp_path / "dqn.json"
+    assert not DQNAgent(4, 16, seed=0).load(path)  # no file yet: a fresh agent
+    a = DQNAgent(4, 16, seed=0)
+    a.end_episode()
+    a.save(path)
+    b = DQNAgent(4, 16, seed=1)  # other initial weights
+    assert b.load(path) and b.epsilon == a.epsilon and b.episodes == a.episodes == 1
+    for (k, va), vb in zip(a.q.state_dict().items(), b.q.state_dict().values()):
+        assert torch.equal(va, vb), k
+    with pytest.raises(ValueError, match="not a DQN agent for 5 nodes"):
+        DQNAgent(5, 25, seed=0).load(path)
