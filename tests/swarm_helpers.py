@@ -7,7 +7,7 @@ import socket
 import threading
 from pathlib import Path
 
-from fedswarm.swarm.net.envelope import Conn
+from fedswarm.swarm.net.envelope import Conn, Dropped
 from fedswarm.swarm.net.identity import Identity, create_or_load
 from fedswarm.swarm.peer import Peer, PeerConfig
 
@@ -71,6 +71,24 @@ class Recorder(Conn):
 
     def sendall(self, data) -> None:
         self.data += bytes(data)
+
+
+class Replay(Recorder):
+    """A Conn whose reads replay recorded bytes (``data``, or what is sent to it), and which
+    knows how far it was read (``pos``)."""
+
+    def __init__(self, data: bytes | None = None):
+        super().__init__()
+        if data is not None:
+            self.data += data
+        self.pos = 0
+
+    def recv_exact_into(self, view) -> None:
+        n = len(view)
+        if self.pos + n > len(self.data):
+            raise Dropped("closed", "end of recording")
+        view[:] = self.data[self.pos : self.pos + n]
+        self.pos += n
 
 
 def send_raw(addr: str, data: bytes, timeout: float = 5.0) -> bytes:

@@ -19,7 +19,7 @@ from fedswarm.swarm.net.transport import client_tls_context
 from fedswarm.swarm.peer import Peer, PeerConfig
 
 from tests.helpers import wait_until
-from tests.swarm_helpers import Recorder, start_all, stop_all
+from tests.swarm_helpers import Recorder, Replay, start_all, stop_all
 
 
 def _peer(pki, name: str, tmp, *, join: str | None = None, ca=None, crl=True, **kw) -> Peer:
@@ -220,25 +220,6 @@ def test_issue_for_existing_key_then_join(pki, tmp_path):
 
 
 # -- encrypted bodies (the default without TLS) ---------------------------------------------
-class _Pipe(Recorder):
-    """A Conn whose reads replay what was sent (one message, in memory)."""
-
-    def __init__(self, data: bytes | None = None):
-        super().__init__()
-        if data is not None:
-            self.data += data
-        self.pos = 0
-
-    def recv_exact_into(self, view) -> None:
-        n = len(view)
-        if self.pos + n > len(self.data):
-            from fedswarm.swarm.net.envelope import Dropped
-
-            raise Dropped("closed", "end of recording")
-        view[:] = self.data[self.pos : self.pos + n]
-        self.pos += n
-
-
 def _frames(data: bytes) -> list[bytes]:
     out, pos = [], 0
     while pos < len(data):
@@ -254,14 +235,14 @@ def test_encrypted_body_round_trip_and_every_tampering_refused():
 
     a, b, eve = Identity.generate(), Identity.generate(), Identity.generate()
     body = os.urandom(10_000)
-    pipe = _Pipe()
+    pipe = Replay()
     send_message(pipe, b, "model", to=a.peer_id, meta={"round": 1}, body=body,
                  chunk_bytes=4096, encrypt=True)
     wire = bytes(pipe.data)
     assert body[:64] not in wire and body[5000:5064] not in wire  # the body is not on the wire in clear
     frames = _frames(wire)
     assert len(frames) == 1 + 3  # header + three encrypted chunks (4096, 4096, 1808), no trailer
-    msg = recv_message(_Pipe(wire), Verifier(a, None))
+    msg = recv_message(Replay(wire), Verifier(a, None))
     assert bytes(msg.body) == body
     # flipped byte, swapped chunks, dropped last chunk, wrong recipient: all refused
     flipped = bytearray(wire)
@@ -272,12 +253,12 @@ def test_encrypted_body_round_trip_and_every_tampering_refused():
     for reason, datas in cases.items():
         for data in datas:
             with pytest.raises(Dropped) as exc:
-                recv_message(_Pipe(data), Verifier(a, None))
+                recv_message(Replay(data), Verifier(a, None))
             assert exc.value.reason == reason
     with pytest.raises(Dropped, match="forged|misdirected"):
-        recv_message(_Pipe(wire), Verifier(eve, None))
+        recv_message(Replay(wire), Verifier(eve, None))
     # a peer that requires encryption refuses a body in clear
-    clear = _Pipe()
+    clear = Replay()
     send_message(clear, b, "model", to=a.peer_id, meta={"round": 1}, body=body)
     with pytest.raises(Dropped, match="not encrypted"):
-        recv_message(_Pipe(bytes(clear.data)), Verifier(a, None, require_encryption=True))
+        recv_message(Replay(bytes(clear.data)), Verifier(a, None, require_encryption=True))

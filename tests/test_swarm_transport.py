@@ -19,7 +19,7 @@ from fedswarm.swarm.net.envelope import Dropped, Verifier, recv_message, send_me
 from fedswarm.swarm.net.identity import create_or_load
 from fedswarm.swarm.net.transport import Transport, permissioned_tls
 
-from tests.swarm_helpers import Recorder
+from tests.swarm_helpers import Recorder, Replay
 
 
 @pytest.fixture(scope="module")
@@ -27,22 +27,6 @@ def pki(tmp_path_factory):
     root = tmp_path_factory.mktemp("pki") / "pki"
     init_pki(root, hosts=[], peers=3)
     return root
-
-
-class _Pipe(Recorder):
-    """A Conn whose reads replay recorded bytes, and which knows how far it was read."""
-
-    def __init__(self, data: bytes):
-        super().__init__()
-        self.data += data
-        self.pos = 0
-
-    def recv_exact_into(self, view) -> None:
-        n = len(view)
-        if self.pos + n > len(self.data):
-            raise Dropped("closed", "end of recording")
-        view[:] = self.data[self.pos : self.pos + n]
-        self.pos += n
 
 
 def _frames(data: bytes) -> list[bytes]:
@@ -77,16 +61,16 @@ def test_tls_tagged_body_needs_a_connection_bound_to_its_sender(pki):
     assert [len(f) for f in frames[1:]] == [40_000, 40_000, 20_000]  # the body's chunks, no trailer tag
     assert b"".join(frames[1:]) == body
     # over a connection bound to the sender's certificate: accepted, intact
-    msg = recv_message(_Pipe(wire), Verifier(a, None), bound_peer=b.peer_id)
+    msg = recv_message(Replay(wire), Verifier(a, None), bound_peer=b.peer_id)
     assert bytes(msg.body) == body and msg.sender == b.peer_id
     # over a connection not bound to a certificate: no tag means no proof, refused
     v = Verifier(a, None)
     with pytest.raises(Dropped, match="not bound") as exc:
-        recv_message(_Pipe(wire), v, bound_peer=None)
+        recv_message(Replay(wire), v, bound_peer=None)
     assert exc.value.reason == "malformed" and v.drop_counts() == {"malformed": 1}
     # over the connection of another peer (eve's certificate): refused after the header,
     # before a byte of the body is read
-    v, pipe = Verifier(a, None), _Pipe(wire)
+    v, pipe = Verifier(a, None), Replay(wire)
     with pytest.raises(Dropped) as exc:
         recv_message(pipe, v, bound_peer=eve.peer_id)
     assert exc.value.reason == "identity_mismatch" and v.drop_counts() == {"identity_mismatch": 1}
@@ -95,11 +79,11 @@ def test_tls_tagged_body_needs_a_connection_bound_to_its_sender(pki):
     rec = Recorder()
     send_message(rec, b, "model", to=a.peer_id, body=body, chunk_bytes=40_000)
     assert len(_frames(bytes(rec.data))) == 1 + 3 + 1
-    assert bytes(recv_message(_Pipe(bytes(rec.data)), Verifier(a, None), bound_peer=b.peer_id).body) == body
+    assert bytes(recv_message(Replay(bytes(rec.data)), Verifier(a, None), bound_peer=b.peer_id).body) == body
     tampered = bytearray(rec.data)
     tampered[-100] ^= 1
     with pytest.raises(Dropped, match="forged"):
-        recv_message(_Pipe(bytes(tampered)), Verifier(a, None), bound_peer=b.peer_id)
+        recv_message(Replay(bytes(tampered)), Verifier(a, None), bound_peer=b.peer_id)
 
 
 def test_bound_tls_exchange_resumes_and_still_proves_the_certificate(pki, monkeypatch):
