@@ -11,10 +11,13 @@ import argparse
 import math
 import os
 import sys
+import threading
 import time
 import tomllib
 
 from fedswarm.store import Store
+
+PAUSED_LIMIT_S = 300.0  # a test that pauses a run resumes or stops it well within this
 
 
 def main() -> int:
@@ -46,6 +49,7 @@ def main() -> int:
     die_after = int(os.environ.get("FAKE_DIE_AFTER", "0")) if args.cmd == "sim" else 0
     print(f"fake runner: run {rid}, {total} rounds, strategy {cfg.get('strategy')}", flush=True)
     paused = False
+    poll = threading.Event()  # never set: its wait() is the poll interval
     while True:
         for c in store.pending_controls(rid):
             if c.kind == "pause":
@@ -62,8 +66,13 @@ def main() -> int:
                 total += int(c.payload["rounds"])
                 store.update_run(rid, total_rounds=total)
             store.mark_applied(c.id)
-        if paused:
-            time.sleep(0.05)  # the fake run's control poll interval, as the real runner polls the store
+        if paused:  # wait for the next control (resume, stop, ...), as the real runner polls the store
+            deadline = time.monotonic() + PAUSED_LIMIT_S
+            while not store.pending_controls(rid):
+                if time.monotonic() > deadline:
+                    store.set_status(rid, "failed", error=f"fake runner: paused over {PAUSED_LIMIT_S:.0f} s")
+                    return 3
+                poll.wait(0.05)
             continue
         if rnd >= total:
             break
