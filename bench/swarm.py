@@ -35,7 +35,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -47,6 +46,7 @@ from itertools import pairwise
 from pathlib import Path
 
 from fedswarm.bench.swarm_exchange import exchange_rows, profile_rows
+from fedswarm.procs import stop_process_groups
 
 __all__ = ["main", "run"]
 
@@ -171,15 +171,7 @@ def round_row_flower(rounds: int, budget_s: float = 600.0) -> dict:
                                                 f"finished within {budget_s:.0f} s"}
         return {**row, "rounds": len(steady), "round_s": statistics.median(steady), "round_s_p90": max(steady)}
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_process_groups(procs)
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
 

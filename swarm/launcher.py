@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import Field
 
 from fedswarm.config import LearningRate, LocalSteps, TrainingSpec
+from fedswarm.procs import stop_process_groups
 
 __all__ = ["SwarmSpec", "aggregate", "launch_swarm", "parse_fail"]
 
@@ -139,15 +140,7 @@ def launch_swarm(spec: SwarmSpec, *, log=print) -> dict:
         else:
             log(f"swarm did not finish within {spec.timeout_s:.0f} s; stopping it")
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_process_groups(list(procs.values()), grace_s=10)
         for f in logs:
             f.close()
     result = aggregate(spec, pdirs, ids, killed=killed, restarted=restarted, wall_s=time.time() - t0)

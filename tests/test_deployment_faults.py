@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from fedswarm.server.checkpoint import load_latest
+from fedswarm.procs import stop_process_groups
 from fedswarm.store import Store
 from fedswarm.wire import arrayrecord_to_vector
 from tests.helpers import free_port, port_open, wait_until
@@ -99,15 +100,7 @@ class Deployment:
         return self.log_path.read_text()[-5000:]
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_process_groups(list(self.procs), grace_s=15)
         self.log.close()
 
 

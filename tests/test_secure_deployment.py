@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import http.client
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from fedswarm.procs import stop_process_groups
 from fedswarm.store import Store
 
 from tests.helpers import runs_ended, free_port, port_open, wait_until
@@ -20,18 +20,6 @@ from tests.helpers import runs_ended, free_port, port_open, wait_until
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # flwr's commands sit beside this interpreter
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # a loaded 2-core machine: minutes
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def test_tls_supernode_auth_two_registered_nodes_run_and_intruders_are_refused(tmp_path):
@@ -120,4 +108,4 @@ def test_tls_supernode_auth_two_registered_nodes_run_and_intruders_are_refused(t
             store.close()
         assert procs["plaintext"].poll() is None and "SuperNode ID" not in tail("plaintext")
     finally:
-        _stop(list(procs.values()))
+        stop_process_groups(list(procs.values()))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from fedswarm.swarm.launcher import SwarmSpec, launch_swarm, peer_command
+from fedswarm.procs import stop_process_groups
 
 from tests.helpers import free_port, wait_until
 
@@ -133,15 +134,7 @@ def test_killed_peer_costs_neighbours_an_exchange_and_restarts_from_its_checkpoi
         wait_until(lambda: _round(pdirs[victim]) >= rejoined_at + 2, 60, interval=0.1,
                    what="the restarted peer training on")
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_process_groups(list(procs.values()), grace_s=20)
     res = [json.loads((d / "result.json").read_text()) for d in pdirs]
     # survivors carried on: they trained past the kill, with fewer answers while it was dead
     for i, r in enumerate(res):
