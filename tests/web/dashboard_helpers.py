@@ -99,3 +99,22 @@ def kill_runs(store) -> None:
                 os.killpg(run.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+CHROMIUM = os.environ.get("FEDSWARM_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+
+
+def chromium_or_skip():
+    """Playwright's sync API and Debian's Chromium path for a browser test module; skips the
+    module, saying what to install, when either is missing."""
+    import shutil
+
+    import pytest
+
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    path = CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")
+    if not path:
+        pytest.skip(f"Chromium missing at {CHROMIUM}: apt-get install -y chromium", allow_module_level=True)
+    return sync_api, path

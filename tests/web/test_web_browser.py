@@ -9,24 +9,17 @@ Install: ``apt-get install -y chromium`` and ``pip install playwright`` (no brow
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from dashboard_helpers import ADMIN_PW, start_server, wait_for
+from dashboard_helpers import ADMIN_PW, CHROMIUM_ARGS, chromium_or_skip, start_server, wait_for
 
-CHROMIUM = os.environ.get("FEDSWARM_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
-if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
-    pytest.skip(f"Chromium missing at {CHROMIUM}: apt-get install -y chromium", allow_module_level=True)
+sync_api, CHROMIUM = chromium_or_skip()
 
 pytestmark = pytest.mark.integration
 
@@ -35,8 +28,7 @@ pytestmark = pytest.mark.integration
 def browser():
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"),
-                              args=ARGS, headless=True)
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         yield b
         b.close()
 

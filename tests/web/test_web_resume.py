@@ -8,26 +8,19 @@ would have had uninterrupted, each round recorded once.
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
 
-from dashboard_helpers import ADMIN_PW, kill_runs, start_server, wait_for
+from dashboard_helpers import ADMIN_PW, CHROMIUM_ARGS, chromium_or_skip, kill_runs, start_server, wait_for
 from fedswarm.config import RunConfig
 from fedswarm.server.checkpoint import load_latest
 from fedswarm.sim.run import run_engine
 from fedswarm.store import Store
 from fedswarm.wire import arrayrecord_to_vector
 
-CHROMIUM = os.environ.get("FEDSWARM_CHROMIUM", "/usr/bin/chromium")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
-if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
-    pytest.skip(f"Chromium missing at {CHROMIUM}: apt-get install -y chromium", allow_module_level=True)
+sync_api, CHROMIUM = chromium_or_skip()
 
 pytestmark = pytest.mark.integration
 
@@ -62,8 +55,7 @@ def test_resume_button_continues_a_dead_run(tmp_path):
             run_engine(cfg, store=store, run_id=rid, listeners=[_die_after(2)])
         assert store.get_run(rid).status == "failed" and store.latest_checkpoint(rid).round == 2
         with sync_api.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM if os.path.exists(CHROMIUM)
-                                        else shutil.which("chromium"), args=ARGS, headless=True)
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
             page = browser.new_page()
             page.set_default_timeout(20_000)
             page.goto(server.url + "/runs")
