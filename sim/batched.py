@@ -12,7 +12,10 @@ the clients, run a round with the strategy's round runner, record it. Round runn
 FedAvg's here (each chunk's models are folded into the running weighted sum at once, so
 memory does not grow with the number of clients); the compressed strategies' in
 :mod:`fedswarm.sim.batched_compressed` (codec and error feedback on the client axis, the
-strategy object's own sampling, replica sync and aggregation).
+strategy object's own sampling, replica sync and aggregation); the Count-Sketch ones
+(``sketched_sgd``, ``fetchsgd``, ``gs_sgd``) in :mod:`fedswarm.sim.batched_sketched` (one
+sketch of all the clients' vectors; a second exchange in the round is the strategy's own,
+answered by each client's own update); PVT's in :mod:`fedswarm.sim.batched_pvt`.
 
 Same numbers as ``--engine inprocess``: the same clients are sampled (Flower's
 ``random.sample`` after ``random.seed(seed)``), each client's minibatches come from a
@@ -25,8 +28,8 @@ serialized (:mod:`fedswarm.sim.batched_round`), once per size class of the round
 
 What it does not do: the strategies not in :data:`SUPPORTED_STRATEGIES` (they run on
 ``--engine inprocess``; :func:`check_supported` says so in one line), ``--dp``,
-``--dp-sgd``, ``--byzantine`` with FedAvg or PVT or with a data-poisoning attack (labelflip),
-models with buffers (batch-norm statistics), and the
+``--dp-sgd``, ``--byzantine`` with FedAvg, PVT or the sketch strategies or with a
+data-poisoning attack (labelflip), models with buffers (batch-norm statistics), and the
 ``--devices`` time model's simulated seconds (rows carry ``sim_time_s = null``).
 """
 
@@ -63,9 +66,11 @@ __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budg
 #: Strategies this engine serves: FedAvg, and the strategies whose client half is
 #: :func:`fedswarm.strategies.federated.compressed_fedavg.client_update` (the compressed
 #: ones and the Byzantine-robust rules), and gTop-k; see :mod:`fedswarm.sim.batched_compressed`;
-#: and PVT (:mod:`fedswarm.sim.batched_pvt`).
+#: and PVT (:mod:`fedswarm.sim.batched_pvt`); and the Count-Sketch strategies
+#: (:mod:`fedswarm.sim.batched_sketched`).
 SUPPORTED_STRATEGIES = ("fedavg", "compressed_fedavg", "onebit", "gtopk", "median", "trimmed_mean", "krum",
-                        "multikrum", "bulyan", "signum", "pvt")
+                        "multikrum", "bulyan", "signum", "pvt", "sketched_sgd", "fetchsgd", "gs_sgd")
+_OWN_REPLIES = ("fedavg", "pvt", "sketched_sgd", "fetchsgd", "gs_sgd")  # no --byzantine here
 
 # Rounds with more clients than this record the round's totals but no per-node rows:
 # 10,000 rows a round would cost the store more than the training does.
@@ -92,8 +97,8 @@ def check_supported(cfg: RunConfig) -> None:
             attack = parse_attack(cfg.attack or "signflip")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if cfg.strategy in ("fedavg", "pvt") or attack.kind == "data":
-            what = (cfg.strategy if cfg.strategy in ("fedavg", "pvt")
+        if cfg.strategy in _OWN_REPLIES or attack.kind == "data":
+            what = (cfg.strategy if cfg.strategy in _OWN_REPLIES
                     else f"the '{attack.name}' attack (it poisons training data)")
             raise ConfigError(f"--engine batched does not run --byzantine with {what}; use --engine inprocess")
 
@@ -198,8 +203,10 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     else:
         from fedswarm.sim.batched_compressed import CompressedRounds, GTopKRounds
         from fedswarm.sim.batched_pvt import PVTRounds
+        from fedswarm.sim.batched_sketched import SketchRounds
 
-        runner = {"gtopk": GTopKRounds, "pvt": PVTRounds}.get(cfg.strategy, CompressedRounds)
+        runner = {"gtopk": GTopKRounds, "pvt": PVTRounds, "sketched_sgd": SketchRounds, "fetchsgd": SketchRounds,
+                  "gs_sgd": SketchRounds}.get(cfg.strategy, CompressedRounds)
         rounds_of = runner(run, global_vec, notes=recorder)
     store.set_status(run_id, "running")
     try:

@@ -90,9 +90,11 @@ def test_served_strategies_share_the_compressed_client_half():
     from fedswarm.strategies.federated.compressed_fedavg import client_update
 
     from fedswarm.strategies.edge import pvt
-    from fedswarm.strategies.federated import gtopk
+    from fedswarm.strategies.federated import gtopk, sketched
 
-    own = {"fedavg": None, "gtopk": gtopk.client_update, "pvt": pvt.client_update}  # their own round runners
+    own = {"fedavg": None, "gtopk": gtopk.client_update, "pvt": pvt.client_update,  # their own round runners
+           "sketched_sgd": sketched.sketched_client_update, "fetchsgd": sketched.fetchsgd_client_update,
+           "gs_sgd": sketched.gs_client_update}
     for name in SUPPORTED_STRATEGIES:
         assert registry.get(name).client_update is own.get(name, client_update), name
 

@@ -9,6 +9,7 @@ Registered as ``sketched_sgd``, ``fetchsgd`` and ``gs_sgd``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,17 +19,18 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from fedswarm.params import ParamLayout
 from fedswarm.algorithms.compression.kernels import topk_abs_indices
 from fedswarm.algorithms.compression.sparse import CountSketchCodec
-from fedswarm.strategies.federated.compressed_base import (KNOBS, Accepted, CompressedStrategy, Step,
-                                                           begin, finish, read_payload, save_sent,
+from fedswarm.strategies.federated.compressed_base import (KNOBS, Accepted, ClientRound, CompressedStrategy,
+                                                           Step, begin, finish, read_payload, save_sent,
                                                            taken_indices, train)
 from fedswarm.strategies.strategy_utils import load_vector, save_vector
 from fedswarm.algorithms.compression.countsketch import CountSketch
 from fedswarm.hyperparams import HyperParam
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
-from fedswarm.payload import PayloadError
+from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import payload_to_records
 
-__all__ = ["SketchStrategy", "SketchedSGD", "FetchSGD", "GlobalSketchSGD", "fetchsgd_step"]
+__all__ = ["SketchStrategy", "SketchedSGD", "FetchSGD", "GlobalSketchSGD", "fetchsgd_step", "client_sketch",
+           "CLIENT_VECTOR"]
 
 
 class SketchStrategy(CompressedStrategy):
@@ -132,10 +134,29 @@ class SketchStrategy(CompressedStrategy):
         return (torch.stack(values) * (w / w.sum()).to(torch.float32)[:, None]).sum(0), nodes
 
 
-def _client_sketch(cr, v: torch.Tensor):
-    k = cr.knobs
-    codec = CountSketchCodec(rows=int(k["rows"]), cols=int(k["cols"]), k_ratio=float(k["density"]))
-    return codec.encode(v[None], cr.layout, seed=int(k["hash_seed"]))
+def client_sketch(knobs: ConfigRecord, layout: ParamLayout, vectors: torch.Tensor) -> Payload:
+    """The clients' sketches of ``vectors`` (``[C, d]``, one row per client: a batched
+    payload; a client sends its own row, ``C = 1``), with the sketch the server's knobs name."""
+    codec = CountSketchCodec(rows=int(knobs["rows"]), cols=int(knobs["cols"]), k_ratio=float(knobs["density"]))
+    return codec.encode(vectors, layout, seed=int(knobs["hash_seed"]))
+
+
+def _sketching_update(vector: Callable[[ClientRound, torch.Tensor], torch.Tensor], prefix: str | None,
+                      vector_key: str = "") -> Callable[[Message, Context], RecordDict]:
+    """A sketch strategy's client update: train, ``vector(cr, δ)`` (the strategy's client
+    state step: what to sketch; it writes its state into ``cr.state``), reply with its
+    sketch. With ``prefix``, a ``phase`` 2 message is answered by :func:`_phase2`."""
+
+    def client_update(msg: Message, context: Context) -> RecordDict:
+        knobs = msg.content.config_records[KNOBS]
+        if prefix is not None and int(knobs.get("phase", 1)) == 2:
+            return _phase2(msg, context, knobs, prefix, vector_key)
+        cr = begin(msg, context)
+        fit = train(cr)
+        v = vector(cr, fit.result.flat - fit.start)
+        return finish(cr, fit, payload_to_records(client_sketch(cr.knobs, cr.layout, v[None]), RecordDict()))
+
+    return client_update
 
 
 # -- Sketched-SGD ----------------------------------------------------------------------------
@@ -202,23 +223,23 @@ class SketchedSGD(SketchStrategy):
         return Step(self.sparse_update(cand[top], exact[top]), metrics={"phase2_replies": len(nodes)})
 
 
-def sketched_client_update(msg: Message, context: Context) -> RecordDict:
-    knobs = msg.content.config_records[KNOBS]
-    if int(knobs.get("phase", 1)) == 2:
-        return _phase2(msg, context, knobs, _SK, _SK + ".v")
-    cr = begin(msg, context)
+def sketched_vector(cr: ClientRound, delta: torch.Tensor) -> torch.Tensor:
+    """Sketched-SGD's client step: clear u, v where the server used the last message, then
+    ``u ← ρ u + δ``, ``v ← v + u``; returns v (what is sketched)."""
     d = cr.layout.d
-    u, v = load_vector(context.state, _SK + ".u", d), load_vector(context.state, _SK + ".v", d)
+    u, v = load_vector(cr.context.state, _SK + ".u", d), load_vector(cr.context.state, _SK + ".v", d)
     taken = taken_indices(cr, _SK)
     if taken is not None:
         u[taken], v[taken] = 0.0, 0.0
-    fit = train(cr)
-    u = float(knobs["momentum"]) * u + (fit.result.flat - fit.start)
+    u = float(cr.knobs["momentum"]) * u + delta
     v += u
     save_vector(cr.state, _SK + ".u", u)
     save_vector(cr.state, _SK + ".v", v)
     save_sent(cr, _SK)
-    return finish(cr, fit, payload_to_records(_client_sketch(cr, v), RecordDict()))
+    return v
+
+
+sketched_client_update = _sketching_update(sketched_vector, _SK, _SK + ".v")
 
 
 def _phase2(msg: Message, context: Context, knobs: ConfigRecord, prefix: str, vector_key: str) -> RecordDict:
@@ -305,10 +326,12 @@ class FetchSGD(SketchStrategy):
         return Step(update, metrics={"sketch_error_l2": float(self.sketch.l2_estimate(self.s_e))})
 
 
-def fetchsgd_client_update(msg: Message, context: Context) -> RecordDict:
-    cr = begin(msg, context)
-    fit = train(cr)
-    return finish(cr, fit, payload_to_records(_client_sketch(cr, fit.result.flat - fit.start), RecordDict()))
+def fetchsgd_vector(cr: ClientRound, delta: torch.Tensor) -> torch.Tensor:
+    """FetchSGD's clients are stateless: they sketch their local model change."""
+    return delta
+
+
+fetchsgd_client_update = _sketching_update(fetchsgd_vector, None)
 
 
 # -- gs-SGD --------------------------------------------------------------------------------------
@@ -376,20 +399,25 @@ class GlobalSketchSGD(SketchStrategy):
         return Step(self.sparse_update(idx, exact))
 
 
-def gs_client_update(msg: Message, context: Context) -> RecordDict:
-    knobs = msg.content.config_records[KNOBS]
-    if int(knobs.get("phase", 1)) == 2:
-        return _phase2(msg, context, knobs, _GS, _GS + ".e")
-    cr = begin(msg, context)
-    e = load_vector(context.state, _GS + ".e", cr.layout.d)
+def gs_vector(cr: ClientRound, delta: torch.Tensor) -> torch.Tensor:
+    """gs-SGD's client step: clear e where the server used the last message, ``e ← e + δ``;
+    returns e (what is sketched)."""
+    e = load_vector(cr.context.state, _GS + ".e", cr.layout.d)
     taken = taken_indices(cr, _GS)
     if taken is not None:
         e[taken] = 0.0
-    fit = train(cr)
-    e += fit.result.flat - fit.start
+    e += delta
     save_vector(cr.state, _GS + ".e", e)
     save_sent(cr, _GS)
-    return finish(cr, fit, payload_to_records(_client_sketch(cr, e), RecordDict()))
+    return e
+
+
+gs_client_update = _sketching_update(gs_vector, _GS, _GS + ".e")
+
+#: Each strategy's client step (what its clients sketch), for engines that run the
+#: clients' half themselves (``--engine batched``, :mod:`fedswarm.sim.batched_sketched`).
+CLIENT_VECTOR: dict[str, Callable[[ClientRound, torch.Tensor], torch.Tensor]] = {
+    "sketched_sgd": sketched_vector, "fetchsgd": fetchsgd_vector, "gs_sgd": gs_vector}
 
 
 # -- registry --------------------------------------------------------------------------------------

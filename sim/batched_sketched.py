@@ -1,0 +1,118 @@
+"""The Count-Sketch strategies on the batched engine: ``sketched_sgd``, ``fetchsgd`` and
+``gs_sgd`` (:mod:`fedswarm.strategies.federated.sketched`).
+
+Server half: the strategy object itself, as for the other compressed strategies
+(:mod:`fedswarm.sim.batched_compressed`): its ``configure_train`` samples and writes the
+train messages (knobs, replica sync, the ``select`` of what it used last time), its
+``apply_accepted`` sums the sketches and takes the top k. Sketched-SGD and gs-SGD (with
+``exact_values``) ask the same clients a second time in the round, for the exact values at
+the candidates: the strategy builds those messages and reads the replies itself
+(``exact_values``) through the grid it was given, which here is :class:`_Exchange`: each
+message is answered by the strategy's registered client update (its ``phase`` 2 branch)
+on that client's state, and both the message and the real reply are serialized and
+counted, as the metered grid counts them.
+
+Client half, on the client axis: after the batched trainer, each client's state step (the
+strategy's own, :data:`~fedswarm.strategies.federated.sketched.CLIENT_VECTOR`: clear what
+the server used, accumulate momentum and error) gives the vector it sketches; all the
+chunk's vectors are sketched in one call
+(:func:`~fedswarm.strategies.federated.sketched.client_sketch`, ``[C, d]`` -> ``[C, r, c]``:
+one hash seed for all, and the sketch is linear). Each client's state is a ``RecordDict``
+kept as its ``Context.state`` would be.
+"""
+
+from __future__ import annotations
+
+import traceback
+from types import SimpleNamespace
+
+import torch
+from flwr.app import Error, Message, RecordDict
+from flwr.common.constant import ErrorCode
+
+from fedswarm.server.metered_grid import serialized_size
+from fedswarm.sim.batched_compressed import CompressedRounds, _Nodes, client_payload
+from fedswarm.sim.batched_round import make_reply
+from fedswarm.strategies import registry
+from fedswarm.strategies.federated.compressed_base import KNOBS, ClientRound
+from fedswarm.strategies.federated.sketched import CLIENT_VECTOR, client_sketch
+
+__all__ = ["SketchRounds", "SKETCH_STRATEGIES"]
+
+#: The strategies :class:`SketchRounds` serves.
+SKETCH_STRATEGIES = tuple(CLIENT_VECTOR)
+
+
+class _Exchange(_Nodes):
+    """The grid the strategy is given: node ids for sampling, and its second exchange in a
+    round answered by each client's own update on that client's state."""
+
+    def __init__(self, n: int, states: dict[int, RecordDict], client_update):
+        super().__init__(n)
+        self.states = states
+        self.client_update = client_update
+        self.bytes: dict[int, list[int]] = {}  # node id -> [down, up] of this round's further exchanges
+
+    def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
+        replies, cache = [], {}
+        for msg in messages:
+            nid = msg.metadata.dst_node_id
+            down = serialized_size(msg, cache)  # as the metered grid: before the push gives it an id
+            state = self.states.setdefault(nid - 1, RecordDict())  # partition id = node id - 1
+            try:
+                reply = make_reply(msg, self.client_update(msg, SimpleNamespace(state=state)))
+            except Exception as exc:  # as the in-process grid: a failing client costs its reply
+                reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
+                reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+            sizes = self.bytes.setdefault(nid, [0, 0])
+            sizes[0] += down
+            sizes[1] += serialized_size(reply)
+            replies.append(reply)
+        return replies
+
+
+class SketchRounds(CompressedRounds):
+    """Rounds of a Count-Sketch strategy; ``model`` is the strategy's public model."""
+
+    def __init__(self, run, model: torch.Tensor, notes=None):
+        super().__init__(run, model, notes)
+        self.states: dict[int, RecordDict] = {}  # partition id -> the client's state
+        self.vector = CLIENT_VECTOR[run.cfg.strategy]
+        self.grid = _Exchange(run.cfg.clients, self.states, registry.get(run.cfg.strategy).client_update)
+
+    def round(self, server_round: int) -> tuple[dict, list[dict]]:
+        """The round of :class:`CompressedRounds`, plus the second exchange's bytes, per node too."""
+        self.grid.bytes = {}
+        row, node_rows = super().round(server_round)
+        traffic = self.run.meter.traffic
+        by_node = {r["node_id"]: r for r in node_rows}
+        for nid, (down, up) in self.grid.bytes.items():
+            traffic.bytes_down += down
+            traffic.bytes_up += up
+            traffic.node_down[nid] += down
+            traffic.node_up[nid] += up
+            if str(nid) in by_node:
+                by_node[str(nid)]["bytes_down"] += down
+                by_node[str(nid)]["bytes_up"] += up
+        return row, node_rows
+
+    def _client_step(self, delta, pids, ins, codecs, strategy_round, ef):
+        """Each client's state step on its row of ``delta``, then one sketch of all the rows."""
+        knobs = ins[0].content.config_records[KNOBS]
+        rounds, vectors = [], []
+        for j, pid in enumerate(pids):
+            cr = ClientRound(ins[j], SimpleNamespace(state=self.states.setdefault(pid, RecordDict())), self.run.cfg,
+                             SimpleNamespace(layout=self.layout), knobs, self.model, 0, "")
+            vectors.append(self.vector(cr, delta[j]))
+            rounds.append(cr)
+        payload = client_sketch(knobs, self.layout, torch.stack(vectors))
+        for cr in rounds:  # what finish() writes into the client's state
+            for key, value in cr.state.items():
+                cr.context.state[key] = value
+        table = payload.arrays["table"]
+        seed = int(payload.meta["seed"])
+        shapes = (("table", (1, *table.shape[1:]), str(table.dtype)),)
+        meta = tuple(sorted((k, v) for k, v in payload.meta.items() if k not in ("K", "seed")))
+        values = [table[j].to(torch.float32).clone() for j in range(len(pids))]  # what parse_reply returns
+        sent = [(client_payload(payload, j, seed), (shapes, meta, seed)) for j in range(len(pids))]
+        return values, sent
