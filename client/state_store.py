@@ -158,13 +158,14 @@ class ClientStateStore:
             if size > MAX_BYTES + 4096:
                 raise StateFileError(f"{size} bytes is more than the {MAX_BYTES}-byte limit")
             with open(path, "rb") as f:
-                if f.read(len(MAGIC)) != MAGIC:
-                    raise StateFileError("not a fedswarm client state file (bad magic)")
-                header = json.loads(f.readline(4096))
-                body = f.read()
+                magic, line, body = f.read(len(MAGIC)), f.readline(4096), f.read()
         except OSError as exc:
             raise StateFileError(f"cannot read it ({exc})") from None
-        except (ValueError, UnicodeDecodeError):
+        if magic != MAGIC:
+            raise StateFileError("not a fedswarm client state file (bad magic)")
+        try:
+            header = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
             raise StateFileError("its header is not JSON") from None
         if not isinstance(header, dict):
             raise StateFileError("its header is not a JSON object")

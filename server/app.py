@@ -40,7 +40,7 @@ from fedswarm.server.metered_grid import MeteredGrid, Traffic
 from fedswarm.server.checkpoint import ServerCheckpoint, ServerCheckpointer
 from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
 from fedswarm.server.client_state import restore_clients
-from fedswarm.server.resume import ACCEPT_LOSS_KEY, RESUME_KEY, nodes_keep_state, resume_into
+from fedswarm.server.resume import ACCEPT_LOSS_KEY, RESUME_KEY, resume_into
 from fedswarm.client.persist import RUN_KEY
 from fedswarm.strategies.resumable import shift_rounds
 from fedswarm.strategies.federated.dp import attach_dp
@@ -121,10 +121,9 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
             return restore_clients(nodes_grid, strategy, store=store, run_id=run_id, checkpoint_round=resume.round,
                                    num_nodes=cfg.clients, timeout=ROUND_TIMEOUT_S)
 
-        kept = nodes_keep_state("deployment" if node_kind == "supernode" else cfg.engine, cfg)
         arrays, rounds = resume_into(resume, store=store, run_id=run_id, strategy=strategy, recorder=recorder,
                                      policies=policies, train_config=train_config, engine=engine_state,
-                                     byzantine=byzantine, restore_clients=restore, kept_on_nodes=kept)
+                                     byzantine=byzantine, restore_clients=restore)
     store.set_status(run_id, "running")
     status = "finished"
     try:

@@ -135,13 +135,12 @@ def prepare_resume(store: Store, run_id: str, *,
 
 def resume_into(ck: ServerCheckpoint, *, store: Store, run_id: str, strategy: Any, recorder: Any, policies: Any,
                 train_config: Any, engine: Any = None, byzantine: Any = None,
-                restore_clients: Callable[[], tuple[str, list[str]]] | None = None,
-                kept_on_nodes: bool = False) -> tuple[Any, int]:
+                restore_clients: Callable[[], tuple[str, list[str]]] | None = None) -> tuple[Any, int]:
     """Put a freshly built run back in the state of checkpoint ``ck``; return (the model
     the next round starts from, rounds left to run). ``restore_clients`` (run_server's,
     :func:`fedswarm.server.client_state.restore_clients` over the grid) asks the nodes for
-    their own state when the checkpoint has none of theirs; ``kept_on_nodes``: the nodes keep
-    it on disk (:func:`nodes_keep_state`)."""
+    their own state when the checkpoint has none of theirs; what is lost is then only the
+    state of the nodes that had none (named)."""
     load_strategy_state(strategy, ck.strategy)
     resynced: list[str] = []
     lost = None
@@ -149,9 +148,11 @@ def resume_into(ck: ServerCheckpoint, *, store: Store, run_id: str, strategy: An
         engine.load_state_dict(ck.grid)
         clients = "restored with the server"
     else:
-        lost = client_state_lost(ck, kept_on_nodes)
-        if restore_clients is not None and client_state_lost(ck) is not None:  # a strategy with client state
+        lost = client_state_lost(ck)
+        if restore_clients is not None and lost is not None:  # a strategy with client state: ask the nodes
             clients, resynced = restore_clients()
+            lost = (f"{len(resynced)} node(s) had no state of their own and were resynchronised: "
+                    + ", ".join(resynced)) if resynced else None
         else:
             clients = "resynchronised by the strategy" if resync_clients(strategy) else "stateless"
         if lost:
