@@ -7,6 +7,10 @@ A message of type ``train.<name>`` is dispatched to the client update that strat
 The node's partition comes from its node config (``partition-id``, ``num-partitions``),
 set by the simulation engines or by ``fedswarm client``; the run config from Flower's
 ``run_config``, overridden by the keys the server sends in each message's ``config``.
+
+After every train reply the node's ``Context.state`` is saved to its own disk when the run and
+the node keep state there, and a resumed server's ``query.fedswarm_resume`` message restores
+it (:mod:`fedswarm.client.persist`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedswarm.client.persist import RESUME_ACTION, answer_resume, save_after_train
 from fedswarm.local import local_fit
 from fedswarm.strategies import registry
 from fedswarm.wire import vector_to_arrayrecord
@@ -33,12 +38,20 @@ def train(msg: Message, context: Context) -> Message:
     if res.dp_sample_rate is not None:  # DP-SGD: what the server's accountant needs
         metrics["dp_sample_rate"] = res.dp_sample_rate
     content = RecordDict({"arrays": vector_to_arrayrecord(res.flat), "metrics": metrics, "node": fit.report()})
+    save_after_train(msg, context)
     return Message(content, reply_to=msg)
+
+
+@app.query(RESUME_ACTION)
+def resume(msg: Message, context: Context) -> Message:
+    """A resumed server asks: restore this node's state of the checkpoint's round."""
+    return answer_resume(msg, context)
 
 
 def _dispatch(entry: registry.StrategyEntry):
     def handler(msg: Message, context: Context) -> Message:
         content = entry.client_update(msg, context)
+        save_after_train(msg, context)  # the state this reply leaves, on the node's disk
         return Message(content, reply_to=msg)
 
     handler.__name__ = f"train_{entry.name}"

@@ -8,35 +8,50 @@ A secure deployment (``fedswarm certs``) passes the CA as ``root_certificates`` 
 SuperLink's certificate is verified against it) and the node's authentication key
 (``auth_private_key``, an OpenSSH ECDSA key whose public half the operator registered
 with ``flwr supernode register``): the SuperLink then refuses every node it does not know.
+
+The ClientApp keeps the node's own state (error-feedback residuals, replicas, a decentralized
+node's model) in ``--state-dir`` after every round, so that ``fedswarm resume`` continues a
+run exactly (:mod:`fedswarm.client.state_store`).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
 
+from fedswarm.client.state_store import default_state_dir
 from fedswarm.probe import probe_device_class
 
 __all__ = ["supernode_command", "node_config_string"]
 
 
-def node_config_string(partition_id: int, num_partitions: int, device_class: str) -> str:
-    return (f'partition-id={partition_id} num-partitions={num_partitions} device-class="{device_class}" '
+def node_config_string(partition_id: int, num_partitions: int, device_class: str,
+                       state_dir: Path | None = None) -> str:
+    """The SuperNode's ``--node-config``: partition, device class, the device probe and the
+    folder the node keeps its own state in (see :mod:`fedswarm.client.state_store`)."""
+    text = (f'partition-id={partition_id} num-partitions={num_partitions} device-class="{device_class}" '
             'probe="true"')
+    if state_dir is not None:
+        text += f" state-dir={json.dumps(str(state_dir))}"
+    return text
 
 
 def supernode_command(superlink: str, partition_id: int, num_partitions: int, *, device_class: str | None = None,
                       insecure: bool = False, root_certificates: Path | None = None,
-                      clientappio_port: int | None = None, auth_private_key: Path | None = None) -> list[str]:
-    """The ``flower-supernode`` command line for this node."""
+                      clientappio_port: int | None = None, auth_private_key: Path | None = None,
+                      state_dir: Path | None = None) -> list[str]:
+    """The ``flower-supernode`` command line for this node; ``state_dir`` (default: the
+    per-user data folder) is where its ClientApp keeps the node's state between runs."""
     if insecure and (root_certificates is not None or auth_private_key is not None):
         raise ValueError("--insecure cannot be combined with --root-certificates or --auth-key")
     if auth_private_key is not None:
         _check_auth_key(Path(auth_private_key))
     exe = shutil.which("flower-supernode") or str(Path(sys.executable).with_name("flower-supernode"))
     cmd = [exe, "--superlink", superlink,
-           "--node-config", node_config_string(partition_id, num_partitions, device_class or probe_device_class())]
+           "--node-config", node_config_string(partition_id, num_partitions, device_class or probe_device_class(),
+                                               Path(state_dir or default_state_dir()).expanduser().resolve())]
     if insecure:
         cmd.append("--insecure")
     if root_certificates is not None:

@@ -208,8 +208,9 @@ def resume(
                                                                 "this fedswarm's project directory)."),
     accept_client_state_loss: bool = typer.Option(
         False, "--accept-client-state-loss", help="Resume even though the clients' own state (error-feedback "
-        "residuals, replicas, decentralized nodes' models) cannot be restored: deployment and --engine flower runs of "
-        "such strategies. The clients are resynchronised; the model will differ from an uninterrupted run's."),
+        "residuals, replicas, decentralized nodes' models) cannot be restored: --engine flower runs on a Ray cluster "
+        "(--ray-address) of such strategies. The clients are resynchronised; the model will differ from an "
+        "uninterrupted run's."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and Ray's logs."),
 ) -> None:
     """Continue a failed, stopped or killed run from its last checkpoint, in the same run and store.
@@ -217,10 +218,13 @@ def resume(
     Every round of every run is checkpointed in the store. The run goes on from the round after
     its checkpoint up to its total, on the engine it ran on; rounds recorded after the checkpoint
     are redone, so each round is recorded once. A deployment run (`flwr run`) resumes on the
-    SuperLink given with --federation. The resume is exact (same model as uninterrupted) on the
-    in-process engine for every strategy, and anywhere for strategies without client state
-    (fedavg...); a strategy whose clients keep state in Context.state resumed in a deployment or on
-    Flower's engine loses that state, and is refused unless --accept-client-state-loss."""
+    SuperLink given with --federation. The resume is exact (same model as uninterrupted): the
+    in-process engine checkpoints the clients' state with the server's; in a deployment
+    (`fedswarm client --state-dir`) and on Flower's engine the nodes keep their own state on disk
+    after every round and restore it when the resumed run asks, and a node that has lost it is
+    resynchronised by the protocol (named in a client_resync event). Flower's engine on a Ray
+    cluster (--ray-address) keeps no node state: such a run of a strategy with client state is
+    refused unless --accept-client-state-loss."""
     from fedswarm.server.checkpoint import CheckpointError
     from fedswarm.server.resume import prepare_resume
     from fedswarm.store import Store
@@ -361,6 +365,11 @@ def client(
     clientappio_port: Optional[int] = typer.Option(None, "--clientappio-port", help=(
         "Local port for the SuperNode's ClientAppIo API (default: Flower's)."
     )),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help=(
+        "Where the node keeps its own state (error-feedback residuals, replicas, a decentralized node's model) "
+        "after every round, per run, so `fedswarm resume` continues the run exactly (default: "
+        "$XDG_DATA_HOME/fedswarm/client-state, else ~/.local/share/fedswarm/client-state)."
+    )),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the flower-supernode command and exit."),
 ) -> None:
     """Join a federation: start a Flower SuperNode that runs fedswarm's ClientApp."""
@@ -373,7 +382,8 @@ def client(
     try:
         cmd = supernode_command(superlink, partition_id, num_partitions, device_class=device_class,
                                 insecure=insecure, root_certificates=root_certificates,
-                                clientappio_port=clientappio_port, auth_private_key=auth_key)
+                                clientappio_port=clientappio_port, auth_private_key=auth_key,
+                                state_dir=state_dir)
     except ValueError as exc:
         fail(str(exc))
     if dry_run:

@@ -6,7 +6,11 @@ with their own Grid. The run config comes from Flower's ``run_config`` (the
 three extra keys are not part of the run config itself: ``db`` (the store's path or URL,
 else ``FEDSWARM_DB``, else ./fedswarm.db), ``run-id`` (record into an existing run) and
 ``resume`` (true: continue ``run-id`` from its last checkpoint, see :mod:`.resume`;
-``accept-client-state-loss`` = true lets a strategy with client state resume inexactly).
+``accept-client-state-loss`` = true lets a strategy with client state resume inexactly where
+the nodes keep none). On engines whose nodes keep their own state (a deployment, Flower's
+simulation engine) the train config also names the run (``fedswarm-run``): the nodes save
+their state under it after every round, and a resumed run asks them for it
+(:mod:`.client_state`).
 Every ``checkpoint_every``-th round (default: every round) is checkpointed into the store
 (:mod:`.checkpoint`).
 """
@@ -35,7 +39,9 @@ from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 from fedswarm.server.metered_grid import MeteredGrid, Traffic
 from fedswarm.server.checkpoint import ServerCheckpoint, ServerCheckpointer
 from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
+from fedswarm.server.client_state import restore_clients
 from fedswarm.server.resume import ACCEPT_LOSS_KEY, RESUME_KEY, resume_into
+from fedswarm.client.persist import RUN_KEY
 from fedswarm.strategies.resumable import shift_rounds
 from fedswarm.strategies.federated.dp import attach_dp
 
@@ -79,6 +85,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
 
     strategy = build_strategy(cfg, layout)
     engine_state = grid if callable(getattr(grid, "state_dict", None)) else None  # clients' state, if it has it
+    nodes_grid = grid  # the nodes themselves, for the resume query (no attack, no meter)
     byzantine = None
     if cfg.byzantine:
         from fedswarm.algorithms.robust.attacks import parse_attack
@@ -94,6 +101,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
     arrays = vector_to_arrayrecord(get_flat(model))
     # Policies travel as policy.<class> keys (current, per round), not as the initial table.
     train_config = ConfigRecord({k: v for k, v in cfg.to_flat().items() if k != "policies"})
+    if engine_state is None:  # nodes whose state lives with them: they save it under this run's id
+        train_config[RUN_KEY] = run_id
     policies = PolicyBook(cfg.policies)
     policies.write(train_config)
     observers = [example_level_privacy(cfg)] if cfg.dp_sgd else []
@@ -108,9 +117,13 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
     recorder.min_train_nodes = getattr(strategy, "min_train_nodes", None)
     rounds = cfg.rounds
     if resume is not None:
+        def restore() -> tuple[str, list[str]]:
+            return restore_clients(nodes_grid, strategy, store=store, run_id=run_id, checkpoint_round=resume.round,
+                                   num_nodes=cfg.clients, timeout=ROUND_TIMEOUT_S)
+
         arrays, rounds = resume_into(resume, store=store, run_id=run_id, strategy=strategy, recorder=recorder,
                                      policies=policies, train_config=train_config, engine=engine_state,
-                                     byzantine=byzantine)
+                                     byzantine=byzantine, restore_clients=restore)
     store.set_status(run_id, "running")
     status = "finished"
     try:

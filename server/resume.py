@@ -15,12 +15,17 @@ What a resumed run does, wherever it runs (:func:`resume_into`):
 2. the strategy, the policies in force, the attack of a ``--byzantine`` run and the random
    states are put back as they were after that round;
 3. the clients: an engine that checkpointed their state (the in-process engine) gets it
-   back; otherwise (a new Flower run on the SuperLink, a new Ray simulation) their
-   residuals and replicas are gone, and the strategy resynchronises every one of them by
-   protocol (``resync_clients``: the full model next round, nodes re-initialised), never by
-   hoping their state survived. Such a resume is NOT exact (:func:`client_state_lost` says
-   what is lost): :func:`prepare_resume` refuses it unless the caller accepts the loss
-   (``fedswarm resume --accept-client-state-loss``), and the ``resumed`` event says it;
+   back with the server's. Otherwise (a new Flower run on the SuperLink, a new Ray
+   simulation) the nodes start empty, and the server first asks every node to restore its
+   state of the checkpoint's round from its own disk, where fedswarm's ClientApp saved it
+   after each round (``fedswarm client --state-dir``, :mod:`fedswarm.server.client_state`); a
+   node that has no such state is resynchronised by the strategy's protocol (the full model
+   and a zero residual; a decentralized node restarts from the checkpointed model) and named
+   in a ``client_resync`` event, never trusted to still hold what it lost. Where the nodes
+   cannot keep their state on disk (Flower's engine on a Ray cluster of other machines)
+   every node is resynchronised: such a resume is NOT exact (:func:`client_state_lost` says
+   what is lost), and :func:`prepare_resume` refuses it unless the caller accepts the loss
+   (``fedswarm resume --accept-client-state-loss``); the ``resumed`` event says it;
 4. rounds go on from the checkpoint's round + 1 to the run's total (``add_rounds`` included),
    with the clients told the run's round numbers, so a deterministic run ends with the
    model the uninterrupted run would have had.
@@ -30,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 from fedswarm.config import RunConfig
 from fedswarm.procs import pid_alive
@@ -38,7 +43,8 @@ from fedswarm.store import Store
 from fedswarm.server.checkpoint import CheckpointError, ServerCheckpoint, load_latest
 from fedswarm.strategies.resumable import load_strategy_state, resync_clients, set_rng_state
 
-__all__ = ["ACCEPT_LOSS_KEY", "RESUME_KEY", "client_state_lost", "prepare_resume", "resume_into"]
+__all__ = ["ACCEPT_LOSS_KEY", "RESUME_KEY", "client_state_lost", "nodes_keep_state", "prepare_resume",
+           "resume_into"]
 
 log = logging.getLogger("fedswarm.server")
 
@@ -58,15 +64,27 @@ _CLIENT_STATE = {
 }
 
 
-def client_state_lost(ck: ServerCheckpoint) -> str | None:
+def nodes_keep_state(engine: str | None, cfg: RunConfig | None) -> bool:
+    """True for the engines whose nodes keep their own state on their own disk between
+    runs (fedswarm's ClientApp saves it there): a deployment (``fedswarm client``; its
+    ``--state-dir``), and Flower's simulation engine on this machine (its Ray actors write
+    under ``$FEDSWARM_STATE_DIR``). Not Flower's engine on a Ray cluster (``ray_address``):
+    the actors of a partition may run on another machine after the resume."""
+    if engine == "deployment":
+        return True
+    return engine == "flower" and not (cfg is not None and cfg.ray_address)
+
+
+def client_state_lost(ck: ServerCheckpoint, kept_on_nodes: bool = False) -> str | None:
     """What the clients' own state is that resuming from ``ck`` cannot give back, or None.
 
     None when the checkpoint carries the clients' state (the in-process engine saves every
-    virtual node's ``Context.state``) or when the strategy keeps none (FedAvg and the other
-    stateless ones: a resume is then exact anywhere). Otherwise (a deployment on SuperNodes,
-    or Flower's Ray engine: their ``Context.state`` lives in the nodes and a resume is a new
-    Flower run, so it starts empty) a sentence naming the state lost."""
-    if ck.grid is not None:
+    virtual node's ``Context.state``), when the nodes keep it on their own disk
+    (``kept_on_nodes``, see :func:`nodes_keep_state`: the resumed server asks them for it,
+    and resynchronises by protocol, naming them, the ones that lack it) or when the strategy
+    keeps none (FedAvg and the other stateless ones: a resume is then exact anywhere).
+    Otherwise a sentence naming the state lost."""
+    if ck.grid is not None or kept_on_nodes:
         return None
     import importlib
 
@@ -80,8 +98,8 @@ def client_state_lost(ck: ServerCheckpoint) -> str | None:
     owner = next((k for k in cls.__mro__ if "resync_clients" in vars(k)), cls).__name__
     what, instead = _CLIENT_STATE.get(owner, ("the nodes' own state in Context.state", "the strategy resynchronises "
                                                                                            "them"))
-    return (f"'{ck.strategy_name}' keeps {what} on the clients, and this engine cannot restore it: {instead}, so the "
-            f"model after the resume will differ from the uninterrupted run's")
+    return (f"'{ck.strategy_name}' keeps {what} on the clients, and this engine's nodes keep no state of their own "
+            f"to restore it from: {instead}, so the model after the resume will differ from the uninterrupted run's")
 
 
 def prepare_resume(store: Store, run_id: str, *,
@@ -105,27 +123,38 @@ def prepare_resume(store: Store, run_id: str, *,
     if ck.strategy_name != cfg.strategy:
         raise CheckpointError(f"the checkpoint of run '{run_id}' is of strategy '{ck.strategy_name}', "
                               f"the run's config says '{cfg.strategy}'")
-    lost = client_state_lost(ck)
+    lost = client_state_lost(ck, nodes_keep_state(run.engine or cfg.engine, cfg))
     if lost and not accept_client_state_loss:
         raise CheckpointError(f"run '{run_id}' cannot be resumed exactly: {lost}. Resume it anyway with "
-                              f"--accept-client-state-loss, or run it on the in-process engine, whose "
-                              f"checkpoints hold the clients' state")
+                              f"--accept-client-state-loss, or run it in a deployment or on the in-process "
+                              f"engine, where the clients' state is kept")
     return cfg, ck
 
 
 
 
 def resume_into(ck: ServerCheckpoint, *, store: Store, run_id: str, strategy: Any, recorder: Any, policies: Any,
-                train_config: Any, engine: Any = None, byzantine: Any = None) -> tuple[Any, int]:
+                train_config: Any, engine: Any = None, byzantine: Any = None,
+                restore_clients: Callable[[], tuple[str, list[str]]] | None = None) -> tuple[Any, int]:
     """Put a freshly built run back in the state of checkpoint ``ck``; return (the model
-    the next round starts from, rounds left to run)."""
+    the next round starts from, rounds left to run). ``restore_clients`` (run_server's,
+    :func:`fedswarm.server.client_state.restore_clients` over the grid) asks the nodes for
+    their own state when the checkpoint has none of theirs; what is lost is then only the
+    state of the nodes that had none (named)."""
     load_strategy_state(strategy, ck.strategy)
+    resynced: list[str] = []
+    lost = None
     if engine is not None and ck.grid is not None:
         engine.load_state_dict(ck.grid)
         clients = "restored with the server"
     else:
         lost = client_state_lost(ck)
-        clients = "resynchronised by the strategy" if resync_clients(strategy) else "stateless"
+        if restore_clients is not None and lost is not None:  # a strategy with client state: ask the nodes
+            clients, resynced = restore_clients()
+            lost = (f"{len(resynced)} node(s) had no state of their own and were resynchronised: "
+                    + ", ".join(resynced)) if resynced else None
+        else:
+            clients = "resynchronised by the strategy" if resync_clients(strategy) else "stateless"
         if lost:
             clients = f"LOST, {clients} ({lost})"
     if byzantine is not None:
@@ -143,7 +172,7 @@ def resume_into(ck: ServerCheckpoint, *, store: Store, run_id: str, strategy: An
     message = (f"resumed after round {ck.round} of {total}: {max(0, total - ck.round)} rounds to go; clients' state "
                f"{clients}" + (f"; {dropped} round(s) recorded after the checkpoint will be redone" if dropped else ""))
     store.add_event(run_id, "resumed", message, data={"round": ck.round, "dropped_rounds": dropped,
-                                                      "client_state_lost": client_state_lost(ck)})
+                                                      "client_state_lost": lost, "resynchronised_nodes": resynced})
     log.warning("run %s %s", run_id, message)
     set_rng_state(ck.rng)  # last: nothing may draw between here and the next round
     return ck.arrays, max(0, total - ck.round)

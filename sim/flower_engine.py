@@ -50,13 +50,15 @@ def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
     With ``cfg.ray_address`` the engine attaches to that running Ray cluster (``ray start
     --head`` on one machine, ``ray start --address HEAD`` on the others) instead of starting
     a private one, so the virtual SuperNodes' actors spread over every machine that joined.
-    ``resume``: continue the run from this checkpoint (the Ray nodes start empty: the
-    strategy resynchronises them)."""
+    ``resume``: continue the run from this checkpoint (the Ray nodes start empty and restore
+    their state from this machine's disk, ``$FEDSWARM_STATE_DIR`` or the per-user data folder;
+    on a Ray cluster the strategy resynchronises them)."""
     try:
         from flwr.simulation import run_simulation
     except ImportError as exc:  # pragma: no cover
         raise RuntimeError("--engine flower needs Flower's simulation extra: pip install 'fedswarm[sim]'") from exc
     from fedswarm.client.app import app as client_app
+    from fedswarm.client.state_store import STATE_DIR_ENV, default_state_dir
 
     sim_time = make_round_timer(cfg)  # simulated seconds per round, None without --devices
     server_app = ServerApp()
@@ -79,6 +81,12 @@ def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
     # already use every core between them.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    # The virtual nodes keep their own state (residuals, replicas, gossip models) on this
+    # machine's disk, keyed by the run, so a resumed run finds it (fedswarm.client.persist);
+    # the Ray workers read the folder from their environment, inherited from this process.
+    own_state_dir = not cfg.ray_address and STATE_DIR_ENV not in os.environ
+    if own_state_dir:
+        os.environ[STATE_DIR_ENV] = str(default_state_dir())
     flwr_logger = logging.getLogger("flwr")
     level = flwr_logger.level
     flwr_logger.setLevel(logging.WARNING)
@@ -93,6 +101,8 @@ def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
         raise
     finally:
         flwr_logger.setLevel(level)
+        if own_state_dir:
+            os.environ.pop(STATE_DIR_ENV, None)
     run = store.get_run(run_id)
     status = run.status if run is not None else "failed"
     if status == "running":  # the ServerApp thread died without recording why

@@ -3,6 +3,11 @@
 - The ServerApp is killed with SIGKILL in the middle of a round; ``fedswarm resume RUN_ID
   --federation NAME`` continues the run on the same SuperLink and SuperNodes, in the same
   run and store: same final model as the same run uninterrupted (1e-5), each round once.
+  For FedAvg (no client state) and for compressed_fedavg with error feedback, whose
+  SuperNodes restore their residuals and replicas from their ``--state-dir`` (they finished
+  the killed round for the dead server, so they also hold a newer snapshot than the
+  checkpoint's round: the resume must take the checkpoint's), without
+  ``--accept-client-state-loss``.
 - One of 3 SuperNodes is killed with SIGKILL in the middle of a round: the round completes
   with the other two (FedAvg's minimum allows it; the round row and an event say so), and
   the node, restarted, rejoins and trains in a later round.
@@ -76,7 +81,8 @@ class Deployment:
         self.nodes[i] = self._spawn([sys.executable, "-m", "fedswarm", "client", "--superlink",
                                      f"127.0.0.1:{self.port}", "--insecure", "--partition-id", str(i),
                                      "--num-partitions", str(n), "--device-class", "cpu",
-                                     "--clientappio-port", str(free_port())])
+                                     "--clientappio-port", str(free_port()),
+                                     "--state-dir", str(self.tmp / f"node-state-{i}")])
 
     def kill_node(self, i: int) -> None:
         """SIGKILL the SuperNode and its ClientApp processes (its process group)."""
@@ -134,20 +140,30 @@ def _model(db: Path, run_id: str) -> torch.Tensor:
 RUN = "rounds=3 clients={n} local_epochs=3 batch_size=1000 seed=5 task='{task}' db='{db}'"
 
 
+#: strategy -> (its `fedswarm sim` options, its `flwr run --run-config` keys)
+STRATEGIES = {
+    "fedavg": ([], ""),
+    # its defaults: the topk codec with error feedback (a deployment's run config cannot set params.*)
+    "compressed_fedavg": (["--strategy", "compressed_fedavg"], " strategy='compressed_fedavg'"),
+}
+
+
 @pytest.mark.timeout(1200)  # ClientApp processes start per message: slow on a loaded machine
-def test_serverapp_killed_mid_round_resumes_on_the_superlink(tmp_path, hold_dir):
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_serverapp_killed_mid_round_resumes_on_the_superlink(tmp_path, hold_dir, strategy):
     db, ref_db = tmp_path / "store.db", tmp_path / "ref.db"
+    sim_args, run_config = STRATEGIES[strategy]
     steps_before = 1 * 2 * 3  # round 1, two nodes, three full-batch epochs: round 2 holds
     dep = Deployment(tmp_path, f"{steps_before}:{hold_dir}")
     # the same run, uninterrupted, on the in-process engine (same seed, same model: DESIGN.md)
     reference = subprocess.Popen([sys.executable, "-m", "fedswarm", "sim", "--task", TASK, "--clients", "2",
                                   "--rounds", "3", "--local-epochs", "3", "--batch-size", "1000", "--seed", "5",
-                                  "--db", str(ref_db)],
+                                  "--db", str(ref_db), *sim_args],
                                  cwd=ROOT, env={k: v for k, v in dep.env.items() if k != HOLD_ENV},
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         dep.start(2)
-        dep.flwr("run", str(ROOT), "test", "--run-config", RUN.format(n=2, task=TASK, db=db))
+        dep.flwr("run", str(ROOT), "test", "--run-config", RUN.format(n=2, task=TASK, db=db) + run_config)
         try:
             wait_until(lambda: list(hold_dir.glob("held-*")), 600, interval=0.1, what="round 2 in flight")
         except AssertionError as exc:
@@ -173,7 +189,11 @@ def test_serverapp_killed_mid_round_resumes_on_the_superlink(tmp_path, hold_dir)
         assert all(r.num_clients == 2 for r in store.rounds(run.id) if r.round > 0)
         (ref,) = ref_store.list_runs()
         torch.testing.assert_close(_model(db, run.id), _model(ref_db, ref.id), rtol=0, atol=1e-5)
-        assert [e for e in store.events(run.id) if e.kind == "resumed"]
+        (event,) = [e for e in store.events(run.id) if e.kind == "resumed"]
+        if strategy == "compressed_fedavg":
+            assert "restored from the nodes' own disks on 2 of 2 nodes" in event.message, event.message
+            assert not [e for e in store.events(run.id) if e.kind == "client_resync"]
+        assert not [n for n in store.node_rounds(run.id) if n.status != "ok"]
     finally:
         if reference.poll() is None:
             os.killpg(reference.pid, signal.SIGKILL)

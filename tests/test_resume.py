@@ -160,13 +160,22 @@ def _as_deployment_checkpoint(store: Store, rid: str) -> None:
     store.update_run(rid, engine="deployment")
 
 
+def _as_ray_cluster_checkpoint(store: Store, rid: str) -> None:
+    """... and as Flower's engine on a Ray cluster writes it: nodes that keep no state of their
+    own (the actors of a partition may run on another machine after the resume)."""
+    _as_deployment_checkpoint(store, rid)
+    run = store.get_run(rid)
+    store.update_run(rid, engine="flower", config={**run.config, "ray_address": "127.0.0.1:1"})
+
+
 @pytest.mark.parametrize("name", ["compressed_fedavg", "dpsgd", "fedavg"])
 def test_resume_that_would_lose_client_state_is_refused_or_says_so(name, tmp_path):
-    """A deployment resume is a new Flower run: the SuperNodes' Context.state (error-feedback
-    residuals, replicas, decentralized nodes' models) is empty. For strategies that keep such
-    state, prepare_resume refuses, naming what is lost; accepted, the run finishes with the loss
-    in its 'resumed' event, and its model is NOT the uninterrupted one (the loss is real). A
-    stateless strategy (fedavg) resumes as before, exactly."""
+    """Where the nodes keep no state of their own (Flower's engine on a Ray cluster), a resume
+    of a strategy with client state (error-feedback residuals, replicas, decentralized nodes'
+    models) is refused, naming what is lost; accepted, the run finishes with the loss in its
+    'resumed' event and every node named in a 'client_resync' event, and its model is NOT the
+    uninterrupted one (the loss is real). A deployment (SuperNodes keep their state on disk)
+    is not refused. A stateless strategy (fedavg) resumes as before, exactly."""
     from fedswarm.server.resume import client_state_lost
 
     cfg = _cfg(name)
@@ -175,6 +184,8 @@ def test_resume_that_would_lose_client_state_is_refused_or_says_so(name, tmp_pat
     rid = _crashed(cfg, store, after=2)
     assert client_state_lost(prepare_resume(store, rid)[1]) is None  # the in-process checkpoint holds the clients
     _as_deployment_checkpoint(store, rid)
+    prepare_resume(store, rid)  # not refused: the SuperNodes are asked for their own state
+    _as_ray_cluster_checkpoint(store, rid)
     if name == "fedavg":
         cfg2, ck = prepare_resume(store, rid)
         assert client_state_lost(ck) is None
@@ -191,23 +202,32 @@ def test_resume_that_would_lose_client_state_is_refused_or_says_so(name, tmp_pat
         assert event.data["client_state_lost"] is None
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     else:
-        assert what in event.data["client_state_lost"] and "LOST" in event.message
+        assert "4 node(s) had no state of their own" in event.data["client_state_lost"] and "LOST" in event.message
+        assert len(event.data["resynchronised_nodes"]) == 4
+        resyncs = [e for e in store.events(rid) if e.kind == "client_resync"]
+        assert sorted(e.data["partition"] for e in resyncs) == [0, 1, 2, 3]
         assert (a - b).abs().max() > 1e-4  # what was lost changed the model
 
 
-def test_cli_refuses_a_lossy_deployment_resume(tmp_path):
-    """`fedswarm resume RUN --federation F` on a deployment run of a strategy with client state:
-    exit 2 with the reason, before anything is started."""
+def test_cli_refuses_a_lossy_resume_and_not_a_deployment_one(tmp_path):
+    """`fedswarm resume RUN` of a strategy with client state on a Ray cluster run: exit 2 with the
+    reason, before anything is started. A deployment run is not refused (its SuperNodes keep
+    their state): it goes on to `flwr run`, which fails here for want of a SuperLink."""
     cfg = _cfg("compressed_fedavg")
     store = Store(tmp_path / "store.db")
     rid = _crashed(cfg, store, after=2)
-    _as_deployment_checkpoint(store, rid)
-    done = subprocess.run([sys.executable, "-m", "fedswarm", "resume", rid, "--db", str(tmp_path / "store.db"),
-                           "--federation", "nowhere"], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FLWR_HOME=str(tmp_path / "flwr"))
+    _as_ray_cluster_checkpoint(store, rid)
+    done = subprocess.run([sys.executable, "-m", "fedswarm", "resume", rid, "--db", str(tmp_path / "store.db")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     out = " ".join((done.stdout + done.stderr).split())
     assert done.returncode == 2, out
     assert "cannot be resumed exactly" in out and "error-feedback residual" in out, out
+    store.update_run(rid, engine="deployment")
+    done = subprocess.run([sys.executable, "-m", "fedswarm", "resume", rid, "--db", str(tmp_path / "store.db"),
+                           "--federation", "nowhere"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    out = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 1 and "flwr run failed" in out and "cannot be resumed exactly" not in out, out
 
 
 def _same(a, b, path="state") -> None:
@@ -324,13 +344,14 @@ def test_clients_that_lost_their_state_are_resynchronised(tmp_path, monkeypatch)
         if not resync:
             from fedswarm.strategies.federated.compressed_base import CompressedStrategy
 
-            monkeypatch.setattr(CompressedStrategy, "resync_clients", lambda self: None)
+            monkeypatch.setattr(CompressedStrategy, "rejoin_clients", lambda self, reports: None)
         assert run_engine(cfg2, store=store, run_id=rid, resume=ck) == "finished"
         failures = _first_resumed_round_failures(store, rid, 3)
         if resync:
             assert failures == []
             events = [e.message for e in store.events(rid) if e.kind == "resumed"]
-            assert events and "resynchronised by the strategy" in events[0]
+            assert events and "resynchronised by the protocol" in events[0]
+            assert len([e for e in store.events(rid) if e.kind == "client_resync"]) == cfg.clients
         else:
             assert len(failures) == cfg.clients and all("replica out of step" in f for f in failures)
         assert _rounds(store, rid) == [0, 1, 2, 3, 4]

@@ -149,6 +149,32 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
         run resumes with (the node average), as a node that reported lost state does."""
         self._needs_init |= set(self._pid_of)
 
+    #: What resynchronising one node does (named in the ``client_resync`` event).
+    resync_what = "it restarts from the checkpointed node-average model"
+
+    def rejoin_clients(self, reports: list) -> None:
+        """A resumed run's nodes answered the resume query (:mod:`fedswarm.server.client_state`):
+        each answering node holds its partition's topology index under its current id; one
+        that restored its state goes on from it, one without restarts from the checkpointed
+        node-average model (the ``init`` the resumed run sends). Without such a model the
+        nodes without state are refused by name."""
+        lost = [r for r in reports if r.partition >= 0 and not r.restored]
+        if lost and self._average is None:
+            from fedswarm.server.checkpoint import CheckpointError
+
+            raise CheckpointError("the checkpoint holds no model to restart " + ", ".join(r.name() for r in lost)
+                                  + " from, and they have no state of their own")
+        for r in reports:
+            if r.partition < 0:
+                continue
+            for nid in {self._node_of.get(r.partition), r.node_id} - {None}:
+                if nid in self._pid_of:
+                    self._node_of.pop(self._pid_of.pop(nid), None)
+                self._needs_init.discard(nid)
+            self._pid_of[r.node_id], self._node_of[r.partition] = r.partition, r.node_id
+            if not r.restored:
+                self._needs_init.add(r.node_id)
+
     # -- Flower's round-loop hooks: unused, start() drives the exchanges itself ---------
     def configure_train(self, server_round, arrays, config, grid) -> Iterable[Message]:
         return []

@@ -78,6 +78,10 @@ class CodedStrategy(CompressedStrategy):
 
     state_attrs = CompressedStrategy.state_attrs + ("workers", "_rng")  # worker map, decoder projections
 
+    def rename_nodes(self, moved: dict[int, int]) -> None:
+        """Resumed: a worker that restored its state under a new node id keeps its index."""
+        self.workers = {moved.get(nid, nid): i for nid, i in self.workers.items()}
+
     def __init__(self, layout: ParamLayout, num_workers: int, s: int, *, scheme: str = "solon", m: int = 1,
                  name: str = "solon", **kwargs: Any):
         super().__init__(layout, min_available_nodes=num_workers, min_train_nodes=num_workers, **kwargs)

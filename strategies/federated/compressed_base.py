@@ -322,6 +322,23 @@ class CompressedStrategy(ReportsRounds, Strategy):
         self.sync.sent.clear()
         self.pending.clear()
 
+    #: What resynchronising one node does (named in the ``client_resync`` event).
+    resync_what = "the full model next round and a zero residual"
+
+    def rejoin_clients(self, reports: list) -> None:
+        """A resumed run's nodes answered the resume query (:mod:`fedswarm.server.client_state`):
+        what the server knows of each node that restored its state (the replica version it
+        holds, the selection it is owed) moves to the node's current id; a node without state
+        gets the full model next round and owes nothing (its residual starts at zero)."""
+        moved = {r.old_node_id: r.node_id for r in reports if r.restored and r.old_node_id is not None}
+        self.sync.nodes = {moved[old]: v for old, v in self.sync.nodes.items() if old in moved}
+        self.sync.sent.clear()
+        self.pending = {moved[old]: v for old, v in self.pending.items() if old in moved}
+        self.rename_nodes(moved)
+
+    def rename_nodes(self, moved: dict[int, int]) -> None:
+        """Subclasses that key more by node id carry it over here (old id -> current id)."""
+
     def _ensure_model(self, arrays: ArrayRecord) -> None:
         if self.sync.x is not None:
             return
