@@ -20,9 +20,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedswarm.algorithms.compression import native
+
 __all__ = [
     "new_empty",
     "new_zeros",
+    "out_buffer",
     "sign_bits",
     "unpack_bool",
     "pack_bits",
@@ -63,6 +66,16 @@ def new_zeros(k: int, n: int, device: torch.device | str) -> torch.Tensor:
     return torch.from_numpy(np.zeros((k, n), np.float32))
 
 
+def out_buffer(out: torch.Tensor | None, k: int, n: int, device: torch.device | str, *,
+               zero: bool = False) -> torch.Tensor:
+    """Where a decoder writes its ``[K, n]`` float32 result: the caller's ``out`` (checked
+    by :meth:`Codec.decode`; zeroed first when ``zero``), else a fresh :func:`new_empty` /
+    :func:`new_zeros` tensor."""
+    if out is None:
+        return new_zeros(k, n, device) if zero else new_empty(k, n, device)
+    return out.zero_() if zero else out
+
+
 # -- bit packing -------------------------------------------------------------------------
 
 
@@ -84,17 +97,25 @@ def unpack_bool(packed: torch.Tensor, n: int) -> torch.Tensor:
     return torch.from_numpy(bits).view(torch.bool)
 
 
-def lut_decode(packed: torch.Tensor, n: int, lut: torch.Tensor) -> torch.Tensor:
-    """:func:`unpack_bits` into a fresh contiguous ``[K, n]`` float32 tensor; on a CPU one
-    numpy ``take`` of 8 values per byte per client, into a :func:`new_empty` buffer."""
+def lut_decode(packed: torch.Tensor, n: int, lut: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`unpack_bits` into a contiguous ``[K, n]`` float32 tensor (``out``, or a fresh
+    one); on a CPU one pass of 8 table values per byte per client: the C loop of
+    :mod:`~fedswarm.algorithms.compression.native` when it is built, else numpy's ``take``
+    into a :func:`new_empty` buffer."""
     if packed.device.type != "cpu":
-        return unpack_bits(packed, n, lut).contiguous()
+        res = unpack_bits(packed, n, lut)
+        return res.contiguous() if out is None else out.copy_(res)
     k, nbytes = packed.shape
+    out = out_buffer(out, k, n, "cpu")
+    src = packed.contiguous()
+    tables = lut.reshape(-1, 256, 8).expand(k, 256, 8).contiguous()
+    so = native.lib()
+    if so is not None:
+        for i in range(k):
+            so.fs_lut_decode(native.ptr(src, i * nbytes), n, native.ptr(tables, i * 2048), native.ptr(out, i * n))
+        return out
     full = n // 8
-    out = new_empty(k, n, "cpu")
-    src = packed.contiguous().numpy()
-    tables = lut.reshape(-1, 256, 8).expand(k, 256, 8).contiguous().numpy()
-    dst = out.numpy()
+    src, tables, dst = src.numpy(), tables.numpy(), out.numpy()
     for i in range(k):
         if full:
             np.take(tables[i], src[i, :full], axis=0, out=dst[i, : 8 * full].reshape(full, 8), mode="clip")
@@ -224,16 +245,33 @@ _CHUNK = 1 << 16  # coordinates per step of the CPU candidate scan (256 KB: stay
 
 
 def _at_least_cpu(x: torch.Tensor, thr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(|x| >= thr).nonzero(as_tuple=True)`` for a CPU ``[K, n]`` x and ``[K, 1]`` thr, in
-    cache-sized chunks through numpy: no d-long |x| or mask is ever written, and numpy's
-    flatnonzero is several times faster than torch's nonzero."""
-    xn = x.detach().contiguous().numpy()
-    t = thr.reshape(-1).numpy()
-    n = xn.shape[1]
+    """``(|x| >= thr).nonzero(as_tuple=True)`` for a CPU ``[K, n]`` x and ``[K, 1]`` thr, without
+    a d-long |x| or mask: one C pass per client that writes only the hits (see
+    :mod:`~fedswarm.algorithms.compression.native`), else numpy in cache-sized chunks
+    (flatnonzero is several times faster than torch's nonzero)."""
+    xc = x.detach().contiguous()
+    t = thr.reshape(-1).to(torch.float32)
+    kk, n = xc.shape
+    so = native.lib()
+    if so is not None:
+        rows, cols = [], []
+        for i in range(kk):
+            ti = float(t[i])
+            cap = min(n, 4096 + n // 16)  # grown (and the pass repeated) if the threshold is too low
+            while True:
+                hit = torch.empty(cap, dtype=torch.int64)
+                m = so.fs_collect_abs_ge(native.ptr(xc, i * n), n, ti, native.ptr(hit), cap)
+                if m <= cap:
+                    break
+                cap = m
+            cols.append(hit[:m])
+            rows.append(torch.full((m,), i, dtype=torch.int64))
+        return torch.cat(rows), torch.cat(cols)
+    xn, t = xc.numpy(), t.numpy()
     buf = np.empty(min(n, _CHUNK), xn.dtype)
     mask = np.empty(buf.shape, np.bool_)
     rows, cols = [], []
-    for i in range(xn.shape[0]):
+    for i in range(kk):
         for lo in range(0, n, _CHUNK):
             m = min(_CHUNK, n - lo)
             np.abs(xn[i, lo : lo + m], out=buf[:m])
