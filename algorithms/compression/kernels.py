@@ -223,6 +223,10 @@ def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     rank = min(_SAMPLE, math.ceil(1.25 * expected + 4.0 * math.sqrt(expected) + 8))
     sample = x.index_select(1, _sample_positions(n, x.device)).abs_()
     thr = sample.topk(rank, dim=1).values[:, -1:]  # [K, 1]
+    so = native.lib() if x.device.type == "cpu" else None
+    if so is not None:
+        picked = _topk_native(so, x, thr, k)
+        return x.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values if picked is None else picked
     if x.device.type == "cpu":
         rows, cols = _at_least_cpu(x, thr)
     else:
@@ -241,6 +245,44 @@ def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     return pos.gather(1, pick)  # slots are in column order, so sorted slots give sorted cols
 
 
+def _topk_native(so, x: torch.Tensor, thr: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The exact top-k of each row of a CPU ``x`` from its candidates ``|x| >= thr``, or
+    None if a row has fewer than k: one C pass collects each row's candidates (ascending)
+    with their magnitudes, quickselect (``kthvalue``) finds the k-th largest magnitude t,
+    and a second C pass over the candidates keeps those above t and the first ones equal
+    to t, in column order (ties broken by position). No sort, no d-long temporary."""
+    out = torch.empty(x.shape[0], k, dtype=torch.int64)
+    for i, (cols, mags) in enumerate(_collect(so, x, thr, with_values=True)):
+        m = cols.numel()
+        if m < k:
+            return None
+        t = float(mags.kthvalue(m - k + 1).values)
+        got = so.fs_select_top(native.ptr(mags), native.ptr(cols), m, t, k, native.ptr(out, i * k))
+        if got != k:  # cannot happen for finite candidates; never return garbage
+            raise RuntimeError(f"top-k selection kept {got} of {k}")
+    return out
+
+
+def _collect(so, x: torch.Tensor, thr: torch.Tensor, with_values: bool = False):
+    """Per row of a CPU ``x``: the positions with ``|x| >= thr[i]`` (ascending int64) and,
+    if asked, their magnitudes; one C pass per row (repeated if the first guess of the
+    count was too small)."""
+    xc = x.detach().contiguous()
+    t = thr.reshape(-1).to(torch.float32).tolist()
+    kk, n = xc.shape
+    for i in range(kk):
+        cap = min(n, 4096 + n // 16)
+        while True:
+            hit = torch.empty(cap, dtype=torch.int64)
+            mags = torch.empty(cap if with_values else 0, dtype=torch.float32)
+            m = so.fs_collect_abs_ge(native.ptr(xc, i * n), n, t[i], native.ptr(hit),
+                                     native.ptr(mags) if with_values else None, cap)
+            if m <= cap:
+                break
+            cap = m
+        yield hit[:m], mags[:m]
+
+
 _CHUNK = 1 << 16  # coordinates per step of the CPU candidate scan (256 KB: stays in cache)
 
 
@@ -255,17 +297,9 @@ def _at_least_cpu(x: torch.Tensor, thr: torch.Tensor) -> tuple[torch.Tensor, tor
     so = native.lib()
     if so is not None:
         rows, cols = [], []
-        for i in range(kk):
-            ti = float(t[i])
-            cap = min(n, 4096 + n // 16)  # grown (and the pass repeated) if the threshold is too low
-            while True:
-                hit = torch.empty(cap, dtype=torch.int64)
-                m = so.fs_collect_abs_ge(native.ptr(xc, i * n), n, ti, native.ptr(hit), cap)
-                if m <= cap:
-                    break
-                cap = m
-            cols.append(hit[:m])
-            rows.append(torch.full((m,), i, dtype=torch.int64))
+        for i, (hit, _) in enumerate(_collect(so, xc, t)):
+            cols.append(hit)
+            rows.append(torch.full((hit.numel(),), i, dtype=torch.int64))
         return torch.cat(rows), torch.cat(cols)
     xn, t = xc.numpy(), t.numpy()
     buf = np.empty(min(n, _CHUNK), xn.dtype)

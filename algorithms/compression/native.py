@@ -232,8 +232,9 @@ void fs_onebit_decode(const uint8_t *bits, int64_t n, const int64_t *off, const 
 }
 
 /* Top-k candidates: the positions e in [0, n) with |x[e]| >= thr, ascending, into idx
-   (room for cap); returns how many there are (more than cap: only cap were written). */
-int64_t fs_collect_abs_ge(const float *x, int64_t n, float thr, int64_t *idx, int64_t cap) {
+   and their |x[e]| into val unless it is NULL (room for cap); returns how many there are
+   (more than cap: only cap were written). */
+int64_t fs_collect_abs_ge(const float *x, int64_t n, float thr, int64_t *idx, float *val, int64_t cap) {
     int64_t m = 0, e = 0;
 #if defined(__AVX2__)
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -242,7 +243,10 @@ int64_t fs_collect_abs_ge(const float *x, int64_t n, float thr, int64_t *idx, in
         int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(x + e), absmask), vt, _CMP_GE_OQ));
         while (mask) {
             int j = __builtin_ctz(mask);
-            if (m < cap) idx[m] = e + j;
+            if (m < cap) {
+                idx[m] = e + j;
+                if (val) val[m] = fabsf(x[e + j]);
+            }
             m++;
             mask &= mask - 1;
         }
@@ -250,10 +254,26 @@ int64_t fs_collect_abs_ge(const float *x, int64_t n, float thr, int64_t *idx, in
 #endif
     for (; e < n; e++)
         if (fabsf(x[e]) >= thr) {
-            if (m < cap) idx[m] = e;
+            if (m < cap) {
+                idx[m] = e;
+                if (val) val[m] = fabsf(x[e]);
+            }
             m++;
         }
     return m;
+}
+
+/* The exact top-k once the k-th largest magnitude t is known: of the candidates
+   idx[0:m] (ascending) with magnitudes val[0:m], write to out, in order, every one with
+   val > t and then the first ones with val == t until there are k. Returns how many
+   were written. */
+int64_t fs_select_top(const float *val, const int64_t *idx, int64_t m, float t, int64_t k, int64_t *out) {
+    int64_t above = 0, w = 0;
+    for (int64_t i = 0; i < m; i++) above += val[i] > t;
+    int64_t ties = k - above;
+    for (int64_t i = 0; i < m && w < k; i++)
+        if (val[i] > t || (val[i] == t && ties-- > 0)) out[w++] = idx[i];
+    return w;
 }
 """
 
@@ -307,7 +327,8 @@ def _build() -> ctypes.CDLL | None:
     so.fs_lut_decode.argtypes, so.fs_lut_decode.restype = [vp, i64, vp, vp], None
     so.fs_onebit_encode.argtypes, so.fs_onebit_encode.restype = [vp, i64, vp, vp, vp, vp, vp, vp, vp], None
     so.fs_onebit_decode.argtypes, so.fs_onebit_decode.restype = [vp, i64, vp, vp, vp, vp, vp, vp], None
-    so.fs_collect_abs_ge.argtypes, so.fs_collect_abs_ge.restype = [vp, i64, f32, vp, i64], i64
+    so.fs_collect_abs_ge.argtypes, so.fs_collect_abs_ge.restype = [vp, i64, f32, vp, vp, i64], i64
+    so.fs_select_top.argtypes, so.fs_select_top.restype = [vp, vp, i64, f32, i64, vp], i64
     return so
 
 
