@@ -126,7 +126,7 @@ static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, in
         pack_ge0(x, off, off + rows, bits);
         return;
     }
-    int64_t block = 8192 / cols; /* rows per block: about 32 KB, still in cache when packed */
+    int64_t block = 4096 / cols; /* rows per block: about 16 KB, still in cache when packed */
     if (block < 1) block = 1;
     for (int64_t r0 = 0; r0 < rows; r0 += block) {
         int64_t r1 = r0 + block < rows ? r0 + block : rows, c0 = 0;
