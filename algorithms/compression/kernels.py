@@ -2,10 +2,11 @@
 magnitude, random coordinate subsets from a seed, and the median over a small axis.
 
 Pure functions of tensors, vectorized over a leading client axis ``[K, n]``, computed on
-whatever device their input is on. On a CPU the hot loops go through numpy where it is
-faster than torch's eager kernels (packbits, take, flatnonzero, huge-page buffers); the
-torch versions (``pack_bits``, ``unpack_bits``) serve other devices and are the tests'
-oracle. Anything derived from a seed (random subsets, sample
+whatever device their input is on. On a CPU the hot loops are the C loops of
+:mod:`~fedswarm.algorithms.compression.native` when they are built, else numpy where it
+is faster than torch's eager kernels (packbits, take, flatnonzero, huge-page buffers);
+the eager versions are the tests' oracle, and the torch ones (``pack_bits``,
+``unpack_bits``) serve other devices. Anything derived from a seed (random subsets, sample
 positions) is drawn on the CPU with torch's Mersenne Twister and then moved, so an encoder
 on a GPU and a decoder on a CPU regenerate the same coordinates.
 """
