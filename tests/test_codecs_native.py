@@ -118,3 +118,14 @@ def test_decode_rejects_a_bad_out_buffer():
     for bad in [torch.empty(2, D), torch.empty(3, D, dtype=torch.float64), torch.empty(D, 3).t()]:
         with pytest.raises(ValueError, match="out must be a contiguous float32"):
             codec.decode(payload, LAYOUT, out=bad)
+
+
+@pytest.mark.parametrize("d, rows, cols", [(250_001, 5, 4096), (10_001, 3, 200), (8192, 4, 4096)])
+def test_countsketch_native_sketch_equals_eager(d, rows, cols):
+    from fedswarm.algorithms.compression.countsketch import CountSketch
+
+    cs = CountSketch(d, rows, cols, seed=7)
+    assert cs._loop  # the block loop the C kernel replaces
+    x = _x(3, d, seed=d)
+    fast, slow = _both(lambda: cs.sketch(x))
+    assert torch.equal(fast, slow)  # the same additions in the same order

@@ -275,6 +275,34 @@ int64_t fs_select_top(const float *val, const int64_t *idx, int64_t m, float t, 
         if (val[i] > t || (val[i] == t && ties-- > 0)) out[w++] = idx[i];
     return w;
 }
+
+/* Count Sketch, one client, block-shift hashes (see countsketch.py): for each block b
+   of c coordinates (the last may be shorter: n = min(c, d - b*c)), y = the block
+   permuted by pi (y[u] = x[b*c + pinv[u]]; y[perm[p]] = x[b*c + p] and zeros past n in
+   a short block), then row j of acc ((2c + 1) floats per row, zeroed by the caller)
+   gets acc[j][shift[j][b] + u] += y[u], or -= where neg[j][b]. Blocks in order, rows
+   in order: the same additions in the same order as the torch loop. */
+void fs_sketch(const float *restrict x, int64_t d, int64_t c, int64_t r, int64_t blocks, const int64_t *perm,
+               const int64_t *pinv, const int64_t *shifts, const uint8_t *neg, float *restrict y,
+               float *restrict acc) {
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t lo = b * c, n = d - lo < c ? d - lo : c;
+        const float *xb = x + lo;
+        if (n == c) {
+            for (int64_t u = 0; u < c; u++) y[u] = xb[pinv[u]];
+        } else {
+            memset(y, 0, (size_t)c * sizeof(float));
+            for (int64_t p = 0; p < n; p++) y[perm[p]] = xb[p];
+        }
+        for (int64_t j = 0; j < r; j++) {
+            float *a = acc + j * (2 * c + 1) + shifts[j * blocks + b];
+            if (neg[j * blocks + b])
+                for (int64_t u = 0; u < c; u++) a[u] -= y[u];
+            else
+                for (int64_t u = 0; u < c; u++) a[u] += y[u];
+        }
+    }
+}
 """
 
 # -fno-trapping-math lets the compiler vectorize the selects (FP exception flags are never read);
@@ -329,6 +357,7 @@ def _build() -> ctypes.CDLL | None:
     so.fs_onebit_decode.argtypes, so.fs_onebit_decode.restype = [vp, i64, vp, vp, vp, vp, vp, vp], None
     so.fs_collect_abs_ge.argtypes, so.fs_collect_abs_ge.restype = [vp, i64, f32, vp, vp, i64], i64
     so.fs_select_top.argtypes, so.fs_select_top.restype = [vp, vp, i64, f32, i64, vp], i64
+    so.fs_sketch.argtypes, so.fs_sketch.restype = [vp, i64, i64, i64, i64, vp, vp, vp, vp, vp, vp], None
     return so
 
 
