@@ -1,9 +1,11 @@
 """Codec throughput: encode + decode speed of every codec beside a plain memory copy.
 
 For d = 10^6 and 10^7 float32 parameters (quick: 10^6 only) and K = 1 and K = 64 clients,
-each codec's ``decode(encode(x))`` is timed (median of up to 9 runs, 15 in the full mode,
-after a warm-up that also builds cached tables such as Count Sketch hashes; cells whose
-runs would take long get fewer, at least one) and reported in MB of float32
+each codec's ``decode(encode(x), out=buf)`` is timed (decoding into one preallocated
+output buffer, reused every run, as the batched engine decodes into its round's buffer;
+median of up to 9 runs, 15 in the full mode, after a warm-up that also builds cached
+tables such as Count Sketch hashes; cells whose runs would take long get fewer, at least
+one) and reported in MB of float32
 input per second, beside two memory copies of the same tensor, each run interleaved
 with the codec's (copy, codec, copy, codec, ...; the ratios are medians of the per-pair
 ratios, robust to a load that changes during the run):
@@ -15,6 +17,10 @@ restored afterwards). Bytes on the wire are measured on a serialized Flower mess
 one client's payload.
 
     python -m fedswarm.bench.codecs --quick --out out/   # or: fedswarm bench codecs
+    python -m fedswarm.bench.codecs --d 1e7 --clients 1 --out out/   # one cell per codec, < 2 min
+
+On a CPU the hot loops are the C kernels of :mod:`fedswarm.algorithms.compression.native`
+when a C compiler is there (``FEDSWARM_NATIVE=0`` times the eager numpy/torch code).
 
 Writes ``OUT/codecs.json`` (the rows), ``OUT/codecs.png`` (bar chart) and prints a table.
 """
@@ -90,8 +96,8 @@ def _paired(fn: Callable[[], object], refs: dict[str, Callable[[], object]], dev
     return stat, ref_stat, {name: statistics.median(v) for name, v in ratios.items()}
 
 
-def _roundtrip(codec, x: torch.Tensor, layout: ParamLayout) -> Callable[[], object]:
-    return lambda: codec.decode(codec.encode(x, layout, seed=1), layout)
+def _roundtrip(codec, x: torch.Tensor, layout: ParamLayout, out: torch.Tensor) -> Callable[[], object]:
+    return lambda: codec.decode(codec.encode(x, layout, seed=1), layout, out=out)
 
 
 def _message_bytes(payload) -> int:
@@ -147,20 +153,22 @@ def _row(codec: str, d: int, k: int, dev: torch.device, wire: int, note: str, ti
     }
 
 
-def run(out_dir: Path, quick: bool = False, device: str = "cpu", *, sizes: Sequence[int] | None = None) -> list[dict]:
+def run(out_dir: Path, quick: bool = False, device: str = "cpu", *, sizes: Sequence[int] | None = None,
+        clients: Sequence[int] = (1, 64)) -> list[dict]:
     """Run the benchmark, write ``out_dir/codecs.json`` and ``out_dir/codecs.png``, print a
-    table, and return the rows. ``sizes`` overrides the values of d (for tests)."""
+    table, and return the rows. ``sizes`` overrides the values of d, ``clients`` those of K."""
     dev = torch.device(device)
     threads = torch.get_num_threads()
     if dev.type == "cpu":
         torch.set_num_threads(1)  # the targets are per core
     try:
-        return _run(out_dir, quick, dev, sizes)
+        return _run(out_dir, quick, dev, sizes, clients)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(out_dir: Path, quick: bool, dev: torch.device, sizes: Sequence[int] | None) -> list[dict]:
+def _run(out_dir: Path, quick: bool, dev: torch.device, sizes: Sequence[int] | None,
+         clients: Sequence[int]) -> list[dict]:
     sizes = list(sizes) if sizes else [10**6] if quick else [10**6, 10**7]
     repeats, budget_s = (9, 1.5) if quick else (15, 10.0)
     gen = torch.Generator().manual_seed(0)
@@ -173,21 +181,21 @@ def _run(out_dir: Path, quick: bool, dev: torch.device, sizes: Sequence[int] | N
         notes = {"memcpy": "x.clone()", "copy_": "warm.copy_(x)",
                  **{name: make_codec(name).summary() for name in CODECS}}
         wire["copy_"] = 4 * d
-        for k in (1, 64):
+        for k in clients:
             need = _WORKING_SET * 4 * k * d
             if need > _MEMORY_LIMIT:
                 note = f"skipped: needs ~{need / 2**30:.0f} GB (limit {_MEMORY_LIMIT / 2**30:.0f} GB)"
                 rows += [_row(n, d, k, dev, wire[n], note) for n in notes]
                 continue
             x = x1.expand(k, d) + 0.01 * torch.randn(k, d, generator=gen).to(dev)  # clients differ
-            buf = torch.empty_like(x)
+            buf, buf2 = torch.empty_like(x), torch.empty_like(x)  # the copy's and the decoders' outputs
             refs = {"memcpy": lambda x=x: x.clone(), "copy_": lambda x=x, buf=buf: buf.copy_(x)}
             cells = {"memcpy": refs["memcpy"], "copy_": refs["copy_"]}
-            cells.update({name: _roundtrip(make_codec(name), x, layout) for name in CODECS})
+            cells.update({name: _roundtrip(make_codec(name), x, layout, buf2) for name in CODECS})
             for name, fn in cells.items():
                 timing, ref_timing, ratios = _paired(fn, refs, dev, repeats, budget_s)
                 rows.append(_row(name, d, k, dev, wire[name], notes[name], timing, ref_timing["memcpy"], ratios))
-            x = buf = None  # free the batch before the next one is made
+            x = buf = buf2 = None  # free the batch before the next one is made
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "codecs.json").write_text(json.dumps(rows, indent=1))
@@ -258,3 +266,29 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m fedswarm.bench.codecs", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench"), help="writes DIR/codecs.json and DIR/codecs.png")
+    parser.add_argument("--quick", action="store_true", help="d = 10^6 only, fewer runs")
+    parser.add_argument("--d", type=float, action="append", metavar="D",
+                        help="a value of d (repeatable; default 1e6 and 1e7, quick: 1e6)")
+    parser.add_argument("--clients", type=int, action="append", metavar="K",
+                        help="a value of K (repeatable; default 1 and 64)")
+    parser.add_argument("--device", default="cpu", help="torch device (cpu or cuda)")
+    args = parser.parse_args(argv)
+    sizes = None
+    if args.d:
+        if any(v < 1 or v != int(v) for v in args.d):
+            parser.error(f"--d must be a positive integer, got {args.d}")
+        sizes = [int(v) for v in args.d]
+    if args.clients and any(k < 1 for k in args.clients):
+        parser.error(f"--clients must be >= 1, got {args.clients}")
+    run(args.out, quick=args.quick, device=args.device, sizes=sizes, clients=args.clients or (1, 64))
+
+
+if __name__ == "__main__":
+    main()

@@ -235,7 +235,12 @@ class CompressedRounds:
                     self.residuals[pids[j]] = state.residual[i].clone()
             else:
                 payload = codec.encode(rows, self.layout, seed=seed)
-            decoded[idx] = decode_payload(payload, self.layout)
+            lo, hi = members[0], members[0] + len(members)
+            view = decoded[lo:hi]
+            if members == list(range(lo, hi)) and view.dtype == torch.float32 and view.is_contiguous():
+                decode_payload(payload, self.layout, out=view)  # straight into the round's buffer
+            else:
+                decoded[idx] = decode_payload(payload, self.layout)
             shapes = tuple((k, (1, *v.shape[1:]), str(v.dtype)) for k, v in payload.arrays.items())
             meta = tuple(sorted((k, v) for k, v in payload.meta.items() if k not in ("K", "seed")))
             for i, j in enumerate(members):

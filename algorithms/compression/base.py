@@ -102,17 +102,33 @@ class Codec:
         meta = {"codec": self.name, "K": int(x.shape[0]), "d": layout.d, "seed": int(seed), **self.params}
         return Payload(arrays=arrays, meta=meta)
 
-    def decode(self, payload: Payload, layout: ParamLayout, *,
-               device: torch.device | str | None = None) -> torch.Tensor:
+    def decode(self, payload: Payload, layout: ParamLayout, *, device: torch.device | str | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """The ``[K, d]`` float32 vector a payload stands for, on ``device`` (default: the
-        payload's device, CPU for numpy arrays). Raises PayloadError if it is malformed."""
+        device of ``out``, else the payload's, CPU for numpy arrays). Raises PayloadError if
+        it is malformed.
+
+        ``out``: a contiguous float32 ``[K, d]`` tensor to write the result into (and
+        return), e.g. one buffer reused every round: a fresh 40 MB tensor costs thousands
+        of page faults, several times the decoding itself. Its contents are overwritten;
+        a malformed payload may leave it partly written. It must not share memory with
+        the payload."""
         k, params, seed = self._check_meta(payload, layout)
+        if out is not None:
+            if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != (k, layout.d) \
+                    or not out.is_contiguous():
+                got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(f"{self.name}.decode: out must be a contiguous float32 [{k}, {layout.d}] tensor, "
+                                 f"got {got}")
+            if device is not None and torch.device(device) != out.device:
+                raise ValueError(f"{self.name}.decode: out is on {out.device}, device is {device}")
+            device = out.device
         specs = self._array_specs(k, layout, params)
         if device is None:
             first = next(iter(payload.arrays.values()), None)
             device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
         arrays = self._check_arrays(payload, specs, torch.device(device))
-        return self._decode(arrays, k, layout, params, seed)
+        return self._decode(arrays, k, layout, params, seed, out)
 
     def wire_bytes(self, layout: ParamLayout, K: int = 1) -> int:
         """Bytes of the payload's arrays for K clients (a test oracle: real sizes are
@@ -128,9 +144,10 @@ class Codec:
         raise NotImplementedError
 
     def _decode(self, arrays: dict[str, torch.Tensor], k: int, layout: ParamLayout, params: dict[str, Any],
-                seed: int) -> torch.Tensor:
+                seed: int, out: torch.Tensor | None) -> torch.Tensor:
         """``arrays`` are checked against ``_array_specs``; ``params`` and ``seed`` come from
-        the payload's meta."""
+        the payload's meta; ``out`` is the caller's checked buffer or None (see
+        :func:`~fedswarm.algorithms.compression.kernels.out_buffer`)."""
         raise NotImplementedError
 
     def _array_specs(self, k: int, layout: ParamLayout,

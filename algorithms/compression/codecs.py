@@ -76,13 +76,15 @@ def make_codec(name: str, **params: Any) -> Codec:
     return cls(**params)
 
 
-def decode_payload(payload: Payload, layout: ParamLayout, *, device: torch.device | str | None = None) -> torch.Tensor:
+def decode_payload(payload: Payload, layout: ParamLayout, *, device: torch.device | str | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode a payload with the codec and hyperparameters its meta names (a server that
-    accepts several codecs needs nothing else). Raises PayloadError."""
+    accepts several codecs needs nothing else), into ``out`` if given (see
+    :meth:`Codec.decode`). Raises PayloadError."""
     name = payload.meta.get("codec") if isinstance(payload, Payload) else None
     if name not in CODECS:
         raise PayloadError(f"payload names codec {name!r}; known codecs: {', '.join(CODECS)}")
-    return CODECS[name]().decode(payload, layout, device=device)
+    return CODECS[name]().decode(payload, layout, device=device, out=out)
 
 
 def describe_codecs() -> list[dict[str, Any]]:

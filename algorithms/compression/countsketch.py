@@ -51,6 +51,7 @@ import math
 import numpy as np
 import torch
 
+from fedswarm.algorithms.compression import native
 from fedswarm.algorithms.compression.kernels import median_small, sample_positions, topk_abs_indices
 
 __all__ = ["CountSketch"]
@@ -187,7 +188,16 @@ class CountSketch:
         k, c = x.shape[0], self.cols
         # accumulate sigma·y_b at offset shift_b of a doubled row, then fold: 2c + 1 cells
         acc = torch.zeros(k, self.rows, 2 * c + 1, dtype=x.dtype, device=x.device)
-        if self._loop:  # block by block: y_b = x_b permuted by pi stays in cache for the r adds
+        so = native.lib() if self._loop and x.device.type == "cpu" and x.dtype == torch.float32 else None
+        if so is not None:  # the loop below, in C: one pass per client, y in cache
+            x, y = x.contiguous(), torch.empty(c, dtype=x.dtype)
+            if not hasattr(self, "_neg_u8"):
+                self._neg_u8 = (self.block_signs < 0).to(torch.uint8).contiguous()
+            for i in range(k):
+                so.fs_sketch(native.ptr(x, i * self.d), self.d, c, self.rows, self.blocks, native.ptr(self.perm),
+                             native.ptr(self._perm_inv), native.ptr(self.shifts), native.ptr(self._neg_u8),
+                             native.ptr(y), native.ptr(acc, i * self.rows * (2 * c + 1)))
+        elif self._loop:  # block by block: y_b = x_b permuted by pi stays in cache for the r adds
             y = torch.empty(k, c, dtype=x.dtype, device=x.device)
             for b in range(self.blocks):
                 self._permuted_block(x, b, y)

@@ -2,10 +2,11 @@
 magnitude, random coordinate subsets from a seed, and the median over a small axis.
 
 Pure functions of tensors, vectorized over a leading client axis ``[K, n]``, computed on
-whatever device their input is on. On a CPU the hot loops go through numpy where it is
-faster than torch's eager kernels (packbits, take, flatnonzero, huge-page buffers); the
-torch versions (``pack_bits``, ``unpack_bits``) serve other devices and are the tests'
-oracle. Anything derived from a seed (random subsets, sample
+whatever device their input is on. On a CPU the hot loops are the C loops of
+:mod:`~fedswarm.algorithms.compression.native` when they are built, else numpy where it
+is faster than torch's eager kernels (packbits, take, flatnonzero, huge-page buffers);
+the eager versions are the tests' oracle, and the torch ones (``pack_bits``,
+``unpack_bits``) serve other devices. Anything derived from a seed (random subsets, sample
 positions) is drawn on the CPU with torch's Mersenne Twister and then moved, so an encoder
 on a GPU and a decoder on a CPU regenerate the same coordinates.
 """
@@ -20,9 +21,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedswarm.algorithms.compression import native
+
 __all__ = [
     "new_empty",
     "new_zeros",
+    "out_buffer",
     "sign_bits",
     "unpack_bool",
     "pack_bits",
@@ -63,6 +67,16 @@ def new_zeros(k: int, n: int, device: torch.device | str) -> torch.Tensor:
     return torch.from_numpy(np.zeros((k, n), np.float32))
 
 
+def out_buffer(out: torch.Tensor | None, k: int, n: int, device: torch.device | str, *,
+               zero: bool = False) -> torch.Tensor:
+    """Where a decoder writes its ``[K, n]`` float32 result: the caller's ``out`` (checked
+    by :meth:`Codec.decode`; zeroed first when ``zero``), else a fresh :func:`new_empty` /
+    :func:`new_zeros` tensor."""
+    if out is None:
+        return new_zeros(k, n, device) if zero else new_empty(k, n, device)
+    return out.zero_() if zero else out
+
+
 # -- bit packing -------------------------------------------------------------------------
 
 
@@ -84,17 +98,25 @@ def unpack_bool(packed: torch.Tensor, n: int) -> torch.Tensor:
     return torch.from_numpy(bits).view(torch.bool)
 
 
-def lut_decode(packed: torch.Tensor, n: int, lut: torch.Tensor) -> torch.Tensor:
-    """:func:`unpack_bits` into a fresh contiguous ``[K, n]`` float32 tensor; on a CPU one
-    numpy ``take`` of 8 values per byte per client, into a :func:`new_empty` buffer."""
+def lut_decode(packed: torch.Tensor, n: int, lut: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`unpack_bits` into a contiguous ``[K, n]`` float32 tensor (``out``, or a fresh
+    one); on a CPU one pass of 8 table values per byte per client: the C loop of
+    :mod:`~fedswarm.algorithms.compression.native` when it is built, else numpy's ``take``
+    into a :func:`new_empty` buffer."""
     if packed.device.type != "cpu":
-        return unpack_bits(packed, n, lut).contiguous()
+        res = unpack_bits(packed, n, lut)
+        return res.contiguous() if out is None else out.copy_(res)
     k, nbytes = packed.shape
+    out = out_buffer(out, k, n, "cpu")
+    src = packed.contiguous()
+    tables = lut.reshape(-1, 256, 8).expand(k, 256, 8).contiguous()
+    so = native.lib()
+    if so is not None:
+        for i in range(k):
+            so.fs_lut_decode(native.ptr(src, i * nbytes), n, native.ptr(tables, i * 2048), native.ptr(out, i * n))
+        return out
     full = n // 8
-    out = new_empty(k, n, "cpu")
-    src = packed.contiguous().numpy()
-    tables = lut.reshape(-1, 256, 8).expand(k, 256, 8).contiguous().numpy()
-    dst = out.numpy()
+    src, tables, dst = src.numpy(), tables.numpy(), out.numpy()
     for i in range(k):
         if full:
             np.take(tables[i], src[i, :full], axis=0, out=dst[i, : 8 * full].reshape(full, 8), mode="clip")
@@ -202,6 +224,10 @@ def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     rank = min(_SAMPLE, math.ceil(1.25 * expected + 4.0 * math.sqrt(expected) + 8))
     sample = x.index_select(1, _sample_positions(n, x.device)).abs_()
     thr = sample.topk(rank, dim=1).values[:, -1:]  # [K, 1]
+    so = native.lib() if x.device.type == "cpu" else None
+    if so is not None:
+        picked = _topk_native(so, x, thr, k)
+        return x.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values if picked is None else picked
     if x.device.type == "cpu":
         rows, cols = _at_least_cpu(x, thr)
     else:
@@ -220,20 +246,67 @@ def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     return pos.gather(1, pick)  # slots are in column order, so sorted slots give sorted cols
 
 
+def _topk_native(so, x: torch.Tensor, thr: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The exact top-k of each row of a CPU ``x`` from its candidates ``|x| >= thr``, or
+    None if a row has fewer than k: one C pass collects each row's candidates (ascending)
+    with their magnitudes, quickselect (``kthvalue``) finds the k-th largest magnitude t,
+    and a second C pass over the candidates keeps those above t and the first ones equal
+    to t, in column order (ties broken by position). No sort, no d-long temporary."""
+    out = torch.empty(x.shape[0], k, dtype=torch.int64)
+    for i, (cols, mags) in enumerate(_collect(so, x, thr, with_values=True)):
+        m = cols.numel()
+        if m < k:
+            return None
+        t = float(mags.kthvalue(m - k + 1).values)
+        got = so.fs_select_top(native.ptr(mags), native.ptr(cols), m, t, k, native.ptr(out, i * k))
+        if got != k:  # cannot happen for finite candidates; never return garbage
+            raise RuntimeError(f"top-k selection kept {got} of {k}")
+    return out
+
+
+def _collect(so, x: torch.Tensor, thr: torch.Tensor, with_values: bool = False):
+    """Per row of a CPU ``x``: the positions with ``|x| >= thr[i]`` (ascending int64) and,
+    if asked, their magnitudes; one C pass per row (repeated if the first guess of the
+    count was too small)."""
+    xc = x.detach().contiguous()
+    t = thr.reshape(-1).to(torch.float32).tolist()
+    kk, n = xc.shape
+    for i in range(kk):
+        cap = min(n, 4096 + n // 16)
+        while True:
+            hit = torch.empty(cap, dtype=torch.int64)
+            mags = torch.empty(cap if with_values else 0, dtype=torch.float32)
+            m = so.fs_collect_abs_ge(native.ptr(xc, i * n), n, t[i], native.ptr(hit),
+                                     native.ptr(mags) if with_values else None, cap)
+            if m <= cap:
+                break
+            cap = m
+        yield hit[:m], mags[:m]
+
+
 _CHUNK = 1 << 16  # coordinates per step of the CPU candidate scan (256 KB: stays in cache)
 
 
 def _at_least_cpu(x: torch.Tensor, thr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(|x| >= thr).nonzero(as_tuple=True)`` for a CPU ``[K, n]`` x and ``[K, 1]`` thr, in
-    cache-sized chunks through numpy: no d-long |x| or mask is ever written, and numpy's
-    flatnonzero is several times faster than torch's nonzero."""
-    xn = x.detach().contiguous().numpy()
-    t = thr.reshape(-1).numpy()
-    n = xn.shape[1]
+    """``(|x| >= thr).nonzero(as_tuple=True)`` for a CPU ``[K, n]`` x and ``[K, 1]`` thr, without
+    a d-long |x| or mask: one C pass per client that writes only the hits (see
+    :mod:`~fedswarm.algorithms.compression.native`), else numpy in cache-sized chunks
+    (flatnonzero is several times faster than torch's nonzero)."""
+    xc = x.detach().contiguous()
+    t = thr.reshape(-1).to(torch.float32)
+    kk, n = xc.shape
+    so = native.lib()
+    if so is not None:
+        rows, cols = [], []
+        for i, (hit, _) in enumerate(_collect(so, xc, t)):
+            cols.append(hit)
+            rows.append(torch.full((hit.numel(),), i, dtype=torch.int64))
+        return torch.cat(rows), torch.cat(cols)
+    xn, t = xc.numpy(), t.numpy()
     buf = np.empty(min(n, _CHUNK), xn.dtype)
     mask = np.empty(buf.shape, np.bool_)
     rows, cols = [], []
-    for i in range(xn.shape[0]):
+    for i in range(kk):
         for lo in range(0, n, _CHUNK):
             m = min(_CHUNK, n - lo)
             np.abs(xn[i, lo : lo + m], out=buf[:m])

@@ -10,7 +10,8 @@ import torch
 from fedswarm.params import ParamLayout
 from fedswarm.algorithms.compression.base import Codec
 from fedswarm.hyperparams import HyperParam
-from fedswarm.algorithms.compression.kernels import bit_lut, lut_decode, sign_bits
+from fedswarm.algorithms.compression import native
+from fedswarm.algorithms.compression.kernels import bit_lut, lut_decode, out_buffer, sign_bits
 
 __all__ = ["NoneCodec", "Fp16Codec", "OneBitCodec", "SignCodec", "QSGDCodec"]
 
@@ -39,7 +40,9 @@ class NoneCodec(Codec):
     def _array_specs(self, k, layout, params):
         return {"values": (torch.float32, (k, layout.d))}
 
-    def _decode(self, arrays, k, layout, params, seed):
+    def _decode(self, arrays, k, layout, params, seed, out):
+        if out is not None:
+            return out.copy_(arrays["values"])
         return arrays["values"].clone()  # never alias the payload
 
     def wire_bytes(self, layout, K=1):
@@ -64,8 +67,8 @@ class Fp16Codec(Codec):
     def _array_specs(self, k, layout, params):
         return {"values": (torch.float16, (k, layout.d))}
 
-    def _decode(self, arrays, k, layout, params, seed):
-        return arrays["values"].to(torch.float32)
+    def _decode(self, arrays, k, layout, params, seed, out):
+        return arrays["values"].to(torch.float32) if out is None else out.copy_(arrays["values"])
 
     def wire_bytes(self, layout, K=1):
         return 2 * K * layout.d
@@ -103,6 +106,23 @@ def _group_sum(t: torch.Tensor, g: int) -> torch.Tensor:
     k, cols = t.shape
     n = -(-cols // g)
     return torch.nn.functional.pad(t, (0, n * g - cols)).view(k, n, g).sum(2)
+
+
+def _plan(layout: ParamLayout, scale: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Each tensor's offset, rows and columns (int64 tensors, for the C loops) and group
+    width, as :func:`_scale_shape` sees them."""
+    shapes = [(spec.offset, *_scale_shape(spec, scale)) for spec in layout.specs]
+    off, rows, cols = (torch.tensor([s[i] for s in shapes], dtype=torch.int64) for i in range(3))
+    return off, rows, cols, [s[3] for s in shapes]
+
+
+def _means(s_pos: torch.Tensor, s_neg: torch.Tensor, n_pos: torch.Tensor, n_all: torch.Tensor) -> torch.Tensor:
+    """``[K, C, 2]`` float32 (mean of the negatives, mean of the non-negatives) per pair,
+    from the sums and counts (an empty side gives 0)."""
+    nneg = n_all.unsqueeze(0) - n_pos
+    hi = s_pos / n_pos.clamp(min=1)
+    lo = s_neg / nneg.clamp(min=1)
+    return torch.stack([lo, hi], dim=2).to(torch.float32)
 
 
 class OneBitCodec(Codec):
@@ -150,6 +170,9 @@ class OneBitCodec(Codec):
     def _encode(self, x, layout, seed):
         k = x.shape[0]
         acc = _acc_dtype(x.device)
+        so = native.lib() if x.device.type == "cpu" else None
+        if so is not None:
+            return self._encode_native(so, x.contiguous(), layout)
         s_pos, s_neg, n_pos, n_all = [], [], [], []
         xn = x.numpy() if x.device.type == "cpu" else None
         for spec in layout.specs:  # reductions per tensor: each has its own column stride
@@ -168,12 +191,30 @@ class OneBitCodec(Codec):
             s_neg.append(_group_sum(sn, g))
             n_pos.append(_group_sum(cnt, g))
             n_all.append(_group_sum(torch.full((1, cols), rows, dtype=torch.int32, device=x.device), g)[0])
-        npos = torch.cat(n_pos, 1)
-        nneg = torch.cat(n_all).unsqueeze(0) - npos
-        hi = torch.cat(s_pos, 1) / npos.clamp(min=1)
-        lo = torch.cat(s_neg, 1) / nneg.clamp(min=1)
-        means = torch.stack([lo, hi], dim=2).to(torch.float32)
-        return {"bits": sign_bits(x), "means": means}
+        return {"bits": sign_bits(x), "means": _means(torch.cat(s_pos, 1), torch.cat(s_neg, 1), torch.cat(n_pos, 1),
+                                                      torch.cat(n_all))}
+
+    def _encode_native(self, so, x, layout):
+        """One C pass per client over the whole layout: per-column sums (float64, each
+        column in row order, as the numpy path), counts and the bits."""
+        k, d = x.shape
+        off, rows, cols, groups = _plan(layout, self.params["scale"])
+        total, nbytes = int(cols.sum()), (d + 7) // 8
+        sums = torch.zeros(k, 2, total, dtype=torch.float64)
+        cnt = torch.zeros(k, total, dtype=torch.int64)
+        bits = torch.zeros(k, nbytes, dtype=torch.uint8)
+        for i in range(k):
+            so.fs_onebit_encode(native.ptr(x, i * d), len(off), native.ptr(off), native.ptr(rows), native.ptr(cols),
+                                native.ptr(sums[i, 0]), native.ptr(sums[i, 1]), native.ptr(cnt, i * total),
+                                native.ptr(bits, i * nbytes))
+        sp, sn, cnt = sums[:, 0], sums[:, 1], cnt.to(torch.int32)
+        n_all = torch.repeat_interleave(rows, cols).to(torch.int32)
+        if any(g > 1 for g in groups):
+            parts = [torch.split(t, cols.tolist(), dim=-1) for t in (sp, sn, cnt, n_all[None])]
+            sp, sn, cnt, n_all = (torch.cat([_group_sum(p, g) for p, g in zip(ps, groups, strict=True)], 1)
+                                  for ps in parts)
+            n_all = n_all[0]
+        return {"bits": bits, "means": _means(sp, sn, cnt, n_all)}
 
     def _array_specs(self, k, layout, params):
         return {
@@ -181,15 +222,19 @@ class OneBitCodec(Codec):
             "means": (torch.float32, (k, _columns(layout, params["scale"]), 2)),
         }
 
-    def _decode(self, arrays, k, layout, params, seed):
+    def _decode(self, arrays, k, layout, params, seed, out):
         means = arrays["means"]
         lo, hi = means[..., 0].contiguous(), means[..., 1].contiguous()  # (strided operands slow lerp ~10x)
         if bool((lo > 0).any()) or bool((hi < 0).any()):
             raise self._fail("'means' must hold (mean of negatives <= 0, mean of non-negatives >= 0)")
         dev = means.device
+        so = native.lib() if dev.type == "cpu" else None
+        if so is not None:  # one C select per tensor and client, straight from the bits
+            return self._decode_native(so, arrays["bits"].contiguous(), lo, hi, k, layout, params,
+                                       out_buffer(out, k, layout.d, dev))
         # 0/1 per value, then lerp in place: exact at both ends (it evaluates from the
         # nearer end), so a1 and a0 come back bit for bit (torch.where is ~10x slower here)
-        out = lut_decode(arrays["bits"].to(dev), layout.d, bit_lut(0.0, 1.0, dev))
+        out = lut_decode(arrays["bits"].to(dev), layout.d, bit_lut(0.0, 1.0, dev), out)
         c = 0
         for spec in layout.specs:
             rows, cols, g = _scale_shape(spec, params["scale"])
@@ -201,6 +246,22 @@ class OneBitCodec(Codec):
             w = out[:, sl].view(k, rows, cols)
             torch.lerp(a0[:, None, :].expand(k, rows, cols), a1[:, None, :].expand(k, rows, cols), w, out=w)
             c += n
+        return out
+
+    @staticmethod
+    def _decode_native(so, bits, lo, hi, k, layout, params, out):
+        off, rows, cols, groups = _plan(layout, params["scale"])
+        if any(g > 1 for g in groups):  # each group's pair to each of its columns
+            n = [-(-c // g) for c, g in zip(cols.tolist(), groups, strict=True)]
+            lo, hi = (torch.cat([p.repeat_interleave(g, dim=1)[:, :c] for p, g, c in
+                                 zip(torch.split(t, n, dim=1), groups, cols.tolist(), strict=True)], 1)
+                      for t in (lo, hi))
+        lo, hi = lo.contiguous(), hi.contiguous()
+        d, nbytes, total = layout.d, bits.shape[1], lo.shape[1]
+        for i in range(k):
+            so.fs_onebit_decode(native.ptr(bits, i * nbytes), len(off), native.ptr(off), native.ptr(rows),
+                                native.ptr(cols), native.ptr(lo, i * total), native.ptr(hi, i * total),
+                                native.ptr(out, i * d))
         return out
 
     def wire_bytes(self, layout, K=1):
@@ -225,17 +286,25 @@ class SignCodec(Codec):
     paper = "Karimireddy et al., ICML 2019"
 
     def _encode(self, x, layout, seed):
+        so = native.lib() if x.device.type == "cpu" else None
+        if so is not None:  # one fused pass per client: bits and sum |x| (in float64)
+            x = x.contiguous()
+            k, d = x.shape
+            nbytes = (d + 7) // 8
+            bits = torch.zeros(k, nbytes, dtype=torch.uint8)
+            l1 = [so.fs_sign_encode(native.ptr(x, i * d), d, native.ptr(bits, i * nbytes)) for i in range(k)]
+            return {"bits": bits, "scale": (torch.tensor(l1, dtype=torch.float64) / d).to(torch.float32)}
         scale = torch.linalg.vector_norm(x, 1, dim=1) / layout.d
         return {"bits": sign_bits(x), "scale": scale}
 
     def _array_specs(self, k, layout, params):
         return {"bits": (torch.uint8, (k, (layout.d + 7) // 8)), "scale": (torch.float32, (k,))}
 
-    def _decode(self, arrays, k, layout, params, seed):
+    def _decode(self, arrays, k, layout, params, seed, out):
         scale = arrays["scale"]
         if bool((scale < 0).any()):
             raise self._fail("'scale' must be >= 0")
-        return lut_decode(arrays["bits"], layout.d, bit_lut(-scale, scale, scale.device))
+        return lut_decode(arrays["bits"], layout.d, bit_lut(-scale, scale, scale.device), out)
 
     def wire_bytes(self, layout, K=1):
         return K * ((layout.d + 7) // 8 + 4)
@@ -315,7 +384,7 @@ class QSGDCodec(Codec):
         _, nb, dtype = self._shape(layout.d, params)
         return {"codes": (dtype, (k, layout.d)), "norms": (torch.float32, (k, nb))}
 
-    def _decode(self, arrays, k, layout, params, seed):
+    def _decode(self, arrays, k, layout, params, seed, out):
         codes, norms = arrays["codes"], arrays["norms"]
         s = params["levels"]
         bucket, _, _ = self._shape(layout.d, params)
@@ -324,8 +393,7 @@ class QSGDCodec(Codec):
         lo, hi = torch.aminmax(codes) if codes.numel() else (0, 0)
         if int(lo) < -s or int(hi) > s:  # (not abs(): abs(-128) overflows int8)
             raise self._fail(f"'codes' must lie in [-{s}, {s}] for levels={s}")
-        out = torch.empty(k, layout.d, dtype=torch.float32, device=codes.device)
-        return _bucket_mul(codes, norms / s, bucket, out)
+        return _bucket_mul(codes, norms / s, bucket, out_buffer(out, k, layout.d, codes.device))
 
     def wire_bytes(self, layout, K=1):
         d = layout.d

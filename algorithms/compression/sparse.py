@@ -10,7 +10,7 @@ import torch
 
 from fedswarm.algorithms.compression.base import Codec
 from fedswarm.hyperparams import HyperParam
-from fedswarm.algorithms.compression.kernels import new_zeros, random_subset, topk_abs_indices
+from fedswarm.algorithms.compression.kernels import out_buffer, random_subset, topk_abs_indices
 from fedswarm.algorithms.compression.countsketch import CountSketch
 
 __all__ = ["TopKCodec", "RandKCodec", "CountSketchCodec"]
@@ -21,8 +21,8 @@ def _count(ratio: float, d: int) -> int:
     return max(1, min(d, math.ceil(round(ratio * d, 6))))
 
 
-def _scatter(k: int, d: int, idx: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-    return new_zeros(k, d, vals.device).scatter_(1, idx, vals)
+def _scatter(k: int, d: int, idx: torch.Tensor, vals: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return out_buffer(out, k, d, vals.device, zero=True).scatter_(1, idx, vals)
 
 
 class TopKCodec(Codec):
@@ -51,14 +51,14 @@ class TopKCodec(Codec):
         n = _count(params["ratio"], layout.d)
         return {"values": (torch.float32, (k, n)), "indices": (torch.int32, (k, n))}
 
-    def _decode(self, arrays, k, layout, params, seed):
+    def _decode(self, arrays, k, layout, params, seed, out):
         idx = arrays["indices"]
         lo, hi = torch.aminmax(idx)
         if int(lo) < 0 or int(hi) >= layout.d:
             raise self._fail(f"'indices' must lie in [0, {layout.d}), got [{int(lo)}, {int(hi)}]")
         if idx.shape[1] > 1 and not bool((idx[:, 1:] > idx[:, :-1]).all()):
             raise self._fail("'indices' must be strictly increasing per client")
-        return _scatter(k, layout.d, idx.to(torch.int64), arrays["values"])
+        return _scatter(k, layout.d, idx.to(torch.int64), arrays["values"], out)
 
     def wire_bytes(self, layout, K=1):
         return 8 * K * _count(self.params["ratio"], layout.d)
@@ -103,13 +103,13 @@ class RandKCodec(Codec):
     def _array_specs(self, k, layout, params):
         return {"values": (torch.float32, (k, _count(params["ratio"], layout.d)))}
 
-    def _decode(self, arrays, k, layout, params, seed):
+    def _decode(self, arrays, k, layout, params, seed, out):
         vals = arrays["values"]
         n = vals.shape[1]
         idx = random_subset(layout.d, n, seed, vals.device)
         if params["unbiased"]:
             vals = vals * (layout.d / n)
-        return new_zeros(k, layout.d, vals.device).index_copy_(1, idx, vals)
+        return out_buffer(out, k, layout.d, vals.device, zero=True).index_copy_(1, idx, vals)
 
     def wire_bytes(self, layout, K=1):
         return 4 * K * _count(self.params["ratio"], layout.d)
@@ -161,12 +161,12 @@ class CountSketchCodec(Codec):
         rows, cols, _ = self._dims(layout.d, params)
         return {"table": (torch.float32, (k, rows, cols))}
 
-    def _decode(self, arrays, k, layout, params, seed):
+    def _decode(self, arrays, k, layout, params, seed, out):
         table = arrays["table"]
         rows, cols, n = self._dims(layout.d, params)
         sketch = _sketcher(layout.d, rows, cols, seed, table.device)
         idx, vals = sketch.unsketch(table, n)
-        return _scatter(k, layout.d, idx, vals)
+        return _scatter(k, layout.d, idx, vals, out)
 
     def wire_bytes(self, layout, K=1):
         rows, cols, _ = self._dims(layout.d, self.params)

@@ -1,0 +1,391 @@
+"""Fused CPU loops for the codecs' memory-bound passes, in C, built on first use.
+
+A codec pass like "sum |x| and pack x >= 0 into bits" is one read of x when written as
+one loop, but three or four when composed from numpy/torch ops (each op streams its
+operands through memory, or at best through cache with a call's overhead per chunk).
+These few loops are written in C here, compiled once with the system's C compiler
+(``cc -O3 -march=native``, about a second) into a shared library kept under
+``$XDG_CACHE_HOME/fedswarm/native`` (``~/.cache`` by default; the file name hashes the
+source, the flags and the CPU), and called through ctypes on contiguous CPU tensors.
+
+Everything here is optional: :func:`lib` returns None when there is no compiler, the
+build fails, ``FEDSWARM_NATIVE=0`` is set, or :func:`disabled` is active, and the codecs
+then run their eager numpy/torch code, which stays the oracle the tests hold these loops
+to (bit for bit, or to float tolerance where a summation order differs).
+
+The loops (the ``fs_*`` functions below) take raw pointers: the Python wrappers in the
+codecs check shapes, dtypes and contiguity before calling them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["lib", "disabled", "ptr"]
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* Bit e % 8 of byte e / 8 of `bits` is [x[e] >= 0] (false for NaN, true for -0.0). */
+static inline uint8_t byte_ge0(const float *p) {
+#if defined(__AVX2__)
+    return (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p), _mm256_setzero_ps(), _CMP_GE_OQ));
+#else
+    uint8_t b = 0;
+    for (int j = 0; j < 8; j++) b |= (uint8_t)((p[j] >= 0.0f) << j);
+    return b;
+#endif
+}
+
+/* Pack [x[e] >= 0] for e in [lo, hi). Whole bytes are assigned; the partial bytes at
+   either end are OR-ed into (the caller zeroes `bits` first). */
+static void pack_ge0(const float *x, int64_t lo, int64_t hi, uint8_t *bits) {
+    int64_t e = lo;
+    for (; e < hi && (e & 7); e++)
+        if (x[e] >= 0.0f) bits[e >> 3] |= (uint8_t)(1u << (e & 7));
+    for (; e + 8 <= hi; e += 8) bits[e >> 3] = byte_ge0(x + e);
+    for (; e < hi; e++)
+        if (x[e] >= 0.0f) bits[e >> 3] |= (uint8_t)(1u << (e & 7));
+}
+
+/* Sign codec, encode: pack x[0:n] >= 0 into `bits` (zeroed by the caller) and return
+   sum |x| accumulated in double (8 lanes, then added up). */
+double fs_sign_encode(const float *x, int64_t n, uint8_t *bits) {
+    double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t e = 0;
+#if defined(__AVX2__)
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (; e + 8 <= n; e += 8) {
+        __m256 v = _mm256_loadu_ps(x + e);
+        bits[e >> 3] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ));
+        __m256 a = _mm256_and_ps(v, absmask);
+        a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(a)));
+        a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)));
+    }
+    _mm256_storeu_pd(lane, a0);
+    _mm256_storeu_pd(lane + 4, a1);
+#else
+    for (; e + 8 <= n; e += 8) {
+        bits[e >> 3] = byte_ge0(x + e);
+        for (int j = 0; j < 8; j++) lane[j] += fabs((double)x[e + j]);
+    }
+#endif
+    for (; e < n; e++) {
+        if (x[e] >= 0.0f) bits[e >> 3] |= (uint8_t)(1u << (e & 7));
+        lane[e & 7] += fabs((double)x[e]);
+    }
+    return ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+}
+
+/* out[e] = lut[8 * byte + bit] for e in [0, n): one table of 256 x 8 floats. */
+void fs_lut_decode(const uint8_t *bits, int64_t n, const float *lut, float *out) {
+    int64_t full = n >> 3;
+    for (int64_t i = 0; i < full; i++) memcpy(out + 8 * i, lut + 8 * (int64_t)bits[i], 32);
+    for (int64_t e = 8 * full; e < n; e++) out[e] = lut[8 * (int64_t)bits[full] + (e & 7)];
+}
+
+/* 1-bit SGD, encode, one tensor: x points at the flat vector, the tensor is the
+   rows x cols matrix at offset `off`. Adds per column the sum of max(v, 0) (sp), of
+   min(v, 0) (sn, as v - max(v, 0), exact) and the count of v >= 0 (cnt), row after
+   row (each column's sums in the order of its rows), and packs the tensor's bits
+   (x >= 0) into `bits` (zeroed by the caller). */
+static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, int64_t cols, double *restrict sp,
+                          double *restrict sn, int64_t *restrict cnt, uint8_t *restrict bits) {
+    const float *t = x + off;
+    if (cols == 1) { /* one column: 8 lanes over the flat range */
+        double p[8] = {0}, q[8] = {0};
+        int64_t c[8] = {0};
+        for (int64_t i = 0; i < rows; i++) {
+            float v = t[i], w = v >= 0.0f ? v : 0.0f;
+            p[i & 7] += w;
+            q[i & 7] += (double)(v - w);
+            c[i & 7] += v >= 0.0f;
+        }
+        for (int j = 0; j < 8; j++) {
+            sp[0] += p[j];
+            sn[0] += q[j];
+            cnt[0] += c[j];
+        }
+        pack_ge0(x, off, off + rows, bits);
+        return;
+    }
+    int64_t block = 4096 / cols; /* rows per block: about 16 KB, still in cache when packed */
+    if (block < 1) block = 1;
+    for (int64_t r0 = 0; r0 < rows; r0 += block) {
+        int64_t r1 = r0 + block < rows ? r0 + block : rows, c0 = 0;
+#if defined(__AVX2__)
+        for (; c0 + 8 <= cols; c0 += 8) { /* 8 columns' sums in registers down the block */
+            __m256d p0 = _mm256_loadu_pd(sp + c0), p1 = _mm256_loadu_pd(sp + c0 + 4);
+            __m256d q0 = _mm256_loadu_pd(sn + c0), q1 = _mm256_loadu_pd(sn + c0 + 4);
+            __m256i m0 = _mm256_loadu_si256((const __m256i *)(cnt + c0));
+            __m256i m1 = _mm256_loadu_si256((const __m256i *)(cnt + c0 + 4));
+            for (int64_t r = r0; r < r1; r++) {
+                __m256 v = _mm256_loadu_ps(t + r * cols + c0);
+                __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
+                __m256 w = _mm256_and_ps(v, ge), u = _mm256_sub_ps(v, w); /* max(v, 0) and min(v, 0) */
+                p0 = _mm256_add_pd(p0, _mm256_cvtps_pd(_mm256_castps256_ps128(w)));
+                p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)));
+                q0 = _mm256_add_pd(q0, _mm256_cvtps_pd(_mm256_castps256_ps128(u)));
+                q1 = _mm256_add_pd(q1, _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1)));
+                __m256i g = _mm256_castps_si256(ge); /* -1 where v >= 0 */
+                m0 = _mm256_sub_epi64(m0, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(g)));
+                m1 = _mm256_sub_epi64(m1, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(g, 1)));
+            }
+            _mm256_storeu_pd(sp + c0, p0);
+            _mm256_storeu_pd(sp + c0 + 4, p1);
+            _mm256_storeu_pd(sn + c0, q0);
+            _mm256_storeu_pd(sn + c0 + 4, q1);
+            _mm256_storeu_si256((__m256i *)(cnt + c0), m0);
+            _mm256_storeu_si256((__m256i *)(cnt + c0 + 4), m1);
+        }
+#endif
+        for (int64_t r = r0; r < r1 && c0 < cols; r++) {
+            const float *row = t + r * cols;
+            for (int64_t c = c0; c < cols; c++) {
+                float v = row[c], w = v >= 0.0f ? v : 0.0f;
+                sp[c] += w;
+                sn[c] += (double)(v - w);
+                cnt[c] += v >= 0.0f;
+            }
+        }
+        pack_ge0(x, off + r0 * cols, off + r1 * cols, bits);
+    }
+}
+
+/* The same over a layout of n tensors (tensor i: rows[i] x cols[i] at off[i]); the
+   per-column outputs of the tensors follow each other (sum of cols entries). */
+void fs_onebit_encode(const float *x, int64_t n, const int64_t *off, const int64_t *rows, const int64_t *cols,
+                      double *sp, double *sn, int64_t *cnt, uint8_t *bits) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) {
+        onebit_encode(x, off[i], rows[i], cols[i], sp + c, sn + c, cnt + c, bits);
+        c += cols[i];
+    }
+}
+
+static inline float pick(const uint8_t *bits, int64_t e, float a0, float a1) {
+    return (bits[e >> 3] >> (e & 7)) & 1 ? a1 : a0;
+}
+
+/* 1-bit SGD, decode, one tensor: out (the flat vector) at e = off + r * cols + c gets
+   a1[c] where bit e is set, else a0[c]; with cols == 1, a0[0] / a1[0] for the whole
+   range. A pure select: the stored floats come back bit for bit. */
+static void onebit_decode(const uint8_t *bits, int64_t off, int64_t rows, int64_t cols, const float *a0,
+                          const float *a1, float *out) {
+    if (cols == 1) {
+        float z = a0[0], o = a1[0];
+        int64_t e = off, hi = off + rows;
+        for (; e < hi && (e & 7); e++) out[e] = pick(bits, e, z, o);
+#if defined(__AVX2__)
+        const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        const __m256 vz = _mm256_set1_ps(z), vo = _mm256_set1_ps(o);
+        for (; e + 8 <= hi; e += 8) {
+            __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits[e >> 3]), sel), sel);
+            _mm256_storeu_ps(out + e, _mm256_blendv_ps(vz, vo, _mm256_castsi256_ps(m)));
+        }
+#endif
+        for (; e < hi; e++) out[e] = pick(bits, e, z, o);
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t e0 = off + r * cols, c = 0;
+        float *o = out + e0;
+        for (; c < cols && ((e0 + c) & 7); c++) o[c] = pick(bits, e0 + c, a0[c], a1[c]);
+#if defined(__AVX2__)
+        const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        for (; c + 8 <= cols; c += 8) {
+            __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits[(e0 + c) >> 3]), sel), sel);
+            _mm256_storeu_ps(o + c, _mm256_blendv_ps(_mm256_loadu_ps(a0 + c), _mm256_loadu_ps(a1 + c),
+                                                     _mm256_castsi256_ps(m)));
+        }
+#endif
+        for (; c < cols; c++) o[c] = pick(bits, e0 + c, a0[c], a1[c]);
+    }
+}
+
+/* The same over a layout (see fs_onebit_encode); a0 and a1 hold each tensor's columns
+   one after another. */
+void fs_onebit_decode(const uint8_t *bits, int64_t n, const int64_t *off, const int64_t *rows, const int64_t *cols,
+                      const float *a0, const float *a1, float *out) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) {
+        onebit_decode(bits, off[i], rows[i], cols[i], a0 + c, a1 + c, out);
+        c += cols[i];
+    }
+}
+
+/* Top-k candidates: the positions e in [0, n) with |x[e]| >= thr, ascending, into idx
+   and their |x[e]| into val unless it is NULL (room for cap); returns how many there are
+   (more than cap: only cap were written). */
+int64_t fs_collect_abs_ge(const float *x, int64_t n, float thr, int64_t *idx, float *val, int64_t cap) {
+    int64_t m = 0, e = 0;
+#if defined(__AVX2__)
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 vt = _mm256_set1_ps(thr);
+    for (; e + 8 <= n; e += 8) {
+        int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(x + e), absmask), vt, _CMP_GE_OQ));
+        while (mask) {
+            int j = __builtin_ctz(mask);
+            if (m < cap) {
+                idx[m] = e + j;
+                if (val) val[m] = fabsf(x[e + j]);
+            }
+            m++;
+            mask &= mask - 1;
+        }
+    }
+#endif
+    for (; e < n; e++)
+        if (fabsf(x[e]) >= thr) {
+            if (m < cap) {
+                idx[m] = e;
+                if (val) val[m] = fabsf(x[e]);
+            }
+            m++;
+        }
+    return m;
+}
+
+/* The exact top-k once the k-th largest magnitude t is known: of the candidates
+   idx[0:m] (ascending) with magnitudes val[0:m], write to out, in order, every one with
+   val > t and then the first ones with val == t until there are k. Returns how many
+   were written. */
+int64_t fs_select_top(const float *val, const int64_t *idx, int64_t m, float t, int64_t k, int64_t *out) {
+    int64_t above = 0, w = 0;
+    for (int64_t i = 0; i < m; i++) above += val[i] > t;
+    int64_t ties = k - above;
+    for (int64_t i = 0; i < m && w < k; i++)
+        if (val[i] > t || (val[i] == t && ties-- > 0)) out[w++] = idx[i];
+    return w;
+}
+
+/* Count Sketch, one client, block-shift hashes (see countsketch.py): for each block b
+   of c coordinates (the last may be shorter: n = min(c, d - b*c)), y = the block
+   permuted by pi (y[u] = x[b*c + pinv[u]]; y[perm[p]] = x[b*c + p] and zeros past n in
+   a short block), then row j of acc ((2c + 1) floats per row, zeroed by the caller)
+   gets acc[j][shift[j][b] + u] += y[u], or -= where neg[j][b]. Blocks in order, rows
+   in order: the same additions in the same order as the torch loop. */
+void fs_sketch(const float *restrict x, int64_t d, int64_t c, int64_t r, int64_t blocks, const int64_t *perm,
+               const int64_t *pinv, const int64_t *shifts, const uint8_t *neg, float *restrict y,
+               float *restrict acc) {
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t lo = b * c, n = d - lo < c ? d - lo : c;
+        const float *xb = x + lo;
+        if (n == c) {
+            for (int64_t u = 0; u < c; u++) y[u] = xb[pinv[u]];
+        } else {
+            memset(y, 0, (size_t)c * sizeof(float));
+            for (int64_t p = 0; p < n; p++) y[perm[p]] = xb[p];
+        }
+        for (int64_t j = 0; j < r; j++) {
+            float *a = acc + j * (2 * c + 1) + shifts[j * blocks + b];
+            if (neg[j * blocks + b])
+                for (int64_t u = 0; u < c; u++) a[u] -= y[u];
+            else
+                for (int64_t u = 0; u < c; u++) a[u] += y[u];
+        }
+    }
+}
+"""
+
+# -fno-trapping-math lets the compiler vectorize the selects (FP exception flags are never read);
+# results are those of plain IEEE arithmetic in the order written (no -ffast-math)
+_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-shared", "-fPIC", "-std=c99"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+_off = threading.local()
+
+
+def _cpu_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fedswarm" / "native"
+
+
+def _build() -> ctypes.CDLL | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, cc, platform.machine(), _cpu_key()]).encode()).hexdigest()
+    path = _cache_dir() / f"codec_kernels_{key[:20]}.so"
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                src, so = Path(tmp) / "k.c", Path(tmp) / "k.so"
+                src.write_text(_SOURCE)
+                subprocess.run([cc, *_FLAGS, str(src), "-o", str(so), "-lm"], check=True, capture_output=True,
+                               timeout=120)
+                os.replace(so, path)  # atomic: a concurrent builder finds a whole file or none
+        except (OSError, subprocess.SubprocessError):
+            return None
+    try:
+        so = ctypes.CDLL(str(path))
+    except OSError:
+        return None
+    i64, f32, vp = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    so.fs_sign_encode.argtypes, so.fs_sign_encode.restype = [vp, i64, vp], ctypes.c_double
+    so.fs_lut_decode.argtypes, so.fs_lut_decode.restype = [vp, i64, vp, vp], None
+    so.fs_onebit_encode.argtypes, so.fs_onebit_encode.restype = [vp, i64, vp, vp, vp, vp, vp, vp, vp], None
+    so.fs_onebit_decode.argtypes, so.fs_onebit_decode.restype = [vp, i64, vp, vp, vp, vp, vp, vp], None
+    so.fs_collect_abs_ge.argtypes, so.fs_collect_abs_ge.restype = [vp, i64, f32, vp, vp, i64], i64
+    so.fs_select_top.argtypes, so.fs_select_top.restype = [vp, vp, i64, f32, i64, vp], i64
+    so.fs_sketch.argtypes, so.fs_sketch.restype = [vp, i64, i64, i64, i64, vp, vp, vp, vp, vp, vp], None
+    return so
+
+
+def lib() -> ctypes.CDLL | None:
+    """The compiled loops, or None (no compiler, a failed build, ``FEDSWARM_NATIVE=0``, or
+    inside :func:`disabled`): callers then take their eager path."""
+    if getattr(_off, "depth", 0) or os.environ.get("FEDSWARM_NATIVE", "1") == "0":
+        return None
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                _state["lib"] = _build()
+    return _state["lib"]  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def disabled():
+    """Within this block (on this thread) :func:`lib` is None: the codecs run their eager
+    code, the oracle of the tests."""
+    _off.depth = getattr(_off, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _off.depth -= 1
+
+
+def ptr(t: torch.Tensor, offset: int = 0) -> int:
+    """The address of element ``offset`` of a contiguous CPU tensor (checked)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("native kernels need contiguous CPU tensors")
+    return t.data_ptr() + offset * t.element_size()

@@ -1,0 +1,131 @@
+"""The C loops of the codecs (fedswarm.algorithms.compression.native) against the eager
+numpy/torch code they replace (run under native.disabled(), the oracle), and decoding
+into a caller's out= buffer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedswarm.params import ParamLayout
+from fedswarm.algorithms.compression import native
+from fedswarm.algorithms.compression.codecs import CODECS, make_codec
+from fedswarm.algorithms.compression.kernels import _at_least_cpu, bit_lut, lut_decode, sign_bits, topk_abs_indices
+
+from tests.codec_oracles import np_topk, randn
+
+pytestmark = pytest.mark.skipif(native.lib() is None, reason="no C compiler: the codecs run their eager code")
+
+# offsets not multiples of 8, columns of 1, 3, 13, 24, 27, 40, a scalar, d % 8 = 2
+LAYOUT = ParamLayout.from_shapes([("a", (37, 24)), ("b", (5,)), ("c", (300, 13)), ("s", ()), ("conv", (64, 3, 3, 3)),
+                                  ("e", (1000, 40)), ("f", (7, 3))])
+D = LAYOUT.d
+
+
+def _x(k: int = 3, d: int = D, seed: int = 0) -> torch.Tensor:
+    x = randn(k, d, seed)
+    x[0, 5:20] = 0.0  # sign(0) = +1
+    x[1, 30:40] = -0.0  # -0.0 >= 0 too
+    x[2, 900:1200] = np.abs(x[2, 900:1200])  # a stretch without negatives
+    return torch.from_numpy(x)
+
+
+def _both(fn):
+    """``fn()`` with the C loops and with the eager code."""
+    fast = fn()
+    with native.disabled():
+        assert native.lib() is None
+        slow = fn()
+    return fast, slow
+
+
+@pytest.mark.parametrize("scale", ["column", "tensor", "auto", "block"])
+def test_onebit_native_equals_eager(scale):
+    codec, x = make_codec("onebit", scale=scale), _x()
+    fast, slow = _both(lambda: codec.encode(x, LAYOUT))
+    assert torch.equal(fast.arrays["bits"], slow.arrays["bits"])
+    assert torch.equal(fast.arrays["bits"], sign_bits(x))
+    torch.testing.assert_close(fast.arrays["means"], slow.arrays["means"], rtol=1e-6, atol=0)
+    # decoding one payload both ways: a select of the stored floats, bit for bit
+    dec_fast, dec_slow = _both(lambda: codec.decode(slow, LAYOUT))
+    assert torch.equal(dec_fast, dec_slow)
+
+
+def test_sign_native_equals_eager():
+    codec, x = make_codec("sign"), _x()
+    fast, slow = _both(lambda: codec.encode(x, LAYOUT))
+    assert torch.equal(fast.arrays["bits"], slow.arrays["bits"])
+    l1 = x.double().abs().sum(1) / D
+    # the C loop sums in float64 (then rounds once), torch's float32 norm drifts ~1e-6 at d = 46k
+    torch.testing.assert_close(fast.arrays["scale"].double(), l1, rtol=1e-7, atol=0)
+    torch.testing.assert_close(slow.arrays["scale"].double(), l1, rtol=1e-5, atol=0)
+    dec_fast, dec_slow = _both(lambda: codec.decode(slow, LAYOUT))
+    assert torch.equal(dec_fast, dec_slow)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1001])
+def test_lut_decode_native_equals_numpy(n):
+    bits = torch.rand(3, n, generator=torch.Generator().manual_seed(n)) < 0.5
+    packed = sign_bits(bits.float() - 0.5)
+    lut = bit_lut(torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([1.0, 3.0, 0.25]), "cpu")
+    fast, slow = _both(lambda: lut_decode(packed, n, lut))
+    assert torch.equal(fast, slow)
+
+
+@pytest.mark.parametrize("k", [1, 200, 5000])
+def test_topk_native_equals_eager_on_the_sampled_path(k):
+    x = _x(3, 200_003, seed=k)
+    fast, slow = _both(lambda: topk_abs_indices(x, k))
+    assert torch.equal(fast, slow)
+    layout = ParamLayout.from_shapes([("w", (200_003,))])
+    codec = make_codec("topk", ratio=k / 200_003)
+    dec = codec.decode(codec.encode(x, layout), layout).numpy()
+    np.testing.assert_array_equal(dec, np_topk(x.numpy(), k / 200_003))
+
+
+def test_topk_native_ties_keep_the_first_positions():
+    x = torch.zeros(1, 100_000)
+    x[0, ::7] = 1.0  # 14286 values tie for the top
+    idx = topk_abs_indices(x, 1000)
+    assert torch.equal(idx[0], torch.arange(0, 7000, 7))
+
+
+def test_candidate_scan_native_equals_numpy():
+    x = _x(3, 200_003, seed=5)
+    thr = torch.tensor([[1.0], [2.5], [0.0]])
+    fast, slow = _both(lambda: _at_least_cpu(x, thr))
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_decode_into_out_equals_a_fresh_decode(name):
+    params = {"topk": {"ratio": 0.05}, "randk": {"ratio": 0.1}, "countsketch": {"k_ratio": 0.05}}.get(name, {})
+    codec, x = make_codec(name, **params), _x()
+    payload = codec.encode(x, LAYOUT, seed=3)
+    out = torch.full((3, D), float("nan"))  # every element must be written (sparse codecs: zeroed)
+    got = codec.decode(payload, LAYOUT, out=out)
+    assert got is out
+    assert torch.equal(out, codec.decode(payload, LAYOUT))
+    view = torch.full((5, D), float("nan"))[1:4]  # a contiguous view, as the batched engine passes
+    codec.decode(payload, LAYOUT, out=view)
+    assert torch.equal(view, out)
+
+
+def test_decode_rejects_a_bad_out_buffer():
+    codec = make_codec("sign")
+    payload = codec.encode(_x(), LAYOUT)
+    for bad in [torch.empty(2, D), torch.empty(3, D, dtype=torch.float64), torch.empty(D, 3).t()]:
+        with pytest.raises(ValueError, match="out must be a contiguous float32"):
+            codec.decode(payload, LAYOUT, out=bad)
+
+
+@pytest.mark.parametrize("d, rows, cols", [(250_001, 5, 4096), (10_001, 3, 200), (8192, 4, 4096)])
+def test_countsketch_native_sketch_equals_eager(d, rows, cols):
+    from fedswarm.algorithms.compression.countsketch import CountSketch
+
+    cs = CountSketch(d, rows, cols, seed=7)
+    assert cs._loop  # the block loop the C kernel replaces
+    x = _x(3, d, seed=d)
+    fast, slow = _both(lambda: cs.sketch(x))
+    assert torch.equal(fast, slow)  # the same additions in the same order
