@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from collections.abc import Callable
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -20,7 +22,7 @@ from fedswarm.server.checkpoint import ServerCheckpoint
 from fedswarm.server.recorder import RoundListener
 from fedswarm.sim.simtime import make_round_timer
 
-__all__ = ["run_flower", "check_ray_address"]
+__all__ = ["run_flower", "check_ray_address", "start_ray"]
 
 
 def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
@@ -40,6 +42,49 @@ def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
     except OSError as exc:
         raise ConnectionError(f"no Ray cluster answers at {address} ({exc}); start one with "
                               f"'ray start --head --port {port}'") from None
+
+
+#: Ray's own wait for a starting node to register is fixed at 30 s (ray/_private/node.py);
+#: on an overloaded machine the raylet can take longer, and Ray then gives up with this message.
+RAY_STARTUP_TIMEOUT = "timed out during startup"
+
+
+def start_ray(init_args: dict, attempts: int = 3, log: Callable[[str], None] | None = None) -> None:
+    """Start (or attach to) Ray before Flower's backend does, so that a node start that ran
+    past Ray's fixed 30 s registration wait is retried instead of ending the run.
+
+    Flower's Ray backend calls ``ray.init`` only when Ray is not initialised yet; this does
+    it the same way (``init_args``, and the driver's ``sys.path`` as the workers'
+    ``PYTHONPATH``, as Flower does) and retries up to ``attempts`` times on that one error.
+    Any other error is raised at once."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    pythonpath = os.pathsep.join(sys.path)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    os.environ["PYTHONPATH"] = pythonpath
+    say = log or (lambda m: logging.getLogger(__name__).warning(m))
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **init_args)
+            return
+        except Exception as exc:  # Ray raises a bare Exception for this one
+            _stop_ray()
+            if RAY_STARTUP_TIMEOUT not in str(exc) or attempt == attempts:
+                raise
+            say(f"Ray's node did not register within Ray's 30 s (a loaded machine?); starting it again "
+                f"({attempt + 1} of {attempts})")
+
+
+def _stop_ray() -> None:
+    try:
+        import ray
+    except ImportError:  # pragma: no cover
+        return
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None,
@@ -91,6 +136,7 @@ def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
     level = flwr_logger.level
     flwr_logger.setLevel(logging.WARNING)
     try:
+        start_ray(init_args)
         run_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg.clients,
                        backend_config=backend_config)
     except Exception as exc:
@@ -101,6 +147,7 @@ def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
         raise
     finally:
         flwr_logger.setLevel(level)
+        _stop_ray()
         if own_state_dir:
             os.environ.pop(STATE_DIR_ENV, None)
     run = store.get_run(run_id)

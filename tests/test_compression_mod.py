@@ -18,6 +18,7 @@ import fedswarm.strategies
 from fedswarm.algorithms.compression.codecs import make_codec
 from fedswarm.algorithms.robust.aggregators import make_rule
 from fedswarm.server.metered_grid import MeteredGrid
+from fedswarm.sim.flower_engine import start_ray
 from fedswarm.sim.inprocess import InProcessGrid
 from fedswarm.strategies.strategy_utils import layout_of_arrays
 from fedswarm.wire import arrayrecord_to_vector
@@ -66,9 +67,10 @@ def test_user_app_on_flower_simulation_engine_sends_the_codecs_bytes():
         result = strategy.start(grid=metered, initial_arrays=_initial(), num_rounds=3, evaluate_fn=rounds)
         seen.update(rounds=rounds, result=result, strategy=strategy)
 
+    init_args = {"num_cpus": 2, "log_to_driver": False, "include_dashboard": False}
+    start_ray(init_args)  # Ray started as Flower would, but retried if its node misses Ray's 30 s (loaded machine)
     run_simulation(server_app=server_app, client_app=app, num_supernodes=NODES,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": 2, "log_to_driver": False, "include_dashboard": False}})
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": init_args})
     rounds = seen["rounds"]
     assert not rounds.errors, rounds.errors[0]
     layout = layout_of_arrays(_initial())
