@@ -386,7 +386,9 @@ def disabled():
 
 
 def ptr(t: torch.Tensor, offset: int = 0) -> int:
-    """The address of element ``offset`` of a contiguous CPU tensor (checked)."""
+    """The address of element ``offset`` of a contiguous CPU tensor (checked). The caller
+    keeps ``t`` alive across the C call: ``ptr(torch.empty(n))`` frees its memory before
+    the call runs."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("native kernels need contiguous CPU tensors")
     return t.data_ptr() + offset * t.element_size()
