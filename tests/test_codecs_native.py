@@ -129,3 +129,8 @@ def test_countsketch_native_sketch_equals_eager(d, rows, cols):
     x = _x(3, d, seed=d)
     fast, slow = _both(lambda: cs.sketch(x))
     assert torch.equal(fast, slow)  # the same additions in the same order
+
+
+def test_topk_of_float64_rows_skips_the_float32_loops():
+    x = _x(3, 100_000, seed=9).double()
+    assert torch.equal(topk_abs_indices(x, 300), topk_abs_indices(x.float(), 300))

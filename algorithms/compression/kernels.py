@@ -110,7 +110,7 @@ def lut_decode(packed: torch.Tensor, n: int, lut: torch.Tensor, out: torch.Tenso
     out = out_buffer(out, k, n, "cpu")
     src = packed.contiguous()
     tables = lut.reshape(-1, 256, 8).expand(k, 256, 8).contiguous()
-    so = native.lib()
+    so = native.lib() if tables.dtype == torch.float32 and out.dtype == torch.float32 else None
     if so is not None:
         for i in range(k):
             so.fs_lut_decode(native.ptr(src, i * nbytes), n, native.ptr(tables, i * 2048), native.ptr(out, i * n))
@@ -224,7 +224,7 @@ def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     rank = min(_SAMPLE, math.ceil(1.25 * expected + 4.0 * math.sqrt(expected) + 8))
     sample = x.index_select(1, _sample_positions(n, x.device)).abs_()
     thr = sample.topk(rank, dim=1).values[:, -1:]  # [K, 1]
-    so = native.lib() if x.device.type == "cpu" else None
+    so = native.lib() if x.device.type == "cpu" and x.dtype == torch.float32 else None
     if so is not None:
         picked = _topk_native(so, x, thr, k)
         return x.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values if picked is None else picked
@@ -295,7 +295,7 @@ def _at_least_cpu(x: torch.Tensor, thr: torch.Tensor) -> tuple[torch.Tensor, tor
     xc = x.detach().contiguous()
     t = thr.reshape(-1).to(torch.float32)
     kk, n = xc.shape
-    so = native.lib()
+    so = native.lib() if xc.dtype == torch.float32 else None
     if so is not None:
         rows, cols = [], []
         for i, (hit, _) in enumerate(_collect(so, xc, t)):

@@ -134,8 +134,7 @@ static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, in
         for (; c0 + 8 <= cols; c0 += 8) { /* 8 columns' sums in registers down the block */
             __m256d p0 = _mm256_loadu_pd(sp + c0), p1 = _mm256_loadu_pd(sp + c0 + 4);
             __m256d q0 = _mm256_loadu_pd(sn + c0), q1 = _mm256_loadu_pd(sn + c0 + 4);
-            __m256i m0 = _mm256_loadu_si256((const __m256i *)(cnt + c0));
-            __m256i m1 = _mm256_loadu_si256((const __m256i *)(cnt + c0 + 4));
+            __m256i m = _mm256_setzero_si256(); /* this block's counts, 32 bits (at most 4096 rows) */
             for (int64_t r = r0; r < r1; r++) {
                 __m256 v = _mm256_loadu_ps(t + r * cols + c0);
                 __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
@@ -144,10 +143,12 @@ static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, in
                 p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)));
                 q0 = _mm256_add_pd(q0, _mm256_cvtps_pd(_mm256_castps256_ps128(u)));
                 q1 = _mm256_add_pd(q1, _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1)));
-                __m256i g = _mm256_castps_si256(ge); /* -1 where v >= 0 */
-                m0 = _mm256_sub_epi64(m0, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(g)));
-                m1 = _mm256_sub_epi64(m1, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(g, 1)));
+                m = _mm256_sub_epi32(m, _mm256_castps_si256(ge)); /* ge is -1 where v >= 0 */
             }
+            __m256i m0 = _mm256_add_epi64(_mm256_loadu_si256((const __m256i *)(cnt + c0)),
+                                          _mm256_cvtepi32_epi64(_mm256_castsi256_si128(m)));
+            __m256i m1 = _mm256_add_epi64(_mm256_loadu_si256((const __m256i *)(cnt + c0 + 4)),
+                                          _mm256_cvtepi32_epi64(_mm256_extracti128_si256(m, 1)));
             _mm256_storeu_pd(sp + c0, p0);
             _mm256_storeu_pd(sp + c0 + 4, p1);
             _mm256_storeu_pd(sn + c0, q0);
@@ -385,7 +386,9 @@ def disabled():
 
 
 def ptr(t: torch.Tensor, offset: int = 0) -> int:
-    """The address of element ``offset`` of a contiguous CPU tensor (checked)."""
+    """The address of element ``offset`` of a contiguous CPU tensor (checked). The caller
+    keeps ``t`` alive across the C call: ``ptr(torch.empty(n))`` frees its memory before
+    the call runs."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("native kernels need contiguous CPU tensors")
     return t.data_ptr() + offset * t.element_size()

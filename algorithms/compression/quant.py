@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -108,12 +109,17 @@ def _group_sum(t: torch.Tensor, g: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, n * g - cols)).view(k, n, g).sum(2)
 
 
-def _plan(layout: ParamLayout, scale: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+def _plan(layout: ParamLayout, scale: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
     """Each tensor's offset, rows and columns (int64 tensors, for the C loops) and group
-    width, as :func:`_scale_shape` sees them."""
-    shapes = [(spec.offset, *_scale_shape(spec, scale)) for spec in layout.specs]
+    width, as :func:`_scale_shape` sees them; cached per layout (do not modify)."""
+    return _plan_of(layout.specs, scale)
+
+
+@functools.lru_cache(maxsize=16)
+def _plan_of(specs, scale: str):
+    shapes = [(spec.offset, *_scale_shape(spec, scale)) for spec in specs]
     off, rows, cols = (torch.tensor([s[i] for s in shapes], dtype=torch.int64) for i in range(3))
-    return off, rows, cols, [s[3] for s in shapes]
+    return off, rows, cols, tuple(s[3] for s in shapes)
 
 
 def _means(s_pos: torch.Tensor, s_neg: torch.Tensor, n_pos: torch.Tensor, n_all: torch.Tensor) -> torch.Tensor:
