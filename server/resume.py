@@ -153,10 +153,12 @@ def resume_into(ck: ServerCheckpoint, *, store: Store, run_id: str, strategy: An
             clients, resynced = restore_clients()
             lost = (f"{len(resynced)} node(s) had no state of their own and were resynchronised: "
                     + ", ".join(resynced)) if resynced else None
+            if resynced:
+                clients = f"LOST on {len(resynced)} node(s), {clients}"
         else:
             clients = "resynchronised by the strategy" if resync_clients(strategy) else "stateless"
-        if lost:
-            clients = f"LOST, {clients} ({lost})"
+            if lost:
+                clients = f"LOST, {clients} ({lost})"
     if byzantine is not None:
         if ck.byzantine is None:
             raise CheckpointError("the run attacks (--byzantine) but its checkpoint has no attack state")

@@ -158,3 +158,17 @@ def test_the_clientapp_saves_after_each_round_and_restores_the_asked_round(tmp_p
     os.environ.pop(STATE_DIR_ENV, None)
     info, extra = _answer(_resume_msg(2), no_dir)
     assert info["restored"] == 0 and "keeps no state on disk" in extra["why"]
+
+
+def test_fedswarm_client_passes_its_state_dir_in_the_node_config(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from fedswarm.cli import app
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    args = ["client", "--superlink", "127.0.0.1:9093", "--insecure", "--device-class", "cpu", "--dry-run"]
+    res = CliRunner().invoke(app, [*args, "--state-dir", str(tmp_path / "mine")])
+    assert res.exit_code == 0, res.output
+    assert f'state-dir="{tmp_path / "mine"}"' in res.output
+    res = CliRunner().invoke(app, args)  # default: the per-user data folder
+    assert f'state-dir="{tmp_path / "data" / "fedswarm" / "client-state"}"' in res.output

@@ -49,7 +49,7 @@ def test_superlink_two_supernodes_two_rounds(tmp_path):
         for i in range(2):
             cmd = [sys.executable, "-m", "fedswarm", "client", "--superlink", f"127.0.0.1:{port}", "--insecure",
                    "--partition-id", str(i), "--num-partitions", "2", "--device-class", "cpu",
-                   "--clientappio-port", str(free_port())]
+                   "--clientappio-port", str(free_port()), "--state-dir", str(tmp_path / f"node-state-{i}")]
             procs.append(_spawn(cmd, log, env))
         started = subprocess.run(
             [str(BIN / "flwr"), "run", str(ROOT), "test", "--run-config", f"rounds=2 clients=2 db='{db}'"],

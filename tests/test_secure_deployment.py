@@ -48,7 +48,7 @@ def test_tls_supernode_auth_two_registered_nodes_run_and_intruders_are_refused(t
     def client(name: str, partition: int, *extra: str) -> None:
         spawn(name, [sys.executable, "-m", "fedswarm", "client", "--superlink", f"127.0.0.1:{port}",
                      "--partition-id", str(partition), "--num-partitions", "2", "--device-class", "cpu",
-                     "--clientappio-port", str(free_port()), *extra])
+                     "--clientappio-port", str(free_port()), "--state-dir", str(tmp_path / f"{name}-state"), *extra])
 
     def tail(name: str) -> str:
         return logs[name].read_text()[-3000:] if logs[name].exists() else ""
