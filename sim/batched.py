@@ -63,9 +63,9 @@ __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budg
 #: Strategies this engine serves: FedAvg, and the strategies whose client half is
 #: :func:`fedswarm.strategies.federated.compressed_fedavg.client_update` (the compressed
 #: ones and the Byzantine-robust rules), and gTop-k; see :mod:`fedswarm.sim.batched_compressed`;
-#: and PVT (:mod:`fedswarm.sim.batched_pvt`).
+#: PVT (:mod:`fedswarm.sim.batched_pvt`) and ProgFed (:mod:`fedswarm.sim.batched_progfed`).
 SUPPORTED_STRATEGIES = ("fedavg", "compressed_fedavg", "onebit", "gtopk", "median", "trimmed_mean", "krum",
-                        "multikrum", "bulyan", "signum", "pvt")
+                        "multikrum", "bulyan", "signum", "pvt", "progfed")
 
 # Rounds with more clients than this record the round's totals but no per-node rows:
 # 10,000 rows a round would cost the store more than the training does.
@@ -92,8 +92,8 @@ def check_supported(cfg: RunConfig) -> None:
             attack = parse_attack(cfg.attack or "signflip")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if cfg.strategy in ("fedavg", "pvt") or attack.kind == "data":
-            what = (cfg.strategy if cfg.strategy in ("fedavg", "pvt")
+        if cfg.strategy in ("fedavg", "pvt", "progfed") or attack.kind == "data":
+            what = (cfg.strategy if cfg.strategy in ("fedavg", "pvt", "progfed")
                     else f"the '{attack.name}' attack (it poisons training data)")
             raise ConfigError(f"--engine batched does not run --byzantine with {what}; use --engine inprocess")
 
@@ -197,9 +197,10 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
         rounds_of = FedAvgRounds(run, global_vec)
     else:
         from fedswarm.sim.batched_compressed import CompressedRounds, GTopKRounds
+        from fedswarm.sim.batched_progfed import ProgFedRounds
         from fedswarm.sim.batched_pvt import PVTRounds
 
-        runner = {"gtopk": GTopKRounds, "pvt": PVTRounds}.get(cfg.strategy, CompressedRounds)
+        runner = {"gtopk": GTopKRounds, "pvt": PVTRounds, "progfed": ProgFedRounds}.get(cfg.strategy, CompressedRounds)
         rounds_of = runner(run, global_vec, notes=recorder)
     store.set_status(run_id, "running")
     try:

@@ -56,13 +56,16 @@ class BatchedTrainer:
     ``flat_idx``/``offsets`` is the partition (client ``p`` holds training rows
     ``flat_idx[offsets[p]:offsets[p + 1]]``, see :func:`fedswarm.tasks.partition.partition_offsets`).
     The task's objective must be a mean over examples (plus terms that do not depend on
-    the data, such as a ridge penalty): that is what lets padded examples weigh zero."""
+    the data, such as a ridge penalty): that is what lets padded examples weigh zero.
+    ``model`` trains another module than the task's model under the task's objective (a
+    ProgFed stage's sub-model); its values never matter, only its structure."""
 
     def __init__(self, task: Task, train_x: torch.Tensor, train_y: torch.Tensor, flat_idx: np.ndarray,
-                 offsets: np.ndarray, device: torch.device | str = "cpu", model_seed: int = 0):
+                 offsets: np.ndarray, device: torch.device | str = "cpu", model_seed: int = 0,
+                 model: nn.Module | None = None):
         self.task = task
         self.device = torch.device(device)
-        model = task.model(model_seed).to(self.device)
+        model = (task.model(model_seed) if model is None else model).to(self.device)
         if any(True for _ in model.buffers()):
             raise ConfigError(f"--engine batched cannot train task '{task.name}': its model has buffers "
                               "(batch-norm statistics); use --engine inprocess")
