@@ -88,8 +88,9 @@ def sim(
     engine: Optional[str] = typer.Option(None, "--engine", "-e", help=(
         "inprocess (default, no Ray), flower (Flower's Simulation Engine on Ray), array (decentralized algorithms, "
         "every node one row of an n-by-d tensor: fast, no Flower messages) or batched (every sampled client trained at"
-        " once with torch.func.vmap: 10,000+ clients per round; fedavg, compressed_fedavg, onebit, gtopk, pvt and the"
-        " robust rules median, trimmed_mean, krum, multikrum, bulyan, signum) or clock (asynchronous algorithms on the"
+        " once with torch.func.vmap: 10,000+ clients per round; fedavg, compressed_fedavg, onebit, gtopk, pvt,"
+        " progfed and the robust rules median, trimmed_mean, krum, multikrum, bulyan, signum) or clock (asynchronous"
+        " algorithms on the"
         " virtual clock, --devices sets each node's speed: adpsgd and prague always run there unless --set"
         " schedule=fixed, lsgd with --set mode=async). See README 'Which engine when'."
     )),

@@ -19,7 +19,8 @@ from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim.batched_trainer import ClientSchedule
 from fedswarm.wire import vector_to_arrayrecord
 
-__all__ = ["Meter", "ByteCounter", "round_schedule", "varint_len", "make_reply", "reply_size", "mark_rejected"]
+__all__ = ["Meter", "ByteCounter", "round_schedule", "varint_len", "make_reply", "reply_size", "mark_rejected",
+           "reject_diverged"]
 
 
 class Meter:
@@ -130,3 +131,23 @@ def mark_rejected(node_rows: list[dict] | None, replies: list[Message]) -> None:
             row.update(status="rejected", reason=str(node.get("rejected_reason", "rejected"))[:2000]
                        if node is not None else "rejected")
             row.pop("train_loss", None)
+
+
+def reject_diverged(notes, node_rows: list[dict] | None, node_id: int, model: torch.Tensor, n: int) -> str:
+    """A client whose local SGD diverged: its reply (``model`` not finite) is refused as
+    FedAvg's server refuses it (:func:`~fedswarm.strategies.strategy_utils.check_model_reply`,
+    the same reason), noted as a rejection and marked on its row (the last one); returns the reason."""
+    from fedswarm.payload import PayloadError
+    from fedswarm.strategies.strategy_utils import check_model_reply, clean_reason
+
+    content = RecordDict({"arrays": vector_to_arrayrecord(model), "metrics": MetricRecord({"num-examples": n})})
+    try:
+        check_model_reply(Message(content, node_id, "train"), model.numel())
+        reason = "rejected"  # not reached: a diverged model is not finite
+    except PayloadError as exc:
+        reason = clean_reason(exc)
+    notes.reject(node_id, reason)
+    if node_rows is not None:
+        node_rows[-1].update(status="rejected", reason=reason)
+        node_rows[-1].pop("train_loss", None)
+    return reason
