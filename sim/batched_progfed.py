@@ -35,7 +35,7 @@ from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
 from fedswarm.sim.batched_round import make_reply, mark_rejected, round_schedule, varint_len
 from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
-from fedswarm.strategies.edge.progfed import _submodel, flops_per_sample, reply_content, stage_start
+from fedswarm.strategies.edge.progfed import stage_submodel, flops_per_sample, reply_content, stage_start
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
 __all__ = ["ProgFedRounds"]
@@ -75,7 +75,7 @@ class ProgFedRounds:
         if stage not in self._trainers:
             t = self.run.trainer
             self._trainers[stage] = BatchedTrainer(t.task, t.x, t.y, t.flat_idx, t.offsets, t.device,
-                                                   model=_submodel(self.staged, stage))
+                                                   model=stage_submodel(self.staged, stage))
         return self._trainers[stage]
 
     def _flops(self, stage: int, n: int, batch_size: int, steps: int) -> float:
@@ -84,7 +84,7 @@ class ProgFedRounds:
         if key not in self._samples:
             self._samples[key] = samples_processed(n, batch_size, steps)
         t = self.run.trainer
-        sub = _submodel(self.staged, stage)
+        sub = stage_submodel(self.staged, stage)
         return float(flops_per_sample(sub, t.task.objective, t.x[:1], t.y[:1]) * self._samples[key])
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:

@@ -62,7 +62,8 @@ from fedswarm.payload import PayloadError
 from fedswarm.strategies.strategy_utils import ReportsRounds, sample_train_nodes
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
-__all__ = ["ProgFed", "flops_per_sample", "client_update", "stage_start", "reply_content", "HYPERPARAMS"]
+__all__ = ["ProgFed", "flops_per_sample", "client_update", "stage_start", "stage_submodel", "reply_content",
+           "HYPERPARAMS"]
 
 UPDATE = "update"  # the reply's ArrayRecord: "delta", the change of the trained sub-model
 HEADS = "heads"  # the message's ArrayRecord of heads kept for capped classes: "head.<m>"
@@ -88,7 +89,7 @@ def flops_per_sample(model: torch.nn.Module, objective, x: torch.Tensor, y: torc
 _SUBMODELS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[int, StageModel]]" = weakref.WeakKeyDictionary()
 
 
-def _submodel(model: StagedModel, stage: int) -> StageModel:
+def stage_submodel(model: StagedModel, stage: int) -> StageModel:
     """The node's (cached) sub-model of ``stage``; its head's initial values never matter,
     the message sets every parameter."""
     cache = _SUBMODELS.setdefault(model, {})
@@ -113,7 +114,7 @@ def stage_start(msg: Message, model: StagedModel, policy: dict,
             raise ValueError(f"the server sent no head for capped stage {trains}")
         head = arrayrecord_to_vector(ArrayRecord({"h": heads[f"head.{trains}"]}), model.head_numel(trains))
         vec = torch.cat([vec[: model.prefix_numel(trains)], head])
-    sub = _submodel(model, trains)
+    sub = stage_submodel(model, trains)
     d = ParamLayout.from_module(sub).d
     if vec.numel() != d:
         raise PayloadError(f"stage {trains} has {d} parameters, the message {vec.numel()}")
