@@ -89,9 +89,9 @@ def sim(
         "inprocess (default, no Ray), flower (Flower's Simulation Engine on Ray), array (decentralized algorithms, "
         "every node one row of an n-by-d tensor: fast, no Flower messages) or batched (every sampled client trained at"
         " once with torch.func.vmap: 10,000+ clients per round; fedavg, compressed_fedavg, onebit, gtopk, pvt,"
-        " sketched_sgd, fetchsgd, gs_sgd and the robust rules median, trimmed_mean, krum, multikrum, bulyan, signum)"
-        " or clock (asynchronous algorithms on the virtual clock, --devices sets each node's speed: adpsgd and"
-        " prague always run there unless --set schedule=fixed, lsgd with --set mode=async)."
+        " sketched_sgd, fetchsgd, gs_sgd, progfed and the robust rules median, trimmed_mean, krum, multikrum, bulyan,"
+        " signum) or clock (asynchronous algorithms on the virtual clock, --devices sets each node's speed: adpsgd"
+        " and prague always run there unless --set schedule=fixed, lsgd with --set mode=async)."
         " See README 'Which engine when'."
     )),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help=(

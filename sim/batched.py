@@ -15,7 +15,15 @@ memory does not grow with the number of clients); the compressed strategies' in
 strategy object's own sampling, replica sync and aggregation); the Count-Sketch ones
 (``sketched_sgd``, ``fetchsgd``, ``gs_sgd``) in :mod:`fedswarm.sim.batched_sketched` (one
 sketch of all the clients' vectors; a second exchange in the round is the strategy's own,
-answered by each client's own update); PVT's in :mod:`fedswarm.sim.batched_pvt`.
+answered by each client's own update); PVT's in :mod:`fedswarm.sim.batched_pvt`;
+ProgFed's in :mod:`fedswarm.sim.batched_progfed` (each trained stage's sub-model on its own
+client axis, the strategy's stages and evaluation).
+
+A client whose local SGD diverges (a non-finite model) is rejected as the in-process
+server rejects its reply, with the same reason, and left out of the aggregate: FedAvg's
+round masks it out of the weighted sum (:meth:`BatchedTrainer.average`), PVT's and
+ProgFed's strategy objects refuse its real reply. The compressed strategies still stop
+the run with an error naming the client (lower ``--lr``).
 
 Same numbers as ``--engine inprocess``: the same clients are sampled (Flower's
 ``random.sample`` after ``random.seed(seed)``), each client's minibatches come from a
@@ -51,7 +59,7 @@ from fedswarm.policy import PolicyBook
 from fedswarm.server.metered_grid import Traffic
 from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
 from fedswarm.sim.batched_memory import available_ram, default_memory_budget, parse_memory_budget
-from fedswarm.sim.batched_round import ByteCounter, Meter, round_schedule
+from fedswarm.sim.batched_round import ByteCounter, Meter, reject_diverged, round_schedule
 from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
 from fedswarm.store import Store
 from fedswarm.tasks import get_task
@@ -66,11 +74,11 @@ __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budg
 #: Strategies this engine serves: FedAvg, and the strategies whose client half is
 #: :func:`fedswarm.strategies.federated.compressed_fedavg.client_update` (the compressed
 #: ones and the Byzantine-robust rules), and gTop-k; see :mod:`fedswarm.sim.batched_compressed`;
-#: and PVT (:mod:`fedswarm.sim.batched_pvt`); and the Count-Sketch strategies
-#: (:mod:`fedswarm.sim.batched_sketched`).
+#: PVT (:mod:`fedswarm.sim.batched_pvt`), ProgFed (:mod:`fedswarm.sim.batched_progfed`) and the
+#: Count-Sketch strategies (:mod:`fedswarm.sim.batched_sketched`).
 SUPPORTED_STRATEGIES = ("fedavg", "compressed_fedavg", "onebit", "gtopk", "median", "trimmed_mean", "krum",
-                        "multikrum", "bulyan", "signum", "pvt", "sketched_sgd", "fetchsgd", "gs_sgd")
-_OWN_REPLIES = ("fedavg", "pvt", "sketched_sgd", "fetchsgd", "gs_sgd")  # no --byzantine here
+                        "multikrum", "bulyan", "signum", "pvt", "progfed", "sketched_sgd", "fetchsgd", "gs_sgd")
+_OWN_REPLIES = ("fedavg", "pvt", "progfed", "sketched_sgd", "fetchsgd", "gs_sgd")  # no --byzantine here
 
 # Rounds with more clients than this record the round's totals but no per-node rows:
 # 10,000 rows a round would cost the store more than the training does.
@@ -148,16 +156,17 @@ def add_client(traffic: Traffic, node_rows: list[dict] | None, node_id: int, up:
 class FedAvgRounds:
     """FedAvg's round: the clients' models folded into the weighted sum chunk by chunk."""
 
-    def __init__(self, run: BatchedRun, model: torch.Tensor):
+    def __init__(self, run: BatchedRun, model: torch.Tensor, notes=None):
         self.run = run
         self.model = model
+        self.notes = notes  # the recorder: a diverged client's reply is rejected there
         self.counter = ByteCounter(run.train_config)
         self.all_nodes = list(range(1, run.cfg.clients + 1))
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         cfg = self.run.cfg
         sample = random.sample(self.all_nodes, max(int(cfg.clients * cfg.fraction), 1))
-        self.model, row, node_rows = _one_round(self.run, self.counter, self.model, sample, server_round)
+        self.model, row, node_rows = _one_round(self.run, self.counter, self.model, sample, server_round, self.notes)
         return row, node_rows
 
 
@@ -199,14 +208,15 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     run = BatchedRun(cfg, trainer, train_config, n_examples, meter, memory_budget=memory_budget,
                      chunk_size=chunk_size, on_clients=on_clients)
     if cfg.strategy == "fedavg":
-        rounds_of = FedAvgRounds(run, global_vec)
+        rounds_of = FedAvgRounds(run, global_vec, notes=recorder)
     else:
         from fedswarm.sim.batched_compressed import CompressedRounds, GTopKRounds
+        from fedswarm.sim.batched_progfed import ProgFedRounds
         from fedswarm.sim.batched_pvt import PVTRounds
         from fedswarm.sim.batched_sketched import SketchRounds
 
-        runner = {"gtopk": GTopKRounds, "pvt": PVTRounds, "sketched_sgd": SketchRounds, "fetchsgd": SketchRounds,
-                  "gs_sgd": SketchRounds}.get(cfg.strategy, CompressedRounds)
+        runner = {"gtopk": GTopKRounds, "pvt": PVTRounds, "progfed": ProgFedRounds, "sketched_sgd": SketchRounds,
+                  "fetchsgd": SketchRounds, "gs_sgd": SketchRounds}.get(cfg.strategy, CompressedRounds)
         rounds_of = runner(run, global_vec, notes=recorder)
     store.set_status(run_id, "running")
     try:
@@ -234,9 +244,10 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
 
 
 def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, sample: list[int],
-               server_round: int) -> tuple[torch.Tensor, dict, list[dict]]:
+               server_round: int, notes=None) -> tuple[torch.Tensor, dict, list[dict]]:
     """Train the sampled clients, average their models weighted by examples (Flower's
-    FedAvg), count the bytes of every client's message and reply."""
+    FedAvg, leaving out the clients that diverged: their replies are rejected), count the
+    bytes of every client's message and reply."""
     cfg, trainer = run.cfg, run.trainer
     sched, classes, pols = round_schedule(cfg, sample, run.train_config, run.n_examples, server_round)
     total = len(sample)
@@ -248,13 +259,11 @@ def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, 
     node_rows: list[dict] | None = [] if record_nodes else None
     policy_json = {c: json.dumps(p, sort_keys=True) for c, p in zip(classes, pols)}
     weights = trainer.num_examples(sched.partitions).to(torch.float32)  # FedAvg weighs by num-examples
-    for rows, part_sum, loss, n, loss_wsum in trainer.average(global_vec, sched, weights, momentum=cfg.momentum,
-                                                              chunk_size=run.chunk_size,
-                                                              memory_budget=run.memory_budget,
-                                                              on_chunk=run.progress(total),
-                                                              per_client_loss=record_nodes):
+    for rows, part_sum, loss, n, loss_wsum, diverged in trainer.average(
+            global_vec, sched, weights, momentum=cfg.momentum, chunk_size=run.chunk_size,
+            memory_budget=run.memory_budget, on_chunk=run.progress(total), per_client_loss=record_nodes):
         acc += part_sum
-        weight_sum += float(weights[rows].sum())
+        weight_sum += float(weights[rows].sum()) - sum(float(weights[i]) for i in diverged)
         loss_sum += loss_wsum
         n_list = n.tolist()
         loss_list = loss.tolist() if loss is not None else [0.0] * len(n_list)  # sizes: any float is 8 bytes
@@ -265,7 +274,11 @@ def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, 
             down, up = counter.sizes(arrays, global_vec, node_id, node_id - 1, n_list[j], steps_list[j],
                                      loss_list[j], classes[i], policy_json[classes[i]], server_round)
             add_client(traffic, node_rows, node_id, up, down, n_list[j], loss_list[j], classes[i], pols[i])
+            if i in diverged:
+                reject_diverged(notes, node_rows, node_id, diverged[i], n_list[j])
     run.meter.traffic = traffic
+    if weight_sum == 0:  # every client diverged: the model stays
+        return global_vec, {"train_loss": None, "num_clients": total}, node_rows or []
     new_global = (acc / weight_sum).to(torch.float32)
     row = {"train_loss": loss_sum / weight_sum, "num_clients": total}
     return new_global, row, node_rows or []

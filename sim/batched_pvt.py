@@ -26,7 +26,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from fedswarm.algorithms.selection.pvt import num_selected, select_variables, selection_seed
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
-from fedswarm.sim.batched_round import make_reply, round_schedule, varint_len
+from fedswarm.sim.batched_round import make_reply, mark_rejected, round_schedule, varint_len
 from fedswarm.strategies.edge.pvt import UPDATE
 from fedswarm.strategies.registry import resolve_params
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
@@ -110,6 +110,7 @@ class PVTRounds:
                 engine.add_client(traffic, node_rows, node_ids[k], serialized_size(reply), down_cache[key],
                                   n_list[j], loss_list[j], classes[k], pols[k])
         arrays, metrics = strategy.aggregate_train(server_round, replies)
+        mark_rejected(node_rows, replies)  # a diverged client's non-finite reply, refused by the strategy
         if arrays is not None:
             self.model = arrayrecord_to_vector(arrays, self.layout.d)
         run.meter.traffic = traffic

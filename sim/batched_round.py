@@ -19,7 +19,8 @@ from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim.batched_trainer import ClientSchedule
 from fedswarm.wire import vector_to_arrayrecord
 
-__all__ = ["Meter", "ByteCounter", "round_schedule", "varint_len", "make_reply", "reply_size"]
+__all__ = ["Meter", "ByteCounter", "round_schedule", "varint_len", "make_reply", "reply_size", "mark_rejected",
+           "reject_diverged"]
 
 
 class Meter:
@@ -115,3 +116,38 @@ def make_reply(ins: Message, content: RecordDict) -> Message:
 def reply_size(ins: Message, content: RecordDict) -> int:
     """Serialized bytes of the reply with ``content`` to ``ins``, as the grid meters it."""
     return serialized_size(make_reply(ins, content))
+
+
+def mark_rejected(node_rows: list[dict] | None, replies: list[Message]) -> None:
+    """After the strategy read ``replies`` (one per row of ``node_rows``, in order): the
+    rows of the replies it rejected (``reject`` marks them) say so with its reason, and
+    lose their loss, as :class:`~fedswarm.server.recorder.RoundRecorder` writes them."""
+    if node_rows is None:
+        return
+    for row, reply in zip(node_rows, replies):
+        metrics = reply.content.metric_records.get("metrics")
+        if metrics is not None and metrics.get("rejected"):
+            node = reply.content.config_records.get("node")
+            row.update(status="rejected", reason=str(node.get("rejected_reason", "rejected"))[:2000]
+                       if node is not None else "rejected")
+            row.pop("train_loss", None)
+
+
+def reject_diverged(notes, node_rows: list[dict] | None, node_id: int, model: torch.Tensor, n: int) -> str:
+    """A client whose local SGD diverged: its reply (``model`` not finite) is refused as
+    FedAvg's server refuses it (:func:`~fedswarm.strategies.strategy_utils.check_model_reply`,
+    the same reason), noted as a rejection and marked on its row (the last one); returns the reason."""
+    from fedswarm.payload import PayloadError
+    from fedswarm.strategies.strategy_utils import check_model_reply, clean_reason
+
+    content = RecordDict({"arrays": vector_to_arrayrecord(model), "metrics": MetricRecord({"num-examples": n})})
+    try:
+        check_model_reply(Message(content, node_id, "train"), model.numel())
+        reason = "rejected"  # not reached: a diverged model is not finite
+    except PayloadError as exc:
+        reason = clean_reason(exc)
+    notes.reject(node_id, reason)
+    if node_rows is not None:
+        node_rows[-1].update(status="rejected", reason=reason)
+        node_rows[-1].pop("train_loss", None)
+    return reason

@@ -56,13 +56,16 @@ class BatchedTrainer:
     ``flat_idx``/``offsets`` is the partition (client ``p`` holds training rows
     ``flat_idx[offsets[p]:offsets[p + 1]]``, see :func:`fedswarm.tasks.partition.partition_offsets`).
     The task's objective must be a mean over examples (plus terms that do not depend on
-    the data, such as a ridge penalty): that is what lets padded examples weigh zero."""
+    the data, such as a ridge penalty): that is what lets padded examples weigh zero.
+    ``model`` trains another module than the task's model under the task's objective (a
+    ProgFed stage's sub-model); its values never matter, only its structure."""
 
     def __init__(self, task: Task, train_x: torch.Tensor, train_y: torch.Tensor, flat_idx: np.ndarray,
-                 offsets: np.ndarray, device: torch.device | str = "cpu", model_seed: int = 0):
+                 offsets: np.ndarray, device: torch.device | str = "cpu", model_seed: int = 0,
+                 model: nn.Module | None = None):
         self.task = task
         self.device = torch.device(device)
-        model = task.model(model_seed).to(self.device)
+        model = (task.model(model_seed) if model is None else model).to(self.device)
         if any(True for _ in model.buffers()):
             raise ConfigError(f"--engine batched cannot train task '{task.name}': its model has buffers "
                               "(batch-norm statistics); use --engine inprocess")
@@ -190,9 +193,11 @@ class BatchedTrainer:
                 momentum: float = 0.0, chunk_size: int | None = None, memory_budget: int | None = None,
                 on_chunk: Callable[[int], None] | None = None, per_client_loss: bool = True):
         """FedAvg's numerator, chunk by chunk: yield ``(rows, sum_k w_k theta_k [d] float64,
-        mean_loss [C] or None, num_examples [C], sum_k w_k mean_loss_k)`` over the chunk's
-        clients, ``theta_k`` being client ``k``'s model after local SGD from ``start`` and
-        ``w_k = weights[k]``.
+        mean_loss [C] or None, num_examples [C], sum_k w_k mean_loss_k, diverged)`` over the
+        chunk's clients, ``theta_k`` being client ``k``'s model after local SGD from ``start``
+        and ``w_k = weights[k]``. A client whose model is not finite (its local SGD diverged)
+        is left out of both sums; ``diverged`` maps its position in the schedule to that model
+        (what it would send, for the server to reject).
 
         When every client takes exactly one step, no client's model is ever formed: all
         start from ``start``, so ``sum_k w_k (start - lr_k g_k) = W start - grad(sum_k w_k
@@ -210,15 +215,21 @@ class BatchedTrainer:
             yield from self._one_step_average(start, schedule, weights, chunk_size, memory_budget, on_chunk,
                                               per_client_loss)
             return
+        yield from self._per_client_average(start, schedule, weights, momentum, chunk_size, memory_budget, on_chunk)
+
+    def _per_client_average(self, start, schedule, weights, momentum, chunk_size, memory_budget, on_chunk, lo=0):
+        """:meth:`average` from every client's model (:meth:`fit`); ``lo``: the schedule's
+        offset in the round (positions in ``rows`` and ``diverged`` are the round's)."""
         for rows, new, loss, n in self.fit(start, schedule, momentum=momentum, chunk_size=chunk_size,
                                            memory_budget=memory_budget, on_chunk=on_chunk):
             bad = ~torch.isfinite(new).all(dim=1)
-            if bool(bad.any()):
-                raise FloatingPointError(f"client at position {int(bad.nonzero()[0, 0]) + rows.start} of the round "
-                                         "diverged (non-finite parameters); lower --lr")
-            w = weights[rows].to(new.device, new.dtype)
+            diverged = {rows.start + lo + int(j): new[j].cpu() for j in bad.nonzero()[:, 0].tolist()}
+            w = torch.where(bad.cpu(), torch.zeros(()), weights[rows].to(torch.float32))
+            new = torch.where(bad[:, None], torch.zeros((), device=new.device), new)
             loss = loss.cpu()
-            yield rows, (w @ new).cpu().to(torch.float64), loss, n, float((loss * weights[rows]).sum())
+            loss_wsum = float(torch.where(bad.cpu(), torch.zeros(()), loss * w).sum())
+            yield (slice(rows.start + lo, rows.stop + lo), (w.to(new.device) @ new).cpu().to(torch.float64), loss, n,
+                   loss_wsum, diverged)
 
     def _one_step_average(self, start, schedule, weights, chunk_size, memory_budget, on_chunk, per_client_loss):
         idx_all, valid_all = self.minibatches(schedule)
@@ -256,11 +267,13 @@ class BatchedTrainer:
                 g, loss_wsum = self._grouped_step(params, theta, rows, client_of, coef, w, per_client)
                 loss, finite = None, math.isfinite(loss_wsum)
             if not finite or not bool(torch.isfinite(g).all()):
-                bad = (~torch.isfinite(loss)).nonzero() if loss is not None else torch.zeros(0, 1)
-                where = f"client at position {int(bad[0, 0]) + lo} of the round" if bad.numel() else "a client"
-                raise FloatingPointError(f"{where} diverged (non-finite loss or gradient); lower --lr")
+                # a client's step is not finite: the chunk's clients one by one, to leave it out
+                part = ClientSchedule(*(getattr(schedule, f)[lo:hi] for f in
+                                        ("partitions", "steps", "batch_size", "lr", "seeds")))
+                yield from self._per_client_average(start, part, weights[lo:hi], 0.0, None, memory_budget, on_chunk, lo)
+                continue
             contribution = float(w.sum()) * start.to(torch.float64) - g.to(torch.float64)
-            yield slice(lo, hi), contribution.cpu(), loss, n_examples[lo:hi], loss_wsum
+            yield slice(lo, hi), contribution.cpu(), loss, n_examples[lo:hi], loss_wsum, {}
             if on_chunk is not None:
                 on_chunk(hi - lo)
 

@@ -89,12 +89,12 @@ def test_served_strategies_share_the_compressed_client_half():
     from fedswarm.strategies import registry
     from fedswarm.strategies.federated.compressed_fedavg import client_update
 
-    from fedswarm.strategies.edge import pvt
+    from fedswarm.strategies.edge import progfed, pvt
     from fedswarm.strategies.federated import gtopk, sketched
 
     own = {"fedavg": None, "gtopk": gtopk.client_update, "pvt": pvt.client_update,  # their own round runners
-           "sketched_sgd": sketched.sketched_client_update, "fetchsgd": sketched.fetchsgd_client_update,
-           "gs_sgd": sketched.gs_client_update}
+           "progfed": progfed.client_update, "sketched_sgd": sketched.sketched_client_update,
+           "fetchsgd": sketched.fetchsgd_client_update, "gs_sgd": sketched.gs_client_update}
     for name in SUPPORTED_STRATEGIES:
         assert registry.get(name).client_update is own.get(name, client_update), name
 
@@ -106,7 +106,8 @@ def test_unserved_byzantine_runs_say_so_in_one_line():
     check_supported(RunConfig(engine="batched", strategy="gtopk", byzantine=1))  # served: no error
 
     for cfg in (RunConfig(engine="batched", strategy="median", byzantine=1, attack="labelflip"),
-                RunConfig(engine="batched", byzantine=1), RunConfig(engine="batched", strategy="pvt", byzantine=1)):
+                RunConfig(engine="batched", byzantine=1), RunConfig(engine="batched", strategy="pvt", byzantine=1),
+                RunConfig(engine="batched", strategy="progfed", byzantine=1)):
         with pytest.raises(ConfigError, match="--engine inprocess") as exc:
             check_supported(cfg)
         assert "\n" not in str(exc.value)

@@ -62,7 +62,8 @@ from fedswarm.payload import PayloadError
 from fedswarm.strategies.strategy_utils import ReportsRounds, sample_train_nodes
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
-__all__ = ["ProgFed", "flops_per_sample", "client_update", "HYPERPARAMS"]
+__all__ = ["ProgFed", "flops_per_sample", "client_update", "stage_start", "stage_submodel", "reply_content",
+           "HYPERPARAMS"]
 
 UPDATE = "update"  # the reply's ArrayRecord: "delta", the change of the trained sub-model
 HEADS = "heads"  # the message's ArrayRecord of heads kept for capped classes: "head.<m>"
@@ -88,7 +89,7 @@ def flops_per_sample(model: torch.nn.Module, objective, x: torch.Tensor, y: torc
 _SUBMODELS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[int, StageModel]]" = weakref.WeakKeyDictionary()
 
 
-def _submodel(model: StagedModel, stage: int) -> StageModel:
+def stage_submodel(model: StagedModel, stage: int) -> StageModel:
     """The node's (cached) sub-model of ``stage``; its head's initial values never matter,
     the message sets every parameter."""
     cache = _SUBMODELS.setdefault(model, {})
@@ -98,16 +99,14 @@ def _submodel(model: StagedModel, stage: int) -> StageModel:
     return cache[stage]
 
 
-def client_update(msg: Message, context: Context) -> RecordDict:
-    """Train the stage's sub-model (or the capped one of this node's class); reply with its delta."""
-    conf = msg.content.config_records["config"]
-    stage = int(conf["progfed.stage"])
-    vec = arrayrecord_to_vector(msg.content.array_records["arrays"])
-    setup = prepare_local(msg, context, vector=vec)
-    model = setup.trainer.model
-    if not isinstance(model, StagedModel):
-        raise ValueError(f"progfed needs a staged task, '{setup.cfg.task}' is not one")
-    cap = setup.policy.get("progfed_max_stage")
+def stage_start(msg: Message, model: StagedModel, policy: dict,
+                vec: torch.Tensor) -> tuple[int, StageModel, torch.Tensor]:
+    """What a node of ``policy``'s class trains on ``msg`` (whose ``arrays`` are ``vec``):
+    the stage (the round's, or the class's ``progfed_max_stage`` if lower), that stage's
+    sub-model and its start parameters (for a capped stage: the prefix of the stage's
+    blocks and the head the server kept for the cap)."""
+    stage = int(msg.content.config_records["config"]["progfed.stage"])
+    cap = policy.get("progfed_max_stage")
     trains = min(stage, int(cap)) if cap is not None else stage
     if trains < stage:  # the prefix of the stage's blocks, and the head kept for this cap
         heads = msg.content.array_records.get(HEADS)
@@ -115,20 +114,38 @@ def client_update(msg: Message, context: Context) -> RecordDict:
             raise ValueError(f"the server sent no head for capped stage {trains}")
         head = arrayrecord_to_vector(ArrayRecord({"h": heads[f"head.{trains}"]}), model.head_numel(trains))
         vec = torch.cat([vec[: model.prefix_numel(trains)], head])
-    sub = _submodel(model, trains)
-    layout = ParamLayout.from_module(sub)
-    if vec.numel() != layout.d:
-        raise PayloadError(f"stage {trains} has {layout.d} parameters, the message {vec.numel()}")
+    sub = stage_submodel(model, trains)
+    d = ParamLayout.from_module(sub).d
+    if vec.numel() != d:
+        raise PayloadError(f"stage {trains} has {d} parameters, the message {vec.numel()}")
+    return trains, sub, vec
+
+
+def client_update(msg: Message, context: Context) -> RecordDict:
+    """Train the stage's sub-model (or the capped one of this node's class); reply with its delta."""
+    vec = arrayrecord_to_vector(msg.content.array_records["arrays"])
+    setup = prepare_local(msg, context, vector=vec)
+    model = setup.trainer.model
+    if not isinstance(model, StagedModel):
+        raise ValueError(f"progfed needs a staged task, '{setup.cfg.task}' is not one")
+    trains, sub, vec = stage_start(msg, model, setup.policy, vec)
     trainer = copy.copy(setup.trainer)  # the node's data and task, with the sub-model
-    trainer.model, trainer.layout = sub, layout
+    trainer.model, trainer.layout = sub, ParamLayout.from_module(sub)
     res = trainer.fit(vec, **setup.fit_kwargs)
     flops = flops_per_sample(sub, trainer.task.objective, trainer.x, trainer.y) * samples_processed(
         trainer.num_examples, setup.fit_kwargs["batch_size"], res.steps)
     delta = res.flat.sub_(vec).numpy()  # float32, in place
-    metrics = MetricRecord({"num-examples": res.num_examples, "train_loss": res.loss, "steps": res.steps,
-                            "stage": trains, "flops": float(flops)})
+    return reply_content(delta, res.num_examples, res.loss, res.steps, trains, flops, setup.report(res))
+
+
+def reply_content(delta: np.ndarray, num_examples: int, loss: float, steps: int, trained: int, flops: float,
+                  node: ConfigRecord) -> RecordDict:
+    """A node's reply: the trained sub-model's delta, its metrics (``stage`` it trained,
+    ``flops`` of its local training) and its ``node`` report."""
+    metrics = MetricRecord({"num-examples": num_examples, "train_loss": loss, "steps": steps,
+                            "stage": trained, "flops": float(flops)})
     return RecordDict({UPDATE: ArrayRecord({"delta": Array(np.ascontiguousarray(delta))}), "metrics": metrics,
-                       "node": setup.report(res)})
+                       "node": node})
 
 
 # --------------------------------------------------------------------------- server side
@@ -255,16 +272,22 @@ class ProgFed(ReportsRounds, FedAvg):
         wrapped = evaluate_fn
         if evaluate_fn is not None and notes is evaluate_fn and self.stage_evaluator is not None:
             def wrapped(rnd: int, arrays: ArrayRecord) -> MetricRecord | None:
-                if rnd > 0 and self._stage < self.num_stages and self._stage in self.heads:
-                    full = arrayrecord_to_vector(arrays, self.d)
-                    with torch.random.fork_rng(devices=[]):
-                        sub = self.model.stage_model(self._stage)
-                    loss, acc = self.stage_evaluator(sub, self.sub_vector(full, self._stage))
-                    self.note(test_loss=loss, test_accuracy=acc, eval_stage=self._stage)
+                if rnd > 0:
+                    self.evaluate_stage(arrayrecord_to_vector(arrays, self.d))
                 return evaluate_fn(rnd, arrays)
         result = super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, wrapped)
         self._done = self._base + num_rounds
         return result
+
+    def evaluate_stage(self, full: torch.Tensor) -> None:
+        """Before the last stage, note the test metrics of the stage's sub-model (blocks of
+        ``full`` and the stage's head) for the round just aggregated; see the module docstring."""
+        if self.stage_evaluator is None or not (self._stage < self.num_stages and self._stage in self.heads):
+            return
+        with torch.random.fork_rng(devices=[]):
+            sub = self.model.stage_model(self._stage)
+        loss, acc = self.stage_evaluator(sub, self.sub_vector(full, self._stage))
+        self.note(test_loss=loss, test_accuracy=acc, eval_stage=self._stage)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
