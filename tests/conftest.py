@@ -23,3 +23,11 @@ def _flower_identity():
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     yield
+
+
+@pytest.fixture
+def hold_dir(tmp_path):
+    """A folder through which a test holds and releases a run's training (tests.resume_helpers.HOLD_ENV)."""
+    d = tmp_path / "hold"
+    d.mkdir()
+    return d

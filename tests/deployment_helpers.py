@@ -1,0 +1,115 @@
+"""A Flower deployment on loopback for the fault tests (tests/test_deployment_faults.py,
+tests/test_deployment_node_fault.py): a SuperLink and SuperNodes (``fedswarm client``) as
+process groups, all stopped at the end, and readers of the run's store."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from fedswarm.server.checkpoint import load_latest
+from fedswarm.procs import stop_process_groups
+from fedswarm.store import Store
+from fedswarm.wire import arrayrecord_to_vector
+from tests.helpers import free_port, port_open, wait_until
+from tests.resume_helpers import HOLD_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # flwr is a dependency: its commands sit beside this interpreter
+TASK = "tests.resume_helpers:make_task"
+RUN = "rounds=3 clients={n} local_epochs=3 batch_size=1000 seed=5 task='{task}' db='{db}'"
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+class Deployment:
+    """A SuperLink and SuperNodes (``fedswarm client``) as process groups, all stopped at the end."""
+
+    def __init__(self, tmp: Path, hold: str):
+        self.tmp = tmp
+        (tmp / "flwr").mkdir()
+        self.port = free_port()
+        (tmp / "flwr" / "config.toml").write_text(
+            f'[superlink]\ndefault = "test"\n\n[superlink.test]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n')
+        self.env = dict(os.environ, FLWR_HOME=str(tmp / "flwr"), PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT),
+                        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **{HOLD_ENV: hold})
+        self.log_path = tmp / "processes.log"
+        self.log = open(self.log_path, "w")
+        self.procs: list[subprocess.Popen] = []
+        self.nodes: dict[int, subprocess.Popen] = {}
+
+    def _spawn(self, cmd: list[str]) -> subprocess.Popen:
+        p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def start(self, num_nodes: int) -> None:
+        self._spawn([str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
+                     "--database", str(self.tmp / "state.db"), "--disable-runtime-dependency-installation"])
+        wait_until(lambda: port_open("127.0.0.1", self.port), 60, interval=0.2, what="the SuperLink listening")
+        for i in range(num_nodes):
+            self.start_node(i, num_nodes)
+
+    def start_node(self, i: int, n: int) -> None:
+        self.nodes[i] = self._spawn([sys.executable, "-m", "fedswarm", "client", "--superlink",
+                                     f"127.0.0.1:{self.port}", "--insecure", "--partition-id", str(i),
+                                     "--num-partitions", str(n), "--device-class", "cpu",
+                                     "--clientappio-port", str(free_port()),
+                                     "--state-dir", str(self.tmp / f"node-state-{i}")])
+
+    def kill_node(self, i: int) -> None:
+        """SIGKILL the SuperNode and its ClientApp processes (its process group)."""
+        p = self.nodes[i]
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+
+    def flwr(self, *args: str) -> str:
+        done = subprocess.run([str(BIN / "flwr"), *args], capture_output=True, text=True, env=self.env, timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    def fedswarm(self, *args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "fedswarm", *args], capture_output=True, text=True,
+                              env=self.env, timeout=180, cwd=ROOT)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    def logs(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()[-5000:]
+
+    def stop(self) -> None:
+        stop_process_groups(list(self.procs), grace_s=15)
+        self.log.close()
+
+
+def one_run(db: Path):
+    if not db.exists():
+        return None
+    store = Store(db)
+    try:
+        runs = store.list_runs()
+        return runs[0] if runs else None
+    finally:
+        store.close()
+
+
+def status_of(db: Path, *statuses: str):
+    run = one_run(db)
+    return run if run is not None and run.status in statuses else None
+
+
+def model_of(db: Path, run_id: str) -> torch.Tensor:
+    return arrayrecord_to_vector(load_latest(Store(db), run_id).arrays)
