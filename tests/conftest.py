@@ -7,6 +7,18 @@ from tests.helpers import free_port, wait_until  # noqa: F401  (re-exported for 
 warnings.filterwarnings("ignore", category=UserWarning, module="flwr_datasets")
 
 
+#: A test that starts real processes (Ray, a SuperLink, peers: ``@pytest.mark.integration``) waits
+#: on their start-up, which on a loaded 2-core machine takes minutes: it gets this limit unless it
+#: sets its own with ``@pytest.mark.timeout``; every other test keeps pyproject's 300 s.
+INTEGRATION_TIMEOUT_S = 900
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("integration") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(INTEGRATION_TIMEOUT_S))
+
+
 @pytest.fixture
 def store(tmp_path):
     from fedswarm.store import Store
