@@ -327,10 +327,14 @@ class CountSketch:
         p = (self.rows - 1) // 2
         q = min(self.rows - p, p + 1)
         heavy = (table.abs() >= thr.unsqueeze(2)).to(torch.uint8)  # [K, r, c]
-        masks = [torch.cat([m, m], 1) for m in heavy.unbind(1)]
-        if self.device.type == "cpu" and self._loop:
+        so = native.lib() if self.device.type == "cpu" and table.dtype == torch.float32 and self.rows <= 64 else None
+        if so is not None:
+            rows, cols, vals = self._candidates_native(so, table, heavy, thr, q, k)
+        elif self.device.type == "cpu" and self._loop:
+            masks = [torch.cat([m, m], 1) for m in heavy.unbind(1)]
             rows, cols, vals = self._candidates_numpy(table, masks, q)
         else:
+            masks = [torch.cat([m, m], 1) for m in heavy.unbind(1)]
             rows, cols = [], []
             for lo, _, parts in self._windows(masks, signed=False):
                 r, i = (_sum_into(parts) >= q).nonzero(as_tuple=True)
@@ -353,6 +357,33 @@ class CountSketch:
             out_idx.append(c_idx)
             out_val.append(c_val[pick][order])
         return torch.stack(out_idx), torch.stack(out_val)
+
+    def _candidates_native(self, so, table: torch.Tensor, heavy: torch.Tensor, thr: torch.Tensor, q: int, k: int):
+        """:meth:`_candidates_numpy` in C, one client at a time, with the ``|x̂_i| >= t`` test
+        folded in: ``(client, coordinate, estimate)`` in the same order."""
+        c = self.cols
+        masks = torch.cat([heavy, heavy], 2).contiguous()  # [K, r, 2c]
+        unsigned = (table * self.bucket_signs.to(table.dtype)).contiguous()  # rho ⊙ S
+        if not hasattr(self, "_neg_u8"):
+            self._neg_u8 = (self.block_signs < 0).to(torch.uint8).contiguous()
+        cnt = torch.empty(4096, dtype=torch.uint8)
+        hashes = [native.ptr(t) for t in (self.shifts, self._neg_u8, self._perm_inv)]
+        rows, cols, vals = [], [], []
+        cap = 4 * k + 1024
+        for client in range(table.shape[0]):
+            while True:
+                idx, val = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.float32)
+                n = so.fs_cs_candidates(native.ptr(masks[client]), native.ptr(unsigned[client]), self.rows, c,
+                                        self.blocks, self.d, hashes[0], hashes[1], hashes[2], q,
+                                        float(thr[client, 0]), native.ptr(cnt), cap, native.ptr(idx),
+                                        native.ptr(val))
+                if n <= cap:
+                    break
+                cap = n
+            rows.append(torch.full((n,), client, dtype=torch.int64))
+            cols.append(idx[:n])
+            vals.append(val[:n])
+        return torch.cat(rows), torch.cat(cols), torch.cat(vals)
 
     def _candidates_numpy(self, table: torch.Tensor, masks: list[torch.Tensor], q: int):
         """The CPU loop of :meth:`_unsketch_sparse` over blocks in numpy (a fraction of
