@@ -366,7 +366,7 @@ class CountSketch:
         unsigned = (table * self.bucket_signs.to(table.dtype)).contiguous()  # rho ⊙ S
         if not hasattr(self, "_neg_u8"):
             self._neg_u8 = (self.block_signs < 0).to(torch.uint8).contiguous()
-        cnt = torch.empty(4096, dtype=torch.uint8)
+        cnt = torch.empty(4096 + 8, dtype=torch.uint8)
         hashes = [native.ptr(t) for t in (self.shifts, self._neg_u8, self._perm_inv)]
         rows, cols, vals = [], [], []
         cap = 4 * k + 1024

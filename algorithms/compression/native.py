@@ -312,25 +312,28 @@ void fs_sketch(const float *restrict x, int64_t d, int64_t c, int64_t r, int64_t
    gets its estimate, the lower median over j of sigma[j][b] * rs[j][(shift[j][b] + u) mod c]
    (r <= 64), and is kept if |estimate| >= t. Writes at most cap (coordinate, estimate)
    pairs in that order and returns how many there are (more than cap: call again with more
-   room). The hits of a chunk are listed first so that their reads can be prefetched. */
+   room). The hits of a chunk are listed first so that their reads can be prefetched.
+   cnt: 4096 + 8 bytes of scratch. */
 int64_t fs_cs_candidates(const uint8_t *masks, const float *rs, int64_t r, int64_t c, int64_t blocks, int64_t d,
                          const int64_t *shifts, const uint8_t *neg, const int64_t *pinv, int64_t q, float t,
                          uint8_t *restrict cnt, int64_t cap, int64_t *cols, float *vals) {
     enum { CH = 4096, AHEAD = 8 };
     int64_t found = 0, hit[CH], at[64 * (AHEAD + 1)];
+    const uint8_t *mp[64];
     for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t j = 0; j < r; j++) mp[j] = masks + j * 2 * c + shifts[j * blocks + b];
         for (int64_t u0 = 0; u0 < c; u0 += CH) {
             int64_t n = c - u0 < CH ? c - u0 : CH, h = 0;
-            const uint8_t *m0 = masks + shifts[b] + u0;
-            for (int64_t u = 0; u < n; u++) cnt[u] = m0[u];
+            memcpy(cnt, mp[0] + u0, (size_t)n);
             for (int64_t j = 1; j < r; j++) {
-                const uint8_t *mj = masks + j * 2 * c + shifts[j * blocks + b] + u0;
+                const uint8_t *restrict mj = mp[j] + u0;
                 for (int64_t u = 0; u < n; u++) cnt[u] += mj[u];
             }
             for (int64_t u = 0; u < n; u++) cnt[u] = cnt[u] >= q;
+            memset(cnt + n, 0, 8);
             for (int64_t u = 0; u < n; u += 8) {
-                uint64_t w = 0;
-                memcpy(&w, cnt + u, u + 8 <= n ? 8 : (size_t)(n - u));
+                uint64_t w;
+                memcpy(&w, cnt + u, 8);
                 for (int64_t e = 0; w; e++, w >>= 8)
                     if (w & 0xff) hit[h++] = u + e;
             }
