@@ -131,6 +131,42 @@ def test_countsketch_native_sketch_equals_eager(d, rows, cols):
     assert torch.equal(fast, slow)  # the same additions in the same order
 
 
+@pytest.mark.parametrize("d, rows, cols", [(4810, 5, 50), (30_001, 3, 300)])
+def test_countsketch_native_sketch_of_many_short_blocks(d, rows, cols):
+    """Many short blocks: the C loop against the eager index_add_ path (other addition
+    order, so to rounding), and a batch against one client at a time (exactly), on both
+    paths; 600 clients make the eager path work in client chunks."""
+    from fedswarm.algorithms.compression.countsketch import _CHUNK_CPU, CountSketch
+
+    cs = CountSketch(d, rows, cols, seed=5)
+    assert not cs._loop
+    x = torch.from_numpy(randn(600, d, seed=d))
+    assert 600 * (cs._span + rows * (2 * cols + 1)) > 2 * _CHUNK_CPU  # several chunks
+    fast, slow = _both(lambda: cs.sketch(x))
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    some = [0, 1, 257, 599]
+    one_fast, one_slow = _both(lambda: torch.stack([cs.sketch(x[i]) for i in some]))
+    assert torch.equal(fast[some], one_fast) and torch.equal(slow[some], one_slow)
+
+
+@pytest.mark.parametrize("loop", [True, False])
+@pytest.mark.parametrize("d, k, rows, cols", [(200_000, 200, 5, 2000), (300_001, 50, 4, 500), (100_003, 300, 1, 3000),
+                                              (250_001, 100, 7, 4096)])
+def test_countsketch_native_candidates_equal_eager(d, k, rows, cols, loop):
+    """unsketch's candidate pass in C against the numpy (loop) and torch (many blocks)
+    passes: the same coordinates and estimates, exactly."""
+    from fedswarm.algorithms.compression.countsketch import CountSketch
+
+    cs = CountSketch(d, rows, cols, seed=3)
+    cs._loop = loop
+    x = torch.from_numpy(randn(3, d, seed=d))
+    x[:, ::997] *= 40
+    table = cs.sketch(x)
+    fast, slow = _both(lambda: cs._unsketch_sparse(table, k))
+    assert fast is not None and slow is not None  # the candidate path, both times
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+
+
 def test_topk_of_float64_rows_skips_the_float32_loops():
     x = _x(3, 100_000, seed=9).double()
     assert torch.equal(topk_abs_indices(x, 300), topk_abs_indices(x.float(), 300))

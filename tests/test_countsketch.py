@@ -9,6 +9,7 @@ import torch
 
 from fedswarm.algorithms.compression.kernels import median_small
 from fedswarm.algorithms.compression import countsketch as cs_module
+from fedswarm.algorithms.compression import native
 from fedswarm.algorithms.compression.countsketch import CountSketch
 
 
@@ -217,7 +218,10 @@ def test_sketch_and_estimate_match_the_definition(d, rows, cols, loop):
     cs = CountSketch(d, rows, cols, seed=11)
     cs._loop = loop
     x = np.random.default_rng(0).standard_normal((2, d))
+    with native.disabled():  # the eager kernels (the C loop is checked below and in test_codecs_native)
+        eager = cs.sketch(torch.from_numpy(x).float())
     table = cs.sketch(torch.from_numpy(x).float())
+    np.testing.assert_allclose(eager.numpy(), np_sketch(cs, x), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(table.numpy(), np_sketch(cs, x), rtol=1e-5, atol=1e-5)
     t = table.double().numpy()
     est = np.zeros((2, d))

@@ -58,6 +58,7 @@ __all__ = ["CountSketch"]
 
 _BLOCK = 1 << 20  # coordinates per chunk of the dense estimate on a CPU (4 MB per [block] part)
 _BLOCK_GPU = 1 << 24
+_CHUNK_CPU = 1 << 18  # values of y and accumulators per client chunk of the many-blocks sketch (1 MB)
 _LOOP_COLS = 2048  # c at least this (or at most 64 blocks): a Python loop over blocks, slices only
 
 
@@ -186,17 +187,25 @@ class CountSketch:
         """``[K, d]`` -> ``[K, r, c]`` tables (float dtype of x). Linear in x."""
         x, squeeze = self._vectors(x)
         k, c = x.shape[0], self.cols
+        so = native.lib() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+        if so is None and not self._loop and x.device.type == "cpu":
+            # the many-blocks path below touches every client's accumulator once per block:
+            # a few clients at a time keep y and the accumulators in cache (1000 clients at
+            # once were 3x slower than one at a time)
+            step = max(1, _CHUNK_CPU // (self._span + self.rows * (2 * c + 1)))
+            if k > step:
+                table = torch.cat([self.sketch(x[i : i + step]) for i in range(0, k, step)])
+                return table[0] if squeeze else table
         # accumulate sigma·y_b at offset shift_b of a doubled row, then fold: 2c + 1 cells
         acc = torch.zeros(k, self.rows, 2 * c + 1, dtype=x.dtype, device=x.device)
-        so = native.lib() if self._loop and x.device.type == "cpu" and x.dtype == torch.float32 else None
-        if so is not None:  # the loop below, in C: one pass per client, y in cache
+        if so is not None:  # the block loop below, in C: one client at a time, y_b in cache
             x, y = x.contiguous(), torch.empty(c, dtype=x.dtype)
             if not hasattr(self, "_neg_u8"):
                 self._neg_u8 = (self.block_signs < 0).to(torch.uint8).contiguous()
+            hashes = [native.ptr(t) for t in (self.perm, self._perm_inv, self.shifts, self._neg_u8, y)]
             for i in range(k):
-                so.fs_sketch(native.ptr(x, i * self.d), self.d, c, self.rows, self.blocks, native.ptr(self.perm),
-                             native.ptr(self._perm_inv), native.ptr(self.shifts), native.ptr(self._neg_u8),
-                             native.ptr(y), native.ptr(acc, i * self.rows * (2 * c + 1)))
+                so.fs_sketch(native.ptr(x, i * self.d), self.d, c, self.rows, self.blocks, *hashes,
+                             native.ptr(acc, i * self.rows * (2 * c + 1)))
         elif self._loop:  # block by block: y_b = x_b permuted by pi stays in cache for the r adds
             y = torch.empty(k, c, dtype=x.dtype, device=x.device)
             for b in range(self.blocks):
@@ -318,10 +327,14 @@ class CountSketch:
         p = (self.rows - 1) // 2
         q = min(self.rows - p, p + 1)
         heavy = (table.abs() >= thr.unsqueeze(2)).to(torch.uint8)  # [K, r, c]
-        masks = [torch.cat([m, m], 1) for m in heavy.unbind(1)]
-        if self.device.type == "cpu" and self._loop:
+        so = native.lib() if self.device.type == "cpu" and table.dtype == torch.float32 and self.rows <= 64 else None
+        if so is not None:
+            rows, cols, vals = self._candidates_native(so, table, heavy, thr, q, k)
+        elif self.device.type == "cpu" and self._loop:
+            masks = [torch.cat([m, m], 1) for m in heavy.unbind(1)]
             rows, cols, vals = self._candidates_numpy(table, masks, q)
         else:
+            masks = [torch.cat([m, m], 1) for m in heavy.unbind(1)]
             rows, cols = [], []
             for lo, _, parts in self._windows(masks, signed=False):
                 r, i = (_sum_into(parts) >= q).nonzero(as_tuple=True)
@@ -344,6 +357,33 @@ class CountSketch:
             out_idx.append(c_idx)
             out_val.append(c_val[pick][order])
         return torch.stack(out_idx), torch.stack(out_val)
+
+    def _candidates_native(self, so, table: torch.Tensor, heavy: torch.Tensor, thr: torch.Tensor, q: int, k: int):
+        """:meth:`_candidates_numpy` in C, one client at a time, with the ``|x̂_i| >= t`` test
+        folded in: ``(client, coordinate, estimate)`` in the same order."""
+        c = self.cols
+        masks = torch.cat([heavy, heavy], 2).contiguous()  # [K, r, 2c]
+        unsigned = (table * self.bucket_signs.to(table.dtype)).contiguous()  # rho ⊙ S
+        if not hasattr(self, "_neg_u8"):
+            self._neg_u8 = (self.block_signs < 0).to(torch.uint8).contiguous()
+        cnt = torch.empty(4096 + 8, dtype=torch.uint8)
+        hashes = [native.ptr(t) for t in (self.shifts, self._neg_u8, self._perm_inv)]
+        rows, cols, vals = [], [], []
+        cap = 4 * k + 1024
+        for client in range(table.shape[0]):
+            while True:
+                idx, val = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.float32)
+                n = so.fs_cs_candidates(native.ptr(masks[client]), native.ptr(unsigned[client]), self.rows, c,
+                                        self.blocks, self.d, hashes[0], hashes[1], hashes[2], q,
+                                        float(thr[client, 0]), native.ptr(cnt), cap, native.ptr(idx),
+                                        native.ptr(val))
+                if n <= cap:
+                    break
+                cap = n
+            rows.append(torch.full((n,), client, dtype=torch.int64))
+            cols.append(idx[:n])
+            vals.append(val[:n])
+        return torch.cat(rows), torch.cat(cols), torch.cat(vals)
 
     def _candidates_numpy(self, table: torch.Tensor, masks: list[torch.Tensor], q: int):
         """The CPU loop of :meth:`_unsketch_sparse` over blocks in numpy (a fraction of

@@ -304,6 +304,71 @@ void fs_sketch(const float *restrict x, int64_t d, int64_t c, int64_t r, int64_t
         }
     }
 }
+
+/* Count Sketch unsketch candidates, one client (see CountSketch._unsketch_sparse): masks
+   is r doubled rows of 2c bytes (1 where |S[j, m]| >= t), rs the r rows rho * S[j] (c
+   floats each). For each block b and slot u in order, the count
+   sum_j masks[j][shift[j][b] + u]; where it is >= q the coordinate b*c + pinv[u] (if < d)
+   gets its estimate, the lower median over j of sigma[j][b] * rs[j][(shift[j][b] + u) mod c]
+   (r <= 64), and is kept if |estimate| >= t. Writes at most cap (coordinate, estimate)
+   pairs in that order and returns how many there are (more than cap: call again with more
+   room). The hits of a chunk are listed first so that their reads can be prefetched.
+   cnt: 4096 + 8 bytes of scratch. */
+int64_t fs_cs_candidates(const uint8_t *masks, const float *rs, int64_t r, int64_t c, int64_t blocks, int64_t d,
+                         const int64_t *shifts, const uint8_t *neg, const int64_t *pinv, int64_t q, float t,
+                         uint8_t *restrict cnt, int64_t cap, int64_t *cols, float *vals) {
+    enum { CH = 4096, AHEAD = 8 };
+    int64_t found = 0, hit[CH], at[64 * (AHEAD + 1)];
+    const uint8_t *mp[64];
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t j = 0; j < r; j++) mp[j] = masks + j * 2 * c + shifts[j * blocks + b];
+        for (int64_t u0 = 0; u0 < c; u0 += CH) {
+            int64_t n = c - u0 < CH ? c - u0 : CH, h = 0;
+            memcpy(cnt, mp[0] + u0, (size_t)n);
+            for (int64_t j = 1; j < r; j++) {
+                const uint8_t *restrict mj = mp[j] + u0;
+                for (int64_t u = 0; u < n; u++) cnt[u] += mj[u];
+            }
+            for (int64_t u = 0; u < n; u++) cnt[u] = cnt[u] >= q;
+            memset(cnt + n, 0, 8);
+            for (int64_t u = 0; u < n; u += 8) {
+                uint64_t w;
+                memcpy(&w, cnt + u, 8);
+                for (int64_t e = 0; w; e++, w >>= 8)
+                    if (w & 0xff) hit[h++] = u + e;
+            }
+            for (int64_t i = 0; i < h + AHEAD; i++) {
+                if (i < h) { /* where hit i's terms are; prefetched AHEAD hits early */
+                    int64_t *a = at + (i % (AHEAD + 1)) * 64;
+                    for (int64_t j = 0; j < r; j++) {
+                        int64_t m = shifts[j * blocks + b] + u0 + hit[i];
+                        a[j] = j * c + (m >= c ? m - c : m);
+                        __builtin_prefetch(rs + a[j]);
+                    }
+                    __builtin_prefetch(pinv + u0 + hit[i]);
+                }
+                if (i < AHEAD) continue;
+                int64_t k = i - AHEAD, u = u0 + hit[k];
+                int64_t coord = b * c + pinv[u];
+                if (coord >= d) continue;
+                const int64_t *a = at + (k % (AHEAD + 1)) * 64;
+                float v[64];
+                for (int64_t j = 0; j < r; j++) {
+                    float e = neg[j * blocks + b] ? -rs[a[j]] : rs[a[j]];
+                    int64_t p = j;
+                    while (p > 0 && v[p - 1] > e) { v[p] = v[p - 1]; p--; }
+                    v[p] = e;
+                }
+                float med = v[(r - 1) / 2];
+                if (fabsf(med) >= t) {
+                    if (found < cap) { cols[found] = coord; vals[found] = med; }
+                    found++;
+                }
+            }
+        }
+    }
+    return found;
+}
 """
 
 # -fno-trapping-math lets the compiler vectorize the selects (FP exception flags are never read);
@@ -359,6 +424,8 @@ def _build() -> ctypes.CDLL | None:
     so.fs_collect_abs_ge.argtypes, so.fs_collect_abs_ge.restype = [vp, i64, f32, vp, vp, i64], i64
     so.fs_select_top.argtypes, so.fs_select_top.restype = [vp, vp, i64, f32, i64, vp], i64
     so.fs_sketch.argtypes, so.fs_sketch.restype = [vp, i64, i64, i64, i64, vp, vp, vp, vp, vp, vp], None
+    so.fs_cs_candidates.argtypes = [vp, vp, i64, i64, i64, i64, vp, vp, vp, i64, f32, vp, i64, vp, vp]
+    so.fs_cs_candidates.restype = i64
     return so
 
 
