@@ -38,15 +38,20 @@ def test_digits_resnet14_has_many_variables_and_trains():
     assert torch.equal(torch.nn.utils.parameters_to_vector(task.model(0).parameters()),
                        torch.nn.utils.parameters_to_vector(model.parameters()))
     data = task.load_data(0, 0.2)
-    x, y = data.train_x[:128], data.train_y[:128]
-    assert x.shape[1:] == (1, 8, 8) and model(x).shape == (128, 10)
+    x, y = data.train_x[:32], data.train_y[:32]
+    assert x.shape[1:] == (1, 8, 8) and model(x).shape == (32, 10)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    first = float(task.objective(model, x, y))
-    for _ in range(40):
-        opt.zero_grad()
-        task.objective(model, x, y).backward()
-        opt.step()
-    assert float(task.objective(model, x, y)) < 0.5 * first
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small convolutions on a loaded machine: more threads only wait on each other
+    try:
+        first = float(task.objective(model, x, y).detach())
+        for _ in range(25):
+            opt.zero_grad()
+            task.objective(model, x, y).backward()
+            opt.step()
+        assert float(task.objective(model, x, y).detach()) < 0.5 * first
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_wide_variant_and_bad_sizes():

@@ -8,14 +8,17 @@ and shown as mean ± std.
 
 Modes: ``--quick`` (CI-sized: few rounds and epochs, one seed; 34 min on a 2-core machine
 shared with 5 other jobs, load 10-36) and full (the issue's settings, 3 seeds for small
-gaps), about 2 hours on 2 busy cores (sum of the figures below: ~2.2 h). Full mode never
+gaps), about 4 hours on 2 busy cores (sum of the figures below: ~3.8 h). Full mode never
 ran end to end in one go; its time per claim, measured claim by claim on the shared 2-core
 machine (load in brackets) or estimated from the quick run's time per client-round:
 
-    onebit-cnn4 15 min [16-28], onebit-large 3 min [16-28]
+    onebit-cnn4 15 min [16-28], onebit-large 3 min [16-28]  (before both 1-bit arms got 3 seeds:
+                                                            now 9 runs instead of 7, ~+30%)
     sketched-sgd ~33 min, fetchsgd ~9 min, gs-sgd ~27 min  (estimated: quick x 6.7 client-rounds
                                                             at load 10-36; never finished under load 36)
-    pvt 4 min [5-9], progfed 2.5 min [4-5] (96 rounds, two schedules)
+    pvt ~100 min at load 20-25 (digits-resnet14: FedAvg 24 rounds 9 min, PVT 4x steps 19 min, x2 arms
+        + 2 more seeds of FedAvg and the picked arm + memory probes; tiny scale 11 min at load 25),
+    progfed 2.5 min [4-5] (96 rounds, two schedules)
     hl ~22 min  (about 9,900 hops: 2 x 120 DQN + 20 random episodes, at 0.13 s a hop as the
                  previous quick run; at load 30 a hop took 1.6 s)
     dpsgd 3, adpsgd 2, qg-dsgdm 10, lsgd 1, dasgd 0, prague 1 min [14-36]
