@@ -58,6 +58,7 @@ def _check_outputs(out, want_ids):
     return data, doc
 
 
+@pytest.mark.timeout(900)  # three real in-process runs (FedAvg, 1-bit both ways, 1-bit up): 280 s at load 25
 def test_generator_tiny_run(tmp_path, monkeypatch):
     """A tiny real run of two claims (a federated one and a time-model one)."""
     monkeypatch.setenv("FEDSWARM_PAPERS_ONLY", "onebit-cnn4,dasgd")
