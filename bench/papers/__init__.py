@@ -8,12 +8,12 @@ and shown as mean ± std.
 
 Modes: ``--quick`` (CI-sized: few rounds and epochs, one seed; 34 min on a 2-core machine
 shared with 5 other jobs, load 10-36) and full (the issue's settings, 3 seeds for small
-gaps), about 4 hours on 2 busy cores (sum of the figures below: ~3.8 h). Full mode never
+gaps), about 5 hours on 2 busy cores (sum of the figures below: ~4.9 h). Full mode never
 ran end to end in one go; its time per claim, measured claim by claim on the shared 2-core
 machine (load in brackets) or estimated from the quick run's time per client-round:
 
-    onebit-cnn4 15 min [16-28], onebit-large 3 min [16-28]  (before both 1-bit arms got 3 seeds:
-                                                            now 9 runs instead of 7, ~+30%)
+    onebit-cnn4 41 min, onebit-large 40 min [12-27, run side by side]  (both 1-bit arms, 3 seeds
+                                                            where the gap is under 2 points)
     sketched-sgd ~33 min, fetchsgd ~9 min, gs-sgd ~27 min  (estimated: quick x 6.7 client-rounds
                                                             at load 10-36; never finished under load 36)
     pvt ~100 min at load 20-25 (digits-resnet14: FedAvg 24 rounds 9 min, PVT 4x steps 19 min, x2 arms
