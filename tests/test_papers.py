@@ -58,6 +58,7 @@ def _check_outputs(out, want_ids):
     return data, doc
 
 
+@pytest.mark.timeout(900)  # three real in-process runs (FedAvg, 1-bit both ways, 1-bit up): 280 s at load 25
 def test_generator_tiny_run(tmp_path, monkeypatch):
     """A tiny real run of two claims (a federated one and a time-model one)."""
     monkeypatch.setenv("FEDSWARM_PAPERS_ONLY", "onebit-cnn4,dasgd")
@@ -70,6 +71,11 @@ def test_generator_tiny_run(tmp_path, monkeypatch):
     assert ratio == pytest.approx(fedavg["bytes_up"] / arm["bytes_up"])  # from the measured bytes
     gap = next(c for c in onebit["checks"] if c["name"] == "accuracy vs FedAvg")["value"]
     assert gap == pytest.approx(100 * (arm["final_acc"] - fedavg["final_acc"]))
+    # the verdict is the paper's two-stage scheme (1-bit both ways); uplink-only 1-bit beside it
+    assert arm["strategy"] == "onebit" and arm["bytes_down"] < fedavg["bytes_down"]  # round 1 sends the model
+    up = next(r for r in onebit["rows"] if r.get("arm", "").startswith("compressed_fedavg, 1-bit uplink only"))
+    assert up["strategy"] == "compressed_fedavg" and up["params"]["codec"] == "onebit"
+    assert "uplink only" in onebit["ours"] and "the paper's scheme" in onebit["ours"]
 
 
 def test_doc_verdicts_follow_numbers(tmp_path, monkeypatch):

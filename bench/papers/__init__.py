@@ -8,14 +8,17 @@ and shown as mean ± std.
 
 Modes: ``--quick`` (CI-sized: few rounds and epochs, one seed; 34 min on a 2-core machine
 shared with 5 other jobs, load 10-36) and full (the issue's settings, 3 seeds for small
-gaps), about 2 hours on 2 busy cores (sum of the figures below: ~2.2 h). Full mode never
+gaps), about 5 hours on 2 busy cores (sum of the figures below: ~4.9 h). Full mode never
 ran end to end in one go; its time per claim, measured claim by claim on the shared 2-core
 machine (load in brackets) or estimated from the quick run's time per client-round:
 
-    onebit-cnn4 15 min [16-28], onebit-large 3 min [16-28]
+    onebit-cnn4 41 min, onebit-large 40 min [12-27, run side by side]  (both 1-bit arms, 3 seeds
+                                                            where the gap is under 2 points)
     sketched-sgd ~33 min, fetchsgd ~9 min, gs-sgd ~27 min  (estimated: quick x 6.7 client-rounds
                                                             at load 10-36; never finished under load 36)
-    pvt 4 min [5-9], progfed 2.5 min [4-5] (96 rounds, two schedules)
+    pvt ~100 min at load 20-25 (digits-resnet14: FedAvg 24 rounds 9 min, PVT 4x steps 19 min, x2 arms
+        + 2 more seeds of FedAvg and the picked arm + memory probes; tiny scale 11 min at load 25),
+    progfed 2.5 min [4-5] (96 rounds, two schedules)
     hl ~22 min  (about 9,900 hops: 2 x 120 DQN + 20 random episodes, at 0.13 s a hop as the
                  previous quick run; at load 30 a hop took 1.6 s)
     dpsgd 3, adpsgd 2, qg-dsgdm 10, lsgd 1, dasgd 0, prague 1 min [14-36]
@@ -94,14 +97,16 @@ CLAIMS: list[Claim] = [
           "Seide, Fu, Droppo, Li, Yu, Interspeech 2014", "no accuracy loss at about 32x less data",
           ">= 15x less uplink, within 1 point of FedAvg",
           "federated rounds of local SGD instead of data-parallel minibatch gradients; a 25k-parameter CNN on "
-          "digits instead of speech DNNs; scales per block of >= 256 values instead of per column; 1-bit on the "
-          "uplink only (the paper also quantizes the aggregate: the note gives that arm)",
+          "digits instead of speech DNNs; scales per block of >= 256 values instead of per column; the server "
+          "plays every stripe owner (one residual for the whole aggregate); no AdaGrad or double buffering. The "
+          "verdict's arm is the paper's two-stage scheme (1-bit both ways); 1-bit on the uplink only is beside it",
           fed.onebit_cnn4, "fl"),
     Claim("onebit-large", "1-bit SGD with error feedback (large task)",
           "Seide et al., Interspeech 2014", "no accuracy loss at about 32x less data",
           ">= 25x less uplink, within 1 point of FedAvg",
-          "federated rounds on digits-mlp-wide (d = 301,066) instead of speech DNNs; 1-bit on the uplink only "
-          "(the note gives the two-way arm)", fed.onebit_large, "fl"),
+          "federated rounds on digits-mlp-wide (d = 301,066) instead of speech DNNs; scales per block of >= 256 "
+          "values (= per column: 512-row columns); the verdict's arm is the paper's two-stage scheme (1-bit both "
+          "ways), 1-bit on the uplink only beside it", fed.onebit_large, "fl"),
     Claim("sketched-sgd", "Sketched-SGD",
           "Ivkin, Rothchild, Ullah, Braverman, Stoica, Arora, NeurIPS 2019",
           "up to 40x less communication with no accuracy loss", ">= 10x less uplink, within 2 points of FedAvg",
@@ -117,8 +122,10 @@ CLAIMS: list[Claim] = [
     Claim("pvt", "PVT: partial variable training", "Yang et al. 2022",
           "memory up to 1.9x lower, communication up to 593x lower, accuracy kept with more local steps",
           "peak training memory >= 1.7x lower, uplink >= 20x lower, within 1 point",
-          "a 25k-parameter CNN with 18 variables on digits (the paper: speech Conformers with many more; memory "
-          "probed 8x wider); 10 clients", fed.pvt, "fl"),
+          "a 44k-parameter ResNet-14 with 47 variables on 8x8 digits (the paper: speech Conformers with many "
+          "more variables and 10M+ parameters); memory probed 8x wider; 10 IID clients all sampled each round "
+          "(the paper: many devices per round); 2-5% of the variables (k = 1-2 tensors) with 4x local steps",
+          fed.pvt, "fl"),
     Claim("progfed", "ProgFed: progressive training", "Wang et al. 2022",
           "about 20% less computation and up to 63% less communication, no accuracy loss",
           ">= 50% less communication within 1 point",

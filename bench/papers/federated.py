@@ -112,37 +112,51 @@ def _fl_setting(fl: FLRunner, task: str, rounds: int) -> str:
 
 # the issue's setting for 1-bit on digits-cnn4: ``fedswarm sim``'s defaults (lr 0.3, 2 local epochs, no momentum)
 CNN_SIM = {"lr": 0.3, "momentum": 0.0, "local_epochs": 2}
-# 1-bit SGD with error feedback on the uplink (the claim is about the data sent), scales per
-# block of >= 256 values; the downlink is the dense model as in FedAvg
+# The paper's scheme (the verdict's arm): the ``onebit`` strategy, 1-bit with error feedback
+# on the way up, the aggregate re-quantized to 1 bit with the server's residual on the way
+# down (Seide et al.'s second quantization of each stripe's sum). Scales per block of >= 256
+# values both ways (per column, digits-cnn4's 8-row conv columns would pay 64 bits of scales
+# per 8 bits of signs).
+ONEBIT = {"scale": "block"}
+# Uplink only: the same client half, the dense model sent down as in FedAvg.
 ONEBIT_UP = {"codec": "onebit", "codec_params": "scale=block"}
 
 
+def _gap_text(v: dict) -> str:
+    g = v["gap"]
+    return f"{g['mean']:+.2f} ± {g['std']:.2f} pts ({g['n']} seed(s)) at {v['ratio']:.1f}x less uplink"
+
+
 def _onebit(fl: FLRunner, task: str, rounds: int, need_ratio: float, setting: str, **kw: Any) -> Measured:
-    v = fl.versus(task, "compressed_fedavg", ONEBIT_UP, rounds, **kw)
-    m = _vs_measured(v, "1-bit SGD + EF (uplink)", need_ratio, -1.0, setting)
-    # the paper's full scheme: the server re-quantizes the aggregate to 1 bit for the way down
-    two = fl.run(task, "onebit", {"scale": "block"}, seed=0, rounds=rounds, **kw)
-    base = v["base"]
-    m.series["onebit strategy (1-bit both ways)"] = two["curve"]
-    m.rows.append({**two, "arm": "onebit strategy, 1-bit both ways (seed 0)"})
-    m.note = (f"The two-stage scheme (onebit strategy: the aggregate re-quantized to 1 bit for the downlink, with "
-              f"a server residual), seed 0: {100 * (two['final_acc'] - base['final_acc']):+.2f} pts at "
-              f"{base['bytes_up'] / max(1, two['bytes_up']):.1f}x less uplink and "
-              f"{base['bytes_down'] / max(1, two['bytes_down']):.1f}x less downlink.")
+    two = fl.versus(task, "onebit", ONEBIT, rounds, **kw)
+    up = fl.versus(task, "compressed_fedavg", ONEBIT_UP, rounds, **kw)
+    m = _vs_measured(two, "1-bit both ways (onebit: the paper's scheme)", need_ratio, -1.0, setting)
+    m.ours = "1-bit both ways (the paper's scheme, the verdict's): " + m.ours + \
+        "; uplink only (dense downlink): " + _gap_text(up)
+    m.series["1-bit uplink only, dense downlink"] = up["arm"]["curve"]
+    m.rows += [{**up["arm"], "arm": "compressed_fedavg, 1-bit uplink only (seed 0)"},
+               {"arm": "uplink-only gap", "gap_points": up["gap"], "uplink_ratio": up["ratio"]}]
+    base, arm = two["base"], two["arm"]
+    m.note = (f"Both configurations side by side (seeds {', '.join(str(s) for s in range(two['gap']['n']))} for the "
+              f"paper's scheme): the paper's two-stage scheme {_gap_text(two)} and "
+              f"{base['bytes_down'] / max(1, arm['bytes_down']):.1f}x less downlink; 1-bit on the uplink only "
+              f"{_gap_text(up)}. The verdict uses the paper's scheme (Seide et al. also quantize the aggregate).")
     return m
 
 
 def onebit_cnn4(fl: FLRunner) -> Measured:
     r = fl.s.fl_rounds_cnn
     return _onebit(fl, CNN, r, 15.0, f"{CNN}, {fl.s.fl_clients} IID clients, all sampled, {r} rounds, 2 local epochs, "
-                   "batch 16, lr 0.3, no momentum (fedswarm sim's defaults); compressed_fedavg with the onebit codec "
-                   "(error feedback, scale=block: columns grouped to >= 256 values), dense downlink", **CNN_SIM)
+                   "batch 16, lr 0.3, no momentum (fedswarm sim's defaults); onebit strategy (error feedback on "
+                   "clients and server, scale=block: columns grouped to >= 256 values) against FedAvg; beside it "
+                   "compressed_fedavg with the onebit codec and a dense downlink", **CNN_SIM)
 
 
 def onebit_large(fl: FLRunner) -> Measured:
     r = fl.s.fl_rounds_large
-    return _onebit(fl, LARGE, r, 25.0, _fl_setting(fl, LARGE, r) + "; compressed_fedavg with the onebit codec "
-                   "(error feedback, scale=block), dense downlink")
+    return _onebit(fl, LARGE, r, 25.0, _fl_setting(fl, LARGE, r) + "; onebit strategy (error feedback on clients "
+                   "and server, scale=block) against FedAvg; beside it compressed_fedavg with the onebit codec and "
+                   "a dense downlink")
 
 
 # The sketching papers compress one minibatch gradient per worker and step (data-parallel
@@ -206,32 +220,43 @@ def gs_sgd_vs_gtopk(fl: FLRunner) -> Measured:
 # --------------------------------------------------------------------------- edge (bench/edge.py's arms)
 
 
-# PVT arms: (fraction of the tensors a client trains, local-step multiple). The paper's
-# 593x less uplink comes from training few variables; at 25% of digits-cnn4's 18 tensors
-# the uplink can only fall ~4x, so the smallest subset (one tensor, 5%) is run too.
-PVT_ARMS = {"quick": ((0.25, 2), (0.05, 4)), "full": ((0.25, 2), (0.05, 2), (0.05, 4))}
+# PVT runs on digits-resnet14 (47 variables): on digits-cnn4 (18) one tensor a client caps
+# the expected uplink ratio at 18x. Arms: (fraction of the tensors a client trains, local-step
+# multiple); the paper trains "a small subset" of the variables with more local steps. At f =
+# 5%, k = 2 of 47 tensors (expected ratio 23.5x before framing); at 2%, k = 1 (47x).
+PVT_TASK = "digits-resnet14"
+PVT_WIDE = "fedswarm.tasks.deep:digits_resnet14_wide"
+PVT_ARMS = {"quick": ((0.05, 4),), "full": ((0.05, 4), (0.02, 4))}
+
+
+def _pvt_cfg(cfg, fraction: float, mult: int):
+    from fedswarm.bench import edge
+
+    return cfg.model_copy(update={"strategy": "pvt", "local_steps": mult * cfg.local_steps,
+                                  "params": {**edge.PVT, "fraction": fraction}})
 
 
 def pvt(fl: FLRunner) -> Measured:
     from fedswarm.bench import edge
 
-    cfg, _, base = fl.edge_base()
+    cache = fl._cache
+    cfg = RunConfig(**{**edge.FL, "task": PVT_TASK}, strategy="fedavg", rounds=fl.s.edge_rounds, local_steps=10)
+    base = edge._run(cfg, fl.store)[1]
     arms = PVT_ARMS["quick" if fl.s.edge_quick else "full"]
-    cfgs = [cfg] + [cfg.model_copy(update={"strategy": "pvt", "local_steps": m * cfg.local_steps,
-                                           "params": {**edge.PVT, "fraction": f}}) for f, m in arms]
+    cfgs = [cfg] + [_pvt_cfg(cfg, f, m) for f, m in arms]
     rows = [edge._fl_rows("PVT vs AVT", "AVT (FedAvg)", base)]
     for (f, m), c in zip(arms, cfgs[1:]):
         rows.append(edge._fl_rows("PVT vs AVT", f"PVT {f:.0%}, {m}x steps", edge._run(c, fl.store)[1]))
     # memory on the same architecture 8x wider, 2 local steps (bench/edge.py explains why)
-    probes = [c.model_copy(update={"task": edge.WIDE, "local_steps": 2}) for c in cfgs]
+    probes = [c.model_copy(update={"task": PVT_WIDE, "local_steps": 2}) for c in cfgs]
     for row, peak in zip(rows, edge.peak_client_memory(probes, 4 if fl.s.edge_quick else 8)):
         row["peak_train_bytes"] = peak[0] if peak else None
     b = rows[0]
 
-    def checks(r: dict) -> list[Check]:
+    def checks(r: dict, gap: float | None = None) -> list[Check]:
         mem = (b["peak_train_bytes"] / r["peak_train_bytes"]) if r.get("peak_train_bytes") and \
             b.get("peak_train_bytes") else None
-        gap = 100 * (r["final_acc"] - b["final_acc"])
+        gap = 100 * (r["final_acc"] - b["final_acc"]) if gap is None else gap
         up = b["bytes_up"] / max(1, r["bytes_up"])
         return [Check("peak training memory, AVT / PVT", mem, ">=", 1.7, unit="x"),
                 Check("uplink ratio vs AVT", up, ">=", 20.0, unit="x"),
@@ -239,33 +264,48 @@ def pvt(fl: FLRunner) -> Measured:
                 Check("less memory", mem, ">", 1.0, direction=True, unit="x"),
                 Check("less uplink", up, ">", 1.0, direction=True, unit="x")]
 
-    # The uplink's ceiling on this model: k = max(1, round(f·V)) of V whole tensors, drawn
-    # uniformly, carry k/V of the parameters on average, so E[uplink] = k·d/V (+ framing).
     from fedswarm.algorithms.selection.pvt import num_selected
     from fedswarm.tasks import get_task
 
-    sizes = [p.numel() for p in get_task(cfg.task).model(0).parameters()]
+    sizes = [p.numel() for p in get_task(PVT_TASK).model(0).parameters()]
     ceilings = {f: len(sizes) / num_selected(len(sizes), f) for f, _ in arms}
     scored = [(sum(c.passed for c in checks(r)), r["final_acc"], i) for i, r in enumerate(rows[1:], 1)]
-    pick = rows[max(scored)[2]]
-    cs = checks(pick)
+    pick_i = max(scored)[2]
+    pick = rows[pick_i]
+    # the picked arm's gap over more seeds when it is small (seed 0 above)
+    gaps = [100 * (pick["final_acc"] - b["final_acc"])]
+    if abs(gaps[0]) < 2.0:
+        for seed in range(1, fl.s.seeds_small_gap):
+            key = f"pvt-seed-{seed}"
+            if key not in cache:
+                c0 = cfg.model_copy(update={"seed": seed})
+                a0 = edge._run(c0, fl.store)[1][-1]["test_accuracy"]
+                a1 = edge._run(_pvt_cfg(c0, *arms[pick_i - 1]), fl.store)[1][-1]["test_accuracy"]
+                cache[key] = 100 * (a1 - a0)
+            gaps.append(cache[key])
+    g = seed_stats(gaps)
+    pick["gap_points"] = g
+    cs = checks(pick, g["mean"])
     for r in rows[1:]:
         r["checks"] = {c.name: c.value for c in checks(r)[:3]}
     others = "; ".join(f"{r['arm']}: " + ", ".join(f"{k} {v:.3g}" for k, v in r["checks"].items() if v is not None)
                        for r in rows[1:] if r is not pick)
+    shown = [c for c in cs[:3] if c.value is not None and c.name != "accuracy vs AVT"]
     return Measured(
-        ours=f"{pick['arm']}: " + ", ".join(f"{c.name} {c.value:.3g}{c.unit}" for c in cs[:3] if c.value is not None),
+        ours=f"{pick['arm']}: " + ", ".join(f"{c.name} {c.value:.3g}{c.unit}" for c in shown)
+        + f", accuracy vs AVT {g['mean']:+.2f} ± {g['std']:.2f} pts ({g['n']} seed(s))",
         checks=cs,
-        setting=f"digits-cnn4 (18 tensors), {edge.FL['clients']} IID clients, {cfg.rounds} rounds, 10 local steps "
-                f"(PVT: multiples), server_lr {edge.PVT['server_lr']}; memory: mean peak of local training over "
-                "nodes on digits-cnn4 8x wide; the arm shown is the PVT arm passing most checks",
+        setting=f"{PVT_TASK} (ResNet-14, {len(sizes)} variables, d = {sum(sizes):,}), {edge.FL['clients']} IID "
+                f"clients, {cfg.rounds} rounds, 10 local steps (PVT: multiples), batch 16, lr 0.05, momentum 0.9, "
+                f"server_lr {edge.PVT['server_lr']}; memory: mean peak of local training over nodes on "
+                f"{PVT_TASK} 8x wide; the arm shown is the PVT arm passing most checks (seed 0), its accuracy "
+                "gap over 3 seeds when under 2 points",
         series={r["arm"]: [[up, a] for up, a in zip(r["cum_up"], r["curve"])] for r in rows},
         xlabel="cumulative uplink bytes (measured)", ylabel="test accuracy", rows=rows,
-        note=(f"Other PVT arms: {others}. " if others else "") + (
-            f"Ceiling: {cfg.task} has V = {len(sizes)} variables (tensors of {min(sizes)} to {max(sizes)} values); "
+        note=(f"Other PVT arms (seed 0): {others}. " if others else "") + (
+            f"Ceiling: {PVT_TASK} has V = {len(sizes)} variables (tensors of {min(sizes)} to {max(sizes)} values); "
             "a client trains k = max(1, round(f·V)) of them drawn uniformly, so the expected uplink ratio is V/k "
-            "before framing: " + ", ".join(f"{ceilings[f]:.0f}x at f = {f:.0%}" for f, _ in arms) + ". The 20x "
-            "target needs a model with more variables than digits-cnn4 (the paper's are speech Conformers)."))
+            "before framing: " + ", ".join(f"{ceilings[f]:.1f}x at f = {f:.0%}" for f, _ in arms) + "."))
 
 
 # ProgFed's stage schedule. The official configs give each stage before the last T_s rounds:

@@ -8,13 +8,14 @@ import importlib
 from fedswarm.config import ConfigError
 from fedswarm.tasks.base import Task, TaskData
 from fedswarm.tasks.builtin import BUILTIN_TASKS
+from fedswarm.tasks.deep import DEEP_TASKS
 from fedswarm.tasks.hf import HF_TASKS
 from fedswarm.tasks.large import LARGE_TASKS
 from fedswarm.tasks.staged import STAGED_TASKS
 
 __all__ = ["Task", "TaskData", "get_task", "task_names", "TASKS"]
 
-TASKS: dict[str, Task] = {**BUILTIN_TASKS, **HF_TASKS, **STAGED_TASKS, **LARGE_TASKS}
+TASKS: dict[str, Task] = {**BUILTIN_TASKS, **HF_TASKS, **STAGED_TASKS, **LARGE_TASKS, **DEEP_TASKS}
 
 
 def task_names() -> list[str]:
