@@ -77,7 +77,11 @@ def main() -> int:
         if rnd >= total:
             break
         rnd += 1
-        time.sleep(delay)  # stands for a round's training time (FAKE_ROUND_S); no test waits on it
+        # the round's training time (FAKE_ROUND_S), cut short when a control arrives: the round is
+        # recorded, then the control is applied, as the real runner does between rounds
+        round_end = time.monotonic() + delay
+        while time.monotonic() < round_end and not store.pending_controls(rid):
+            poll.wait(min(0.05, max(0.0, round_end - time.monotonic())))
         acc = 1 - 0.9 * math.exp(-rnd / 3)
         store.add_round(rid, rnd, train_loss=2.3 * math.exp(-rnd / 4), test_loss=2.4 * math.exp(-rnd / 4),
                         test_accuracy=acc, bytes_up=1000 * int(cfg.get("clients", 4)),
