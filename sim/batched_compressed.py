@@ -39,27 +39,12 @@ from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState, e
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
-from fedswarm.sim.batched_round import make_reply, reply_size, round_schedule, varint_len
+from fedswarm.sim.batched_round import NodeIds, make_reply, reply_size, round_schedule, varint_len
 from fedswarm.strategies.federated.compressed_base import KNOBS, Accepted
 from fedswarm.strategies.federated.compressed_fedavg import client_codec, uplink_seed
 from fedswarm.wire import payload_to_records, vector_to_arrayrecord
 
 __all__ = ["CompressedRounds", "GTopKRounds", "client_payload"]
-
-
-class _Nodes:
-    """What ``configure_train`` and the Byzantine grid ask of a grid here: the node ids
-    (1..N, as the in-process grid), and, for the Byzantine grid, the round's replies."""
-
-    def __init__(self, n: int):
-        self._ids = list(range(1, n + 1))
-        self.replies: list[Message] = []
-
-    def get_node_ids(self) -> list[int]:
-        return self._ids
-
-    def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
-        return self.replies
 
 
 @dataclass
@@ -108,8 +93,8 @@ class CompressedRounds:
         self.strategy.bind_notes(notes)
         self.initial = model
         self.arrays = vector_to_arrayrecord(model)
-        self.grid = _Nodes(cfg.clients)
-        self._inner = _Nodes(cfg.clients)
+        self.grid = NodeIds(cfg.clients)
+        self._inner = NodeIds(cfg.clients)
         self.byzantine = None
         if cfg.byzantine:
             from fedswarm.algorithms.robust.attacks import parse_attack

@@ -33,20 +33,12 @@ from flwr.app import ConfigRecord
 from fedswarm.algorithms.selection.progfed import samples_processed
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
-from fedswarm.sim.batched_round import make_reply, mark_rejected, round_schedule, varint_len
+from fedswarm.sim.batched_round import NodeIds, make_reply, mark_rejected, round_schedule, varint_len
 from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
 from fedswarm.strategies.edge.progfed import stage_submodel, flops_per_sample, reply_content, stage_start
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
 __all__ = ["ProgFedRounds"]
-
-
-class _Nodes:
-    def __init__(self, n: int):
-        self._ids = list(range(1, n + 1))
-
-    def get_node_ids(self) -> list[int]:
-        return self._ids
 
 
 def _rows(sched: ClientSchedule, idx: torch.Tensor) -> ClientSchedule:
@@ -65,7 +57,7 @@ class ProgFedRounds:
         self.strategy = build_strategy(run.cfg, run.trainer.layout)
         self.strategy.bind_notes(notes)
         self.model = model
-        self.grid = _Nodes(run.cfg.clients)
+        self.grid = NodeIds(run.cfg.clients)
         self.staged = run.trainer.task.model(run.cfg.seed)  # the clients' model: its stages' sub-models
         self._trainers: dict[int, BatchedTrainer] = {}
         self._samples: dict[tuple[int, int, int], int] = {}

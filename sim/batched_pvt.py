@@ -26,20 +26,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from fedswarm.algorithms.selection.pvt import num_selected, select_variables, selection_seed
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
-from fedswarm.sim.batched_round import make_reply, mark_rejected, round_schedule, varint_len
+from fedswarm.sim.batched_round import NodeIds, make_reply, mark_rejected, round_schedule, varint_len
 from fedswarm.strategies.edge.pvt import UPDATE
 from fedswarm.strategies.registry import resolve_params
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
 __all__ = ["PVTRounds"]
-
-
-class _Nodes:
-    def __init__(self, n: int):
-        self._ids = list(range(1, n + 1))
-
-    def get_node_ids(self) -> list[int]:
-        return self._ids
 
 
 class PVTRounds:
@@ -54,7 +46,7 @@ class PVTRounds:
         self.strategy.bind_notes(notes)
         self.params = resolve_params("pvt", run.cfg.params)
         self.model = model
-        self.grid = _Nodes(run.cfg.clients)
+        self.grid = NodeIds(run.cfg.clients)
 
     def _selection(self, node_ids: list[int], pols: list[dict], server_round: int) -> tuple[list, torch.Tensor]:
         """Each client's variable ids (as its ``client_update`` draws them) and the ``[K, d]`` mask of them."""

@@ -19,8 +19,24 @@ from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim.batched_trainer import ClientSchedule
 from fedswarm.wire import vector_to_arrayrecord
 
-__all__ = ["Meter", "ByteCounter", "round_schedule", "varint_len", "make_reply", "reply_size", "mark_rejected",
-           "reject_diverged"]
+__all__ = ["NodeIds", "Meter", "ByteCounter", "round_schedule", "varint_len", "make_reply", "reply_size",
+           "mark_rejected", "reject_diverged"]
+
+
+class NodeIds:
+    """What a strategy's ``configure_train`` (and the Byzantine grid) ask of a grid on this
+    engine: the node ids, 1..N as the in-process grid numbers them, and, for the Byzantine
+    grid, the round's replies."""
+
+    def __init__(self, n: int):
+        self._ids = list(range(1, n + 1))
+        self.replies: list[Message] = []
+
+    def get_node_ids(self) -> list[int]:
+        return self._ids
+
+    def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
+        return self.replies
 
 
 class Meter:

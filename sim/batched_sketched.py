@@ -31,8 +31,8 @@ from flwr.app import Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
 from fedswarm.server.metered_grid import serialized_size
-from fedswarm.sim.batched_compressed import CompressedRounds, _Nodes, client_payload
-from fedswarm.sim.batched_round import make_reply
+from fedswarm.sim.batched_compressed import CompressedRounds, client_payload
+from fedswarm.sim.batched_round import NodeIds, make_reply
 from fedswarm.strategies import registry
 from fedswarm.strategies.federated.compressed_base import KNOBS, ClientRound
 from fedswarm.strategies.federated.sketched import CLIENT_VECTOR, client_sketch
@@ -43,7 +43,7 @@ __all__ = ["SketchRounds", "SKETCH_STRATEGIES"]
 SKETCH_STRATEGIES = tuple(CLIENT_VECTOR)
 
 
-class _Exchange(_Nodes):
+class _Exchange(NodeIds):
     """The grid the strategy is given: node ids for sampling, and its second exchange in a
     round answered by each client's own update on that client's state."""
 
