@@ -189,3 +189,24 @@ def test_logreg_oracle_is_the_optimum():
     loss = task.objective(model, data.train_x, data.train_y)
     (grad,) = torch.autograd.grad(loss, [model.weight])
     assert grad.abs().max() < 1e-5
+
+
+def test_digits_read_without_sklearn_are_sklearns_digits():
+    """The digits CSV read directly (no scikit-learn import) is exactly what scikit-learn's loader gives,
+    and loading a digits task leaves scikit-learn unimported (a fresh interpreter checks it)."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    from fedswarm.tasks.builtin import digits_arrays
+
+    data, target = digits_arrays()
+    oracle = load_digits()
+    assert data.shape == (1797, 64) and np.array_equal(data, oracle.data)
+    assert target.dtype == np.int64 and np.array_equal(target, oracle.target)
+    code = ("import sys; from fedswarm.tasks import get_task; d = get_task('digits-mlp').load_data(0, 0.2); "
+            "assert d.train_x.shape[1] == 64; print('sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -3,6 +3,9 @@ download) and a synthetic convex problem with a known optimum."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import torch
 from torch import nn
@@ -23,16 +26,33 @@ def split_train_test(x: torch.Tensor, y: torch.Tensor, seed: int, test_fraction:
                     num_classes, dict(meta))
 
 
-def _digits(seed: int, test_fraction: float, image: bool) -> TaskData:
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as exc:  # pragma: no cover
-        raise RuntimeError("the digits tasks need scikit-learn: pip install 'fedswarm[sim]'") from exc
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's handwritten digits: 1797 flattened 8x8 images (values 0..16) and labels.
+
+    Read from the CSV that ships inside scikit-learn, found without importing scikit-learn:
+    its import costs about 2 s of CPU, and a deployment pays that in every process that
+    loads the task (Flower starts a ClientApp process for each message). A scikit-learn
+    whose files are laid out otherwise is read with its own ``load_digits``.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the digits tasks need scikit-learn: pip install 'fedswarm[sim]'")
+    path = Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data" / "digits.csv.gz"
+    if path.is_file():
+        raw = np.loadtxt(path, delimiter=",")
+        return raw[:, :-1], raw[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits
+
     d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    return d.data, d.target
+
+
+def _digits(seed: int, test_fraction: float, image: bool) -> TaskData:
+    data, target = digits_arrays()
+    x = torch.tensor(data, dtype=torch.float32) / 16.0
     if image:
         x = x.view(-1, 1, 8, 8)
-    y = torch.tensor(d.target, dtype=torch.int64)
+    y = torch.tensor(target, dtype=torch.int64)
     return split_train_test(x, y, seed, test_fraction, 10, source="sklearn.datasets.load_digits")
 
 
