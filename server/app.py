@@ -37,6 +37,7 @@ from fedswarm.tasks import get_task
 from fedswarm.train import evaluate_flat, resolve_device, task_data
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 from fedswarm.server.metered_grid import MeteredGrid, Traffic
+from fedswarm.server.prompt_grid import PromptGrid
 from fedswarm.server.checkpoint import ServerCheckpoint, ServerCheckpointer
 from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
 from fedswarm.server.client_state import restore_clients
@@ -219,4 +220,4 @@ def main(grid: Grid, context: Context) -> None:
     # Started by a SuperLink (`flwr run`), not by a fedswarm simulation engine; the pid is
     # this ServerApp process's (what the dashboard watches, and stops).
     store.update_run(run_id, engine="deployment", pid=os.getpid())
-    run_server(grid, cfg, store=store, run_id=run_id, node_kind="supernode", resume=checkpoint)
+    run_server(PromptGrid(grid), cfg, store=store, run_id=run_id, node_kind="supernode", resume=checkpoint)

@@ -44,6 +44,7 @@ class Deployment:
         (tmp / "flwr" / "config.toml").write_text(
             f'[superlink]\ndefault = "test"\n\n[superlink.test]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n')
         self.env = dict(os.environ, FLWR_HOME=str(tmp / "flwr"), PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT),
+                        FLWR_SUPEREXEC_TASK_POLL_INTERVAL="0.25",
                         PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **{HOLD_ENV: hold})
         self.log_path = tmp / "processes.log"
         self.log = open(self.log_path, "w")

@@ -32,6 +32,7 @@ def _stop(procs):
 
 def test_superlink_two_supernodes_two_rounds(tmp_path):
     env = dict(os.environ, FLWR_HOME=str(tmp_path / "flwr"), PYTHONUNBUFFERED="1",
+               FLWR_SUPEREXEC_TASK_POLL_INTERVAL="0.25",
                PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")  # Flower starts its own helpers by name
     (tmp_path / "flwr").mkdir()
     port = free_port()

@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # a loaded 2-c
 
 def test_tls_supernode_auth_two_registered_nodes_run_and_intruders_are_refused(tmp_path):
     env = dict(os.environ, FLWR_HOME=str(tmp_path / "flwr"), PYTHONUNBUFFERED="1",
+               FLWR_SUPEREXEC_TASK_POLL_INTERVAL="0.25",
                PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     pki, port, db = tmp_path / "pki", free_port(), tmp_path / "store.db"
 
