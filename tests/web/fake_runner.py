@@ -4,7 +4,8 @@ controls like the real ServerApp, without torch. Tests point the dashboard's run
 Usage: fake_runner.py sim --db URL --run-id ID --config TOML
        fake_runner.py resume RUN_ID --db URL   (goes on after the run's last checkpoint)
 Environment: FAKE_ROUND_S (seconds per round, default 0.15), FAKE_FAIL=1 (exit 1 at once),
-FAKE_DIE_AFTER=N (exit 1 without a word after round N, checkpointing each round).
+FAKE_DIE_AFTER=N (exit 1 without a word after round N, checkpointing each round), and with it
+FAKE_DIE_GATE=PATH (before dying, stay running until PATH exists: a test sees the run alive first).
 """
 
 import argparse
@@ -94,6 +95,10 @@ def main() -> int:
         if die_after:
             store.add_checkpoint(rid, rnd, f"/nonexistent/{rid}-{rnd}.pt")
             if rnd >= die_after:
+                gate = os.environ.get("FAKE_DIE_GATE")
+                deadline = time.monotonic() + PAUSED_LIMIT_S
+                while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+                    poll.wait(0.05)
                 return 1
     store.set_status(rid, "finished")
     return 0

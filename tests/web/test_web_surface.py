@@ -216,15 +216,19 @@ def test_startup_error_shown_on_the_run_page(app, admin, monkeypatch):
     assert "failing on purpose" in admin.get(f"/runs/{rid}").text.split('id="run-error"')[1][:600]
 
 
-def test_resume_from_checkpoint_only_when_possible(app, admin, monkeypatch):
+def test_resume_from_checkpoint_only_when_possible(app, admin, monkeypatch, tmp_path):
     """The Resume-from-checkpoint action calls `RUNNER resume RUN_ID`, for a failed or lost run
     of this dashboard that has a checkpoint, and only then."""
     monkeypatch.setenv("FAKE_ROUND_S", "0.05")
     monkeypatch.setenv("FAKE_DIE_AFTER", "3")
+    monkeypatch.setenv("FAKE_DIE_GATE", str(tmp_path / "die"))  # it stays running (3 checkpoints) until told
     assert app.state.ctx.runs.resume_command_available()
     rid = admin.post("/api/runs", json={"config": {"rounds": 6}}).json()["id"]
+    wait_for(lambda: len(admin.get(f"/api/runs/{rid}/rounds").json()) == 3)
     live = admin.get(f"/api/runs/{rid}").json()
-    assert live["actions"]["restart"] is not None  # running: nothing to resume
+    assert live["display_status"] == "running"
+    assert live["actions"]["restart"] is not None  # running, with checkpoints: still nothing to resume
+    (tmp_path / "die").write_text("")
     wait_for(lambda: admin.get(f"/api/runs/{rid}").json()["display_status"] == "lost")
     assert admin.get(f"/api/runs/{rid}").json()["actions"]["restart"] is None
     r = admin.post(f"/api/runs/{rid}/restart")
