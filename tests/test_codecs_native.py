@@ -52,6 +52,20 @@ def test_onebit_native_equals_eager(scale):
     assert torch.equal(dec_fast, dec_slow)
 
 
+def test_onebit_native_large_output_streamed_equals_eager():
+    """Outputs over 8 MB are decoded with streaming stores (and fs_onebit_decode's fence):
+    still the stored floats bit for bit, in aligned and unaligned tensors, columns and vectors."""
+    layout = ParamLayout.from_shapes([("w", (4000, 512)), ("b", (3,)), ("v", (150_001,)), ("u", (700, 77))])
+    assert 4 * layout.d > 8 << 20
+    codec, x = make_codec("onebit", scale="auto"), torch.from_numpy(randn(1, layout.d, 7))
+    fast, slow = _both(lambda: codec.encode(x, layout))
+    assert torch.equal(fast.arrays["bits"], slow.arrays["bits"])
+    torch.testing.assert_close(fast.arrays["means"], slow.arrays["means"], rtol=1e-6, atol=0)
+    out = torch.full((1, layout.d), float("nan"))
+    dec_fast, dec_slow = _both(lambda: codec.decode(slow, layout, out=out).clone())
+    assert torch.equal(dec_fast, dec_slow)
+
+
 def test_sign_native_equals_eager():
     codec, x = make_codec("sign"), _x()
     fast, slow = _both(lambda: codec.encode(x, LAYOUT))

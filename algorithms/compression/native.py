@@ -104,8 +104,8 @@ void fs_lut_decode(const uint8_t *bits, int64_t n, const float *lut, float *out)
 /* 1-bit SGD, encode, one tensor: x points at the flat vector, the tensor is the
    rows x cols matrix at offset `off`. Adds per column the sum of max(v, 0) (sp), of
    min(v, 0) (sn, as v - max(v, 0), exact) and the count of v >= 0 (cnt), row after
-   row (each column's sums in the order of its rows), and packs the tensor's bits
-   (x >= 0) into `bits` (zeroed by the caller). */
+   row (in float64; with AVX2, float32 sums of up to 8 rows at a time are added in), and
+   packs the tensor's bits (x >= 0) into `bits` (zeroed by the caller). */
 static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, int64_t cols, double *restrict sp,
                           double *restrict sn, int64_t *restrict cnt, uint8_t *restrict bits) {
     const float *t = x + off;
@@ -128,6 +128,12 @@ static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, in
     }
     int64_t block = 4096 / cols; /* rows per block: about 16 KB, still in cache when packed */
     if (block < 1) block = 1;
+#if defined(__AVX2__)
+    /* whole bytes of bits per 8 columns of a row: packed in the same pass as the sums */
+    const int fused = (off & 7) == 0 && (cols & 7) == 0;
+#else
+    const int fused = 0;
+#endif
     for (int64_t r0 = 0; r0 < rows; r0 += block) {
         int64_t r1 = r0 + block < rows ? r0 + block : rows, c0 = 0;
 #if defined(__AVX2__)
@@ -135,15 +141,23 @@ static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, in
             __m256d p0 = _mm256_loadu_pd(sp + c0), p1 = _mm256_loadu_pd(sp + c0 + 4);
             __m256d q0 = _mm256_loadu_pd(sn + c0), q1 = _mm256_loadu_pd(sn + c0 + 4);
             __m256i m = _mm256_setzero_si256(); /* this block's counts, 32 bits (at most 4096 rows) */
-            for (int64_t r = r0; r < r1; r++) {
-                __m256 v = _mm256_loadu_ps(t + r * cols + c0);
-                __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
-                __m256 w = _mm256_and_ps(v, ge), u = _mm256_sub_ps(v, w); /* max(v, 0) and min(v, 0) */
-                p0 = _mm256_add_pd(p0, _mm256_cvtps_pd(_mm256_castps256_ps128(w)));
-                p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)));
-                q0 = _mm256_add_pd(q0, _mm256_cvtps_pd(_mm256_castps256_ps128(u)));
-                q1 = _mm256_add_pd(q1, _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1)));
-                m = _mm256_sub_epi32(m, _mm256_castps_si256(ge)); /* ge is -1 where v >= 0 */
+            for (int64_t s0 = r0; s0 < r1; s0 += 8) { /* float32 sums over <= 8 rows (same-sign terms:
+                                                         relative error < 8 * 2^-24), then into float64 */
+                int64_t s1 = s0 + 8 < r1 ? s0 + 8 : r1;
+                __m256 p = _mm256_setzero_ps(), q = _mm256_setzero_ps();
+                for (int64_t r = s0; r < s1; r++) {
+                    __m256 v = _mm256_loadu_ps(t + r * cols + c0);
+                    __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
+                    __m256 w = _mm256_and_ps(v, ge); /* max(v, 0); v - w is min(v, 0), exact */
+                    p = _mm256_add_ps(p, w);
+                    q = _mm256_add_ps(q, _mm256_sub_ps(v, w));
+                    m = _mm256_sub_epi32(m, _mm256_castps_si256(ge)); /* ge is -1 where v >= 0 */
+                    if (fused) bits[(off + r * cols + c0) >> 3] = (uint8_t)_mm256_movemask_ps(ge);
+                }
+                p0 = _mm256_add_pd(p0, _mm256_cvtps_pd(_mm256_castps256_ps128(p)));
+                p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1)));
+                q0 = _mm256_add_pd(q0, _mm256_cvtps_pd(_mm256_castps256_ps128(q)));
+                q1 = _mm256_add_pd(q1, _mm256_cvtps_pd(_mm256_extractf128_ps(q, 1)));
             }
             __m256i m0 = _mm256_add_epi64(_mm256_loadu_si256((const __m256i *)(cnt + c0)),
                                           _mm256_cvtepi32_epi64(_mm256_castsi256_si128(m)));
@@ -166,7 +180,7 @@ static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, in
                 cnt[c] += v >= 0.0f;
             }
         }
-        pack_ge0(x, off + r0 * cols, off + r1 * cols, bits);
+        if (!fused) pack_ge0(x, off + r0 * cols, off + r1 * cols, bits);
     }
 }
 
@@ -185,11 +199,20 @@ static inline float pick(const uint8_t *bits, int64_t e, float a0, float a1) {
     return (bits[e >> 3] >> (e & 7)) & 1 ? a1 : a0;
 }
 
+/* Store 8 floats at o: streamed past the caches (nt, o 32-byte aligned) or plain. */
+#if defined(__AVX2__)
+static inline void put8(float *o, __m256 v, int nt) {
+    if (nt) _mm256_stream_ps(o, v);
+    else _mm256_storeu_ps(o, v);
+}
+#endif
+
 /* 1-bit SGD, decode, one tensor: out (the flat vector) at e = off + r * cols + c gets
    a1[c] where bit e is set, else a0[c]; with cols == 1, a0[0] / a1[0] for the whole
-   range. A pure select: the stored floats come back bit for bit. */
+   range. A pure select: the stored floats come back bit for bit. `nt`: an output too
+   large to stay in cache is streamed to memory (no read for ownership of its lines). */
 static void onebit_decode(const uint8_t *bits, int64_t off, int64_t rows, int64_t cols, const float *a0,
-                          const float *a1, float *out) {
+                          const float *a1, float *out, int nt) {
     if (cols == 1) {
         float z = a0[0], o = a1[0];
         int64_t e = off, hi = off + rows;
@@ -197,9 +220,10 @@ static void onebit_decode(const uint8_t *bits, int64_t off, int64_t rows, int64_
 #if defined(__AVX2__)
         const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
         const __m256 vz = _mm256_set1_ps(z), vo = _mm256_set1_ps(o);
+        const int s = nt && ((uintptr_t)(out + e) & 31) == 0;
         for (; e + 8 <= hi; e += 8) {
             __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits[e >> 3]), sel), sel);
-            _mm256_storeu_ps(out + e, _mm256_blendv_ps(vz, vo, _mm256_castsi256_ps(m)));
+            put8(out + e, _mm256_blendv_ps(vz, vo, _mm256_castsi256_ps(m)), s);
         }
 #endif
         for (; e < hi; e++) out[e] = pick(bits, e, z, o);
@@ -211,10 +235,11 @@ static void onebit_decode(const uint8_t *bits, int64_t off, int64_t rows, int64_
         for (; c < cols && ((e0 + c) & 7); c++) o[c] = pick(bits, e0 + c, a0[c], a1[c]);
 #if defined(__AVX2__)
         const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        const int s = nt && ((uintptr_t)(o + c) & 31) == 0;
         for (; c + 8 <= cols; c += 8) {
             __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits[(e0 + c) >> 3]), sel), sel);
-            _mm256_storeu_ps(o + c, _mm256_blendv_ps(_mm256_loadu_ps(a0 + c), _mm256_loadu_ps(a1 + c),
-                                                     _mm256_castsi256_ps(m)));
+            put8(o + c, _mm256_blendv_ps(_mm256_loadu_ps(a0 + c), _mm256_loadu_ps(a1 + c),
+                                         _mm256_castsi256_ps(m)), s);
         }
 #endif
         for (; c < cols; c++) o[c] = pick(bits, e0 + c, a0[c], a1[c]);
@@ -222,14 +247,20 @@ static void onebit_decode(const uint8_t *bits, int64_t off, int64_t rows, int64_
 }
 
 /* The same over a layout (see fs_onebit_encode); a0 and a1 hold each tensor's columns
-   one after another. */
+   one after another. Outputs over 8 MB are streamed (see onebit_decode). */
 void fs_onebit_decode(const uint8_t *bits, int64_t n, const int64_t *off, const int64_t *rows, const int64_t *cols,
                       const float *a0, const float *a1, float *out) {
-    int64_t c = 0;
+    int64_t c = 0, end = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (off[i] + rows[i] * cols[i] > end) end = off[i] + rows[i] * cols[i];
+    const int nt = end * (int64_t)sizeof(float) > ((int64_t)8 << 20);
     for (int64_t i = 0; i < n; i++) {
-        onebit_decode(bits, off[i], rows[i], cols[i], a0 + c, a1 + c, out);
+        onebit_decode(bits, off[i], rows[i], cols[i], a0 + c, a1 + c, out, nt);
         c += cols[i];
     }
+#if defined(__AVX2__)
+    if (nt) _mm_sfence(); /* the streamed stores are visible before the caller reads `out` */
+#endif
 }
 
 /* Top-k candidates: the positions e in [0, n) with |x[e]| >= thr, ascending, into idx
