@@ -100,15 +100,8 @@ class RoundRecorder(RoundNotes):
             "sim_time_s": self.sim_time(rnd, traffic) if (self.sim_time and server_round > 0) else None,
             "num_clients": len(node_rows),
         }
-        failed = sum(1 for r in node_rows if r.get("status") == "failed")
-        if failed and server_round > 0:
-            # A node that vanished mid-round costs the round its update (DESIGN.md): the round
-            # row says so, with the minimum the strategy needed to go on without it.
-            row.update(nodes_failed=failed, min_train_nodes=self.min_train_nodes)
-            self.store.add_event(self.run_id, "nodes_failed",
-                                 f"round {rnd}: {failed} of {len(node_rows)} nodes failed; aggregated the "
-                                 f"{len(node_rows) - failed} others (strategy minimum {self.min_train_nodes})",
-                                 data={"round": rnd, "failed": failed, "min_train_nodes": self.min_train_nodes})
+        if server_round > 0:
+            row.update(self.failed_nodes(rnd, node_rows))
         if getattr(traffic, "report_up", 0):  # monitoring (report.* records), apart from bytes_up
             row["bytes_report"] = traffic.report_up
         for observe in self.observers:
@@ -147,6 +140,19 @@ class RoundRecorder(RoundNotes):
             rnd, arrays = self._unsaved
             self._unsaved = None
             self.checkpoint(rnd, arrays)
+
+    def failed_nodes(self, rnd: int, node_rows: list[dict]) -> dict:
+        """A node that vanished or failed mid-round costs the round its update (DESIGN.md): the
+        round row's fields that say so, with the minimum the strategy needed to go on without
+        it (empty if no node failed), and an event."""
+        failed = sum(1 for r in node_rows if r.get("status") == "failed")
+        if not failed:
+            return {}
+        self.store.add_event(self.run_id, "nodes_failed",
+                             f"round {rnd}: {failed} of {len(node_rows)} nodes failed; aggregated the "
+                             f"{len(node_rows) - failed} others (strategy minimum {self.min_train_nodes})",
+                             data={"round": rnd, "failed": failed, "min_train_nodes": self.min_train_nodes})
+        return {"nodes_failed": failed, "min_train_nodes": self.min_train_nodes}
 
     def _replies(self, traffic, rejections: dict[str, str]) -> tuple[float | None, int, list[dict]]:
         loss_sum, n_sum, rows = 0.0, 0, []

@@ -22,8 +22,10 @@ client axis, the strategy's stages and evaluation).
 A client whose local SGD diverges (a non-finite model) is rejected as the in-process
 server rejects its reply, with the same reason, and left out of the aggregate: FedAvg's
 round masks it out of the weighted sum (:meth:`BatchedTrainer.average`), PVT's and
-ProgFed's strategy objects refuse its real reply. The compressed strategies still stop
-the run with an error naming the client (lower ``--lr``).
+ProgFed's strategy objects refuse its real reply. In the compressed family the diverged
+client runs its own codec step alone, as its own code would: where that raises, the node
+fails for the round (an error reply, its row ``failed`` with the reason, the round's
+``nodes_failed``), where it sends a non-finite payload the strategy refuses it.
 
 Same numbers as ``--engine inprocess``: the same clients are sampled (Flower's
 ``random.sample`` after ``random.seed(seed)``), each client's minibatches come from a
@@ -218,6 +220,7 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
         runner = {"gtopk": GTopKRounds, "pvt": PVTRounds, "progfed": ProgFedRounds, "sketched_sgd": SketchRounds,
                   "fetchsgd": SketchRounds, "gs_sgd": SketchRounds}.get(cfg.strategy, CompressedRounds)
         rounds_of = runner(run, global_vec, notes=recorder)
+        recorder.min_train_nodes = getattr(getattr(rounds_of, "strategy", None), "min_train_nodes", None)
     store.set_status(run_id, "running")
     try:
         recorder(0, rounds_of.model)
@@ -228,7 +231,7 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
                 row, node_rows = rounds_of.round(done)
                 if node_rows:
                     store.add_node_rounds(run_id, done, node_rows)
-                recorder.note(**row)
+                recorder.note(**row, **recorder.failed_nodes(done, node_rows))
                 recorder(done, rounds_of.model)
             rounds, recorder.extra_rounds = recorder.extra_rounds, 0
     except StopRun as stop:

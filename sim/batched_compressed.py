@@ -40,6 +40,7 @@ from fedswarm.payload import Payload, PayloadError
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
 from fedswarm.sim.batched_round import NodeIds, make_reply, reply_size, round_schedule, varint_len
+from fedswarm.sim.inprocess import client_error_reply
 from fedswarm.strategies.federated.compressed_base import KNOBS, Accepted
 from fedswarm.strategies.federated.compressed_fedavg import client_codec, uplink_seed
 from fedswarm.wire import payload_to_records, vector_to_arrayrecord
@@ -60,10 +61,11 @@ class _Reply:
     steps: int
     device_class: str
     policy_json: str
-    value: torch.Tensor  # the decoded update
+    value: torch.Tensor | None  # the decoded update
     up: int = 0
     down: int = 0
     rejected: str | None = None
+    error: Message | None = None  # a client whose own code raised sends this instead
 
     def content(self) -> RecordDict:
         """The reply's records, as :func:`~fedswarm.strategies.federated.compressed_base.finish` writes them."""
@@ -71,6 +73,13 @@ class _Reply:
         content["metrics"] = MetricRecord({"num-examples": self.n, "train_loss": self.loss, "steps": self.steps})
         content["node"] = ConfigRecord({"device_class": self.device_class, "policy": self.policy_json})
         return content
+
+
+def _finite(value) -> bool:
+    """Whether a parsed reply (a tensor, or a tuple of them such as gTop-k's indices and values) is finite."""
+    if isinstance(value, (tuple, list)):
+        return all(_finite(v) for v in value)
+    return not isinstance(value, torch.Tensor) or not value.is_floating_point() or bool(torch.isfinite(value).all())
 
 
 def client_payload(payload: Payload, row: int, seed: int) -> Payload:
@@ -129,32 +138,54 @@ class CompressedRounds:
         replies: list[_Reply] = []
         for rows, new, loss, n in trainer.fit(x, sched, momentum=cfg.momentum, chunk_size=run.chunk_size,
                                               memory_budget=run.memory_budget, on_chunk=run.progress(total)):
-            bad = ~torch.isfinite(new).all(dim=1)
-            if bool(bad.any()):
-                raise FloatingPointError(f"client at position {int(bad.nonzero()[0, 0]) + rows.start} of the round "
-                                         "diverged (non-finite parameters); lower --lr")
             delta = new.cpu() - x
             pids = sched.partitions[rows].tolist()
             ks = list(range(rows.start, rows.stop))
-            decoded, sent = self._client_step(delta, pids, [messages[k] for k in ks],
-                                              [codecs.get(classes[k]) for k in ks], strategy.round, ef)
             n_list, loss_list, steps_list = n.tolist(), loss.tolist(), sched.steps[rows].tolist()
-            for j, k in enumerate(ks):
-                r = _Reply(k, node_ids[k], sent[j][0], sent[j][1], n_list[j], loss_list[j], steps_list[j], classes[k],
-                           policy_json[classes[k]], decoded[j])
-                r.down = self._down_size(messages[k])  # first: measuring a reply gives the message its id
-                r.up = self._up_size(messages[k], r)
-                replies.append(r)
+            finite = torch.isfinite(new).all(dim=1).tolist()
+            # the finite rows in one batch; a client whose local SGD diverged alone, as its own
+            # code runs it: its codec may raise (the client fails) or send what the server refuses
+            batches = [[j for j, ok in enumerate(finite) if ok]] + [[j] for j, ok in enumerate(finite) if not ok]
+            for members in filter(None, batches):
+                sub = delta if len(members) == len(ks) else delta[members]
+                try:
+                    decoded, sent = self._client_step(sub, [pids[j] for j in members],
+                                                      [messages[ks[j]] for j in members],
+                                                      [codecs.get(classes[ks[j]]) for j in members], strategy.round,
+                                                      ef)
+                except Exception as exc:
+                    if finite[members[0]]:
+                        raise
+                    k = ks[members[0]]
+                    r = _Reply(k, node_ids[k], None, (), n_list[members[0]], float("nan"), 0, classes[k], "", None,
+                               error=client_error_reply(messages[k], exc))
+                    r.down = self._down_size(messages[k])
+                    r.up = serialized_size(r.error)
+                    replies.append(r)
+                    continue
+                for i, j in enumerate(members):
+                    k = ks[j]
+                    r = _Reply(k, node_ids[k], sent[i][0], sent[i][1], n_list[j], loss_list[j], steps_list[j],
+                               classes[k], policy_json[classes[k]], decoded[i])
+                    r.down = self._down_size(messages[k])  # first: measuring a reply gives the message its id
+                    r.up = self._up_size(messages[k], r)
+                    replies.append(r)
+        replies.sort(key=lambda r: r.k)
         if self.byzantine is not None:
-            self._attack(messages, replies)
+            self._attack(messages, [r for r in replies if r.error is None])
         traffic = Traffic()
         node_rows: list[dict] | None = [] if total <= engine.NODE_ROWS_MAX else None
         accepted: list[Accepted] = []
         loss_sum = weight_sum = 0.0
         for r in replies:
+            if r.error is not None:  # as the strategy's aggregate_train: a failed node, its replica maybe gone
+                self._failed(traffic, node_rows, r)
+                continue
             engine.add_client(traffic, node_rows, r.node_id, r.up, r.down, r.n, r.loss, classes[r.k], pols[r.k])
             strategy.sync.ack(r.node_id)  # a content reply: the client saved its replica
             strategy.pending.pop(r.node_id, None)  # ... and applied the selection it was sent
+            if r.rejected is None and not _finite(r.value):
+                r.rejected = self._refuse(messages[r.k], r)
             if r.rejected is not None:
                 if node_rows is not None:
                     node_rows[-1].update(status="rejected", reason=r.rejected)
@@ -168,6 +199,30 @@ class CompressedRounds:
         run.meter.traffic = traffic
         row = {"train_loss": loss_sum / weight_sum if weight_sum else None, "num_clients": total}
         return row, node_rows or []
+
+    # -- replies the server does not aggregate -----------------------------------------------
+    def _failed(self, traffic: Traffic, node_rows: list[dict] | None, r: _Reply) -> None:
+        """A client whose code raised: its error reply counted and its row marked as the
+        recorder marks one (no class, loss or examples), and the server forgets its replica."""
+        traffic.bytes_down += r.down
+        traffic.bytes_up += r.up
+        traffic.node_down[r.node_id] += r.down
+        traffic.node_up[r.node_id] += r.up
+        if node_rows is not None:
+            node_rows.append({"node_id": str(r.node_id), "bytes_up": r.up, "bytes_down": r.down, "status": "failed",
+                              "reason": r.error.error.reason[:2000]})
+        self.strategy.sync.forget(r.node_id)
+
+    def _refuse(self, ins: Message, r: _Reply) -> str:
+        """A reply whose update decodes to non-finite values (a diverged client's), read as the
+        server reads it (the strategy's ``parse_reply``) and refused with its reason."""
+        msg = make_reply(ins, r.content())
+        try:
+            self.strategy.parse_reply(msg)
+            reason = "payload decodes to non-finite values"  # not reached: parse_reply checks it
+        except (PayloadError, KeyError, TypeError, ValueError) as exc:
+            reason = str(exc) or type(exc).__name__
+        return self.strategy.reject(msg, reason)
 
     # -- Byzantine clients (--byzantine): the attack of fedswarm.server.byzantine, unchanged --
     def _attack(self, messages: list[Message], replies: list[_Reply]) -> None:
@@ -230,8 +285,6 @@ class CompressedRounds:
             meta = tuple(sorted((k, v) for k, v in payload.meta.items() if k not in ("K", "seed")))
             for i, j in enumerate(members):
                 sent[j] = (client_payload(payload, i, seed), (shapes, meta, seed))
-        if not bool(torch.isfinite(decoded).all()):
-            raise FloatingPointError("a client's update decodes to non-finite values; lower --lr")
         return decoded, sent  # type: ignore[return-value]
 
     # -- bytes ---------------------------------------------------------------------------------

@@ -23,16 +23,15 @@ kept as its ``Context.state`` would be.
 
 from __future__ import annotations
 
-import traceback
 from types import SimpleNamespace
 
 import torch
-from flwr.app import Error, Message, RecordDict
-from flwr.common.constant import ErrorCode
+from flwr.app import Message, RecordDict
 
 from fedswarm.server.metered_grid import serialized_size
 from fedswarm.sim.batched_compressed import CompressedRounds, client_payload
 from fedswarm.sim.batched_round import NodeIds, make_reply
+from fedswarm.sim.inprocess import client_error_reply
 from fedswarm.strategies import registry
 from fedswarm.strategies.federated.compressed_base import KNOBS, ClientRound
 from fedswarm.strategies.federated.sketched import CLIENT_VECTOR, client_sketch
@@ -62,8 +61,7 @@ class _Exchange(NodeIds):
             try:
                 reply = make_reply(msg, self.client_update(msg, SimpleNamespace(state=state)))
             except Exception as exc:  # as the in-process grid: a failing client costs its reply
-                reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
-                reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+                reply = client_error_reply(msg, exc)
             sizes = self.bytes.setdefault(nid, [0, 0])
             sizes[0] += down
             sizes[1] += serialized_size(reply)

@@ -30,9 +30,17 @@ from fedswarm.server.checkpoint import ServerCheckpoint
 from fedswarm.server.recorder import RoundListener
 from fedswarm.sim.simtime import make_round_timer
 
-__all__ = ["InProcessGrid", "run_inprocess"]
+__all__ = ["InProcessGrid", "client_error_reply", "run_inprocess"]
 
 _run_ids = itertools.count(1)
+
+
+def client_error_reply(msg: Message, exc: BaseException) -> Message:
+    """The reply of a client whose code raised ``exc`` on ``msg`` (call it in the ``except``
+    block: the reason carries the traceback): an error reply, which costs the node its update
+    in that round, not the run. The batched engine's clients fail with the same reply."""
+    reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
+    return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
 
 
 class InProcessGrid(Grid):
@@ -112,8 +120,7 @@ class InProcessGrid(Grid):
         try:
             reply = self.client_app(msg, self.contexts[node_id])
         except Exception as exc:  # a failing client costs its update, not the run
-            reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
-            reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+            reply = client_error_reply(msg, exc)
         finally:
             TaskIdentity.node_id = 0
         reply.metadata.__dict__["_message_id"] = str(uuid4())

@@ -86,6 +86,43 @@ def test_diverged_clients_are_rejected_as_inprocess_rejects_them(case, tmp_path,
     assert _node_rows("batched", tmp_path) == _node_rows("inprocess", tmp_path)
 
 
+#: The compressed family: a diverged client's own codec step raises (its node fails, as a client
+#: whose code raises does) or it sends a non-finite payload that the server refuses.
+COMPRESSED = {
+    "topk-fails": (dict(strategy="compressed_fedavg", params={"codec": "topk"}), "failed"),
+    "onebit-codec-fails": (dict(strategy="compressed_fedavg", params={"codec": "onebit"}), "failed"),
+    "onebit-fails": (dict(strategy="onebit"), "failed"),
+    "gtopk-rejected": (dict(strategy="gtopk"), "rejected"),
+    "fetchsgd-rejected": (dict(strategy="fetchsgd"), "rejected"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPRESSED))
+def test_diverged_clients_of_the_compressed_family_fail_or_are_refused_as_inprocess(case, tmp_path, monkeypatch):
+    """The batched run goes on without them (it used to stop), with every round's model equal to
+    the in-process one, the same node statuses and reasons, the round's nodes_failed, and the
+    others' bytes equal. (A failed node's error reply carries a traceback of the engine's own
+    frames: its bytes are the batched engine's, a few dozen off the in-process reply's.)"""
+    extra, status = COMPRESSED[case]
+    ref_res, got_res, pairs = same_models_on_both_engines({**DIVERGING, **extra}, tmp_path, monkeypatch)
+    ref_rows, got_rows = _node_rows("inprocess", tmp_path), _node_rows("batched", tmp_path)
+    bad = {(rnd, node) for rnd, node, st, *_ in ref_rows if st != "ok"}
+    assert {node for _, node in bad} == {str(p + 1) for p in POISONED} and {st for _, _, st, *_ in ref_rows} == {
+        "ok", status}
+    for a, b in zip(ref_rows, got_rows, strict=True):
+        if (a[0], a[1]) in bad:  # round, node, status, the reason's first line; no loss
+            assert b[:3] == a[:3] and b[3].splitlines()[0] == a[3].splitlines()[0] and b[4] == a[4]
+            assert status == "failed" or b == a
+        else:
+            assert b == a
+    for r_ref, r_got in pairs:
+        assert r_got.get("nodes_failed") == r_ref.get("nodes_failed")
+        assert r_got["rejected_reasons"] == r_ref["rejected_reasons"]
+        assert r_got["train_loss"] == pytest.approx(r_ref["train_loss"], abs=1e-5)
+        if status == "rejected":
+            assert r_got["bytes_up"] == r_ref["bytes_up"]
+
+
 @pytest.mark.parametrize("steps", [1, 3])
 def test_average_leaves_out_a_diverged_client(steps):
     """``average``: a client whose model overflows (lr inf) is out of both sums and
