@@ -94,6 +94,7 @@ COMPRESSED = {
     "onebit-fails": (dict(strategy="onebit"), "failed"),
     "gtopk-rejected": (dict(strategy="gtopk"), "rejected"),
     "fetchsgd-rejected": (dict(strategy="fetchsgd"), "rejected"),
+    "median-rejected": (dict(strategy="median"), "rejected"),  # no error feedback: the server reads the NaNs
 }
 
 
