@@ -37,8 +37,8 @@ Bytes are measured, not computed: real train messages and real replies are built
 serialized (:mod:`fedswarm.sim.batched_round`), once per size class of the round.
 
 What it does not do: the strategies not in :data:`SUPPORTED_STRATEGIES` (they run on
-``--engine inprocess``; :func:`check_supported` says so in one line), ``--dp``,
-``--dp-sgd``, ``--byzantine`` with FedAvg, PVT or the sketch strategies or with a
+``--engine inprocess``; :func:`check_supported` says so in one line), ``--dp`` but with
+``compressed_fedavg`` and ``onebit``, ``--dp-sgd``, ``--byzantine`` with FedAvg, PVT or the sketch strategies or with a
 data-poisoning attack (labelflip), models with buffers (batch-norm statistics), and the
 ``--devices`` time model's simulated seconds (rows carry ``sim_time_s = null``).
 """
@@ -81,6 +81,7 @@ __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budg
 SUPPORTED_STRATEGIES = ("fedavg", "compressed_fedavg", "onebit", "gtopk", "median", "trimmed_mean", "krum",
                         "multikrum", "bulyan", "signum", "pvt", "progfed", "sketched_sgd", "fetchsgd", "gs_sgd")
 _OWN_REPLIES = ("fedavg", "pvt", "progfed", "sketched_sgd", "fetchsgd", "gs_sgd")  # no --byzantine here
+_DP = ("compressed_fedavg", "onebit")  # --dp (DP-FedAvg: the clients clip, the strategy object noises)
 
 # Rounds with more clients than this record the round's totals but no per-node rows:
 # 10,000 rows a round would cost the store more than the training does.
@@ -97,9 +98,11 @@ def check_supported(cfg: RunConfig) -> None:
     if cfg.strategy not in SUPPORTED_STRATEGIES:
         raise ConfigError(f"--engine batched serves {', '.join(SUPPORTED_STRATEGIES)}; strategy '{cfg.strategy}' "
                           "runs on --engine inprocess (or flower)")
-    for key, what in (("dp", "--dp"), ("dp_sgd", "--dp-sgd")):
-        if getattr(cfg, key):
-            raise ConfigError(f"--engine batched does not run {what}; use --engine inprocess")
+    if cfg.dp_sgd:
+        raise ConfigError("--engine batched does not run --dp-sgd; use --engine inprocess")
+    if cfg.dp and cfg.strategy not in _DP:
+        raise ConfigError(f"--engine batched runs --dp with {' and '.join(_DP)}; with '{cfg.strategy}' use "
+                          "--engine inprocess")
     if cfg.byzantine:
         from fedswarm.algorithms.robust.attacks import parse_attack
 

@@ -139,6 +139,10 @@ class CompressedRounds:
         for rows, new, loss, n in trainer.fit(x, sched, momentum=cfg.momentum, chunk_size=run.chunk_size,
                                               memory_budget=run.memory_budget, on_chunk=run.progress(total)):
             delta = new.cpu() - x
+            if "dp_clip" in knobs:  # DP-FedAvg: each client clips before it compresses, as its own code does
+                from fedswarm.algorithms.privacy.dp_fedavg import clip_rows
+
+                delta = clip_rows(delta, float(knobs["dp_clip"]))[0]
             pids = sched.partitions[rows].tolist()
             ks = list(range(rows.start, rows.stop))
             n_list, loss_list, steps_list = n.tolist(), loss.tolist(), sched.steps[rows].tolist()

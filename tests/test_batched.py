@@ -201,8 +201,10 @@ def test_unsupported_runs_say_so_in_one_line():
     with pytest.raises(ConfigError, match="inprocess") as exc:
         check_supported(RunConfig(strategy="draco", engine="batched"))
     assert "\n" not in str(exc.value) and "draco" in str(exc.value)
-    with pytest.raises(ConfigError, match="--dp"):
+    with pytest.raises(ConfigError, match="--dp with compressed_fedavg and onebit; with 'fedavg' use --engine inpr"):
         check_supported(RunConfig(engine="batched", dp="noise_multiplier=1.0"))
+    with pytest.raises(ConfigError, match="--dp-sgd"):
+        check_supported(RunConfig(engine="batched", strategy="compressed_fedavg", dp_sgd="noise_multiplier=1.0"))
     assert parse_memory_budget("2GB") == 2_000_000_000 and parse_memory_budget("512MiB") == 512 * 2**20
     for bad in ("lots", "10", "3 parsecs"):
         with pytest.raises(ConfigError, match="memory_budget"):

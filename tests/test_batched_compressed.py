@@ -32,6 +32,10 @@ CASES = {
     "gtopk-exact": dict(strategy="gtopk", clients=8, fraction=1.0, params={"density": 0.1, "merge": "exact"}),
     "logreg-topk": dict(strategy="compressed_fedavg", task="synthetic-logreg", clients=12, local_steps=1, lr=0.5,
                         params={"codec": "topk", "codec_params": "ratio=0.2"}),
+    # DP-FedAvg: the clients clip before they compress, the strategy object clips again and noises
+    "topk-dp-adaptive": dict(strategy="compressed_fedavg", params={"codec": "topk", "codec_params": "ratio=0.2"},
+                             dp="noise_multiplier=0.5,clip=0.02,adaptive=true"),
+    "onebit-dp": dict(strategy="onebit", clients=8, fraction=1.0, dp="noise_multiplier=0.3,clip=0.02"),
 }
 
 
