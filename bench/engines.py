@@ -5,9 +5,10 @@ every client sampled every round, at 100, 1,000 and 10,000 clients (``--quick``:
 and 1,000, two rounds). The engines:
 
 - ``flower``: Flower's Simulation Engine (Ray actors running fedswarm's ClientApp);
-- ``pfl``: Apple's pfl-research (``pip install pfl``), its own ``FederatedAveraging`` with
-  ``SimulatedBackend`` on the same data split and the same model (pfl weighs every user
-  equally and walks each user's data in order: its accuracy differs slightly);
+- ``pfl``: Apple's pfl-research (``pip install prv-accountant && pip install pfl --no-deps``),
+  its own ``FederatedAveraging`` with ``SimulatedBackend`` on the same data split and the
+  same model (pfl weighs every user equally and walks each user's data in order: its
+  accuracy differs slightly);
 - ``inprocess``: fedswarm's ServerApp and ClientApp in one process;
 - ``batched``: fedswarm's batched engine (all sampled clients at once).
 
@@ -46,7 +47,7 @@ def pfl_available() -> str | None:
         import pfl  # noqa: F401
         from pfl.algorithm import FederatedAveraging  # noqa: F401
     except ImportError as exc:
-        return f"pfl is not installed ({exc}); pip install pfl --no-deps (see README)"
+        return f"pfl is not installed ({exc}); pip install prv-accountant && pip install pfl --no-deps (see README)"
     return None
 
 
