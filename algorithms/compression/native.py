@@ -104,8 +104,8 @@ void fs_lut_decode(const uint8_t *bits, int64_t n, const float *lut, float *out)
 /* 1-bit SGD, encode, one tensor: x points at the flat vector, the tensor is the
    rows x cols matrix at offset `off`. Adds per column the sum of max(v, 0) (sp), of
    min(v, 0) (sn, as v - max(v, 0), exact) and the count of v >= 0 (cnt), row after
-   row (in float64; with AVX2, float32 sums of up to 8 rows at a time are added in), and
-   packs the tensor's bits (x >= 0) into `bits` (zeroed by the caller). */
+   row in float64 (with AVX2, even and odd rows of a block in two sums added at its end),
+   and packs the tensor's bits (x >= 0) into `bits` (zeroed by the caller). */
 static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, int64_t cols, double *restrict sp,
                           double *restrict sn, int64_t *restrict cnt, uint8_t *restrict bits) {
     const float *t = x + off;
@@ -141,24 +141,48 @@ static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, in
             __m256d p0 = _mm256_loadu_pd(sp + c0), p1 = _mm256_loadu_pd(sp + c0 + 4);
             __m256d q0 = _mm256_loadu_pd(sn + c0), q1 = _mm256_loadu_pd(sn + c0 + 4);
             __m256i m = _mm256_setzero_si256(); /* this block's counts, 32 bits (at most 4096 rows) */
-            for (int64_t s0 = r0; s0 < r1; s0 += 8) { /* float32 sums over <= 8 rows (same-sign terms:
-                                                         relative error < 8 * 2^-24), then into float64 */
-                int64_t s1 = s0 + 8 < r1 ? s0 + 8 : r1;
-                __m256 p = _mm256_setzero_ps(), q = _mm256_setzero_ps();
-                for (int64_t r = s0; r < s1; r++) {
-                    __m256 v = _mm256_loadu_ps(t + r * cols + c0);
-                    __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
-                    __m256 w = _mm256_and_ps(v, ge); /* max(v, 0); v - w is min(v, 0), exact */
-                    p = _mm256_add_ps(p, w);
-                    q = _mm256_add_ps(q, _mm256_sub_ps(v, w));
-                    m = _mm256_sub_epi32(m, _mm256_castps_si256(ge)); /* ge is -1 where v >= 0 */
-                    if (fused) bits[(off + r * cols + c0) >> 3] = (uint8_t)_mm256_movemask_ps(ge);
+            /* two rows at a time into two sets of float64 sums (even and odd rows), added at
+               the end of the block: half the add latency chain per row, every term still exact
+               in float64 (so a column of copies of one value has that value as its mean) */
+            __m256d e0 = _mm256_setzero_pd(), e1 = _mm256_setzero_pd();
+            __m256d f0 = _mm256_setzero_pd(), f1 = _mm256_setzero_pd();
+            int64_t r = r0;
+            for (; r + 2 <= r1; r += 2) {
+                __m256 v = _mm256_loadu_ps(t + r * cols + c0), v2 = _mm256_loadu_ps(t + (r + 1) * cols + c0);
+                __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
+                __m256 ge2 = _mm256_cmp_ps(v2, _mm256_setzero_ps(), _CMP_GE_OQ);
+                __m256 w = _mm256_and_ps(v, ge), u = _mm256_sub_ps(v, w); /* max(v, 0) and min(v, 0) */
+                __m256 w2 = _mm256_and_ps(v2, ge2), u2 = _mm256_sub_ps(v2, w2);
+                p0 = _mm256_add_pd(p0, _mm256_cvtps_pd(_mm256_castps256_ps128(w)));
+                p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)));
+                q0 = _mm256_add_pd(q0, _mm256_cvtps_pd(_mm256_castps256_ps128(u)));
+                q1 = _mm256_add_pd(q1, _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1)));
+                e0 = _mm256_add_pd(e0, _mm256_cvtps_pd(_mm256_castps256_ps128(w2)));
+                e1 = _mm256_add_pd(e1, _mm256_cvtps_pd(_mm256_extractf128_ps(w2, 1)));
+                f0 = _mm256_add_pd(f0, _mm256_cvtps_pd(_mm256_castps256_ps128(u2)));
+                f1 = _mm256_add_pd(f1, _mm256_cvtps_pd(_mm256_extractf128_ps(u2, 1)));
+                m = _mm256_sub_epi32(m, _mm256_castps_si256(ge)); /* ge is -1 where v >= 0 */
+                m = _mm256_sub_epi32(m, _mm256_castps_si256(ge2));
+                if (fused) {
+                    bits[(off + r * cols + c0) >> 3] = (uint8_t)_mm256_movemask_ps(ge);
+                    bits[(off + (r + 1) * cols + c0) >> 3] = (uint8_t)_mm256_movemask_ps(ge2);
                 }
-                p0 = _mm256_add_pd(p0, _mm256_cvtps_pd(_mm256_castps256_ps128(p)));
-                p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1)));
-                q0 = _mm256_add_pd(q0, _mm256_cvtps_pd(_mm256_castps256_ps128(q)));
-                q1 = _mm256_add_pd(q1, _mm256_cvtps_pd(_mm256_extractf128_ps(q, 1)));
             }
+            if (r < r1) { /* an odd block's last row */
+                __m256 v = _mm256_loadu_ps(t + r * cols + c0);
+                __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
+                __m256 w = _mm256_and_ps(v, ge), u = _mm256_sub_ps(v, w);
+                p0 = _mm256_add_pd(p0, _mm256_cvtps_pd(_mm256_castps256_ps128(w)));
+                p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)));
+                q0 = _mm256_add_pd(q0, _mm256_cvtps_pd(_mm256_castps256_ps128(u)));
+                q1 = _mm256_add_pd(q1, _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1)));
+                m = _mm256_sub_epi32(m, _mm256_castps_si256(ge));
+                if (fused) bits[(off + r * cols + c0) >> 3] = (uint8_t)_mm256_movemask_ps(ge);
+            }
+            p0 = _mm256_add_pd(p0, e0);
+            p1 = _mm256_add_pd(p1, e1);
+            q0 = _mm256_add_pd(q0, f0);
+            q1 = _mm256_add_pd(q1, f1);
             __m256i m0 = _mm256_add_epi64(_mm256_loadu_si256((const __m256i *)(cnt + c0)),
                                           _mm256_cvtepi32_epi64(_mm256_castsi256_si128(m)));
             __m256i m1 = _mm256_add_epi64(_mm256_loadu_si256((const __m256i *)(cnt + c0 + 4)),

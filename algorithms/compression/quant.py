@@ -96,8 +96,13 @@ def _scale_shape(spec, scale: str) -> tuple[int, int, int]:
 
 
 def _columns(layout: ParamLayout, scale: str = "column") -> int:
-    """Number of (a0, a1) pairs."""
-    return sum(-(-c // g) for _, c, g in (_scale_shape(s, scale) for s in layout.specs))
+    """Number of (a0, a1) pairs (cached per layout, as :func:`_plan`)."""
+    return _columns_of(layout.specs, scale)
+
+
+@functools.lru_cache(maxsize=16)
+def _columns_of(specs, scale: str) -> int:
+    return sum(-(-c // g) for _, c, g in (_scale_shape(s, scale) for s in specs))
 
 
 def _group_sum(t: torch.Tensor, g: int) -> torch.Tensor:
