@@ -21,7 +21,7 @@ import logging
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from fedswarm.client.state_store import ClientStateStore, state_dir_of
+from fedswarm.client.state_store import KEEP_RUNS_KEY, RUNS_KEPT, ClientStateStore, state_dir_of
 
 __all__ = ["RUN_KEY", "RESUME_ACTION", "RESUME_RECORD", "save_after_train", "answer_resume", "store_for"]
 
@@ -40,7 +40,8 @@ def store_for(context: Context, run_id: str, keep: int = 3) -> ClientStateStore 
     root = state_dir_of(context.node_config)
     if root is None or "partition-id" not in context.node_config:
         return None
-    return ClientStateStore(root, run_id, int(context.node_config["partition-id"]), keep=keep)
+    keep_runs = int(context.node_config.get(KEEP_RUNS_KEY, RUNS_KEPT))
+    return ClientStateStore(root, run_id, int(context.node_config["partition-id"]), keep=keep, keep_runs=keep_runs)
 
 
 def save_after_train(msg: Message, context: Context) -> None:

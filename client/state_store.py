@@ -9,6 +9,10 @@ server asks (:mod:`fedswarm.client.app`, :mod:`fedswarm.server.client_state`).
 
 Layout: ``STATE_DIR/<fedswarm run id>/partition-<P>/round-<R>.state``, one snapshot per server
 round the node trained in (its state *after* that round's reply), the newest ``keep`` kept.
+Runs are kept too, not forever: when a node saves a run's first snapshot, the folders of all
+but the ``keep_runs`` most recently written runs (this one counted) are removed
+(``fedswarm client --state-keep-runs``, default :data:`RUNS_KEPT`; 0 keeps every run). A
+removed run can still be resumed: its nodes are resynchronised by the protocol, not exactly.
 The key is fedswarm's run id (the store's, which a resume keeps), never Flower's (a resume is a
 new Flower run) and the node's partition (what it trains on; a restarted SuperNode gets a new
 node id, not a new partition).
@@ -30,6 +34,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +45,7 @@ from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 from fedswarm.procs import pid_alive
 
 __all__ = ["ClientStateStore", "Snapshot", "StateFileError", "default_state_dir", "state_dir_of",
-           "STATE_DIR_KEY", "STATE_DIR_ENV", "MAX_BYTES"]
+           "STATE_DIR_KEY", "STATE_DIR_ENV", "KEEP_RUNS_KEY", "MAX_BYTES", "RUNS_KEPT", "prune_runs"]
 
 log = logging.getLogger("fedswarm.client")
 
@@ -49,6 +54,10 @@ STATE_DIR_KEY = "state-dir"
 #: Environment variable with that folder, for nodes without the node-config key (Flower's
 #: simulation engine cannot set a node config; fedswarm's flower engine sets this).
 STATE_DIR_ENV = "FEDSWARM_STATE_DIR"
+#: Node-config key with how many runs' state the node keeps (``fedswarm client --state-keep-runs``).
+KEEP_RUNS_KEY = "state-keep-runs"
+#: Runs whose state a node keeps by default (the most recently written ones).
+RUNS_KEPT = 5
 MAGIC = b"FEDSWARM-CLIENT-STATE 1\n"
 #: Largest snapshot body read back (a sanity bound: a bigger file is refused, not loaded).
 MAX_BYTES = 4 << 30
@@ -89,15 +98,20 @@ class ClientStateStore:
 
     ``keep``: how many snapshots (the newest rounds) stay after a save; it must cover the
     rounds between two server checkpoints plus the round in flight when a server dies.
+    ``keep_runs``: how many runs' folders stay under ``root`` after this run's first save
+    (:func:`prune_runs`; 0 keeps them all).
     """
 
-    def __init__(self, root: Path | str, run_id: str, partition: int, keep: int = 3):
+    def __init__(self, root: Path | str, run_id: str, partition: int, keep: int = 3, keep_runs: int = RUNS_KEPT):
         if not str(run_id):
             raise ValueError("a client state store needs the fedswarm run id")
         if int(keep) < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self.run_id, self.partition, self.keep = str(run_id), int(partition), int(keep)
-        self.folder = Path(root) / _SAFE.sub("_", self.run_id) / f"partition-{self.partition}"
+        if int(keep_runs) < 0:
+            raise ValueError(f"keep_runs must be >= 0 (0 keeps every run), got {keep_runs}")
+        self.run_id, self.partition, self.keep, self.keep_runs = str(run_id), int(partition), int(keep), int(keep_runs)
+        self.root = Path(root)
+        self.folder = self.root / _SAFE.sub("_", self.run_id) / f"partition-{self.partition}"
 
     # -- writing ---------------------------------------------------------------------------
     def save(self, server_round: int, state: RecordDict, node_id: int = 0) -> Path:
@@ -105,6 +119,7 @@ class ClientStateStore:
         body = recorddict_to_proto(state).SerializeToString()
         header = {"run_id": self.run_id, "partition": self.partition, "round": int(server_round),
                   "node_id": int(node_id), "nbytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+        first = not self.folder.is_dir()
         self.folder.mkdir(parents=True, exist_ok=True)
         final = self.folder / f"round-{int(server_round):08d}.state"
         tmp = self.folder / f"{_TMP_PREFIX}{os.getpid()}-{final.name}"
@@ -117,6 +132,8 @@ class ClientStateStore:
         os.replace(tmp, final)
         _fsync_dir(self.folder)
         self.prune()
+        if first and self.keep_runs:
+            prune_runs(self.root, self.keep_runs, current=self.folder.parent.name)
         return final
 
     def prune(self) -> None:
@@ -185,6 +202,25 @@ class ClientStateStore:
         except Exception as exc:  # protobuf's DecodeError and whatever a bad record raises
             raise StateFileError(f"its records do not parse ({type(exc).__name__})") from None
         return Snapshot(int(header["round"]), int(header.get("node_id", 0)), state)
+
+
+def prune_runs(root: Path, keep: int, current: str | None = None) -> list[str]:
+    """Remove the state of all but the ``keep`` runs under ``root`` written to most recently
+    (a run's time: its newest snapshot file's, else its folder's); ``current`` (a run folder's
+    name) always stays. Returns the removed runs' folder names, each logged."""
+    runs = []
+    for folder in (p for p in root.iterdir() if p.is_dir()) if root.is_dir() else ():
+        times = [f.stat().st_mtime for part in folder.iterdir() if part.is_dir() for f in part.iterdir()]
+        runs.append((max(times, default=folder.stat().st_mtime), folder))
+    runs.sort(key=lambda t: (t[1].name == current, t[0]), reverse=True)
+    removed = []
+    for _, folder in runs[keep:]:
+        if folder.name == current:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        log.info("fedswarm: removed the node state of run %s (keeping the %d most recent runs)", folder.name, keep)
+        removed.append(folder.name)
+    return removed
 
 
 def _fsync_dir(folder: Path) -> None:

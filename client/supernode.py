@@ -21,27 +21,30 @@ import shutil
 import sys
 from pathlib import Path
 
-from fedswarm.client.state_store import default_state_dir
+from fedswarm.client.state_store import KEEP_RUNS_KEY, default_state_dir
 from fedswarm.probe import probe_device_class
 
 __all__ = ["supernode_command", "node_config_string"]
 
 
 def node_config_string(partition_id: int, num_partitions: int, device_class: str,
-                       state_dir: Path | None = None) -> str:
-    """The SuperNode's ``--node-config``: partition, device class, the device probe and the
-    folder the node keeps its own state in (see :mod:`fedswarm.client.state_store`)."""
+                       state_dir: Path | None = None, keep_runs: int | None = None) -> str:
+    """The SuperNode's ``--node-config``: partition, device class, the device probe, the
+    folder the node keeps its own state in and how many runs' state it keeps (see
+    :mod:`fedswarm.client.state_store`)."""
     text = (f'partition-id={partition_id} num-partitions={num_partitions} device-class="{device_class}" '
             'probe="true"')
     if state_dir is not None:
         text += f" state-dir={json.dumps(str(state_dir))}"
+    if keep_runs is not None:
+        text += f" {KEEP_RUNS_KEY}={int(keep_runs)}"
     return text
 
 
 def supernode_command(superlink: str, partition_id: int, num_partitions: int, *, device_class: str | None = None,
                       insecure: bool = False, root_certificates: Path | None = None,
                       clientappio_port: int | None = None, auth_private_key: Path | None = None,
-                      state_dir: Path | None = None) -> list[str]:
+                      state_dir: Path | None = None, keep_runs: int | None = None) -> list[str]:
     """The ``flower-supernode`` command line for this node; ``state_dir`` (default: the
     per-user data folder) is where its ClientApp keeps the node's state between runs."""
     if insecure and (root_certificates is not None or auth_private_key is not None):
@@ -51,7 +54,8 @@ def supernode_command(superlink: str, partition_id: int, num_partitions: int, *,
     exe = shutil.which("flower-supernode") or str(Path(sys.executable).with_name("flower-supernode"))
     cmd = [exe, "--superlink", superlink,
            "--node-config", node_config_string(partition_id, num_partitions, device_class or probe_device_class(),
-                                               Path(state_dir or default_state_dir()).expanduser().resolve())]
+                                               Path(state_dir or default_state_dir()).expanduser().resolve(),
+                                               keep_runs)]
     if insecure:
         cmd.append("--insecure")
     if root_certificates is not None:

@@ -370,6 +370,11 @@ def client(
         "after every round, per run, so `fedswarm resume` continues the run exactly (default: "
         "$XDG_DATA_HOME/fedswarm/client-state, else ~/.local/share/fedswarm/client-state)."
     )),
+    state_keep_runs: int = typer.Option(5, "--state-keep-runs", min=0, help=(
+        "How many runs' state the node keeps in --state-dir: when a run first saves, the folders of all but the "
+        "N most recently written runs are removed (0 keeps every run; a removed run still resumes, with its nodes "
+        "resynchronised instead of exact)."
+    )),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the flower-supernode command and exit."),
 ) -> None:
     """Join a federation: start a Flower SuperNode that runs fedswarm's ClientApp."""
@@ -383,7 +388,7 @@ def client(
         cmd = supernode_command(superlink, partition_id, num_partitions, device_class=device_class,
                                 insecure=insecure, root_certificates=root_certificates,
                                 clientappio_port=clientappio_port, auth_private_key=auth_key,
-                                state_dir=state_dir)
+                                state_dir=state_dir, keep_runs=state_keep_runs)
     except ValueError as exc:
         fail(str(exc))
     if dry_run:

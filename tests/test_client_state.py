@@ -69,6 +69,33 @@ def test_old_snapshots_are_pruned(tmp_path):
     assert sorted(p.name for p in store.folder.iterdir()) == [f"round-{r:08d}.state" for r in (5, 6, 7)]
 
 
+def test_old_runs_state_is_removed_when_a_run_first_saves(tmp_path):
+    """All but the keep_runs most recently written runs go when a run saves its first snapshot
+    (this run counted, and kept); later saves of the run remove nothing more; 0 keeps all."""
+    for age, run in enumerate(["r4", "r3", "r2", "r1"]):  # r1 written longest ago
+        old = ClientStateStore(tmp_path, run, partition=0, keep_runs=0)
+        path = old.save(1, _state(age))
+        when = 1_000_000 - 1000 * age
+        os.utime(path, (when, when))
+    new = ClientStateStore(tmp_path, "new", partition=3, keep=3, keep_runs=3)
+    new.save(1, _state(9))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "r3", "r4"]
+    assert ClientStateStore(tmp_path, "r4", partition=0).load(1).round == 1  # what stays is intact
+    stale = ClientStateStore(tmp_path, "r0", partition=0, keep_runs=0).save(1, _state(1))
+    os.utime(stale, (1, 1))
+    new.save(2, _state(10))  # not the run's first save: nothing removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "r0", "r3", "r4"]
+    ClientStateStore(tmp_path, "another", partition=0, keep_runs=0).save(1, _state(2))
+    assert len(list(tmp_path.iterdir())) == 5
+    with pytest.raises(ValueError, match="keep_runs"):
+        ClientStateStore(tmp_path, "x", partition=0, keep_runs=-1)
+    from fedswarm.client.persist import store_for  # the node config's state-keep-runs reaches the store
+
+    ctx = Context(run_id=1, node_id=5, node_config={"state-dir": str(tmp_path), "partition-id": 0,
+                                                    "state-keep-runs": 2}, state=RecordDict(), run_config={})
+    assert store_for(ctx, "y").keep_runs == 2
+
+
 def test_a_partial_temporary_file_is_never_read_and_is_cleared(tmp_path):
     store = ClientStateStore(tmp_path, "r", partition=0)
     store.save(1, _state(1))
@@ -172,3 +199,8 @@ def test_fedswarm_client_passes_its_state_dir_in_the_node_config(tmp_path, monke
     assert f'state-dir="{tmp_path / "mine"}"' in res.output
     res = CliRunner().invoke(app, args)  # default: the per-user data folder
     assert f'state-dir="{tmp_path / "data" / "fedswarm" / "client-state"}"' in res.output
+    assert "state-keep-runs=5" in res.output
+    res = CliRunner().invoke(app, [*args, "--state-keep-runs", "0"])
+    assert res.exit_code == 0 and "state-keep-runs=0" in res.output
+    res = CliRunner().invoke(app, [*args, "--state-keep-runs", "-1"])
+    assert res.exit_code != 0
