@@ -119,8 +119,9 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
     rounds = cfg.rounds
     if resume is not None:
         def restore() -> tuple[str, list[str]]:
+            recorder.resume_asked, recorder.resume_round = set(), resume.round  # later nodes get named
             return restore_clients(nodes_grid, strategy, store=store, run_id=run_id, checkpoint_round=resume.round,
-                                   num_nodes=cfg.clients, timeout=ROUND_TIMEOUT_S)
+                                   num_nodes=cfg.clients, timeout=ROUND_TIMEOUT_S, asked=recorder.resume_asked)
 
         arrays, rounds = resume_into(resume, store=store, run_id=run_id, strategy=strategy, recorder=recorder,
                                      policies=policies, train_config=train_config, engine=engine_state,

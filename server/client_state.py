@@ -49,16 +49,21 @@ class NodeReport:
 
 
 def restore_clients(grid: Any, strategy: Any, *, store: Store, run_id: str, checkpoint_round: int,
-                    num_nodes: int, timeout: float = 600.0, node_wait_s: float = NODE_WAIT_S) -> tuple[str, list[str]]:
+                    num_nodes: int, timeout: float = 600.0, node_wait_s: float = NODE_WAIT_S,
+                    asked: set[str] | None = None) -> tuple[str, list[str]]:
     """Ask the nodes for their state of ``checkpoint_round`` and let the strategy take them
     back (see the module docstring). Returns (what happened, in a few words; the names of the
-    nodes resynchronised). A strategy without ``rejoin_clients`` resynchronises everyone."""
+    nodes resynchronised). A strategy without ``rejoin_clients`` resynchronises everyone.
+    ``asked``: filled with the ids of the nodes asked (a node that connects later is named by
+    :meth:`~fedswarm.server.recorder.RoundRecorder.late_nodes`)."""
     rejoin = getattr(strategy, "rejoin_clients", None)
     if not callable(rejoin):
         return ("resynchronised by the strategy" if resync_clients(strategy) else "stateless"), []
     deadline = time.monotonic() + node_wait_s
     while len(ids := sorted(int(n) for n in grid.get_node_ids())) < num_nodes and time.monotonic() < deadline:
         time.sleep(0.5)  # polling the grid, as Flower's own sample_nodes does: it has no connect event
+    if asked is not None:
+        asked.update(str(nid) for nid in ids)
     request = ConfigRecord({"run": run_id, "round": int(checkpoint_round)})
     messages = [Message(RecordDict({RESUME_RECORD: request}), message_type=f"query.{RESUME_ACTION}", dst_node_id=nid)
                 for nid in ids]

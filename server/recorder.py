@@ -16,6 +16,7 @@ the store's ``rejections`` table, the node's row (``status = rejected``) and the
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any, Callable
 
@@ -25,6 +26,8 @@ from fedswarm.policy import PolicyBook
 from fedswarm.store import Store
 from fedswarm.server.metered_grid import MeteredGrid
 from fedswarm.strategies.strategy_utils import RoundNotes
+
+log = logging.getLogger("fedswarm.server")
 
 __all__ = ["RoundRecorder", "StopRun", "RoundListener"]
 
@@ -74,6 +77,10 @@ class RoundRecorder(RoundNotes):
         self.checkpoint_at_round_end = False
         self._unsaved: tuple[int, ArrayRecord] | None = None
         self.min_train_nodes: int | None = None  # the strategy's minimum, said in rounds that lost nodes
+        # a resumed run with client state: the node ids asked for their state (server.client_state)
+        # and the checkpoint's round; a node first seen after that query is named (late_nodes)
+        self.resume_asked: set[str] | None = None
+        self.resume_round = 0
         self.extra_rounds = 0
         self.last_round = 0
         self._t_last = time.perf_counter()
@@ -116,6 +123,7 @@ class RoundRecorder(RoundNotes):
         if node_rows:
             self.store.add_node_rounds(self.run_id, rnd, node_rows)
             self._seen_nodes(node_rows)
+            self.late_nodes(rnd, node_rows)
         self.last_round = rnd
         if server_round > 0 and self.checkpoint is not None and (rnd % self.checkpoint_every == 0
                                                                   or rnd == self.final_round):
@@ -199,6 +207,24 @@ class RoundRecorder(RoundNotes):
                     del row["train_loss"]
             rows.append(row)
         return (loss_sum / n_sum if n_sum else None), n_sum, rows
+
+    def late_nodes(self, rnd: int, rows: list[dict]) -> list[str]:
+        """After a resume that asked the nodes for their state: a node first seen in round
+        ``rnd`` was not asked (it connected later), so it restored nothing and the strategy
+        took it as a new node, resynchronised by the protocol. Each is named once in a
+        ``client_resync`` event; returns their ids."""
+        if self.resume_asked is None:
+            return []
+        late = [str(r["node_id"]) for r in rows if str(r["node_id"]) not in self.resume_asked]
+        for node in late:
+            self.resume_asked.add(node)
+            message = (f"node {node} joined after the resume query (first seen in round {rnd}): it was not asked "
+                       f"for its state of round {self.resume_round}, so it was resynchronised by the protocol")
+            self.store.add_event(self.run_id, "client_resync", message,
+                                 data={"node_id": node, "round": int(self.resume_round), "late": True,
+                                       "first_round": int(rnd)})
+            log.warning("run %s: %s", self.run_id, message)
+        return late
 
     def _seen_nodes(self, rows: list[dict]) -> None:
         """Keep the nodes table current: class, status, last seen, what it runs on."""

@@ -120,6 +120,23 @@ def test_a_node_without_its_state_is_resynchronised_by_name(name, tmp_path, node
     assert (_model(store, rid) - _model(store, ref)).abs().max() > 1e-5  # partition 1's state was really lost
 
 
+def test_a_node_that_joins_after_the_resume_query_is_named_once(tmp_path):
+    """A node first seen after the resume query restored nothing (it was not asked): it is
+    named once in a client_resync event; nodes that were asked, and runs not resumed, are not."""
+    from fedswarm.server.recorder import RoundRecorder
+
+    store = Store(tmp_path / "store.db")
+    rid = store.create_run(RunConfig(rounds=3).model_dump())
+    rec = RoundRecorder(store, rid, None, lambda flat: (0.0, 0.0))  # type: ignore[arg-type]
+    assert rec.late_nodes(1, [{"node_id": "7"}]) == []  # not a resumed run
+    rec.resume_asked, rec.resume_round = {"1", "2"}, 3
+    assert rec.late_nodes(4, [{"node_id": "1"}, {"node_id": "9", "status": "ok"}]) == ["9"]
+    assert rec.late_nodes(5, [{"node_id": "9"}, {"node_id": "2"}]) == []
+    (event,) = [e for e in store.events(rid) if e.kind == "client_resync"]
+    assert "node 9 joined after the resume query (first seen in round 4)" in event.message
+    assert event.data == {"node_id": "9", "round": 3, "late": True, "first_round": 4}
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", sorted(CASES))
