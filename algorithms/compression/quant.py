@@ -100,9 +100,9 @@ def _columns(layout: ParamLayout, scale: str = "column") -> int:
     return _columns_of(layout.specs, scale)
 
 
-@functools.lru_cache(maxsize=16)
 def _columns_of(specs, scale: str) -> int:
-    return sum(-(-c // g) for _, c, g in (_scale_shape(s, scale) for s in specs))
+    _, _, cols, groups = _plan_of(specs, scale)
+    return sum(-(-c // g) for c, g in zip(cols.tolist(), groups, strict=True))
 
 
 def _group_sum(t: torch.Tensor, g: int) -> torch.Tensor:

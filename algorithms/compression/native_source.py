@@ -1,0 +1,396 @@
+"""The C source of the codecs' fused CPU loops (built and loaded by
+:mod:`fedswarm.algorithms.compression.native`; the ``fs_*`` functions are its API)."""
+
+__all__ = ["SOURCE"]
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* Bit e % 8 of byte e / 8 of `bits` is [x[e] >= 0] (false for NaN, true for -0.0). */
+static inline uint8_t byte_ge0(const float *p) {
+#if defined(__AVX2__)
+    return (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p), _mm256_setzero_ps(), _CMP_GE_OQ));
+#else
+    uint8_t b = 0;
+    for (int j = 0; j < 8; j++) b |= (uint8_t)((p[j] >= 0.0f) << j);
+    return b;
+#endif
+}
+
+/* Pack [x[e] >= 0] for e in [lo, hi). Whole bytes are assigned; the partial bytes at
+   either end are OR-ed into (the caller zeroes `bits` first). */
+static void pack_ge0(const float *x, int64_t lo, int64_t hi, uint8_t *bits) {
+    int64_t e = lo;
+    for (; e < hi && (e & 7); e++)
+        if (x[e] >= 0.0f) bits[e >> 3] |= (uint8_t)(1u << (e & 7));
+    for (; e + 8 <= hi; e += 8) bits[e >> 3] = byte_ge0(x + e);
+    for (; e < hi; e++)
+        if (x[e] >= 0.0f) bits[e >> 3] |= (uint8_t)(1u << (e & 7));
+}
+
+/* Sign codec, encode: pack x[0:n] >= 0 into `bits` (zeroed by the caller) and return
+   sum |x| accumulated in double (8 lanes, then added up). */
+double fs_sign_encode(const float *x, int64_t n, uint8_t *bits) {
+    double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t e = 0;
+#if defined(__AVX2__)
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (; e + 8 <= n; e += 8) {
+        __m256 v = _mm256_loadu_ps(x + e);
+        bits[e >> 3] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ));
+        __m256 a = _mm256_and_ps(v, absmask);
+        a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(a)));
+        a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)));
+    }
+    _mm256_storeu_pd(lane, a0);
+    _mm256_storeu_pd(lane + 4, a1);
+#else
+    for (; e + 8 <= n; e += 8) {
+        bits[e >> 3] = byte_ge0(x + e);
+        for (int j = 0; j < 8; j++) lane[j] += fabs((double)x[e + j]);
+    }
+#endif
+    for (; e < n; e++) {
+        if (x[e] >= 0.0f) bits[e >> 3] |= (uint8_t)(1u << (e & 7));
+        lane[e & 7] += fabs((double)x[e]);
+    }
+    return ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+}
+
+/* out[e] = lut[8 * byte + bit] for e in [0, n): one table of 256 x 8 floats. */
+void fs_lut_decode(const uint8_t *bits, int64_t n, const float *lut, float *out) {
+    int64_t full = n >> 3;
+    for (int64_t i = 0; i < full; i++) memcpy(out + 8 * i, lut + 8 * (int64_t)bits[i], 32);
+    for (int64_t e = 8 * full; e < n; e++) out[e] = lut[8 * (int64_t)bits[full] + (e & 7)];
+}
+
+/* 1-bit SGD, encode, one tensor: x points at the flat vector, the tensor is the
+   rows x cols matrix at offset `off`. Adds per column the sum of max(v, 0) (sp), of
+   min(v, 0) (sn, as v - max(v, 0), exact) and the count of v >= 0 (cnt), row after
+   row in float64 (with AVX2, even and odd rows of a block in two sums added at its end),
+   and packs the tensor's bits (x >= 0) into `bits` (zeroed by the caller). */
+static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, int64_t cols, double *restrict sp,
+                          double *restrict sn, int64_t *restrict cnt, uint8_t *restrict bits) {
+    const float *t = x + off;
+    if (cols == 1) { /* one column: 8 lanes over the flat range */
+        double p[8] = {0}, q[8] = {0};
+        int64_t c[8] = {0};
+        for (int64_t i = 0; i < rows; i++) {
+            float v = t[i], w = v >= 0.0f ? v : 0.0f;
+            p[i & 7] += w;
+            q[i & 7] += (double)(v - w);
+            c[i & 7] += v >= 0.0f;
+        }
+        for (int j = 0; j < 8; j++) {
+            sp[0] += p[j];
+            sn[0] += q[j];
+            cnt[0] += c[j];
+        }
+        pack_ge0(x, off, off + rows, bits);
+        return;
+    }
+    int64_t block = 4096 / cols; /* rows per block: about 16 KB, still in cache when packed */
+    if (block < 1) block = 1;
+#if defined(__AVX2__)
+    /* whole bytes of bits per 8 columns of a row: packed in the same pass as the sums */
+    const int fused = (off & 7) == 0 && (cols & 7) == 0;
+#else
+    const int fused = 0;
+#endif
+    for (int64_t r0 = 0; r0 < rows; r0 += block) {
+        int64_t r1 = r0 + block < rows ? r0 + block : rows, c0 = 0;
+#if defined(__AVX2__)
+        for (; c0 + 8 <= cols; c0 += 8) { /* 8 columns' sums in registers down the block */
+            __m256d p0 = _mm256_loadu_pd(sp + c0), p1 = _mm256_loadu_pd(sp + c0 + 4);
+            __m256d q0 = _mm256_loadu_pd(sn + c0), q1 = _mm256_loadu_pd(sn + c0 + 4);
+            __m256i m = _mm256_setzero_si256(); /* this block's counts, 32 bits (at most 4096 rows) */
+            /* two rows at a time into two sets of float64 sums (even and odd rows), added at
+               the end of the block: half the add latency chain per row, every term still exact
+               in float64 (so a column of copies of one value has that value as its mean) */
+            __m256d e0 = _mm256_setzero_pd(), e1 = _mm256_setzero_pd();
+            __m256d f0 = _mm256_setzero_pd(), f1 = _mm256_setzero_pd();
+            int64_t r = r0;
+            for (; r + 2 <= r1; r += 2) {
+                __m256 v = _mm256_loadu_ps(t + r * cols + c0), v2 = _mm256_loadu_ps(t + (r + 1) * cols + c0);
+                __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
+                __m256 ge2 = _mm256_cmp_ps(v2, _mm256_setzero_ps(), _CMP_GE_OQ);
+                __m256 w = _mm256_and_ps(v, ge), u = _mm256_sub_ps(v, w); /* max(v, 0) and min(v, 0) */
+                __m256 w2 = _mm256_and_ps(v2, ge2), u2 = _mm256_sub_ps(v2, w2);
+                p0 = _mm256_add_pd(p0, _mm256_cvtps_pd(_mm256_castps256_ps128(w)));
+                p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)));
+                q0 = _mm256_add_pd(q0, _mm256_cvtps_pd(_mm256_castps256_ps128(u)));
+                q1 = _mm256_add_pd(q1, _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1)));
+                e0 = _mm256_add_pd(e0, _mm256_cvtps_pd(_mm256_castps256_ps128(w2)));
+                e1 = _mm256_add_pd(e1, _mm256_cvtps_pd(_mm256_extractf128_ps(w2, 1)));
+                f0 = _mm256_add_pd(f0, _mm256_cvtps_pd(_mm256_castps256_ps128(u2)));
+                f1 = _mm256_add_pd(f1, _mm256_cvtps_pd(_mm256_extractf128_ps(u2, 1)));
+                m = _mm256_sub_epi32(m, _mm256_castps_si256(ge)); /* ge is -1 where v >= 0 */
+                m = _mm256_sub_epi32(m, _mm256_castps_si256(ge2));
+                if (fused) {
+                    bits[(off + r * cols + c0) >> 3] = (uint8_t)_mm256_movemask_ps(ge);
+                    bits[(off + (r + 1) * cols + c0) >> 3] = (uint8_t)_mm256_movemask_ps(ge2);
+                }
+            }
+            if (r < r1) { /* an odd block's last row */
+                __m256 v = _mm256_loadu_ps(t + r * cols + c0);
+                __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
+                __m256 w = _mm256_and_ps(v, ge), u = _mm256_sub_ps(v, w);
+                p0 = _mm256_add_pd(p0, _mm256_cvtps_pd(_mm256_castps256_ps128(w)));
+                p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)));
+                q0 = _mm256_add_pd(q0, _mm256_cvtps_pd(_mm256_castps256_ps128(u)));
+                q1 = _mm256_add_pd(q1, _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1)));
+                m = _mm256_sub_epi32(m, _mm256_castps_si256(ge));
+                if (fused) bits[(off + r * cols + c0) >> 3] = (uint8_t)_mm256_movemask_ps(ge);
+            }
+            p0 = _mm256_add_pd(p0, e0);
+            p1 = _mm256_add_pd(p1, e1);
+            q0 = _mm256_add_pd(q0, f0);
+            q1 = _mm256_add_pd(q1, f1);
+            __m256i m0 = _mm256_add_epi64(_mm256_loadu_si256((const __m256i *)(cnt + c0)),
+                                          _mm256_cvtepi32_epi64(_mm256_castsi256_si128(m)));
+            __m256i m1 = _mm256_add_epi64(_mm256_loadu_si256((const __m256i *)(cnt + c0 + 4)),
+                                          _mm256_cvtepi32_epi64(_mm256_extracti128_si256(m, 1)));
+            _mm256_storeu_pd(sp + c0, p0);
+            _mm256_storeu_pd(sp + c0 + 4, p1);
+            _mm256_storeu_pd(sn + c0, q0);
+            _mm256_storeu_pd(sn + c0 + 4, q1);
+            _mm256_storeu_si256((__m256i *)(cnt + c0), m0);
+            _mm256_storeu_si256((__m256i *)(cnt + c0 + 4), m1);
+        }
+#endif
+        for (int64_t r = r0; r < r1 && c0 < cols; r++) {
+            const float *row = t + r * cols;
+            for (int64_t c = c0; c < cols; c++) {
+                float v = row[c], w = v >= 0.0f ? v : 0.0f;
+                sp[c] += w;
+                sn[c] += (double)(v - w);
+                cnt[c] += v >= 0.0f;
+            }
+        }
+        if (!fused) pack_ge0(x, off + r0 * cols, off + r1 * cols, bits);
+    }
+}
+
+/* The same over a layout of n tensors (tensor i: rows[i] x cols[i] at off[i]); the
+   per-column outputs of the tensors follow each other (sum of cols entries). */
+void fs_onebit_encode(const float *x, int64_t n, const int64_t *off, const int64_t *rows, const int64_t *cols,
+                      double *sp, double *sn, int64_t *cnt, uint8_t *bits) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) {
+        onebit_encode(x, off[i], rows[i], cols[i], sp + c, sn + c, cnt + c, bits);
+        c += cols[i];
+    }
+}
+
+static inline float pick(const uint8_t *bits, int64_t e, float a0, float a1) {
+    return (bits[e >> 3] >> (e & 7)) & 1 ? a1 : a0;
+}
+
+/* Store 8 floats at o: streamed past the caches (nt, o 32-byte aligned) or plain. */
+#if defined(__AVX2__)
+static inline void put8(float *o, __m256 v, int nt) {
+    if (nt) _mm256_stream_ps(o, v);
+    else _mm256_storeu_ps(o, v);
+}
+#endif
+
+/* 1-bit SGD, decode, one tensor: out (the flat vector) at e = off + r * cols + c gets
+   a1[c] where bit e is set, else a0[c]; with cols == 1, a0[0] / a1[0] for the whole
+   range. A pure select: the stored floats come back bit for bit. `nt`: an output too
+   large to stay in cache is streamed to memory (no read for ownership of its lines). */
+static void onebit_decode(const uint8_t *bits, int64_t off, int64_t rows, int64_t cols, const float *a0,
+                          const float *a1, float *out, int nt) {
+    if (cols == 1) {
+        float z = a0[0], o = a1[0];
+        int64_t e = off, hi = off + rows;
+        for (; e < hi && (e & 7); e++) out[e] = pick(bits, e, z, o);
+#if defined(__AVX2__)
+        const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        const __m256 vz = _mm256_set1_ps(z), vo = _mm256_set1_ps(o);
+        const int s = nt && ((uintptr_t)(out + e) & 31) == 0;
+        for (; e + 8 <= hi; e += 8) {
+            __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits[e >> 3]), sel), sel);
+            put8(out + e, _mm256_blendv_ps(vz, vo, _mm256_castsi256_ps(m)), s);
+        }
+#endif
+        for (; e < hi; e++) out[e] = pick(bits, e, z, o);
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t e0 = off + r * cols, c = 0;
+        float *o = out + e0;
+        for (; c < cols && ((e0 + c) & 7); c++) o[c] = pick(bits, e0 + c, a0[c], a1[c]);
+#if defined(__AVX2__)
+        const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        const int s = nt && ((uintptr_t)(o + c) & 31) == 0;
+        for (; c + 8 <= cols; c += 8) {
+            __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits[(e0 + c) >> 3]), sel), sel);
+            put8(o + c, _mm256_blendv_ps(_mm256_loadu_ps(a0 + c), _mm256_loadu_ps(a1 + c),
+                                         _mm256_castsi256_ps(m)), s);
+        }
+#endif
+        for (; c < cols; c++) o[c] = pick(bits, e0 + c, a0[c], a1[c]);
+    }
+}
+
+/* The same over a layout (see fs_onebit_encode); a0 and a1 hold each tensor's columns
+   one after another. Outputs over 8 MB are streamed (see onebit_decode). */
+void fs_onebit_decode(const uint8_t *bits, int64_t n, const int64_t *off, const int64_t *rows, const int64_t *cols,
+                      const float *a0, const float *a1, float *out) {
+    int64_t c = 0, end = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (off[i] + rows[i] * cols[i] > end) end = off[i] + rows[i] * cols[i];
+    const int nt = end * (int64_t)sizeof(float) > ((int64_t)8 << 20);
+    for (int64_t i = 0; i < n; i++) {
+        onebit_decode(bits, off[i], rows[i], cols[i], a0 + c, a1 + c, out, nt);
+        c += cols[i];
+    }
+#if defined(__AVX2__)
+    if (nt) _mm_sfence(); /* the streamed stores are visible before the caller reads `out` */
+#endif
+}
+
+/* Top-k candidates: the positions e in [0, n) with |x[e]| >= thr, ascending, into idx
+   and their |x[e]| into val unless it is NULL (room for cap); returns how many there are
+   (more than cap: only cap were written). */
+int64_t fs_collect_abs_ge(const float *x, int64_t n, float thr, int64_t *idx, float *val, int64_t cap) {
+    int64_t m = 0, e = 0;
+#if defined(__AVX2__)
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 vt = _mm256_set1_ps(thr);
+    for (; e + 8 <= n; e += 8) {
+        int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(x + e), absmask), vt, _CMP_GE_OQ));
+        while (mask) {
+            int j = __builtin_ctz(mask);
+            if (m < cap) {
+                idx[m] = e + j;
+                if (val) val[m] = fabsf(x[e + j]);
+            }
+            m++;
+            mask &= mask - 1;
+        }
+    }
+#endif
+    for (; e < n; e++)
+        if (fabsf(x[e]) >= thr) {
+            if (m < cap) {
+                idx[m] = e;
+                if (val) val[m] = fabsf(x[e]);
+            }
+            m++;
+        }
+    return m;
+}
+
+/* The exact top-k once the k-th largest magnitude t is known: of the candidates
+   idx[0:m] (ascending) with magnitudes val[0:m], write to out, in order, every one with
+   val > t and then the first ones with val == t until there are k. Returns how many
+   were written. */
+int64_t fs_select_top(const float *val, const int64_t *idx, int64_t m, float t, int64_t k, int64_t *out) {
+    int64_t above = 0, w = 0;
+    for (int64_t i = 0; i < m; i++) above += val[i] > t;
+    int64_t ties = k - above;
+    for (int64_t i = 0; i < m && w < k; i++)
+        if (val[i] > t || (val[i] == t && ties-- > 0)) out[w++] = idx[i];
+    return w;
+}
+
+/* Count Sketch, one client, block-shift hashes (see countsketch.py): for each block b
+   of c coordinates (the last may be shorter: n = min(c, d - b*c)), y = the block
+   permuted by pi (y[u] = x[b*c + pinv[u]]; y[perm[p]] = x[b*c + p] and zeros past n in
+   a short block), then row j of acc ((2c + 1) floats per row, zeroed by the caller)
+   gets acc[j][shift[j][b] + u] += y[u], or -= where neg[j][b]. Blocks in order, rows
+   in order: the same additions in the same order as the torch loop. */
+void fs_sketch(const float *restrict x, int64_t d, int64_t c, int64_t r, int64_t blocks, const int64_t *perm,
+               const int64_t *pinv, const int64_t *shifts, const uint8_t *neg, float *restrict y,
+               float *restrict acc) {
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t lo = b * c, n = d - lo < c ? d - lo : c;
+        const float *xb = x + lo;
+        if (n == c) {
+            for (int64_t u = 0; u < c; u++) y[u] = xb[pinv[u]];
+        } else {
+            memset(y, 0, (size_t)c * sizeof(float));
+            for (int64_t p = 0; p < n; p++) y[perm[p]] = xb[p];
+        }
+        for (int64_t j = 0; j < r; j++) {
+            float *a = acc + j * (2 * c + 1) + shifts[j * blocks + b];
+            if (neg[j * blocks + b])
+                for (int64_t u = 0; u < c; u++) a[u] -= y[u];
+            else
+                for (int64_t u = 0; u < c; u++) a[u] += y[u];
+        }
+    }
+}
+
+/* Count Sketch unsketch candidates, one client (see CountSketch._unsketch_sparse): masks
+   is r doubled rows of 2c bytes (1 where |S[j, m]| >= t), rs the r rows rho * S[j] (c
+   floats each). For each block b and slot u in order, the count
+   sum_j masks[j][shift[j][b] + u]; where it is >= q the coordinate b*c + pinv[u] (if < d)
+   gets its estimate, the lower median over j of sigma[j][b] * rs[j][(shift[j][b] + u) mod c]
+   (r <= 64), and is kept if |estimate| >= t. Writes at most cap (coordinate, estimate)
+   pairs in that order and returns how many there are (more than cap: call again with more
+   room). The hits of a chunk are listed first so that their reads can be prefetched.
+   cnt: 4096 + 8 bytes of scratch. */
+int64_t fs_cs_candidates(const uint8_t *masks, const float *rs, int64_t r, int64_t c, int64_t blocks, int64_t d,
+                         const int64_t *shifts, const uint8_t *neg, const int64_t *pinv, int64_t q, float t,
+                         uint8_t *restrict cnt, int64_t cap, int64_t *cols, float *vals) {
+    enum { CH = 4096, AHEAD = 8 };
+    int64_t found = 0, hit[CH], at[64 * (AHEAD + 1)];
+    const uint8_t *mp[64];
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t j = 0; j < r; j++) mp[j] = masks + j * 2 * c + shifts[j * blocks + b];
+        for (int64_t u0 = 0; u0 < c; u0 += CH) {
+            int64_t n = c - u0 < CH ? c - u0 : CH, h = 0;
+            memcpy(cnt, mp[0] + u0, (size_t)n);
+            for (int64_t j = 1; j < r; j++) {
+                const uint8_t *restrict mj = mp[j] + u0;
+                for (int64_t u = 0; u < n; u++) cnt[u] += mj[u];
+            }
+            for (int64_t u = 0; u < n; u++) cnt[u] = cnt[u] >= q;
+            memset(cnt + n, 0, 8);
+            for (int64_t u = 0; u < n; u += 8) {
+                uint64_t w;
+                memcpy(&w, cnt + u, 8);
+                for (int64_t e = 0; w; e++, w >>= 8)
+                    if (w & 0xff) hit[h++] = u + e;
+            }
+            for (int64_t i = 0; i < h + AHEAD; i++) {
+                if (i < h) { /* where hit i's terms are; prefetched AHEAD hits early */
+                    int64_t *a = at + (i % (AHEAD + 1)) * 64;
+                    for (int64_t j = 0; j < r; j++) {
+                        int64_t m = shifts[j * blocks + b] + u0 + hit[i];
+                        a[j] = j * c + (m >= c ? m - c : m);
+                        __builtin_prefetch(rs + a[j]);
+                    }
+                    __builtin_prefetch(pinv + u0 + hit[i]);
+                }
+                if (i < AHEAD) continue;
+                int64_t k = i - AHEAD, u = u0 + hit[k];
+                int64_t coord = b * c + pinv[u];
+                if (coord >= d) continue;
+                const int64_t *a = at + (k % (AHEAD + 1)) * 64;
+                float v[64];
+                for (int64_t j = 0; j < r; j++) {
+                    float e = neg[j * blocks + b] ? -rs[a[j]] : rs[a[j]];
+                    int64_t p = j;
+                    while (p > 0 && v[p - 1] > e) { v[p] = v[p - 1]; p--; }
+                    v[p] = e;
+                }
+                float med = v[(r - 1) / 2];
+                if (fabsf(med) >= t) {
+                    if (found < cap) { cols[found] = coord; vals[found] = med; }
+                    found++;
+                }
+            }
+        }
+    }
+    return found;
+}
+"""
