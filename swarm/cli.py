@@ -39,7 +39,9 @@ def _params(items: list[str] | None) -> dict:
 
 
 def peer(
-    listen: str = typer.Option("127.0.0.1:7070", "--listen", help="HOST:PORT to listen on."),
+    listen: str = typer.Option("127.0.0.1:7070", "--listen", help=(
+        "HOST:PORT to listen on; PORT 0 takes a free port, written to STATE_DIR/address once bound."
+    )),
     join: list[str] | None = typer.Option(None, "--join", help="HOST:PORT of any known peer (repeatable)."),
     algorithm: str = typer.Option("dpsgd", "--algorithm", "-a", help=(
         "dpsgd, d2, dsgdm, qgm, adpsgd, lsgd, swarm_merge, squarm."
@@ -191,7 +193,10 @@ def swarm(
         _fail(str(exc))
     if spec.fail and spec.fail[0] >= peers:
         _fail(f"--fail would kill {spec.fail[0]} of {peers} peers; keep at least one")
-    result = launch_swarm(spec, log=lambda m: typer.echo(m, err=True))
+    try:
+        result = launch_swarm(spec, log=lambda m: typer.echo(m, err=True))
+    except RuntimeError as exc:  # a peer died before it listened: its log's tail says why
+        _fail(str(exc), code=1)
     _print_table(result)
     typer.echo(f"wrote {out / 'result.json'}")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from pydantic import Field
 from fedswarm.config import LearningRate, LocalSteps, TrainingSpec
 from fedswarm.procs import stop_process_groups
 
-__all__ = ["SwarmSpec", "aggregate", "launch_swarm", "parse_fail"]
+__all__ = ["SwarmSpec", "aggregate", "launch_swarm", "parse_fail", "peer_address", "peer_command"]
 
 
 def parse_fail(text: str | None) -> tuple[int, int] | None:
@@ -37,12 +36,6 @@ def parse_fail(text: str | None) -> tuple[int, int] | None:
     if not sep or not k.isdigit() or not r.isdigit() or int(k) < 1 or int(r) < 1:
         raise ValueError(f"--fail must be K@R with integers K, R >= 1 (got {text!r})")
     return int(k), int(r)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SwarmSpec(TrainingSpec):
@@ -81,6 +74,24 @@ def peer_command(spec: SwarmSpec, i: int, port: int, join: str | None, allow: Pa
     return cmd + list(spec.extra_args)
 
 
+def peer_address(pdir: Path, proc: subprocess.Popen, timeout_s: float) -> str:
+    """The HOST:PORT the peer started as ``proc`` with state dir ``pdir`` bound (it writes
+    ``pdir/address``; remove a stale one before starting it). Raises RuntimeError, with the
+    tail of its log, if it exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    path = pdir / "address"
+    while True:
+        if path.exists():
+            return path.read_text().strip()
+        if proc.poll() is not None or time.monotonic() > deadline:
+            log = pdir / "peer.log"
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log.exists() else ""
+            what = f"exited with code {proc.returncode}" if proc.returncode is not None \
+                else f"did not bind within {timeout_s:.0f} s"
+            raise RuntimeError(f"peer {pdir.name} {what} before it listened:\n{tail}")
+        time.sleep(0.02)
+
+
 def _progress(pdir: Path) -> int:
     try:
         return int((pdir / "round").read_text())
@@ -97,9 +108,8 @@ def launch_swarm(spec: SwarmSpec, *, log=print) -> dict:
     ids = [create_or_load(d / "keys").peer_id for d in pdirs]
     allow = out / "allow.txt"
     allow.write_text("# peers of this swarm\n" + "\n".join(ids) + "\n")
-    ports = [spec.base_port + i if spec.base_port else _free_port() for i in range(spec.peers)]
-    join = f"127.0.0.1:{ports[0]}"
-    cmds = [peer_command(spec, i, ports[i], join if i else None, allow, pdirs[i]) for i in range(spec.peers)]
+    # base_port 0: every peer binds port 0 and writes the port it got; peer 0's is the join address
+    ports = [spec.base_port + i if spec.base_port else 0 for i in range(spec.peers)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: dict[int, subprocess.Popen] = {}
     logs = []
@@ -107,15 +117,18 @@ def launch_swarm(spec: SwarmSpec, *, log=print) -> dict:
     restarted: list[int] = []
 
     def spawn(i: int, cmd: list[str]) -> None:
+        (pdirs[i] / "address").unlink(missing_ok=True)
         f = open(pdirs[i] / "peer.log", "a")
         logs.append(f)
         procs[i] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     t0 = time.time()
     try:
-        for i in range(spec.peers):
-            spawn(i, cmds[i])
         deadline = time.monotonic() + spec.timeout_s
+        spawn(0, peer_command(spec, 0, ports[0], None, allow, pdirs[0]))
+        addrs = {0: peer_address(pdirs[0], procs[0], spec.timeout_s)}
+        for i in range(1, spec.peers):
+            spawn(i, peer_command(spec, i, ports[i], addrs[0], allow, pdirs[i]))
         kill_at = None
         while time.monotonic() < deadline:
             if all(p.poll() is not None for p in procs.values()):
@@ -131,7 +144,8 @@ def launch_swarm(spec: SwarmSpec, *, log=print) -> dict:
                     and time.monotonic() - kill_at >= spec.restart_after_s:
                 for i in killed:
                     live = next(j for j in range(spec.peers) if j not in killed)
-                    cmd = peer_command(spec, i, ports[i], f"127.0.0.1:{ports[live]}", allow, pdirs[i])
+                    live_addr = addrs.get(live) or peer_address(pdirs[live], procs[live], 5.0)
+                    cmd = peer_command(spec, i, ports[i], live_addr, allow, pdirs[i])
                     cmd[cmd.index("--min-peers") + 1] = "1"
                     spawn(i, cmd)
                     restarted.append(i)

@@ -135,6 +135,11 @@ class Peer:
                                    tls_server=tls_s, tls_client=tls_c, bind_identity=bool(cfg.swarm_ca),
                                    encrypt=cfg.encrypt and tls_s is None,
                                    io_timeout_s=max(30.0, cfg.round_timeout_s))
+        # the bound address (``--listen HOST:0`` picks a free port), for launchers: they read it
+        # rather than guess a free port beforehand, which another process may take first.
+        # Connections queue in the socket's backlog until start() accepts them.
+        (self.dir / ".address.tmp").write_text(self.transport.address)
+        os.replace(self.dir / ".address.tmp", self.dir / "address")
         self.membership = Membership(self.id, self.transport.address, admit=self.verifier.admit,
                                      interval_s=cfg.heartbeat_s, suspect_after=cfg.suspect_after,
                                      remove_after=cfg.remove_after)

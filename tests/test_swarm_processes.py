@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fedswarm.swarm.launcher import SwarmSpec, launch_swarm, peer_command
+from fedswarm.swarm.launcher import SwarmSpec, launch_swarm, peer_address, peer_command
 from fedswarm.procs import stop_process_groups
 
-from tests.helpers import free_port, wait_until
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
 ROUNDS = 5
@@ -105,33 +105,47 @@ def test_killed_peer_costs_neighbours_an_exchange_and_restarts_from_its_checkpoi
     ids = [create_or_load(d / "keys").peer_id for d in pdirs]
     allow = tmp_path / "allow.txt"
     allow.write_text("\n".join(ids) + "\n")
-    ports = [free_port() for _ in range(n)]
-    join = f"127.0.0.1:{ports[0]}"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: dict[int, subprocess.Popen] = {}
 
     def spawn(i, cmd):
+        (pdirs[i] / "address").unlink(missing_ok=True)
         log = open(pdirs[i] / "peer.log", "a")
         procs[i] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
 
+    def running(pred):
+        """``pred``, failing at once with the peer's log if a peer process has exited."""
+        def check():
+            for i, p in procs.items():
+                if p.poll() is not None:
+                    raise AssertionError(f"peer {i} exited ({p.returncode}):\n{(pdirs[i] / 'peer.log').read_text()}")
+            return pred()
+        return check
+
     try:
-        for i in range(n):
-            spawn(i, peer_command(spec, i, ports[i], join if i else None, allow, pdirs[i]))
-        wait_until(lambda: _round(pdirs[victim]) >= 3, 90, interval=0.1, what="the swarm starting")
+        # every peer binds port 0 and writes the port it got (no free-port guess another process can take)
+        spawn(0, peer_command(spec, 0, 0, None, allow, pdirs[0]))
+        join = peer_address(pdirs[0], procs[0], 60)
+        for i in range(1, n):
+            spawn(i, peer_command(spec, i, 0, join, allow, pdirs[i]))
+        wait_until(running(lambda: _round(pdirs[victim]) >= 3), 90, interval=0.1, what="the swarm starting")
         os.killpg(procs[victim].pid, signal.SIGKILL)
         procs[victim].wait()
         killed_at = _round(pdirs[victim])
         survivors_at_kill = {i: _round(d) for i, d in enumerate(pdirs) if i != victim}
-        cmd = peer_command(spec, victim, ports[victim], join, allow, pdirs[victim])
+        # restarted on a new port: the survivors learn it from its higher incarnation's gossip
+        cmd = peer_command(spec, victim, 0, join, allow, pdirs[victim])
         cmd[cmd.index("--min-peers") + 1] = "1"
         spawn(victim, cmd)
+        peer_address(pdirs[victim], procs[victim], 90)
         # the restarted peer resumes, catches up with its neighbours and trains with them again
-        wait_until(lambda: _round(pdirs[victim]) >= max(_round(d) for d in pdirs) - 1
-                   and _round(pdirs[victim]) > killed_at + 4, 90, interval=0.1, what="the restarted peer rejoining")
+        wait_until(running(lambda: _round(pdirs[victim]) >= max(_round(d) for d in pdirs) - 1
+                           and _round(pdirs[victim]) > killed_at + 4), 90, interval=0.1,
+                   what="the restarted peer rejoining")
         rejoined_at = _round(pdirs[victim])
         # two more whole rounds in step with its neighbours: exchanges after the restart
-        wait_until(lambda: _round(pdirs[victim]) >= rejoined_at + 2, 60, interval=0.1,
+        wait_until(running(lambda: _round(pdirs[victim]) >= rejoined_at + 2), 60, interval=0.1,
                    what="the restarted peer training on")
     finally:
         stop_process_groups(list(procs.values()), grace_s=20)
@@ -184,3 +198,19 @@ def test_peer_command_names_a_bad_value_in_one_line(tmp_path):
     res = CliRunner().invoke(app, ["peer", "--lr", "0", "--state-dir", str(tmp_path)])
     assert res.exit_code == 2, res.output
     assert "invalid value for 'lr'" in res.output and "Traceback" not in res.output
+
+
+def test_peer_that_dies_before_listening_is_reported_with_its_log(tmp_path):
+    spec = SwarmSpec(peers=2, rounds=1, lr=0.1)
+    pdir = tmp_path / "p0"
+    pdir.mkdir()
+    cmd = peer_command(spec, 0, 0, None, tmp_path / "missing-allow.txt", pdir)
+    with open(pdir / "peer.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)peer p0 exited with code [12] before it listened:.*allow"):
+            peer_address(pdir, proc, 60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (pdir / "address").exists()
