@@ -107,6 +107,9 @@ class CountSketch:
         self._window_rows = window_rows.to(self.device)  # [r, B]
         self._window_list = window_rows.tolist()
         self._loop = self.cols >= _LOOP_COLS or self.blocks <= 64
+        # for the C kernels (CPU): sigma < 0 as bytes, pi^-1 as int32 where c allows
+        self._neg_u8 = (self.block_signs < 0).to(torch.uint8).contiguous()
+        self._pinv_i32 = self._perm_inv.to(torch.int32).contiguous() if cols < 2**31 else None
 
     def __repr__(self) -> str:
         return f"CountSketch(d={self.d}, rows={self.rows}, cols={self.cols}, seed={self.seed})"
@@ -196,17 +199,17 @@ class CountSketch:
             if k > step:
                 table = torch.cat([self.sketch(x[i : i + step]) for i in range(0, k, step)])
                 return table[0] if squeeze else table
-        # accumulate sigma·y_b at offset shift_b of a doubled row, then fold: 2c + 1 cells
-        acc = torch.zeros(k, self.rows, 2 * c + 1, dtype=x.dtype, device=x.device)
-        if so is not None:  # the block loop below, in C: one client at a time, y_b in cache
-            x, y = x.contiguous(), torch.empty(c, dtype=x.dtype)
-            if not hasattr(self, "_neg_u8"):
-                self._neg_u8 = (self.block_signs < 0).to(torch.uint8).contiguous()
-            hashes = [native.ptr(t) for t in (self.perm, self._perm_inv, self.shifts, self._neg_u8, y)]
+        if so is not None and c < 2**31:  # the block loop below, in C, into rows of c cells (no fold)
+            x, table = x.contiguous(), torch.zeros(k, self.rows, c, dtype=x.dtype)
+            hashes = [native.ptr(t) for t in (self._pinv_i32, self.shifts, self._neg_u8)]
             for i in range(k):
                 so.fs_sketch(native.ptr(x, i * self.d), self.d, c, self.rows, self.blocks, *hashes,
-                             native.ptr(acc, i * self.rows * (2 * c + 1)))
-        elif self._loop:  # block by block: y_b = x_b permuted by pi stays in cache for the r adds
+                             native.ptr(table, i * self.rows * c))
+            table.mul_(self.bucket_signs.to(table.dtype))
+            return table[0] if squeeze else table
+        # accumulate sigma·y_b at offset shift_b of a doubled row, then fold: 2c + 1 cells
+        acc = torch.zeros(k, self.rows, 2 * c + 1, dtype=x.dtype, device=x.device)
+        if self._loop:  # block by block: y_b = x_b permuted by pi stays in cache for the r adds
             y = torch.empty(k, c, dtype=x.dtype, device=x.device)
             for b in range(self.blocks):
                 self._permuted_block(x, b, y)
@@ -278,11 +281,14 @@ class CountSketch:
         """The estimate of the coordinates ``indices`` ``[n]`` only: ``[K, r, c]`` ->
         ``[K, n]``, equal to ``estimate(table)[:, indices]``."""
         table, squeeze = self._tables(table)
-        h, s = self.hashes(indices.reshape(-1))  # [r, n]
-        rows = torch.arange(self.rows, device=self.device).unsqueeze(1)
-        parts = table[:, rows, h] * s.to(table.dtype)  # [K, r, n]
-        out = median_small(list(parts.unbind(1)))
+        out = self._estimate_at(table, *self.hashes(indices.reshape(-1)))
         return out[0] if squeeze else out
+
+    def _estimate_at(self, table: torch.Tensor, h: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """``[K, r, c]`` tables and hashes ``[r, n]`` -> estimates ``[K, n]``."""
+        cells = (h + self.cols * torch.arange(self.rows, device=self.device).unsqueeze(1)).view(-1)
+        parts = table.reshape(table.shape[0], -1).index_select(1, cells).view(table.shape[0], self.rows, -1)
+        return median_small(list(parts.mul_(s.to(table.dtype)).unbind(1)))
 
     def unsketch(self, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Heavy hitters: the ``k`` coordinates with the largest ``|x̂_i|``, as
@@ -318,7 +324,9 @@ class CountSketch:
         rank = math.ceil(1.25 * expected + 4.0 * math.sqrt(expected) + 8)
         if rank > sample.numel():
             return None
-        thr = self.estimate_at(table, sample).abs().topk(rank, dim=1).values[:, -1:]  # [K, 1]
+        if getattr(self, "_sample_hashes", (None,))[0] is not sample:  # the sample is fixed per d: hash it once
+            self._sample_hashes = (sample, *self.hashes(sample))
+        thr = self._estimate_at(table, *self._sample_hashes[1:]).abs().topk(rank, dim=1).values[:, -1:]  # [K, 1]
         if not bool((thr > 0).all()):  # a sparse vector: t = 0 would make every coordinate a candidate
             return None
         # |x̂_i| >= t needs |S[j, h_j(i)]| >= t in q rows or more (q = min(r - p, p + 1), p =
@@ -364,8 +372,6 @@ class CountSketch:
         c = self.cols
         masks = torch.cat([heavy, heavy], 2).contiguous()  # [K, r, 2c]
         unsigned = (table * self.bucket_signs.to(table.dtype)).contiguous()  # rho ⊙ S
-        if not hasattr(self, "_neg_u8"):
-            self._neg_u8 = (self.block_signs < 0).to(torch.uint8).contiguous()
         cnt = torch.empty(4096 + 8, dtype=torch.uint8)
         hashes = [native.ptr(t) for t in (self.shifts, self._neg_u8, self._perm_inv)]
         rows, cols, vals = [], [], []
