@@ -137,6 +137,34 @@ def test_a_node_that_joins_after_the_resume_query_is_named_once(tmp_path):
     assert event.data == {"node_id": "9", "round": 3, "late": True, "first_round": 4}
 
 
+def test_the_recorder_names_a_late_node_from_a_rounds_replies(tmp_path):
+    """The recorder's own round (not late_nodes called by hand): a reply from a node the
+    resume query never asked gives one client_resync event; the asked node's reply none."""
+    from flwr.app import Message, MetricRecord, RecordDict
+
+    from fedswarm.server.metered_grid import Traffic
+    from fedswarm.server.recorder import RoundRecorder
+
+    def reply_from(node: int) -> Message:
+        sent = Message(RecordDict({}), dst_node_id=node, message_type="train")
+        reply = Message(RecordDict({"metrics": MetricRecord({"num-examples": 5, "train_loss": 0.5})}), reply_to=sent)
+        reply.metadata.__dict__["_src_node_id"] = node
+        return reply
+
+    class Grid:
+        def take(self):
+            return Traffic(replies=[reply_from(1), reply_from(9)])
+
+    store = Store(tmp_path / "store.db")
+    rid = store.create_run(RunConfig(rounds=3).model_dump())
+    rec = RoundRecorder(store, rid, Grid(), lambda flat: (0.0, 0.0))  # type: ignore[arg-type]
+    rec.resume_asked, rec.resume_round, rec.offset = {"1"}, 2, 2
+    rec(1, None)  # type: ignore[arg-type]  # round 3 of the run
+    (event,) = [e for e in store.events(rid) if e.kind == "client_resync"]
+    assert event.data == {"node_id": "9", "round": 2, "late": True, "first_round": 3}
+    assert sorted(n.node_id for n in store.node_rounds(rid)) == ["1", "9"]
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", sorted(CASES))
