@@ -38,9 +38,9 @@ serialized (:mod:`fedswarm.sim.batched_round`), once per size class of the round
 
 What it does not do: the strategies not in :data:`SUPPORTED_STRATEGIES` (they run on
 ``--engine inprocess``; :func:`check_supported` says so in one line), ``--dp`` but with
-``compressed_fedavg`` and ``onebit``, ``--dp-sgd``, ``--byzantine`` with FedAvg, PVT or the sketch strategies or with a
-data-poisoning attack (labelflip), models with buffers (batch-norm statistics), and the
-``--devices`` time model's simulated seconds (rows carry ``sim_time_s = null``).
+``fedavg``, ``compressed_fedavg`` and ``onebit``, ``--dp-sgd``, ``--byzantine`` with FedAvg, PVT
+or the sketch strategies or with a data-poisoning attack (labelflip), models with buffers
+(batch-norm statistics), and the ``--devices`` time model's simulated seconds (rows carry ``sim_time_s = null``).
 """
 
 from __future__ import annotations
@@ -81,7 +81,10 @@ __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budg
 SUPPORTED_STRATEGIES = ("fedavg", "compressed_fedavg", "onebit", "gtopk", "median", "trimmed_mean", "krum",
                         "multikrum", "bulyan", "signum", "pvt", "progfed", "sketched_sgd", "fetchsgd", "gs_sgd")
 _OWN_REPLIES = ("fedavg", "pvt", "progfed", "sketched_sgd", "fetchsgd", "gs_sgd")  # no --byzantine here
-_DP = ("compressed_fedavg", "onebit")  # --dp (DP-FedAvg: the clients clip, the strategy object noises)
+# --dp: DP-FedAvg. fedavg: each client's change clipped as it leaves the chunk, noised once per
+# round (ClientLevelDP, the strategy's own object); the compressed ones: the clients clip, the
+# strategy object noises
+_DP = ("fedavg", "compressed_fedavg", "onebit")
 
 # Rounds with more clients than this record the round's totals but no per-node rows:
 # 10,000 rows a round would cost the store more than the training does.
@@ -101,7 +104,7 @@ def check_supported(cfg: RunConfig) -> None:
     if cfg.dp_sgd:
         raise ConfigError("--engine batched does not run --dp-sgd; use --engine inprocess")
     if cfg.dp and cfg.strategy not in _DP:
-        raise ConfigError(f"--engine batched runs --dp with {' and '.join(_DP)}; with '{cfg.strategy}' use "
+        raise ConfigError(f"--engine batched runs --dp with {', '.join(_DP)}; with '{cfg.strategy}' use "
                           "--engine inprocess")
     if cfg.byzantine:
         from fedswarm.algorithms.robust.attacks import parse_attack
@@ -162,16 +165,20 @@ class FedAvgRounds:
     """FedAvg's round: the clients' models folded into the weighted sum chunk by chunk."""
 
     def __init__(self, run: BatchedRun, model: torch.Tensor, notes=None):
+        from fedswarm.strategies.federated.dp import client_dp
+
         self.run = run
         self.model = model
         self.notes = notes  # the recorder: a diverged client's reply is rejected there
         self.counter = ByteCounter(run.train_config)
         self.all_nodes = list(range(1, run.cfg.clients + 1))
+        self.dp = client_dp(run.cfg)  # --dp: the mechanism fedavg's DPFedAvg strategy object holds
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         cfg = self.run.cfg
         sample = random.sample(self.all_nodes, max(int(cfg.clients * cfg.fraction), 1))
-        self.model, row, node_rows = _one_round(self.run, self.counter, self.model, sample, server_round, self.notes)
+        self.model, row, node_rows = _one_round(self.run, self.counter, self.model, sample, server_round, self.notes,
+                                                dp=self.dp)
         return row, node_rows
 
 
@@ -249,11 +256,33 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     return "finished"
 
 
+def _clipped_sums(run: BatchedRun, global_vec: torch.Tensor, sched, weights: torch.Tensor, dp, total: int,
+                  within: list[int]):
+    """:meth:`BatchedTrainer.average`'s chunks for DP-FedAvg: each chunk's sum of its clients'
+    changes ``theta_k - start``, each clipped as :class:`DPFedAvg` clips it (uniform weights;
+    diverged clients left out as there), with the loss still weighed by examples; ``within``
+    collects how many changes were within the clip."""
+    from fedswarm.algorithms.privacy.dp_fedavg import clip_rows
+
+    start = global_vec.to(run.trainer.device, torch.float32)
+    for rows, new, loss, n in run.trainer.fit(start, sched, momentum=run.cfg.momentum, chunk_size=run.chunk_size,
+                                              memory_budget=run.memory_budget, on_chunk=run.progress(total)):
+        bad = ~torch.isfinite(new).all(dim=1)
+        diverged = {rows.start + int(j): new[j].cpu() for j in bad.nonzero()[:, 0].tolist()}
+        clipped, ok = clip_rows(new[~bad] - start, dp.clip)
+        within[0] += int(ok.sum())
+        w = torch.where(bad.cpu(), torch.zeros(()), weights[rows].to(torch.float32))
+        loss = loss.cpu()
+        yield rows, clipped.sum(dim=0).cpu().to(torch.float64), loss, n, float((loss * w).sum()), diverged
+
+
 def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, sample: list[int],
-               server_round: int, notes=None) -> tuple[torch.Tensor, dict, list[dict]]:
+               server_round: int, notes=None, dp=None) -> tuple[torch.Tensor, dict, list[dict]]:
     """Train the sampled clients, average their models weighted by examples (Flower's
     FedAvg, leaving out the clients that diverged: their replies are rejected), count the
-    bytes of every client's message and reply."""
+    bytes of every client's message and reply. With ``dp`` (a
+    :class:`~fedswarm.algorithms.privacy.dp_fedavg.ClientLevelDP`), DP-FedAvg instead: the
+    mean of the clipped changes plus its Gaussian noise, the round's DP figures in its row."""
     cfg, trainer = run.cfg, run.trainer
     sched, classes, pols = round_schedule(cfg, sample, run.train_config, run.n_examples, server_round)
     total = len(sample)
@@ -265,11 +294,19 @@ def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, 
     node_rows: list[dict] | None = [] if record_nodes else None
     policy_json = {c: json.dumps(p, sort_keys=True) for c, p in zip(classes, pols)}
     weights = trainer.num_examples(sched.partitions).to(torch.float32)  # FedAvg weighs by num-examples
-    for rows, part_sum, loss, n, loss_wsum, diverged in trainer.average(
-            global_vec, sched, weights, momentum=cfg.momentum, chunk_size=run.chunk_size,
-            memory_budget=run.memory_budget, on_chunk=run.progress(total), per_client_loss=record_nodes):
+    within = [0]
+    if dp is not None:
+        dp.before_round()
+        chunks = _clipped_sums(run, global_vec, sched, weights, dp, total, within)
+    else:
+        chunks = trainer.average(global_vec, sched, weights, momentum=cfg.momentum, chunk_size=run.chunk_size,
+                                 memory_budget=run.memory_budget, on_chunk=run.progress(total),
+                                 per_client_loss=record_nodes)
+    kept = total
+    for rows, part_sum, loss, n, loss_wsum, diverged in chunks:
         acc += part_sum
         weight_sum += float(weights[rows].sum()) - sum(float(weights[i]) for i in diverged)
+        kept -= len(diverged)
         loss_sum += loss_wsum
         n_list = n.tolist()
         loss_list = loss.tolist() if loss is not None else [0.0] * len(n_list)  # sizes: any float is 8 bytes
@@ -285,6 +322,9 @@ def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, 
     run.meter.traffic = traffic
     if weight_sum == 0:  # every client diverged: the model stays
         return global_vec, {"train_loss": None, "num_clients": total}, node_rows or []
-    new_global = (acc / weight_sum).to(torch.float32)
     row = {"train_loss": loss_sum / weight_sum, "num_clients": total}
-    return new_global, row, node_rows or []
+    if dp is None:
+        return (acc / weight_sum).to(torch.float32), row, node_rows or []
+    mean, metrics = dp.noised_mean(acc, within[0], kept)
+    row.update(metrics)
+    return global_vec + mean, row, node_rows or []

@@ -82,6 +82,12 @@ EQUIVALENT = {
     "one-step-grouped": dict(clients=12, rounds=2, local_steps=1, batch_size=50, partition="dirichlet:0.5"),
     "logreg-grouped": dict(task="synthetic-logreg", clients=25, rounds=2, local_steps=1, batch_size=40,
                            devices="gpu:5,edge-wifi:20", policies={"gpu": {"lr": 0.05}}),
+    # DP-FedAvg: clipped changes (some clipped, some not), one noise draw per round, the
+    # adaptive clip moving with the clipped fraction; one step (no shortcut under --dp) and several
+    "dp-adaptive": dict(clients=10, rounds=3, local_steps=2, fraction=0.5,
+                        dp="noise_multiplier=0.5,clip=0.3,adaptive=true"),
+    "dp-one-step": dict(task="synthetic-logreg", clients=12, rounds=2, local_steps=1, lr=0.5,
+                        dp="noise_multiplier=1.0,clip=0.3"),
 }
 
 
@@ -100,6 +106,13 @@ def test_batched_gives_the_inprocess_models(case, tmp_path, monkeypatch):
         # shorter than 'inprocess') and nothing else differs
         assert r_got["bytes_up"] == r_ref["bytes_up"]
         assert r_ref["bytes_down"] - r_got["bytes_down"] == 2 * r_ref["num_clients"]
+        if "dp" in kw:  # the same mechanism's figures: clip (adaptive: moved by the clipped fraction), epsilon
+            for key in ("dp_clip", "dp_clipped_fraction", "dp_noise_multiplier", "epsilon"):
+                assert r_got[key] == pytest.approx(r_ref[key], rel=1e-6), key
+    if "dp" in kw:
+        fractions = [r["dp_clipped_fraction"] for r, _ in pairs]
+        assert any(0 < f < 1 for f in fractions) or len(set(fractions)) > 1, fractions  # clipping at work
+        assert pairs[-1][1]["epsilon"] > pairs[0][1]["epsilon"] > 0
 
 
 def _trainer(task_name="digits-mlp", clients=40, spec="iid"):
@@ -201,8 +214,9 @@ def test_unsupported_runs_say_so_in_one_line():
     with pytest.raises(ConfigError, match="inprocess") as exc:
         check_supported(RunConfig(strategy="draco", engine="batched"))
     assert "\n" not in str(exc.value) and "draco" in str(exc.value)
-    with pytest.raises(ConfigError, match="--dp with compressed_fedavg and onebit; with 'fedavg' use --engine inpr"):
-        check_supported(RunConfig(engine="batched", dp="noise_multiplier=1.0"))
+    with pytest.raises(ConfigError, match="--dp with fedavg, compressed_fedavg, onebit; with 'krum' use --engine inpr"):
+        check_supported(RunConfig(engine="batched", strategy="krum", dp="noise_multiplier=1.0"))
+    check_supported(RunConfig(engine="batched", dp="noise_multiplier=1.0"))  # fedavg
     with pytest.raises(ConfigError, match="--dp-sgd"):
         check_supported(RunConfig(engine="batched", strategy="compressed_fedavg", dp_sgd="noise_multiplier=1.0"))
     assert parse_memory_budget("2GB") == 2_000_000_000 and parse_memory_budget("512MiB") == 512 * 2**20

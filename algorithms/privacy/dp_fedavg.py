@@ -173,16 +173,21 @@ class ClientLevelDP:
     def privatize(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """``x [K, d]`` (one update per client) -> (the noised mean of clipped updates,
         the round's metrics); accounts the round."""
-        k = x.shape[0]
-        z_update, sigma_b = self._update_noise(k)
         clipped, within = clip_rows(x.to(torch.float32), self.clip)
-        noise = torch.randn(x.shape[1], generator=self.generator, dtype=torch.float32) * (z_update * self.clip)
-        mean = (clipped.sum(dim=0) + noise) / k
+        return self.noised_mean(clipped.sum(dim=0), int(within.sum()), x.shape[0])
+
+    def noised_mean(self, clipped_sum: torch.Tensor, within: int, k: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """:meth:`privatize` from the sum ``[d]`` of the k clients' updates, each clipped with
+        :func:`clip_rows` at ``self.clip`` (an engine that never holds all k at once sums them
+        chunk by chunk), and how many of them were within the clip."""
+        z_update, sigma_b = self._update_noise(k)
+        noise = torch.randn(clipped_sum.shape[0], generator=self.generator, dtype=torch.float32)
+        noise *= z_update * self.clip
+        mean = (clipped_sum.to(torch.float32) + noise) / k
         metrics = {"dp_clip": self.clip, "dp_noise_multiplier": self.noise_multiplier,
-                   "dp_clipped_fraction": float(1.0 - within.float().mean())}
+                   "dp_clipped_fraction": 1.0 - within / k}
         if self.spec.adaptive:
-            b = (float(within.sum()) + float(torch.randn((), generator=self.generator,
-                                                         dtype=torch.float64)) * sigma_b) / k
+            b = (within + float(torch.randn((), generator=self.generator, dtype=torch.float64)) * sigma_b) / k
             self.clip *= math.exp(-self.spec.clip_lr * (b - self.spec.quantile))
         self.accountant.step(self.q, self.noise_multiplier, 1)
         metrics["epsilon"] = self.accountant.epsilon()
