@@ -38,9 +38,10 @@ serialized (:mod:`fedswarm.sim.batched_round`), once per size class of the round
 
 What it does not do: the strategies not in :data:`SUPPORTED_STRATEGIES` (they run on
 ``--engine inprocess``; :func:`check_supported` says so in one line), ``--dp`` but with
-``fedavg``, ``compressed_fedavg`` and ``onebit``, ``--dp-sgd``, ``--byzantine`` with FedAvg, PVT
-or the sketch strategies or with a data-poisoning attack (labelflip), models with buffers
-(batch-norm statistics), and the ``--devices`` time model's simulated seconds (rows carry ``sim_time_s = null``).
+``fedavg``, ``compressed_fedavg`` and ``onebit``, ``--dp-sgd``, ``--byzantine`` with FedAvg, PVT,
+ProgFed or the sketch strategies (``labelflip`` runs with the others: the chosen clients train on
+flipped labels), models with buffers (batch-norm statistics), and the ``--devices`` time
+model's simulated seconds (rows carry ``sim_time_s = null``).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def check_supported(cfg: RunConfig) -> None:
             attack = parse_attack(cfg.attack or "signflip")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if cfg.strategy in _OWN_REPLIES or attack.kind == "data":
+        if cfg.strategy in _OWN_REPLIES or (attack.kind == "data" and attack.name != "labelflip"):
             what = (cfg.strategy if cfg.strategy in _OWN_REPLIES
                     else f"the '{attack.name}' attack (it poisons training data)")
             raise ConfigError(f"--engine batched does not run --byzantine with {what}; use --engine inprocess")
@@ -203,7 +204,8 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     model = task.model(cfg.seed).to(device)
     data = task_data(cfg)
     flat_idx, offsets = partition_offsets(data.train_y.numpy(), cfg.partition, cfg.clients, cfg.seed)
-    trainer = BatchedTrainer(task, data.train_x, data.train_y, flat_idx, offsets, device, model_seed=cfg.seed)
+    trainer = BatchedTrainer(task, data.train_x, data.train_y, flat_idx, offsets, device, model_seed=cfg.seed,
+                             num_classes=data.num_classes)
     n_examples = offsets[1:] - offsets[:-1]
     global_vec = get_flat(model).cpu()
 

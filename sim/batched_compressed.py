@@ -131,6 +131,11 @@ class CompressedRounds:
         total = len(node_ids)
         knobs = messages[0].content.config_records[KNOBS]
         sched, classes, pols = round_schedule(cfg, node_ids, run.train_config, run.n_examples, server_round)
+        if self.byzantine is not None and self.byzantine.attack.kind == "data":  # labelflip
+            # the chosen nodes train on flipped labels; the record that tells them so is added
+            # below the meter (as on the in-process grid), so it is not in the bytes
+            bad = set(self.byzantine.byzantine)
+            sched.flip_labels = torch.tensor([nid in bad for nid in node_ids], dtype=torch.bool)
         policy_json = {c: json.dumps(p, sort_keys=True) for c, p in zip(classes, pols)}
         codecs = {c: client_codec(knobs, p) for c, p in zip(classes, pols)} if "codec" in knobs else {}
         ef = bool(knobs.get("error_feedback", True))

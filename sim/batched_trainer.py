@@ -36,6 +36,9 @@ class ClientSchedule:
     batch_size: torch.Tensor  # int64
     lr: torch.Tensor  # float32
     seeds: torch.Tensor  # int64 round seeds
+    # bool: clients that train on flipped labels y -> num_classes - 1 - y (a label-flipping
+    # Byzantine client, as fedswarm.train.trainer_for(label_flip=True) trains); None: none do
+    flip_labels: torch.Tensor | None = None
 
 
 class _Objective(nn.Module):
@@ -62,8 +65,9 @@ class BatchedTrainer:
 
     def __init__(self, task: Task, train_x: torch.Tensor, train_y: torch.Tensor, flat_idx: np.ndarray,
                  offsets: np.ndarray, device: torch.device | str = "cpu", model_seed: int = 0,
-                 model: nn.Module | None = None):
+                 model: nn.Module | None = None, num_classes: int | None = None):
         self.task = task
+        self.num_classes = num_classes  # for flip_labels
         self.device = torch.device(device)
         model = (task.model(model_seed) if model is None else model).to(self.device)
         if any(True for _ in model.buffers()):
@@ -180,11 +184,15 @@ class BatchedTrainer:
             chunk_size = max(1, min(k_total, budget // self.bytes_per_client(s_max, b_max)))
         n_examples = self.num_examples(schedule.partitions)
         start = start.to(self.device, torch.float32)
+        flip = schedule.flip_labels
+        if flip is not None and self.num_classes is None:
+            raise ValueError("flip_labels needs the trainer's num_classes")
         for lo in range(0, k_total, chunk_size):
             hi = min(k_total, lo + chunk_size)
             new, loss = self._fit_chunk(start, idx_all[lo:hi], valid_all[lo:hi], schedule.steps[lo:hi],
                                         schedule.lr[lo:hi], momentum,
-                                        None if trained is None else trained[lo:hi].to(self.device))
+                                        None if trained is None else trained[lo:hi].to(self.device),
+                                        None if flip is None or not bool(flip[lo:hi].any()) else flip[lo:hi])
             yield slice(lo, hi), new, loss, n_examples[lo:hi]
             if on_chunk is not None:
                 on_chunk(hi - lo)
@@ -211,6 +219,8 @@ class BatchedTrainer:
         no vmap at all; the round's weighted loss is exact, per-client losses are None."""
         if schedule.partitions.numel() == 0:
             return
+        if schedule.flip_labels is not None:
+            raise ValueError("average() trains no label-flipping clients; use fit()")
         if bool((schedule.steps == 1).all()):
             yield from self._one_step_average(start, schedule, weights, chunk_size, memory_budget, on_chunk,
                                               per_client_loss)
@@ -295,10 +305,12 @@ class BatchedTrainer:
         return g, loss_wsum
 
     def _fit_chunk(self, start: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, steps: torch.Tensor,
-                   lr: torch.Tensor, momentum: float,
-                   trained: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   lr: torch.Tensor, momentum: float, trained: torch.Tensor | None = None,
+                   flip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         c, s_max, _ = idx.shape
         dev = self.device
+        if flip is not None:
+            flip = flip.to(dev)[:, None]
         params = start.expand(c, -1).clone()
         buf = torch.zeros_like(params) if momentum else None
         lr = lr.to(dev, torch.float32)[:, None]
@@ -309,6 +321,8 @@ class BatchedTrainer:
             active = steps > s  # [C]
             rows, w = idx[:, s], valid[:, s]
             x, y = self.x[rows], self.y[rows]
+            if flip is not None:
+                y = torch.where(flip, self.num_classes - 1 - y, y)
             if bool(w.all()):
                 g, loss = self._full(params, x, y)
             else:

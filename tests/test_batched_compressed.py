@@ -67,6 +67,10 @@ ROBUST = {
     "median-random": dict(strategy="median", byzantine=2, attack="random"),
     # an attack on gTop-k's sparse replies (re-encoded top-k, read by GlobalTopK.parse_reply)
     "gtopk-signflip": dict(strategy="gtopk", byzantine=2, attack="signflip", params={"density": 0.1}),
+    # data poisoning: the chosen clients train on flipped labels (their train messages say so)
+    "median-labelflip": dict(strategy="median", byzantine=3, attack="labelflip"),
+    "topk-labelflip": dict(strategy="compressed_fedavg", byzantine=2, attack="labelflip",
+                           params={"codec": "topk", "codec_params": "ratio=0.2"}),
 }
 
 
@@ -78,6 +82,9 @@ def test_batched_serves_robust_rules_and_attacks(case, tmp_path, monkeypatch):
         assert r_got["bytes_up"] == r_ref["bytes_up"]
         assert r_got.get("rejected") == r_ref.get("rejected")
         assert r_got.get("byzantine_nodes") == r_ref.get("byzantine_nodes")
+        if kw.get("attack") == "labelflip":  # the attack's record is added below the meter: not in the bytes
+            extra = r_ref["bytes_down"] - r_got["bytes_down"] - 2 * r_ref["num_clients"]
+            assert abs(extra) <= 4 * r_ref["num_clients"], extra
         if r_ref["train_loss"] is not None:
             assert r_got["train_loss"] == pytest.approx(r_ref["train_loss"], abs=1e-5)
     if kw.get("byzantine"):  # the attack did happen, to the same nodes
@@ -109,7 +116,8 @@ def test_unserved_byzantine_runs_say_so_in_one_line():
 
     check_supported(RunConfig(engine="batched", strategy="gtopk", byzantine=1))  # served: no error
 
-    for cfg in (RunConfig(engine="batched", strategy="median", byzantine=1, attack="labelflip"),
+    check_supported(RunConfig(engine="batched", strategy="median", byzantine=1, attack="labelflip"))
+    for cfg in (RunConfig(engine="batched", byzantine=1, attack="labelflip"),
                 RunConfig(engine="batched", byzantine=1), RunConfig(engine="batched", strategy="pvt", byzantine=1),
                 RunConfig(engine="batched", strategy="progfed", byzantine=1)):
         with pytest.raises(ConfigError, match="--engine inprocess") as exc:
