@@ -165,3 +165,40 @@ def test_bounds_are_named():
     with pytest.raises(ToleranceError, match="dividing"):
         RepetitionCode(P, 3)  # 7 does not divide 15
     assert make_code("auto", P, 3).scheme == "polynomial" and make_code("auto", P, 1).scheme == "repetition"
+
+
+def test_a_worker_whose_node_left_is_taken_over_by_a_new_node():
+    """A SuperNode that restarts comes back under a new node id: its worker index (its
+    data partitions) goes to the new node, the round names the change, the other workers
+    keep theirs, and a node with no free index sits out."""
+    import torch
+    from flwr.app import ConfigRecord
+
+    from fedswarm.params import ParamLayout
+    from fedswarm.strategies.federated.coded import CODE, CodedStrategy
+    from fedswarm.strategies.strategy_utils import RoundNotes
+    from fedswarm.wire import vector_to_arrayrecord
+
+    class Nodes:
+        def __init__(self, ids):
+            self.ids = list(ids)
+
+        def get_node_ids(self):
+            return list(self.ids)
+
+    layout = ParamLayout.from_shapes([("w", (6,))])
+    strategy = CodedStrategy(layout, 3, 1, scheme="repetition", name="draco")
+    notes = RoundNotes()
+    strategy.bind_notes(notes)
+    arrays = vector_to_arrayrecord(torch.zeros(6), "w")
+
+    def round_(grid):
+        msgs = strategy.configure_train(1, arrays, ConfigRecord(), grid)
+        return {m.metadata.dst_node_id: int(m.content.config_records[CODE]["worker"]) for m in msgs}
+
+    assert round_(Nodes([5, 7, 9])) == {5: 0, 7: 1, 9: 2}
+    assert notes.take()[0] == {}
+    assert round_(Nodes([5, 9, 12])) == {5: 0, 12: 1, 9: 2}  # node 7 restarted as 12
+    assert notes.take()[0]["workers_reassigned"] == [{"worker": 1, "from": 7, "to": 12}]
+    assert round_(Nodes([5, 9, 12, 13])) == {5: 0, 12: 1, 9: 2}  # a spare: no message
+    assert notes.take()[0] == {}

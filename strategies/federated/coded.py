@@ -107,10 +107,35 @@ class CodedStrategy(CompressedStrategy):
             if len(nodes) != self.P:
                 raise ConfigError(f"{self.name} is built for P={self.P} workers, the federation has {len(nodes)} nodes")
             self.workers = {nid: i for i, nid in enumerate(nodes)}
-        messages = list(super().configure_train(server_round, arrays, config, grid))
-        for msg in messages:
-            msg.content[CODE] = ConfigRecord({"worker": self.workers[msg.metadata.dst_node_id]})
+        else:
+            self._adopt_new_nodes(grid)
+        messages = []
+        for msg in super().configure_train(server_round, arrays, config, grid):
+            worker = self.workers.get(msg.metadata.dst_node_id)
+            if worker is None:  # a spare node: every worker index is held by a connected node
+                continue
+            msg.content[CODE] = ConfigRecord({"worker": worker})
+            messages.append(msg)
         return messages
+
+    def _adopt_new_nodes(self, grid) -> None:
+        """A worker whose node left (a SuperNode restarted gets a new node id, and one that
+        restored no state is not renamed by :meth:`rename_nodes`): its index goes to a node
+        that is not a worker yet, lowest ids first, and the round's row names the change.
+        The worker's data partitions are fixed by its index, and its update depends only on
+        the public model, so the new node computes exactly what the old one would have; a
+        new node with no free index sits out until one frees up."""
+        present = {int(n) for n in grid.get_node_ids()}
+        free = sorted((i, nid) for nid, i in self.workers.items() if nid not in present)
+        new = sorted(n for n in present if n not in self.workers)
+        moved = []
+        for (i, old), nid in zip(free, new):
+            del self.workers[old]
+            self.workers[nid] = i
+            moved.append({"worker": i, "from": old, "to": nid})
+            log(WARNING, "%s: worker %d was node %s, which left; node %s takes it over", self.name, i, old, nid)
+        if moved:
+            self.note(workers_reassigned=moved)
 
     def parse_reply(self, msg: Message) -> torch.Tensor:
         payload = read_payload(msg, self.layout.d)
