@@ -273,9 +273,11 @@ def _clipped_sums(run: BatchedRun, global_vec: torch.Tensor, sched, weights: tor
         diverged = {rows.start + int(j): new[j].cpu() for j in bad.nonzero()[:, 0].tolist()}
         clipped, ok = clip_rows(new[~bad] - start, dp.clip)
         within[0] += int(ok.sum())
-        w = torch.where(bad.cpu(), torch.zeros(()), weights[rows].to(torch.float32))
+        bad = bad.cpu()
+        w = torch.where(bad, torch.zeros(()), weights[rows].to(torch.float32))
         loss = loss.cpu()
-        yield rows, clipped.sum(dim=0).cpu().to(torch.float64), loss, n, float((loss * w).sum()), diverged
+        loss_wsum = float(torch.where(bad, torch.zeros(()), loss * w).sum())  # a diverged loss may be NaN
+        yield rows, clipped.sum(dim=0).cpu().to(torch.float64), loss, n, loss_wsum, diverged
 
 
 def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, sample: list[int],

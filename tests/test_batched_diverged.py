@@ -53,6 +53,7 @@ CASES = {
     "fedavg-sampled-policy": dict(strategy="fedavg", fraction=0.5, rounds=3, devices="gpu:4,edge-wifi:4",
                                   policies={"edge-wifi": {"local_steps": 5, "batch_size": 8}}),
     "fedavg-one-step": dict(strategy="fedavg", local_steps=1),
+    "fedavg-dp": dict(strategy="fedavg", dp="noise_multiplier=0.5,clip=0.5"),  # left out of the clipped sum too
     "progfed": dict(strategy="progfed", rounds=3, params={"stage_rounds": 1}),
     "pvt": dict(strategy="pvt", params={"fraction": 0.5}),
 }
