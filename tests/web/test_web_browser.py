@@ -73,6 +73,22 @@ def _points(page, chart: str = "chart-acc") -> int:
     return int(page.get_attribute(f"#{chart}", "data-points") or 0)
 
 
+def _rounds_and_controls(db, rid: str) -> tuple[list[tuple[int, object]], dict[str, object]]:
+    """The run's rounds as (round, recorded at) and when each kind of control was applied."""
+    from sqlalchemy import select
+
+    from fedswarm.store import Store
+    from fedswarm.store_schema import Control
+
+    store = Store(db)
+    try:
+        with store.session() as s:
+            applied = {c.kind: c.applied_at for c in s.scalars(select(Control).where(Control.run_id == rid))}
+        return [(r.round, r.created_at) for r in store.rounds(rid)], applied
+    finally:
+        store.close()
+
+
 def _wait_status(page, status: str, timeout_ms: int) -> None:
     page.wait_for_function(f"() => document.querySelector('#status .badge').textContent.trim() === '{status}'",
                            timeout=timeout_ms)
@@ -138,13 +154,18 @@ def test_controls_with_fake_runner(page, tmp_path):
         page.wait_for_function("() => +document.querySelector('#chart-acc').dataset.points >= 3")
         page.click("#btn-pause")
         _wait_status(page, "paused", 60_000)
-        n = _points(page)
-        page.wait_for_timeout(1200)
-        assert _points(page) == n, "rounds kept coming while paused"
+        # the runner records the round in flight, then pauses: while paused the store holds n rounds,
+        # and the chart (its own poll) shows exactly those once it has caught up
+        n = len(_rounds_and_controls(server.db, rid)[0])
+        page.wait_for_function(f"() => +document.querySelector('#chart-acc').dataset.points >= {n}")
+        assert _points(page) == n, "the chart shows a round the paused run never recorded"
         page.click("#btn-resume")
         page.wait_for_function(f"() => +document.querySelector('#chart-acc').dataset.points > {n}")
         page.click("#btn-stop")
         _wait_status(page, "stopped", 60_000)
+        rounds, applied = _rounds_and_controls(server.db, rid)
+        paused = [r for r, t in rounds if applied["pause"] < t < applied["resume"]]
+        assert not paused, f"rounds {paused} were recorded while the run was paused"
         page.screenshot(path=str(ARTIFACTS / "dashboard-controls.png"), full_page=True)
         page.reload()
         events = page.text_content("ul.events")
