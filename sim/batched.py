@@ -258,28 +258,6 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     return "finished"
 
 
-def _clipped_sums(run: BatchedRun, global_vec: torch.Tensor, sched, weights: torch.Tensor, dp, total: int,
-                  within: list[int]):
-    """:meth:`BatchedTrainer.average`'s chunks for DP-FedAvg: each chunk's sum of its clients'
-    changes ``theta_k - start``, each clipped as :class:`DPFedAvg` clips it (uniform weights;
-    diverged clients left out as there), with the loss still weighed by examples; ``within``
-    collects how many changes were within the clip."""
-    from fedswarm.algorithms.privacy.dp_fedavg import clip_rows
-
-    start = global_vec.to(run.trainer.device, torch.float32)
-    for rows, new, loss, n in run.trainer.fit(start, sched, momentum=run.cfg.momentum, chunk_size=run.chunk_size,
-                                              memory_budget=run.memory_budget, on_chunk=run.progress(total)):
-        bad = ~torch.isfinite(new).all(dim=1)
-        diverged = {rows.start + int(j): new[j].cpu() for j in bad.nonzero()[:, 0].tolist()}
-        clipped, ok = clip_rows(new[~bad] - start, dp.clip)
-        within[0] += int(ok.sum())
-        bad = bad.cpu()
-        w = torch.where(bad, torch.zeros(()), weights[rows].to(torch.float32))
-        loss = loss.cpu()
-        loss_wsum = float(torch.where(bad, torch.zeros(()), loss * w).sum())  # a diverged loss may be NaN
-        yield rows, clipped.sum(dim=0).cpu().to(torch.float64), loss, n, loss_wsum, diverged
-
-
 def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, sample: list[int],
                server_round: int, notes=None, dp=None) -> tuple[torch.Tensor, dict, list[dict]]:
     """Train the sampled clients, average their models weighted by examples (Flower's
@@ -301,13 +279,11 @@ def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, 
     within = [0]
     if dp is not None:
         dp.before_round()
-        chunks = _clipped_sums(run, global_vec, sched, weights, dp, total, within)
-    else:
-        chunks = trainer.average(global_vec, sched, weights, momentum=cfg.momentum, chunk_size=run.chunk_size,
-                                 memory_budget=run.memory_budget, on_chunk=run.progress(total),
-                                 per_client_loss=record_nodes)
     kept = total
-    for rows, part_sum, loss, n, loss_wsum, diverged in chunks:
+    for rows, part_sum, loss, n, loss_wsum, diverged in trainer.average(
+            global_vec, sched, weights, momentum=cfg.momentum, chunk_size=run.chunk_size,
+            memory_budget=run.memory_budget, on_chunk=run.progress(total), per_client_loss=record_nodes,
+            clip=None if dp is None else dp.clip, within=within):
         acc += part_sum
         weight_sum += float(weights[rows].sum()) - sum(float(weights[i]) for i in diverged)
         kept -= len(diverged)

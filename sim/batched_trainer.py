@@ -199,7 +199,8 @@ class BatchedTrainer:
 
     def average(self, start: torch.Tensor, schedule: ClientSchedule, weights: torch.Tensor, *,
                 momentum: float = 0.0, chunk_size: int | None = None, memory_budget: int | None = None,
-                on_chunk: Callable[[int], None] | None = None, per_client_loss: bool = True):
+                on_chunk: Callable[[int], None] | None = None, per_client_loss: bool = True,
+                clip: float | None = None, within: list[int] | None = None):
         """FedAvg's numerator, chunk by chunk: yield ``(rows, sum_k w_k theta_k [d] float64,
         mean_loss [C] or None, num_examples [C], sum_k w_k mean_loss_k, diverged)`` over the
         chunk's clients, ``theta_k`` being client ``k``'s model after local SGD from ``start``
@@ -216,18 +217,25 @@ class BatchedTrainer:
         ``per_client_loss=False`` (no per-node rows wanted) goes further: clients with the
         same per-example weight ``w_k lr_k / b_k`` are one group, and each group is one call
         of the task's objective on all its examples (``sum_i c ell_i = c N_g mean_g``), with
-        no vmap at all; the round's weighted loss is exact, per-client losses are None."""
+        no vmap at all; the round's weighted loss is exact, per-client losses are None.
+
+        ``clip`` (DP-FedAvg): the sum is instead ``sum_k clip(theta_k - start)``, each change
+        scaled to norm <= ``clip`` as :func:`~fedswarm.algorithms.privacy.dp_fedavg.clip_rows`
+        does (uniform weights; the loss is still weighed by ``weights``), and ``within[0]``
+        counts the changes that were within it. Every client's model is formed (no shortcut)."""
         if schedule.partitions.numel() == 0:
             return
         if schedule.flip_labels is not None:
             raise ValueError("average() trains no label-flipping clients; use fit()")
-        if bool((schedule.steps == 1).all()):
+        if clip is None and bool((schedule.steps == 1).all()):
             yield from self._one_step_average(start, schedule, weights, chunk_size, memory_budget, on_chunk,
                                               per_client_loss)
             return
-        yield from self._per_client_average(start, schedule, weights, momentum, chunk_size, memory_budget, on_chunk)
+        yield from self._per_client_average(start, schedule, weights, momentum, chunk_size, memory_budget, on_chunk,
+                                            clip=clip, within=within)
 
-    def _per_client_average(self, start, schedule, weights, momentum, chunk_size, memory_budget, on_chunk, lo=0):
+    def _per_client_average(self, start, schedule, weights, momentum, chunk_size, memory_budget, on_chunk, lo=0,
+                            clip=None, within=None):
         """:meth:`average` from every client's model (:meth:`fit`); ``lo``: the schedule's
         offset in the round (positions in ``rows`` and ``diverged`` are the round's)."""
         for rows, new, loss, n in self.fit(start, schedule, momentum=momentum, chunk_size=chunk_size,
@@ -238,8 +246,15 @@ class BatchedTrainer:
             new = torch.where(bad[:, None], torch.zeros((), device=new.device), new)
             loss = loss.cpu()
             loss_wsum = float(torch.where(bad.cpu(), torch.zeros(()), loss * w).sum())
-            yield (slice(rows.start + lo, rows.stop + lo), (w.to(new.device) @ new).cpu().to(torch.float64), loss, n,
-                   loss_wsum, diverged)
+            if clip is None:
+                part = w.to(new.device) @ new
+            else:
+                from fedswarm.algorithms.privacy.dp_fedavg import clip_rows
+
+                clipped, ok = clip_rows(new[~bad] - start.to(new.device, torch.float32), clip)
+                within[0] += int(ok.sum())
+                part = clipped.sum(dim=0)
+            yield slice(rows.start + lo, rows.stop + lo), part.cpu().to(torch.float64), loss, n, loss_wsum, diverged
 
     def _one_step_average(self, start, schedule, weights, chunk_size, memory_budget, on_chunk, per_client_loss):
         idx_all, valid_all = self.minibatches(schedule)

@@ -110,6 +110,7 @@ class CountSketch:
         # for the C kernels (CPU): sigma < 0 as bytes, pi^-1 as int32 where c allows
         self._neg_u8 = (self.block_signs < 0).to(torch.uint8).contiguous()
         self._pinv_i32 = self._perm_inv.to(torch.int32).contiguous() if cols < 2**31 else None
+        self._sample_hashes: tuple | None = None  # (sample, h, s) of unsketch's fixed sample, hashed once
 
     def __repr__(self) -> str:
         return f"CountSketch(d={self.d}, rows={self.rows}, cols={self.cols}, seed={self.seed})"
@@ -324,7 +325,7 @@ class CountSketch:
         rank = math.ceil(1.25 * expected + 4.0 * math.sqrt(expected) + 8)
         if rank > sample.numel():
             return None
-        if getattr(self, "_sample_hashes", (None,))[0] is not sample:  # the sample is fixed per d: hash it once
+        if self._sample_hashes is None or self._sample_hashes[0] is not sample:
             self._sample_hashes = (sample, *self.hashes(sample))
         thr = self._estimate_at(table, *self._sample_hashes[1:]).abs().topk(rank, dim=1).values[:, -1:]  # [K, 1]
         if not bool((thr > 0).all()):  # a sparse vector: t = 0 would make every coordinate a candidate
