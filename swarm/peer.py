@@ -138,8 +138,7 @@ class Peer:
         # the bound address (``--listen HOST:0`` picks a free port), for launchers: they read it
         # rather than guess a free port beforehand, which another process may take first.
         # Connections queue in the socket's backlog until start() accepts them.
-        (self.dir / ".address.tmp").write_text(self.transport.address)
-        os.replace(self.dir / ".address.tmp", self.dir / "address")
+        self._publish("address", self.transport.address)
         self.membership = Membership(self.id, self.transport.address, admit=self.verifier.admit,
                                      interval_s=cfg.heartbeat_s, suspect_after=cfg.suspect_after,
                                      remove_after=cfg.remove_after)
@@ -326,8 +325,7 @@ class Peer:
             np.save(self.dir / "models" / f"r{r:05d}.npy", x.numpy())
         save_checkpoint(self.dir, {"round": r, "history": self.history, "restarts": self.restarts,
                                    "driver": self.driver.state_dict()})
-        (self.dir / ".round.tmp").write_text(str(r))
-        os.replace(self.dir / ".round.tmp", self.dir / "round")  # progress, for launchers
+        self._publish("round", str(r))  # progress, for launchers
         if self.recorder is not None:
             self.recorder.round_done(row)
         log.info("%s: round %d acc=%s loss=%.4f %.2fs", self.ident.short_id, r, row.get("test_accuracy"),
@@ -362,11 +360,16 @@ class Peer:
         self._hb.join(timeout=2 * self.cfg.heartbeat_s + 2)
         self.transport.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
-        tmp = self.dir / ".result.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=1, default=str))
-        os.replace(tmp, self.dir / "result.json")
+        self._publish("result.json", json.dumps(summary, indent=1, default=str))
         log.info("%s: done, dropped %s", self.ident.short_id, summary["dropped"])
         return summary
+
+    def _publish(self, name: str, text: str) -> None:
+        """Write ``STATE_DIR/name`` whole or not at all (temp file, then an atomic rename): a
+        launcher reading it never sees half a file."""
+        tmp = self.dir / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, self.dir / name)
 
     def install_signal_handlers(self) -> None:
         def _term(signum, frame):
