@@ -58,7 +58,7 @@ def _check_outputs(out, want_ids):
     return data, doc
 
 
-@pytest.mark.timeout(900)  # three real in-process runs (FedAvg, 1-bit both ways, 1-bit up): 280 s at load 25
+@pytest.mark.timeout(900)  # three real runs (FedAvg, 1-bit both ways, 1-bit up)
 def test_generator_tiny_run(tmp_path, monkeypatch):
     """A tiny real run of two claims (a federated one and a time-model one)."""
     monkeypatch.setenv("FEDSWARM_PAPERS_ONLY", "onebit-cnn4,dasgd")
@@ -73,6 +73,7 @@ def test_generator_tiny_run(tmp_path, monkeypatch):
     assert gap == pytest.approx(100 * (arm["final_acc"] - fedavg["final_acc"]))
     # the verdict is the paper's two-stage scheme (1-bit both ways); uplink-only 1-bit beside it
     assert arm["strategy"] == "onebit" and arm["bytes_down"] < fedavg["bytes_down"]  # round 1 sends the model
+    assert fedavg["engine"] == arm["engine"] == "batched"  # the engine that serves both, named in each row
     up = next(r for r in onebit["rows"] if r.get("arm", "").startswith("compressed_fedavg, 1-bit uplink only"))
     assert up["strategy"] == "compressed_fedavg" and up["params"]["codec"] == "onebit"
     assert "uplink only" in onebit["ours"] and "the paper's scheme" in onebit["ours"]
@@ -148,3 +149,13 @@ def test_tiny_run_of_hl_and_progfed(tmp_path, monkeypatch):
     saved = next(c for c in progfed["checks"] if c["name"] == "two-way traffic saved")["value"]
     two = lambda r: r["bytes_up"] + r["bytes_down"]  # noqa: E731
     assert saved == pytest.approx(100 * (1 - two(ts_s) / two(fa)))
+
+
+def test_fl_runs_go_to_the_batched_engine_where_it_serves_the_strategy():
+    from fedswarm.bench.papers.federated import engine_for
+    from fedswarm.config import RunConfig
+
+    assert engine_for(RunConfig(strategy="onebit", params={"scale": "block"})) == "batched"
+    assert engine_for(RunConfig(strategy="fetchsgd")) == "batched"
+    assert engine_for(RunConfig(strategy="hl")) == "inprocess"  # the batched engine refuses HL
+    assert engine_for(RunConfig(strategy="fedavg", dp_sgd="noise_multiplier=1.0,clip=1.0")) == "inprocess"

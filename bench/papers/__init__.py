@@ -76,7 +76,7 @@ class Scale:
 SCALES = {
     "tiny": Scale("tiny", 4, 2, 2, 2, 2, True, 1, 1, (0.05,), 0.3, 1),
     "quick": Scale("quick", 10, 6, 6, 30, 8, True, 6, 10, (0.05,), 0.8, 1),
-    "full": Scale("full", 20, 15, 15, 100, 24, False, 20, 60, (0.02, 0.05, 0.1), 0.9, 3),
+    "full": Scale("full", 20, 45, 45, 500, 24, False, 20, 60, (0.02, 0.05, 0.1), 0.9, 3),
 }
 
 

@@ -1,8 +1,12 @@
 """Federated and edge claims: 1-bit SGD, Sketched-SGD, FetchSGD, gs-SGD against global
 top-k, PVT and ProgFed (HL: ``hl.py``).
 
-Every arm is a real in-process run (fedswarm's ServerApp and ClientApps); bytes are
-measured on the serialized Flower messages, both phases of two-phase strategies included.
+Every arm is a real run of fedswarm's strategy objects: on the batched engine where it
+serves the strategy (``--engine batched``: every client's local training on one client
+axis, the models equal to the in-process engine's in ``tests/test_batched*.py``), else
+in-process (fedswarm's ServerApp and ClientApps); each arm's row names its engine. Bytes
+are measured on the serialized Flower messages, both phases of two-phase strategies
+included.
 The compression claims run on ``digits-mlp-wide`` (d = 301,066, ``fedswarm.tasks.large``),
 where a sketch of a tenth of the model is still far larger than k log d, and 1-bit SGD
 also on ``digits-cnn4`` (d = 25k, small layers) as the issue asks.
@@ -32,26 +36,43 @@ GS = {"density": 0.005, "rows": 5, "cols": 4000}
 GTOPK = {"density": 0.025}  # about gs-SGD's bytes per reply (8 bytes per kept value)
 
 
+def engine_for(cfg: RunConfig) -> str:
+    """``batched`` where the batched engine serves ``cfg`` (the same ServerApp strategy and
+    client math on a client axis; held to the in-process engine's models by
+    ``tests/test_batched*.py``), else ``inprocess``."""
+    from fedswarm.config import ConfigError
+    from fedswarm.sim.batched import check_supported
+
+    try:
+        check_supported(cfg)
+    except ConfigError:
+        return "inprocess"
+    return "batched"
+
+
 class FLRunner:
-    """Runs (and caches) in-process federated runs: the FedAvg baseline of a setting is run
-    once per seed and shared by every claim that compares with it."""
+    """Runs (and caches) federated runs: the FedAvg baseline of a setting is run once per
+    seed and shared by every claim that compares with it. Each run goes to the batched
+    engine where it serves the strategy (:func:`engine_for`), else to the in-process one;
+    both run the strategy's own objects and measure bytes on serialized messages."""
 
     def __init__(self, store: Store, scale) -> None:
         self.store, self.s = store, scale
         self._cache: dict[str, dict] = {}
 
     def run(self, task: str, strategy: str, params: dict, *, seed: int, rounds: int, **kw: Any) -> dict:
-        from fedswarm.sim.inprocess import run_inprocess
+        from fedswarm.sim.run import run_engine
 
         setting = dict(task=task, clients=self.s.fl_clients, partition="iid", batch_size=16, lr=0.05,
                        momentum=0.9, local_epochs=1)
         setting.update(kw)
         cfg = RunConfig(strategy=strategy, params=params, rounds=rounds, seed=seed, **setting)
+        cfg = cfg.model_copy(update={"engine": engine_for(cfg)})
         key = json.dumps(cfg.model_dump(), sort_keys=True, default=str)
         if key in self._cache:
             return self._cache[key]
         rid = self.store.create_run(cfg.model_dump(), name=f"bench-papers {strategy}")
-        status = run_inprocess(cfg, store=self.store, run_id=rid)
+        status = run_engine(cfg, store=self.store, run_id=rid)
         if status != "finished":
             raise RuntimeError(f"{strategy} on {task} ended {status}: {self.store.get_run(rid).error}")
         rows = [r for r in self.store.export_result(rid)["rounds"] if r["round"] > 0]
@@ -59,7 +80,8 @@ class FLRunner:
         for r in rows:
             up += r["bytes_up"] or 0
             curve.append([up, r["test_accuracy"]])
-        out = {"strategy": strategy, "params": params, "task": task, "seed": seed, "rounds": rounds,
+        out = {"strategy": strategy, "params": params, "task": task, "engine": cfg.engine, "seed": seed,
+               "rounds": rounds,
                "final_acc": rows[-1]["test_accuracy"], "bytes_up": up,
                "bytes_down": sum(r["bytes_down"] or 0 for r in rows), "curve": curve}
         self._cache[key] = out
@@ -98,11 +120,17 @@ def _vs_measured(v: dict, label: str, need_ratio: float, need_gap: float, settin
                 Check("uplink ratio vs FedAvg", v["ratio"], ">=", need_ratio, unit="x"),
                 Check("less uplink than FedAvg", v["ratio"], ">", 1.0, direction=True, unit="x"),
                 Check("accuracy within 5 pts", g["mean"], ">=", -5.0, direction=True, unit=" pts")],
-        setting=setting,
+        setting=setting + _engines(v["base"], v["arm"]),
         series={"FedAvg fp32": v["base"]["curve"], label: v["arm"]["curve"]},
         xlabel="cumulative uplink bytes (measured)", ylabel="test accuracy",
         rows=[v["base"], v["arm"], {"arm": "gap", "gap_points": g, "uplink_ratio": v["ratio"]}],
         note=differs_note)
+
+
+def _engines(*runs: dict) -> str:
+    """The setting's note of which engine ran the arms."""
+    names = sorted({r["engine"] for r in runs})
+    return f"; engine {' and '.join(names)} (fedswarm sim --engine)"
 
 
 def _fl_setting(fl: FLRunner, task: str, rounds: int) -> str:
@@ -211,7 +239,7 @@ def gs_sgd_vs_gtopk(fl: FLRunner) -> Measured:
               f"({g['n']} seed(s))" if mean is not None else "no common byte budget"),
         checks=[Check("gs-SGD - gTop-k accuracy at the same uplink", mean, ">=", 0.0, direction=True, unit=" pts")],
         setting=_sketch_setting(fl, r) + f"; gs_sgd {GS} vs gtopk {GTOPK}; accuracy compared at the smaller "
-                                            "of the two runs' total uplink",
+                                            "of the two runs' total uplink" + _engines(gs, gt),
         series={"gs-SGD": gs["curve"], "gTop-k": gt["curve"]},
         xlabel="cumulative uplink bytes (measured)", ylabel="test accuracy", rows=[gs, gt, {"gap": g}],
         note="Accuracy only: gs-SGD's O(log d log P) communication time (its tree of sketches) is not simulated.")
