@@ -42,10 +42,12 @@ def iters_per_epoch() -> int:
 
 
 def gossip_arm(algorithm: str, params: dict, iterations: int, *, topology: str = "ring", lr: float = LR,
-               partition: str = "iid", seed: int = 0, eval_every: int = 1) -> dict:
+               partition: str = "iid", seed: int = 0, eval_every: int = 1, local_models: bool = False) -> dict:
     """Train ``algorithm`` on ``[n, d]`` for ``iterations`` on the array engine
     (:class:`fedswarm.sim.array_engine.ArraySimulation`): test accuracy of the node average
-    every ``eval_every`` iterations (``iters``: 1-based iteration numbers)."""
+    every ``eval_every`` iterations (``iters``: 1-based iteration numbers). With
+    ``local_models``, also ``local_accuracy``: the mean over the nodes of each node's own
+    model's test accuracy (what a node of a decentralized run actually holds)."""
     from fedswarm.algorithms.decentralized import make_algorithm
     from fedswarm.sim.array_engine import ArraySimulation
     from fedswarm.train import evaluate_flat, task_data
@@ -53,13 +55,22 @@ def gossip_arm(algorithm: str, params: dict, iterations: int, *, topology: str =
     cfg = _cfg(algorithm, seed, lr=lr, partition=partition, topology=topology)
     sim = ArraySimulation(cfg, make_algorithm(algorithm, **params))
     data = task_data(cfg)
-    iters, accs = [], []
+
+    def acc(flat) -> float:
+        return evaluate_flat(sim.task, sim.model, flat, data.test_x, data.test_y, sim.device)[1]
+
+    iters, accs, local = [], [], []
     for t in range(1, iterations + 1):
         sim.step()
         if t % eval_every == 0 or t == iterations:
             iters.append(t)
-            accs.append(evaluate_flat(sim.task, sim.model, sim.average(), data.test_x, data.test_y, sim.device)[1])
-    return {"iters": iters, "accuracy": accs, "algo": sim.algo.summary(), "d": sim.x0.numel()}
+            accs.append(acc(sim.average()))
+            if local_models:
+                local.append(sum(acc(row) for row in sim.state.x) / sim.n)
+    out = {"iters": iters, "accuracy": accs, "algo": sim.algo.summary(), "d": sim.x0.numel()}
+    if local_models:
+        out["local_accuracy"] = local
+    return out
 
 
 def _first(xs: list[float], accs: list[float], target: float) -> float | None:
@@ -147,38 +158,64 @@ def adpsgd_straggler(s) -> Measured:
 
 def qgm_vs_dsgdm(s) -> Measured:
     """Lin et al. 2021: quasi-global momentum beats local momentum (DSGDm) on
-    heterogeneous data, +1 to +20 points."""
+    heterogeneous data, +1 to +20 points.
+
+    Measured as the paper's reference code measures it (``epfml/quasi-global-momentum``,
+    ``distributed_running_cv.py``: the tracked "best_perf" is the test accuracy of each
+    worker's local model, averaged over the workers; the averaged model is evaluated only
+    with ``--evaluate_on_consensus``, off by default): the best over the epochs of the mean
+    local-model accuracy. The node average's best accuracy is reported beside it: on
+    digits it hides most of the heterogeneity penalty (both methods' averages reach ~96%)."""
     ipe = iters_per_epoch()
     iters = s.dec_noniid_epochs * ipe
+    names = ("dsgdm", "qgm")
+
+    def arm(name: str, lr: float, seed: int = 0) -> dict:
+        return gossip_arm(name, {"nesterov": True}, iters, lr=lr, partition="dirichlet:0.1", seed=seed,
+                          eval_every=ipe, local_models=True)
+
     best: dict[str, dict] = {}
-    for name in ("dsgdm", "qgm"):
+    for name in names:
         for lr in s.dec_lrs:  # each method at its best rate of the grid (seed 0)
-            r = gossip_arm(name, {"nesterov": True}, iters, lr=lr, partition="dirichlet:0.1", eval_every=ipe)
-            if name not in best or max(r["accuracy"]) > max(best[name]["accuracy"]):
+            r = arm(name, lr)
+            if name not in best or max(r["local_accuracy"]) > max(best[name]["local_accuracy"]):
                 best[name] = {**r, "lr": lr}
-    gaps = [100 * (max(best["qgm"]["accuracy"]) - max(best["dsgdm"]["accuracy"]))]
-    per_seed = {"dsgdm": [max(best["dsgdm"]["accuracy"])], "qgm": [max(best["qgm"]["accuracy"])]}
-    if abs(gaps[0]) < 2.0:
-        for seed in range(1, s.seeds_small_gap):
-            acc = {n: max(gossip_arm(n, {"nesterov": True}, iters, lr=best[n]["lr"], partition="dirichlet:0.1",
-                                     seed=seed, eval_every=ipe)["accuracy"]) for n in ("dsgdm", "qgm")}
-            per_seed["dsgdm"].append(acc["dsgdm"])
-            per_seed["qgm"].append(acc["qgm"])
-            gaps.append(100 * (acc["qgm"] - acc["dsgdm"]))
+    per_seed = {n: [max(best[n]["local_accuracy"])] for n in names}
+    avg_seed = {n: [max(best[n]["accuracy"])] for n in names}
+    gaps = [100 * (per_seed["qgm"][0] - per_seed["dsgdm"][0])]
+    for seed in range(1, s.seeds_small_gap):  # every seed, whatever seed 0 gave: the spread is as large as the gap
+        got = {n: arm(n, best[n]["lr"], seed) for n in names}
+        for n in names:
+            per_seed[n].append(max(got[n]["local_accuracy"]))
+            avg_seed[n].append(max(got[n]["accuracy"]))
+        gaps.append(100 * (per_seed["qgm"][-1] - per_seed["dsgdm"][-1]))
     g = seed_stats(gaps)
+    ga = seed_stats([100 * (q - d) for q, d in zip(avg_seed["qgm"], avg_seed["dsgdm"])])
+
+    def curve(n: str, key: str) -> list[list[float]]:
+        return [[i / ipe, a] for i, a in zip(best[n]["iters"], best[n][key])]
+
     return Measured(
-        ours=f"QG-DSGDm {g['mean']:+.2f} ± {g['std']:.2f} pts over DSGDm (best accuracy, {g['n']} seed(s))",
-        checks=[Check("QG-DSGDm - DSGDm best accuracy", g["mean"], ">=", 2.0, unit=" pts"),
+        ours=(f"QG-DSGDm {g['mean']:+.2f} ± {g['std']:.2f} pts over DSGDm (best mean local-model accuracy, "
+              f"{g['n']} seed(s)); the node average {ga['mean']:+.2f} ± {ga['std']:.2f} pts"),
+        checks=[Check("QG-DSGDm - DSGDm best local-model accuracy", g["mean"], ">=", 2.0, unit=" pts"),
                 Check("QG-DSGDm ahead", g["mean"], ">", 0.0, direction=True, unit=" pts")],
         setting=f"{NODES}-node ring, {TASK}, Dirichlet(0.1) labels, Nesterov momentum 0.9, {s.dec_noniid_epochs} "
-                f"epochs, lr grid {list(s.dec_lrs)} (DSGDm {best['dsgdm']['lr']}, QG {best['qgm']['lr']})",
-        series={f"DSGDm-N lr {best['dsgdm']['lr']}": [[i / ipe, a] for i, a in
-                                                       zip(best["dsgdm"]["iters"], best["dsgdm"]["accuracy"])],
-                f"QG-DSGDm-N lr {best['qgm']['lr']}": [[i / ipe, a] for i, a in
-                                                        zip(best["qgm"]["iters"], best["qgm"]["accuracy"])]},
+                f"epochs, lr grid {list(s.dec_lrs)} (DSGDm {best['dsgdm']['lr']}, QG {best['qgm']['lr']}); "
+                "accuracy: each node's model on the test set, mean over the nodes, best epoch (the reference "
+                "code's metric)",
+        series={f"DSGDm-N lr {best['dsgdm']['lr']} (local models)": curve("dsgdm", "local_accuracy"),
+                f"QG-DSGDm-N lr {best['qgm']['lr']} (local models)": curve("qgm", "local_accuracy"),
+                f"DSGDm-N lr {best['dsgdm']['lr']} (node average)": curve("dsgdm", "accuracy"),
+                f"QG-DSGDm-N lr {best['qgm']['lr']} (node average)": curve("qgm", "accuracy")},
         xlabel="epoch", ylabel="test accuracy",
-        rows=[{"arm": n, "lr": best[n]["lr"], "best_accuracy_per_seed": per_seed[n]} for n in ("dsgdm", "qgm")]
-        + [{"arm": "gap", "gap_points": g}])
+        rows=[{"arm": n, "lr": best[n]["lr"], "best_local_accuracy_per_seed": per_seed[n],
+               "best_average_model_accuracy_per_seed": avg_seed[n]} for n in names]
+        + [{"arm": "gap (local models)", "gap_points": g}, {"arm": "gap (node average)", "gap_points": ga}],
+        note=("Earlier versions of this bench compared the node average's best accuracy (+0.28 ± 0.84 pts in "
+              "the full run of 2026-11-23): the average of 16 models that drifted apart still classifies digits "
+              "well, so it hid what local momentum costs each node on heterogeneous data, which is what the "
+              "paper measures."))
 
 
 def _allreduce_s(profiles, nbytes: float) -> float:
