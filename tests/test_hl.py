@@ -232,7 +232,13 @@ def test_hl_attention_selector_runs_and_learns_from_its_observations(store):
     assert len(rows) == 10 and [r["episode"] for r in rows] == [1] * 4 + [2] * 4 + [3] * 2
     assert all(r["node"] == 0 for r in rows if r["episode_round"] == 1)
     assert all(a["node"] != b["node"] for a, b in zip(rows, rows[1:]) if b["episode_round"] > 1)
-    assert rows[-1]["epsilon"] < rows[0]["epsilon"]  # two episodes ended: exploration decayed
+    assert rows[-1]["explore_epsilon"] < rows[0]["explore_epsilon"]  # two episodes ended: exploration decayed
+    assert all("epsilon" not in r for r in rows)  # that is the privacy budget (DP): not spent here
+    from fedswarm.sim.report import summary_table
+
+    result = store.export_result(rid)
+    assert result["summary"].get("epsilon") is None
+    summary_table(result)  # `fedswarm sim`'s table (it raised on the exploration rate read as a privacy budget)
     hl = HomogeneousLearning(4, d=10, selector="attention")
     assert isinstance(hl.agent, DQNAgent) and hl.agent.state_dim == 16
     hl = HomogeneousLearning(4, d=10, selector="attention", attention_state="pca+visits")

@@ -75,7 +75,7 @@ def _arm(store: Store, name: str, selector: str, extra: dict, n_ep: int, tail: i
         n = hit + 1 if hit is not None else len(er)
         stats.append(dict(rounds=n, bytes=sum(r["bytes_up"] + r["bytes_down"] for r in er[:n]),
                           hop_cost=sum(r["hop_cost"] for r in er[:n]), reached=hit is not None,
-                          epsilon=er[0].get("epsilon")))
+                          epsilon=er[0].get("explore_epsilon")))
     use = stats[-tail:] if selector in ("attention", "learned") else stats
     mean = lambda k: sum(s[k] for s in use) / len(use)  # noqa: E731
     sd = math.sqrt(sum((s["rounds"] - mean("rounds")) ** 2 for s in use) / max(1, len(use) - 1))

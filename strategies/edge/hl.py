@@ -241,7 +241,8 @@ class HomogeneousLearning(ReportsRounds, Strategy):
             if notes is evaluate_fn:
                 if self._p2p is None:  # one model message; its size does not change
                     self._p2p = recorddict_nbytes(RecordDict({"arrays": self._arrays}))
-                extra = {"epsilon": self.agent.epsilon} if self.selector in ("learned", "attention") else {}
+                # the exploration rate: "epsilon" in a round row is the privacy budget spent (DP)
+                extra = {"explore_epsilon": self.agent.epsilon} if self.selector in ("learned", "attention") else {}
                 self.note(node=node, episode=self.episode, episode_round=state.step + 1, hop_cost=hop,
                      p2p_bytes=self._p2p, **extra)
             res = evaluate_fn(t, self._arrays) if evaluate_fn is not None else None
