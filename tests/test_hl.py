@@ -262,3 +262,36 @@ def test_the_dqn_agent_survives_a_restart_through_its_file_and_refuses_another_s
         assert torch.equal(va, vb), k
     with pytest.raises(ValueError, match="not a DQN agent for 5 nodes"):
         DQNAgent(5, 25, seed=0).load(path)
+
+
+def test_dqn_agent_checkpoint_continues_exactly_where_it_stopped():
+    """The DQN selector's state_dict (packed replay memory, network, Adam, RNG, ε) loaded into
+    a fresh agent: the two then learn and act identically; the state is a snapshot."""
+    import copy
+    import io
+
+    rng = np.random.default_rng(0)
+    transitions = [(rng.normal(size=6), i % 4, float(rng.normal()), rng.normal(size=6), i % 5 == 0) for i in range(40)]
+    a = DQNAgent(4, 6, seed=1, batch=8, fit_batch=4, replay=20, epsilon_decay=1.0)
+    for i, t in enumerate(transitions[:30]):  # more than the memory holds: the oldest are dropped
+        a.remember(*t)
+        if i % 7 == 6:
+            a.end_episode()
+    state = a.state_dict()
+    buf = io.BytesIO()
+    torch.save(state, buf)  # as the checkpoint writes it
+    frozen = copy.deepcopy(state)
+    b = DQNAgent(4, 6, seed=99, batch=8, fit_batch=4, replay=20)
+    b.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+    assert len(b.memory) == 20 and b.epsilon == a.epsilon and b.episodes == a.episodes
+    for t in transitions[30:]:
+        for agent in (a, b):
+            agent.remember(*t)
+        assert a.train_pass() == b.train_pass()
+        s = t[3]
+        assert [a.act(s, 0) for _ in range(5)] == [b.act(s, 0) for _ in range(5)]
+    np.testing.assert_array_equal(a.q_values(transitions[0][0]), b.q_values(transitions[0][0]))
+    torch.testing.assert_close(state["memory"]["s"], frozen["memory"]["s"])  # a snapshot: later learning left it
+    torch.testing.assert_close(state["q"], frozen["q"])
+    with pytest.raises(ValueError, match="state size 7"):
+        DQNAgent(4, 7).load_state_dict(frozen)

@@ -56,7 +56,9 @@ def _arm(store: Store, name: str, selector: str, extra: dict, n_ep: int, tail: i
     params = {"selector": selector, "target_accuracy": edge.HL_TARGET, "max_episode_rounds": cap, **extra}
     if selector in ("attention", "learned"):  # ε reaches the paper's final value at the last episode
         params["epsilon_decay"] = -math.log(PAPER_FINAL_EPSILON) / n_ep
-    cfg = RunConfig(**edge.HL, strategy="hl", rounds=n_ep * cap, params=params)
+    # checkpoints every 100 hops (and at the stop): nothing here resumes, and a checkpoint of the DQN
+    # arms (network, Adam, replay memory: ~2 MB) every hop took about half of each hop's time
+    cfg = RunConfig(**edge.HL, strategy="hl", rounds=n_ep * cap, params=params, checkpoint_every=100)
     rid = store.create_run(cfg.model_dump(), name=f"bench-papers-hl-{name}")
 
     def stop_after(rnd: int, row: dict) -> None:  # stop at the end of the last episode
