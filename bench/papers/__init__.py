@@ -6,22 +6,20 @@ own components, measures numbers, and turns them into checks against the issue's
 from the checks. Accuracy gaps under 2 points are re-measured over 3 seeds (full mode)
 and shown as mean ± std.
 
-Modes: ``--quick`` (CI-sized: few rounds and epochs, one seed; 34 min on a 2-core machine
-shared with 5 other jobs, load 10-36) and full (the issue's settings, 3 seeds for small
-gaps), about 5 hours on 2 busy cores (sum of the figures below: ~4.9 h). Full mode never
-ran end to end in one go; its time per claim, measured claim by claim on the shared 2-core
-machine (load in brackets) or estimated from the quick run's time per client-round:
+Modes: ``--quick`` (CI-sized: few rounds and epochs, one seed) and full (the issue's settings,
+3 seeds for small gaps). The federated arms run on the batched engine wherever it serves the
+strategy (``federated.engine_for``), the others in-process. Full mode's time per claim on
+the 2-core machine, measured 2026-11-26 (two bench processes side by side, load 2-3):
 
-    onebit-cnn4 41 min, onebit-large 40 min [12-27, run side by side]  (both 1-bit arms, 3 seeds
-                                                            where the gap is under 2 points)
-    sketched-sgd ~33 min, fetchsgd ~9 min, gs-sgd ~27 min  (estimated: quick x 6.7 client-rounds
-                                                            at load 10-36; never finished under load 36)
-    pvt ~100 min at load 20-25 (digits-resnet14: FedAvg 24 rounds 9 min, PVT 4x steps 19 min, x2 arms
-        + 2 more seeds of FedAvg and the picked arm + memory probes; tiny scale 11 min at load 25),
-    progfed 2.5 min [4-5] (96 rounds, two schedules)
-    hl ~22 min  (about 9,900 hops: 2 x 120 DQN + 20 random episodes, at 0.13 s a hop as the
-                 previous quick run; at load 30 a hop took 1.6 s)
-    dpsgd 3, adpsgd 2, qg-dsgdm 10, lsgd 1, dasgd 0, prague 1 min [14-36]
+    onebit-cnn4 292 s, onebit-large 393 s      (45 rounds; both 1-bit arms, 3 seeds each)
+    sketched-sgd 656 s, fetchsgd 109 s, gs-sgd 349 s   (500 one-step rounds; 3 seeds where the gap
+                                                        is under 2 points)
+    pvt 425 s, progfed 159 s                   (in-process; PVT's picked arm over 3 seeds)
+    hl 239 s                                   (2 x 120 DQN episodes + 20 random)
+    dpsgd 3, adpsgd 5, qg-dsgdm 56, lsgd 3, dasgd 0, prague 3 s
+
+so about 45 minutes in all. ``--quick`` was last timed before the batched engine took the
+federated arms: 34 min on a machine shared with 5 other jobs.
 
     fedswarm bench papers [--quick] --out out/
 
@@ -99,7 +97,9 @@ CLAIMS: list[Claim] = [
           "federated rounds of local SGD instead of data-parallel minibatch gradients; a 25k-parameter CNN on "
           "digits instead of speech DNNs; scales per block of >= 256 values instead of per column; the server "
           "plays every stripe owner (one residual for the whole aggregate); no AdaGrad or double buffering. The "
-          "verdict's arm is the paper's two-stage scheme (1-bit both ways); 1-bit on the uplink only is beside it",
+          "verdict's arm is the paper's two-stage scheme (1-bit both ways); 1-bit on the uplink only is beside it. "
+          "45 rounds (the paper compares trained models): at 15 both curves still rise and the two-stage scheme, "
+          "whose server residual holds part of each aggregate back a round, was 3.34 ± 0.74 points behind",
           fed.onebit_cnn4, "fl"),
     Claim("onebit-large", "1-bit SGD with error feedback (large task)",
           "Seide et al., Interspeech 2014", "no accuracy loss at about 32x less data",
@@ -110,11 +110,12 @@ CLAIMS: list[Claim] = [
     Claim("sketched-sgd", "Sketched-SGD",
           "Ivkin, Rothchild, Ullah, Braverman, Stoica, Arora, NeurIPS 2019",
           "up to 40x less communication with no accuracy loss", ">= 10x less uplink, within 2 points of FedAvg",
-          "d = 301k (the paper: 10M+ parameter models); federated rounds with local epochs", fed.sketched_sgd, "fl"),
+          "d = 301k (the paper: 10M+ parameter models); 500 rounds of one local minibatch step (at 100 the "
+          "gap was still closing), no momentum on either side", fed.sketched_sgd, "fl"),
     Claim("fetchsgd", "FetchSGD", "Rothchild et al., ICML 2020",
           "up to 40x less communication with no accuracy loss", ">= 10x less uplink, within 2 points of FedAvg",
-          "d = 301k, IID clients all sampled every round (the paper: non-IID, few clients per round)",
-          fed.fetchsgd, "fl"),
+          "d = 301k, IID clients all sampled every round (the paper: non-IID, few clients per round); sketched "
+          "momentum off, as FedAvg here has none", fed.fetchsgd, "fl"),
     Claim("gs-sgd", "gs-SGD against global top-k", "Dai et al. 2021",
           "better convergence than global top-k and other sketching methods, O(log d log P) communication",
           "ahead of gTop-k in accuracy at the same uplink bytes",
