@@ -8,18 +8,18 @@ and shown as mean ± std.
 
 Modes: ``--quick`` (CI-sized: few rounds and epochs, one seed) and full (the issue's settings,
 3 seeds for small gaps). The federated arms run on the batched engine wherever it serves the
-strategy (``federated.engine_for``), the others in-process. Full mode's time per claim on
-the 2-core machine, measured 2026-11-26 (two bench processes side by side, load 2-3):
+strategy (``federated.engine_for``), the others in-process. Full mode, all 14 claims in one
+command on the 2-core machine, 2026-11-26 (nothing else running): 2,400 s. Per claim:
 
-    onebit-cnn4 292 s, onebit-large 393 s      (45 rounds; both 1-bit arms, 3 seeds each)
-    sketched-sgd 656 s, fetchsgd 109 s, gs-sgd 349 s   (500 one-step rounds; 3 seeds where the gap
+    onebit-cnn4 241 s, onebit-large 283 s      (45 rounds; both 1-bit arms, 3 seeds each)
+    sketched-sgd 589 s, fetchsgd 90 s, gs-sgd 309 s    (500 one-step rounds; 3 seeds where the gap
                                                         is under 2 points)
-    pvt 425 s, progfed 159 s                   (in-process; PVT's picked arm over 3 seeds)
-    hl 239 s                                   (2 x 120 DQN episodes + 20 random)
-    dpsgd 3, adpsgd 5, qg-dsgdm 56, lsgd 3, dasgd 0, prague 3 s
+    pvt 419 s, progfed 179 s                   (in-process; PVT's picked arm over 3 seeds)
+    hl 227 s                                   (2 x 120 DQN episodes + 20 random)
+    dpsgd 3, adpsgd 5, qg-dsgdm 50, lsgd 3, dasgd 0, prague 3 s
 
-so about 45 minutes in all. ``--quick`` was last timed before the batched engine took the
-federated arms: 34 min on a machine shared with 5 other jobs.
+``--quick`` was last timed before the batched engine took the federated arms: 34 min on a
+machine shared with 5 other jobs.
 
     fedswarm bench papers [--quick] --out out/
 
