@@ -9,7 +9,8 @@ and shown as mean ± std.
 Modes: ``--quick`` (CI-sized: few rounds and epochs, one seed) and full (the issue's settings,
 3 seeds for small gaps). The federated arms run on the batched engine wherever it serves the
 strategy (``federated.engine_for``), the others in-process. Full mode, all 14 claims in one
-command on the 2-core machine, 2026-11-26 (nothing else running): 2,400 s. Per claim:
+command on the 2-core machine, 2026-11-26 (a one-thread job beside it for its first 20 minutes):
+2,400 s. Per claim:
 
     onebit-cnn4 241 s, onebit-large 283 s      (45 rounds; both 1-bit arms, 3 seeds each)
     sketched-sgd 589 s, fetchsgd 90 s, gs-sgd 309 s    (500 one-step rounds; 3 seeds where the gap
