@@ -214,7 +214,7 @@ def restart(run_id: str = RunId, p: Principal = Depends(require_admin), ctx: Web
 def run_detail(ctx: WebContext, run) -> schemas.RunDetailOut:
     """The run as its page and ``GET /api/runs/{id}`` show it."""
     return queries.run_detail(ctx.store, run, ctx.settings.report_timeout_s, ctx.runs.can_restart(run),
-                              ctx.runs.error_hint(run))
+                              ctx.runs.error_hint)
 
 
 @router.get("/events", response_model=list[schemas.EventOut], responses=ERRORS, tags=["meta"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from sqlalchemy import and_, case, func, or_, select
 from sqlalchemy.orm import Session
@@ -90,9 +90,10 @@ def summary_of(run: Run, stats: dict[str, Any], timeout_s: float = 120.0, can_re
     stats = dict(stats)
     health = stats.pop("_health", None)
     fields.update(stats)
-    shown = display_status(run, timeout_s, health)
+    why = lost_reason(run, timeout_s)  # read once: status, reason and error hint agree
+    shown = display_status(run, timeout_s, health, why_lost=why)
     fields["display_status"] = shown
-    fields["lost_reason"] = lost_reason(run, timeout_s)
+    fields["lost_reason"] = why
     fields["remote"] = is_remote(run)
     fields["lost_after_s"] = timeout_of(run, timeout_s) if is_remote(run) else None
     fields["actions"] = allowed_actions(run, shown, set(stats.get("pending", ())), can_restart)
@@ -234,10 +235,12 @@ def policies(store: Store, run_id: str | None = None) -> list[schemas.PolicyOut]
 
 
 def run_detail(store: Store, run: Run, timeout_s: float = 120.0, can_restart: bool = False,
-               error_hint: str | None = None) -> schemas.RunDetailOut:
+               error_hint: Callable[[Run, str], str | None] | None = None) -> schemas.RunDetailOut:
+    """``error_hint(run, why_lost)``: the error to show for a lost run that recorded none,
+    given the reason this answer's summary found (so the two never disagree)."""
     base = run_summary(store, run, timeout_s, can_restart).model_dump()
-    if not base.get("error") and error_hint:
-        base["error"] = error_hint
+    if not base.get("error") and base.get("lost_reason") and error_hint is not None:
+        base["error"] = error_hint(run, base["lost_reason"])
     with store.session() as s:
         controls = list(s.scalars(select(Control).where(Control.run_id == run.id)
                                   .order_by(Control.id.desc()).limit(50)))

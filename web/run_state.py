@@ -74,8 +74,14 @@ def lost_reason(run: Run, default_timeout_s: float, now: dt.datetime | None = No
     return None
 
 
-def display_status(run: Run, default_timeout_s: float = 120.0, health: Health | None = None) -> str:
-    if lost_reason(run, default_timeout_s) is not None:
+def display_status(run: Run, default_timeout_s: float = 120.0, health: Health | None = None,
+                   why_lost: str | None | object = ...) -> str:
+    """The status a viewer sees. ``why_lost``: this run's :func:`lost_reason` if the caller
+    already read it; one answer must read a process's liveness once, or a process that dies
+    between two reads shows as lost with no reason (or as running with one)."""
+    if why_lost is ...:
+        why_lost = lost_reason(run, default_timeout_s)
+    if why_lost is not None:
         return "lost"
     if run.status == "finished" and health is not None:
         if health.all_failed:

@@ -22,7 +22,7 @@ from fedswarm.store import Run, Store
 from fedswarm.web.catalog import Catalog
 from fedswarm.web.launcher import log_tail, spawn_run, spawn_resume, terminate
 from fedswarm.web.queries import policies, stats_for
-from fedswarm.web.run_state import allowed_actions, display_status, lost_reason
+from fedswarm.web.run_state import allowed_actions, display_status
 from fedswarm.web.settings import Settings
 from fedswarm.web.validation import (ValidationFailed, check_params, check_policy, parse_edge_list,
                                      web_task_and_files)
@@ -130,10 +130,10 @@ class RunService:
             raise RunError(404, f"no run '{run_id}'")
         return path
 
-    def error_hint(self, run: Run) -> str | None:
-        """For a run whose process ended without saying why: its reason and the log's end."""
-        why = lost_reason(run, self.settings.report_timeout_s)
-        if why is None or not run.pid:
+    def error_hint(self, run: Run, why: str) -> str | None:
+        """For a lost run whose process ended without saying why (``why``, its
+        :func:`lost_reason`): the reason and the log's end. None for a run with no process here."""
+        if not run.pid:
             return None
         tail = [ln for ln in log_tail(self.log_path(run.id), 4000).splitlines() if ln.strip()][-6:]
         return f"the run's process ended without reporting: {why}" + (

@@ -216,6 +216,30 @@ def test_startup_error_shown_on_the_run_page(app, admin, monkeypatch):
     assert "failing on purpose" in admin.get(f"/runs/{rid}").text.split('id="run-error"')[1][:600]
 
 
+def test_status_reason_and_error_read_liveness_once(app, admin, monkeypatch):
+    """A process that dies between two liveness reads of one answer must not show as lost
+    with no error (the startup-error test failed so once in a repeat loop), nor as running
+    with a lost reason: each answer reads it once."""
+    store = app.state.ctx.store
+    rid = store.create_run({"rounds": 3}, status="running")
+    store.update_run(rid, pid=424242)
+    calls = []
+
+    def alive_then_dead(pid):
+        calls.append(pid)
+        return len(calls) == 1  # alive at the first read of each answer, dead after
+
+    monkeypatch.setattr("fedswarm.web.run_state.pid_alive", alive_then_dead)
+    for path in (f"/api/runs/{rid}", "/api/runs"):
+        app.state.ctx.cache.clear()
+        calls.clear()
+        shown = admin.get(path).json()
+        for run in shown if isinstance(shown, list) else [shown]:
+            if run["id"] == rid:
+                assert (run["display_status"] == "lost") == (run["lost_reason"] is not None), run
+                assert (run["display_status"] == "lost") == (run["error"] is not None), run
+
+
 def test_resume_from_checkpoint_only_when_possible(app, admin, monkeypatch, tmp_path):
     """The Resume-from-checkpoint action calls `RUNNER resume RUN_ID`, for a failed or lost run
     of this dashboard that has a checkpoint, and only then."""
