@@ -335,16 +335,14 @@ class CountSketch:
         # then estimate only the coordinates that pass
         p = (self.rows - 1) // 2
         q = min(self.rows - p, p + 1)
-        heavy = (table.abs() >= thr.unsqueeze(2)).to(torch.uint8)  # [K, r, c]
         so = native.lib() if self.device.type == "cpu" and table.dtype == torch.float32 and self.rows <= 64 else None
-        if so is not None:
-            rows, cols, vals = self._candidates_native(so, table, heavy, thr, q, k)
+        if so is not None:  # exact signed counts in C (see _candidates_native)
+            rows, cols, vals = self._candidates_native(so, table, thr, k)
         elif self.device.type == "cpu" and self._loop:
-            masks = [torch.cat([m, m], 1) for m in heavy.unbind(1)]
-            rows, cols, vals = self._candidates_numpy(table, masks, q)
+            rows, cols, vals = self._candidates_numpy(table, self._heavy_masks(table, thr), q)
         else:
-            masks = [torch.cat([m, m], 1) for m in heavy.unbind(1)]
             rows, cols = [], []
+            masks = self._heavy_masks(table, thr)
             for lo, _, parts in self._windows(masks, signed=False):
                 r, i = (_sum_into(parts) >= q).nonzero(as_tuple=True)
                 rows.append(r)
@@ -367,13 +365,23 @@ class CountSketch:
             out_val.append(c_val[pick][order])
         return torch.stack(out_idx), torch.stack(out_val)
 
-    def _candidates_native(self, so, table: torch.Tensor, heavy: torch.Tensor, thr: torch.Tensor, q: int, k: int):
-        """:meth:`_candidates_numpy` in C, one client at a time, with the ``|x̂_i| >= t`` test
-        folded in: ``(client, coordinate, estimate)`` in the same order."""
+    @staticmethod
+    def _heavy_masks(table: torch.Tensor, thr: torch.Tensor) -> list[torch.Tensor]:
+        """Per row j, the doubled ``[K, 2c]`` uint8 mask of ``|S[j, m]| >= t``."""
+        heavy = (table.abs() >= thr.unsqueeze(2)).to(torch.uint8)  # [K, r, c]
+        return [torch.cat([m, m], 1) for m in heavy.unbind(1)]
+
+    def _candidates_native(self, so, table: torch.Tensor, thr: torch.Tensor, k: int):
+        """The coordinates with ``|x̂_i| >= t``, found in C one client at a time: ``(client,
+        coordinate, estimate)`` in the order of :meth:`_candidates_numpy` after its
+        ``|x̂_i| >= t`` filter. The masks carry each cell's sign against t, so the counts
+        pick exactly those coordinates (see ``fs_cs_candidates``)."""
         c = self.cols
-        masks = torch.cat([heavy, heavy], 2).contiguous()  # [K, r, 2c]
         unsigned = (table * self.bucket_signs.to(table.dtype)).contiguous()  # rho ⊙ S
-        cnt = torch.empty(4096 + 8, dtype=torch.uint8)
+        t = thr.view(-1, 1, 1)
+        signed = (unsigned >= t).to(torch.uint8).add_((unsigned <= -t).to(torch.uint8), alpha=2)
+        masks = torch.cat([signed, signed], 2).contiguous()  # [K, r, 2c]
+        cnt = torch.empty(2 * (4096 + 8), dtype=torch.uint8)
         hashes = [native.ptr(t) for t in (self.shifts, self._neg_u8, self._perm_inv)]
         rows, cols, vals = [], [], []
         cap = 4 * k + 1024
@@ -381,7 +389,7 @@ class CountSketch:
             while True:
                 idx, val = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.float32)
                 n = so.fs_cs_candidates(native.ptr(masks[client]), native.ptr(unsigned[client]), self.rows, c,
-                                        self.blocks, self.d, hashes[0], hashes[1], hashes[2], q,
+                                        self.blocks, self.d, hashes[0], hashes[1], hashes[2],
                                         float(thr[client, 0]), native.ptr(cnt), cap, native.ptr(idx),
                                         native.ptr(val))
                 if n <= cap:

@@ -346,48 +346,71 @@ void fs_sketch(const float *restrict x, int64_t d, int64_t c, int64_t r, int64_t
 }
 
 /* Count Sketch unsketch candidates, one client (see CountSketch._unsketch_sparse): masks
-   is r doubled rows of 2c bytes (1 where |S[j, m]| >= t), rs the r rows rho * S[j] (c
-   floats each). For each block b and slot u in order, the count
-   sum_j masks[j][shift[j][b] + u]; where it is >= q the coordinate b*c + pinv[u] (if < d)
-   gets its estimate, the lower median over j of sigma[j][b] * rs[j][(shift[j][b] + u) mod c]
-   (r <= 64), and is kept if |estimate| >= t. Writes at most cap (coordinate, estimate)
-   pairs in that order and returns how many there are (more than cap: call again with more
-   room). The hits of a chunk are listed first so that their reads can be prefetched.
-   cnt: 4096 + 8 bytes of scratch. */
+   is r doubled rows of 2c bytes, 1 where rho*S[j, m] >= t, 2 where rho*S[j, m] <= -t, else 0;
+   rs the r rows rho * S[j] (c floats each). Coordinate i = b*c + pinv[u] (block b, slot u)
+   has terms v_j = sigma[j][b] * rs[j][(shift[j][b] + u) mod c], and its lower median
+   (rank p = (r - 1) / 2) has |median| >= t exactly when at least r - p terms are >= t or at
+   least p + 1 are <= -t; a term is >= t where its mask byte is 1 (2 when sigma[j][b] < 0)
+   and <= -t where it is 2 (1). So these counts, made from the masks alone, pick exactly the
+   coordinates that pass (about a third of those with r - p heavy cells of either sign),
+   and only those pay the r random reads of their terms for the median's value. Blocks and
+   slots in order; writes at most cap (coordinate, median) pairs and returns how many there
+   are (more than cap: call again with more room). The hits of a chunk are listed first so
+   that their reads can be prefetched. r <= 64. cnt: 2 * (4096 + 8) bytes of scratch. */
 int64_t fs_cs_candidates(const uint8_t *masks, const float *rs, int64_t r, int64_t c, int64_t blocks, int64_t d,
-                         const int64_t *shifts, const uint8_t *neg, const int64_t *pinv, int64_t q, float t,
+                         const int64_t *shifts, const uint8_t *neg, const int64_t *pinv, float t,
                          uint8_t *restrict cnt, int64_t cap, int64_t *cols, float *vals) {
     enum { CH = 4096, AHEAD = 8 };
     int64_t found = 0, hit[CH], at[64 * (AHEAD + 1)];
+    const int64_t rank = (r - 1) / 2, q_hi = r - rank, q_lo = rank + 1;
     const uint8_t *mp[64];
+    uint8_t up[64]; /* the mask byte meaning "term >= t" in row j for this block */
+    uint8_t *pos = cnt, *negc = cnt + CH + 8;
     for (int64_t b = 0; b < blocks; b++) {
-        for (int64_t j = 0; j < r; j++) mp[j] = masks + j * 2 * c + shifts[j * blocks + b];
+        for (int64_t j = 0; j < r; j++) {
+            mp[j] = masks + j * 2 * c + shifts[j * blocks + b];
+            up[j] = neg[j * blocks + b] ? 2 : 1;
+        }
         for (int64_t u0 = 0; u0 < c; u0 += CH) {
             int64_t n = c - u0 < CH ? c - u0 : CH, h = 0, u = 0;
 #if defined(__AVX2__)
-            /* 32 counts at a time in registers (r <= 64 < 128: no int8 overflow), the hits
-               read off a compare's bit mask: 8x faster than the byte loops below */
-            const __m256i below = _mm256_set1_epi8((char)(q - 1));
+            /* 32 slots at a time: per row, (mask == up) and (mask == 3 - up) are -1 bytes,
+               subtracted into the two counts (r <= 64: no int8 overflow); hits read off the
+               compares' bit masks */
+            const __m256i hi_below = _mm256_set1_epi8((char)(q_hi - 1)), lo_below = _mm256_set1_epi8((char)(q_lo - 1));
+            __m256i want[64], other[64];
+            for (int64_t j = 0; j < r; j++) {
+                want[j] = _mm256_set1_epi8((char)up[j]);
+                other[j] = _mm256_set1_epi8((char)(3 - up[j]));
+            }
             for (; u + 32 <= n; u += 32) {
-                __m256i s = _mm256_loadu_si256((const __m256i *)(mp[0] + u0 + u));
-                for (int64_t j = 1; j < r; j++)
-                    s = _mm256_add_epi8(s, _mm256_loadu_si256((const __m256i *)(mp[j] + u0 + u)));
-                uint32_t bits = (uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi8(s, below));
+                __m256i sp = _mm256_setzero_si256(), sn = _mm256_setzero_si256();
+                for (int64_t j = 0; j < r; j++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(mp[j] + u0 + u));
+                    sp = _mm256_sub_epi8(sp, _mm256_cmpeq_epi8(v, want[j]));
+                    sn = _mm256_sub_epi8(sn, _mm256_cmpeq_epi8(v, other[j]));
+                }
+                __m256i pass = _mm256_or_si256(_mm256_cmpgt_epi8(sp, hi_below), _mm256_cmpgt_epi8(sn, lo_below));
+                uint32_t bits = (uint32_t)_mm256_movemask_epi8(pass);
                 for (; bits; bits &= bits - 1) hit[h++] = u + __builtin_ctz(bits);
             }
 #endif
             if (u < n) {
                 int64_t m = n - u;
-                memcpy(cnt, mp[0] + u0 + u, (size_t)m);
-                for (int64_t j = 1; j < r; j++) {
+                memset(pos, 0, (size_t)m + 8);
+                memset(negc, 0, (size_t)m + 8);
+                for (int64_t j = 0; j < r; j++) {
                     const uint8_t *restrict mj = mp[j] + u0 + u;
-                    for (int64_t e = 0; e < m; e++) cnt[e] += mj[e];
+                    const uint8_t w = up[j];
+                    for (int64_t e = 0; e < m; e++) {
+                        pos[e] += mj[e] == w;
+                        negc[e] += mj[e] == 3 - w;
+                    }
                 }
-                for (int64_t e = 0; e < m; e++) cnt[e] = cnt[e] >= q;
-                memset(cnt + m, 0, 8);
+                for (int64_t e = 0; e < m; e++) pos[e] = pos[e] >= q_hi || negc[e] >= q_lo;
                 for (int64_t e0 = 0; e0 < m; e0 += 8) {
                     uint64_t w;
-                    memcpy(&w, cnt + e0, 8);
+                    memcpy(&w, pos + e0, 8);
                     for (int64_t e = 0; w; e++, w >>= 8)
                         if (w & 0xff) hit[h++] = u + e0 + e;
                 }
@@ -415,7 +438,7 @@ int64_t fs_cs_candidates(const uint8_t *masks, const float *rs, int64_t r, int64
                     v[p] = e;
                 }
                 float med = v[(r - 1) / 2];
-                if (fabsf(med) >= t) {
+                if (fabsf(med) >= t) { /* always, by the counts; kept as the definition */
                     if (found < cap) { cols[found] = coord; vals[found] = med; }
                     found++;
                 }
