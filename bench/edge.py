@@ -44,7 +44,7 @@ import torch
 
 from fedswarm.config import RunConfig
 from fedswarm.server.recorder import RoundListener
-from fedswarm.sim.inprocess import run_inprocess
+from fedswarm.sim.run import run_engine
 from fedswarm.store import Store
 from fedswarm.tasks import TASKS
 
@@ -66,9 +66,10 @@ WIDE = "fedswarm.tasks.staged:digits_cnn4_wide"
 
 def _run(cfg: RunConfig, store: Store, listeners: list[RoundListener] | None = None,
          rid: str | None = None) -> tuple[str, list[dict]]:
-    """(run id, rounds after round 0) of one in-process run."""
+    """(run id, rounds after round 0) of one run on ``cfg.engine`` (this bench's configs:
+    the default, in-process)."""
     rid = rid or store.create_run(cfg.model_dump(), name=f"bench-edge-{cfg.strategy}")
-    status = run_inprocess(cfg, store=store, run_id=rid, listeners=listeners)
+    status = run_engine(cfg, store=store, run_id=rid, listeners=listeners)
     if status not in ("finished", "stopped"):
         raise RuntimeError(f"{cfg.strategy} run ended {status}")
     return rid, [r for r in store.export_result(rid)["rounds"] if r["round"] > 0]
