@@ -90,8 +90,23 @@ def _rounds_and_controls(db, rid: str) -> tuple[list[tuple[int, object]], dict[s
 
 
 def _wait_status(page, status: str, timeout_ms: int) -> None:
-    page.wait_for_function(f"() => document.querySelector('#status .badge').textContent.trim() === '{status}'",
-                           timeout=timeout_ms)
+    page.wait_for_function("() => { const b = document.querySelector('#status .badge');"
+                           f" return !!b && b.textContent.trim() === '{status}'; }}", timeout=timeout_ms)
+
+
+def _wait_points(page, cond: str, timeout_ms: float | None = None, chart: str = "chart-acc") -> None:
+    """Until the chart's point count meets ``cond`` (e.g. ``">= 3"``). Null-safe: a control
+    button posts a form and the page reloads, and a predicate that throws on the half-loaded
+    page (no chart yet) fails the wait instead of retrying."""
+    page.wait_for_function(f"() => {{ const c = document.querySelector('#{chart}');"
+                           f" return !!c && +c.dataset.points {cond}; }}", timeout=timeout_ms)
+
+
+def _control(page, action: str, back_to: str | None = None) -> None:
+    """Click a run control and wait for the page its form post loads (``back_to``: its URL)."""
+    with page.expect_navigation():
+        page.click(f"#btn-{action}")
+    assert back_to is None or page.url == back_to, page.url
 
 
 def _real_sim_available() -> str | None:
@@ -114,10 +129,10 @@ def test_real_simulation(page, tmp_path):
             "the strategy catalog did not load: " + (page.text_content(".warn") or "")
         rid = _start_from_form(page, server.url, "fedavg", task="digits-mlp", clients="4", rounds="5",
                                name="browser: digits-mlp")
-        page.wait_for_function("() => +document.querySelector('#chart-acc').dataset.points >= 1", timeout=180_000)
+        _wait_points(page, ">= 1", 180_000)
         page.screenshot(path=str(ARTIFACTS / "dashboard-run-filling.png"), full_page=True)
         _wait_status(page, "finished", 240_000)
-        page.wait_for_function("() => +document.querySelector('#chart-acc').dataset.points >= 5", timeout=10_000)
+        _wait_points(page, ">= 5", 10_000)
         assert _points(page, "chart-bytes") >= 5 and _points(page, "chart-loss") >= 5
         assert "round 5 of 5" in page.text_content("#progress-text")
         page.wait_for_function("() => document.querySelectorAll('#nodes-body tr').length === 4", timeout=10_000)
@@ -126,9 +141,8 @@ def test_real_simulation(page, tmp_path):
         # A long run, stopped from the page.
         rid2 = _start_from_form(page, server.url, "fedavg", task="digits-mlp", clients="4", rounds="500",
                                 name="browser: to stop")
-        page.wait_for_function("() => +document.querySelector('#chart-acc').dataset.points >= 2", timeout=180_000)
-        page.click("#btn-stop")
-        page.wait_for_url(f"{server.url}/runs/{rid2}")
+        _wait_points(page, ">= 2", 180_000)
+        _control(page, "stop", f"{server.url}/runs/{rid2}")
         assert "stop requested" in page.text_content(".flash")
         _wait_status(page, "stopped", 120_000)
         assert _points(page) < 500
@@ -151,17 +165,17 @@ def test_controls_with_fake_runner(page, tmp_path):
         assert not page.is_visible("fieldset[data-strategy='fedavg']")
         page.screenshot(path=str(ARTIFACTS / "dashboard-new-run.png"), full_page=True)
         rid = _start_from_form(page, server.url, "topk", clients="4", rounds="40", **{"p.topk.k": "0.05"})
-        page.wait_for_function("() => +document.querySelector('#chart-acc').dataset.points >= 3")
-        page.click("#btn-pause")
+        _wait_points(page, ">= 3")
+        _control(page, "pause")
         _wait_status(page, "paused", 60_000)
         # the runner records the round in flight, then pauses: while paused the store holds n rounds,
         # and the chart (its own poll) shows exactly those once it has caught up
         n = len(_rounds_and_controls(server.db, rid)[0])
-        page.wait_for_function(f"() => +document.querySelector('#chart-acc').dataset.points >= {n}")
+        _wait_points(page, f">= {n}")
         assert _points(page) == n, "the chart shows a round the paused run never recorded"
-        page.click("#btn-resume")
-        page.wait_for_function(f"() => +document.querySelector('#chart-acc').dataset.points > {n}")
-        page.click("#btn-stop")
+        _control(page, "resume")
+        _wait_points(page, f"> {n}")
+        _control(page, "stop")
         _wait_status(page, "stopped", 60_000)
         rounds, applied = _rounds_and_controls(server.db, rid)
         paused = [r for r, t in rounds if applied["pause"] < t < applied["resume"]]
@@ -228,12 +242,11 @@ def test_bad_policy_refused_with_its_reason(page, tmp_path):
     try:
         _login(page, server.url)
         rid = _start_from_form(page, server.url, "fedavg", clients="4", rounds="200")
-        page.wait_for_function("() => +document.querySelector('#chart-acc').dataset.points >= 1")
+        _wait_points(page, ">= 1")
         assert "fedavg applies these policy keys" in page.text_content("#policy-keys")
         page.fill("#policy-form [name=device_class]", "edge-lte")
         page.select_option("#policy-form [name=codec]", "topk")
-        page.click("#btn-policy")
-        page.wait_for_url(f"{server.url}/runs/{rid}")
+        _control(page, "policy", f"{server.url}/runs/{rid}")
         banner = page.text_content(".flash")
         assert "policy refused" in banner and "'codec'" in banner and "fedavg" in banner, banner
         assert page.is_hidden("#pending")  # nothing was queued
@@ -241,10 +254,9 @@ def test_bad_policy_refused_with_its_reason(page, tmp_path):
         # A valid one is queued and shown as pending until the run applies it.
         page.fill("#policy-form [name=device_class]", "edge-lte")
         page.fill("#policy-form [name=local_steps]", "2")
-        page.click("#btn-policy")
-        page.wait_for_url(f"{server.url}/runs/{rid}")
+        _control(page, "policy", f"{server.url}/runs/{rid}")
         assert "policy requested" in page.text_content(".flash")
-        page.click("#btn-kill")
+        _control(page, "kill")
         _wait_status(page, "stopped", 60_000)
         page.wait_for_function("() => document.getElementById('btn-add_rounds').disabled")
         assert page.is_disabled("#btn-pause") and page.is_disabled("#btn-resume")
@@ -308,7 +320,7 @@ def test_overlaid_multi_run_chart(page, tmp_path):
             page.check(f"tr[data-run-id='{rid}'] input.pick")
         page.click("#compare-btn")
         page.wait_for_url(f"{server.url}/compare?runs=*")
-        page.wait_for_function("() => +document.querySelector('#cmp-acc').dataset.points === 63")
+        _wait_points(page, "=== 63", chart="cmp-acc")
         assert page.locator("#compare-table tbody tr").count() == 3
         assert int(page.get_attribute("#cmp-bytes", "data-points")) == 63
         # Consensus distance only for the decentralized run, its round 0 a gap (20 points, not 21).

@@ -69,9 +69,10 @@ def test_resume_button_continues_a_dead_run(tmp_path):
                 return not page.is_disabled("#btn-restart")
 
             wait_for(button_enabled, timeout=120, interval=0.5)
-            page.click("#btn-restart")
-            page.wait_for_function("() => document.querySelector('#status .badge').textContent.trim() === 'finished'",
-                                   timeout=300_000)
+            with page.expect_navigation():  # the button posts a form; the run's page loads again
+                page.click("#btn-restart")
+            page.wait_for_function("() => { const b = document.querySelector('#status .badge');"  # null-safe
+                                   " return !!b && b.textContent.trim() === 'finished'; }", timeout=300_000)
             browser.close()
         run = store.get_run(rid)
         assert run.status == "finished", run.error
