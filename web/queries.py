@@ -11,8 +11,8 @@ from sqlalchemy.orm import Session
 
 from fedswarm.store import Control, Node, NodeRound, Round, Run, Store
 from fedswarm.web import schemas
-from fedswarm.web.run_state import (LIVE_STATUSES, Health, allowed_actions, display_status, is_remote,
-                                    lost_reason, timeout_of)
+from fedswarm.web.run_state import (LIVE_STATUSES, Health, allowed_actions, is_remote,
+                                    lost_reason, shown_status, timeout_of)
 
 __all__ = ["RunQuery", "list_runs", "run_summaries", "run_summary", "run_detail", "rounds", "node_list",
            "policies", "node_stats", "stats_for", "summary_of", "recent_events", "device_classes",
@@ -91,7 +91,7 @@ def summary_of(run: Run, stats: dict[str, Any], timeout_s: float = 120.0, can_re
     health = stats.pop("_health", None)
     fields.update(stats)
     why = lost_reason(run, timeout_s)  # read once: status, reason and error hint agree
-    shown = display_status(run, timeout_s, health, why_lost=why)
+    shown = shown_status(run, why, health)
     fields["display_status"] = shown
     fields["lost_reason"] = why
     fields["remote"] = is_remote(run)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from fedswarm.store import Run
 from fedswarm.web.launcher import pid_alive
 
-__all__ = ["LIVE_STATUSES", "Health", "display_status", "lost_reason", "allowed_actions", "ACTIONS",
+__all__ = ["LIVE_STATUSES", "Health", "display_status", "shown_status", "lost_reason", "allowed_actions", "ACTIONS",
            "is_remote", "timeout_of"]
 
 LIVE_STATUSES = ("pending", "running", "paused")
@@ -74,13 +74,15 @@ def lost_reason(run: Run, default_timeout_s: float, now: dt.datetime | None = No
     return None
 
 
-def display_status(run: Run, default_timeout_s: float = 120.0, health: Health | None = None,
-                   why_lost: str | None | object = ...) -> str:
-    """The status a viewer sees. ``why_lost``: this run's :func:`lost_reason` if the caller
-    already read it; one answer must read a process's liveness once, or a process that dies
+def display_status(run: Run, default_timeout_s: float = 120.0, health: Health | None = None) -> str:
+    """The status a viewer sees (reads the process's liveness)."""
+    return shown_status(run, lost_reason(run, default_timeout_s), health)
+
+
+def shown_status(run: Run, why_lost: str | None, health: Health | None = None) -> str:
+    """:func:`display_status` given the run's :func:`lost_reason`, read by the caller: an
+    answer that also shows the reason must read liveness once, or a process that dies
     between two reads shows as lost with no reason (or as running with one)."""
-    if why_lost is ...:
-        why_lost = lost_reason(run, default_timeout_s)
     if why_lost is not None:
         return "lost"
     if run.status == "finished" and health is not None:

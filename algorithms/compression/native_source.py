@@ -366,10 +366,18 @@ int64_t fs_cs_candidates(const uint8_t *masks, const float *rs, int64_t r, int64
     const uint8_t *mp[64];
     uint8_t up[64]; /* the mask byte meaning "term >= t" in row j for this block */
     uint8_t *pos = cnt, *negc = cnt + CH + 8;
+#if defined(__AVX2__)
+    const __m256i hi_below = _mm256_set1_epi8((char)(q_hi - 1)), lo_below = _mm256_set1_epi8((char)(q_lo - 1));
+    __m256i want[64], other[64]; /* up[j] and 3 - up[j] in every byte */
+#endif
     for (int64_t b = 0; b < blocks; b++) {
         for (int64_t j = 0; j < r; j++) {
             mp[j] = masks + j * 2 * c + shifts[j * blocks + b];
             up[j] = neg[j * blocks + b] ? 2 : 1;
+#if defined(__AVX2__)
+            want[j] = _mm256_set1_epi8((char)up[j]);
+            other[j] = _mm256_set1_epi8((char)(3 - up[j]));
+#endif
         }
         for (int64_t u0 = 0; u0 < c; u0 += CH) {
             int64_t n = c - u0 < CH ? c - u0 : CH, h = 0, u = 0;
@@ -377,12 +385,6 @@ int64_t fs_cs_candidates(const uint8_t *masks, const float *rs, int64_t r, int64
             /* 32 slots at a time: per row, (mask == up) and (mask == 3 - up) are -1 bytes,
                subtracted into the two counts (r <= 64: no int8 overflow); hits read off the
                compares' bit masks */
-            const __m256i hi_below = _mm256_set1_epi8((char)(q_hi - 1)), lo_below = _mm256_set1_epi8((char)(q_lo - 1));
-            __m256i want[64], other[64];
-            for (int64_t j = 0; j < r; j++) {
-                want[j] = _mm256_set1_epi8((char)up[j]);
-                other[j] = _mm256_set1_epi8((char)(3 - up[j]));
-            }
             for (; u + 32 <= n; u += 32) {
                 __m256i sp = _mm256_setzero_si256(), sn = _mm256_setzero_si256();
                 for (int64_t j = 0; j < r; j++) {

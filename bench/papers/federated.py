@@ -53,6 +53,11 @@ def engine_for(cfg: RunConfig) -> str:
     return "batched"
 
 
+def on_engine(cfg: RunConfig) -> RunConfig:
+    """``cfg`` set to run on :func:`engine_for`'s engine."""
+    return cfg.model_copy(update={"engine": engine_for(cfg)})
+
+
 class FLRunner:
     """Runs (and caches) federated runs: the FedAvg baseline of a setting is run once per
     seed and shared by every claim that compares with it. Each run goes to the batched
@@ -70,7 +75,7 @@ class FLRunner:
                        momentum=0.9, local_epochs=1)
         setting.update(kw)
         cfg = RunConfig(strategy=strategy, params=params, rounds=rounds, seed=seed, **setting)
-        cfg = cfg.model_copy(update={"engine": engine_for(cfg)})
+        cfg = on_engine(cfg)
         key = json.dumps(cfg.model_dump(), sort_keys=True, default=str)
         if key in self._cache:
             return self._cache[key]
@@ -123,17 +128,16 @@ def _vs_measured(v: dict, label: str, need_ratio: float, need_gap: float, settin
                 Check("uplink ratio vs FedAvg", v["ratio"], ">=", need_ratio, unit="x"),
                 Check("less uplink than FedAvg", v["ratio"], ">", 1.0, direction=True, unit="x"),
                 Check("accuracy within 5 pts", g["mean"], ">=", -5.0, direction=True, unit=" pts")],
-        setting=setting + _engines(v["base"], v["arm"]),
+        setting=setting + _engines(v["base"]["engine"], v["arm"]["engine"]),
         series={"FedAvg fp32": v["base"]["curve"], label: v["arm"]["curve"]},
         xlabel="cumulative uplink bytes (measured)", ylabel="test accuracy",
         rows=[v["base"], v["arm"], {"arm": "gap", "gap_points": g, "uplink_ratio": v["ratio"]}],
         note=differs_note)
 
 
-def _engines(*runs: dict) -> str:
+def _engines(*engines: str) -> str:
     """The setting's note of which engine ran the arms."""
-    names = sorted({r["engine"] for r in runs})
-    return f"; engine {' and '.join(names)} (fedswarm sim --engine)"
+    return f"; engine {' and '.join(sorted(set(engines)))} (fedswarm sim --engine)"
 
 
 def _fl_setting(fl: FLRunner, task: str, rounds: int) -> str:
@@ -242,7 +246,7 @@ def gs_sgd_vs_gtopk(fl: FLRunner) -> Measured:
               f"({g['n']} seed(s))" if mean is not None else "no common byte budget"),
         checks=[Check("gs-SGD - gTop-k accuracy at the same uplink", mean, ">=", 0.0, direction=True, unit=" pts")],
         setting=_sketch_setting(fl, r) + f"; gs_sgd {GS} vs gtopk {GTOPK}; accuracy compared at the smaller "
-                                            "of the two runs' total uplink" + _engines(gs, gt),
+                                            "of the two runs' total uplink" + _engines(gs["engine"], gt["engine"]),
         series={"gs-SGD": gs["curve"], "gTop-k": gt["curve"]},
         xlabel="cumulative uplink bytes (measured)", ylabel="test accuracy", rows=[gs, gt, {"gap": g}],
         note="Accuracy only: gs-SGD's O(log d log P) communication time (its tree of sketches) is not simulated.")
@@ -267,18 +271,16 @@ PVT_ROUNDS = 2
 def _pvt_cfg(cfg, fraction: float, mult: int):
     from fedswarm.bench import edge
 
-    pvt_cfg = cfg.model_copy(update={"strategy": "pvt", "local_steps": mult * cfg.local_steps,
-                                     "params": {**edge.PVT, "fraction": fraction}})
-    return pvt_cfg.model_copy(update={"engine": engine_for(pvt_cfg)})
+    return on_engine(cfg.model_copy(update={"strategy": "pvt", "local_steps": mult * cfg.local_steps,
+                                            "params": {**edge.PVT, "fraction": fraction}}))
 
 
 def pvt(fl: FLRunner) -> Measured:
     from fedswarm.bench import edge
 
     cache = fl._cache
-    cfg = RunConfig(**{**edge.FL, "task": PVT_TASK}, strategy="fedavg", rounds=PVT_ROUNDS * fl.s.edge_rounds,
-                    local_steps=10)
-    cfg = cfg.model_copy(update={"engine": engine_for(cfg)})
+    cfg = on_engine(RunConfig(**{**edge.FL, "task": PVT_TASK}, strategy="fedavg",
+                              rounds=PVT_ROUNDS * fl.s.edge_rounds, local_steps=10))
     base = edge._run(cfg, fl.store)[1]
     arms = PVT_ARMS["quick" if fl.s.edge_quick else "full"]
     cfgs = [cfg] + [_pvt_cfg(cfg, f, m) for f, m in arms]
@@ -286,7 +288,7 @@ def pvt(fl: FLRunner) -> Measured:
     for (f, m), c in zip(arms, cfgs[1:]):
         rows.append(edge._fl_rows("PVT vs AVT", f"PVT {f:.0%}, {m}x steps", edge._run(c, fl.store)[1]))
     # memory on the same architecture 8x wider, 2 local steps (bench/edge.py explains why)
-    probes = [c.model_copy(update={"task": PVT_WIDE, "local_steps": 2, "engine": "inprocess"}) for c in cfgs]
+    probes = [c.model_copy(update={"task": PVT_WIDE, "local_steps": 2}) for c in cfgs]
     for row, peak in zip(rows, edge.peak_client_memory(probes, 4 if fl.s.edge_quick else 8)):
         row["peak_train_bytes"] = peak[0] if peak else None
     b = rows[0]
@@ -337,7 +339,7 @@ def pvt(fl: FLRunner) -> Measured:
                 f"clients, {cfg.rounds} rounds, 10 local steps (PVT: multiples), batch 16, lr 0.05, momentum 0.9, "
                 f"server_lr {edge.PVT['server_lr']}; memory: mean peak of local training over nodes on "
                 f"{PVT_TASK} 8x wide; the arm shown is the PVT arm passing most checks (seed 0), its accuracy "
-                "gap over 3 seeds when under 2 points" + _engines(*[{"engine": c.engine} for c in cfgs]),
+                "gap over 3 seeds when under 2 points" + _engines(*[c.engine for c in cfgs]),
         series={r["arm"]: [[up, a] for up, a in zip(r["cum_up"], r["curve"])] for r in rows},
         xlabel="cumulative uplink bytes (measured)", ylabel="test accuracy", rows=rows,
         note=(f"Other PVT arms (seed 0): {others}. " if others else "") + (
