@@ -18,7 +18,7 @@
    total training FLOPs (``FlopCounterMode``: per example × examples processed; FedAvg's
    counted the same way), two-way bytes, accuracy, and bytes/FLOPs to reach FedAvg's
    final accuracy minus one point.
-3. **HL** (``digits-mlp``, 10 nodes, ``dirichlet:0.1``, one epoch per hop): the learned
+3. **HL** (``digits-mlp``, 10 nodes, ``dominant:0.8`` as the paper, one epoch per hop): the learned
    selector against ``random`` and ``round_robin``; episodes restart from the initial
    model and end at the target accuracy. Rounds and bytes to target per episode: the
    learned agent over its last episodes (still learning, ε at its floor), the baselines
@@ -56,7 +56,7 @@ FL = dict(task=CNN, clients=10, fraction=1.0, batch_size=16, lr=0.05, momentum=0
 # PVT's server step: with 1 (plain averaging) the partial updates of different clients,
 # each made with the other variables frozen, overshoot together and accuracy oscillates.
 PVT = {"fraction": 0.25, "server_lr": 0.3}
-HL = dict(task="digits-mlp", clients=10, partition="dirichlet:0.1", local_epochs=1, batch_size=32, lr=0.3, seed=0)
+HL = dict(task="digits-mlp", clients=10, partition="dominant:0.8", local_epochs=1, batch_size=32, lr=0.3, seed=0)
 HL_TARGET = 0.8
 WIDE = "fedswarm.tasks.staged:digits_cnn4_wide"
 

@@ -56,7 +56,8 @@ def sim(
         "Fraction of clients sampled per round, in (0, 1] (default 1)."
     )),
     partition: Optional[str] = typer.Option(None, "--partition", "-p", help=(
-        "Data split: iid (default), dirichlet:ALPHA, shards:K."
+        "Data split: iid (default), dirichlet:ALPHA, shards:K, or dominant:P (client k: a fraction P "
+        "of its examples from class k mod C, the rest from the other classes)."
     )),
     local_epochs: Optional[int] = typer.Option(None, "--local-epochs", help="Local epochs per round (default 2)."),
     local_steps: Optional[int] = typer.Option(None, "--local-steps", help=(

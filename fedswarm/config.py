@@ -35,20 +35,28 @@ class ConfigError(ValueError):
     """A bad config key or value; the message is one line fit to show a user."""
 
 
-_PARTITION_RE = re.compile(r"^(iid|dirichlet:(?P<alpha>[0-9.eE+-]+)|shards:(?P<k>[0-9]+))$")
+_PARTITION_RE = re.compile(
+    r"^(iid|dirichlet:(?P<alpha>[0-9.eE+-]+)|shards:(?P<k>[0-9]+)|dominant:(?P<p>[0-9.eE+-]+))$")
 
 
 def parse_partition(spec: str) -> tuple[str, float | int | None]:
     """``iid`` -> ("iid", None); ``dirichlet:0.5`` -> ("dirichlet", 0.5);
-    ``shards:2`` -> ("shards", 2)."""
+    ``shards:2`` -> ("shards", 2); ``dominant:0.8`` -> ("dominant", 0.8)."""
     m = _PARTITION_RE.match(spec.strip())
     if not m:
-        raise ValueError("must be 'iid', 'dirichlet:ALPHA' (ALPHA > 0) or 'shards:K' (K >= 1)")
+        raise ValueError("must be 'iid', 'dirichlet:ALPHA' (ALPHA > 0), 'shards:K' (K >= 1) "
+                         "or 'dominant:P' (0 < P <= 1)")
     if m.group("alpha") is not None:
         alpha = float(m.group("alpha"))
         if not alpha > 0:
             raise ValueError("dirichlet ALPHA must be > 0")
         return "dirichlet", alpha
+    if m.group("p") is not None:
+        frac = float(m.group("p"))
+        if not 0 < frac <= 1:
+            raise ValueError(f"dominant P is the fraction of a client's examples from its own class: "
+                             f"it must be in (0, 1], got {frac}")
+        return "dominant", frac
     if m.group("k") is not None:
         k = int(m.group("k"))
         if k < 1:
@@ -63,7 +71,8 @@ Task = Annotated[str, Field(description="Model + data: a built-in task name (see
                                         "or 'module:function'.")]
 Params = Annotated[dict[str, Any], Field(description="Algorithm hyperparameters (`--set key=value`).")]
 Rounds = Annotated[int, Field(ge=1, le=1_000_000, description="Number of rounds.")]
-Partition = Annotated[str, Field(description="How data is split: 'iid', 'dirichlet:ALPHA' or 'shards:K'.")]
+Partition = Annotated[str, Field(description="How data is split: 'iid', 'dirichlet:ALPHA', 'shards:K' or "
+                                             "'dominant:P'.")]
 LocalSteps = Annotated[int, Field(ge=1, le=1_000_000, description="Local SGD steps per round.")]
 BatchSize = Annotated[int, Field(ge=1, le=1_000_000, description="Local minibatch size.")]
 LearningRate = Annotated[float, Field(gt=0.0, le=100.0, description="Client learning rate.")]

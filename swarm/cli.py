@@ -48,7 +48,7 @@ def peer(
     )),
     set_: list[str] | None = typer.Option(None, "--set", help="Algorithm hyperparameter KEY=VALUE (repeatable)."),
     task: str = typer.Option("digits-mlp", "--task", "-t", help="Task (model + data)."),
-    partition: str = typer.Option("iid", "--partition", "-p", help="iid, dirichlet:ALPHA or shards:K."),
+    partition: str = typer.Option("iid", "--partition", "-p", help="iid, dirichlet:ALPHA, shards:K or dominant:P."),
     partition_id: int = typer.Option(0, "--partition-id", min=0, help="This peer's data partition."),
     num_partitions: int = typer.Option(1, "--num-partitions", min=1, help=(
         "How many partitions the data is split into."
@@ -166,7 +166,7 @@ def swarm(
         "Restart the killed peers after this many seconds."
     )),
     task: str = typer.Option("digits-mlp", "--task", "-t", help="Task (model + data)."),
-    partition: str = typer.Option("iid", "--partition", "-p", help="iid, dirichlet:ALPHA or shards:K."),
+    partition: str = typer.Option("iid", "--partition", "-p", help="iid, dirichlet:ALPHA, shards:K or dominant:P."),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed."),
     base_port: int = typer.Option(0, "--base-port", min=0, max=65000, help="Peer i listens on BASE+i (0: free ports)."),
     local_steps: int = typer.Option(10, "--local-steps", min=1, help="Local SGD steps per round."),

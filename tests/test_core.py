@@ -81,6 +81,8 @@ def test_payload_round_trip_and_rejection():
     ({"fraction": 1.5}, "fraction"),
     ({"partition": "dirichlet:0"}, "partition"),
     ({"partition": "banana"}, "partition"),
+    ({"partition": "dominant:0"}, "partition"),
+    ({"partition": "dominant:1.5"}, "partition"),
     ({"lr": 0}, "lr"),
     ({"engine": "warp"}, "engine"),
     ({"device": "tpu"}, "device"),
@@ -165,7 +167,7 @@ def test_store_opens_while_another_process_creates_its_tables(tmp_path):
 
 def test_partitions_cover_the_pool():
     labels = np.random.default_rng(0).integers(0, 10, 1000)
-    for spec in ("iid", "dirichlet:0.5", "dirichlet:0.05", "shards:2"):
+    for spec in ("iid", "dirichlet:0.5", "dirichlet:0.05", "shards:2", "dominant:0.8"):
         parts = partition_indices(labels, spec, 20, seed=1)
         idx = np.concatenate(parts)
         assert len(parts) == 20 and all(len(p) > 0 for p in parts)
@@ -178,6 +180,34 @@ def test_partitions_cover_the_pool():
     assert top_share > 0.6
     assert partition_indices(labels, "iid", 20, seed=1)[0].tolist() == partition_indices(labels, "iid", 20,
                                                                                          1)[0].tolist()
+
+
+@pytest.mark.parametrize("frac", [0.8, 0.5, 1.0])
+@pytest.mark.parametrize("clients", [10, 25])
+def test_dominant_partition_gives_each_client_its_class_share(frac, clients):
+    """dominant:P (Homogeneous Learning's split): client k draws P of its examples from class
+    k mod C (classes sorted) and the rest from the other classes, no example twice; on the
+    uneven digits labels with P = 1 a class too small for its clients' equal sizes shrinks
+    them instead of breaking the fraction."""
+    from sklearn.datasets import load_digits
+
+    labels = load_digits().target + 3  # classes 3..12: the dominant class is by rank, not by value
+    classes = np.unique(labels)
+    parts = partition_indices(labels, f"dominant:{frac}", clients, seed=4)
+    idx = np.concatenate(parts)
+    assert len(parts) == clients and len(np.unique(idx)) == len(idx)
+    for k, part in enumerate(parts):
+        own = int((labels[part] == classes[k % len(classes)]).sum())
+        assert part.size > 0 and abs(own / part.size - frac) <= 1.0 / part.size, (k, own, part.size)
+        assert part.size <= len(labels) // clients + 1
+    if frac < 1:  # the classes' pools suffice: equal sizes, nearly every example used
+        assert min(p.size for p in parts) >= len(labels) // clients - 1
+        assert len(idx) >= len(labels) - clients
+    assert [p.tolist() for p in parts] == [p.tolist() for p in partition_indices(labels, f"dominant:{frac}",
+                                                                                 clients, seed=4)]
+    assert parts[0].tolist() != partition_indices(labels, f"dominant:{frac}", clients, seed=5)[0].tolist()
+    with pytest.raises(ValueError, match="cannot split"):
+        partition_indices(labels[:5], f"dominant:{frac}", 6, seed=0)
 
 
 def test_logreg_oracle_is_the_optimum():

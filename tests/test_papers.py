@@ -10,6 +10,7 @@ import operator
 import pytest
 
 from fedswarm.bench import papers
+from fedswarm.bench.papers.hl import EPISODES
 from fedswarm.bench.papers.report import Check, Measured, combine, verdict
 
 OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
@@ -130,17 +131,18 @@ def test_registered():
 
 
 def test_tiny_run_of_hl_and_progfed(tmp_path, monkeypatch):
-    """HL: three real selector arms side by side, the saving computed from their rounds;
+    """HL: the real selector arms side by side, the saving computed from their rounds;
     ProgFed: both of the paper's stage schedules against the one FedAvg run."""
     monkeypatch.setenv("FEDSWARM_PAPERS_ONLY", "hl,progfed")
     papers.run(tmp_path, scale="tiny")
     data, _ = _check_outputs(tmp_path, ["progfed", "hl"])
     progfed, hl = data["claims"]
     arms = {r["arm"]: r for r in hl["rows"]}
-    assert set(arms) == {"random", "attention", "attention+visits", "learned"}
+    assert set(arms) == {"random", "attention", "attention+visits", "learned", "round-robin"}
     assert arms["attention"]["params"]["attention_state"] == "pca"  # the paper's state is the one checked
     for r in arms.values():
-        assert r["episodes"] == 2 and all(1 <= n <= 4 for n in r["episode_rounds"])
+        assert r["episodes"] == EPISODES["tiny"][r["params"]["selector"]] > 0
+        assert all(1 <= n <= 4 for n in r["episode_rounds"])
     saved = next(c for c in hl["checks"] if c["name"].startswith("rounds saved"))["value"]
     rounds = {k: r["rounds_to_target"] for k, r in arms.items()}
     assert saved == pytest.approx(100 * (1 - rounds["attention"] / rounds["random"]))

@@ -1,7 +1,10 @@
 """Splitting a task's training pool across clients, through flwr-datasets partitioners.
 
 Specs: ``iid``, ``dirichlet:ALPHA`` (label skew; smaller ALPHA is more skewed) and
-``shards:K`` (each client gets K label-sorted shards, McMahan et al. 2017).
+``shards:K`` (each client gets K label-sorted shards, McMahan et al. 2017) and ``dominant:P``
+(client ``k`` draws a fraction P of its examples from class ``k mod C`` and the rest from the
+other classes: the split of Homogeneous Learning's code, where node n holds 400 images of
+class n mod 10 and 100 of the others, i.e. ``dominant:0.8``).
 
 ``iid`` is computed here, vectorized, as exactly what flwr-datasets gives (the pool
 shuffled with ``numpy.random.default_rng(seed).permutation``, then cut into contiguous
@@ -57,12 +60,68 @@ def iid_offsets(n: int, num_partitions: int, seed: int) -> tuple[np.ndarray, np.
     return perm, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
 
+def dominant_offsets(labels: np.ndarray, num_partitions: int, frac: float, seed: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """``dominant:P``: client ``k`` holds a fraction ``frac`` of its examples from class
+    ``classes[k mod C]`` (its dominant class; ``classes`` sorted) and the rest from the
+    other classes, no example twice.
+
+    Sizes are as near equal as in ``iid`` (``n // K``, the first ``n mod K`` one more). A
+    class shared by several clients gives each at most an equal share of its examples; a
+    client capped that way keeps the fraction by taking fewer of the others (it is smaller).
+    The other classes' leftovers, shuffled, each go to the client whose class differs and
+    that still lacks the most; leftovers nobody may take stay unused."""
+    labels = np.asarray(labels)
+    n = labels.size
+    if num_partitions > n:
+        raise ValueError(f"dominant:{frac} cannot split {n} training examples across {num_partitions} clients")
+    rng = np.random.default_rng(seed)
+    classes, label_ix = np.unique(labels, return_inverse=True)
+    n_cls = classes.size
+    dom = np.arange(num_partitions) % n_cls
+    sizes = np.full(num_partitions, n // num_partitions, dtype=np.int64)
+    sizes[: n % num_partitions] += 1
+    pools = [rng.permutation(np.flatnonzero(label_ix == c)) for c in range(n_cls)]
+    owners = np.bincount(dom, minlength=n_cls)
+    share = np.array([pools[c].size // max(owners[c], 1) for c in range(n_cls)], dtype=np.int64)
+    want = np.rint(frac * sizes).astype(np.int64)
+    own = np.minimum(want, share[dom])
+    others = np.where(own < want, np.rint(own * (1 - frac) / frac), sizes - want).astype(np.int64)
+    if (own + others == 0).any():
+        k = int(np.flatnonzero(own + others == 0)[0])
+        raise ValueError(f"dominant:{frac} left client {k} with no data (class {classes[dom[k]]} has too few "
+                         f"examples for its {owners[dom[k]]} clients); use fewer clients")
+    mine: list[list[np.ndarray]] = [[] for _ in range(num_partitions)]
+    used = [0] * n_cls
+    for k in range(num_partitions):
+        c = dom[k]
+        mine[k].append(pools[c][used[c]:used[c] + own[k]])
+        used[c] += int(own[k])
+    left = rng.permutation(np.concatenate([pools[c][used[c]:] for c in range(n_cls)]))
+    deficit = others.astype(np.float64)  # float: -inf marks "may not take this class"
+    extra: list[list[int]] = [[] for _ in range(num_partitions)]
+    for i in left.tolist():
+        if not deficit.any():
+            break
+        masked = np.where(dom == label_ix[i], -np.inf, deficit)
+        k = int(np.argmax(masked))
+        if masked[k] > 0:
+            extra[k].append(i)
+            deficit[k] -= 1
+    parts = [np.concatenate([*mine[k], np.asarray(extra[k], dtype=np.int64)]).astype(np.int64)
+             for k in range(num_partitions)]
+    offsets = np.concatenate([[0], np.cumsum([p.size for p in parts])]).astype(np.int64)
+    return np.concatenate(parts), offsets
+
+
 @functools.lru_cache(maxsize=32)
 def _cached_offsets(_key: str, raw: bytes, dtype: str, spec: str, num_partitions: int,
                     seed: int) -> tuple[np.ndarray, np.ndarray]:
-    kind, _ = parse_partition(spec)
+    kind, arg = parse_partition(spec)
     if kind == "iid":
         flat, offsets = iid_offsets(len(raw) // np.dtype(dtype).itemsize, num_partitions, seed)
+    elif kind == "dominant":
+        flat, offsets = dominant_offsets(np.frombuffer(raw, dtype=dtype), num_partitions, float(arg), seed)
     else:
         parts = _cached(_key, raw, dtype, spec, num_partitions, seed)
         sizes = np.array([p.size for p in parts], dtype=np.int64)
