@@ -16,7 +16,8 @@ command on the 2-core machine, 2026-11-26 (a one-thread job beside it for its fi
     sketched-sgd 667 s, fetchsgd 90 s, gs-sgd 309 s    (500 one-step rounds; 3 seeds where the gap
                                                         is under 2 points)
     pvt 851 s (48 rounds, batched), progfed 179 s      (PVT's picked arm over 3 seeds)
-    hl 227 s                                   (2 x 120 DQN episodes + 20 random)
+    hl 516 s at load 6 (227 s quiet before    (2 x 120 DQN episodes + 20 random + 10 round-robin)
+       the round-robin arm)
     dpsgd 3, adpsgd 5, qg-dsgdm 50, lsgd 3, dasgd 0, prague 3 s
 
 ``--quick`` was last timed before the batched engine took the federated arms: 34 min on a
