@@ -197,3 +197,28 @@ def test_qg_claim_scores_each_nodes_own_model(monkeypatch):
     best = {row["arm"]: row for row in m.rows if row["arm"] in ("dsgdm", "qgm")}
     gap = 100 * (best["qgm"]["best_local_accuracy_per_seed"][0] - best["dsgdm"]["best_local_accuracy_per_seed"][0])
     assert m.checks[0].value == pytest.approx(gap)
+
+
+@pytest.mark.parametrize("first_gap, need, seeds", [
+    (-1.5, -2.0, 3),  # under 2 points: the spread matters
+    (-2.5, -2.0, 3),  # over 2 points but within 1 of the threshold: one seed could flip the verdict
+    (-3.5, -2.0, 1),  # far from both: one seed decides
+    (-2.5, -1.0, 1),
+])
+def test_versus_remeasures_gaps_near_the_threshold_over_three_seeds(first_gap, need, seeds):
+    from types import SimpleNamespace
+
+    from fedswarm.bench.papers.federated import FLRunner
+
+    calls = []
+
+    def run(task, strategy, params, *, seed, rounds, **kw):
+        calls.append((strategy, seed))
+        acc = 0.9 if strategy == "fedavg" else 0.9 + (first_gap if seed == 0 else -2.0) / 100
+        return {"final_acc": acc, "bytes_up": 100 if strategy == "fedavg" else 10}
+
+    fl = FLRunner(store=None, scale=SimpleNamespace(seeds_small_gap=3))
+    fl.run = run
+    v = fl.versus("t", "arm", {}, 5, need)
+    assert v["gap"]["n"] == seeds and sorted({s for _, s in calls}) == list(range(seeds))
+    assert v["gap"]["mean"] == pytest.approx((first_gap - 2.0 * (seeds - 1)) / seeds) and v["ratio"] == 10

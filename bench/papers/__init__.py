@@ -3,7 +3,8 @@
 Each claim (:data:`CLAIMS`) runs a small version of the paper's comparison with fedswarm's
 own components, measures numbers, and turns them into checks against the issue's targets
 (``report.Check``); the verdict (reproduced / direction only / not reproduced) follows
-from the checks. Accuracy gaps under 2 points are re-measured over 3 seeds (full mode)
+from the checks. Accuracy gaps under 2 points (against FedAvg: also within 1 point of the
+claim's target) are re-measured over 3 seeds (full mode)
 and shown as mean ± std.
 
 Modes: ``--quick`` (CI-sized: few rounds and epochs, one seed) and full (the issue's settings,

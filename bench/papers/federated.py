@@ -95,13 +95,15 @@ class FLRunner:
         self._cache[key] = out
         return out
 
-    def versus(self, task: str, strategy: str, params: dict, rounds: int, **kw: Any) -> dict:
-        """``strategy`` against FedAvg on ``task``: accuracy gap in points (3 seeds when the
-        first seed's gap is under 2 points) and uplink ratio (seed 0). ``kw``: settings."""
+    def versus(self, task: str, strategy: str, params: dict, rounds: int, need_gap: float, **kw: Any) -> dict:
+        """``strategy`` against FedAvg on ``task``: accuracy gap in points and uplink ratio
+        (seed 0). The gap is re-measured over 3 seeds when the first seed's is under 2 points
+        or within 1 point of ``need_gap``, the claim's threshold: one seed's spread (~0.5-1
+        point here) could flip that verdict. ``kw``: settings."""
         base = self.run(task, "fedavg", {}, seed=0, rounds=rounds, **kw)
         arm = self.run(task, strategy, params, seed=0, rounds=rounds, **kw)
         gaps = [100 * (arm["final_acc"] - base["final_acc"])]
-        if abs(gaps[0]) < 2.0:
+        if abs(gaps[0]) < 2.0 or abs(gaps[0] - need_gap) < 1.0:
             for seed in range(1, self.s.seeds_small_gap):
                 b = self.run(task, "fedavg", {}, seed=seed, rounds=rounds, **kw)
                 a = self.run(task, strategy, params, seed=seed, rounds=rounds, **kw)
@@ -163,8 +165,8 @@ def _gap_text(v: dict) -> str:
 
 
 def _onebit(fl: FLRunner, task: str, rounds: int, need_ratio: float, setting: str, **kw: Any) -> Measured:
-    two = fl.versus(task, "onebit", ONEBIT, rounds, **kw)
-    up = fl.versus(task, "compressed_fedavg", ONEBIT_UP, rounds, **kw)
+    two = fl.versus(task, "onebit", ONEBIT, rounds, -1.0, **kw)
+    up = fl.versus(task, "compressed_fedavg", ONEBIT_UP, rounds, -1.0, **kw)
     m = _vs_measured(two, "1-bit both ways (onebit: the paper's scheme)", need_ratio, -1.0, setting)
     m.ours = "1-bit both ways (the paper's scheme, the verdict's): " + m.ours + \
         "; uplink only (dense downlink): " + _gap_text(up)
@@ -208,13 +210,13 @@ def _sketch_setting(fl: FLRunner, r: int) -> str:
 
 def sketched_sgd(fl: FLRunner) -> Measured:
     r = fl.s.fl_rounds_sketch
-    v = fl.versus(LARGE, "sketched_sgd", SKETCHED, r, **SKETCH_SETTING)
+    v = fl.versus(LARGE, "sketched_sgd", SKETCHED, r, -2.0, **SKETCH_SETTING)
     return _vs_measured(v, "Sketched-SGD", 10.0, -2.0, _sketch_setting(fl, r) + f"; sketched_sgd {SKETCHED}")
 
 
 def fetchsgd(fl: FLRunner) -> Measured:
     r = fl.s.fl_rounds_sketch
-    v = fl.versus(LARGE, "fetchsgd", FETCH, r, **SKETCH_SETTING)
+    v = fl.versus(LARGE, "fetchsgd", FETCH, r, -2.0, **SKETCH_SETTING)
     return _vs_measured(v, "FetchSGD", 10.0, -2.0, _sketch_setting(fl, r) + f"; fetchsgd {FETCH}")
 
 

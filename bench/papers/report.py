@@ -149,7 +149,8 @@ def write_doc(path: Path, mode: str, entries: list[dict], runs: list[dict]) -> N
         "",
         f"Mode: **{mode}**. Every figure below comes from the run(s) listed; verdicts are computed from the "
         "checks (reproduced: all pass; direction only: the direction checks pass; not reproduced: otherwise). "
-        "Accuracy gaps under 2 points are averaged over 3 seeds in full mode, 1 in quick mode (mean ± sample "
+        "Accuracy gaps under 2 points (against FedAvg: also within 1 point of the target) are averaged over 3 "
+        "seeds in full mode, 1 in quick mode (mean ± sample "
         "std). Times are simulated (the time model), bytes measured on serialized messages; wall times were "
         "taken on a shared, loaded machine.",
         "",
