@@ -105,11 +105,11 @@ def hl(fl) -> Measured:
     for r in rows[1:]:
         r["rounds_saved_pct"], r["hop_cost_saved_pct"] = cut(r), comm(r)
     rate = lambda r: f"{r['rounds_to_target']:.1f} ± {r['rounds_std']:.1f} rounds"  # noqa: E731
-    lin = f"; linear Q {cut(by['learned']):.0f}%" if "learned" in by else ""
-    lin += f"; a fixed round-robin cycle {cut(by['round-robin']):.0f}%" if "round-robin" in by else ""
+    more = f"; linear Q {cut(by['learned']):.0f}%" if "learned" in by else ""
+    more += f"; a fixed round-robin cycle {cut(by['round-robin']):.0f}%" if "round-robin" in by else ""
     return Measured(
         ours=(f"the paper's DQN (PCA state) {cut(att):.0f}% fewer rounds than random to {edge.HL_TARGET} ({rate(att)} "
-              f"vs {rate(rnd)}); with visit recency added to its state {cut(vis):.0f}% ({rate(vis)}){lin}"),
+              f"vs {rate(rnd)}); with visit recency added to its state {cut(vis):.0f}% ({rate(vis)}){more}"),
         checks=[Check("rounds saved vs random (the paper's DQN)", cut(att), ">=", 40.0, unit=" %"),
                 Check("fewer rounds than random (the paper's DQN)", cut(att), ">", 0.0, direction=True, unit=" %")],
         setting=(f"digits-mlp, {edge.HL['clients']} nodes, {edge.HL['partition']}, one epoch per hop (batch 32, lr "
@@ -125,10 +125,10 @@ def hl(fl) -> Measured:
               "came back: in the chain all node models are equal but the last one's). That state tells the agent "
               "only which node trained last, so a greedy policy is a fixed successor map, which can loop on a few "
               "nodes; 'attention+visits' adds each node's visit recency in the episode to the state (ours, not "
-              "the paper's). The linear Q-function (full mode) is the earlier policy." + _order_bound(by)))
+              "the paper's). The linear Q-function (full mode) is the earlier policy." + _order_reference(by)))
 
 
-def _order_bound(by: dict) -> str:
+def _order_reference(by: dict) -> str:
     """What a fixed cycle through the nodes saves (each node's class visited in turn): a
     reference for what choosing the order can give in this setting."""
     if "round-robin" not in by:

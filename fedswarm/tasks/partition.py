@@ -55,13 +55,17 @@ def iid_offsets(n: int, num_partitions: int, seed: int) -> tuple[np.ndarray, np.
     perm = np.random.default_rng(seed).permutation(n).astype(np.int64)
     if num_partitions > n:
         return perm[np.arange(num_partitions) % n], np.arange(num_partitions + 1, dtype=np.int64)
+    return perm, np.concatenate([[0], np.cumsum(_even_sizes(n, num_partitions))]).astype(np.int64)
+
+
+def _even_sizes(n: int, num_partitions: int) -> np.ndarray:
+    """``n`` split into sizes that differ by at most one, the larger first."""
     sizes = np.full(num_partitions, n // num_partitions, dtype=np.int64)
     sizes[: n % num_partitions] += 1
-    return perm, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return sizes
 
 
-def dominant_offsets(labels: np.ndarray, num_partitions: int, frac: float, seed: int
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def dominant_parts(labels: np.ndarray, num_partitions: int, frac: float, seed: int) -> tuple[np.ndarray, ...]:
     """``dominant:P``: client ``k`` holds a fraction ``frac`` of its examples from class
     ``classes[k mod C]`` (its dominant class; ``classes`` sorted) and the rest from the
     other classes, no example twice.
@@ -79,8 +83,7 @@ def dominant_offsets(labels: np.ndarray, num_partitions: int, frac: float, seed:
     classes, label_ix = np.unique(labels, return_inverse=True)
     n_cls = classes.size
     dom = np.arange(num_partitions) % n_cls
-    sizes = np.full(num_partitions, n // num_partitions, dtype=np.int64)
-    sizes[: n % num_partitions] += 1
+    sizes = _even_sizes(n, num_partitions)
     pools = [rng.permutation(np.flatnonzero(label_ix == c)) for c in range(n_cls)]
     owners = np.bincount(dom, minlength=n_cls)
     share = np.array([pools[c].size // max(owners[c], 1) for c in range(n_cls)], dtype=np.int64)
@@ -91,11 +94,11 @@ def dominant_offsets(labels: np.ndarray, num_partitions: int, frac: float, seed:
         k = int(np.flatnonzero(own + others == 0)[0])
         raise ValueError(f"dominant:{frac} left client {k} with no data (class {classes[dom[k]]} has too few "
                          f"examples for its {owners[dom[k]]} clients); use fewer clients")
-    mine: list[list[np.ndarray]] = [[] for _ in range(num_partitions)]
+    mine: list[np.ndarray] = []
     used = [0] * n_cls
     for k in range(num_partitions):
         c = dom[k]
-        mine[k].append(pools[c][used[c]:used[c] + own[k]])
+        mine.append(pools[c][used[c]:used[c] + own[k]])
         used[c] += int(own[k])
     left = rng.permutation(np.concatenate([pools[c][used[c]:] for c in range(n_cls)]))
     deficit = others.astype(np.float64)  # float: -inf marks "may not take this class"
@@ -108,10 +111,7 @@ def dominant_offsets(labels: np.ndarray, num_partitions: int, frac: float, seed:
         if masked[k] > 0:
             extra[k].append(i)
             deficit[k] -= 1
-    parts = [np.concatenate([*mine[k], np.asarray(extra[k], dtype=np.int64)]).astype(np.int64)
-             for k in range(num_partitions)]
-    offsets = np.concatenate([[0], np.cumsum([p.size for p in parts])]).astype(np.int64)
-    return np.concatenate(parts), offsets
+    return tuple(np.concatenate([mine[k], np.asarray(extra[k], dtype=np.int64)]) for k in range(num_partitions))
 
 
 @functools.lru_cache(maxsize=32)
@@ -120,10 +120,9 @@ def _cached_offsets(_key: str, raw: bytes, dtype: str, spec: str, num_partitions
     kind, arg = parse_partition(spec)
     if kind == "iid":
         flat, offsets = iid_offsets(len(raw) // np.dtype(dtype).itemsize, num_partitions, seed)
-    elif kind == "dominant":
-        flat, offsets = dominant_offsets(np.frombuffer(raw, dtype=dtype), num_partitions, float(arg), seed)
     else:
-        parts = _cached(_key, raw, dtype, spec, num_partitions, seed)
+        parts = (dominant_parts(np.frombuffer(raw, dtype=dtype), num_partitions, float(arg), seed)
+                 if kind == "dominant" else _cached(_key, raw, dtype, spec, num_partitions, seed))
         sizes = np.array([p.size for p in parts], dtype=np.int64)
         flat = np.concatenate(parts).astype(np.int64)
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
