@@ -8,8 +8,10 @@
   the killed round for the dead server, so they also hold a newer snapshot than the
   checkpoint's round: the resume must take the checkpoint's), without
   ``--accept-client-state-loss``.
-- (A SuperNode killed mid-round: tests/test_deployment_node_fault.py, its own file so that
-  pytest-xdist's ``--dist loadfile`` runs the two side by side.)
+- (A SuperNode killed mid-round: tests/test_deployment_node_fault.py; the ServerApp and a
+  SuperNode killed together, the node back after the resume query:
+  tests/test_deployment_late_node.py. Each in its own file so that pytest-xdist's
+  ``--dist loadfile`` runs them side by side.)
 
 "In the middle of a round" is known, not guessed: the run's task (``tests.resume_helpers``)
 holds every training step past the rounds before, and tells the test it is holding.
