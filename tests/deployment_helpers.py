@@ -70,6 +70,22 @@ class Deployment:
                                      "--clientappio-port", str(free_port()),
                                      "--state-dir", str(self.tmp / f"node-state-{i}")])
 
+    def run_until_round_2_holds(self, n: int, db: Path, hold_dir: Path, run_config: str = "") -> tuple:
+        """Start the SuperLink and ``n`` SuperNodes, ``flwr run`` fedswarm's app (``RUN`` plus
+        ``run_config``), and wait until every node holds in round 2 (the task's hold, set at
+        construction, must let round 1 through). Returns (the run, the ids of the nodes that
+        trained round 1)."""
+        self.start(n)
+        self.flwr("run", str(ROOT), "test", "--run-config", RUN.format(n=n, task=TASK, db=db) + run_config)
+        try:
+            wait_until(lambda: len(list(hold_dir.glob("held-*"))) == n, 600, interval=0.1, what="round 2 in flight")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.logs()}") from None
+        run = one_run(db)
+        first = {r.node_id for r in Store(db).node_rounds(run.id) if r.round == 1 and r.status == "ok"}
+        assert len(first) == n, first
+        return run, first
+
     def kill_node(self, i: int) -> None:
         """SIGKILL the SuperNode and its ClientApp processes (its process group)."""
         p = self.nodes[i]

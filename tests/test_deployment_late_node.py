@@ -24,7 +24,7 @@ import signal
 import pytest
 
 from fedswarm.store import Store
-from tests.deployment_helpers import RUN, ROOT, TASK, Deployment, alive, one_run, status_of
+from tests.deployment_helpers import Deployment, alive, status_of
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
@@ -35,17 +35,8 @@ def test_a_node_back_after_the_resume_query_is_named_resynchronised_and_trains(t
     db = tmp_path / "store.db"
     dep = Deployment(tmp_path, f"{1 * 2 * 3}:{hold_dir}")  # round 1 runs (2 nodes, 3 epochs); round 2 holds
     try:
-        dep.start(2)
-        dep.flwr("run", str(ROOT), "test", "--run-config",
-                 RUN.format(n=2, task=TASK, db=db) + " strategy='compressed_fedavg'")
-        try:
-            wait_until(lambda: len(list(hold_dir.glob("held-*"))) == 2, 600, interval=0.1, what="round 2 in flight")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{dep.logs()}") from None
-        run = one_run(db)
-        store = Store(db)
-        first = {n.node_id for n in store.node_rounds(run.id) if n.round == 1 and n.status == "ok"}
-        assert len(first) == 2 and run.pid and alive(run.pid)
+        run, first = dep.run_until_round_2_holds(2, db, hold_dir, " strategy='compressed_fedavg'")
+        assert run.pid and alive(run.pid)
         os.kill(run.pid, signal.SIGKILL)  # the ServerApp, in the middle of round 2 ...
         wait_until(lambda: not alive(run.pid), 60, what="the ServerApp gone")
         dep.kill_node(1)  # ... and one device with it

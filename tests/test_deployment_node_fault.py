@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from fedswarm.store import Store
-from tests.deployment_helpers import RUN, ROOT, TASK, Deployment, one_run, status_of
+from tests.deployment_helpers import Deployment, status_of
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
@@ -24,16 +24,8 @@ def test_supernode_killed_mid_round_round_completes_and_node_rejoins(tmp_path, h
     db = tmp_path / "store.db"
     dep = Deployment(tmp_path, f"{1 * 3 * 3}:{hold_dir}")  # round 1 runs; round 2 holds on every node
     try:
-        dep.start(3)
-        dep.flwr("run", str(ROOT), "test", "--run-config", RUN.format(n=3, task=TASK, db=db))
-        try:
-            wait_until(lambda: len(list(hold_dir.glob("held-*"))) == 3, 600, interval=0.1, what="round 2 in flight")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{dep.logs()}") from None
-        run = one_run(db)
+        run, first = dep.run_until_round_2_holds(3, db, hold_dir)
         store = Store(db)
-        first = {n.node_id for n in store.node_rounds(run.id) if n.round == 1 and n.status == "ok"}
-        assert len(first) == 3
         dep.kill_node(2)  # SIGKILL, mid-round 2
         (hold_dir / "release").write_text("")
         dep.start_node(2, 3)  # the device comes back
