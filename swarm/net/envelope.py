@@ -318,13 +318,15 @@ def _recv_encrypted(conn: Conn, v: Verifier, h: dict, body) -> None:
     the next is read, numbered (no reordering), and the last one is marked (no truncation)."""
     sender, blen = h["from"], h["blen"]
     aes = _body_cipher(v.ident, sender, h["nonce"], sender, h["to"])
-    scratch = bytearray(min(v.max_chunk_bytes, blen) + TAG_BYTES)
+    scratch = bytearray(0)  # sized by the first chunk (the sender's chunk size), after its length is checked
     view, got, i = memoryview(body), 0, 0
     while got < blen:
         c = conn.read_len()
         n = c - TAG_BYTES
         if n <= 0 or n > v.max_chunk_bytes or got + n > blen:
             raise Dropped("oversized" if n > v.max_chunk_bytes else "malformed", f"body chunk of {c} bytes at {got}")
+        if len(scratch) < c:
+            scratch = bytearray(c)
         frame = memoryview(scratch)[:c]
         conn.recv_exact_into(frame)
         try:
