@@ -40,7 +40,7 @@ def _transport(pki: Path, name: str, handler, *, mode: str, **kw):
         tls_s, tls_c = permissioned_tls(str(pki / "ca.pem"), str(d / "cert.pem"), str(d / "keys" / "private.pem"),
                                         ident.peer_id, str(pki / "crl.pem"))
         tls = {"tls_server": tls_s, "tls_client": tls_c, "bind_identity": True}
-    return Transport(ident, Verifier(ident, {other.peer_id}), handler, chunk_bytes=4 << 20, **tls, **kw)
+    return Transport(ident, Verifier(ident, {other.peer_id}), handler, **tls, **kw)  # the peers' chunk size
 
 
 def _receiver(pipe, pki: str, d: int) -> None:
@@ -147,9 +147,9 @@ def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
     from cryptography.hazmat.primitives.poly1305 import Poly1305
 
     from fedswarm.certs import init_pki
-    from fedswarm.swarm.net.envelope import alloc_body
+    from fedswarm.swarm.net.envelope import CHUNK_BYTES, alloc_body
 
-    chunk = 4 << 20
+    chunk = CHUNK_BYTES  # what a peer sends
     src = bytearray(os.urandom(1000)) * (n // 1000)
     aes = AESGCM(os.urandom(32))
     cts = [aes.encrypt(i.to_bytes(12, "big"), memoryview(src)[o : o + chunk], None)
@@ -267,8 +267,8 @@ def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
     steps = {"copy 40 MB into a warm buffer (what a raw socket costs per side, roughly)": step_copy,
              "copy into a fresh body buffer (page faults included)": step_fresh,
              "Poly1305 tag of the body (clear mode, each side)": step_poly,
-             "AES-256-GCM encrypt, 4 MB chunks (encrypted mode, sender)": step_gcm_enc,
-             "AES-256-GCM decrypt_into, 4 MB chunks (encrypted mode, receiver)": step_gcm_dec,
+             f"AES-256-GCM encrypt, {chunk >> 20} MB chunks (encrypted mode, sender)": step_gcm_enc,
+             f"AES-256-GCM decrypt_into, {chunk >> 20} MB chunks (encrypted mode, receiver)": step_gcm_dec,
              "TLS 1.3 record encryption through Python's ssl (mutual-TLS mode, sender)": step_tls_enc,
              "TLS 1.3 record decryption through Python's ssl, 16 KB records (mutual-TLS mode, receiver)":
                  step_tls_dec,

@@ -29,6 +29,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 
 from fedswarm.swarm.net.envelope import (
+    CHUNK_BYTES,
     Conn,
     Dropped,
     Message,
@@ -184,7 +185,7 @@ class Transport:
     def __init__(self, ident: Identity, verifier: Verifier, handler: Handler, *, host: str = "127.0.0.1",
                  port: int = 0, tls_server: ssl.SSLContext | None = None,
                  tls_client: ssl.SSLContext | None = None, io_timeout_s: float = 30.0,
-                 connect_timeout_s: float = 3.0, max_connections: int = 64, chunk_bytes: int = 1 << 20,
+                 connect_timeout_s: float = 3.0, max_connections: int = 64, chunk_bytes: int = CHUNK_BYTES,
                  bind_identity: bool = False, encrypt: bool = False):
         self.ident = ident
         self.verifier = verifier
