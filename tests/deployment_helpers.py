@@ -70,6 +70,13 @@ class Deployment:
                                      "--clientappio-port", str(free_port()),
                                      "--state-dir", str(self.tmp / f"node-state-{i}")])
 
+    def wait(self, pred, timeout: float, *, what: str, interval: float = 0.5):
+        """``wait_until``, failing with the end of the processes' log."""
+        try:
+            return wait_until(pred, timeout, interval=interval, what=what)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.logs()}") from None
+
     def run_until_round_2_holds(self, n: int, db: Path, hold_dir: Path, run_config: str = "") -> tuple:
         """Start the SuperLink and ``n`` SuperNodes, ``flwr run`` fedswarm's app (``RUN`` plus
         ``run_config``), and wait until every node holds in round 2 (the task's hold, set at
@@ -77,14 +84,17 @@ class Deployment:
         trained round 1)."""
         self.start(n)
         self.flwr("run", str(ROOT), "test", "--run-config", RUN.format(n=n, task=TASK, db=db) + run_config)
-        try:
-            wait_until(lambda: len(list(hold_dir.glob("held-*"))) == n, 600, interval=0.1, what="round 2 in flight")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{self.logs()}") from None
+        self.wait(lambda: len(list(hold_dir.glob("held-*"))) == n, 600, interval=0.1, what="round 2 in flight")
         run = one_run(db)
         first = {r.node_id for r in Store(db).node_rounds(run.id) if r.round == 1 and r.status == "ok"}
         assert len(first) == n, first
         return run, first
+
+    @staticmethod
+    def kill_serverapp(run) -> None:
+        """SIGKILL the run's ServerApp process and wait until it is gone."""
+        os.kill(run.pid, signal.SIGKILL)
+        wait_until(lambda: not alive(run.pid), 60, what="the ServerApp gone")
 
     def kill_node(self, i: int) -> None:
         """SIGKILL the SuperNode and its ClientApp processes (its process group)."""

@@ -30,7 +30,6 @@ import torch
 from fedswarm.store import Store
 from tests.deployment_helpers import (
     HOLD_ENV, RUN, ROOT, TASK, Deployment, alive, model_of, one_run, status_of)
-from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -59,23 +58,16 @@ def test_serverapp_killed_mid_round_resumes_on_the_superlink(tmp_path, hold_dir,
     try:
         dep.start(2)
         dep.flwr("run", str(ROOT), "test", "--run-config", RUN.format(n=2, task=TASK, db=db) + run_config)
-        try:
-            wait_until(lambda: list(hold_dir.glob("held-*")), 600, interval=0.1, what="round 2 in flight")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{dep.logs()}") from None
+        dep.wait(lambda: list(hold_dir.glob("held-*")), 600, interval=0.1, what="round 2 in flight")
         run = one_run(db)
         assert run.status == "running" and [r.round for r in Store(db).rounds(run.id)] == [0, 1]
         assert Store(db).latest_checkpoint(run.id).round == 1 and run.pid and alive(run.pid)
-        os.kill(run.pid, signal.SIGKILL)  # the ServerApp process, in the middle of round 2
-        wait_until(lambda: not alive(run.pid), 60, what="the ServerApp gone")
+        dep.kill_serverapp(run)  # the ServerApp process, in the middle of round 2
         (hold_dir / "release").write_text("")  # the clients finish their round-2 work for a dead server
         assert one_run(db).status == "running"  # SIGKILL: nothing recorded the death
         out = dep.fedswarm("resume", run.id, "--db", str(db), "--federation", "test")
         assert "resumes on federation 'test'" in out
-        try:
-            done = wait_until(lambda: status_of(db, "finished", "failed"), 600, interval=0.5, what="the resumed run")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{dep.logs()}") from None
+        done = dep.wait(lambda: status_of(db, "finished", "failed"), 600, interval=0.5, what="the resumed run")
         assert done.status == "finished", f"{done.error}\n{dep.logs()}"
         out, _ = reference.communicate(timeout=600)
         assert reference.returncode == 0, out[-3000:]

@@ -18,14 +18,11 @@ after the query's replies are in.
 
 from __future__ import annotations
 
-import os
-import signal
 
 import pytest
 
 from fedswarm.store import Store
 from tests.deployment_helpers import Deployment, alive, status_of
-from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -37,8 +34,7 @@ def test_a_node_back_after_the_resume_query_is_named_resynchronised_and_trains(t
     try:
         run, first = dep.run_until_round_2_holds(2, db, hold_dir, " strategy='compressed_fedavg'")
         assert run.pid and alive(run.pid)
-        os.kill(run.pid, signal.SIGKILL)  # the ServerApp, in the middle of round 2 ...
-        wait_until(lambda: not alive(run.pid), 60, what="the ServerApp gone")
+        dep.kill_serverapp(run)  # the ServerApp, in the middle of round 2 ...
         dep.kill_node(1)  # ... and one device with it
         (hold_dir / "release").write_text("")  # the survivor finishes its round-2 work for the dead server
         out = dep.fedswarm("resume", run.id, "--db", str(db), "--federation", "test")
@@ -47,15 +43,9 @@ def test_a_node_back_after_the_resume_query_is_named_resynchronised_and_trains(t
         def resumed():
             return [e for e in Store(db).events(run.id) if e.kind == "resumed"]
 
-        try:
-            (event,) = wait_until(resumed, 600, interval=0.2, what="the resumed server's query answered")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{dep.logs()}") from None
+        (event,) = dep.wait(resumed, 600, interval=0.2, what="the resumed server's query answered")
         dep.start_node(1, 2)  # the device comes back after the query: a new node id, never asked
-        try:
-            done = wait_until(lambda: status_of(db, "finished", "failed"), 700, interval=0.5, what="the resumed run")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{dep.logs()}") from None
+        done = dep.wait(lambda: status_of(db, "finished", "failed"), 700, interval=0.5, what="the resumed run")
         assert done.status == "finished", f"{done.error}\n{dep.logs()}"
         store = Store(db)
         assert [r.round for r in store.rounds(run.id)] == [0, 1, 2, 3]

@@ -14,7 +14,6 @@ import pytest
 
 from fedswarm.store import Store
 from tests.deployment_helpers import Deployment, status_of
-from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -29,10 +28,7 @@ def test_supernode_killed_mid_round_round_completes_and_node_rejoins(tmp_path, h
         dep.kill_node(2)  # SIGKILL, mid-round 2
         (hold_dir / "release").write_text("")
         dep.start_node(2, 3)  # the device comes back
-        try:
-            done = wait_until(lambda: status_of(db, "finished", "failed"), 700, interval=0.5, what="the run finishing")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{dep.logs()}") from None
+        done = dep.wait(lambda: status_of(db, "finished", "failed"), 700, interval=0.5, what="the run finishing")
         assert done.status == "finished", f"{done.error}\n{dep.logs()}"
         rows = {r.round: r for r in store.rounds(run.id)}
         assert sorted(rows) == [0, 1, 2, 3]

@@ -186,8 +186,8 @@ def _body_mac(ident: Identity, other: str, nonce: str, sender: str, receiver: st
     return Poly1305(hmac.new(shared, info, hashlib.sha256).digest())
 
 
-#: Body bytes per chunk a sender writes (1 MB): of 128 KB to 4 MB, the fastest for the clear and the
-#: encrypted bodies in ``fedswarm bench swarm``'s 40 MB exchange on loopback (stop 27's note).
+#: Body bytes per chunk a sender writes (1 MB): of 128 KB to 4 MB side by side, the fastest for clear and
+#: encrypted bodies in the 40 MB exchange of ``fedswarm bench swarm --exchange-only`` on loopback.
 CHUNK_BYTES = 1 << 20
 
 
