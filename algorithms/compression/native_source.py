@@ -70,6 +70,13 @@ void fs_lut_decode(const uint8_t *bits, int64_t n, const float *lut, float *out)
     for (int64_t e = 8 * full; e < n; e++) out[e] = lut[8 * (int64_t)bits[full] + (e & 7)];
 }
 
+#if defined(__AVX2__)
+/* max(v, 0) and min(v, 0) of values already in float64 (exact: float32 -> float64 is);
+   the operand order keeps the float32 form's sums: a NaN goes to the min's sum only */
+#define POS(a) _mm256_max_pd((a), _mm256_setzero_pd())
+#define NEG(a) _mm256_min_pd(_mm256_setzero_pd(), (a))
+#endif
+
 /* 1-bit SGD, encode, one tensor: x points at the flat vector, the tensor is the
    rows x cols matrix at offset `off`. Adds per column the sum of max(v, 0) (sp), of
    min(v, 0) (sn, as v - max(v, 0), exact) and the count of v >= 0 (cnt), row after
@@ -120,16 +127,16 @@ static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, in
                 __m256 v = _mm256_loadu_ps(t + r * cols + c0), v2 = _mm256_loadu_ps(t + (r + 1) * cols + c0);
                 __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
                 __m256 ge2 = _mm256_cmp_ps(v2, _mm256_setzero_ps(), _CMP_GE_OQ);
-                __m256 w = _mm256_and_ps(v, ge), u = _mm256_sub_ps(v, w); /* max(v, 0) and min(v, 0) */
-                __m256 w2 = _mm256_and_ps(v2, ge2), u2 = _mm256_sub_ps(v2, w2);
-                p0 = _mm256_add_pd(p0, _mm256_cvtps_pd(_mm256_castps256_ps128(w)));
-                p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)));
-                q0 = _mm256_add_pd(q0, _mm256_cvtps_pd(_mm256_castps256_ps128(u)));
-                q1 = _mm256_add_pd(q1, _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1)));
-                e0 = _mm256_add_pd(e0, _mm256_cvtps_pd(_mm256_castps256_ps128(w2)));
-                e1 = _mm256_add_pd(e1, _mm256_cvtps_pd(_mm256_extractf128_ps(w2, 1)));
-                f0 = _mm256_add_pd(f0, _mm256_cvtps_pd(_mm256_castps256_ps128(u2)));
-                f1 = _mm256_add_pd(f1, _mm256_cvtps_pd(_mm256_extractf128_ps(u2, 1)));
+                __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+                __m256d a2 = _mm256_cvtps_pd(_mm256_castps256_ps128(v2)), b2 = _mm256_cvtps_pd(_mm256_extractf128_ps(v2, 1));
+                p0 = _mm256_add_pd(p0, POS(a));
+                p1 = _mm256_add_pd(p1, POS(b));
+                q0 = _mm256_add_pd(q0, NEG(a));
+                q1 = _mm256_add_pd(q1, NEG(b));
+                e0 = _mm256_add_pd(e0, POS(a2));
+                e1 = _mm256_add_pd(e1, POS(b2));
+                f0 = _mm256_add_pd(f0, NEG(a2));
+                f1 = _mm256_add_pd(f1, NEG(b2));
                 m = _mm256_sub_epi32(m, _mm256_castps_si256(ge)); /* ge is -1 where v >= 0 */
                 m = _mm256_sub_epi32(m, _mm256_castps_si256(ge2));
                 if (fused) {
@@ -140,11 +147,11 @@ static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, in
             if (r < r1) { /* an odd block's last row */
                 __m256 v = _mm256_loadu_ps(t + r * cols + c0);
                 __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
-                __m256 w = _mm256_and_ps(v, ge), u = _mm256_sub_ps(v, w);
-                p0 = _mm256_add_pd(p0, _mm256_cvtps_pd(_mm256_castps256_ps128(w)));
-                p1 = _mm256_add_pd(p1, _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)));
-                q0 = _mm256_add_pd(q0, _mm256_cvtps_pd(_mm256_castps256_ps128(u)));
-                q1 = _mm256_add_pd(q1, _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1)));
+                __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+                p0 = _mm256_add_pd(p0, POS(a));
+                p1 = _mm256_add_pd(p1, POS(b));
+                q0 = _mm256_add_pd(q0, NEG(a));
+                q1 = _mm256_add_pd(q1, NEG(b));
                 m = _mm256_sub_epi32(m, _mm256_castps_si256(ge));
                 if (fused) bits[(off + r * cols + c0) >> 3] = (uint8_t)_mm256_movemask_ps(ge);
             }
