@@ -75,6 +75,8 @@ void fs_lut_decode(const uint8_t *bits, int64_t n, const float *lut, float *out)
    the operand order keeps the float32 form's sums: a NaN goes to the min's sum only */
 #define POS(a) _mm256_max_pd((a), _mm256_setzero_pd())
 #define NEG(a) _mm256_min_pd(_mm256_setzero_pd(), (a))
+#define LO(v) _mm256_cvtps_pd(_mm256_castps256_ps128(v)) /* floats 0-3 of v in float64 */
+#define HI(v) _mm256_cvtps_pd(_mm256_extractf128_ps((v), 1)) /* floats 4-7 */
 #endif
 
 /* 1-bit SGD, encode, one tensor: x points at the flat vector, the tensor is the
@@ -127,8 +129,8 @@ static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, in
                 __m256 v = _mm256_loadu_ps(t + r * cols + c0), v2 = _mm256_loadu_ps(t + (r + 1) * cols + c0);
                 __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
                 __m256 ge2 = _mm256_cmp_ps(v2, _mm256_setzero_ps(), _CMP_GE_OQ);
-                __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-                __m256d a2 = _mm256_cvtps_pd(_mm256_castps256_ps128(v2)), b2 = _mm256_cvtps_pd(_mm256_extractf128_ps(v2, 1));
+                __m256d a = LO(v), b = HI(v);
+                __m256d a2 = LO(v2), b2 = HI(v2);
                 p0 = _mm256_add_pd(p0, POS(a));
                 p1 = _mm256_add_pd(p1, POS(b));
                 q0 = _mm256_add_pd(q0, NEG(a));
@@ -147,7 +149,7 @@ static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, in
             if (r < r1) { /* an odd block's last row */
                 __m256 v = _mm256_loadu_ps(t + r * cols + c0);
                 __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
-                __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+                __m256d a = LO(v), b = HI(v);
                 p0 = _mm256_add_pd(p0, POS(a));
                 p1 = _mm256_add_pd(p1, POS(b));
                 q0 = _mm256_add_pd(q0, NEG(a));
