@@ -111,6 +111,17 @@ def test_doc_verdicts_follow_numbers(tmp_path, monkeypatch):
     assert [e["command"] for e in merged["claims"]] == ["FEDSWARM_PAPERS_ONLY=dasgd,prague fedswarm bench papers",
                                                        "FEDSWARM_PAPERS_ONLY=prague fedswarm bench papers"]
     assert doc.count("- `FEDSWARM_PAPERS_ONLY=") == 2
+    # a combined page combines again with a later run; each run is listed once
+    values.update(dasgd=1.5)
+    monkeypatch.setenv("FEDSWARM_PAPERS_ONLY", "dasgd")
+    papers.run(tmp_path / "c", scale="tiny")
+    again = combine([tmp_path / "m", tmp_path / "b", tmp_path / "c"], tmp_path / "m3", [c.id for c in claims])
+    _check_outputs(tmp_path / "m3", ["dasgd", "prague"])
+    assert [e["command"] for e in again["claims"]] == ["FEDSWARM_PAPERS_ONLY=dasgd fedswarm bench papers",
+                                                      "FEDSWARM_PAPERS_ONLY=prague fedswarm bench papers"]
+    assert [r["command"] for r in again["runs"]] == ["FEDSWARM_PAPERS_ONLY=dasgd,prague fedswarm bench papers",
+                                                    "FEDSWARM_PAPERS_ONLY=prague fedswarm bench papers",
+                                                    "FEDSWARM_PAPERS_ONLY=dasgd fedswarm bench papers"]
     tampered = json.loads((tmp_path / "b" / "papers.json").read_text())
     tampered["claims"][0]["verdict"] = "not reproduced"
     (tmp_path / "b" / "papers.json").write_text(json.dumps(tampered))

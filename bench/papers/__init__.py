@@ -14,8 +14,8 @@ command on the 2-core machine, 2026-11-26 (a one-thread job beside it for its fi
 2,400 s. Per claim (pvt and sketched-sgd as they are now: rerun alone, beside each other):
 
     onebit-cnn4 241 s, onebit-large 283 s      (45 rounds; both 1-bit arms, 3 seeds each)
-    sketched-sgd 667 s, fetchsgd 90 s, gs-sgd 309 s    (500 one-step rounds; 3 seeds where the gap
-                                                        is under 2 points)
+    sketched-sgd 667 s, fetchsgd 90 s, gs-sgd 450 s    (500 one-step rounds; 3 seeds where the gap
+                                                        is under 2 points; gs-sgd: 3 runs, alone)
     pvt 851 s (48 rounds, batched), progfed 179 s      (PVT's picked arm over 3 seeds)
     hl 516 s at load 6 (227 s quiet before    (2 x 120 DQN episodes + 20 random + 10 round-robin)
        the round-robin arm)
@@ -124,7 +124,8 @@ CLAIMS: list[Claim] = [
     Claim("gs-sgd", "gs-SGD against global top-k", "Dai et al. 2021",
           "better convergence than global top-k and other sketching methods, O(log d log P) communication",
           "ahead of gTop-k in accuracy at the same uplink bytes",
-          "accuracy only; the communication tree is not simulated; d = 301k", fed.gs_sgd_vs_gtopk, "fl"),
+          "accuracy only; the communication tree is not simulated (the server sums the sketches); d = 301k; "
+          "gs-SGD reconstructed from the paper's abstract", fed.gs_sgd_vs_gtopk, "fl"),
     Claim("pvt", "PVT: partial variable training", "Yang et al. 2022",
           "memory up to 1.9x lower, communication up to 593x lower, accuracy kept with more local steps",
           "peak training memory >= 1.7x lower, uplink >= 20x lower, within 1 point",

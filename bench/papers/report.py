@@ -114,10 +114,12 @@ def combine(sources: list[Path], out_dir: Path, order: list[str]) -> dict:
     runs, by_id = [], {}
     for src in sources:
         data = json.loads((Path(src) / "papers.json").read_text())
-        runs += data.get("runs") or [{k: v for k, v in data.items() if k != "claims"}]
+        # a source may itself be combined (its runs listed under "runs"): each run is listed once
+        runs += [r for r in data.get("runs") or [{k: v for k, v in data.items() if k != "claims"}] if r not in runs]
         for e in data["claims"]:
-            e.setdefault("mode", data["mode"])  # runs written before claims carried their own
-            e.setdefault("command", data["command"])
+            if "mode" not in e or "command" not in e:  # runs written before claims carried their own
+                e.setdefault("mode", data["mode"])
+                e.setdefault("command", data["command"])
             checks = [Check(**{k: c[k] for k in ("name", "value", "op", "threshold", "direction", "unit")})
                       for c in e["checks"]]
             if verdict(checks) != e["verdict"]:
