@@ -77,6 +77,11 @@ void fs_lut_decode(const uint8_t *bits, int64_t n, const float *lut, float *out)
 #define NEG(a) _mm256_min_pd(_mm256_setzero_pd(), (a))
 #define LO(v) _mm256_cvtps_pd(_mm256_castps256_ps128(v)) /* floats 0-3 of v in float64 */
 #define HI(v) _mm256_cvtps_pd(_mm256_extractf128_ps((v), 1)) /* floats 4-7 */
+/* the positive parts of a (floats 0-3) and b (4-7) into p0, p1, the negative parts into q0, q1 */
+#define SUMS(p0, p1, q0, q1, a, b) do { \
+        p0 = _mm256_add_pd(p0, POS(a)); p1 = _mm256_add_pd(p1, POS(b)); \
+        q0 = _mm256_add_pd(q0, NEG(a)); q1 = _mm256_add_pd(q1, NEG(b)); \
+    } while (0)
 #endif
 
 /* 1-bit SGD, encode, one tensor: x points at the flat vector, the tensor is the
@@ -131,14 +136,8 @@ static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, in
                 __m256 ge2 = _mm256_cmp_ps(v2, _mm256_setzero_ps(), _CMP_GE_OQ);
                 __m256d a = LO(v), b = HI(v);
                 __m256d a2 = LO(v2), b2 = HI(v2);
-                p0 = _mm256_add_pd(p0, POS(a));
-                p1 = _mm256_add_pd(p1, POS(b));
-                q0 = _mm256_add_pd(q0, NEG(a));
-                q1 = _mm256_add_pd(q1, NEG(b));
-                e0 = _mm256_add_pd(e0, POS(a2));
-                e1 = _mm256_add_pd(e1, POS(b2));
-                f0 = _mm256_add_pd(f0, NEG(a2));
-                f1 = _mm256_add_pd(f1, NEG(b2));
+                SUMS(p0, p1, q0, q1, a, b);
+                SUMS(e0, e1, f0, f1, a2, b2);
                 m = _mm256_sub_epi32(m, _mm256_castps_si256(ge)); /* ge is -1 where v >= 0 */
                 m = _mm256_sub_epi32(m, _mm256_castps_si256(ge2));
                 if (fused) {
@@ -150,10 +149,7 @@ static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, in
                 __m256 v = _mm256_loadu_ps(t + r * cols + c0);
                 __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
                 __m256d a = LO(v), b = HI(v);
-                p0 = _mm256_add_pd(p0, POS(a));
-                p1 = _mm256_add_pd(p1, POS(b));
-                q0 = _mm256_add_pd(q0, NEG(a));
-                q1 = _mm256_add_pd(q1, NEG(b));
+                SUMS(p0, p1, q0, q1, a, b);
                 m = _mm256_sub_epi32(m, _mm256_castps_si256(ge));
                 if (fused) bits[(off + r * cols + c0) >> 3] = (uint8_t)_mm256_movemask_ps(ge);
             }
