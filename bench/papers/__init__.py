@@ -17,8 +17,7 @@ command on the 2-core machine, 2026-11-26 (a one-thread job beside it for its fi
     sketched-sgd 667 s, fetchsgd 90 s, gs-sgd 450 s    (500 one-step rounds; 3 seeds where the gap
                                                         is under 2 points; gs-sgd: 3 runs, alone)
     pvt 851 s (48 rounds, batched), progfed 179 s      (PVT's picked arm over 3 seeds)
-    hl 516 s at load 6 (227 s quiet before    (2 x 120 DQN episodes + 20 random + 10 round-robin)
-       the round-robin arm)
+    hl 112 s (3 epochs a hop, cap 35)         (2 x 120 DQN episodes + 20 random + 10 round-robin)
     dpsgd 3, adpsgd 5, qg-dsgdm 50, lsgd 3, dasgd 0, prague 3 s
 
 ``--quick`` was last timed before the batched engine took the federated arms: 34 min on a
@@ -145,9 +144,9 @@ CLAIMS: list[Claim] = [
           "rounds -50.8% and communication -74.6% against random selection",
           "at least 40% fewer rounds than random",
           "digits-mlp (8x8 digits) instead of MNIST with a CNN; the paper's split (node n: 80% class n, "
-          "'dominant:0.8') of ~144 examples a node instead of 500; "
-          "episodes capped at 60 rounds (the paper: 35); DQN targets not row-normalised, ε floor 0.05, 4 training "
-          "passes per episode (the paper: 1) over 25 (quick) or 120 episodes",
+          "'dominant:0.8') of ~144 examples a node instead of 500, so a hop is 3 epochs (~15 steps of batch 32) "
+          "for the paper's one epoch of 500 images (16 steps); DQN targets not row-normalised, ε floor 0.05, "
+          "4 training passes per episode (the paper: 1) over 25 (quick) or 120 episodes",
           hl_claim.hl, "fl"),
     Claim("dpsgd", "D-PSGD against centralized SGD", "Lian et al., NeurIPS 2017",
           "same convergence per epoch as centralized SGD, faster on slow networks",

@@ -2,8 +2,8 @@
 
 Arms, all real in-process runs of the ``hl`` strategy (one node trains per round and hands
 the model on), side by side in one bench run on the same setting (``bench/edge.py``'s HL
-setting: digits-mlp, 10 nodes, the paper's split ``dominant:0.8``: node n holds 80% class n, one
-local epoch per hop, target 0.8):
+setting: digits-mlp, 10 nodes, the paper's split ``dominant:0.8``: node n holds 80% class n,
+target 0.8), with :data:`HOP_EPOCHS` local epochs per hop (the paper's 16 SGD steps a hop):
 
 - ``attention``: the paper's agent (DQN 100→500→200→10 on a PCA of the node models,
   ``fedswarm.algorithms.selection.hl_attention``), trained over its episodes with ε
@@ -33,7 +33,15 @@ from fedswarm.store import Store
 
 __all__ = ["hl", "EPISODES", "MAX_EPISODE_ROUNDS"]
 
-MAX_EPISODE_ROUNDS = 60  # the paper caps episodes at 35 steps; random needs ~37 on average here
+MAX_EPISODE_ROUNDS = 35  # the paper's cap on an episode's steps
+# The paper's hop is one local epoch of a node's 500 images at batch 32: 16 SGD steps. A node
+# here holds ~144 examples (digits' 1,437 training images over 10 nodes), so a hop runs 3
+# epochs: ~15 steps of batch 32. With one epoch (5 steps) a hop trained so little that any order
+# took about as long (full run of 2026-11-26, cap 60: random 37.9 rounds, a round-robin cycle
+# 35.8, the paper's DQN 39.3). The other way to the paper's 16 steps, one epoch at batch 9, was
+# tried beside it (random and round-robin arms only, cap 35): random 15.4 ± 2.7 rounds, round-robin
+# 13.1 ± 2.8 (3 epochs at batch 32: 15.3 ± 2.3 and 11.5 ± 1.6); batch 32 is the paper's.
+HOP_EPOCHS = 3
 TINY_EPISODE_ROUNDS = 4  # the tiny scale (tests): a few rounds an episode
 # episodes per arm, and how many of a learning arm's last episodes are measured
 EPISODES = {
@@ -62,7 +70,8 @@ def _arm(store: Store, name: str, selector: str, extra: dict, n_ep: int, tail: i
         params["epsilon_decay"] = -math.log(PAPER_FINAL_EPSILON) / n_ep
     # checkpoints every 100 hops (and at the stop): nothing here resumes, and a checkpoint of the DQN
     # arms (network, Adam, replay memory: ~2 MB) every hop took about half of each hop's time
-    cfg = RunConfig(**edge.HL, strategy="hl", rounds=n_ep * cap, params=params, checkpoint_every=100)
+    cfg = RunConfig(**{**edge.HL, "local_epochs": HOP_EPOCHS}, strategy="hl", rounds=n_ep * cap, params=params,
+                    checkpoint_every=100)
     rid = store.create_run(cfg.model_dump(), name=f"bench-papers-hl-{name}")
 
     def stop_after(rnd: int, row: dict) -> None:  # stop at the end of the last episode
@@ -112,8 +121,9 @@ def hl(fl) -> Measured:
               f"vs {rate(rnd)}); with visit recency added to its state {cut(vis):.0f}% ({rate(vis)}){more}"),
         checks=[Check("rounds saved vs random (the paper's DQN)", cut(att), ">=", 40.0, unit=" %"),
                 Check("fewer rounds than random (the paper's DQN)", cut(att), ">", 0.0, direction=True, unit=" %")],
-        setting=(f"digits-mlp, {edge.HL['clients']} nodes, {edge.HL['partition']}, one epoch per hop (batch 32, lr "
-                 f"{edge.HL['lr']}), target {edge.HL_TARGET}, episodes capped at {cap} rounds; DQN arms: "
+        setting=(f"digits-mlp, {edge.HL['clients']} nodes, {edge.HL['partition']}, {HOP_EPOCHS} epochs per hop "
+                 f"(~{HOP_EPOCHS * 5} steps of batch {edge.HL['batch_size']}, lr {edge.HL['lr']}), target "
+                 f"{edge.HL_TARGET}, episodes capped at {cap} rounds; DQN arms: "
                  f"{ep['attention']} training episodes, {DQN['dqn_passes']} passes of 128 transitions after each; "
                  + (f"linear Q: {ep['learned']} episodes; " if ep["learned"] else "")
                  + f"ε decayed to the paper's final {PAPER_FINAL_EPSILON:.2f}; learned arms measured over their last "
