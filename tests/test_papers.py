@@ -122,6 +122,15 @@ def test_doc_verdicts_follow_numbers(tmp_path, monkeypatch):
     assert [r["command"] for r in again["runs"]] == ["FEDSWARM_PAPERS_ONLY=dasgd,prague fedswarm bench papers",
                                                     "FEDSWARM_PAPERS_ONLY=prague fedswarm bench papers",
                                                     "FEDSWARM_PAPERS_ONLY=dasgd fedswarm bench papers"]
+    # a later run of the same command supersedes the earlier one's listing
+    values.update(prague=3.0)
+    monkeypatch.setenv("FEDSWARM_PAPERS_ONLY", "prague")
+    papers.run(tmp_path / "d", scale="tiny")
+    latest = combine([tmp_path / "m3", tmp_path / "d"], tmp_path / "m4", [c.id for c in claims])
+    assert [r["command"] for r in latest["runs"]] == ["FEDSWARM_PAPERS_ONLY=dasgd,prague fedswarm bench papers",
+                                                     "FEDSWARM_PAPERS_ONLY=dasgd fedswarm bench papers",
+                                                     "FEDSWARM_PAPERS_ONLY=prague fedswarm bench papers"]
+    assert latest["runs"][-1] == json.loads((tmp_path / "d" / "papers.json").read_text())["runs"][0]
     tampered = json.loads((tmp_path / "b" / "papers.json").read_text())
     tampered["claims"][0]["verdict"] = "not reproduced"
     (tmp_path / "b" / "papers.json").write_text(json.dumps(tampered))

@@ -143,7 +143,13 @@ def _order_reference(by: dict) -> str:
     reference for what choosing the order can give in this setting."""
     if "round-robin" not in by:
         return ""
-    rr = by["round-robin"]
+    rr, rnd = by["round-robin"], by["random"]
     return (f" A fixed round-robin cycle (every node's class in turn, no learning) takes {rr['rounds_to_target']:.1f} "
-            f"± {rr['rounds_std']:.1f} rounds, {rr['rounds_saved_pct']:.0f}% fewer than random: where it saves little, "
-            "the rounds to target are set by how fast one hop trains, not by the order of the hops.")
+            f"± {rr['rounds_std']:.1f} rounds, {rr['rounds_saved_pct']:.0f}% fewer than random; 40% fewer than random "
+            f"is {0.6 * rnd['rounds_to_target']:.1f} rounds (the cycle's fastest episode: {min(rr['episode_rounds'])} "
+            f"rounds, the fastest of every arm's measured episodes: {_fastest(by)}).")
+
+
+def _fastest(by: dict) -> int:
+    """The fewest rounds to target of any measured episode of any arm."""
+    return min(min(r["episode_rounds"][-r["measured_episodes"]:]) for r in by.values())

@@ -129,6 +129,9 @@ def combine(sources: list[Path], out_dir: Path, order: list[str]) -> dict:
             png = Path(src) / e["png"]
             if png.exists() and png.resolve() != (out_dir / e["png"]).resolve():
                 shutil.copyfile(png, out_dir / e["png"])
+    # a run whose command and mode a later run repeats measured the same claims, all superseded
+    runs = [r for i, r in enumerate(runs)
+            if not any((q.get("command"), q.get("mode")) == (r.get("command"), r.get("mode")) for q in runs[i + 1:])]
     entries = [by_id[i] for i in order if i in by_id]
     modes = sorted({e["mode"] for e in entries})
     merged = {"mode": "+".join(modes), "runs": runs, "claims": entries}
