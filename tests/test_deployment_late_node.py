@@ -18,7 +18,6 @@ after the query's replies are in.
 
 from __future__ import annotations
 
-
 import pytest
 
 from fedswarm.store import Store

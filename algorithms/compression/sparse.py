@@ -13,10 +13,10 @@ from fedswarm.hyperparams import HyperParam
 from fedswarm.algorithms.compression.kernels import out_buffer, random_subset, topk_abs_indices
 from fedswarm.algorithms.compression.countsketch import CountSketch
 
-__all__ = ["TopKCodec", "RandKCodec", "CountSketchCodec"]
+__all__ = ["TopKCodec", "RandKCodec", "CountSketchCodec", "k_of"]
 
 
-def _count(ratio: float, d: int) -> int:
+def k_of(ratio: float, d: int) -> int:
     """k = ceil(ratio·d) in [1, d] (rounded first so that 0.01·10^5 is 1000, not 1001)."""
     return max(1, min(d, math.ceil(round(ratio * d, 6))))
 
@@ -44,11 +44,11 @@ class TopKCodec(Codec):
     hyperparams = (HyperParam("ratio", 0.01, "fraction of coordinates sent, k = ceil(ratio·d)", gt=0.0, le=1.0),)
 
     def _encode(self, x, layout, seed):
-        idx = topk_abs_indices(x, _count(self.params["ratio"], layout.d))
+        idx = topk_abs_indices(x, k_of(self.params["ratio"], layout.d))
         return {"values": x.gather(1, idx), "indices": idx.to(torch.int32)}
 
     def _array_specs(self, k, layout, params):
-        n = _count(params["ratio"], layout.d)
+        n = k_of(params["ratio"], layout.d)
         return {"values": (torch.float32, (k, n)), "indices": (torch.int32, (k, n))}
 
     def _decode(self, arrays, k, layout, params, seed, out):
@@ -61,7 +61,7 @@ class TopKCodec(Codec):
         return _scatter(k, layout.d, idx.to(torch.int64), arrays["values"], out)
 
     def wire_bytes(self, layout, K=1):
-        return 8 * K * _count(self.params["ratio"], layout.d)
+        return 8 * K * k_of(self.params["ratio"], layout.d)
 
 
 class RandKCodec(Codec):
@@ -97,11 +97,11 @@ class RandKCodec(Codec):
         return not self.unbiased
 
     def _encode(self, x, layout, seed):
-        idx = random_subset(layout.d, _count(self.params["ratio"], layout.d), seed, x.device)
+        idx = random_subset(layout.d, k_of(self.params["ratio"], layout.d), seed, x.device)
         return {"values": x.index_select(1, idx)}
 
     def _array_specs(self, k, layout, params):
-        return {"values": (torch.float32, (k, _count(params["ratio"], layout.d)))}
+        return {"values": (torch.float32, (k, k_of(params["ratio"], layout.d)))}
 
     def _decode(self, arrays, k, layout, params, seed, out):
         vals = arrays["values"]
@@ -112,7 +112,7 @@ class RandKCodec(Codec):
         return out_buffer(out, k, layout.d, vals.device, zero=True).index_copy_(1, idx, vals)
 
     def wire_bytes(self, layout, K=1):
-        return 4 * K * _count(self.params["ratio"], layout.d)
+        return 4 * K * k_of(self.params["ratio"], layout.d)
 
 
 @functools.lru_cache(maxsize=2)
@@ -150,7 +150,7 @@ class CountSketchCodec(Codec):
 
     @staticmethod
     def _dims(d: int, params: dict[str, Any]) -> tuple[int, int, int]:
-        k = _count(params["k_ratio"], d)
+        k = k_of(params["k_ratio"], d)
         return params["rows"], params["cols"] or 10 * k, k
 
     def _encode(self, x, layout, seed):

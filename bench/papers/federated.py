@@ -269,13 +269,16 @@ def _rounds_to(curve: list[list[float]], target: float) -> int | None:
 def _gs_findings(gs: dict, gt: dict, same_k: dict, rounds: int, clients: int) -> str:
     """Why gs-SGD trails gTop-k, from the runs' own numbers (seed 0): what a reply costs per
     coordinate it updates, and gTop-k at gs-SGD's k (per-round convergence at equal sparsity)."""
-    import math
+    from fedswarm.algorithms.compression.sparse import k_of
+    from fedswarm.params import ParamLayout
+    from fedswarm.tasks import get_task
 
-    from fedswarm.tasks.large import wide_mlp
+    d = ParamLayout.from_module(get_task(LARGE).model(0)).d
+    k_gs, k_gt = k_of(GS["density"], d), k_of(GTOPK["density"], d)  # the codecs' own k
 
-    d = sum(p.numel() for p in wide_mlp().parameters())
-    k_gs, k_gt = math.ceil(GS["density"] * d), math.ceil(GTOPK["density"] * d)
-    per = lambda run, k: run["bytes_up"] / (rounds * clients) / k  # noqa: E731  bytes a reply per coordinate
+    def per(run: dict, k: int) -> float:  # bytes of one reply per coordinate it updates
+        return run["bytes_up"] / (rounds * clients) / k
+
     to = [_rounds_to(run["curve"], SAME_K_TARGET) for run in (gs, same_k)]
     if None not in to and to[0] != to[1]:
         faster = to[1] < to[0]

@@ -114,12 +114,11 @@ def combine(sources: list[Path], out_dir: Path, order: list[str]) -> dict:
     runs, by_id = [], {}
     for src in sources:
         data = json.loads((Path(src) / "papers.json").read_text())
-        # a source may itself be combined (its runs listed under "runs"): each run is listed once
-        runs += [r for r in data.get("runs") or [{k: v for k, v in data.items() if k != "claims"}] if r not in runs]
+        runs += data.get("runs") or [{k: v for k, v in data.items() if k != "claims"}]
         for e in data["claims"]:
-            if "mode" not in e or "command" not in e:  # runs written before claims carried their own
-                e.setdefault("mode", data["mode"])
-                e.setdefault("command", data["command"])
+            for key in ("mode", "command"):  # runs written before claims carried their own
+                if key not in e:  # (a combined source has no top-level command: its claims carry theirs)
+                    e[key] = data[key]
             checks = [Check(**{k: c[k] for k in ("name", "value", "op", "threshold", "direction", "unit")})
                       for c in e["checks"]]
             if verdict(checks) != e["verdict"]:
@@ -129,7 +128,8 @@ def combine(sources: list[Path], out_dir: Path, order: list[str]) -> dict:
             png = Path(src) / e["png"]
             if png.exists() and png.resolve() != (out_dir / e["png"]).resolve():
                 shutil.copyfile(png, out_dir / e["png"])
-    # a run whose command and mode a later run repeats measured the same claims, all superseded
+    # a run listed again (a combined source) or whose command and mode a later run repeats measured
+    # the same claims, all superseded: only the last is listed
     runs = [r for i, r in enumerate(runs)
             if not any((q.get("command"), q.get("mode")) == (r.get("command"), r.get("mode")) for q in runs[i + 1:])]
     entries = [by_id[i] for i in order if i in by_id]
