@@ -18,6 +18,7 @@ one client's payload.
 
     python -m fedswarm.bench.codecs --quick --out out/   # or: fedswarm bench codecs
     python -m fedswarm.bench.codecs --d 1e7 --clients 1 --out out/   # one cell per codec, < 2 min
+    python -m fedswarm.bench.codecs --sketch-profile --d 1e7 --out out/   # where Count Sketch's time goes
 
 On a CPU the hot loops are the C kernels of :mod:`fedswarm.algorithms.compression.native`
 when a C compiler is there (``FEDSWARM_NATIVE=0`` times the eager numpy/torch code).
@@ -39,7 +40,7 @@ from fedswarm.params import ParamLayout
 from fedswarm.algorithms.compression.codecs import CODECS, make_codec
 from fedswarm.wire import message_nbytes, payload_to_records
 
-__all__ = ["run", "benchmark_layout"]
+__all__ = ["run", "benchmark_layout", "sketch_profile"]
 
 _MEMORY_LIMIT = 4 * 2**30  # skip a (d, K) cell whose working set would exceed ~4 GB
 _WORKING_SET = 5  # input + output + codec temporaries, in multiples of the input size
@@ -268,6 +269,66 @@ def _plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def sketch_profile(out_dir: Path, d: int = 10**7, repeats: int = 9) -> list[dict]:
+    """Where the Count Sketch codec's encode + decode time goes, one client on one thread,
+    each step timed interleaved with a warm copy of the same vector (``vs copy_``, the
+    median of the per-pair ratios): the whole encode (the C kernel ``fs_sketch``), the
+    same kernel with no rows (the block-permuting gather and the stream of x alone), with
+    the permutation pi the identity (the same rows, contiguous reads), and the decode
+    (``unsketch``, the top-k). Needs the C kernels. Writes ``OUT/countsketch_profile.json``."""
+    from fedswarm.algorithms.compression import native
+    from fedswarm.algorithms.compression.sparse import CountSketchCodec, _sketcher
+
+    so = native.lib()
+    if so is None:
+        raise SystemExit("--sketch-profile times the C kernels: no C compiler was found (or FEDSWARM_NATIVE=0)")
+    codec = CountSketchCodec()
+    rows, cols, k = codec._dims(d, codec.params)
+    sk = _sketcher(d, rows, cols, 1, torch.device("cpu"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(1, d, generator=torch.Generator().manual_seed(0))
+        warm, table = torch.empty_like(x), torch.zeros(rows, cols)
+        identity = torch.arange(cols, dtype=torch.int32)
+
+        def kernel(r: int, pinv: torch.Tensor):
+            ptrs = [native.ptr(t) for t in (pinv, sk.shifts, sk._neg_u8)]
+            return lambda: so.fs_sketch(native.ptr(x), d, cols, r, sk.blocks, *ptrs, native.ptr(table))
+
+        enc = sk.sketch(x)
+        kernel(rows, sk._pinv_i32)()  # the profiled kernel is the codec's: same table, before the bucket signs
+        if not torch.equal(table * sk.bucket_signs.float(), enc[0]):
+            raise AssertionError("the profiled fs_sketch call does not reproduce the codec's table")
+        steps = {
+            "encode (fs_sketch, all rows)": kernel(rows, sk._pinv_i32),
+            "encode with no rows (gather + stream of x)": kernel(0, sk._pinv_i32),
+            "encode with pi = identity (contiguous reads)": kernel(rows, identity),
+            "decode (unsketch: estimates, top-k)": lambda: sk.unsketch(enc, k),
+        }
+        out = []
+        for name, fn in steps.items():
+            (med, best, n), ref, ratio = _paired(fn, {"copy_": lambda: warm.copy_(x)}, torch.device("cpu"), repeats,
+                                                 10.0)
+            out.append({"step": name, "d": d, "rows": rows, "cols": cols, "k": k, "ms": 1e3 * med,
+                        "best_ms": 1e3 * best, "copy_ms": 1e3 * ref["copy_"][0], "vs_copy_": ratio["copy_"], "runs": n})
+    finally:
+        torch.set_num_threads(threads)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "countsketch_profile.json").write_text(json.dumps(out, indent=1))
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"Count Sketch, d = {d:.0e}, r = {rows}, c = {cols}, k = {k}: one client, one thread (median)")
+    for col in ("step", "ms", "copy_ ms", "vs copy_"):
+        t.add_column(col, justify="left" if col == "step" else "right")
+    for r in out:
+        t.add_row(r["step"], f"{r['ms']:.2f}", f"{r['copy_ms']:.2f}", f"{r['vs_copy_']:.3f}")
+    Console().print(t)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     import argparse
 
@@ -279,6 +340,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, action="append", metavar="K",
                         help="a value of K (repeatable; default 1 and 64)")
     parser.add_argument("--device", default="cpu", help="torch device (cpu or cuda)")
+    parser.add_argument("--sketch-profile", action="store_true",
+                        help="instead: time Count Sketch's steps (encode, its gather alone, encode with an identity "
+                             "permutation, decode) beside a warm copy, at the first --d (default 1e7), one client")
     args = parser.parse_args(argv)
     sizes = None
     if args.d:
@@ -287,6 +351,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         sizes = [int(v) for v in args.d]
     if args.clients and any(k < 1 for k in args.clients):
         parser.error(f"--clients must be >= 1, got {args.clients}")
+    if args.sketch_profile:
+        sketch_profile(args.out, d=sizes[0] if sizes else 10**7)
+        return
     run(args.out, quick=args.quick, device=args.device, sizes=sizes, clients=args.clients or (1, 64))
 
 

@@ -192,3 +192,14 @@ def test_countsketch_native_candidates_equal_eager(d, k, rows, cols, loop):
 def test_topk_of_float64_rows_skips_the_float32_loops():
     x = _x(3, 100_000, seed=9).double()
     assert torch.equal(topk_abs_indices(x, 300), topk_abs_indices(x.float(), 300))
+
+
+def test_sketch_profile_times_the_codecs_own_kernel(tmp_path):
+    """``fedswarm.bench.codecs --sketch-profile``: the four steps, timed beside a warm copy,
+    and the kernel it times reproduces the codec's table (checked inside the profile)."""
+    from fedswarm.bench.codecs import sketch_profile
+
+    rows = sketch_profile(tmp_path, d=60_000, repeats=2)
+    assert [r["step"].split(" ")[0] for r in rows] == ["encode", "encode", "encode", "decode"]
+    assert all(r["ms"] > 0 and r["copy_ms"] > 0 and r["vs_copy_"] > 0 and r["runs"] >= 1 for r in rows)
+    assert rows[0]["cols"] == 10 * rows[0]["k"] and (tmp_path / "countsketch_profile.json").exists()
