@@ -48,15 +48,34 @@ def _models(cfg: RunConfig, tmp_path, monkeypatch) -> tuple[list[torch.Tensor], 
         store.close()
 
 
-def same_models_on_both_engines(kw: dict, tmp_path, monkeypatch) -> tuple[dict, dict, list[tuple[dict, dict]]]:
+#: With ``ties``: at most this share of the coordinates may differ by more than 1e-5, and none by more than TIE_MAX.
+TIE_SHARE, TIE_MAX = 0.01, 1e-2
+
+
+def same_models_on_both_engines(kw: dict, tmp_path, monkeypatch, *, ties: bool = False
+                                ) -> tuple[dict, dict, list[tuple[dict, dict]]]:
     """Run ``kw`` on ``inprocess`` and on ``batched``; check that every round's global model
     agrees to 1e-5 and that training moved it. Returns both results and their round rows
-    (after round 0) paired, for the caller's checks of what else must agree."""
+    (after round 0) paired, for the caller's checks of what else must agree.
+
+    ``ties``: the two engines' local training rounds differently (a vmap against a loop: the
+    models differ by ~1e-7), so a codec that quantizes (1-bit's sign) can decide a value that
+    close to its threshold differently; a flip moves that coordinate by its column's scale
+    and its column's other coordinates by a little (seen on a Zen 4 CPU: round 2, one flip,
+    64 coordinates off, the largest by 6e-4). Then every round's model must still agree to
+    1e-5 on all but TIE_SHARE of the coordinates and to TIE_MAX on all, and be finite."""
     ref, ref_res = _models(RunConfig(engine="inprocess", **kw), tmp_path, monkeypatch)
     got, got_res = _models(RunConfig(engine="batched", **kw), tmp_path, monkeypatch)
     assert len(got) == len(ref) == kw["rounds"] + 1
     for rnd, (a, b) in enumerate(zip(ref, got)):
-        assert torch.allclose(a, b, atol=1e-5, rtol=0), f"round {rnd}: max diff {(a - b).abs().max():.3g}"
+        diff = (a - b).abs()
+        if ties:
+            assert bool(torch.isfinite(b).all()) and float(diff.max()) <= TIE_MAX, (
+                f"round {rnd}: max diff {diff.max():.3g}")
+            off = float((diff > 1e-5).float().mean())
+            assert off <= TIE_SHARE, f"round {rnd}: {off:.2%} of the coordinates differ by more than 1e-5"
+        else:
+            assert torch.allclose(a, b, atol=1e-5, rtol=0), f"round {rnd}: max diff {diff.max():.3g}"
     assert not torch.equal(ref[0], ref[-1])  # training moved the model
     return ref_res, got_res, list(zip(ref_res["rounds"][1:], got_res["rounds"][1:]))
 
