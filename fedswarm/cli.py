@@ -333,12 +333,12 @@ app.command()(client)
 def bench(
     name: str = typer.Argument(..., help=(
         "Benchmark name: engines, codecs, compression, decentralized, edge, swarm, dashboard, robust, privacy, papers "
-        "(every seed paper's claim in miniature; also writes DIR/reproductions.md; --quick about 35 min, full mode "
-        "about 2 h on 2 busy cores; FEDSWARM_PAPERS_ONLY=id1,id2 runs a subset)."
+        "(every seed paper's claim in miniature; also writes DIR/reproductions.md; --quick about 2 min, full mode "
+        "about 30 min on 2 quiet cores; FEDSWARM_PAPERS_ONLY=id1,id2 runs a subset)."
     )),
     out: Path = typer.Option(Path("bench"), "--out", "-o", help="Writes DIR/NAME.json and DIR/NAME.png."),
     quick: bool = typer.Option(False, "--quick", help=(
-        "A smaller run that finishes in under two minutes on 2 cores (papers: about 35 min).")),
+        "A smaller run that finishes in under two minutes on 2 cores.")),
     device: str = typer.Option("cpu", "--device", help=(
         "Torch device for benchmarks that take one (codecs): cpu or cuda."
     )),

@@ -10,18 +10,19 @@ and shown as mean ± std.
 Modes: ``--quick`` (CI-sized: few rounds and epochs, one seed) and full (the issue's settings,
 3 seeds for small gaps). The federated arms run on the batched engine wherever it serves the
 strategy (``federated.engine_for``), the others in-process. Full mode, all 14 claims in one
-command on the 2-core machine, 2026-11-26 (a one-thread job beside it for its first 20 minutes):
-2,400 s. Per claim (pvt and sketched-sgd as they are now: rerun alone, beside each other):
+command, 2026-11-27 on a quiet 2-core AMD EPYC (Zen 4): 1,829 s. Per claim:
 
-    onebit-cnn4 241 s, onebit-large 283 s      (45 rounds; both 1-bit arms, 3 seeds each)
-    sketched-sgd 667 s, fetchsgd 90 s, gs-sgd 450 s    (500 one-step rounds; 3 seeds where the gap
-                                                        is under 2 points; gs-sgd: 3 runs, alone)
-    pvt 851 s (48 rounds, batched), progfed 179 s      (PVT's picked arm over 3 seeds)
-    hl 112 s (3 epochs a hop, cap 35)         (2 x 120 DQN episodes + 20 random + 10 round-robin)
-    dpsgd 3, adpsgd 5, qg-dsgdm 50, lsgd 3, dasgd 0, prague 3 s
+    onebit-cnn4 153 s, onebit-large 196 s      (45 rounds; both 1-bit arms, 3 seeds each)
+    sketched-sgd 391 s, fetchsgd 201 s, gs-sgd 319 s   (500 one-step rounds; 3 seeds where the gap
+                                                        is under 2 points; gs-sgd: 3 runs)
+    pvt 383 s (48 rounds, batched), progfed 82 s       (PVT's picked arm over 3 seeds)
+    hl 61 s (3 epochs a hop, cap 35)          (2 x 120 DQN episodes + 20 random + 10 round-robin)
+    dpsgd 2, adpsgd 3, qg-dsgdm 29, lsgd 1, dasgd 0, prague 2 s
 
-``--quick`` was last timed before the batched engine took the federated arms: 34 min on a
-machine shared with 5 other jobs.
+Figures move a little between CPUs (float rounding differs): on the earlier machine the same
+code gave HL's DQN 10% fewer rounds than random (5% here) and gs-SGD -2.23 points (-2.79 here).
+
+``--quick``, all 14 claims, the same machine and day: 108 s.
 
     fedswarm bench papers [--quick] --out out/
 
