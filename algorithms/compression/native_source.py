@@ -84,6 +84,72 @@ void fs_lut_decode(const uint8_t *bits, int64_t n, const float *lut, float *out)
     } while (0)
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* onebit_encode's inner loop with AVX-512, 16 columns at a time from column c0 on, rows
+   r0..r1 (one block): the same sums in the same order as the AVX2 loop, bit for bit (a
+   masked add of v where v >= 0 adds what max(v, 0) adds: an add of +-0 leaves a sum as
+   it is; NaN fails the compare and goes to the negatives' sum, as with min), counts and
+   bits from the compare's mask. Rows r1..r2 (the next block) are prefetched a line per
+   row per step: without it the 8 interleaved row streams read at ~2/3 of the speed of
+   one. Returns the first column not done. */
+static int64_t onebit_cols16(const float *restrict t, int64_t off, int64_t cols, int64_t r0, int64_t r1, int64_t r2,
+                             int64_t c0, double *restrict sp, double *restrict sn, int64_t *restrict cnt,
+                             uint8_t *restrict bits, int fused) {
+#define LO8(v) _mm512_cvtps_pd(_mm512_castps512_ps256(v))
+#define HI8(v) _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
+#define ADD16(p0, p1, q0, q1, v, g) do { __m512d a_ = LO8(v), b_ = HI8(v); \
+        __mmask8 l_ = (__mmask8)(g), h_ = (__mmask8)((g) >> 8); \
+        p0 = _mm512_mask_add_pd(p0, l_, p0, a_); q0 = _mm512_mask_add_pd(q0, (__mmask8)~l_, q0, a_); \
+        p1 = _mm512_mask_add_pd(p1, h_, p1, b_); q1 = _mm512_mask_add_pd(q1, (__mmask8)~h_, q1, b_); \
+    } while (0)
+    const __m512i one = _mm512_set1_epi32(1);
+    for (; c0 + 16 <= cols; c0 += 16) {
+        for (int64_t i = r1; i < r2; i++) __builtin_prefetch(t + i * cols + c0);
+        __m512d p0 = _mm512_loadu_pd(sp + c0), p1 = _mm512_loadu_pd(sp + c0 + 8);
+        __m512d q0 = _mm512_loadu_pd(sn + c0), q1 = _mm512_loadu_pd(sn + c0 + 8);
+        __m512d e0 = _mm512_setzero_pd(), e1 = e0, f0 = e0, f1 = e0;
+        __m512i m = _mm512_setzero_si512();
+        int64_t r = r0;
+        for (; r + 2 <= r1; r += 2) {
+            __m512 v = _mm512_loadu_ps(t + r * cols + c0), v2 = _mm512_loadu_ps(t + (r + 1) * cols + c0);
+            __mmask16 g = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);
+            __mmask16 g2 = _mm512_cmp_ps_mask(v2, _mm512_setzero_ps(), _CMP_GE_OQ);
+            ADD16(p0, p1, q0, q1, v, g);
+            ADD16(e0, e1, f0, f1, v2, g2);
+            m = _mm512_mask_add_epi32(m, g, m, one);
+            m = _mm512_mask_add_epi32(m, g2, m, one);
+            if (fused) {
+                uint16_t w = g, w2 = g2;
+                memcpy(bits + ((off + r * cols + c0) >> 3), &w, 2);
+                memcpy(bits + ((off + (r + 1) * cols + c0) >> 3), &w2, 2);
+            }
+        }
+        if (r < r1) { /* an odd block's last row */
+            __m512 v = _mm512_loadu_ps(t + r * cols + c0);
+            __mmask16 g = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);
+            ADD16(p0, p1, q0, q1, v, g);
+            m = _mm512_mask_add_epi32(m, g, m, one);
+            if (fused) {
+                uint16_t w = g;
+                memcpy(bits + ((off + r * cols + c0) >> 3), &w, 2);
+            }
+        }
+        _mm512_storeu_pd(sp + c0, _mm512_add_pd(p0, e0));
+        _mm512_storeu_pd(sp + c0 + 8, _mm512_add_pd(p1, e1));
+        _mm512_storeu_pd(sn + c0, _mm512_add_pd(q0, f0));
+        _mm512_storeu_pd(sn + c0 + 8, _mm512_add_pd(q1, f1));
+        _mm512_storeu_si512(cnt + c0, _mm512_add_epi64(_mm512_loadu_si512(cnt + c0),
+                                                       _mm512_cvtepi32_epi64(_mm512_castsi512_si256(m))));
+        _mm512_storeu_si512(cnt + c0 + 8, _mm512_add_epi64(_mm512_loadu_si512(cnt + c0 + 8),
+                                                           _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(m, 1))));
+    }
+#undef ADD16
+#undef HI8
+#undef LO8
+    return c0;
+}
+#endif
+
 /* 1-bit SGD, encode, one tensor: x points at the flat vector, the tensor is the
    rows x cols matrix at offset `off`. Adds per column the sum of max(v, 0) (sp), of
    min(v, 0) (sn, as v - max(v, 0), exact) and the count of v >= 0 (cnt), row after
@@ -119,8 +185,13 @@ static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, in
 #endif
     for (int64_t r0 = 0; r0 < rows; r0 += block) {
         int64_t r1 = r0 + block < rows ? r0 + block : rows, c0 = 0;
+        int64_t r2 = r1 + block < rows ? r1 + block : rows; /* the next block, prefetched */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        c0 = onebit_cols16(t, off, cols, r0, r1, r2, c0, sp, sn, cnt, bits, fused);
+#endif
 #if defined(__AVX2__)
         for (; c0 + 8 <= cols; c0 += 8) { /* 8 columns' sums in registers down the block */
+            for (int64_t i = r1; i < r2; i++) __builtin_prefetch(t + i * cols + c0);
             __m256d p0 = _mm256_loadu_pd(sp + c0), p1 = _mm256_loadu_pd(sp + c0 + 4);
             __m256d q0 = _mm256_loadu_pd(sn + c0), q1 = _mm256_loadu_pd(sn + c0 + 4);
             __m256i m = _mm256_setzero_si256(); /* this block's counts, 32 bits (at most 4096 rows) */
