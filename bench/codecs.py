@@ -273,8 +273,9 @@ def sketch_profile(out_dir: Path, d: int = 10**7, repeats: int = 9) -> list[dict
     """Where the Count Sketch codec's encode + decode time goes, one client on one thread,
     each step timed interleaved with a warm copy of the same vector (``vs copy_``, the
     median of the per-pair ratios): the whole encode (the C kernel ``fs_sketch``), the
-    same kernel with no rows (the block-permuting gather and the stream of x alone), with
-    the permutation pi the identity (the same rows, contiguous reads), and the decode
+    same kernel with no rows (the block-permuting gather, a 64-byte line at a time, and
+    the stream of x alone), the same encode reading single floats through pi^-1 instead of
+    whole lines (what the gather cost before pi had line structure), and the decode
     (``unsketch``, the top-k). Needs the C kernels. Writes ``OUT/countsketch_profile.json``."""
     from fedswarm.algorithms.compression import native
     from fedswarm.algorithms.compression.sparse import CountSketchCodec, _sketcher
@@ -290,20 +291,23 @@ def sketch_profile(out_dir: Path, d: int = 10**7, repeats: int = 9) -> list[dict
     try:
         x = torch.randn(1, d, generator=torch.Generator().manual_seed(0))
         warm, table = torch.empty_like(x), torch.zeros(rows, cols)
-        identity = torch.arange(cols, dtype=torch.int32)
+        lines = [native.ptr(t) for t in sk._lines_i32]
 
-        def kernel(r: int, pinv: torch.Tensor):
-            ptrs = [native.ptr(t) for t in (pinv, sk.shifts, sk._neg_u8)]
+        def kernel(r: int, by_lines: bool):
+            ptrs = [native.ptr(sk._pinv_i32), *(lines if by_lines else [None, None]), native.ptr(sk.shifts),
+                    native.ptr(sk._neg_u8)]
             return lambda: so.fs_sketch(native.ptr(x), d, cols, r, sk.blocks, *ptrs, native.ptr(table))
 
         enc = sk.sketch(x)
-        kernel(rows, sk._pinv_i32)()  # the profiled kernel is the codec's: same table, before the bucket signs
-        if not torch.equal(table * sk.bucket_signs.float(), enc[0]):
-            raise AssertionError("the profiled fs_sketch call does not reproduce the codec's table")
+        for by_lines in (True, False):  # the profiled kernel is the codec's: same table, before the bucket signs
+            table.zero_()
+            kernel(rows, by_lines)()
+            if not torch.equal(table * sk.bucket_signs.float(), enc[0]):
+                raise AssertionError("the profiled fs_sketch call does not reproduce the codec's table")
         steps = {
-            "encode (fs_sketch, all rows)": kernel(rows, sk._pinv_i32),
-            "encode with no rows (gather + stream of x)": kernel(0, sk._pinv_i32),
-            "encode with pi = identity (contiguous reads)": kernel(rows, identity),
+            "encode (fs_sketch, all rows)": kernel(rows, True),
+            "encode with no rows (line gather + stream of x)": kernel(0, True),
+            "encode gathering single floats (pi^-1, no lines)": kernel(rows, False),
             "decode (unsketch: estimates, top-k)": lambda: sk.unsketch(enc, k),
         }
         out = []
@@ -341,8 +345,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="a value of K (repeatable; default 1 and 64)")
     parser.add_argument("--device", default="cpu", help="torch device (cpu or cuda)")
     parser.add_argument("--sketch-profile", action="store_true",
-                        help="instead: time Count Sketch's steps (encode, its gather alone, encode with an identity "
-                             "permutation, decode) beside a warm copy, at the first --d (default 1e7), one client")
+                        help="instead: time Count Sketch's steps (encode, its line gather alone, encode gathering "
+                             "single floats, decode) beside a warm copy, at the first --d (default 1e7), one client")
     args = parser.parse_args(argv)
     sizes = None
     if args.d:

@@ -35,7 +35,10 @@ PARAMS = {  # settings that learn in a few rounds at d = 4810 (the defaults targ
     "gtopk": {"density": 0.05},
     "sketched_sgd": {"density": 0.05, "rows": 3, "cols": 500, "momentum": 0.5},
     "fetchsgd": {"density": 0.05, "rows": 3, "cols": 600, "momentum": 0.0},
-    "gs_sgd": {"density": 0.05, "rows": 3, "cols": 500},
+    # gs-SGD with 3 x 500 cells (c = 2.1 k) learned to 0.57-0.85 in 4 rounds, 0.745 on average
+    # over seeds 1-24 (either pi of the sketch: uniform or with line structure); 5 x 1000
+    # cells: 0.82-0.93 over seeds 1-12
+    "gs_sgd": {"density": 0.05, "rows": 5, "cols": 1000},
 }
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from fedswarm.algorithms.compression import native
 from fedswarm.algorithms.compression.base import Codec
 from fedswarm.hyperparams import HyperParam
 from fedswarm.algorithms.compression.kernels import out_buffer, random_subset, topk_abs_indices
@@ -22,7 +23,17 @@ def k_of(ratio: float, d: int) -> int:
 
 
 def _scatter(k: int, d: int, idx: torch.Tensor, vals: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    return out_buffer(out, k, d, vals.device, zero=True).scatter_(1, idx, vals)
+    """``[K, d]`` zeros with ``vals`` at ``idx`` (``[K, m]``, in range) into ``out`` or a fresh
+    tensor; on a CPU a C loop that streams the zeros of a large output (see ``fs_scatter_dense``)."""
+    so = native.lib() if vals.device.type == "cpu" and vals.dtype == torch.float32 else None
+    if so is None:
+        return out_buffer(out, k, d, vals.device, zero=True).scatter_(1, idx, vals)
+    buf = out_buffer(out, k, d, vals.device)
+    idx, vals = idx.to(torch.int64).contiguous(), vals.contiguous()
+    m = idx.shape[1]
+    for i in range(k):
+        so.fs_scatter_dense(native.ptr(buf, i * d), d, native.ptr(idx, i * m), native.ptr(vals, i * m), m)
+    return buf
 
 
 class TopKCodec(Codec):
@@ -109,7 +120,7 @@ class RandKCodec(Codec):
         idx = random_subset(layout.d, n, seed, vals.device)
         if params["unbiased"]:
             vals = vals * (layout.d / n)
-        return out_buffer(out, k, layout.d, vals.device, zero=True).index_copy_(1, idx, vals)
+        return _scatter(k, layout.d, idx.expand(k, n), vals, out)
 
     def wire_bytes(self, layout, K=1):
         return 4 * K * k_of(self.params["ratio"], layout.d)
