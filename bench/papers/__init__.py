@@ -21,6 +21,11 @@ command, 2026-11-27 on a quiet 2-core AMD EPYC (Zen 4): 1,829 s. Per claim:
 
 Figures move a little between CPUs (float rounding differs): on the earlier machine the same
 code gave HL's DQN 10% fewer rounds than random (5% here) and gs-SGD -2.23 points (-2.79 here).
+The three sketch claims were measured again after the Count Sketch's pi got line structure
+(every sketch's hashes changed), ``FEDSWARM_PAPERS_ONLY=sketched-sgd,fetchsgd,gs-sgd``, the same
+machine: 407 s, 192 s, 346 s (946 s in all); Sketched-SGD -1.02 points (was -1.21), FetchSGD
+-0.84 (was -1.49), gs-SGD -3.06 (was -2.79), the same verdicts; docs/reproductions.md is that
+run combined with the full run above.
 
 ``--quick``, all 14 claims, the same machine and day: 108 s.
 
