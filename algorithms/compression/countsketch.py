@@ -66,7 +66,7 @@ import threading
 import numpy as np
 import torch
 
-from fedswarm.algorithms.compression import native
+from fedswarm.algorithms.compression import countsketch_native, native
 from fedswarm.algorithms.compression.kernels import median_small, sample_positions, topk_abs_indices
 
 __all__ = ["CountSketch"]
@@ -382,8 +382,8 @@ class CountSketch:
         q = min(self.rows - p, p + 1)
         so = native.lib() if self.device.type == "cpu" and table.dtype == torch.float32 and self.rows <= 64 \
             and self._pinv_i32 is not None else None
-        if so is not None:  # exact signed counts in C: only coordinates with |x̂_i| >= t (see _candidates_native)
-            return _top_native(so, self._candidates_native(so, table, thr, k), k)
+        if so is not None:  # exact counts in C: only coordinates with |x̂_i| >= t (see countsketch_native)
+            return countsketch_native.top(so, countsketch_native.candidates(self, so, table, thr, k), k)
         if self.device.type == "cpu" and self._loop:
             rows, cols, vals = self._candidates_numpy(table, self._heavy_masks(table, thr), q)
         else:
@@ -420,32 +420,6 @@ class CountSketch:
         """Per row j, the doubled ``[K, 2c]`` uint8 mask of ``|S[j, m]| >= t``."""
         heavy = (table.abs() >= thr.unsqueeze(2)).to(torch.uint8)  # [K, r, c]
         return [torch.cat([m, m], 1) for m in heavy.unbind(1)]
-
-    def _candidates_native(self, so, table: torch.Tensor, thr: torch.Tensor, k: int):
-        """The coordinates with ``|x̂_i| >= t``, found in C one client at a time: per client,
-        ``(coordinates, estimates)`` in the order of :meth:`_candidates_numpy` after its
-        ``|x̂_i| >= t`` filter. The kernel marks each cell's sign against t, so its counts
-        pick exactly those coordinates (see ``fs_cs_candidates``)."""
-        c = self.cols
-        unsigned = getattr(self._scratch, "unsigned", None)  # per thread: a sketch may be shared
-        if unsigned is None or unsigned.shape != table.shape:
-            unsigned = self._scratch.unsigned = torch.empty_like(table, memory_format=torch.contiguous_format)
-        torch.mul(table, self._rho(table.dtype), out=unsigned)  # rho ⊙ S, into a buffer kept warm
-        scratch = torch.empty(2 * self.rows * (2 * c // 64 + 2), dtype=torch.int64)
-        hashes = [native.ptr(t) for t in (self.shifts, self._neg_u8, self._pinv_i32)]
-        out = []
-        cap = 4 * k + 1024
-        for client in range(table.shape[0]):
-            while True:
-                idx, val = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.float32)
-                n = so.fs_cs_candidates(native.ptr(unsigned[client]), self.rows, c, self.blocks, self.d, *hashes,
-                                        float(thr[client, 0]), native.ptr(scratch), cap, native.ptr(idx),
-                                        native.ptr(val))
-                if n <= cap:
-                    break
-                cap = n
-            out.append((idx[:n], val[:n]))
-        return out
 
     def _candidates_numpy(self, table: torch.Tensor, masks: list[torch.Tensor], q: int):
         """The CPU loop of :meth:`_unsketch_sparse` over blocks in numpy (a fraction of
@@ -502,26 +476,6 @@ class CountSketch:
         else:
             flat.scatter_(1, cells.permute(1, 0, 2).reshape(t.shape[0], -1), 0.0)
         return table
-
-
-def _top_native(so, per_client: list[tuple[torch.Tensor, torch.Tensor]], k: int):
-    """:meth:`CountSketch._top_of_candidates` in C (``fs_cs_top``): the k-th largest
-    magnitude by quickselect (``kthvalue``), then one pass that keeps the k and a radix sort
-    by coordinate. Ties at the k-th magnitude: the first candidates (the eager path breaks
-    them arbitrarily)."""
-    out_idx = torch.empty(len(per_client), k, dtype=torch.int64)
-    out_val = torch.empty(len(per_client), k, dtype=torch.float32)
-    tmp_idx, tmp_val = torch.empty(k, dtype=torch.int64), torch.empty(k, dtype=torch.float32)
-    for i, (cols, vals) in enumerate(per_client):
-        m = cols.numel()
-        if m < k:
-            return None
-        t = float(vals.abs().kthvalue(m - k + 1).values)
-        got = so.fs_cs_top(native.ptr(cols), native.ptr(vals), m, k, t, native.ptr(out_idx, i * k),
-                           native.ptr(out_val, i * k), native.ptr(tmp_idx), native.ptr(tmp_val))
-        if got != k:  # cannot happen for finite candidates; never return garbage
-            raise RuntimeError(f"count sketch top-k kept {got} of {k}")
-    return out_idx, out_val
 
 
 def _sum_into(parts: list):

@@ -13,8 +13,9 @@ build fails, ``FEDSWARM_NATIVE=0`` is set, or :func:`disabled` is active, and th
 then run their eager numpy/torch code, which stays the oracle the tests hold these loops
 to (bit for bit, or to float tolerance where a summation order differs).
 
-The loops (the ``fs_*`` functions in ``native_source.py``) take raw pointers: the Python
-wrappers in the codecs check shapes, dtypes and contiguity before calling them.
+The loops (the ``fs_*`` functions in ``native_source.py`` and
+``native_sketch_source.py``) take raw pointers: the Python wrappers in the codecs check
+shapes, dtypes and contiguity before calling them.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from pathlib import Path
 
 import torch
 
+from fedswarm.algorithms.compression.native_sketch_source import SKETCH_SOURCE
 from fedswarm.algorithms.compression.native_source import SOURCE
 
 __all__ = ["lib", "disabled", "ptr"]
 
-_SOURCE = SOURCE  # the C loops (native_source.py); hashed into the library's file name
+_SOURCE = SOURCE + SKETCH_SOURCE  # the C loops, one file; hashed into the library's file name
 
 
 # -fno-trapping-math lets the compiler vectorize the selects (FP exception flags are never read);

@@ -1,0 +1,66 @@
+"""Count Sketch's unsketch on a CPU through the C loops (``fs_cs_candidates``,
+``fs_cs_top`` in :mod:`~fedswarm.algorithms.compression.native_sketch_source`): the
+candidates with ``|x̂_i| >= t`` found exactly from bit rows of the table, then the top k
+of them in coordinate order. :meth:`CountSketch._unsketch_sparse` calls these where the library is
+built; its numpy and torch paths are the oracle the tests hold them to."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fedswarm.algorithms.compression import native
+
+if TYPE_CHECKING:
+    from fedswarm.algorithms.compression.countsketch import CountSketch
+
+__all__ = ["candidates", "top"]
+
+
+def candidates(cs: CountSketch, so, table: torch.Tensor, thr: torch.Tensor,
+               k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The coordinates with ``|x̂_i| >= t``, found in C one client at a time: per client,
+    ``(coordinates, estimates)`` in the order of :meth:`CountSketch._candidates_numpy`
+    after its ``|x̂_i| >= t`` filter. The kernel marks each cell's sign against t, so its counts
+    pick exactly those coordinates (see ``fs_cs_candidates``)."""
+    c = cs.cols
+    unsigned = getattr(cs._scratch, "unsigned", None)  # per thread: a sketch may be shared
+    if unsigned is None or unsigned.shape != table.shape:
+        unsigned = cs._scratch.unsigned = torch.empty_like(table, memory_format=torch.contiguous_format)
+    torch.mul(table, cs._rho(table.dtype), out=unsigned)  # rho ⊙ S, into a buffer kept warm
+    scratch = torch.empty(2 * cs.rows * (2 * c // 64 + 2), dtype=torch.int64)
+    hashes = [native.ptr(t) for t in (cs.shifts, cs._neg_u8, cs._pinv_i32)]
+    out = []
+    cap = 4 * k + 1024
+    for client in range(table.shape[0]):
+        while True:
+            idx, val = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.float32)
+            n = so.fs_cs_candidates(native.ptr(unsigned[client]), cs.rows, c, cs.blocks, cs.d, *hashes,
+                                    float(thr[client, 0]), native.ptr(scratch), cap, native.ptr(idx),
+                                    native.ptr(val))
+            if n <= cap:
+                break
+            cap = n
+        out.append((idx[:n], val[:n]))
+    return out
+
+
+def top(so, per_client: list[tuple[torch.Tensor, torch.Tensor]], k: int):
+    """:meth:`CountSketch._top_of_candidates` in C (``fs_cs_top``): the k-th largest
+    magnitude by quickselect (``kthvalue``), then one pass that keeps the k and a radix sort
+    by coordinate. Ties at the k-th magnitude: the first candidates (the eager path breaks
+    them arbitrarily)."""
+    out_idx = torch.empty(len(per_client), k, dtype=torch.int64)
+    out_val = torch.empty(len(per_client), k, dtype=torch.float32)
+    tmp_idx, tmp_val = torch.empty(k, dtype=torch.int64), torch.empty(k, dtype=torch.float32)
+    for i, (cols, vals) in enumerate(per_client):
+        m = cols.numel()
+        if m < k:
+            return None
+        t = float(vals.abs().kthvalue(m - k + 1).values)
+        got = so.fs_cs_top(native.ptr(cols), native.ptr(vals), m, k, t, native.ptr(out_idx, i * k),
+                           native.ptr(out_val, i * k), native.ptr(tmp_idx), native.ptr(tmp_val))
+        if got != k:  # cannot happen for finite candidates; never return garbage
+            raise RuntimeError(f"count sketch top-k kept {got} of {k}")
+    return out_idx, out_val

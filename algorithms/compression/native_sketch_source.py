@@ -1,0 +1,349 @@
+"""The C source of Count Sketch's CPU loops (fs_sketch, fs_cs_candidates, fs_cs_top),
+appended to :data:`~fedswarm.algorithms.compression.native_source.SOURCE` (whose headers
+it uses) and built with it by :mod:`fedswarm.algorithms.compression.native`."""
+
+__all__ = ["SKETCH_SOURCE"]
+
+SKETCH_SOURCE = r"""
+/* Count Sketch unsketch, the last step for one client: of the m candidates (coordinate
+   cols[i] < 2^62, estimate vals[i]; coordinates distinct) keep every one with |val| > t and
+   then the first ones (in candidate order) with |val| == t until there are k, t being the
+   k-th largest |val|; write them to out_cols / out_vals in ascending coordinate order (an
+   LSD radix sort, 11 bits a pass, through tmp_cols / tmp_vals, each room for k). Returns
+   how many were kept (k, unless fewer than k have |val| >= t). */
+int64_t fs_cs_top(const int64_t *cols, const float *vals, int64_t m, int64_t k, float t, int64_t *out_cols,
+                  float *out_vals, int64_t *tmp_cols, float *tmp_vals) {
+    int64_t above = 0, w = 0, top = 0;
+    for (int64_t i = 0; i < m; i++) above += fabsf(vals[i]) > t;
+    int64_t ties = k - above;
+    for (int64_t i = 0; i < m && w < k; i++) {
+        float a = fabsf(vals[i]);
+        if (a > t || (a == t && ties-- > 0)) {
+            out_cols[w] = cols[i];
+            out_vals[w] = vals[i];
+            if (cols[i] > top) top = cols[i];
+            w++;
+        }
+    }
+    int64_t *kc = out_cols, *kc2 = tmp_cols;
+    float *kv = out_vals, *kv2 = tmp_vals;
+    for (int shift = 0; shift == 0 || (top >> shift) > 0; shift += 11) {
+        int64_t count[2049] = {0};
+        for (int64_t i = 0; i < w; i++) count[((kc[i] >> shift) & 2047) + 1]++;
+        for (int q = 0; q < 2048; q++) count[q + 1] += count[q];
+        for (int64_t i = 0; i < w; i++) {
+            int64_t at = count[(kc[i] >> shift) & 2047]++;
+            kc2[at] = kc[i];
+            kv2[at] = kv[i];
+        }
+        int64_t *tc = kc; kc = kc2; kc2 = tc;
+        float *tv = kv; kv = kv2; kv2 = tv;
+    }
+    if (kc != out_cols) { /* an odd number of passes: the result is in tmp */
+        memcpy(out_cols, kc, (size_t)w * sizeof(int64_t));
+        memcpy(out_vals, kv, (size_t)w * sizeof(float));
+    }
+    return w;
+}
+
+/* Count Sketch, one client, block-shift hashes (see countsketch.py): for each block b
+   of c coordinates (the last may be shorter: n = min(c, d - b*c)), y = the block
+   permuted by pi (y[u] = x[b*c + pinv[u]], zero where pinv[u] >= n in a short block),
+   and row j of acc (c floats per row, zeroed by the caller) gets
+   acc[j][(shift[j][b] + u) mod c] += y[u], or -= where neg[j][b]. Blocks in order, rows in
+   order. y is made CH values at a time (in L1) and added to all r rows before the next
+   CH; the next block is prefetched, spread over the chunks of this one (without it the
+   reads of the block go to memory: 1.4x slower at d = 1e7, c = 1e5). pinv is int32
+   (c < 2^31): half the bytes of a gather's indices.
+   pi's line structure (countsketch.py): with `lsrc` given (else NULL), slot line L (slots
+   16L..16L+15, L < c / 16) of a whole block is source line lsrc[L] with its 16 values
+   in the order tauinv (y[16L + l] = x[b*c + 16*lsrc[L] + tauinv[l]], what pinv says), so
+   a whole line is one 64-byte load and, with AVX-512, one in-register permute: no random
+   reads of single floats (the gather was ~2/3 of the encode's time). */
+void fs_sketch(const float *restrict x, int64_t d, int64_t c, int64_t r, int64_t blocks, const int32_t *pinv,
+               const int32_t *lsrc, const int32_t *tauinv, const int64_t *shifts, const uint8_t *neg,
+               float *restrict acc) {
+    enum { CH = 512 };
+    float y[CH] __attribute__((aligned(64)));
+    const int64_t lined = lsrc ? (c / 16) * 16 : 0; /* slots [0, lined) come in whole lines */
+#if defined(__AVX512F__)
+    const __m512i tperm = lsrc ? _mm512_loadu_si512(tauinv) : _mm512_setzero_si512();
+#endif
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t lo = b * c, n = d - lo < c ? d - lo : c;
+        const float *xb = x + lo;
+        int64_t ahead = b + 1 < blocks ? d - (lo + c) : 0; /* values of the next block */
+        for (int64_t u0 = 0; u0 < c; u0 += CH) {
+            int64_t m = c - u0 < CH ? c - u0 : CH, i = 0;
+            if (n == c) {
+                if (u0 < lined) /* CH is a multiple of 16: chunks start on a line */
+                    for (; i + 16 <= m && u0 + i + 16 <= lined; i += 16) {
+                        const float *src = xb + 16 * (int64_t)lsrc[(u0 + i) >> 4];
+#if defined(__AVX512F__)
+                        _mm512_store_ps(y + i, _mm512_permutexvar_ps(tperm, _mm512_loadu_ps(src)));
+#else
+                        for (int l = 0; l < 16; l++) y[i + l] = src[tauinv[l]];
+#endif
+                    }
+                for (; i < m; i++) y[i] = xb[pinv[u0 + i]];
+            } else {
+                for (; i < m; i++) {
+                    int64_t p = pinv[u0 + i];
+                    y[i] = p < n ? xb[p] : 0.0f;
+                }
+            }
+            for (int64_t e = u0; e < u0 + m && e < ahead; e += 16) __builtin_prefetch(xb + c + e);
+            for (int64_t j = 0; j < r; j++) {
+                int64_t s = shifts[j * blocks + b], w = c - s; /* u >= w wraps to u - w */
+                float *row = acc + j * c;
+                int64_t split = u0 + m < w ? u0 + m : (u0 > w ? u0 : w);
+                if (neg[j * blocks + b]) {
+                    for (int64_t u = u0; u < split; u++) row[s + u] -= y[u - u0];
+                    for (int64_t u = split; u < u0 + m; u++) row[u - w] -= y[u - u0];
+                } else {
+                    for (int64_t u = u0; u < split; u++) row[s + u] += y[u - u0];
+                    for (int64_t u = split; u < u0 + m; u++) row[u - w] += y[u - u0];
+                }
+            }
+        }
+    }
+}
+
+/* Bits [off, off + 64) of the bit array a (bit m is bit m % 64 of word m / 64). */
+static inline uint64_t bits_at(const uint64_t *a, int64_t off) {
+    int64_t w = off >> 6, sh = off & 63;
+    return sh ? (a[w] >> sh) | (a[w + 1] << (64 - sh)) : a[w];
+}
+
+/* Bit-sliced counters: add word w to the count whose bit k is plane[k] (np planes). */
+static inline void count_add(uint64_t *plane, int np, uint64_t w) {
+    for (int k = 0; k < np; k++) { /* no early exit: a data-dependent branch costs more */
+        uint64_t t = plane[k] & w;
+        plane[k] ^= w;
+        w = t;
+    }
+}
+
+/* Per bit, whether the count (np planes) is at least q: compared from the top bit down. */
+static inline uint64_t count_ge(const uint64_t *plane, int np, int64_t q) {
+    uint64_t gt = 0, eq = ~(uint64_t)0;
+    for (int k = np - 1; k >= 0; k--) {
+        if ((q >> k) & 1) eq &= plane[k];
+        else {
+            gt |= eq & plane[k];
+            eq &= ~plane[k];
+        }
+    }
+    return gt | eq;
+}
+
+#if defined(__AVX512F__)
+/* count_add and count_ge on 8 words at a time */
+static inline void count_add8(__m512i *plane, int np, __m512i w) {
+    for (int k = 0; k < np; k++) {
+        __m512i t = _mm512_and_si512(plane[k], w);
+        plane[k] = _mm512_xor_si512(plane[k], w);
+        w = t;
+    }
+}
+
+static inline __m512i count_ge8(const __m512i *plane, int np, int64_t q) {
+    __m512i gt = _mm512_setzero_si512(), eq = _mm512_set1_epi64(-1);
+    for (int k = np - 1; k >= 0; k--) {
+        if ((q >> k) & 1) eq = _mm512_and_si512(eq, plane[k]);
+        else {
+            gt = _mm512_or_si512(gt, _mm512_and_si512(eq, plane[k]));
+            eq = _mm512_andnot_si512(plane[k], eq);
+        }
+    }
+    return _mm512_or_si512(gt, eq);
+}
+#endif
+
+/* The slots u0..u0+n of block b whose coordinates pass (see fs_cs_candidates), into hit
+   (offsets from u0, ascending); returns how many. np: planes of the counters (a constant
+   at each call, so that they are unrolled into registers). */
+static inline __attribute__((always_inline)) int64_t
+cs_hits(const uint64_t *hi_bits, const uint64_t *lo_bits, int64_t words, int64_t r, const int64_t *shifts,
+        const uint8_t *neg, int64_t blocks, int64_t b, int64_t u0, int64_t n, const int np, int64_t q_hi,
+        int64_t q_lo, int32_t *restrict hit) {
+    const uint64_t *hp[64], *lp[64];
+    uint64_t flip[64];
+    int sh[64];
+    for (int64_t j = 0; j < r; j++) { /* row j's window: from bit off, word by word */
+        int64_t off = shifts[j * blocks + b] + u0;
+        hp[j] = hi_bits + j * words + (off >> 6);
+        lp[j] = lo_bits + j * words + (off >> 6);
+        sh[j] = (int)(off & 63);
+        flip[j] = -(uint64_t)neg[j * blocks + b]; /* sigma < 0: the two marks swap roles */
+    }
+    int64_t h = 0, u = 0, w = 0;
+#if defined(__AVX512F__)
+    for (; u + 512 <= n; u += 512, w += 8) { /* 512 slots: 8 words per row, shifted in-register */
+        __m512i up[7], down[7];
+        for (int k = 0; k < np; k++) up[k] = down[k] = _mm512_setzero_si512();
+        for (int64_t j = 0; j < r; j++) { /* a vector shift by 64 gives 0: s = 0 needs no care */
+            __m128i sr = _mm_cvtsi32_si128(sh[j]), sl = _mm_cvtsi32_si128(64 - sh[j]);
+            __m512i ge = _mm512_or_si512(_mm512_srl_epi64(_mm512_loadu_si512(hp[j] + w), sr),
+                                         _mm512_sll_epi64(_mm512_loadu_si512(hp[j] + w + 1), sl));
+            __m512i le = _mm512_or_si512(_mm512_srl_epi64(_mm512_loadu_si512(lp[j] + w), sr),
+                                         _mm512_sll_epi64(_mm512_loadu_si512(lp[j] + w + 1), sl));
+            __m512i swap = _mm512_and_si512(_mm512_xor_si512(ge, le), _mm512_set1_epi64((long long)flip[j]));
+            count_add8(up, np, _mm512_xor_si512(ge, swap));
+            count_add8(down, np, _mm512_xor_si512(le, swap));
+        }
+        __m512i pass = _mm512_or_si512(count_ge8(up, np, q_hi), count_ge8(down, np, q_lo));
+        if (_mm512_test_epi64_mask(pass, pass)) {
+            uint64_t pw[8];
+            _mm512_storeu_si512(pw, pass);
+            for (int q = 0; q < 8; q++)
+                for (uint64_t bits = pw[q]; bits; bits &= bits - 1)
+                    hit[h++] = (int32_t)(u + 64 * q + __builtin_ctzll(bits));
+        }
+    }
+#endif
+    for (; u < n; u += 64, w++) {
+        uint64_t up[7] = {0, 0, 0, 0, 0, 0, 0}, down[7] = {0, 0, 0, 0, 0, 0, 0};
+        for (int64_t j = 0; j < r; j++) { /* (x << 1) << (63 - s): no shift by 64 when s = 0 */
+            uint64_t ge = (hp[j][w] >> sh[j]) | ((hp[j][w + 1] << 1) << (63 - sh[j]));
+            uint64_t le = (lp[j][w] >> sh[j]) | ((lp[j][w + 1] << 1) << (63 - sh[j]));
+            uint64_t swap = (ge ^ le) & flip[j];
+            count_add(up, np, ge ^ swap);
+            count_add(down, np, le ^ swap);
+        }
+        uint64_t pass = count_ge(up, np, q_hi) | count_ge(down, np, q_lo);
+        if (n - u < 64) pass &= ((uint64_t)1 << (n - u)) - 1;
+        for (; pass; pass &= pass - 1) hit[h++] = (int32_t)(u + __builtin_ctzll(pass));
+    }
+    return h;
+}
+
+/* Count Sketch unsketch candidates, one client (see CountSketch._unsketch_sparse): rs is
+   the r rows rho * S[j] (c floats each). Coordinate i = b*c + pinv[u] (block b, slot u)
+   has terms v_j = sigma[j][b] * rs[j][(shift[j][b] + u) mod c], and its lower median
+   (rank p = (r - 1) / 2) has |median| >= t exactly when at least r - p terms are >= t or at
+   least p + 1 are <= -t. So the kernel first marks, per row, the cells with rs >= t and
+   those with rs <= -t as two bit rows (doubled: bit m and m + c are cell m, so a block's
+   window never wraps; in `scratch`, room for 2 * r * (2c / 64 + 2) words); a term of
+   block b is >= t where row j's window at shift[j][b] has the first mark (the second when
+   sigma[j][b] < 0) and <= -t where it has the other. Counting those marks 64 slots at a
+   time with bit operations picks exactly the coordinates that pass (about a third of
+   those with r - p heavy cells of either sign), and only those pay the r random reads of
+   their terms for the median's value. Blocks and slots in order; writes at most cap
+   (coordinate, median) pairs and returns how many there are (more than cap: call again
+   with more room). The hits of a chunk are listed first so that their reads can be
+   prefetched. r <= 64. */
+int64_t fs_cs_candidates(const float *rs, int64_t r, int64_t c, int64_t blocks, int64_t d, const int64_t *shifts,
+                         const uint8_t *neg, const int32_t *pinv, float t, uint64_t *restrict scratch,
+                         int64_t cap, int64_t *cols, float *vals) {
+    enum { CH = 4096, AHEAD = 8 };
+    int64_t found = 0, at[64 * (AHEAD + 1)];
+    int32_t hit[CH];
+    const int64_t rank = (r - 1) / 2, q_hi = r - rank, q_lo = rank + 1, words = 2 * c / 64 + 2;
+    uint64_t *hi_bits = scratch, *lo_bits = scratch + r * words; /* row j at j * words */
+    int np = 0; /* bits of a count of up to r */
+    while ((int64_t)1 << np <= r) np++;
+    memset(scratch, 0, (size_t)(2 * r * words) * sizeof(uint64_t));
+    for (int64_t j = 0; j < r; j++) {
+        const float *row = rs + j * c;
+        uint64_t *hb = hi_bits + j * words, *lb = lo_bits + j * words;
+        int64_t m = 0;
+#if defined(__AVX512F__)
+        const __m512 vt = _mm512_set1_ps(t), vnt = _mm512_set1_ps(-t);
+        for (; m + 16 <= 2 * c; m += 16) { /* 16 marks at once, unless the 16 cells wrap */
+            int64_t at0 = m < c ? m : m - c;
+            if (at0 + 16 > c) break;
+            __m512 v = _mm512_loadu_ps(row + at0);
+            uint16_t ge = _mm512_cmp_ps_mask(v, vt, _CMP_GE_OQ), le = _mm512_cmp_ps_mask(v, vnt, _CMP_LE_OQ);
+            memcpy((uint16_t *)hb + (m >> 4), &ge, 2);
+            memcpy((uint16_t *)lb + (m >> 4), &le, 2);
+        }
+#endif
+        for (; m < 2 * c; m++) {
+            float v = row[m < c ? m : m - c];
+            hb[m >> 6] |= (uint64_t)(v >= t) << (m & 63);
+            lb[m >> 6] |= (uint64_t)(v <= -t) << (m & 63);
+        }
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t u0 = 0; u0 < c; u0 += CH) {
+            int64_t n = c - u0 < CH ? c - u0 : CH, h = 0;
+            switch (np) { /* a constant np for the inlined counters: planes in registers */
+            case 1: h = cs_hits(hi_bits, lo_bits, words, r, shifts, neg, blocks, b, u0, n, 1, q_hi, q_lo, hit); break;
+            case 2: h = cs_hits(hi_bits, lo_bits, words, r, shifts, neg, blocks, b, u0, n, 2, q_hi, q_lo, hit); break;
+            case 3: h = cs_hits(hi_bits, lo_bits, words, r, shifts, neg, blocks, b, u0, n, 3, q_hi, q_lo, hit); break;
+            case 4: h = cs_hits(hi_bits, lo_bits, words, r, shifts, neg, blocks, b, u0, n, 4, q_hi, q_lo, hit); break;
+            case 5: h = cs_hits(hi_bits, lo_bits, words, r, shifts, neg, blocks, b, u0, n, 5, q_hi, q_lo, hit); break;
+            case 6: h = cs_hits(hi_bits, lo_bits, words, r, shifts, neg, blocks, b, u0, n, 6, q_hi, q_lo, hit); break;
+            default: h = cs_hits(hi_bits, lo_bits, words, r, shifts, neg, blocks, b, u0, n, 7, q_hi, q_lo, hit);
+            }
+#if defined(__AVX512F__)
+            /* 16 hits at a time: their r terms gathered row by row (independent loads, so
+               their latencies overlap), the median by a min/max transposition sort */
+            const __m512i vc = _mm512_set1_epi32((int)c);
+            for (int64_t i = 0; i < h; i += 16) {
+                __mmask16 live = h - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (h - i)) - 1);
+                __m512i uu = _mm512_maskz_loadu_epi32(live, hit + i); /* slots from u0 */
+                __m512 v[64];
+                for (int64_t j = 0; j < r; j++) {
+                    __m512i m = _mm512_add_epi32(uu, _mm512_set1_epi32((int)(shifts[j * blocks + b] + u0)));
+                    m = _mm512_mask_sub_epi32(m, _mm512_cmpge_epi32_mask(m, vc), m, vc); /* mod c */
+                    __m512 e = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, m, rs + j * c, 4);
+                    v[j] = neg[j * blocks + b] ? _mm512_sub_ps(_mm512_setzero_ps(), e) : e;
+                }
+                for (int64_t round = 0; round < r; round++)
+                    for (int64_t q = round & 1; q + 1 < r; q += 2) {
+                        __m512 lo = _mm512_min_ps(v[q], v[q + 1]);
+                        v[q + 1] = _mm512_max_ps(v[q], v[q + 1]);
+                        v[q] = lo;
+                    }
+                float med[16];
+                int32_t pos[16];
+                _mm512_storeu_ps(med, v[(r - 1) / 2]);
+                _mm512_storeu_si512(pos, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
+                                                                     _mm512_add_epi32(uu, _mm512_set1_epi32((int)u0)),
+                                                                     pinv, 4));
+                for (int64_t q = 0; q < 16 && i + q < h; q++) {
+                    int64_t coord = b * c + pos[q];
+                    if (coord >= d) continue;
+                    if (fabsf(med[q]) >= t) { /* always, by the counts; kept as the definition */
+                        if (found < cap) { cols[found] = coord; vals[found] = med[q]; }
+                        found++;
+                    }
+                }
+            }
+#else
+            for (int64_t i = 0; i < h + AHEAD; i++) {
+                if (i < h) { /* where hit i's terms are; prefetched AHEAD hits early */
+                    int64_t *a = at + (i % (AHEAD + 1)) * 64;
+                    for (int64_t j = 0; j < r; j++) {
+                        int64_t m = shifts[j * blocks + b] + u0 + hit[i];
+                        a[j] = j * c + (m >= c ? m - c : m);
+                        __builtin_prefetch(rs + a[j]);
+                    }
+                    __builtin_prefetch(pinv + u0 + hit[i]);
+                }
+                if (i < AHEAD) continue;
+                int64_t k = i - AHEAD, u = u0 + hit[k];
+                int64_t coord = b * c + pinv[u];
+                if (coord >= d) continue;
+                const int64_t *a = at + (k % (AHEAD + 1)) * 64;
+                float v[64];
+                for (int64_t j = 0; j < r; j++) {
+                    float e = neg[j * blocks + b] ? -rs[a[j]] : rs[a[j]];
+                    int64_t p = j;
+                    while (p > 0 && v[p - 1] > e) { v[p] = v[p - 1]; p--; }
+                    v[p] = e;
+                }
+                float med = v[(r - 1) / 2];
+                if (fabsf(med) >= t) { /* always, by the counts; kept as the definition */
+                    if (found < cap) { cols[found] = coord; vals[found] = med; }
+                    found++;
+                }
+            }
+#endif
+        }
+    }
+    return found;
+}
+"""
