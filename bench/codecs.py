@@ -10,11 +10,13 @@ input per second, beside two memory copies of the same tensor, each run interlea
 with the codec's (copy, codec, copy, codec, ...; the ratios are medians of the per-pair
 ratios, robust to a load that changes during the run):
 ``memcpy`` = ``x.clone()`` (a fresh tensor: torch's allocator hands out 4 KB pages, so
-this pays ~10,000 page faults at 40 MB; the reference of record, ``vs memcpy``) and
-``copy_`` = a copy into a warm preallocated tensor (pure memory bandwidth, the stricter
-``vs copy_``). On a CPU the benchmark runs on ONE thread (``torch.set_num_threads(1)``,
-restored afterwards). Bytes on the wire are measured on a serialized Flower message of
-one client's payload.
+this pays ~10,000 page faults at 40 MB; ``vs memcpy``) and ``copy_`` = a copy into a warm
+preallocated tensor (pure memory bandwidth, ``vs copy_``: the stricter figure, and the one
+the codec speed targets are held to). A VM's copy speed can swing between runs (6-15 GB/s
+at 40 MB on one 2-core cloud VM, minutes apart) while a codec bound by cache or compute
+moves less, so compare ``vs copy_`` across several runs. On a CPU the benchmark runs on
+ONE thread (``torch.set_num_threads(1)``, restored afterwards). Bytes on the wire are
+measured on a serialized Flower message of one client's payload.
 
     python -m fedswarm.bench.codecs --quick --out out/   # or: fedswarm bench codecs
     python -m fedswarm.bench.codecs --d 1e7 --clients 1 --out out/   # one cell per codec, < 2 min
