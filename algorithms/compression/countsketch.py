@@ -61,7 +61,6 @@ independent of d. Memory: r·(B + c) hash values (no per-coordinate tables).
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 import torch
@@ -148,7 +147,6 @@ class CountSketch:
             if cols >= _LINE else None  # pi's line structure, for fs_sketch
         self._sample_hashes: tuple | None = None  # (sample, h, s) of unsketch's fixed sample, hashed once
         self._rho_cache: dict[torch.dtype, torch.Tensor] = {}
-        self._scratch = threading.local()  # .unsigned: rho ⊙ S of this thread's last unsketch (C path)
 
     def __repr__(self) -> str:
         return f"CountSketch(d={self.d}, rows={self.rows}, cols={self.cols}, seed={self.seed})"

@@ -1,8 +1,8 @@
 """Count Sketch's unsketch on a CPU through the C loops (``fs_cs_candidates``,
 ``fs_cs_top`` in :mod:`~fedswarm.algorithms.compression.native_sketch_source`): the
 candidates with ``|x̂_i| >= t`` found exactly from bit rows of the table, then the top k
-of them in coordinate order. :meth:`CountSketch._unsketch_sparse` calls these where the library is
-built; its numpy and torch paths are the oracle the tests hold them to."""
+of them in coordinate order. :meth:`CountSketch._unsketch_sparse` calls these where the
+library is built; its numpy and torch paths are the oracle the tests hold them to."""
 
 from __future__ import annotations
 
@@ -22,13 +22,10 @@ def candidates(cs: CountSketch, so, table: torch.Tensor, thr: torch.Tensor,
                k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The coordinates with ``|x̂_i| >= t``, found in C one client at a time: per client,
     ``(coordinates, estimates)`` in the order of :meth:`CountSketch._candidates_numpy`
-    after its ``|x̂_i| >= t`` filter. The kernel marks each cell's sign against t, so its counts
-    pick exactly those coordinates (see ``fs_cs_candidates``)."""
+    after its ``|x̂_i| >= t`` filter. The kernel marks each cell's sign against t, so its
+    counts pick exactly those coordinates (see ``fs_cs_candidates``)."""
     c = cs.cols
-    unsigned = getattr(cs._scratch, "unsigned", None)  # per thread: a sketch may be shared
-    if unsigned is None or unsigned.shape != table.shape:
-        unsigned = cs._scratch.unsigned = torch.empty_like(table, memory_format=torch.contiguous_format)
-    torch.mul(table, cs._rho(table.dtype), out=unsigned)  # rho ⊙ S, into a buffer kept warm
+    unsigned = (table * cs._rho(table.dtype)).contiguous()  # rho ⊙ S
     scratch = torch.empty(2 * cs.rows * (2 * c // 64 + 2), dtype=torch.int64)
     hashes = [native.ptr(t) for t in (cs.shifts, cs._neg_u8, cs._pinv_i32)]
     out = []

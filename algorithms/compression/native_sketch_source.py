@@ -8,22 +8,17 @@ SKETCH_SOURCE = r"""
 /* Count Sketch unsketch, the last step for one client: of the m candidates (coordinate
    cols[i] < 2^62, estimate vals[i]; coordinates distinct) keep every one with |val| > t and
    then the first ones (in candidate order) with |val| == t until there are k, t being the
-   k-th largest |val|; write them to out_cols / out_vals in ascending coordinate order (an
-   LSD radix sort, 11 bits a pass, through tmp_cols / tmp_vals, each room for k). Returns
+   k-th largest |val| (top_positions, in native_source.py); write them to out_cols /
+   out_vals in ascending coordinate order (an LSD radix sort, 11 bits a pass, through
+   tmp_cols / tmp_vals, each room for k). Returns
    how many were kept (k, unless fewer than k have |val| >= t). */
 int64_t fs_cs_top(const int64_t *cols, const float *vals, int64_t m, int64_t k, float t, int64_t *out_cols,
                   float *out_vals, int64_t *tmp_cols, float *tmp_vals) {
-    int64_t above = 0, w = 0, top = 0;
-    for (int64_t i = 0; i < m; i++) above += fabsf(vals[i]) > t;
-    int64_t ties = k - above;
-    for (int64_t i = 0; i < m && w < k; i++) {
-        float a = fabsf(vals[i]);
-        if (a > t || (a == t && ties-- > 0)) {
-            out_cols[w] = cols[i];
-            out_vals[w] = vals[i];
-            if (cols[i] > top) top = cols[i];
-            w++;
-        }
+    int64_t w = top_positions(vals, 1, m, t, k, tmp_cols), top = 0;
+    for (int64_t i = 0; i < w; i++) {
+        out_cols[i] = cols[tmp_cols[i]];
+        out_vals[i] = vals[tmp_cols[i]];
+        if (out_cols[i] > top) top = out_cols[i];
     }
     int64_t *kc = out_cols, *kc2 = tmp_cols;
     float *kv = out_vals, *kv2 = tmp_vals;
@@ -107,12 +102,6 @@ void fs_sketch(const float *restrict x, int64_t d, int64_t c, int64_t r, int64_t
             }
         }
     }
-}
-
-/* Bits [off, off + 64) of the bit array a (bit m is bit m % 64 of word m / 64). */
-static inline uint64_t bits_at(const uint64_t *a, int64_t off) {
-    int64_t w = off >> 6, sh = off & 63;
-    return sh ? (a[w] >> sh) | (a[w + 1] << (64 - sh)) : a[w];
 }
 
 /* Bit-sliced counters: add word w to the count whose bit k is plane[k] (np planes). */
@@ -236,8 +225,8 @@ cs_hits(const uint64_t *hi_bits, const uint64_t *lo_bits, int64_t words, int64_t
 int64_t fs_cs_candidates(const float *rs, int64_t r, int64_t c, int64_t blocks, int64_t d, const int64_t *shifts,
                          const uint8_t *neg, const int32_t *pinv, float t, uint64_t *restrict scratch,
                          int64_t cap, int64_t *cols, float *vals) {
-    enum { CH = 4096, AHEAD = 8 };
-    int64_t found = 0, at[64 * (AHEAD + 1)];
+    enum { CH = 4096 };
+    int64_t found = 0;
     int32_t hit[CH];
     const int64_t rank = (r - 1) / 2, q_hi = r - rank, q_lo = rank + 1, words = 2 * c / 64 + 2;
     uint64_t *hi_bits = scratch, *lo_bits = scratch + r * words; /* row j at j * words */
@@ -313,6 +302,8 @@ int64_t fs_cs_candidates(const float *rs, int64_t r, int64_t c, int64_t blocks, 
                 }
             }
 #else
+            enum { AHEAD = 8 };
+            int64_t at[64 * (AHEAD + 1)];
             for (int64_t i = 0; i < h + AHEAD; i++) {
                 if (i < h) { /* where hit i's terms are; prefetched AHEAD hits early */
                     int64_t *a = at + (i % (AHEAD + 1)) * 64;

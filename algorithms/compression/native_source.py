@@ -13,6 +13,10 @@ SOURCE = r"""
 #include <immintrin.h>
 #endif
 
+/* Outputs over this many bytes are written with streaming stores (no read for ownership
+   of their lines; they would not stay in cache anyway). */
+#define STREAM_BYTES ((int64_t)8 << 20)
+
 /* Bit e % 8 of byte e / 8 of `bits` is [x[e] >= 0] (false for NaN, true for -0.0). */
 static inline uint8_t byte_ge0(const float *p) {
 #if defined(__AVX2__)
@@ -324,7 +328,7 @@ void fs_onebit_decode(const uint8_t *bits, int64_t n, const int64_t *off, const 
     int64_t c = 0, end = 0;
     for (int64_t i = 0; i < n; i++)
         if (off[i] + rows[i] * cols[i] > end) end = off[i] + rows[i] * cols[i];
-    const int nt = end * (int64_t)sizeof(float) > ((int64_t)8 << 20);
+    const int nt = end * (int64_t)sizeof(float) > STREAM_BYTES;
     for (int64_t i = 0; i < n; i++) {
         onebit_decode(bits, off[i], rows[i], cols[i], a0 + c, a1 + c, out, nt);
         c += cols[i];
@@ -341,7 +345,7 @@ void fs_onebit_decode(const uint8_t *bits, int64_t n, const int64_t *off, const 
 void fs_scatter_dense(float *out, int64_t n, const int64_t *idx, const float *val, int64_t m) {
     int64_t e = 0;
 #if defined(__AVX2__)
-    if (n * (int64_t)sizeof(float) > ((int64_t)8 << 20)) {
+    if (n * (int64_t)sizeof(float) > STREAM_BYTES) {
         for (; e < n && ((uintptr_t)(out + e) & 31); e++) out[e] = 0.0f;
         const __m256 z = _mm256_setzero_ps();
         for (; e + 32 <= n; e += 32) {
@@ -389,16 +393,25 @@ int64_t fs_collect_abs_ge(const float *x, int64_t n, float thr, int64_t *idx, fl
     return m;
 }
 
-/* The exact top-k once the k-th largest magnitude t is known: of the candidates
-   idx[0:m] (ascending) with magnitudes val[0:m], write to out, in order, every one with
-   val > t and then the first ones with val == t until there are k. Returns how many
-   were written. */
-int64_t fs_select_top(const float *val, const int64_t *idx, int64_t m, float t, int64_t k, int64_t *out) {
+/* The exact top-k once the k-th largest magnitude t is known: the positions i of
+   val[0:m] (|val[i]| if `absolute`, else val[i] itself), in order, of every one above t
+   and then of the first ones equal to t until there are k, into pos. Returns how many. */
+static int64_t top_positions(const float *val, int absolute, int64_t m, float t, int64_t k, int64_t *pos) {
     int64_t above = 0, w = 0;
-    for (int64_t i = 0; i < m; i++) above += val[i] > t;
+    for (int64_t i = 0; i < m; i++) above += (absolute ? fabsf(val[i]) : val[i]) > t;
     int64_t ties = k - above;
-    for (int64_t i = 0; i < m && w < k; i++)
-        if (val[i] > t || (val[i] == t && ties-- > 0)) out[w++] = idx[i];
+    for (int64_t i = 0; i < m && w < k; i++) {
+        float a = absolute ? fabsf(val[i]) : val[i];
+        if (a > t || (a == t && ties-- > 0)) pos[w++] = i;
+    }
+    return w;
+}
+
+/* Of the candidates idx[0:m] (ascending) with magnitudes val[0:m], write to out, in
+   order, the top k (top_positions). Returns how many were written. */
+int64_t fs_select_top(const float *val, const int64_t *idx, int64_t m, float t, int64_t k, int64_t *out) {
+    int64_t w = top_positions(val, 0, m, t, k, out);
+    for (int64_t i = 0; i < w; i++) out[i] = idx[out[i]]; /* out[i] >= i: read before written over */
     return w;
 }
 
