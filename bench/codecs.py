@@ -275,12 +275,14 @@ def sketch_profile(out_dir: Path, d: int = 10**7, repeats: int = 9) -> list[dict
     """Where the Count Sketch codec's encode + decode time goes, one client on one thread,
     each step timed interleaved with a warm copy of the same vector (``vs copy_``, the
     median of the per-pair ratios): the whole encode (the C kernel ``fs_sketch``), the
-    same kernel with no rows (the block-permuting gather, a 64-byte line at a time, and
-    the stream of x alone), the same encode reading single floats through pi^-1 instead of
-    whole lines (what the gather cost before pi had line structure), and the decode
+    same kernel with no rows (x read in order and its 64-byte lines stored permuted into
+    y, block by block: the stream of x alone), the same encode storing single floats
+    through pi instead of whole lines (what y would cost if pi had no line structure),
+    and the decode
     (``unsketch``, the top-k). Needs the C kernels. Writes ``OUT/countsketch_profile.json``."""
     from fedswarm.algorithms.compression import native
     from fedswarm.algorithms.compression.sparse import CountSketchCodec, _sketcher
+    from fedswarm.algorithms.compression import countsketch as cs_module
 
     so = native.lib()
     if so is None:
@@ -293,12 +295,14 @@ def sketch_profile(out_dir: Path, d: int = 10**7, repeats: int = 9) -> list[dict
     try:
         x = torch.randn(1, d, generator=torch.Generator().manual_seed(0))
         warm, table = torch.empty_like(x), torch.zeros(rows, cols)
+        ybuf = torch.empty(min(cs_module._SKETCH_GROUP, sk.blocks) * cols)  # fs_sketch's permuted blocks
         lines = [native.ptr(t) for t in sk._lines_i32]
 
         def kernel(r: int, by_lines: bool):
-            ptrs = [native.ptr(sk._pinv_i32), *(lines if by_lines else [None, None]), native.ptr(sk.shifts),
+            ptrs = [native.ptr(sk._pi_i32), *(lines if by_lines else [None, None]), native.ptr(sk.shifts),
                     native.ptr(sk._neg_u8)]
-            return lambda: so.fs_sketch(native.ptr(x), d, cols, r, sk.blocks, *ptrs, native.ptr(table))
+            return lambda: so.fs_sketch(native.ptr(x), d, cols, r, sk.blocks, *ptrs, native.ptr(table),
+                                        native.ptr(ybuf))
 
         enc = sk.sketch(x)
         for by_lines in (True, False):  # the profiled kernel is the codec's: same table, before the bucket signs
@@ -308,8 +312,8 @@ def sketch_profile(out_dir: Path, d: int = 10**7, repeats: int = 9) -> list[dict
                 raise AssertionError("the profiled fs_sketch call does not reproduce the codec's table")
         steps = {
             "encode (fs_sketch, all rows)": kernel(rows, True),
-            "encode with no rows (line gather + stream of x)": kernel(0, True),
-            "encode gathering single floats (pi^-1, no lines)": kernel(rows, False),
+            "encode with no rows (stream of x, lines into y)": kernel(0, True),
+            "encode storing single floats (through pi, no lines)": kernel(rows, False),
             "decode (unsketch: estimates, top-k)": lambda: sk.unsketch(enc, k),
         }
         out = []
@@ -347,8 +351,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="a value of K (repeatable; default 1 and 64)")
     parser.add_argument("--device", default="cpu", help="torch device (cpu or cuda)")
     parser.add_argument("--sketch-profile", action="store_true",
-                        help="instead: time Count Sketch's steps (encode, its line gather alone, encode gathering "
-                             "single floats, decode) beside a warm copy, at the first --d (default 1e7), one client")
+                        help="instead: time Count Sketch's steps (encode, the same with no rows, encode storing "
+                             "single floats instead of lines, decode) beside a warm copy, at the first --d (default "
+                             "1e7), one client")
     args = parser.parse_args(argv)
     sizes = None
     if args.d:

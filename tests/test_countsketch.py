@@ -31,17 +31,16 @@ def oracle_hash(cs: CountSketch, j: int, i: int) -> tuple[int, int]:
 @pytest.mark.parametrize("c", [1, 7, 16, 100, 4096, 100_003])
 def test_pi_is_a_permutation_with_line_structure(c):
     """pi permutes [c]; whole lines of 16 positions go to whole lines of slots, every line
-    shuffled by the same tau, the tail c % 16 among itself; and line_src / tau_inv, what
-    fs_sketch's gather reads, say the same as pi^-1."""
-    pi, line_src, tau_inv = cs_module._line_permutation(c, torch.Generator().manual_seed(c))
+    shuffled by the same tau, the tail c % 16 among itself; and lines / tau_inv, what
+    fs_sketch reads (y[16·lines[P] + l] = x[16·P + tau_inv[l]]), say the same as pi."""
+    pi, lines, tau_inv = cs_module._line_permutation(c, torch.Generator().manual_seed(c))
     assert torch.equal(pi.sort().values, torch.arange(c))
     n = c // 16
-    pinv = torch.argsort(pi)
-    u = torch.arange(16 * n)
-    assert torch.equal(pinv[: 16 * n], 16 * line_src[u // 16] + tau_inv[u % 16])
+    p = torch.arange(16 * n)
+    assert torch.equal(pi[16 * (p // 16) + tau_inv[p % 16]], 16 * lines[p // 16] + p % 16)
     assert bool((pi[16 * n :] >= 16 * n).all())
     if n > 1:  # the lines are shuffled: not the identity, and the in-line order is not either
-        assert not torch.equal(line_src, torch.arange(n))
+        assert not torch.equal(lines, torch.arange(n))
         assert len({tuple((pi[16 * q : 16 * q + 16] % 16).tolist()) for q in range(n)}) == 1
 
 

@@ -19,16 +19,16 @@ alone would map onto contiguous buckets). pi has line structure: the c // 16 lin
 consecutive positions go to the c // 16 lines of slots in a uniformly random order, the 16
 positions inside every line shuffled by one random permutation tau of [16] (the last
 c % 16 positions are permuted among themselves). So a band is cut into lines sent to
-random places, and the sketch's gather reads whole 64-byte lines instead of single
-floats at random (at d = 10^7, c = 10^5, one core: the encode in ~9 ms, against ~17 with
-a uniformly random pi). The price: two coordinates at the same place of two lines (same
-p mod 16) that share a bucket have their line-mates sharing buckets too, so collisions
-come in runs of up to 16 where a uniformly random pi would scatter them; each
-coordinate's collision probabilities, and the analysis below, are unchanged (it only
-uses that p -> pi[p] + shift is a bijection). Measured on the strategies' short runs
-(digits-mlp, 4 clients, 4 rounds, seeds 1-24), the two kinds of pi learn alike: final
-accuracy 0.742 / 0.745 (gs-SGD, line / uniform), 0.828 / 0.824 (FetchSGD), 0.835 / 0.843
-(Sketched-SGD).
+random places, and the sketch moves whole 64-byte lines of x instead of single floats
+(at d = 10^7, c = 10^5, one core: the encode in ~6.5 ms, against ~8.5 moving single
+floats as a uniformly random pi would need). The price: two coordinates at the same
+place of two lines (same p mod 16) that share a bucket have their line-mates sharing
+buckets too, so collisions come in runs of up to 16 where a uniformly random pi would
+scatter them; each coordinate's collision probabilities, and the analysis below, are
+unchanged (it only uses that p -> pi[p] + shift is a bijection). Measured on the
+strategies' short runs (digits-mlp, 4 clients, 4 rounds, seeds 1-24), the two kinds of pi
+learn alike: final accuracy 0.742 / 0.745 (gs-SGD, line / uniform), 0.828 / 0.824
+(FetchSGD), 0.835 / 0.843 (Sketched-SGD).
 
 Shifts, signs and pi are all drawn from ``torch.Generator().manual_seed(seed)`` on the
 CPU (so every party with the same seed, on any device, shares the hashes; nothing but
@@ -76,23 +76,24 @@ _CHUNK_CPU = 1 << 18  # values of y and accumulators per client chunk of the man
 _LOOP_COLS = 2048  # c at least this (or at most 64 blocks): a Python loop over blocks, slices only
 
 
+_SKETCH_GROUP = 4  # blocks per pass of fs_sketch over the table (SKETCH_GROUP in its C source)
 _LINE = 16  # slots per line of pi (16 float32: one 64-byte cache line, one AVX-512 register)
 
 
 def _line_permutation(c: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """pi, a random permutation of [c] with line structure (see the module docstring):
-    ``(pi [c], line_src [c // 16], tau_inv [16])``, pi[16·P + l] = 16·lines[P] + tau[l]
+    ``(pi [c], lines [c // 16], tau_inv [16])``, pi[16·P + l] = 16·lines[P] + tau[l]
     for the c // 16 whole lines (``lines`` a random permutation of them, ``tau`` one of
     [16] shared by every line), the last c % 16 positions permuted among themselves.
-    ``line_src`` = lines^-1 (slot line -> position line) and ``tau_inv`` = tau^-1 are what
-    the gather y[u] = x[pi^-1[u]] reads line by line."""
+    ``lines`` (position line -> slot line) and ``tau_inv`` = tau^-1 are what fs_sketch
+    reads: y[16·lines[P] + l] = x[16·P + tau_inv[l]], line by line in the order of x."""
     n = c // _LINE
     lines = torch.randperm(n, generator=g)
     tau = torch.randperm(_LINE, generator=g)
     tail = torch.randperm(c - _LINE * n, generator=g) + _LINE * n
     p = torch.arange(_LINE * n)
     perm = torch.cat([_LINE * lines[p // _LINE] + tau[p % _LINE], tail])
-    return perm, torch.argsort(lines), torch.argsort(tau)
+    return perm, lines, torch.argsort(tau)
 
 
 class CountSketch:
@@ -127,7 +128,7 @@ class CountSketch:
         shifts = torch.randint(0, cols, (rows, self.blocks), generator=g, dtype=torch.int64)
         block_signs = 1 - 2 * torch.randint(0, 2, (rows, self.blocks), generator=g, dtype=torch.int64)
         bucket_signs = 1 - 2 * torch.randint(0, 2, (rows, cols), generator=g, dtype=torch.int64)
-        perm, line_src, tau_inv = _line_permutation(cols, g)
+        perm, lines, tau_inv = _line_permutation(cols, g)
         self.perm = perm.to(self.device)  # pi: position p of a block -> slot pi[p]
         self._perm_inv = torch.argsort(perm).to(self.device)  # slot u -> position
         self.shifts = shifts.to(self.device)  # [r, B] int64
@@ -140,10 +141,11 @@ class CountSketch:
         self._window_rows = window_rows.to(self.device)  # [r, B]
         self._window_list = window_rows.tolist()
         self._loop = self.cols >= _LOOP_COLS or self.blocks <= 64
-        # for the C kernels (CPU): sigma < 0 as bytes, pi^-1 as int32 where c allows
+        # for the C kernels (CPU): sigma < 0 as bytes, pi and pi^-1 as int32 where c allows
         self._neg_u8 = (self.block_signs < 0).to(torch.uint8).contiguous()
         self._pinv_i32 = self._perm_inv.to(torch.int32).contiguous() if cols < 2**31 else None
-        self._lines_i32 = (line_src.to(torch.int32).contiguous(), tau_inv.to(torch.int32).contiguous()) \
+        self._pi_i32 = self.perm.to(torch.int32).contiguous() if cols < 2**31 else None
+        self._lines_i32 = (lines.to(torch.int32).contiguous(), tau_inv.to(torch.int32).contiguous()) \
             if cols >= _LINE else None  # pi's line structure, for fs_sketch
         self._sample_hashes: tuple | None = None  # (sample, h, s) of unsketch's fixed sample, hashed once
         self._rho_cache: dict[torch.dtype, torch.Tensor] = {}
@@ -244,11 +246,12 @@ class CountSketch:
                 return table[0] if squeeze else table
         if so is not None and c < 2**31:  # the block loop below, in C, into rows of c cells (no fold)
             x, table = x.contiguous(), torch.zeros(k, self.rows, c, dtype=x.dtype)
+            ybuf = torch.empty(min(_SKETCH_GROUP, self.blocks) * c, dtype=x.dtype)  # the kernel's permuted blocks
             lines = [native.ptr(t) for t in self._lines_i32] if self._lines_i32 is not None else [None, None]
-            hashes = [native.ptr(self._pinv_i32), *lines, native.ptr(self.shifts), native.ptr(self._neg_u8)]
+            hashes = [native.ptr(self._pi_i32), *lines, native.ptr(self.shifts), native.ptr(self._neg_u8)]
             for i in range(k):
                 so.fs_sketch(native.ptr(x, i * self.d), self.d, c, self.rows, self.blocks, *hashes,
-                             native.ptr(table, i * self.rows * c))
+                             native.ptr(table, i * self.rows * c), native.ptr(ybuf))
             table.mul_(self._rho(table.dtype))
             return table[0] if squeeze else table
         # accumulate sigma·y_b at offset shift_b of a doubled row, then fold: 2c + 1 cells

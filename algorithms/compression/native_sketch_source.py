@@ -41,63 +41,90 @@ int64_t fs_cs_top(const int64_t *cols, const float *vals, int64_t m, int64_t k, 
     return w;
 }
 
-/* Count Sketch, one client, block-shift hashes (see countsketch.py): for each block b
-   of c coordinates (the last may be shorter: n = min(c, d - b*c)), y = the block
-   permuted by pi (y[u] = x[b*c + pinv[u]], zero where pinv[u] >= n in a short block),
-   and row j of acc (c floats per row, zeroed by the caller) gets
-   acc[j][(shift[j][b] + u) mod c] += y[u], or -= where neg[j][b]. Blocks in order, rows in
-   order. y is made CH values at a time (in L1) and added to all r rows before the next
-   CH; the next block is prefetched, spread over the chunks of this one (without it the
-   reads of the block go to memory: 1.4x slower at d = 1e7, c = 1e5). pinv is int32
-   (c < 2^31): half the bytes of a gather's indices.
-   pi's line structure (countsketch.py): with `lsrc` given (else NULL), slot line L (slots
-   16L..16L+15, L < c / 16) of a whole block is source line lsrc[L] with its 16 values
-   in the order tauinv (y[16L + l] = x[b*c + 16*lsrc[L] + tauinv[l]], what pinv says), so
-   a whole line is one 64-byte load and, with AVX-512, one in-register permute: no random
-   reads of single floats (the gather was ~2/3 of the encode's time). */
-void fs_sketch(const float *restrict x, int64_t d, int64_t c, int64_t r, int64_t blocks, const int32_t *pinv,
-               const int32_t *lsrc, const int32_t *tauinv, const int64_t *shifts, const uint8_t *neg,
-               float *restrict acc) {
-    enum { CH = 512 };
-    float y[CH] __attribute__((aligned(64)));
-    const int64_t lined = lsrc ? (c / 16) * 16 : 0; /* slots [0, lined) come in whole lines */
+/* Block b of y, the block permuted by pi (y[pi[p]] = x[b*c + p]; zero at the slots of
+   missing positions p >= n in a short block), into y (c floats). y is in cache and x is
+   read in order: the hardware prefetcher streams x from memory (the kernel before this
+   one gathered y in slot order, i.e. read x at random places of a block, and took ~10 ms
+   at d = 1e7, c = 1e5, r = 5 where this one takes ~6: a C harness, the two interleaved).
+   pi's line structure (countsketch.py): with `ldst` given (else NULL), position line P
+   (positions 16P..16P+15, P < c / 16) is slot line ldst[P], its 16 values in the order
+   tauinv (y[16 ldst[P] + l] = x[b*c + 16P + tauinv[l]], what pi says), so a line is one
+   64-byte load, with AVX-512 one in-register permute, and one store; the other positions
+   (the last c % 16, those of a short block's last line, or all of them without ldst) go
+   one at a time through pi (int32, c < 2^31). */
+static void sketch_block(const float *restrict xb, int64_t n, int64_t c, const int32_t *pi, const int32_t *ldst,
+                         const int32_t *tauinv, float *restrict y) {
+    const int64_t nl = ldst ? c / 16 : 0, whole = n / 16 < nl ? n / 16 : nl; /* lines of x to move whole */
+    if (n < c) memset(y, 0, (size_t)c * sizeof(float));
 #if defined(__AVX512F__)
-    const __m512i tperm = lsrc ? _mm512_loadu_si512(tauinv) : _mm512_setzero_si512();
+    const __m512i tperm = ldst ? _mm512_loadu_si512(tauinv) : _mm512_setzero_si512();
 #endif
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t lo = b * c, n = d - lo < c ? d - lo : c;
-        const float *xb = x + lo;
-        int64_t ahead = b + 1 < blocks ? d - (lo + c) : 0; /* values of the next block */
-        for (int64_t u0 = 0; u0 < c; u0 += CH) {
-            int64_t m = c - u0 < CH ? c - u0 : CH, i = 0;
-            if (n == c) {
-                if (u0 < lined) /* CH is a multiple of 16: chunks start on a line */
-                    for (; i + 16 <= m && u0 + i + 16 <= lined; i += 16) {
-                        const float *src = xb + 16 * (int64_t)lsrc[(u0 + i) >> 4];
+    for (int64_t P = 0; P < whole; P++) {
+        const float *src = xb + 16 * P;
+        float *dst = y + 16 * (int64_t)ldst[P];
 #if defined(__AVX512F__)
-                        _mm512_store_ps(y + i, _mm512_permutexvar_ps(tperm, _mm512_loadu_ps(src)));
+        _mm512_storeu_ps(dst, _mm512_permutexvar_ps(tperm, _mm512_loadu_ps(src)));
 #else
-                        for (int l = 0; l < 16; l++) y[i + l] = src[tauinv[l]];
+        for (int l = 0; l < 16; l++) dst[l] = src[tauinv[l]];
 #endif
-                    }
-                for (; i < m; i++) y[i] = xb[pinv[u0 + i]];
-            } else {
-                for (; i < m; i++) {
-                    int64_t p = pinv[u0 + i];
-                    y[i] = p < n ? xb[p] : 0.0f;
-                }
+    }
+    for (int64_t p = 16 * whole; p < n; p++) y[pi[p]] = xb[p];
+}
+
+/* Count Sketch, one client, block-shift hashes (see countsketch.py): for each block b
+   of c coordinates (the last may be shorter: n = min(c, d - b*c)), y_b = the block
+   permuted by pi (sketch_block), and row j of acc (c floats per row, zeroed by the caller)
+   gets acc[j][(shift[j][b] + u) mod c] += y_b[u], or -= where neg[j][b]: blocks in order,
+   so every cell sums its terms in the order of the eager code (the same bits).
+   SKETCH_GROUP blocks at a time (fewer in the last group): their y in ybuf (room for
+   min(SKETCH_GROUP, blocks) * c floats, the caller's), then each row once for the group,
+   cell m getting its G terms in one pass, from the windows y_g[(m - shift) mod c] (cut
+   where one of them wraps). The table (r * c floats: 2 MB at r = 5, c = 1e5) is larger
+   than a core's L2, so every pass over it is traffic to L3: one pass per group instead of
+   one per block took the encode from ~6.8 to ~5.9 ms at d = 1e7 (a C harness). */
+enum { SKETCH_GROUP = 4 };
+
+void fs_sketch(const float *restrict x, int64_t d, int64_t c, int64_t r, int64_t blocks, const int32_t *pi,
+               const int32_t *ldst, const int32_t *tauinv, const int64_t *shifts, const uint8_t *neg,
+               float *restrict acc, float *restrict ybuf) {
+    for (int64_t b0 = 0; b0 < blocks; b0 += SKETCH_GROUP) {
+        const int G = blocks - b0 < SKETCH_GROUP ? (int)(blocks - b0) : SKETCH_GROUP;
+        for (int g = 0; g < G; g++) {
+            int64_t lo = (b0 + g) * c;
+            sketch_block(x + lo, d - lo < c ? d - lo : c, c, pi, ldst, tauinv, ybuf + g * c);
+        }
+        for (int64_t j = 0; j < r; j++) {
+            int64_t sh[SKETCH_GROUP], cut[SKETCH_GROUP + 2];
+            float sg[SKETCH_GROUP];
+            int nc = 0;
+            cut[nc++] = 0;
+            for (int g = 0; g < G; g++) {
+                sh[g] = shifts[j * blocks + b0 + g];
+                sg[g] = neg[j * blocks + b0 + g] ? -1.0f : 1.0f; /* sg * y is exact: the same sums */
+                cut[nc++] = sh[g];
             }
-            for (int64_t e = u0; e < u0 + m && e < ahead; e += 16) __builtin_prefetch(xb + c + e);
-            for (int64_t j = 0; j < r; j++) {
-                int64_t s = shifts[j * blocks + b], w = c - s; /* u >= w wraps to u - w */
-                float *row = acc + j * c;
-                int64_t split = u0 + m < w ? u0 + m : (u0 > w ? u0 : w);
-                if (neg[j * blocks + b]) {
-                    for (int64_t u = u0; u < split; u++) row[s + u] -= y[u - u0];
-                    for (int64_t u = split; u < u0 + m; u++) row[u - w] -= y[u - u0];
+            cut[nc++] = c;
+            for (int a = 1; a < nc; a++) /* sorted: between two cuts no window wraps */
+                for (int q = a; q > 0 && cut[q - 1] > cut[q]; q--) {
+                    int64_t t = cut[q];
+                    cut[q] = cut[q - 1];
+                    cut[q - 1] = t;
+                }
+            float *row = acc + j * c;
+            for (int q = 0; q + 1 < nc; q++) {
+                int64_t lo = cut[q], hi = cut[q + 1];
+                const float *p[SKETCH_GROUP]; /* p[g][m] = y_g[(m - sh[g]) mod c] for m in [lo, hi) */
+                for (int g = 0; g < G; g++) p[g] = ybuf + g * c + (lo >= sh[g] ? -sh[g] : c - sh[g]);
+                if (G == 4) {
+                    const float *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3];
+                    const float a0 = sg[0], a1 = sg[1], a2 = sg[2], a3 = sg[3];
+                    for (int64_t m = lo; m < hi; m++)
+                        row[m] = (((row[m] + a0 * p0[m]) + a1 * p1[m]) + a2 * p2[m]) + a3 * p3[m];
                 } else {
-                    for (int64_t u = u0; u < split; u++) row[s + u] += y[u - u0];
-                    for (int64_t u = split; u < u0 + m; u++) row[u - w] += y[u - u0];
+                    for (int g = 0; g < G; g++) {
+                        const float *pg = p[g], ag = sg[g];
+                        for (int64_t m = lo; m < hi; m++) row[m] += ag * pg[m];
+                    }
                 }
             }
         }
