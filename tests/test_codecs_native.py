@@ -103,6 +103,23 @@ def test_lut_decode_native_equals_numpy(n):
     assert torch.equal(fast, slow)
 
 
+@pytest.mark.parametrize("absolute", [True, False])
+@pytest.mark.parametrize("m", [1, 2, 17, 3000])
+def test_kth_largest_native_equals_kthvalue(m, absolute):
+    """fs_kth_largest against torch's kthvalue, for every k: values with many ties, both
+    zeros, both infinities, negatives, subnormals and values that share their top bits."""
+    g = torch.Generator().manual_seed(m)
+    pool = torch.tensor([0.0, -0.0, 1.0, -1.0, 1.5, float("inf"), float("-inf"), 1e-40, -1e-40, 3.0000002, 3.0])
+    vals = torch.where(torch.rand(m, generator=g) < 0.5, pool[torch.randint(0, pool.numel(), (m,), generator=g)],
+                       torch.randn(m, generator=g) * 10 ** torch.randint(-3, 4, (m,), generator=g).float())
+    ref = vals.abs() if absolute else vals
+    so = native.lib()
+    for k in range(1, m + 1) if m < 100 else (1, 2, 50, m // 2, m - 1, m):
+        got = so.fs_kth_largest(native.ptr(vals), m, k, int(absolute))
+        want = float(ref.kthvalue(m - k + 1).values)
+        assert got == want, (m, k, absolute, got, want)
+
+
 @pytest.mark.parametrize("k", [1, 200, 5000])
 def test_topk_native_equals_eager_on_the_sampled_path(k):
     x = _x(3, 200_003, seed=k)
@@ -203,6 +220,29 @@ def test_countsketch_native_candidates_equal_eager(d, k, rows, cols, loop):
     fast, slow = _both(lambda: cs._unsketch_sparse(table, k))
     assert fast is not None and slow is not None  # the candidate path, both times
     _same_top_k(fast, slow)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
+def test_countsketch_native_threshold_equals_eager(rows):
+    """unsketch's threshold (the rank-th largest |estimate| at the fixed sample) in C
+    against _estimate_at + topk, exactly, for every rank tried: a wrong threshold would
+    only show in the final top-k when it made fewer than k candidates."""
+    from fedswarm.algorithms.compression import countsketch_native
+    from fedswarm.algorithms.compression.countsketch import CountSketch
+    from fedswarm.algorithms.compression.kernels import sample_positions
+
+    d = 300_001
+    cs = CountSketch(d, rows, 700, seed=rows)
+    x = torch.from_numpy(randn(2, d, seed=rows))
+    x[0, ::13] = 0.0
+    table = cs.sketch(x)
+    sample = sample_positions(d)
+    h, s = cs.hashes(sample)
+    cell = (h + cs.cols * torch.arange(rows).unsqueeze(1)).contiguous()
+    est = cs._estimate_at(table, h, s).abs()
+    for rank in (1, 7, 45, 1000, sample.numel()):
+        fast = countsketch_native.threshold(cs, native.lib(), table, cell, s.contiguous(), rank)
+        assert torch.equal(fast, est.topk(rank, dim=1).values[:, -1:]), rank
 
 
 def _same_top_k(fast, slow):

@@ -147,7 +147,7 @@ class CountSketch:
         self._pi_i32 = self.perm.to(torch.int32).contiguous() if cols < 2**31 else None
         self._lines_i32 = (lines.to(torch.int32).contiguous(), tau_inv.to(torch.int32).contiguous()) \
             if cols >= _LINE else None  # pi's line structure, for fs_sketch
-        self._sample_hashes: tuple | None = None  # (sample, h, s) of unsketch's fixed sample, hashed once
+        self._sample_hashes: tuple | None = None  # (sample, h, s, cells) of unsketch's fixed sample, hashed once
         self._rho_cache: dict[torch.dtype, torch.Tensor] = {}
 
     def __repr__(self) -> str:
@@ -372,8 +372,16 @@ class CountSketch:
         if rank > sample.numel():
             return None
         if self._sample_hashes is None or self._sample_hashes[0] is not sample:
-            self._sample_hashes = (sample, *self.hashes(sample))
-        thr = self._estimate_at(table, *self._sample_hashes[1:]).abs().topk(rank, dim=1).values[:, -1:]  # [K, 1]
+            h, s = self.hashes(sample)
+            cell = (h + self.cols * torch.arange(self.rows, device=self.device).unsqueeze(1)).contiguous()
+            self._sample_hashes = (sample, h, s, cell)
+        so = native.lib() if self.device.type == "cpu" and table.dtype == torch.float32 and self.rows <= 64 \
+            and self._pinv_i32 is not None else None
+        if so is not None:  # the same threshold in C (see countsketch_native)
+            thr = countsketch_native.threshold(self, so, table.contiguous(), self._sample_hashes[3],
+                                               self._sample_hashes[2].contiguous(), rank)
+        else:
+            thr = self._estimate_at(table, *self._sample_hashes[1:3]).abs().topk(rank, dim=1).values[:, -1:]  # [K, 1]
         if not bool((thr > 0).all()):  # a sparse vector: t = 0 would make every coordinate a candidate
             return None
         # |x̂_i| >= t needs |S[j, h_j(i)]| >= t in q rows or more (q = min(r - p, p + 1), p =
@@ -381,8 +389,6 @@ class CountSketch:
         # then estimate only the coordinates that pass
         p = (self.rows - 1) // 2
         q = min(self.rows - p, p + 1)
-        so = native.lib() if self.device.type == "cpu" and table.dtype == torch.float32 and self.rows <= 64 \
-            and self._pinv_i32 is not None else None
         if so is not None:  # exact counts in C: only coordinates with |x̂_i| >= t (see countsketch_native)
             return countsketch_native.top(so, countsketch_native.candidates(self, so, table, thr, k), k)
         if self.device.type == "cpu" and self._loop:

@@ -15,7 +15,20 @@ from fedswarm.algorithms.compression import native
 if TYPE_CHECKING:
     from fedswarm.algorithms.compression.countsketch import CountSketch
 
-__all__ = ["candidates", "top"]
+__all__ = ["candidates", "threshold", "top"]
+
+
+def threshold(cs: CountSketch, so, table: torch.Tensor, cell: torch.Tensor, sign: torch.Tensor,
+              rank: int) -> torch.Tensor:
+    """:meth:`CountSketch._unsketch_sparse`'s thresholds in C (``fs_cs_sample_threshold``):
+    per client, the rank-th largest |estimate| at the fixed sample, whose cells
+    ``j * c + h_j(i)`` (``cell``, int64 ``[r, n]``) and signs (``sign``, int8 ``[r, n]``)
+    are hashed once. ``[K, 1]``, as the eager path gives it."""
+    n = cell.shape[1]
+    est = torch.empty(cs.rows * n, dtype=torch.float32)  # the kernel's terms, row by row
+    thr = [so.fs_cs_sample_threshold(native.ptr(table[i]), cs.rows, n, native.ptr(cell), native.ptr(sign), rank,
+                                     native.ptr(est)) for i in range(table.shape[0])]
+    return torch.tensor(thr, dtype=torch.float32).unsqueeze(1)
 
 
 def candidates(cs: CountSketch, so, table: torch.Tensor, thr: torch.Tensor,
@@ -45,8 +58,8 @@ def candidates(cs: CountSketch, so, table: torch.Tensor, thr: torch.Tensor,
 
 def top(so, per_client: list[tuple[torch.Tensor, torch.Tensor]], k: int):
     """:meth:`CountSketch._top_of_candidates` in C (``fs_cs_top``): the k-th largest
-    magnitude by quickselect (``kthvalue``), then one pass that keeps the k and a radix sort
-    by coordinate. Ties at the k-th magnitude: the first candidates (the eager path breaks
+    magnitude by a radix select (``fs_kth_largest``), then one pass that keeps the k and a
+    radix sort by coordinate. Ties at the k-th magnitude: the first candidates (the eager path breaks
     them arbitrarily)."""
     out_idx = torch.empty(len(per_client), k, dtype=torch.int64)
     out_val = torch.empty(len(per_client), k, dtype=torch.float32)
@@ -55,7 +68,7 @@ def top(so, per_client: list[tuple[torch.Tensor, torch.Tensor]], k: int):
         m = cols.numel()
         if m < k:
             return None
-        t = float(vals.abs().kthvalue(m - k + 1).values)
+        t = so.fs_kth_largest(native.ptr(vals), m, k, 1)
         got = so.fs_cs_top(native.ptr(cols), native.ptr(vals), m, k, t, native.ptr(out_idx, i * k),
                            native.ptr(out_val, i * k), native.ptr(tmp_idx), native.ptr(tmp_val))
         if got != k:  # cannot happen for finite candidates; never return garbage

@@ -407,6 +407,40 @@ static int64_t top_positions(const float *val, int absolute, int64_t m, float t,
     return w;
 }
 
+/* A float's bits as an unsigned key in the order of the values (|v| if `absolute`): NaN
+   above +inf, as torch's sort and kthvalue place it. */
+static inline uint32_t order_key(float v, int absolute) {
+    uint32_t b;
+    memcpy(&b, &v, sizeof b);
+    if (absolute) return b & 0x7fffffffu;
+    return (b & 0x80000000u) ? ~b : b | 0x80000000u;
+}
+
+/* The k-th largest (1 <= k <= m) of val[0:m], or of |val| if `absolute`: exactly the value
+   torch's kthvalue(m - k + 1) gives, by a radix select on order_key, 11 + 11 + 10 bits
+   (three passes over val, each counting the keys that share the prefix found so far). */
+float fs_kth_largest(const float *val, int64_t m, int64_t k, int absolute) {
+    static const int shift[3] = {21, 10, 0}, width[3] = {11, 11, 10};
+    uint32_t prefix = 0, mask = 0;
+    int64_t want = k; /* the want-th largest of the keys under the prefix */
+    for (int pass = 0; pass < 3; pass++) {
+        const uint32_t top = (1u << width[pass]) - 1;
+        int64_t count[2048] = {0};
+        for (int64_t i = 0; i < m; i++) {
+            uint32_t key = order_key(val[i], absolute);
+            if ((key & mask) == prefix) count[(key >> shift[pass]) & top]++;
+        }
+        uint32_t q = top;
+        while (count[q] < want) want -= count[q--]; /* k <= m: stops at a bucket */
+        prefix |= q << shift[pass];
+        mask |= top << shift[pass];
+    }
+    uint32_t b = absolute ? prefix : ((prefix & 0x80000000u) ? prefix & 0x7fffffffu : ~prefix);
+    float v;
+    memcpy(&v, &b, sizeof v);
+    return v;
+}
+
 /* Of the candidates idx[0:m] (ascending) with magnitudes val[0:m], write to out, in
    order, the top k (top_positions). Returns how many were written. */
 int64_t fs_select_top(const float *val, const int64_t *idx, int64_t m, float t, int64_t k, int64_t *out) {
