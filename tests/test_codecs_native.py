@@ -222,6 +222,25 @@ def test_countsketch_native_candidates_equal_eager(d, k, rows, cols, loop):
     _same_top_k(fast, slow)
 
 
+def test_countsketch_native_candidates_with_too_little_room_are_found_again():
+    """A first try with room for fewer candidates than there are (the kernel writes what
+    fits and says how many there are) gives, on the second try, exactly the candidates
+    that ample room gives."""
+    from fedswarm.algorithms.compression import countsketch_native
+    from fedswarm.algorithms.compression.countsketch import CountSketch
+
+    d = 250_001
+    cs = CountSketch(d, 5, 1000, seed=4)
+    table = cs.sketch(torch.from_numpy(randn(2, d, seed=4)))
+    thr = table.abs().amax(dim=(1, 2)).unsqueeze(1) / 40
+    roomy = countsketch_native.candidates(cs, native.lib(), table, thr, 100, cap=10 * d)
+    assert min(idx.numel() for idx, _ in roomy) > 100
+    for cap in (1, 17, 99):
+        tight = countsketch_native.candidates(cs, native.lib(), table, thr, 100, cap=cap)
+        for (ri, rv), (ti, tv) in zip(roomy, tight, strict=True):
+            assert torch.equal(ri, ti) and torch.equal(rv, tv)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
 def test_countsketch_native_threshold_equals_eager(rows):
     """unsketch's threshold (the rank-th largest |estimate| at the fixed sample) in C

@@ -31,18 +31,20 @@ def threshold(cs: CountSketch, so, table: torch.Tensor, cell: torch.Tensor, sign
     return torch.tensor(thr, dtype=torch.float32).unsqueeze(1)
 
 
-def candidates(cs: CountSketch, so, table: torch.Tensor, thr: torch.Tensor,
-               k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def candidates(cs: CountSketch, so, table: torch.Tensor, thr: torch.Tensor, k: int,
+               cap: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The coordinates with ``|x̂_i| >= t``, found in C one client at a time: per client,
     ``(coordinates, estimates)`` in the order of :meth:`CountSketch._candidates_numpy`
     after its ``|x̂_i| >= t`` filter. The kernel marks each cell's sign against t, so its
-    counts pick exactly those coordinates (see ``fs_cs_candidates``)."""
+    counts pick exactly those coordinates (see ``fs_cs_candidates``). ``cap``: room for
+    the first try (default 4k + 1024); the kernel says when more is needed, and is run
+    again with that."""
     c = cs.cols
     unsigned = (table * cs._rho(table.dtype)).contiguous()  # rho ⊙ S
-    scratch = torch.empty(2 * cs.rows * (2 * c // 64 + 2), dtype=torch.int64)
+    scratch = torch.empty(so.fs_cs_scratch_words(cs.rows, c), dtype=torch.int64)
     hashes = [native.ptr(t) for t in (cs.shifts, cs._neg_u8, cs._pinv_i32)]
     out = []
-    cap = 4 * k + 1024
+    cap = 4 * k + 1024 if cap is None else cap
     for client in range(table.shape[0]):
         while True:
             idx, val = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.float32)

@@ -101,6 +101,7 @@ def _build() -> ctypes.CDLL | None:
     so.fs_cs_top.argtypes, so.fs_cs_top.restype = [vp, vp, i64, i64, f32, vp, vp, vp, vp], i64
     so.fs_cs_candidates.argtypes = [vp, i64, i64, i64, i64, vp, vp, vp, f32, vp, i64, vp, vp]
     so.fs_cs_candidates.restype = i64
+    so.fs_cs_scratch_words.argtypes, so.fs_cs_scratch_words.restype = [i64, i64], i64
     return so
 
 
