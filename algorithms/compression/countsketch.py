@@ -374,12 +374,12 @@ class CountSketch:
         if self._sample_hashes is None or self._sample_hashes[0] is not sample:
             h, s = self.hashes(sample)
             cell = (h + self.cols * torch.arange(self.rows, device=self.device).unsqueeze(1)).contiguous()
-            self._sample_hashes = (sample, h, s, cell)
+            self._sample_hashes = (sample, h, s.contiguous(), cell)
         so = native.lib() if self.device.type == "cpu" and table.dtype == torch.float32 and self.rows <= 64 \
             and self._pinv_i32 is not None else None
         if so is not None:  # the same threshold in C (see countsketch_native)
             thr = countsketch_native.threshold(self, so, table.contiguous(), self._sample_hashes[3],
-                                               self._sample_hashes[2].contiguous(), rank)
+                                               self._sample_hashes[2], rank)
         else:
             thr = self._estimate_at(table, *self._sample_hashes[1:3]).abs().topk(rank, dim=1).values[:, -1:]  # [K, 1]
         if not bool((thr > 0).all()):  # a sparse vector: t = 0 would make every coordinate a candidate
