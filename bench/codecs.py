@@ -278,11 +278,10 @@ def sketch_profile(out_dir: Path, d: int = 10**7, repeats: int = 9) -> list[dict
     same kernel with no rows (x read in order and its 64-byte lines stored permuted into
     y, block by block: the stream of x alone), the same encode storing single floats
     through pi instead of whole lines (what y would cost if pi had no line structure),
-    and the decode
-    (``unsketch``, the top-k). Needs the C kernels. Writes ``OUT/countsketch_profile.json``."""
-    from fedswarm.algorithms.compression import native
+    and the decode (``unsketch``, the top-k). Needs the C kernels. Writes
+    ``OUT/countsketch_profile.json``."""
+    from fedswarm.algorithms.compression import countsketch_native, native
     from fedswarm.algorithms.compression.sparse import CountSketchCodec, _sketcher
-    from fedswarm.algorithms.compression import countsketch as cs_module
 
     so = native.lib()
     if so is None:
@@ -295,12 +294,9 @@ def sketch_profile(out_dir: Path, d: int = 10**7, repeats: int = 9) -> list[dict
     try:
         x = torch.randn(1, d, generator=torch.Generator().manual_seed(0))
         warm, table = torch.empty_like(x), torch.zeros(rows, cols)
-        ybuf = torch.empty(min(cs_module._SKETCH_GROUP, sk.blocks) * cols)  # fs_sketch's permuted blocks
-        lines = [native.ptr(t) for t in sk._lines_i32]
 
         def kernel(r: int, by_lines: bool):
-            ptrs = [native.ptr(sk._pi_i32), *(lines if by_lines else [None, None]), native.ptr(sk.shifts),
-                    native.ptr(sk._neg_u8)]
+            ptrs, ybuf = countsketch_native.sketch_args(sk, by_lines)
             return lambda: so.fs_sketch(native.ptr(x), d, cols, r, sk.blocks, *ptrs, native.ptr(table),
                                         native.ptr(ybuf))
 

@@ -76,7 +76,6 @@ _CHUNK_CPU = 1 << 18  # values of y and accumulators per client chunk of the man
 _LOOP_COLS = 2048  # c at least this (or at most 64 blocks): a Python loop over blocks, slices only
 
 
-_SKETCH_GROUP = 4  # blocks per pass of fs_sketch over the table (SKETCH_GROUP in its C source)
 _LINE = 16  # slots per line of pi (16 float32: one 64-byte cache line, one AVX-512 register)
 
 
@@ -245,14 +244,7 @@ class CountSketch:
                 table = torch.cat([self.sketch(x[i : i + step]) for i in range(0, k, step)])
                 return table[0] if squeeze else table
         if so is not None and c < 2**31:  # the block loop below, in C, into rows of c cells (no fold)
-            x, table = x.contiguous(), torch.zeros(k, self.rows, c, dtype=x.dtype)
-            ybuf = torch.empty(min(_SKETCH_GROUP, self.blocks) * c, dtype=x.dtype)  # the kernel's permuted blocks
-            lines = [native.ptr(t) for t in self._lines_i32] if self._lines_i32 is not None else [None, None]
-            hashes = [native.ptr(self._pi_i32), *lines, native.ptr(self.shifts), native.ptr(self._neg_u8)]
-            for i in range(k):
-                so.fs_sketch(native.ptr(x, i * self.d), self.d, c, self.rows, self.blocks, *hashes,
-                             native.ptr(table, i * self.rows * c), native.ptr(ybuf))
-            table.mul_(self._rho(table.dtype))
+            table = countsketch_native.sketch(self, so, x.contiguous())
             return table[0] if squeeze else table
         # accumulate sigma·y_b at offset shift_b of a doubled row, then fold: 2c + 1 cells
         acc = torch.zeros(k, self.rows, 2 * c + 1, dtype=x.dtype, device=x.device)

@@ -1,8 +1,9 @@
-"""Count Sketch's unsketch on a CPU through the C loops (``fs_cs_candidates``,
-``fs_cs_top`` in :mod:`~fedswarm.algorithms.compression.native_sketch_source`): the
-candidates with ``|x̂_i| >= t`` found exactly from bit rows of the table, then the top k
-of them in coordinate order. :meth:`CountSketch._unsketch_sparse` calls these where the
-library is built; its numpy and torch paths are the oracle the tests hold them to."""
+"""Count Sketch on a CPU through the C loops of
+:mod:`~fedswarm.algorithms.compression.native_sketch_source`: the sketch (``fs_sketch``),
+and unsketch's threshold, its candidates with ``|x̂_i| >= t`` found exactly from bit rows
+of the table, and the top k of them in coordinate order. :meth:`CountSketch.sketch` and
+:meth:`CountSketch._unsketch_sparse` call these where the library is built; their numpy
+and torch paths are the oracle the tests hold them to."""
 
 from __future__ import annotations
 
@@ -15,7 +16,31 @@ from fedswarm.algorithms.compression import native
 if TYPE_CHECKING:
     from fedswarm.algorithms.compression.countsketch import CountSketch
 
-__all__ = ["candidates", "threshold", "top"]
+__all__ = ["candidates", "sketch", "sketch_args", "threshold", "top"]
+
+_GROUP = 4  # blocks per pass of fs_sketch over the table (SKETCH_GROUP in its C source)
+
+
+def sketch_args(cs: CountSketch, by_lines: bool = True) -> tuple[list, torch.Tensor]:
+    """fs_sketch's hash arguments (pi, its line structure unless ``by_lines`` is False or
+    c < 16, shifts, sigma < 0) and a fresh buffer for its permuted blocks (keep it alive
+    through the call)."""
+    lines = cs._lines_i32 if by_lines and cs._lines_i32 is not None else (None, None)
+    hashes = [native.ptr(cs._pi_i32), *(native.ptr(t) if t is not None else None for t in lines),
+              native.ptr(cs.shifts), native.ptr(cs._neg_u8)]
+    return hashes, torch.empty(min(_GROUP, cs.blocks) * cs.cols, dtype=torch.float32)
+
+
+def sketch(cs: CountSketch, so, x: torch.Tensor) -> torch.Tensor:
+    """:meth:`CountSketch.sketch` of contiguous float32 ``[K, d]`` vectors in C, one client
+    at a time: ``[K, r, c]`` tables, rho applied."""
+    k, c = x.shape[0], cs.cols
+    table = torch.zeros(k, cs.rows, c, dtype=x.dtype)
+    hashes, ybuf = sketch_args(cs)
+    for i in range(k):
+        so.fs_sketch(native.ptr(x, i * cs.d), cs.d, c, cs.rows, cs.blocks, *hashes, native.ptr(table, i * cs.rows * c),
+                     native.ptr(ybuf))
+    return table.mul_(cs._rho(table.dtype))
 
 
 def threshold(cs: CountSketch, so, table: torch.Tensor, cell: torch.Tensor, sign: torch.Tensor,
@@ -60,9 +85,9 @@ def candidates(cs: CountSketch, so, table: torch.Tensor, thr: torch.Tensor, k: i
 
 def top(so, per_client: list[tuple[torch.Tensor, torch.Tensor]], k: int):
     """:meth:`CountSketch._top_of_candidates` in C (``fs_cs_top``): the k-th largest
-    magnitude by a radix select (``fs_kth_largest``), then one pass that keeps the k and a
-    radix sort by coordinate. Ties at the k-th magnitude: the first candidates (the eager path breaks
-    them arbitrarily)."""
+    magnitude by a radix select, one pass that keeps the k, and a radix sort by coordinate.
+    Ties at the k-th magnitude: the first candidates (the eager path breaks them
+    arbitrarily)."""
     out_idx = torch.empty(len(per_client), k, dtype=torch.int64)
     out_val = torch.empty(len(per_client), k, dtype=torch.float32)
     tmp_idx, tmp_val = torch.empty(k, dtype=torch.int64), torch.empty(k, dtype=torch.float32)
@@ -70,8 +95,7 @@ def top(so, per_client: list[tuple[torch.Tensor, torch.Tensor]], k: int):
         m = cols.numel()
         if m < k:
             return None
-        t = so.fs_kth_largest(native.ptr(vals), m, k, 1)
-        got = so.fs_cs_top(native.ptr(cols), native.ptr(vals), m, k, t, native.ptr(out_idx, i * k),
+        got = so.fs_cs_top(native.ptr(cols), native.ptr(vals), m, k, native.ptr(out_idx, i * k),
                            native.ptr(out_val, i * k), native.ptr(tmp_idx), native.ptr(tmp_val))
         if got != k:  # cannot happen for finite candidates; never return garbage
             raise RuntimeError(f"count sketch top-k kept {got} of {k}")

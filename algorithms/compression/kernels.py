@@ -249,17 +249,15 @@ def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
 def _topk_native(so, x: torch.Tensor, thr: torch.Tensor, k: int) -> torch.Tensor | None:
     """The exact top-k of each row of a CPU ``x`` from its candidates ``|x| >= thr``, or
     None if a row has fewer than k: one C pass collects each row's candidates (ascending)
-    with their magnitudes, a radix select (``fs_kth_largest``) finds the k-th largest
-    magnitude t, and a second C pass over the candidates keeps those above t and the first
-    ones equal to t, in column order (ties broken by position). No sort, no d-long
-    temporary."""
+    with their magnitudes, then a second C call finds the k-th largest magnitude t by a
+    radix select and keeps the candidates above t and the first ones equal to t, in column
+    order (ties broken by position). No sort, no d-long temporary."""
     out = torch.empty(x.shape[0], k, dtype=torch.int64)
     for i, (cols, mags) in enumerate(_collect(so, x, thr, with_values=True)):
         m = cols.numel()
         if m < k:
             return None
-        t = so.fs_kth_largest(native.ptr(mags), m, k, 0)
-        got = so.fs_select_top(native.ptr(mags), native.ptr(cols), m, t, k, native.ptr(out, i * k))
+        got = so.fs_select_top(native.ptr(mags), native.ptr(cols), m, k, native.ptr(out, i * k))
         if got != k:  # cannot happen for finite candidates; never return garbage
             raise RuntimeError(f"top-k selection kept {got} of {k}")
     return out

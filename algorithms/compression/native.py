@@ -93,12 +93,12 @@ def _build() -> ctypes.CDLL | None:
     so.fs_onebit_decode.argtypes, so.fs_onebit_decode.restype = [vp, i64, vp, vp, vp, vp, vp, vp], None
     so.fs_scatter_dense.argtypes, so.fs_scatter_dense.restype = [vp, i64, vp, vp, i64], None
     so.fs_collect_abs_ge.argtypes, so.fs_collect_abs_ge.restype = [vp, i64, f32, vp, vp, i64], i64
-    so.fs_select_top.argtypes, so.fs_select_top.restype = [vp, vp, i64, f32, i64, vp], i64
+    so.fs_select_top.argtypes, so.fs_select_top.restype = [vp, vp, i64, i64, vp], i64
     so.fs_kth_largest.argtypes, so.fs_kth_largest.restype = [vp, i64, i64, ctypes.c_int], f32
     so.fs_sketch.argtypes, so.fs_sketch.restype = [vp, i64, i64, i64, i64, vp, vp, vp, vp, vp, vp, vp], None
     so.fs_cs_sample_threshold.argtypes = [vp, i64, i64, vp, vp, i64, vp]
     so.fs_cs_sample_threshold.restype = f32
-    so.fs_cs_top.argtypes, so.fs_cs_top.restype = [vp, vp, i64, i64, f32, vp, vp, vp, vp], i64
+    so.fs_cs_top.argtypes, so.fs_cs_top.restype = [vp, vp, i64, i64, vp, vp, vp, vp], i64
     so.fs_cs_candidates.argtypes = [vp, i64, i64, i64, i64, vp, vp, vp, f32, vp, i64, vp, vp]
     so.fs_cs_candidates.restype = i64
     so.fs_cs_scratch_words.argtypes, so.fs_cs_scratch_words.restype = [i64, i64], i64

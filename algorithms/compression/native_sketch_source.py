@@ -1,4 +1,5 @@
-"""The C source of Count Sketch's CPU loops (fs_sketch, fs_cs_candidates, fs_cs_top),
+"""The C source of Count Sketch's CPU loops (fs_sketch, fs_cs_sample_threshold,
+fs_cs_candidates, fs_cs_top),
 appended to :data:`~fedswarm.algorithms.compression.native_source.SOURCE` (whose headers
 it uses) and built with it by :mod:`fedswarm.algorithms.compression.native`."""
 
@@ -31,16 +32,16 @@ float fs_cs_sample_threshold(const float *table, int64_t r, int64_t n, const int
     return fs_kth_largest(g + (r - 1) / 2 * n, n, rank, 1);
 }
 
-/* Count Sketch unsketch, the last step for one client: of the m candidates (coordinate
-   cols[i] < 2^62, estimate vals[i]; coordinates distinct) keep every one with |val| > t and
-   then the first ones (in candidate order) with |val| == t until there are k, t being the
-   k-th largest |val| (top_positions, in native_source.py); write them to out_cols /
-   out_vals in ascending coordinate order (an LSD radix sort, 11 bits a pass, through
-   tmp_cols / tmp_vals, each room for k). Returns
-   how many were kept (k, unless fewer than k have |val| >= t). */
-int64_t fs_cs_top(const int64_t *cols, const float *vals, int64_t m, int64_t k, float t, int64_t *out_cols,
+/* Count Sketch unsketch, the last step for one client: of the m >= k candidates
+   (coordinate cols[i] < 2^62, estimate vals[i]; coordinates distinct) keep every one with
+   |val| > t and then the first ones (in candidate order) with |val| == t until there are
+   k, t being the k-th largest |val| (fs_kth_largest, top_positions: native_source.py);
+   write them to out_cols / out_vals in ascending coordinate order (an LSD radix sort, 11
+   bits a pass, through tmp_cols / tmp_vals, each room for k). Returns how many were kept
+   (k for finite estimates). */
+int64_t fs_cs_top(const int64_t *cols, const float *vals, int64_t m, int64_t k, int64_t *out_cols,
                   float *out_vals, int64_t *tmp_cols, float *tmp_vals) {
-    int64_t w = top_positions(vals, 1, m, t, k, tmp_cols), top = 0;
+    int64_t w = top_positions(vals, 1, m, fs_kth_largest(vals, m, k, 1), k, tmp_cols), top = 0;
     for (int64_t i = 0; i < w; i++) {
         out_cols[i] = cols[tmp_cols[i]];
         out_vals[i] = vals[tmp_cols[i]];

@@ -441,10 +441,11 @@ float fs_kth_largest(const float *val, int64_t m, int64_t k, int absolute) {
     return v;
 }
 
-/* Of the candidates idx[0:m] (ascending) with magnitudes val[0:m], write to out, in
-   order, the top k (top_positions). Returns how many were written. */
-int64_t fs_select_top(const float *val, const int64_t *idx, int64_t m, float t, int64_t k, int64_t *out) {
-    int64_t w = top_positions(val, 0, m, t, k, out);
+/* Of the candidates idx[0:m] (ascending) with magnitudes val[0:m], 1 <= k <= m, write to
+   out, in order, the top k: top_positions with t the k-th largest magnitude
+   (fs_kth_largest). Returns how many were written (k for finite magnitudes). */
+int64_t fs_select_top(const float *val, const int64_t *idx, int64_t m, int64_t k, int64_t *out) {
+    int64_t w = top_positions(val, 0, m, fs_kth_largest(val, m, k, 0), k, out);
     for (int64_t i = 0; i < w; i++) out[i] = idx[out[i]]; /* out[i] >= i: read before written over */
     return w;
 }
