@@ -11,6 +11,7 @@ import inspect
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 __all__ = ["BENCHMARKS", "run_benchmark"]
 
@@ -25,12 +26,19 @@ BENCHMARKS = {
     "robust": "fedswarm.bench.robust",
     "privacy": "fedswarm.bench.privacy",
     "papers": "fedswarm.bench.papers",
+    "footprint": "fedswarm.bench.footprint",
 }
 
 
 def run_benchmark(name: str, out: Path, *, quick: bool, console: Console, device: str = "cpu") -> list[dict]:
+    from fedswarm.extras import MissingExtra, require
+
     try:
+        require("sim", f"fedswarm bench {name}", modules=("matplotlib",))
         mod = importlib.import_module(BENCHMARKS[name])
+    except MissingExtra as exc:
+        console.print(f"[bold red]error:[/] {escape(str(exc))}")
+        raise SystemExit(1) from None
     except ImportError as exc:
         console.print(f"[bold red]error:[/] benchmark '{name}' is not available: {exc}")
         raise SystemExit(1) from None

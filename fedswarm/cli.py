@@ -164,6 +164,7 @@ def sim(
 
         get_task(cfg.task)
         _check_strategy(cfg)
+        _check_extras(cfg)
         if cfg.engine == "batched":
             from fedswarm.sim.batched import check_supported, parse_memory_budget
 
@@ -257,6 +258,19 @@ def _resume_deployment(run_id: str, db_url: str, federation: str, app_dir: Path 
                   f"`fedswarm runs --db {db_url}`")
 
 
+def _check_extras(cfg: RunConfig) -> None:
+    """What this run needs beyond the base install, named in one line if it is missing."""
+    from fedswarm.extras import MissingExtra, require
+
+    try:
+        if cfg.engine == "flower":
+            require("sim", "--engine flower", modules=("ray",))
+        if cfg.dp or cfg.dp_sgd:
+            require("server", "--dp" if cfg.dp else "--dp-sgd", modules=("dp_accounting",))
+    except MissingExtra as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _check_strategy(cfg: RunConfig) -> None:
     """Build the run's strategy once before starting, so a tolerance bound, a privacy
     budget or an unsupported combination fails as one line (exit 2), not mid-run."""
@@ -332,7 +346,8 @@ app.command()(client)
 @app.command()
 def bench(
     name: str = typer.Argument(..., help=(
-        "Benchmark name: engines, codecs, compression, decentralized, edge, swarm, dashboard, robust, privacy, papers "
+        "Benchmark name: engines, codecs, compression, decentralized, edge, swarm, dashboard, robust, privacy, "
+        "footprint (install size, import time and a SuperNode's memory, beside Flower alone), papers "
         "(every seed paper's claim in miniature; also writes DIR/reproductions.md; --quick about 2 min, full mode "
         "about 30 min on 2 quiet cores; FEDSWARM_PAPERS_ONLY=id1,id2 runs a subset)."
     )),

@@ -9,6 +9,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 __all__ = ["console", "err_console", "DB_HELP", "fail", "quiet_flower"]
 
@@ -21,7 +22,7 @@ DB_HELP = "Run store: an SQLite path or a database URL (default: $FEDSWARM_DB, e
 
 def fail(message: str, code: int = 2) -> None:
     """Print one clear line and exit (2 for bad input)."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

@@ -103,9 +103,14 @@ def dashboard(
     or a generated one printed once. The API reference is at /docs (served offline)."""
     if (certfile is None) != (keyfile is None):
         fail("--certfile and --keyfile go together")
+    from fedswarm.extras import MissingExtra, require
+
     try:
+        require("dashboard", "fedswarm dashboard")
         from fedswarm.web.app import proxy_options
         from fedswarm.web.app import run as run_dashboard
+    except MissingExtra as exc:
+        fail(str(exc), code=1)
     except ImportError as exc:
         fail(f"the dashboard is not available: {exc}", code=1)
     try:

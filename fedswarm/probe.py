@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import time
 
 import torch
@@ -13,7 +14,7 @@ __all__ = ["probe", "probe_device_class"]
 def probe(measure: bool = True) -> dict:
     """cuda, mps or cpu; memory in GB; and (if ``measure``) the time of one training step
     of a small MLP on a 256-example batch, in milliseconds."""
-    info: dict = {"cpus": os.cpu_count() or 1}
+    info: dict = {"cpus": os.cpu_count() or 1, "machine": platform.machine() or None}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(device="cuda", name=props.name, memory_gb=round(props.total_memory / 1e9, 1))

@@ -165,9 +165,21 @@ def build_strategy(cfg: RunConfig, layout: ParamLayout):
         raise ConfigError(f"--byzantine applies to federated strategies; '{cfg.strategy}' is {entry.kind}")
     if cfg.dp and entry.kind != "federated":
         raise ConfigError(f"--dp applies to federated strategies; '{cfg.strategy}' is {entry.kind}")
+    if cfg.dp:
+        require_accounting("--dp")
     params = registry.resolve_params(cfg.strategy, cfg.params)
     strategy = entry.build(params, registry.BuildContext(cfg, layout))
     return attach_dp(strategy, cfg)
+
+
+def require_accounting(option: str) -> None:
+    """Privacy accounting is server-side (the ``server`` extra): say so in one line."""
+    from fedswarm.extras import MissingExtra, require
+
+    try:
+        require("server", f"{option} (privacy accounting)")
+    except MissingExtra as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def example_level_privacy(cfg: RunConfig):
@@ -176,6 +188,7 @@ def example_level_privacy(cfg: RunConfig):
     from fedswarm.algorithms.privacy.accountant import PrivacyAccountant
     from fedswarm.algorithms.privacy.dp_fedavg import parse_dp
 
+    require_accounting("--dp-sgd")
     spec = parse_dp(cfg.dp_sgd, "dp_sgd")
     accountants: dict[int, PrivacyAccountant] = {}
 
