@@ -24,7 +24,7 @@ from pathlib import Path
 from fedswarm.client.state_store import KEEP_RUNS_KEY, default_state_dir
 from fedswarm.probe import probe_device_class
 
-__all__ = ["supernode_command", "node_config_string"]
+__all__ = ["supernode_command", "node_config_string", "run_supernode"]
 
 
 def node_config_string(partition_id: int, num_partitions: int, device_class: str,
@@ -84,3 +84,55 @@ def _check_auth_key(path: Path) -> None:
         key = None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise ValueError(f"auth key {path} is not an OpenSSH EC private key (make one with `fedswarm certs supernode`)")
+
+
+# Flower's SuperLink keeps a node "online" for HEARTBEAT_PATIENCE (2) x the SuperNode's
+# heartbeat interval (30 s) after its last heartbeat. With node authentication the node id is
+# bound to the key, so a node that died without signing off (killed, power lost) and comes back
+# sooner is refused activation ("Failed to activate SuperNode", exit 305, seen as 49) until then
+# (`fedswarm client --rejoin-wait`, default 75 s, waits that out).
+_ACTIVATION_REFUSED = "Failed to activate SuperNode"
+# flwr.supercore.exit.ExitCode.SUPERNODE_CONNECTION_ERROR is 305; an exit status keeps its low 8 bits.
+_CONNECTION_ERROR = 305 % 256
+
+
+def run_supernode(cmd: list[str], *, rejoin_wait_s: float, retry_every_s: float = 5.0) -> int:
+    """Run the ``flower-supernode`` command ``cmd`` and return its exit status, passing its
+    output through. If it is refused activation (its key's previous session has not timed out
+    on the SuperLink yet), start it again every ``retry_every_s`` seconds for up to
+    ``rejoin_wait_s`` seconds, saying so in one line each time: a restarted device rejoins
+    instead of exiting. A key the SuperLink does not know is refused the same way, so it exits
+    only after ``rejoin_wait_s``. SIGTERM and SIGINT are passed on to the SuperNode."""
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    stop = threading.Event()
+    child: list[subprocess.Popen] = []
+
+    def forward(signum, _frame):
+        stop.set()
+        if child and child[0].poll() is None:
+            child[0].send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    deadline = time.monotonic() + rejoin_wait_s
+    while True:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        child[:] = [proc]
+        refused = False
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            refused = refused or _ACTIVATION_REFUSED in line
+        rc = proc.wait()
+        left = deadline - time.monotonic()
+        if stop.is_set() or rc != _CONNECTION_ERROR or not refused or left <= 0:
+            return rc
+        print(f"fedswarm client: the SuperLink refused to activate this node: its previous session may not have "
+              f"timed out yet (it ended without signing off); starting again in {retry_every_s:.0f} s "
+              f"(for up to {left:.0f} s more)", flush=True)
+        if stop.wait(min(retry_every_s, left)):
+            return rc

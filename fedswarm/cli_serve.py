@@ -45,10 +45,15 @@ def client(
         "N most recently written runs are removed (0 keeps every run; a removed run still resumes, with its nodes "
         "resynchronised instead of exact)."
     )),
+    rejoin_wait: float = typer.Option(75.0, "--rejoin-wait", min=0, help=(
+        "With --auth-key: a node restarted after it died without signing off is refused by the SuperLink until "
+        "its previous session times out (2 heartbeats, ~60 s); keep starting it again for up to this many "
+        "seconds instead of exiting (0: exit at once)."
+    )),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the flower-supernode command and exit."),
 ) -> None:
     """Join a federation: start a Flower SuperNode that runs fedswarm's ClientApp."""
-    from fedswarm.client.supernode import supernode_command
+    from fedswarm.client.supernode import run_supernode, supernode_command
 
     if partition_id >= num_partitions:
         fail(f"invalid value for 'partition-id': must be < num-partitions ({num_partitions}) (got {partition_id})")
@@ -67,7 +72,9 @@ def client(
     # The SuperNode's SuperExec looks for a new ClientApp task every second by default: a quarter
     # of a second takes most of that wait off every round (set the variable to choose).
     os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.25")
-    os.execvp(cmd[0], cmd)
+    if auth_key is None or rejoin_wait <= 0:  # a node id of its own each start: nothing to wait for
+        os.execvp(cmd[0], cmd)
+    raise typer.Exit(run_supernode(cmd, rejoin_wait_s=rejoin_wait))
 
 
 def dashboard(

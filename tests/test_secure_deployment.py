@@ -68,7 +68,7 @@ def test_tls_supernode_auth_two_registered_nodes_run_and_intruders_are_refused(t
             client(f"sn{i}", i, "--root-certificates", str(pki / "ca.pem"),
                    "--auth-key", str(pki / "supernodes" / f"sn{i}.key"))
         client("unregistered", 1, "--root-certificates", str(pki / "ca.pem"),
-               "--auth-key", str(pki / "supernodes" / "sn2.key"))
+               "--auth-key", str(pki / "supernodes" / "sn2.key"), "--rejoin-wait", "0")
         client("plaintext", 1, "--insecure")
 
         # the unregistered key: the SuperLink refuses to activate it and the SuperNode gives up
