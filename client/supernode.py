@@ -17,6 +17,7 @@ run exactly (:mod:`fedswarm.client.state_store`).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -102,12 +103,17 @@ def run_supernode(cmd: list[str], *, rejoin_wait_s: float, retry_every_s: float 
     on the SuperLink yet), start it again every ``retry_every_s`` seconds for up to
     ``rejoin_wait_s`` seconds, saying so in one line each time: a restarted device rejoins
     instead of exiting. A key the SuperLink does not know is refused the same way, so it exits
-    only after ``rejoin_wait_s``. SIGTERM and SIGINT are passed on to the SuperNode."""
+    only after ``rejoin_wait_s``. SIGTERM and SIGINT are passed on to the SuperNode.
+
+    A refused SuperNode has already started its SuperExec, which outlives it and keeps
+    retrying; this process makes itself the subreaper of its descendants (Linux) so that such
+    leftovers become its children and are stopped before the next start."""
     import signal
     import subprocess
     import threading
     import time
 
+    _become_subreaper()
     stop = threading.Event()
     child: list[subprocess.Popen] = []
 
@@ -122,17 +128,79 @@ def run_supernode(cmd: list[str], *, rejoin_wait_s: float, retry_every_s: float 
     while True:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         child[:] = [proc]
-        refused = False
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            refused = refused or _ACTIVATION_REFUSED in line
+        refused = threading.Event()
+
+        def relay(out=proc.stdout, refused=refused):
+            for line in out:  # ends when every writer (the SuperNode and what it started) is gone
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                if _ACTIVATION_REFUSED in line:
+                    refused.set()
+
+        reader = threading.Thread(target=relay, daemon=True)
+        reader.start()
         rc = proc.wait()
+        _stop_descendants()
+        reader.join(timeout=10)
         left = deadline - time.monotonic()
-        if stop.is_set() or rc != _CONNECTION_ERROR or not refused or left <= 0:
+        if stop.is_set() or rc != _CONNECTION_ERROR or not refused.is_set() or left <= 0:
             return rc
         print(f"fedswarm client: the SuperLink refused to activate this node: its previous session may not have "
               f"timed out yet (it ended without signing off); starting again in {retry_every_s:.0f} s "
               f"(for up to {left:.0f} s more)", flush=True)
         if stop.wait(min(retry_every_s, left)):
             return rc
+
+
+def _become_subreaper() -> None:
+    """Orphaned descendants become this process's children (Linux prctl PR_SET_CHILD_SUBREAPER)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _stop_descendants(grace_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL, every process whose parent is this one, and reap them."""
+    import signal
+    import time
+
+    def children() -> list[int]:
+        me, out = os.getpid(), []
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    stat = open(f"/proc/{pid}/stat").read()
+                except OSError:
+                    continue
+                fields = stat.rsplit(")", 1)[-1].split()
+                if len(fields) > 1 and int(fields[1]) == me and fields[0] != "Z":
+                    out.append(int(pid))
+        return out
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        kids = children()
+        if not kids:
+            break
+        for pid in kids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end and children():
+            _reap()
+            time.sleep(0.05)
+    _reap()
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return

@@ -2,27 +2,34 @@
 activate (its key's previous session has not timed out yet), for up to ``--rejoin-wait``
 seconds, and passes any other outcome through (client/supernode.py ``run_supernode``). A fake
 ``flower-supernode`` stands in for Flower's: refused the first K times, then it runs and exits
-with the status given. The real thing, on a TLS + authentication SuperLink: test_secure_rejoin.py."""
+with the status given; like Flower's, a refused one leaves a child behind (its SuperExec) that
+holds the output pipe. ``run_supernode`` runs in its own interpreter here, since it adopts and
+stops its descendants. The real thing, on a TLS + authentication SuperLink:
+test_secure_rejoin.py."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from fedswarm.client.supernode import run_supernode
+from tests.helpers import wait_until
 
 
 def fake_supernode(tmp_path, refusals: int, final_rc: int = 0, final_line: str = "SuperNode running") -> list[str]:
     script = tmp_path / "fake_supernode.py"
     script.write_text(textwrap.dedent(f"""
-        import sys
+        import subprocess, sys
         from pathlib import Path
         counter = Path({str(tmp_path / "starts")!r})
         n = int(counter.read_text()) if counter.exists() else 0
         counter.write_text(str(n + 1))
         if n < {refusals}:
+            # Flower's SuperExec: started before the refusal, outlives the SuperNode, keeps stdout
+            kid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            Path({str(tmp_path)!r}, f"leftover-{{n}}").write_text(str(kid.pid))
             print("ERROR: Failed to initialize the connection to the SuperLink.")
             print("[code: 2004] Failed to activate SuperNode.")
             sys.exit(305)
@@ -32,25 +39,43 @@ def fake_supernode(tmp_path, refusals: int, final_rc: int = 0, final_line: str =
     return [sys.executable, str(script)]
 
 
+def run(tmp_path, cmd: list[str], wait_s: float, every_s: float) -> subprocess.CompletedProcess:
+    code = (f"import sys; from fedswarm.client.supernode import run_supernode; "
+            f"sys.exit(run_supernode({cmd!r}, rejoin_wait_s={wait_s}, retry_every_s={every_s}))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
 def starts(tmp_path) -> int:
     return int((tmp_path / "starts").read_text())
 
 
-def test_refused_node_is_started_again_until_it_is_accepted(tmp_path, capsys):
-    rc = run_supernode(fake_supernode(tmp_path, refusals=2), rejoin_wait_s=60, retry_every_s=0.01)
-    assert rc == 0 and starts(tmp_path) == 3
-    out = capsys.readouterr().out
-    assert out.count("starting again in") == 2 and "SuperNode running" in out
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_refused_node_is_started_again_until_it_is_accepted_and_leftovers_stopped(tmp_path):
+    out = run(tmp_path, fake_supernode(tmp_path, refusals=2), wait_s=60, every_s=0.01)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert starts(tmp_path) == 3
+    assert out.stdout.count("starting again in") == 2 and "SuperNode running" in out.stdout
+    for leftover in tmp_path.glob("leftover-*"):  # each refused start's SuperExec was stopped
+        pid = int(leftover.read_text())
+        wait_until(lambda pid=pid: not alive(pid), 30, what=f"leftover {pid} stopped")
 
 
 def test_refused_past_the_window_exits_with_flowers_status(tmp_path):
-    rc = run_supernode(fake_supernode(tmp_path, refusals=10**6), rejoin_wait_s=1.0, retry_every_s=0.05)
-    assert rc == 305 % 256  # Flower's status 305; an exit status keeps its low 8 bits
+    out = run(tmp_path, fake_supernode(tmp_path, refusals=10**6), wait_s=1.0, every_s=0.05)
+    assert out.returncode == 305 % 256, out.stdout + out.stderr  # Flower's 305; a status keeps its low 8 bits
     assert 1 <= starts(tmp_path) < 1000  # it gave up once the window closed
 
 
 @pytest.mark.parametrize("final_rc, line", [(305, "Failed to connect: TLS handshake"), (1, "boom"), (0, "bye")])
 def test_any_other_exit_is_passed_through_at_once(tmp_path, final_rc, line):
-    rc = run_supernode(fake_supernode(tmp_path, refusals=0, final_rc=final_rc, final_line=line), rejoin_wait_s=60,
-                       retry_every_s=0.01)
-    assert rc == final_rc % 256 and starts(tmp_path) == 1
+    out = run(tmp_path, fake_supernode(tmp_path, refusals=0, final_rc=final_rc, final_line=line), wait_s=60,
+              every_s=0.01)
+    assert out.returncode == final_rc % 256 and starts(tmp_path) == 1 and line in out.stdout
+
