@@ -16,12 +16,15 @@ one process). What it exports:
   ``fedswarm_http_requests_total{method,route,status}``;
 * ``fedswarm_sse_subscribers``: open live-update streams.
 
-The store-derived figures are aggregate queries, recomputed at most every ``cache_s``.
+The store-derived figures are aggregate queries, recomputed at most every ``cache_s``; the
+text is rendered at most every ``render_s`` (1 s), in a thread, while scrapes get the last one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import logging
 import threading
 import time
 from typing import Any
@@ -44,6 +47,7 @@ from fedswarm.web.run_state import LIVE_STATUSES, Health, lost_reason, shown_sta
 
 __all__ = ["Metrics", "HttpMetrics", "router", "run_status_counts", "leaf_routes"]
 
+log = logging.getLogger(__name__)
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 UNMATCHED = "(unmatched)"
 router = APIRouter()
@@ -115,7 +119,11 @@ class _StoreCollector:
 class Metrics:
     """The registry of one dashboard app and its instruments."""
 
-    def __init__(self, ctx: Any, cache_s: float = 2.0):
+    def __init__(self, ctx: Any, cache_s: float = 2.0, render_s: float = 1.0):
+        self.render_s = render_s
+        self._text: bytes | None = None
+        self._text_at = 0.0
+        self._rendering: asyncio.Task | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.http_seconds = Histogram("fedswarm_http_request_duration_seconds",
                                       "Time to the first byte of the response, by route template.",
@@ -128,7 +136,8 @@ class Metrics:
                                          ["reason"], registry=self.registry)
         for reason in sorted(set(REJECTION_REASONS.values()) | {"other"}):
             self.ingest_rejections.labels(reason)  # present at 0 from the start
-        self.registry.register(_StoreCollector(ctx, cache_s))
+        self.store_figures = _StoreCollector(ctx, cache_s)
+        self.registry.register(self.store_figures)
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
         self.http_seconds.labels(method, route).observe(seconds)
@@ -140,6 +149,26 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def text(self) -> bytes:
+        """The exposition, rendered at most every ``render_s`` in a worker thread: a scrape is
+        answered from memory on the event loop while a newer one is rendered (stale while
+        revalidate), so no scrape waits on the store's queries but the first."""
+        now = time.monotonic()
+        if self._text is None:
+            self._text, self._text_at = await asyncio.to_thread(self.render), now
+        elif now - self._text_at > self.render_s and self._rendering is None:
+            self._rendering = asyncio.create_task(self._rerender())
+        return self._text
+
+    async def _rerender(self) -> None:
+        try:
+            text = await asyncio.to_thread(self.render)
+            self._text, self._text_at = text, time.monotonic()
+        except Exception:  # the store may be briefly unreachable; the last text stays
+            log.exception("rendering /metrics failed")
+        finally:
+            self._rendering = None
 
 
 def leaf_routes(routes: list) -> list:
@@ -211,8 +240,8 @@ class HttpMetrics:
 @router.get("/metrics", response_class=Response, tags=["meta"],
             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"},
                        401: {"model": schemas.Message}, 403: {"model": schemas.Message}})
-def metrics(request: Request, _: Principal = Depends(require_reader)) -> Response:
+async def metrics(request: Request, _: Principal = Depends(require_reader)) -> Response:
     """Prometheus metrics (text format 0.0.4): runs by shown status, rounds recorded, nodes by
     state and device class, ingest requests and rejections by reason, HTTP latency by route
     template, live-update subscribers. Readable with a viewer token or a session."""
-    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(await request.app.state.metrics.text(), media_type=CONTENT_TYPE_LATEST)

@@ -9,7 +9,7 @@ import sys
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from dashboard_helpers import bearer, make_token
+from dashboard_helpers import bearer, make_token, wait_for
 from fedswarm.web.app import create_app
 
 
@@ -108,3 +108,14 @@ def test_metrics_need_a_reader_and_each_app_has_its_own_registry(tmp_path, anon,
     with TestClient(other) as c:
         m = _scrape(c, bearer(make_token(other, "viewer")))
     assert m[("fedswarm_rounds_recorded", ())] == 0
+
+
+def test_scrapes_are_served_from_the_last_rendering_while_a_newer_one_is_made(app, admin):
+    m = app.state.metrics
+    store = app.state.ctx.store
+    store.create_run({}, run_id="r", status="running")
+    assert _scrape(admin, {})[("fedswarm_rounds_recorded", ())] == 0
+    store.add_round("r", 1)
+    assert _scrape(admin, {})[("fedswarm_rounds_recorded", ())] == 0  # within render_s: the last text
+    m.render_s = m.store_figures.cache_s = 0.0
+    wait_for(lambda: _scrape(admin, {})[("fedswarm_rounds_recorded", ())] == 1, timeout=20)
