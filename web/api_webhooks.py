@@ -146,7 +146,11 @@ def new_webhook(body: WebhookIn, p: Principal = Depends(require_admin), ctx: Web
     """Register a URL for the events listed. Each delivery is a JSON POST signed with
     HMAC-SHA256 of its body under the secret (``X-Fedswarm-Signature: sha256=<hex>``), retried
     with backoff until answered 2xx; it carries ``X-Fedswarm-Event`` and ``X-Fedswarm-Delivery``
-    (the same id on a retry). Only events that happen after registration are sent."""
+    (the same id on a retry). Only events that happen after registration are sent.
+
+    The body: ``event``, ``occurred_at`` (UTC), ``message``, ``delivery_id``, and ``run`` (id,
+    name, status, display_status, strategy, task, total_rounds, error, lost_reason, started_at,
+    finished_at) or ``node`` (id, kind, device_class, run_id, status, last_seen)."""
     return create(ctx, body, p.name)
 
 
