@@ -2,7 +2,8 @@
 rounds, and live-update fan-out to 100 viewers, against the real app served by uvicorn.
 
 ``run(out_dir, quick)`` seeds a temp SQLite store (50 finished runs, rounds 0..100, 10 nodes a
-round, so 50,500 per-node rows), starts the dashboard in its own process, then
+round, so 50,500 per-node rows; 10,000 simulated nodes of a live run), starts the dashboard in
+its own process, then
 
 * **API latency**: 50 closed-loop clients (no think time) for a fixed time per endpoint, with
   ``wrk`` (Debian package ``wrk``) when installed, else an asyncio httpx client; median, p99 and
@@ -51,6 +52,7 @@ __all__ = ["run", "seed_store"]
 CLIENTS = 50
 VIEWERS = 100
 RUNS, ROUNDS, NODES = 50, 101, 10
+SIM_NODES = 10_000  # simulated nodes of the live run: what /metrics counts by state and class
 BASELINE = Path(__file__).with_name("dashboard_baseline.json")
 VARIANTS = ("plain", "now")  # measured in this order on each endpoint
 _SERVE = ("import sys, uvicorn; from fedswarm.web.app import create_app; "
@@ -75,7 +77,7 @@ def _pct(xs: list[float], q: float) -> float:
 def seed_store(db: str, runs: int = RUNS, rounds: int = ROUNDS, nodes: int = NODES) -> tuple[list[str], str, str]:
     """``runs`` finished runs of ``rounds`` rounds (0..rounds-1) with ``nodes`` per-node rows
     each, one live run, and an admin token. Returns (run ids, live run id, token)."""
-    from fedswarm.store import NodeRound, Round, Store
+    from fedswarm.store import Node, NodeRound, Round, Store
     from fedswarm.web import auth_models  # noqa: F401  (creates the token table with the store)
     from fedswarm.web.accounts import Accounts
 
@@ -97,6 +99,9 @@ def seed_store(db: str, runs: int = RUNS, rounds: int = ROUNDS, nodes: int = NOD
                                          bytes_down=2 * 10**5, device_class=("gpu", "edge-wifi")[k % 2])
                                for k in range(nodes)])
     live = store.create_run({"strategy": "fedavg", "rounds": 100_000}, name="bench live", status="running")
+    with store.session() as s:
+        s.add_all([Node(id=f"{live}:{k}", kind="sim", run_id=live, device_class=("gpu", "edge-wifi")[k % 2])
+                   for k in range(SIM_NODES)])
     _, token = Accounts(store).create_token("bench", "admin", None, "bench")
     store.close()
     return ids, live, token
@@ -348,7 +353,7 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
             os.sched_setaffinity(0, client_cores)  # this process and the wrk it starts
         pinning = (f"server on core {sorted(server_cores)}, load generator on {sorted(client_cores)}"
                    if client_cores else "not pinned")
-        endpoints = ["/api/health", "/api/runs", f"/api/runs/{ids[0]}", f"/api/runs/{ids[0]}/rounds"]
+        endpoints = ["/api/health", "/api/runs", f"/api/runs/{ids[0]}", f"/api/runs/{ids[0]}/rounds", "/metrics"]
         for store_state in ("quiet", "writing"):
             for ep in endpoints:
                 if store_state == "writing" and ep == "/api/health":

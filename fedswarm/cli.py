@@ -298,13 +298,22 @@ def _check_strategy(cfg: RunConfig) -> None:
 # --------------------------------------------------------------------------------------
 # runs, strategies
 # --------------------------------------------------------------------------------------
-@app.command()
+runs_app = typer.Typer(no_args_is_help=False, rich_markup_mode="rich")
+app.add_typer(runs_app, name="runs")
+
+
+@runs_app.callback(invoke_without_command=True)
 def runs(
+    ctx: typer.Context,
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
     limit: int = typer.Option(50, "--limit", min=1, help="How many runs, newest first."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """List the runs in the store: status, strategy, progress, accuracy, bytes."""
+    """List the runs in the store: status, strategy, progress, accuracy, bytes.
+
+    `fedswarm runs export RUN_ID` writes one run's rounds (or per-node rounds) as CSV or JSON Lines."""
+    if ctx.invoked_subcommand is not None:
+        return
     from fedswarm.sim.report import runs_table
     from fedswarm.store import Store
 
@@ -318,6 +327,36 @@ def runs(
         console.print(f"No runs in {store.url}. Start one with [bold]fedswarm sim[/].")
         return
     console.print(runs_table(store, rows))
+
+
+@runs_app.command("export")
+def runs_export(
+    run_id: str = typer.Argument(..., help="The run to export (see `fedswarm runs`)."),
+    fmt: str = typer.Option("csv", "--format", "-f", help="csv or jsonl (JSON Lines)."),
+    nodes: bool = typer.Option(False, "--nodes", help="Per-node rounds (one row per node and round) instead of "
+                                                      "rounds."),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write to this file (default: standard output)."),
+) -> None:
+    """Write one run's rounds as CSV or JSON Lines, the same bytes as the dashboard's download
+    (GET /api/runs/RUN_ID/rounds.csv). JSON columns such as metrics become metrics.<key>
+    columns in CSV; see the dashboard's /docs for every column."""
+    from fedswarm.export import export
+    from fedswarm.store import Store
+
+    try:
+        chunks = export(Store(db), run_id, "nodes" if nodes else "rounds", fmt)
+    except (KeyError, ValueError) as exc:
+        fail(str(exc.args[0]))
+    if out is None:
+        for chunk in chunks:
+            sys.stdout.buffer.write(chunk)
+        sys.stdout.buffer.flush()
+        return
+    with open(out, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+    console.print(f"wrote {out}", highlight=False)
 
 
 @app.command()

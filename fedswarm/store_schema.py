@@ -11,6 +11,7 @@ import datetime as dt
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -24,7 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 __all__ = ["Base", "Run", "Round", "NodeRound", "Rejection", "Node", "Event", "Checkpoint", "Control",
-           "RUN_STATUSES", "CONTROL_KINDS"]
+           "Webhook", "WebhookDelivery", "RUN_STATUSES", "CONTROL_KINDS"]
 
 RUN_STATUSES = ("pending", "running", "paused", "finished", "failed", "stopped")
 
@@ -175,3 +176,44 @@ class Control(Base):
 
 
 CONTROL_KINDS = ("pause", "resume", "stop", "add_rounds", "policy")
+
+
+class Webhook(Base):
+    """A URL the dashboard POSTs signed JSON to when a run ends, is lost, reaches its privacy
+    budget, or a node goes offline (:mod:`fedswarm.web.webhooks`). ``secret`` is the HMAC key,
+    kept in clear because signing needs it."""
+
+    __tablename__ = "webhooks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    url: Mapped[str] = mapped_column(Text)
+    secret: Mapped[str] = mapped_column(String(128))
+    events: Mapped[list] = mapped_column(JSON, default=list)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+    created_by: Mapped[str | None] = mapped_column(String(64))
+
+
+class WebhookDelivery(Base):
+    """One event for one webhook: sent until it is answered 2xx or its attempts run out. The
+    (webhook, event key) pair is unique, so an event is never queued twice for a webhook, by
+    this dashboard after a restart or by another one over the same store."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (UniqueConstraint("webhook_id", "event_key"),
+                      Index("ix_webhook_deliveries_due", "status", "next_attempt_at"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    webhook_id: Mapped[int] = mapped_column(ForeignKey("webhooks.id", ondelete="CASCADE"), index=True)
+    event: Mapped[str] = mapped_column(String(32))
+    event_key: Mapped[str] = mapped_column(String(200))
+    run_id: Mapped[str | None] = mapped_column(String(36))
+    node_id: Mapped[str | None] = mapped_column(String(64))
+    payload: Mapped[dict] = mapped_column(JSON, default=dict)
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending | delivered | failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+    last_code: Mapped[int | None] = mapped_column(Integer)  # the receiver's last HTTP status
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+    delivered_at: Mapped[dt.datetime | None] = mapped_column(DateTime)

@@ -28,6 +28,10 @@ router = APIRouter(prefix="/api/ingest", tags=["ingest"])
 ERRORS = {401: {"model": schemas.Message}, 403: {"model": schemas.Message},
           404: {"model": schemas.Message}, 409: {"model": schemas.Message},
           413: {"model": schemas.Message}, 429: {"model": schemas.Message}}
+# Why an ingest call was refused, by its answer's status (counted in /metrics; 401 and 413
+# can also come from the body caps of fedswarm.web.middleware, before this router).
+REJECTION_REASONS = {400: "malformed", 401: "unauthenticated", 403: "forbidden", 404: "unknown_run",
+                     409: "conflict", 413: "too_large", 415: "malformed", 422: "invalid", 429: "rate_limited"}
 MAX_NODE_INFO = 8_192
 Finite = Field(None, allow_inf_nan=False)
 Bytes = Field(0, ge=0, le=2**62)

@@ -27,6 +27,7 @@ import fedswarm
 from fedswarm.store import Store, migrate
 from fedswarm.web import auth_models  # noqa: F401  (registers the web tables on Base)
 from fedswarm.web import api_admin, api_ingest, api_nodes, api_runs, docs, pages_compare, pages_misc, pages_runs
+from fedswarm.web import api_export, api_webhooks, metrics
 from fedswarm.web.accounts import Accounts
 from fedswarm.web.cache import ResponseCache
 from fedswarm.web.catalog import Catalog
@@ -39,6 +40,7 @@ from fedswarm.web.ratelimit import IngestQuota, LoginThrottle
 from fedswarm.web.runs_service import RunService
 from fedswarm.web.schemas import clean
 from fedswarm.web.settings import Settings
+from fedswarm.web.webhooks import Webhooks
 
 __all__ = ["create_app", "run", "proxy_options", "LOOPBACK"]
 
@@ -90,18 +92,21 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
                      templates=Jinja2Templates(directory=str(HERE / "templates")),
                      quota=IngestQuota(settings.ingest_per_minute, settings.ingest_bytes_per_hour),
                      throttle=LoginThrottle(), cache=ResponseCache(store))
+    hooks = Webhooks(store, settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         catalog.start()
         threading.Thread(target=runs.resume_command_available, daemon=True, name="fedswarm-resume-probe").start()
         await ctx.hub.start()
+        hooks.start()
         if freeze_gc:
             gc.collect()
             gc.freeze()
         try:
             yield
         finally:
+            hooks.stop()
             await ctx.hub.stop()
 
     app = FastAPI(title="fedswarm dashboard", version=fedswarm.__version__, lifespan=lifespan,
@@ -110,13 +115,18 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
                               "Authenticate with the session cookie (plus X-CSRF-Token on writes) "
                               "or `Authorization: Bearer <token>`.")
     app.state.ctx = ctx
+    app.state.metrics = metrics.Metrics(ctx)
+    app.state.webhooks = hooks
     if cached_reads:
         app.add_middleware(CachedReads, ctx=ctx, session_cookie=SESSION_COOKIE)  # inside SecurityHeaders
     app.add_middleware(SecurityHeaders, https=settings.https, session_cookie=SESSION_COOKIE)
+    app.add_middleware(metrics.HttpMetrics, metrics=app.state.metrics, routes=app.router)  # outermost
     app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
     docs.mount(app)
-    for module in (api_runs, api_nodes, api_ingest, api_admin, pages_runs, pages_compare, pages_misc, docs):
+    for module in (api_runs, api_export, api_nodes, api_ingest, api_admin, api_webhooks, metrics, pages_runs,
+                   pages_compare, pages_misc, docs):
         app.include_router(module.router)
+    app.include_router(api_webhooks.pages)
     _install_handlers(app, ctx)
     return app
 

@@ -153,12 +153,19 @@ def federation_stop(request: Request, pf=Depends(page_admin_form), ctx: WebConte
     return redirect(request, ctx, "/federation", msg)
 
 
+def admin_data(ctx: WebContext) -> dict:
+    """What the admin page shows: users, tokens, webhooks and their latest deliveries."""
+    from fedswarm.web.api_webhooks import page_data
+
+    return dict(users=ctx.accounts.list_users(), tokens=ctx.accounts.list_tokens(), new_token=None,
+                **page_data(ctx.store))
+
+
 @router.get("/admin", response_class=HTMLResponse)
 def admin_page(request: Request, p: Principal = Depends(page_user), ctx: WebContext = Depends(get_ctx)):
     if not p.is_admin:
         return render(request, ctx, p, "error.html", status=403, detail="users and tokens need the admin role")
-    return render(request, ctx, p, "admin.html", users=ctx.accounts.list_users(),
-                  tokens=ctx.accounts.list_tokens(), new_token=None)
+    return render(request, ctx, p, "admin.html", **admin_data(ctx))
 
 
 @router.post("/admin/users")
@@ -190,8 +197,7 @@ def admin_add_token(request: Request, pf=Depends(page_admin_form), ctx: WebConte
     except HTTPException as exc:
         return redirect(request, ctx, "/admin", str(exc.detail))
     # The secret is shown in this answer only (never in a URL, never stored).
-    return render(request, ctx, p, "admin.html", users=ctx.accounts.list_users(),
-                  tokens=ctx.accounts.list_tokens(), new_token=created)
+    return render(request, ctx, p, "admin.html", **{**admin_data(ctx), "new_token": created})
 
 
 @router.post("/admin/tokens/{token_id}/revoke")

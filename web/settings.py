@@ -50,6 +50,13 @@ class Settings:
     ingest_bytes_per_hour: int = 512_000_000
     nodes_per_token: int = 10_000
     token_days: float = 90.0  # default lifetime of a new API token
+    # Webhooks (fedswarm.web.webhooks): how often the store is checked for events, the wait
+    # before the first retry (doubled each time), attempts before giving up, and the
+    # receiver's time to answer.
+    webhook_poll_s: float = 2.0
+    webhook_backoff_s: float = 5.0
+    webhook_attempts: int = 6
+    webhook_timeout_s: float = 10.0
 
     @classmethod
     def build(cls, db_url: str, runs_dir: str | Path | None = None, **kw: object) -> "Settings":
