@@ -377,7 +377,9 @@ class Transport:
                     raise Dropped("identity_mismatch", detail)
                 if not self.noise:
                     return Session(self, Conn(sock), remote, kind, cert_id)
+                sock.settimeout(self.connect_timeout_s)  # authenticating is part of connecting
                 conn, cert_id = self._handshake(sock, addr, remote, cert_id)
+                sock.settimeout(self.io_timeout_s)
                 return Session(self, conn, remote, kind, cert_id)
             except ssl.SSLError as exc:
                 sock.close()
