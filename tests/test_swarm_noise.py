@@ -462,3 +462,18 @@ def test_handshake_and_records_interoperate_with_the_noiseprotocol_package():
     assert bytes(got["conn"].recv_exact(11)) == b"hello, swarm"[:11]
     for s in (x, y):
         s.close()
+
+
+def test_a_responder_accepts_the_handshake_and_the_legacy_static_key_mode():
+    server = _transport(A).start()
+    noise_client, legacy = _transport(B), _transport(B, static_keys=True)
+    try:
+        for client, handshakes in ((noise_client, 1), (legacy, 1)):  # the legacy request adds none
+            body = os.urandom(20_000)
+            assert bytes(client.request(server.address, A.peer_id, "model", {}, body, timeout=10).body) == body[::-1]
+            assert server.stats.handshakes == handshakes
+        assert noise_client.stats.handshakes == 1 and legacy.stats.handshakes == 0
+        assert server.verifier.drop_counts() == {}
+    finally:
+        for t in (server, noise_client, legacy):
+            t.stop()
