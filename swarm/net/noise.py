@@ -40,7 +40,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from fedswarm.swarm.net.envelope import Conn, Dropped, Verifier
 from fedswarm.swarm.net.identity import Identity, x25519_public
 
-__all__ = ["MAGIC", "PROTOCOL", "REKEY_BYTES", "REKEY_RECORDS", "NoiseConn", "initiate", "read_exact", "respond"]
+__all__ = ["INITIATOR_HANDSHAKE_BYTES", "MAGIC", "PROTOCOL", "REKEY_BYTES", "REKEY_RECORDS", "NoiseConn", "initiate",
+           "read_exact", "respond"]
 
 PROTOCOL = b"Noise_XX_25519_AESGCM_SHA256"
 PROLOGUE = b"fedswarm-swarm-noise-v1"
@@ -57,6 +58,8 @@ _ID = 32  # the payload of messages 2 and 3: the sender's Ed25519 public key (it
 _MSG2 = _DH + (_DH + _TAG) + (_ID + _TAG)  # e, encrypted s, encrypted payload
 _MSG3 = (_DH + _TAG) + (_ID + _TAG)  # encrypted s, encrypted payload
 _REKEY_NONCE = b"\x00" * 4 + b"\xff" * 8
+#: What an initiator sends before its first record (messages 1 and 3).
+INITIATOR_HANDSHAKE_BYTES = len(MAGIC) + _DH + _MSG3
 
 
 def _nonce(n: int) -> bytes:
