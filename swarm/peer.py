@@ -99,6 +99,8 @@ class PeerConfig(TrainingSpec):
             raise ValueError("a permissioned swarm (--swarm-ca) needs --tls-cert: this peer's certificate")
         if bool(self.tls_cert) != bool(self.tls_key) and not self.swarm_ca:
             raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if self.legacy_static_keys and not self.encrypt:
+            raise ValueError("--legacy-static-keys is a kind of encryption; it cannot go with --no-encrypt")
         if not 0 <= self.partition_id < self.num_partitions:
             raise ValueError(f"partition-id must be in 0..{self.num_partitions - 1} (got {self.partition_id})")
 

@@ -477,3 +477,11 @@ def test_a_responder_accepts_the_handshake_and_the_legacy_static_key_mode():
     finally:
         for t in (server, noise_client, legacy):
             t.stop()
+
+
+def test_legacy_static_keys_needs_encryption():
+    from fedswarm.swarm.peer import PeerConfig
+
+    PeerConfig(insecure_allow_any=True, legacy_static_keys=True).check()
+    with pytest.raises(ValueError, match="cannot go with --no-encrypt"):
+        PeerConfig(insecure_allow_any=True, encrypt=False, legacy_static_keys=True).check()
