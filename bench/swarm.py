@@ -3,8 +3,11 @@
 1. **Model exchange**: a 10M-parameter float32 model (40 MB) pushed from one peer to
    another in a separate process, four ways in rotation in one run: a raw socket copy
    of the same bytes (connect, ``sendall`` → ``recv_into`` a preallocated buffer, a small
-   ack); the swarm without TLS (signed header, Poly1305 body tag), the same with the body
-   AES-256-GCM encrypted (the swarm's default without TLS); and the swarm as a
+   ack); the swarm without TLS (signed header, Poly1305 body tag), the same over a Noise
+   session (the swarm's default without TLS: an XX handshake on every connection, its
+   wall time per connection in ``handshake_ms``, then every byte AES-256-GCM under
+   forward-secret session keys), the legacy static-key encryption (bodies AES-256-GCM
+   under keys from the identity keys, no handshake, no forward secrecy); and the swarm as a
    permissioned swarm runs it, with mutual TLS (encrypted, certificates from the swarm's
    CA bound to the signing keys; a TLS 1.3 session ticket from the previous exchange
    resumes the session, as between gossiping neighbours; the first, full handshake is
@@ -200,19 +203,20 @@ def _table(rows: list[dict]) -> None:
     from rich.table import Table
 
     t = Table(title="swarm on loopback (wall-clock seconds, this machine)")
-    for col in ("measure", "what", "seconds (median)", "MB/s", "vs raw", "p90 s", "CPU ms send/recv"):
+    for col in ("measure", "what", "seconds (median)", "MB/s", "vs raw", "p90 s", "CPU ms send/recv", "handshake ms"):
         t.add_column(col, justify="right" if col != "what" else "left")
     def f(v, spec):
         return "-" if v is None or not math.isfinite(v) else format(v, spec)
     for r in rows:
         if r["benchmark"] == "profile":
-            t.add_row("profile, 40 MB", r["step"], "-", "-", "-", "-", f"{r['ms']:.1f} (CPU)")
+            t.add_row("profile, 40 MB", r["step"], "-", "-", "-", "-", f"{r['ms']:.1f} (CPU)", "-")
         elif r["benchmark"] == "exchange":
             t.add_row("exchange 40 MB", r["transport"], f(r["seconds"], ".3f"), f(r["MBps"], ".0f"),
-                      f(r["ratio_vs_raw"], ".2f"), "-", f"{r['send_cpu_ms']:.0f} / {r['recv_cpu_ms']:.0f}")
+                      f(r["ratio_vs_raw"], ".2f"), "-", f"{r['send_cpu_ms']:.0f} / {r['recv_cpu_ms']:.0f}",
+                      f(r.get("handshake_ms"), ".2f"))
         else:
             t.add_row("round, 16 peers", r["runtime"] + (f" ({r['note'][:60]})" if r.get("note") else ""),
-                      f(r["round_s"], ".3f"), "-", "-", f(r["round_s_p90"], ".3f"), "-")
+                      f(r["round_s"], ".3f"), "-", "-", f(r["round_s_p90"], ".3f"), "-", "-")
     console = Console()
     (console if console.is_terminal else Console(width=160)).print(t)
 
@@ -226,8 +230,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     ex = [r for r in rows if r["benchmark"] == "exchange"]
     rd = [r for r in rows if r["benchmark"] == "round" and r.get("round_s")]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    axes[0].bar([r["transport"].split(" (")[0] for r in ex], [r["MBps"] for r in ex],
-                color=["#888", "#2a7", "#a72", "#27a"][: len(ex)])
+    axes[0].bar([r["path"] for r in ex], [r["MBps"] for r in ex],
+                color=["#888", "#2a7", "#a72", "#c55", "#27a"][: len(ex)])
     axes[0].set_ylabel("MB/s (40 MB model, loopback)")
     axes[0].set_title("model exchange throughput")
     axes[1].bar([r["runtime"].replace(": ", "\n") for r in rd], [r["round_s"] for r in rd], color="#27a")
@@ -248,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("bench"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--exchange-only", action="store_true",
-                    help="only the 40 MB exchange (raw, plain, encrypted, mutual TLS)")
+                    help="only the 40 MB exchange (raw, plain, Noise-encrypted, static-key encrypted, mutual TLS)")
     ap.add_argument("--profile", action="store_true",
                     help="also time each step of an exchange in-process (handshakes, copies, crypto, checks)")
     a = ap.parse_args(argv)

@@ -1,6 +1,6 @@
 """The 40 MB model exchange of ``fedswarm bench swarm``: a raw socket against the swarm's
-transports (plain, encrypted, mutual TLS) in one run, and ``--profile``'s step-by-step
-account of where an exchange's time goes. Run through :mod:`fedswarm.bench.swarm`
+transports (plain, Noise-encrypted, legacy static-key encrypted, mutual TLS) in one run,
+and ``--profile``'s step-by-step account of where an exchange's time goes. Run through :mod:`fedswarm.bench.swarm`
 (``python -m fedswarm.bench.swarm --exchange-only [--profile] --out OUT``)."""
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ D_EXCHANGE = 10_000_000
 # -- 1. exchange throughput ------------------------------------------------------------
 def _transport(pki: Path, name: str, handler, *, mode: str, **kw):
     """A transport for peer ``name`` of the bench's PKI: ``plain`` (signed envelopes, Poly1305
-    body tags), ``encrypted`` (signed envelopes, AES-256-GCM bodies) or ``secure`` (mutual
-    TLS with CA-issued certificates bound to the key)."""
+    body tags), ``encrypted`` (a Noise handshake per connection, then everything AES-256-GCM
+    under its session keys), ``static`` (AES-256-GCM bodies under static-key-derived keys, no
+    forward secrecy) or ``secure`` (mutual TLS with CA-issued certificates bound to the key)."""
     from fedswarm.swarm.net.envelope import Verifier
     from fedswarm.swarm.net.identity import create_or_load
     from fedswarm.swarm.net.transport import Transport, permissioned_tls
@@ -35,7 +36,7 @@ def _transport(pki: Path, name: str, handler, *, mode: str, **kw):
     d = pki / "peers" / name
     ident = create_or_load(d / "keys")
     other = create_or_load(pki / "peers" / ("p1" if name == "p0" else "p0") / "keys")
-    tls = {"encrypt": mode == "encrypted"}
+    tls = {"encrypt": mode in ("encrypted", "static"), "static_keys": mode == "static"}
     if mode == "secure":
         tls_s, tls_c = permissioned_tls(str(pki / "ca.pem"), str(d / "cert.pem"), str(d / "keys" / "private.pem"),
                                         ident.peer_id, str(pki / "crl.pem"))
@@ -55,7 +56,7 @@ def _receiver(pipe, pki: str, d: int) -> None:
         # one thread per connection: its CPU time so far is this exchange's (handshake included)
         s.send("ack", {"cpu_s": time.thread_time()}, re=msg.nonce)
 
-    ts = {m: _transport(Path(pki), "p1", handle, mode=m).start() for m in ("plain", "encrypted", "secure")}
+    ts = {m: _transport(Path(pki), "p1", handle, mode=m).start() for m in EXCHANGE_PATHS if m != "raw"}
     raw = socket.create_server(("127.0.0.1", 0))
     buf = bytearray(4 * d)
 
@@ -83,7 +84,8 @@ def _receiver(pipe, pki: str, d: int) -> None:
 EXCHANGE_PATHS = {
     "raw": "raw socket copy",
     "plain": "swarm, no TLS, body in clear (signed header, Poly1305 body tag, validated)",
-    "encrypted": "swarm, no TLS, body AES-256-GCM (signed header, encrypted + authenticated chunks, validated)",
+    "encrypted": "swarm, no TLS, Noise XX handshake per connection, then all AES-256-GCM (forward secret, validated)",
+    "static": "swarm, no TLS, body AES-256-GCM under static-key-derived keys (legacy, NO forward secrecy, validated)",
     "secure": "swarm, mutual TLS (encrypted, CA-issued certs bound to the signing key, validated)",
 }
 
@@ -100,6 +102,7 @@ def exchange_rows(reps: int, d: int = D_EXCHANGE) -> list[dict]:
     times: dict[str, list[float]] = {k: [] for k in EXCHANGE_PATHS}
     cpu: dict[str, list[tuple[float, float]]] = {k: [] for k in EXCHANGE_PATHS}  # (sender, receiver) s
     sent: dict[str, int] = {}
+    handshake_ms: dict[str, float] = {}
     try:
         peer_id, addrs, raw_port = parent.recv()
         senders = {m: (_transport(tmp / "pki", "p0", lambda m, s: None, mode=m, io_timeout_s=120), a)
@@ -120,6 +123,8 @@ def exchange_rows(reps: int, d: int = D_EXCHANGE) -> list[dict]:
                 cpu[key].append((time.thread_time() - c0, recv_cpu))
         for key, (t, _) in senders.items():
             sent[key] = t.stats.totals()[0] // (reps + 1)
+            if t.stats.handshakes:  # wall time per connection, the sender's side (1.5 round trips)
+                handshake_ms[key] = 1e3 * t.stats.handshake_s / t.stats.handshakes
             t.stop()
     finally:
         parent.send("done")
@@ -133,6 +138,7 @@ def exchange_rows(reps: int, d: int = D_EXCHANGE) -> list[dict]:
              "ratio_vs_raw": med["raw"] / med[k], "wire_bytes": sent.get(k, 4 * d + 8),
              "send_cpu_ms": 1e3 * statistics.median(c[0] for c in cpu[k][1:]),
              "recv_cpu_ms": 1e3 * statistics.median(c[1] for c in cpu[k][1:]),
+             "handshake_ms": handshake_ms.get(k),
              "seconds_first": times[k][0], "seconds_all": times[k][1:]} for k in EXCHANGE_PATHS]
 
 
@@ -264,6 +270,34 @@ def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
             out.append(c1 + cpu_s[0])
         return 1e3 * statistics.median(out[1:])
 
+    def noise_handshakes() -> float:
+        """CPU ms of both sides of one Noise XX handshake over a socket pair, median of 5."""
+        from fedswarm.swarm.net.envelope import Verifier
+        from fedswarm.swarm.net.identity import Identity
+        from fedswarm.swarm.net.noise import initiate, read_exact, respond
+
+        a, b = Identity.generate(), Identity.generate()
+        out = []
+        for _ in range(6):
+            x, y = socket.socketpair()
+            cpu_s = []
+
+            def serve(x=x, cpu_s=cpu_s):
+                c0 = time.thread_time()
+                read_exact(x, 4, "magic")
+                respond(x, a, Verifier(a, None))
+                cpu_s.append(time.thread_time() - c0)
+            th = threading.Thread(target=serve)
+            th.start()
+            c0 = time.thread_time()
+            initiate(y, b, Verifier(b, None), a.peer_id)
+            c1 = time.thread_time() - c0
+            th.join()
+            x.close()
+            y.close()
+            out.append(c1 + cpu_s[0])
+        return 1e3 * statistics.median(out[1:])
+
     steps = {"copy 40 MB into a warm buffer (what a raw socket costs per side, roughly)": step_copy,
              "copy into a fresh body buffer (page faults included)": step_fresh,
              "Poly1305 tag of the body (clear mode, each side)": step_poly,
@@ -279,6 +313,8 @@ def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
         for name, resume in (("mutual-TLS handshake, full (CPU of both sides)", False),
                              ("mutual-TLS handshake, resumed with a session ticket (CPU of both sides)", True)):
             rows.append({"benchmark": "profile", "step": name, "ms": handshakes(resume), "load": os.getloadavg()[0]})
+        rows.append({"benchmark": "profile", "step": "Noise XX handshake, 4 X25519 a side (CPU of both sides)",
+                     "ms": noise_handshakes(), "load": os.getloadavg()[0]})
         for name, fn in steps.items():
             ts = []
             for _ in range(reps):

@@ -93,8 +93,15 @@ def peer(
         "The swarm CA's revocation list (crl.pem from `fedswarm certs revoke`)."
     )),
     encrypt: bool = typer.Option(True, "--encrypt/--no-encrypt", help=(
-        "Without TLS, send model bodies AES-256-GCM encrypted (keys from the peers' identity keys; no forward secrecy:"
-        " use --swarm-ca for that)."
+        "Without TLS, start every connection with a Noise XX handshake (ephemeral X25519 keys authenticated by the "
+        "peers' identity keys) and send everything AES-256-GCM encrypted under its session keys: forward secrecy, "
+        "a recorded link stays secret even if identity keys are stolen later. --no-encrypt: bodies in clear "
+        "(signed and tagged)."
+    )),
+    legacy_static_keys: bool = typer.Option(False, "--legacy-static-keys", help=(
+        "Only to talk to peers of older fedswarm versions: no handshake, bodies encrypted under keys derived from "
+        "the two peers' static identity keys. NO forward secrecy: whoever steals a key later decrypts every "
+        "recorded model."
     )),
     max_body_mb: int = typer.Option(1024, "--max-body-mb", min=1, help="Largest message body accepted, MiB."),
     save_models: bool = typer.Option(False, "--save-models", help=(
@@ -128,7 +135,8 @@ def peer(
             remove_after=remove_after, db=db, report_url=report, token=token, run_id=run_id,
             tls_cert=str(tls_cert) if tls_cert else None, tls_key=str(tls_key) if tls_key else None,
             tls_ca=str(tls_ca) if tls_ca else None, swarm_ca=str(swarm_ca) if swarm_ca else None,
-            tls_crl=str(tls_crl) if tls_crl else None, encrypt=encrypt, max_body_mb=max_body_mb,
+            tls_crl=str(tls_crl) if tls_crl else None, encrypt=encrypt, legacy_static_keys=legacy_static_keys,
+            max_body_mb=max_body_mb,
             save_models=save_models,
             linger_s=linger, min_round_s=min_round_s, device=device, threads=threads)
     except ValidationError as exc:

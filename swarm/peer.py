@@ -75,7 +75,8 @@ class PeerConfig(TrainingSpec):
     tls_ca: str | None = None
     swarm_ca: str | None = None  # permissioned swarm: mutual TLS with certificates this CA issued
     tls_crl: str | None = None  # the swarm CA's revocation list
-    encrypt: bool = True  # AES-256-GCM model bodies when the link has no TLS (TLS encrypts already)
+    encrypt: bool = True  # without TLS: a Noise handshake per connection, every byte encrypted (forward secret)
+    legacy_static_keys: bool = False  # ... or, for older peers, static-key body encryption: NO forward secrecy
     max_body_mb: int = 1024
     save_models: bool = False
     eval_every: int = 1
@@ -98,6 +99,8 @@ class PeerConfig(TrainingSpec):
             raise ValueError("a permissioned swarm (--swarm-ca) needs --tls-cert: this peer's certificate")
         if bool(self.tls_cert) != bool(self.tls_key) and not self.swarm_ca:
             raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if self.legacy_static_keys and not self.encrypt:
+            raise ValueError("--legacy-static-keys is a kind of encryption; it cannot go with --no-encrypt")
         if not 0 <= self.partition_id < self.num_partitions:
             raise ValueError(f"partition-id must be in 0..{self.num_partitions - 1} (got {self.partition_id})")
 
@@ -133,7 +136,7 @@ class Peer:
             tls_c = client_tls_context(cfg.tls_ca) if cfg.tls_cert else None
         self.transport = Transport(self.ident, self.verifier, self._handle, host=host, port=port,
                                    tls_server=tls_s, tls_client=tls_c, bind_identity=bool(cfg.swarm_ca),
-                                   encrypt=cfg.encrypt and tls_s is None,
+                                   encrypt=cfg.encrypt and tls_s is None, static_keys=cfg.legacy_static_keys,
                                    io_timeout_s=max(30.0, cfg.round_timeout_s))
         # the bound address (``--listen HOST:0`` picks a free port), for launchers: they read it
         # rather than guess a free port beforehand, which another process may take first.

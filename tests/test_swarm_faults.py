@@ -2,7 +2,7 @@
 
 - Network: a fault-injecting proxy (tests/faultproxy.py) between two peers delays, drops or
   cuts their messages; no request outlives its timeout and no half-received model reaches
-  the inbox (a model is stored only after its whole body arrived and its tag verified).
+  the inbox (a model is stored only after its whole body arrived and was authenticated).
 - Processes: in tests/test_swarm_kill.py (its own file, so that pytest-xdist's
   ``--dist loadfile`` can run it beside these).
 
@@ -69,16 +69,22 @@ def test_a_black_hole_or_a_slow_link_costs_one_timeout(pair, mode):
 
 
 def _cut_points(a, b, x) -> dict[str, int]:
-    """Byte offsets inside one model message: its length prefix, header, body and tag."""
+    """Byte offsets, from the start of the connection, inside one model message sent over a
+    Noise session (the default link): its header's length, header, body and last record's tag."""
+    from fedswarm.swarm.net.noise import INITIATOR_HANDSHAKE_BYTES, NoiseConn
     from fedswarm.swarm.net.payload import vector_body
 
     from tests.swarm_helpers import Recorder
 
     rec = Recorder()
     meta, body = vector_body(x)
-    send_message(rec, b.ident, "model", to=a.id, meta={**meta, "round": 1}, body=body)
-    header = struct.unpack(">I", rec.data[:4])[0] + 4
-    return {"length": 2, "header": header // 2, "body": header + 4 + len(body) // 2, "tag": len(rec.data) - 1}
+    conn = NoiseConn(rec, bytes(32), bytes(32), a.id, b"", max_record_bytes=1 << 30)  # record sizes only
+    send_message(conn, b.ident, "model", to=a.id, meta={**meta, "round": 1}, body=body, tls_bound=True)
+    hs, header = INITIATOR_HANDSHAKE_BYTES, struct.unpack(">I", rec.data[:4])[0] + 4
+    # "tag": the middle of the last record's 16-byte GCM tag, so that the header of the message
+    # actually sent may be a few bytes shorter (its timestamp's digits) and still be cut
+    return {"length": hs + 6, "header": hs + header // 2, "body": hs + len(rec.data) // 2,
+            "tag": hs + len(rec.data) - 8}
 
 
 @pytest.mark.parametrize("where", ["length", "header", "body", "tag"])

@@ -22,6 +22,10 @@ TLS's AEAD already authenticates every byte as coming from the holder of that ke
 order; the receiver accepts such a body only on a connection bound to the header's
 sender, and refuses a header from anyone else before reading any body.
 
+Over a Noise session (:mod:`~fedswarm.swarm.net.noise`, the default without TLS), the
+same holds with ``"tag": "noise"``: the session's handshake proved the sender's identity
+key and its records authenticate (and encrypt) every byte.
+
 Every refusal raises :class:`Dropped` with one of :data:`DROP_REASONS`; the
 :class:`Verifier` counts them (``verifier.dropped``), and the peer logs and reports them.
 """
@@ -46,8 +50,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 from fedswarm.swarm.net.identity import SIGNATURE_BYTES, Identity, verify
 
-__all__ = ["CHUNK_BYTES", "DROP_REASONS", "Conn", "Dropped", "Message", "Verifier", "header_frame", "recv_message",
-           "send_message"]
+__all__ = ["CHUNK_BYTES", "DROP_REASONS", "TAG_NOISE", "TAG_TLS", "Conn", "Dropped", "Message", "Verifier",
+           "header_frame", "recv_message", "send_message"]
 
 VERSION = 1
 _LEN = struct.Struct(">I")
@@ -56,6 +60,7 @@ _MAC_DOMAIN = b"fedswarm-mac\x00"
 _ENC_DOMAIN = b"fedswarm-enc\x00"
 ENC_AES_GCM = "aes256gcm"
 TAG_TLS = "tls"  # header "tag": the body's integrity is the identity-bound TLS channel's
+TAG_NOISE = "noise"  # ... or the Noise channel's (:mod:`~fedswarm.swarm.net.noise`)
 TAG_BYTES = 16
 DROP_REASONS = ("malformed", "oversized", "not_allowed", "forged", "expired", "replayed", "misdirected",
                 "invalid_payload", "timeout", "closed", "revoked", "untrusted", "identity_mismatch")
@@ -86,12 +91,18 @@ class Message:
 
 
 class Conn:
-    """A blocking socket (plain or TLS) that counts the bytes it moves."""
+    """A blocking socket (plain or TLS) that counts the bytes it moves. ``head``: bytes
+    already read from it (the responder's look at the first four), read again first.
+    ``channel_tag``: the header "tag" of a body that this connection, once bound to its
+    peer's identity, authenticates itself."""
 
-    def __init__(self, sock):
+    channel_tag = TAG_TLS
+
+    def __init__(self, sock, head: bytes = b""):
         self.sock = sock
         self.sent = 0
         self.received = 0
+        self.head = head
 
     def sendall(self, data) -> None:
         self.sock.sendall(data)
@@ -99,6 +110,10 @@ class Conn:
 
     def recv_exact_into(self, view: memoryview) -> None:
         got, n = 0, len(view)
+        if self.head:
+            got = min(n, len(self.head))
+            view[:got] = self.head[:got]
+            self.head = self.head[got:]
         while got < n:
             r = self.sock.recv_into(view[got:], n - got)
             if r == 0:
@@ -210,14 +225,16 @@ def _dump(obj: dict) -> bytes:
 
 
 def header_frame(ident: Identity, kind: str, *, to: str, blen: int, nonce: str, meta: dict | None = None,
-                 re: str | None = None, ts: float | None = None, enc: bool = False, tls_tag: bool = False) -> bytes:
-    """The signed header frame of a message announcing a ``blen``-byte body."""
+                 re: str | None = None, ts: float | None = None, enc: bool = False, tls_tag: bool | str = False
+                 ) -> bytes:
+    """The signed header frame of a message announcing a ``blen``-byte body (``tls_tag``:
+    True or a channel's tag, for a body its bound channel authenticates)."""
     h = {"v": VERSION, "from": ident.peer_id, "to": to, "ts": time.time() if ts is None else ts,
          "nonce": nonce, "kind": kind, "re": re, "meta": meta or {}, "blen": blen}
     if enc:
         h["enc"] = ENC_AES_GCM
     if tls_tag:
-        h["tag"] = TAG_TLS
+        h["tag"] = TAG_TLS if tls_tag is True else tls_tag
     header = _dump(h)
     return _LEN.pack(len(header) + SIGNATURE_BYTES) + header + ident.sign(_HEADER_DOMAIN + header)
 
@@ -241,9 +258,10 @@ def send_message(conn: Conn, ident: Identity, kind: str, *, to: str, meta: dict 
     """Sign and send one message; returns its nonce. ``body`` is any bytes-like object
     (a memoryview of a tensor's storage is sent without a copy). With ``encrypt`` the body
     travels AES-256-GCM encrypted chunk by chunk (each chunk authenticated) instead of in
-    clear with a Poly1305 tag. ``tls_bound`` says ``conn`` is a mutual-TLS connection whose
-    certificates are bound to both peers' signing keys: the body goes without a tag of its
-    own (TLS authenticates it)."""
+    clear with a Poly1305 tag. ``tls_bound`` says ``conn`` is a channel bound to both peers'
+    signing keys (mutual TLS with certificates bound to them, or a Noise session): the body
+    goes without a tag of its own (the channel authenticates it) and the header says which
+    channel (``conn.channel_tag``)."""
     view = memoryview(body).cast("B") if len(body) else memoryview(b"")
     if len(view) and not to:
         raise ValueError("a message with a body needs a known recipient (its tag key depends on it)")
@@ -251,7 +269,7 @@ def send_message(conn: Conn, ident: Identity, kind: str, *, to: str, meta: dict 
     enc = encrypt and bool(len(view))
     tls_tag = tls_bound and not enc and bool(len(view))
     conn.sendall(header_frame(ident, kind, to=to, meta=meta, blen=len(view), re=re, ts=ts, nonce=nonce, enc=enc,
-                              tls_tag=tls_tag))
+                              tls_tag=tls_tag and conn.channel_tag))
     if tls_tag:
         for start in range(0, len(view), chunk_bytes):
             piece = view[start : start + chunk_bytes]
@@ -381,13 +399,14 @@ def _recv(conn: Conn, v: Verifier, expect_re: str | None, bound_peer: str | None
     if blen and not h["to"]:
         raise Dropped("malformed", "a message with a body must name its recipient")
     body_tag = h.get("tag")
-    if body_tag is not None and (body_tag != TAG_TLS or h.get("enc") is not None):
+    if body_tag is not None and (body_tag not in (TAG_TLS, TAG_NOISE) or h.get("enc") is not None):
         raise Dropped("malformed", f"unknown body tag {body_tag!r}")
-    if body_tag == TAG_TLS and bound_peer is None:
-        raise Dropped("malformed", "body without a tag over a connection not bound to the sender's certificate")
+    if body_tag is not None and (bound_peer is None or body_tag != conn.channel_tag):
+        raise Dropped("malformed", "body without a tag over a connection not bound to the sender's certificate "
+                                   "or Noise session")
     body = alloc_body(blen)
-    if blen and body_tag == TAG_TLS:
-        _recv_chunks(conn, v, body, blen, None)  # TLS (bound to the sender, checked above) authenticates it
+    if blen and body_tag is not None:
+        _recv_chunks(conn, v, body, blen, None)  # the channel (bound to the sender, checked above) authenticates it
     elif blen and h.get("enc") == ENC_AES_GCM:
         _recv_encrypted(conn, v, h, body)
     elif blen and h.get("enc") is not None:

@@ -78,14 +78,21 @@ class Identity:
         cached; raises ValueError for a key that is not a valid point."""
         secret = self._shared.get(peer_id)
         if secret is None:
-            seed = self.private_key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
-                                                  serialization.NoEncryption())
-            mine = X25519PrivateKey.from_private_bytes(hashlib.sha512(seed).digest()[:32])
-            secret = mine.exchange(x25519_public(peer_id))
+            secret = self.x25519_private().exchange(x25519_public(peer_id))
             if len(self._shared) > 4096:
                 self._shared.clear()
             self._shared[peer_id] = secret
         return secret
+
+    def x25519_private(self) -> X25519PrivateKey:
+        """This identity's X25519 private key (the clamped scalar of its Ed25519 seed, so its
+        public key is :func:`x25519_public` of our peer id); cached."""
+        key = self._shared.get("")
+        if key is None:
+            seed = self.private_key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                                  serialization.NoEncryption())
+            key = self._shared[""] = X25519PrivateKey.from_private_bytes(hashlib.sha512(seed).digest()[:32])
+        return key
 
     @classmethod
     def generate(cls) -> Identity:

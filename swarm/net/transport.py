@@ -1,6 +1,13 @@
 """Real TCP transport between peers: a threaded server, request/response sessions,
 timeouts, bounded retries, optional TLS and byte counters.
 
+Without TLS, every connection starts with a Noise XX handshake (ephemeral X25519,
+authenticated by both peers' identity keys) and carries every byte after it AES-256-GCM
+encrypted under per-direction session keys (:mod:`fedswarm.swarm.net.noise`): a recorded
+link stays secret even from whoever later steals both peers' identity keys. A responder
+also accepts a connection without the handshake (``--no-encrypt``, and older peers' static-key
+encryption, ``static_keys``, which has no forward secrecy).
+
 One connection carries one exchange: the caller sends a request and reads a response
 (``request``) or keeps talking on the same connection (``open_session``, what AD-PSGD's
 request/accept/commit needs). Every message is a signed envelope
@@ -8,8 +15,10 @@ request/accept/commit needs). Every message is a signed envelope
 reason. Sockets are blocking with timeouts (``recv_into`` straight into the body buffer,
 ``sendall`` straight from a tensor's storage: no extra copies of a large model).
 
-Bytes are counted on the socket (after framing, before TLS): ``stats.sent`` and
-``stats.received``, in total and per message kind.
+Bytes are counted on the socket (after framing, before TLS; a Noise session's handshake and
+record overhead included): ``stats.sent`` and ``stats.received``, in total and per message
+kind; ``stats.handshakes`` and ``stats.handshake_s`` count the Noise handshakes and their wall
+time (connect excluded).
 
 In a permissioned swarm (mutual TLS, certificates bound to the signing keys) a body needs no
 tag of its own (see :mod:`~fedswarm.swarm.net.envelope`), and a connection to a peer already
@@ -30,6 +39,7 @@ from collections.abc import Callable
 
 from fedswarm.swarm.net.envelope import (
     CHUNK_BYTES,
+    TAG_NOISE,
     Conn,
     Dropped,
     Message,
@@ -38,6 +48,7 @@ from fedswarm.swarm.net.envelope import (
     send_message,
 )
 from fedswarm.swarm.net.identity import Identity
+from fedswarm.swarm.net.noise import MAGIC, REKEY_BYTES, initiate, read_exact, respond
 
 __all__ = ["Session", "Transport", "TransportStats", "client_tls_context", "parse_addr", "server_tls_context",
            "tls_refusal"]
@@ -111,6 +122,13 @@ class TransportStats:
         self._lock = threading.Lock()
         self.sent: Counter[str] = Counter()
         self.received: Counter[str] = Counter()
+        self.handshakes = 0
+        self.handshake_s = 0.0
+
+    def add_handshake(self, seconds: float) -> None:
+        with self._lock:
+            self.handshakes += 1
+            self.handshake_s += seconds
 
     def add(self, kind: str, conn: Conn) -> None:
         with self._lock:
@@ -143,7 +161,8 @@ class Session:
         if self.remote is None:
             raise RuntimeError("cannot send before the remote peer is known")
         self.last_nonce = send_message(self.conn, self.t.ident, kind, to=self.remote, meta=meta, body=body,
-                                       re=re, chunk_bytes=self.t.chunk_bytes, encrypt=self.t.encrypt,
+                                       re=re, chunk_bytes=self.t.chunk_bytes,
+                                       encrypt=self.t.encrypt and self.conn.channel_tag != TAG_NOISE,
                                        tls_bound=self.cert_id is not None and self.cert_id == self.remote)
         return self.last_nonce
 
@@ -180,13 +199,22 @@ class Transport:
     handler : callable
         ``handler(message, session)`` for each verified incoming request; it answers
         with ``session.send(...)`` (an exception closes the connection).
+    encrypt : bool
+        Without TLS, open every connection with a Noise handshake: forward-secret session
+        keys, every byte encrypted (the peer's default).
+    static_keys : bool
+        With ``encrypt``: no handshake; bodies AES-256-GCM encrypted under keys derived from
+        the two peers' static identity keys, WITHOUT forward secrecy (what older peers speak).
+    rekey_bytes : int
+        A Noise session replaces a direction's key after this many bytes under it.
     """
 
     def __init__(self, ident: Identity, verifier: Verifier, handler: Handler, *, host: str = "127.0.0.1",
                  port: int = 0, tls_server: ssl.SSLContext | None = None,
                  tls_client: ssl.SSLContext | None = None, io_timeout_s: float = 30.0,
                  connect_timeout_s: float = 3.0, max_connections: int = 64, chunk_bytes: int = CHUNK_BYTES,
-                 bind_identity: bool = False, encrypt: bool = False):
+                 bind_identity: bool = False, encrypt: bool = False, static_keys: bool = False,
+                 rekey_bytes: int = REKEY_BYTES):
         self.ident = ident
         self.verifier = verifier
         self.handler = handler
@@ -196,7 +224,9 @@ class Transport:
         self.connect_timeout_s = connect_timeout_s
         self.chunk_bytes = chunk_bytes
         self.bind_identity = bind_identity
-        self.encrypt = encrypt  # AES-GCM bodies (pointless under TLS, which already encrypts)
+        self.encrypt = encrypt and static_keys  # static-key AES-GCM bodies (no forward secrecy)
+        self.noise = encrypt and not static_keys and tls_client is None  # handshake on outgoing connections
+        self.rekey_bytes = rekey_bytes
         if bind_identity and (tls_server is None or tls_client is None):
             raise ValueError("binding identities to certificates needs TLS on both sides")
         self.stats = TransportStats()
@@ -289,7 +319,19 @@ class Transport:
                     return
             else:
                 cert_id = None
-            session = Session(self, Conn(sock), None, "unknown", cert_id)
+            try:
+                head = read_exact(sock, len(MAGIC), "the first bytes")
+            except Dropped as exc:
+                self.verifier.count(exc.reason)
+                raise
+            except TimeoutError:
+                self.verifier.count("timeout")
+                raise Dropped("timeout", "peer too slow") from None
+            if head == MAGIC:
+                conn, cert_id = self._handshake(sock, addr, None, cert_id)
+            else:
+                conn = Conn(sock, head)
+            session = Session(self, conn, None, "unknown", cert_id)
             msg = session.recv()
             session.kind = msg.kind
             self.handler(msg, session)
@@ -333,7 +375,12 @@ class Transport:
                     detail = f"{addr} presented the certificate of {cert_id[:8]}, not of {remote[:8]}"
                     self.refuse("identity_mismatch", detail, addr)
                     raise Dropped("identity_mismatch", detail)
-                return Session(self, Conn(sock), remote, kind, cert_id)
+                if not self.noise:
+                    return Session(self, Conn(sock), remote, kind, cert_id)
+                sock.settimeout(self.connect_timeout_s)  # authenticating is part of connecting
+                conn, cert_id = self._handshake(sock, addr, remote, cert_id)
+                sock.settimeout(self.io_timeout_s)
+                return Session(self, conn, remote, kind, cert_id)
             except ssl.SSLError as exc:
                 sock.close()
                 reason, detail = tls_refusal(exc)
@@ -345,6 +392,28 @@ class Transport:
                 time.sleep(backoff_s * (2**attempt))
         raise AssertionError("unreachable")
 
+    def _handshake(self, sock, addr: str, remote: str | None, cert_id: str | None):
+        """Run our side of the Noise handshake (the initiator's when ``remote`` is not None):
+        ``(conn, the peer id it proved)``. Raises :class:`Dropped` with the socket closed and
+        the refusal counted, logged and remembered."""
+        try:
+            if remote is None:
+                conn = respond(sock, self.ident, self.verifier, rekey_bytes=self.rekey_bytes)
+            else:
+                conn = initiate(sock, self.ident, self.verifier, remote, rekey_bytes=self.rekey_bytes)
+            if cert_id is not None and conn.peer != cert_id:
+                raise Dropped("identity_mismatch", f"Noise identity {conn.peer[:8]} over the TLS connection of "
+                                                   f"{cert_id[:8]}")
+        except TimeoutError:
+            exc = Dropped("timeout", "handshake: peer too slow")
+        except Dropped as dropped:
+            exc = dropped
+        else:
+            self.stats.add_handshake(conn.handshake_s)
+            return conn, conn.peer
+        sock.close()
+        self.refuse(exc.reason, exc.detail, addr)
+        raise exc
     def request(self, addr: str, remote: str, kind: str, meta: dict | None = None, body=b"", *,
                 timeout: float | None = None, retries: int = 1) -> Message:
         """Send one request and return the verified response. Raises OSError if the peer
