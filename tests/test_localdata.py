@@ -250,3 +250,16 @@ def test_sim_clients_default_to_the_datasets_and_a_mismatch_is_one_line(tmp_path
     (root / "notes.txt").write_text("x")
     res = CliRunner().invoke(app, ["sim", "--client-data", str(root), "--rounds", "1"])
     assert res.exit_code == 2 and "notes.txt: not a dataset" in res.output
+
+
+def test_swarm_peer_trains_on_its_own_data(tmp_path):
+    from fedswarm.swarm.peer import Peer, PeerConfig
+
+    x, y = digits(slice(0, 50))
+    path = write_npz(tmp_path / "mine.npz", x, y)
+    cfg = PeerConfig(data_path=str(path), val_fraction=0.1, insecure_allow_any=True, rounds=1, local_steps=2,
+                     linger_s=0.0, state_dir=str(tmp_path / "peer"))
+    peer = Peer(cfg)
+    split = load_local("digits-mlp", cfg.local_data(), cfg.seed)
+    assert peer.trainer.num_examples == 45 and torch.equal(peer.trainer.x, split.train_x)
+    assert peer.run()["rounds_done"] == 1
