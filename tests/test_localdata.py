@@ -263,3 +263,24 @@ def test_swarm_peer_trains_on_its_own_data(tmp_path):
     split = load_local("digits-mlp", cfg.local_data(), cfg.seed)
     assert peer.trainer.num_examples == 45 and torch.equal(peer.trainer.x, split.train_x)
     assert peer.run()["rounds_done"] == 1
+
+
+def test_a_tasks_own_reader_is_used_and_checked(tmp_path):
+    from dataclasses import replace
+
+    x, y = digits(slice(0, 12))
+    (tmp_path / "mine.bin").write_bytes(b"anything the reader understands")
+    calls = []
+
+    def reader(path, label_column):
+        calls.append((path.name, label_column))
+        return x.reshape(12, 8, 8), y
+
+    spec = replace(ROWS, reader=reader)
+    gx, gy, _ = _read(tmp_path / "mine.bin", spec, "digit")
+    assert calls == [("mine.bin", "digit")] and np.array_equal(gx, x) and np.array_equal(gy, y)
+    with pytest.raises(LocalDataError, match="examples have shape"):  # its arrays are checked like any other
+        read_examples(tmp_path / "mine.bin", replace(ROWS, reader=lambda p, c: (x[:, :10], y)))
+    with pytest.raises(LocalDataError, match=r"mine.bin: the task's reader failed \(no such sensor\)$"):
+        read_examples(tmp_path / "mine.bin", replace(ROWS, reader=lambda p, c: (_ for _ in ()).throw(OSError(
+            "no such sensor"))))
