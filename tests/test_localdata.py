@@ -284,3 +284,19 @@ def test_a_tasks_own_reader_is_used_and_checked(tmp_path):
     with pytest.raises(LocalDataError, match=r"mine.bin: the task's reader failed \(no such sensor\)$"):
         read_examples(tmp_path / "mine.bin", replace(ROWS, reader=lambda p, c: (_ for _ in ()).throw(OSError(
             "no such sensor"))))
+
+
+def test_a_missing_optional_package_is_named_in_one_line(tmp_path, monkeypatch):
+    import sys
+
+    x, y = digits(slice(0, 10))
+    paths = {"PIL": write_image_folder(tmp_path / "img", x, y), "pyarrow": write_parquet(tmp_path / "d.parquet", x, y)}
+    for module in ("PIL.Image", "pyarrow.parquet", "datasets"):  # None in sys.modules: the import fails
+        monkeypatch.setitem(sys.modules, module, None)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "dataset_info.json").write_text("{}")
+    for package, what, path in (("pillow", "images", paths["PIL"]), ("pyarrow", "Parquet", paths["pyarrow"]),
+                                ("datasets", "a saved Hugging Face dataset", tmp_path / "hf")):
+        with pytest.raises(LocalDataError) as err:
+            read_examples(path, ROWS)
+        assert str(err.value) == f"{path}: reading {what} needs the {package} package (pip install {package})"

@@ -74,6 +74,16 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def _optional(module: str, package: str, what: str, where: Path):
+    """Import ``module`` (an optional package a lean device may lack), or one clear line."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise LocalDataError(f"{where}: reading {what} needs the {package} package (pip install {package})") from None
+
+
 def examples_of(task: Task) -> ExampleSpec:
     if task.examples is None:
         raise LocalDataError(f"task '{task.name}' does not say what its examples look like (no ExampleSpec), "
@@ -144,10 +154,9 @@ def _class_of(name: str, spec: ExampleSpec) -> int | None:
 
 
 def _read_image_folder(root: Path, spec: ExampleSpec) -> tuple[np.ndarray, np.ndarray, int]:
-    from PIL import Image
-
     if spec.image_size is None:
         raise LocalDataError(f"{root}: an image folder, but the task takes no images")
+    image = _optional("PIL.Image", "pillow", "images", root)
     classes = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     images, labels, bad = [], [], []
     for folder in classes:
@@ -157,7 +166,7 @@ def _read_image_folder(root: Path, spec: ExampleSpec) -> tuple[np.ndarray, np.nd
                                  + (f" or {', '.join(spec.class_names)}" if spec.class_names else "") + ")")
         for f in sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")):
             try:
-                with Image.open(f) as img:
+                with image.open(f) as img:
                     img.load()
                     images.append(_image_array(img, spec))
                 labels.append(label)
@@ -243,10 +252,7 @@ def _is_uint8(values) -> bool:
 
 
 def _read_parquet(path: Path, label_column: str, spec: ExampleSpec) -> tuple[np.ndarray, np.ndarray, int]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise LocalDataError(f"{path}: reading Parquet needs the pyarrow package (pip install pyarrow)") from None
+    pq = _optional("pyarrow.parquet", "pyarrow", "Parquet", path)
     try:
         table = pq.read_table(path)
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a bad file
@@ -255,11 +261,7 @@ def _read_parquet(path: Path, label_column: str, spec: ExampleSpec) -> tuple[np.
 
 
 def _read_hf(path: Path, label_column: str, spec: ExampleSpec) -> tuple[np.ndarray, np.ndarray, int]:
-    try:
-        import datasets
-    except ImportError:
-        raise LocalDataError(f"{path}: reading a saved Hugging Face dataset needs the datasets package "
-                             "(pip install datasets)") from None
+    datasets = _optional("datasets", "datasets", "a saved Hugging Face dataset", path)
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as exc:  # noqa: BLE001
