@@ -285,6 +285,9 @@ def _client_data_clients(values: dict[str, Any]) -> None:
         paths = client_datasets(values["client_data"])
     except LocalDataError as exc:
         raise ConfigError(str(exc)) from None
+    if values.get("partition") not in (None, "iid"):
+        raise ConfigError(f"invalid value for 'partition': '{values['partition']}' splits the task's own data; with "
+                          "--client-data every client trains on its own dataset (leave --partition out)")
     values["client_data"] = str(Path(values["client_data"]).expanduser().resolve())
     if values.get("clients") is None:
         values["clients"] = len(paths)

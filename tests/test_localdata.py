@@ -247,6 +247,8 @@ def test_sim_clients_default_to_the_datasets_and_a_mismatch_is_one_line(tmp_path
     assert values["clients"] == 3
     with pytest.raises(ConfigError, match="5 clients but --client-data .* holds 3 datasets"):
         _client_data_clients({"client_data": str(root), "clients": 5})
+    with pytest.raises(ConfigError, match="'dirichlet:0.5' splits the task's own data"):
+        _client_data_clients({"client_data": str(root), "partition": "dirichlet:0.5"})
     (root / "notes.txt").write_text("x")
     res = CliRunner().invoke(app, ["sim", "--client-data", str(root), "--rounds", "1"])
     assert res.exit_code == 2 and "notes.txt: not a dataset" in res.output
