@@ -5,7 +5,8 @@ A message of type ``train.<name>`` is dispatched to the client update that strat
 ``<name>`` registered (compressed deltas with error feedback, gossip steps, ...).
 
 The node's partition comes from its node config (``partition-id``, ``num-partitions``),
-set by the simulation engines or by ``fedswarm client``; the run config from Flower's
+set by the simulation engines or by ``fedswarm client``, or its own dataset (``data-path``,
+``label-column``, ``val-fraction``: ``fedswarm client --data``); the run config from Flower's
 ``run_config``, overridden by the keys the server sends in each message's ``config``.
 
 After every train reply the node's ``Context.state`` is saved to its own disk when the run and
@@ -19,7 +20,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedswarm.client.persist import RESUME_ACTION, answer_resume, save_after_train
-from fedswarm.local import local_fit
+from fedswarm.local import local_fit, node_data
 from fedswarm.strategies import registry
 from fedswarm.wire import vector_to_arrayrecord
 
@@ -35,6 +36,8 @@ def train(msg: Message, context: Context) -> Message:
     res = fit.result
     metrics = MetricRecord({"num-examples": res.num_examples, "train_loss": res.loss, "steps": res.steps,
                             "partition-id": int(context.node_config.get("partition-id", -1))})
+    if node_data(context) is not None:  # its own data: examples it could not read (an ImageFolder's bad images)
+        metrics["skipped_examples"] = fit.trainer.skipped_examples
     if res.dp_sample_rate is not None:  # DP-SGD: what the server's accountant needs
         metrics["dp_sample_rate"] = res.dp_sample_rate
     content = RecordDict({"arrays": vector_to_arrayrecord(res.flat), "metrics": metrics, "node": fit.report()})

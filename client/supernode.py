@@ -2,7 +2,8 @@
 
 The SuperNode receives fedswarm's Flower App from the SuperLink when a run starts
 (``flwr run .``) and executes ``fedswarm.client.app:app`` from this installation; its
-node config tells the ClientApp which partition to train on and which device class it is.
+node config tells the ClientApp which partition (or, with ``--data``, which dataset of its
+own) to train on and which device class it is.
 
 A secure deployment (``fedswarm certs``) passes the CA as ``root_certificates`` (the
 SuperLink's certificate is verified against it) and the node's authentication key
@@ -29,23 +30,28 @@ __all__ = ["supernode_command", "node_config_string", "run_supernode"]
 
 
 def node_config_string(partition_id: int, num_partitions: int, device_class: str,
-                       state_dir: Path | None = None, keep_runs: int | None = None) -> str:
+                       state_dir: Path | None = None, keep_runs: int | None = None, local=None) -> str:
     """The SuperNode's ``--node-config``: partition, device class, the device probe, the
     folder the node keeps its own state in and how many runs' state it keeps (see
-    :mod:`fedswarm.client.state_store`)."""
+    :mod:`fedswarm.client.state_store`), and the node's own dataset (``local``, a
+    :class:`~fedswarm.tasks.localdata.LocalDataSpec`: ``data-path``, ``label-column``,
+    ``val-fraction``)."""
     text = (f'partition-id={partition_id} num-partitions={num_partitions} device-class="{device_class}" '
             'probe="true"')
     if state_dir is not None:
         text += f" state-dir={json.dumps(str(state_dir))}"
     if keep_runs is not None:
         text += f" {KEEP_RUNS_KEY}={int(keep_runs)}"
+    if local is not None:
+        text += (f" data-path={json.dumps(local.path)} label-column={json.dumps(local.label_column)}"
+                 f" val-fraction={float(local.val_fraction)!r}")
     return text
 
 
 def supernode_command(superlink: str, partition_id: int, num_partitions: int, *, device_class: str | None = None,
                       insecure: bool = False, root_certificates: Path | None = None,
                       clientappio_port: int | None = None, auth_private_key: Path | None = None,
-                      state_dir: Path | None = None, keep_runs: int | None = None) -> list[str]:
+                      state_dir: Path | None = None, keep_runs: int | None = None, local=None) -> list[str]:
     """The ``flower-supernode`` command line for this node; ``state_dir`` (default: the
     per-user data folder) is where its ClientApp keeps the node's state between runs."""
     if insecure and (root_certificates is not None or auth_private_key is not None):
@@ -56,7 +62,7 @@ def supernode_command(superlink: str, partition_id: int, num_partitions: int, *,
     cmd = [exe, "--superlink", superlink,
            "--node-config", node_config_string(partition_id, num_partitions, device_class or probe_device_class(),
                                                Path(state_dir or default_state_dir()).expanduser().resolve(),
-                                               keep_runs)]
+                                               keep_runs, local)]
     if insecure:
         cmd.append("--insecure")
     if root_certificates is not None:

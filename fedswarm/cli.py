@@ -122,6 +122,16 @@ def sim(
         "Checkpoint the server into the store every K rounds (default 1); `fedswarm resume` redoes at most K - 1 "
         "rounds. Larger K: less checkpoint time and store traffic."
     )),
+    client_data: Optional[Path] = typer.Option(None, "--client-data", help=(
+        "A folder with one dataset per client, sorted by name (files or folders in the formats of `fedswarm client "
+        "--data`): each client trains on its own data; --clients defaults to their count."
+    )),
+    label_column: Optional[str] = typer.Option(None, "--label-column", help=(
+        "--client-data: the label column of tables (default label)."
+    )),
+    val_fraction: Optional[float] = typer.Option(None, "--val-fraction", help=(
+        "--client-data: share of each client's examples held out for its validation (default 0.2)."
+    )),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Strategy hyperparameter KEY=VALUE (repeatable)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=(
         "A TOML run config; command-line options override it."
@@ -146,6 +156,8 @@ def sim(
         "device": device, "name": name, "devices": devices, "profiles": profiles, "topology": topology,
         "byzantine": byzantine, "attack": attack, "dp": dp, "dp_sgd": dp_sgd,
         "memory_budget": memory_budget, "ray_address": ray_address, "checkpoint_every": checkpoint_every,
+        "client_data": str(client_data) if client_data else None, "label_column": label_column,
+        "val_fraction": val_fraction,
     }
     quiet_flower(verbose)  # before the strategy is built to check it
     try:
@@ -158,11 +170,17 @@ def sim(
         for cls, kv in parse_policies(policy).items():
             policies.setdefault(cls, {}).update(kv)
         values["policies"] = policies
+        _client_data_clients(values)
         cfg = RunConfig.build(values)
         cfg.params = registry.resolve_params(cfg.strategy, cfg.params)
         from fedswarm.tasks import get_task
 
         get_task(cfg.task)
+        if cfg.client_data:  # every client's data read and checked now: bad data stops the run before it starts
+            from fedswarm.train import local_validation
+
+            for k in range(cfg.clients):
+                local_validation(cfg, k)
         _check_strategy(cfg)
         _check_extras(cfg)
         if cfg.engine == "batched":
@@ -170,7 +188,7 @@ def sim(
 
             check_supported(cfg)
             parse_memory_budget(cfg.memory_budget)
-    except ConfigError as exc:
+    except ValueError as exc:  # ConfigError, or a client's LocalDataError
         fail(str(exc))
     from fedswarm.sim.run import run_simulation_cli
 
@@ -269,6 +287,27 @@ def _check_extras(cfg: RunConfig) -> None:
             require("server", "--dp" if cfg.dp else "--dp-sgd", modules=("dp_accounting",))
     except MissingExtra as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _client_data_clients(values: dict[str, Any]) -> None:
+    """--client-data: the folder's path made absolute, --clients its number of datasets."""
+    if not values.get("client_data"):
+        return
+    from fedswarm.tasks.localdata import LocalDataError, client_datasets
+
+    try:
+        paths = client_datasets(values["client_data"])
+    except LocalDataError as exc:
+        raise ConfigError(str(exc)) from None
+    if values.get("partition") not in (None, "iid"):
+        raise ConfigError(f"invalid value for 'partition': '{values['partition']}' splits the task's own data; with "
+                          "--client-data every client trains on its own dataset (leave --partition out)")
+    values["client_data"] = str(Path(values["client_data"]).expanduser().resolve())
+    if values.get("clients") is None:
+        values["clients"] = len(paths)
+    elif int(values["clients"]) != len(paths):
+        raise ConfigError(f"invalid value for 'clients': {values['clients']} clients but --client-data "
+                          f"{values['client_data']} holds {len(paths)} datasets (one per client)")
 
 
 def _check_strategy(cfg: RunConfig) -> None:

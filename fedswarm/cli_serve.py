@@ -17,7 +17,10 @@ __all__ = ["client", "dashboard"]
 
 def client(
     superlink: str = typer.Option(..., "--superlink", help="The SuperLink's Fleet API address, HOST:PORT."),
-    partition_id: int = typer.Option(0, "--partition-id", min=0, help="Which data partition this node trains on."),
+    partition_id: int = typer.Option(0, "--partition-id", min=0, help=(
+        "Which data partition this node trains on; with --data only the node's id (its round seed and place in a "
+        "gossip topology)."
+    )),
     num_partitions: int = typer.Option(1, "--num-partitions", min=1, help=(
         "How many partitions the data is split into."
     )),
@@ -45,6 +48,19 @@ def client(
         "N most recently written runs are removed (0 keeps every run; a removed run still resumes, with its nodes "
         "resynchronised instead of exact)."
     )),
+    data: Optional[Path] = typer.Option(None, "--data", help=(
+        "Train on this node's own dataset instead of a partition: an .npz (x, y), a .csv or .parquet file with a "
+        "label column, an ImageFolder, or a folder saved by Hugging Face datasets (see docs/devices.md). Checked "
+        "before the node starts."
+    )),
+    label_column: str = typer.Option("label", "--label-column", help="--data: the label column of a table."),
+    val_fraction: float = typer.Option(0.2, "--val-fraction", help=(
+        "--data: share of the examples held out as the node's validation split, in [0, 1) (seeded by the run "
+        "seed)."
+    )),
+    task: str = typer.Option("digits-mlp", "--task", "-t", help=(
+        "--data: the task the data is checked against before the node starts (the run's task must be the same)."
+    )),
     rejoin_wait: float = typer.Option(75.0, "--rejoin-wait", min=0, help=(
         "With --auth-key: a node restarted after it died without signing off is refused by the SuperLink until "
         "its previous session times out (2 heartbeats, ~60 s); keep starting it again for up to this many "
@@ -55,6 +71,7 @@ def client(
     """Join a federation: start a Flower SuperNode that runs fedswarm's ClientApp."""
     from fedswarm.client.supernode import run_supernode, supernode_command
 
+    local = _check_data(data, label_column, val_fraction, task) if data is not None else None
     if partition_id >= num_partitions:
         fail(f"invalid value for 'partition-id': must be < num-partitions ({num_partitions}) (got {partition_id})")
     if not insecure and root_certificates is None:
@@ -63,7 +80,7 @@ def client(
         cmd = supernode_command(superlink, partition_id, num_partitions, device_class=device_class,
                                 insecure=insecure, root_certificates=root_certificates,
                                 clientappio_port=clientappio_port, auth_private_key=auth_key,
-                                state_dir=state_dir, keep_runs=state_keep_runs)
+                                state_dir=state_dir, keep_runs=state_keep_runs, local=local)
     except ValueError as exc:
         fail(str(exc))
     if dry_run:
@@ -75,6 +92,22 @@ def client(
     if auth_key is None or rejoin_wait <= 0:  # a node id of its own each start: nothing to wait for
         os.execvp(cmd[0], cmd)
     raise typer.Exit(run_supernode(cmd, rejoin_wait_s=rejoin_wait))
+
+
+def _check_data(data: Path, label_column: str, val_fraction: float, task: str):
+    """Read and check ``--data`` now, so bad data stops the node at start (exit 2, one line)."""
+    from fedswarm.config import ConfigError
+    from fedswarm.tasks.localdata import LocalDataError, LocalDataSpec, load_local
+
+    local = LocalDataSpec(str(data.expanduser().resolve()), label_column, val_fraction)
+    try:
+        split = load_local(task, local, 0)  # the split's sizes do not depend on the seed
+    except (LocalDataError, ConfigError) as exc:
+        fail(str(exc))
+    skipped = f", {split.skipped} unreadable skipped" if split.skipped else ""
+    typer.echo(f"data: {local.path}: {len(split.train_y)} training and {len(split.val_y)} validation examples"
+               f"{skipped}", err=True)
+    return local
 
 
 def dashboard(

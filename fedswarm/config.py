@@ -165,6 +165,13 @@ class RunConfig(TrainingSpec):
         "'target_epsilon=E[,delta=D]'."))
     dp_sgd: str | None = Field(None, description=(
         "Example-level DP-SGD in every client (opacus): 'noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]'."))
+    client_data: str | None = Field(None, description=(
+        "A folder with one dataset per client (sorted by name): each client trains on its own data instead of a "
+        "partition (see docs/devices.md for the formats)."))
+    label_column: str | None = Field(None, description=(
+        "With client_data: the label column of CSV, Parquet and Hugging Face datasets (default 'label')."))
+    val_fraction: float | None = Field(None, ge=0.0, lt=1.0, description=(
+        "With client_data: share of each client's examples held out as its local validation split (default 0.2)."))
     checkpoint_every: int = Field(1, ge=1, le=1_000_000, description=(
         "Checkpoint the server every K rounds (and when a control changes the run); a resume redoes the rounds "
         "after the newest checkpoint, at most K - 1."))

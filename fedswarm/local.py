@@ -15,10 +15,11 @@ from flwr.app import ConfigRecord, Context, Message
 
 from fedswarm.config import ConfigError, RunConfig, round_seed
 from fedswarm.policy import device_class_of, policy_for
+from fedswarm.tasks.localdata import LocalDataError, LocalDataSpec
 from fedswarm.train import LocalTrainer, TrainResult, trainer_for
 from fedswarm.wire import arrayrecord_to_vector
 
-__all__ = ["run_config_of", "node_partition", "round_seed", "server_round", "local_fit", "LocalFit",
+__all__ = ["run_config_of", "node_partition", "node_data", "round_seed", "server_round", "local_fit", "LocalFit",
            "prepare_local", "LocalSetup"]
 
 _RUN_KEYS = set(RunConfig.allowed_keys())
@@ -33,11 +34,29 @@ def run_config_of(msg: Message, context: Context) -> RunConfig:
 
 
 def node_partition(context: Context, cfg: RunConfig) -> tuple[int, int]:
+    """The node's (partition-id, num-partitions). A node with its own data (``data-path``)
+    trains on that; its partition-id (default 0 of 1) then only names it: its round seed and
+    its place in a gossip topology."""
     nc = context.node_config
+    if "partition-id" not in nc and "data-path" in nc:
+        return 0, 1
     if "partition-id" not in nc:
         raise ConfigError("this node has no 'partition-id' in its node config "
                           "(start it with fedswarm client --partition-id N --num-partitions M)")
     return int(nc["partition-id"]), int(nc.get("num-partitions", cfg.clients))
+
+
+def node_data(context: Context) -> LocalDataSpec | None:
+    """The node's own dataset from its node config (``data-path``, ``label-column``,
+    ``val-fraction``; set by ``fedswarm client --data``), or None: it trains on a partition."""
+    nc = context.node_config
+    if not nc.get("data-path"):
+        return None
+    try:
+        return LocalDataSpec(str(nc["data-path"]), str(nc.get("label-column", "label")),
+                             float(nc.get("val-fraction", 0.2)))
+    except ValueError:
+        raise LocalDataError(f"node config: val-fraction {nc.get('val-fraction')!r} is not a number") from None
 
 
 def server_round(msg: Message) -> int:
@@ -62,6 +81,8 @@ class LocalFit:
         """The reply's ``node`` record: the class and policy this node trained under, and on
         a real device (node config ``probe=true``, set by ``fedswarm client``) what it runs on."""
         rec = ConfigRecord({"device_class": self.device_class, "policy": json.dumps(self.policy, sort_keys=True)})
+        if self.trainer.skipped_examples:  # a node's own data: examples it could not read
+            rec["skipped_examples"] = int(self.trainer.skipped_examples)
         if self.probe is not None:
             rec["probe"] = json.dumps(self.probe, sort_keys=True)
         return rec
@@ -105,7 +126,8 @@ def prepare_local(msg: Message, context: Context, vector: torch.Tensor | None = 
     policy = policy_for(rec, device_class) if rec is not None else {}
     poison = msg.content.config_records.get("byzantine")
     label_flip = poison is not None and str(poison.get("attack", "")) == "labelflip"
-    trainer = trainer_for(cfg, pid, n, label_flip=True) if label_flip else trainer_for(cfg, pid, n)
+    local = node_data(context) if partition is None else None
+    trainer = trainer_for(cfg, pid, n, label_flip=label_flip, local=local)
     if vector is None:
         vector = arrayrecord_to_vector(next(iter(msg.content.array_records.values())), trainer.layout.d)
     # Same reading of the policy as local_fit: epochs without steps means epochs.

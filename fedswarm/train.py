@@ -12,11 +12,13 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from fedswarm.config import RunConfig
 from fedswarm.params import ParamLayout, get_flat, set_flat
 from fedswarm.tasks import Task, TaskData, get_task
+from fedswarm.tasks.localdata import LocalDataSpec, load_local
 from fedswarm.tasks.partition import partition_indices
 
 __all__ = [
@@ -27,6 +29,9 @@ __all__ = [
     "partition_data",
     "trainer_for",
     "evaluate_flat",
+    "client_data_spec",
+    "pooled_client_data",
+    "local_validation",
 ]
 
 
@@ -56,10 +61,55 @@ def task_data(cfg: RunConfig) -> TaskData:
     return _task_data(cfg.task, cfg.seed, cfg.test_fraction)
 
 
+def client_data_spec(cfg: RunConfig, partition_id: int) -> LocalDataSpec | None:
+    """Client ``partition_id``'s own dataset when the run simulates per-client data
+    (``client_data``: the ``partition_id``-th entry of that folder), else None."""
+    if not cfg.client_data:
+        return None
+    from fedswarm.tasks.localdata import client_datasets
+
+    paths = client_datasets(cfg.client_data)
+    if not 0 <= partition_id < len(paths):
+        raise ValueError(f"client {partition_id} has no dataset: {cfg.client_data} holds {len(paths)}")
+    return LocalDataSpec(str(paths[partition_id]), cfg.label_column or "label",
+                         0.2 if cfg.val_fraction is None else cfg.val_fraction)
+
+
+def local_validation(cfg: RunConfig, partition_id: int, local: LocalDataSpec | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A node's own validation split ``(val_x, val_y)``: of ``local`` (a deployed node's
+    ``--data``, :func:`fedswarm.local.node_data`) or of client ``partition_id``'s dataset in
+    the run's ``client_data``; None for a node without local data. Seeded by the run seed,
+    the same every round; never part of the node's training examples."""
+    local = local or client_data_spec(cfg, partition_id)
+    if local is None:
+        return None
+    split = load_local(cfg.task, local, cfg.seed)
+    return split.val_x, split.val_y
+
+
+def pooled_client_data(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """Every client's own train split (``client_data``) in one pool, for engines that train
+    clients side by side: ``(x, y, flat_idx, offsets)``, client ``k`` holding rows
+    ``flat_idx[offsets[k]:offsets[k + 1]]`` (the layout of
+    :func:`fedswarm.tasks.partition.partition_offsets`)."""
+    parts = [partition_data(cfg, k, cfg.clients) for k in range(cfg.clients)]
+    sizes = np.array([int(y.shape[0]) for _, y in parts], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    x = torch.cat([x for x, _ in parts])
+    y = torch.cat([y for _, y in parts])
+    return x, y, np.arange(int(offsets[-1]), dtype=np.int64), offsets
+
+
 def partition_data(cfg: RunConfig, partition_id: int, num_partitions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The training examples of client ``partition_id`` of ``num_partitions``."""
+    """The training examples of client ``partition_id`` of ``num_partitions`` (with
+    ``client_data``: the train split of that client's own dataset)."""
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
+    local = client_data_spec(cfg, partition_id)
+    if local is not None:
+        split = load_local(cfg.task, local, cfg.seed)
+        return split.train_x, split.train_y
     data = task_data(cfg)
     parts = partition_indices(data.train_y.numpy(), cfg.partition, num_partitions, cfg.seed)
     idx = torch.from_numpy(parts[partition_id])
@@ -86,6 +136,7 @@ class LocalTrainer:
         self.layout = ParamLayout.from_module(self.model)
         self.x = x.to(self.device)
         self.y = y.to(self.device)
+        self.skipped_examples = 0  # a node's own data: unreadable examples left out (an ImageFolder's bad images)
 
     @property
     def num_examples(self) -> int:
@@ -167,17 +218,29 @@ def evaluate_flat(task: Task, model: torch.nn.Module, flat: torch.Tensor, x: tor
 
 @functools.lru_cache(maxsize=4096)
 def _trainer(task_name: str, seed: int, test_fraction: float, partition: str, pid: int, n: int,
-             device: str, label_flip: bool = False) -> LocalTrainer:
+             device: str, label_flip: bool = False, local: LocalDataSpec | None = None) -> LocalTrainer:
     cfg = RunConfig(task=task_name, seed=seed, test_fraction=test_fraction, partition=partition,
                     clients=n)
-    x, y = partition_data(cfg, pid, n)
+    skipped = 0
+    if local is not None:
+        split = load_local(task_name, local, seed)
+        x, y, skipped = split.train_x, split.train_y, split.skipped
+    else:
+        x, y = partition_data(cfg, pid, n)
     if label_flip:  # a data-poisoning Byzantine client: label y becomes C-1-y
         y = (task_data(cfg).num_classes - 1) - y
-    return LocalTrainer(get_task(task_name), x, y, resolve_device(device), model_seed=seed)
+    trainer = LocalTrainer(get_task(task_name), x, y, resolve_device(device), model_seed=seed)
+    trainer.skipped_examples = skipped
+    return trainer
 
 
-def trainer_for(cfg: RunConfig, partition_id: int, num_partitions: int, *, label_flip: bool = False) -> LocalTrainer:
+def trainer_for(cfg: RunConfig, partition_id: int, num_partitions: int, *, label_flip: bool = False,
+                local: LocalDataSpec | None = None) -> LocalTrainer:
     """The (cached) trainer of one node: its partition loaded once per process
-    (``label_flip``: the same partition with flipped labels, for a label-flipping attack)."""
+    (``label_flip``: the same partition with flipped labels, for a label-flipping attack).
+    ``local`` (a deployed node's ``--data``) or the run's ``client_data`` trains on the
+    train split of the node's own dataset instead; ``partition_id`` then only names the node
+    (its round seed, its place in a topology)."""
+    local = local or client_data_spec(cfg, partition_id)
     return _trainer(cfg.task, cfg.seed, cfg.test_fraction, cfg.partition, partition_id, num_partitions,
-                    cfg.device, label_flip)
+                    cfg.device, label_flip, local)

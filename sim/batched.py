@@ -67,7 +67,7 @@ from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
 from fedswarm.store import Store
 from fedswarm.tasks import get_task
 from fedswarm.tasks.partition import partition_offsets
-from fedswarm.train import evaluate_flat, resolve_device, task_data
+from fedswarm.train import evaluate_flat, pooled_client_data, resolve_device, task_data
 from fedswarm.wire import vector_to_arrayrecord
 
 __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budget", "default_memory_budget",
@@ -203,8 +203,12 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     device = resolve_device(cfg.device)
     model = task.model(cfg.seed).to(device)
     data = task_data(cfg)
-    flat_idx, offsets = partition_offsets(data.train_y.numpy(), cfg.partition, cfg.clients, cfg.seed)
-    trainer = BatchedTrainer(task, data.train_x, data.train_y, flat_idx, offsets, device, model_seed=cfg.seed,
+    if cfg.client_data:  # each client's own train split, one after another
+        train_x, train_y, flat_idx, offsets = pooled_client_data(cfg)
+    else:
+        train_x, train_y = data.train_x, data.train_y
+        flat_idx, offsets = partition_offsets(data.train_y.numpy(), cfg.partition, cfg.clients, cfg.seed)
+    trainer = BatchedTrainer(task, train_x, train_y, flat_idx, offsets, device, model_seed=cfg.seed,
                              num_classes=data.num_classes)
     n_examples = offsets[1:] - offsets[:-1]
     global_vec = get_flat(model).cpu()

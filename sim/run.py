@@ -102,7 +102,8 @@ def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, ou
 
     store.update_run(run_id, pid=os.getpid())
     console.print(f"run [bold]{run_id}[/]: {cfg.strategy} on {cfg.task}, {cfg.clients} clients, "
-                  f"{cfg.rounds} rounds, partition {cfg.partition}, engine {cfg.engine} -> {store.url}")
+                  f"{cfg.rounds} rounds, " + (f"own data {cfg.client_data}" if cfg.client_data else
+                                              f"partition {cfg.partition}") + f", engine {cfg.engine} -> {store.url}")
     t0 = time.perf_counter()
     progress = Progress(
         TextColumn("[bold]{task.description}"), MofNCompleteColumn(), BarColumn(),

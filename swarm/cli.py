@@ -53,6 +53,14 @@ def peer(
     num_partitions: int = typer.Option(1, "--num-partitions", min=1, help=(
         "How many partitions the data is split into."
     )),
+    data: Path | None = typer.Option(None, "--data", help=(
+        "Train on this peer's own dataset instead of a partition (formats of `fedswarm client --data`, see "
+        "docs/devices.md); checked before the peer starts."
+    )),
+    label_column: str = typer.Option("label", "--label-column", help="--data: the label column of a table."),
+    val_fraction: float = typer.Option(0.2, "--val-fraction", help=(
+        "--data: share of the examples held out as the peer's validation split, in [0, 1)."
+    )),
     rounds: int = typer.Option(10, "--rounds", "-r", min=1, help="Rounds to train."),
     local_steps: int = typer.Option(10, "--local-steps", min=1, help="Local SGD steps per round."),
     batch_size: int = typer.Option(16, "--batch-size", min=1, help="Local minibatch size."),
@@ -137,10 +145,18 @@ def peer(
             tls_ca=str(tls_ca) if tls_ca else None, swarm_ca=str(swarm_ca) if swarm_ca else None,
             tls_crl=str(tls_crl) if tls_crl else None, encrypt=encrypt, legacy_static_keys=legacy_static_keys,
             max_body_mb=max_body_mb,
-            save_models=save_models,
+            save_models=save_models, data_path=str(data.expanduser().resolve()) if data else None,
+            label_column=label_column, val_fraction=val_fraction,
             linger_s=linger, min_round_s=min_round_s, device=device, threads=threads)
     except ValidationError as exc:
         _fail(describe_validation_error(exc))
+    if cfg.data_path:  # bad data stops the peer here, before it binds or joins
+        from fedswarm.tasks.localdata import load_local
+
+        try:
+            load_local(cfg.task, cfg.local_data(), cfg.seed)
+        except ValueError as exc:
+            _fail(str(exc))
     try:
         p = Peer(cfg)
     except (ValueError, OSError) as exc:

@@ -87,6 +87,15 @@ class PeerConfig(TrainingSpec):
     report_url: str | None = None
     token: str | None = None
     run_id: str | None = None
+    data_path: str | None = None  # the peer's own dataset (--data) instead of a partition
+    label_column: str = "label"
+    val_fraction: float = 0.2
+
+    def local_data(self):
+        """``--data`` as a :class:`~fedswarm.tasks.localdata.LocalDataSpec`, or None."""
+        from fedswarm.tasks.localdata import LocalDataSpec
+
+        return LocalDataSpec(self.data_path, self.label_column, self.val_fraction) if self.data_path else None
 
     def check(self) -> None:
         host, _ = parse_addr(self.listen)
@@ -150,7 +159,7 @@ class Peer:
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="push")
         self.run_cfg = RunConfig(task=cfg.task, partition=cfg.partition, seed=cfg.seed,
                                  clients=cfg.num_partitions, device=cfg.device)
-        self.trainer = trainer_for(self.run_cfg, cfg.partition_id, cfg.num_partitions)
+        self.trainer = trainer_for(self.run_cfg, cfg.partition_id, cfg.num_partitions, local=cfg.local_data())
         self.x0 = get_flat(self.trainer.task.model(cfg.seed))  # every peer starts from the same init
         self.d = int(self.x0.numel())
         self.trainer.fit(self.x0, steps=1, batch_size=cfg.batch_size, lr=0.0)  # warm up torch before round 1

@@ -63,10 +63,10 @@ def test_failing_client_costs_only_its_update(store, monkeypatch):
 
     real = local.trainer_for
 
-    def flaky(cfg, pid, n):
+    def flaky(cfg, pid, n, **kw):
         if pid == 1:
             raise RuntimeError("node 1 lost its disk")
-        return real(cfg, pid, n)
+        return real(cfg, pid, n, **kw)
 
     monkeypatch.setattr(local, "trainer_for", flaky)
     rid, status, _ = _final_model(RunConfig(clients=3, rounds=2), store)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedswarm.tasks.base import Task, TaskData
+from fedswarm.tasks.base import ExampleSpec, Task, TaskData
 from fedswarm.tasks.models import logistic, mlp, small_cnn
 
 
@@ -45,6 +45,13 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
 
     d = load_digits()
     return d.data, d.target
+
+
+# What a node's own digits look like (fedswarm client --data): an 8x8 grey image or its 64
+# values as one row, on the model's scale [0, 1] (scikit-learn's 0..16 divided by 16; 8-bit
+# pixels divided by 255).
+DIGITS_ROWS = ExampleSpec(shape=(64,), num_classes=10, accepts=((64,), (8, 8), (1, 8, 8)), image_size=(8, 8))
+DIGITS_IMAGES = ExampleSpec(shape=(1, 8, 8), num_classes=10, accepts=((64,), (8, 8), (1, 8, 8)), image_size=(8, 8))
 
 
 def _digits(seed: int, test_fraction: float, image: bool) -> TaskData:
@@ -112,12 +119,14 @@ BUILTIN_TASKS: dict[str, Task] = {
         "scikit-learn digits (8x8 handwritten, 10 classes), 64-64-10 MLP",
         lambda: mlp(64, 10),
         lambda seed, tf: _digits(seed, tf, image=False),
+        examples=DIGITS_ROWS,
     ),
     "digits-cnn": Task(
         "digits-cnn",
         "scikit-learn digits as 1x8x8 images, two-block CNN",
         lambda: small_cnn(1, 8, 10),
         lambda seed, tf: _digits(seed, tf, image=True),
+        examples=DIGITS_IMAGES,
     ),
     "synthetic-logreg": Task(
         "synthetic-logreg",

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fedswarm.tasks.base import Task
-from fedswarm.tasks.builtin import _digits
+from fedswarm.tasks.builtin import DIGITS_IMAGES, _digits
 from fedswarm.tasks.hf import HF_SPECS, HFImageSpec, load_hf_images
 
 __all__ = [
@@ -241,6 +241,7 @@ STAGED_TASKS: dict[str, Task] = {
         "scikit-learn digits as 1x8x8 images, four-block CNN (staged, for ProgFed)",
         lambda: cnn4(1, 10),
         lambda seed, tf: _digits(seed, tf, image=True),
+        examples=DIGITS_IMAGES,
     ),
     **{f"{name}-resnet": _hf_resnet(f"{name}-resnet", spec) for name, spec in HF_SPECS.items()},
 }

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from fedswarm.local import node_partition, run_config_of
+from fedswarm.local import node_data, node_partition, run_config_of
 from fedswarm.strategies import registry
 from fedswarm.config import round_seed
 from fedswarm.strategies.decentralized.steps import local_gradient, minibatch_gradient
@@ -142,7 +142,7 @@ def make_client_update(algorithm: str) -> Callable[[Message, Context], RecordDic
         params = registry.resolve_params(algorithm, cfg.params)
         params.pop("report_every", None)  # the router's, not the algorithm's
         algo: DecentralizedAlgorithm = make_algorithm(algorithm, **params)
-        trainer = trainer_for(cfg, pid, n)
+        trainer = trainer_for(cfg, pid, n, local=node_data(context))
         d = trainer.layout.d
         content = msg.content
         conf = content.config_records["config"]

@@ -19,7 +19,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fedswarm.config import RunConfig
-from fedswarm.local import LocalFit, local_fit, node_partition, run_config_of
+from fedswarm.local import LocalFit, local_fit, node_data, node_partition, run_config_of
 from fedswarm.params import ParamLayout
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.federated.compressed_sync import client_sync, save_replica
@@ -108,7 +108,7 @@ def begin(msg: Message, context: Context) -> ClientRound:
         return ClientRound(msg, context, cfg, _UserModel(layout), knobs, model, version, epoch)
     cfg = run_config_of(msg, context)
     pid, n = node_partition(context, cfg)
-    trainer = trainer_for(cfg, pid, n)
+    trainer = trainer_for(cfg, pid, n, local=node_data(context))
     model, version, epoch = client_sync(msg.content, context.state, trainer.layout)
     return ClientRound(msg, context, cfg, trainer, knobs, model, version, epoch)
 
