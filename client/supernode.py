@@ -96,11 +96,10 @@ def _check_auth_key(path: Path) -> None:
 # Flower's SuperLink keeps a node "online" for HEARTBEAT_PATIENCE (2) x the SuperNode's
 # heartbeat interval (30 s) after its last heartbeat. With node authentication the node id is
 # bound to the key, so a node that died without signing off (killed, power lost) and comes back
-# sooner is refused activation ("Failed to activate SuperNode", exit 305, seen as 49) until then
-# (`fedswarm client --rejoin-wait`, default 75 s, waits that out).
+# sooner is refused activation until then: flower-supernode logs "Exit Code: 305 ... Failed to
+# activate SuperNode" and exits with status 1 (flwr_exit maps every error to 1).
+# `fedswarm client --rejoin-wait` (default 75 s) waits that out.
 _ACTIVATION_REFUSED = "Failed to activate SuperNode"
-# flwr.supercore.exit.ExitCode.SUPERNODE_CONNECTION_ERROR is 305; an exit status keeps its low 8 bits.
-_CONNECTION_ERROR = 305 % 256
 
 
 def run_supernode(cmd: list[str], *, rejoin_wait_s: float, retry_every_s: float = 5.0) -> int:
@@ -149,7 +148,7 @@ def run_supernode(cmd: list[str], *, rejoin_wait_s: float, retry_every_s: float 
         _stop_descendants()
         reader.join(timeout=10)
         left = deadline - time.monotonic()
-        if stop.is_set() or rc != _CONNECTION_ERROR or not refused.is_set() or left <= 0:
+        if stop.is_set() or rc == 0 or not refused.is_set() or left <= 0:
             return rc
         print(f"fedswarm client: the SuperLink refused to activate this node: its previous session may not have "
               f"timed out yet (it ended without signing off); starting again in {retry_every_s:.0f} s "

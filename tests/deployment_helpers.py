@@ -37,12 +37,17 @@ def alive(pid: int) -> bool:
 class Deployment:
     """A SuperLink and SuperNodes (``fedswarm client``) as process groups, all stopped at the end."""
 
-    def __init__(self, tmp: Path, hold: str):
-        self.tmp = tmp
+    def __init__(self, tmp: Path, hold: str, *, pki: Path | None = None):
+        """``pki``: a folder made by ``fedswarm certs init --supernodes N``; the SuperLink then
+        runs with TLS and SuperNode authentication, node i uses ``supernodes/sn{i}.key``, and
+        :meth:`start` registers every node's public key first (the README's "Deploy on real
+        devices")."""
+        self.tmp, self.pki = tmp, pki
         (tmp / "flwr").mkdir()
         self.port = free_port()
+        link = (f'root-certificates = "{pki / "ca.pem"}"\n' if pki is not None else "insecure = true\n")
         (tmp / "flwr" / "config.toml").write_text(
-            f'[superlink]\ndefault = "test"\n\n[superlink.test]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n')
+            f'[superlink]\ndefault = "test"\n\n[superlink.test]\naddress = "127.0.0.1:{self.port}"\n{link}')
         self.env = dict(os.environ, FLWR_HOME=str(tmp / "flwr"), PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT),
                         FLWR_SUPEREXEC_TASK_POLL_INTERVAL="0.25",
                         PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **{HOLD_ENV: hold})
@@ -57,15 +62,32 @@ class Deployment:
         return p
 
     def start(self, num_nodes: int) -> None:
-        self._spawn([str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
+        if self.pki is None:
+            security = ["--insecure"]
+        else:
+            security = ["--ssl-ca-certfile", str(self.pki / "ca.pem"),
+                        "--ssl-certfile", str(self.pki / "superlink" / "server.pem"),
+                        "--ssl-keyfile", str(self.pki / "superlink" / "server.key"), "--enable-supernode-auth"]
+        self._spawn([str(BIN / "flower-superlink"), *security, "--host", "127.0.0.1", "--port", str(self.port),
                      "--database", str(self.tmp / "state.db"), "--disable-runtime-dependency-installation"])
         wait_until(lambda: port_open("127.0.0.1", self.port), 60, interval=0.2, what="the SuperLink listening")
+        if self.pki is not None:  # the operator registers the nodes' public keys
+            for i in range(num_nodes):
+                out = self.flwr("supernode", "register", str(self.pki / "supernodes" / f"sn{i}.pub"), "test")
+                assert "registered" in out, out
         for i in range(num_nodes):
             self.start_node(i, num_nodes)
 
     def start_node(self, i: int, n: int) -> None:
+        """Start (or start again) node ``i`` of ``n``: the same partition, state folder and,
+        in a secure deployment, the same authentication key every time."""
+        if self.pki is None:
+            security = ["--insecure"]
+        else:
+            security = ["--root-certificates", str(self.pki / "ca.pem"),
+                        "--auth-key", str(self.pki / "supernodes" / f"sn{i}.key")]
         self.nodes[i] = self._spawn([sys.executable, "-m", "fedswarm", "client", "--superlink",
-                                     f"127.0.0.1:{self.port}", "--insecure", "--partition-id", str(i),
+                                     f"127.0.0.1:{self.port}", *security, "--partition-id", str(i),
                                      "--num-partitions", str(n), "--device-class", "cpu",
                                      "--clientappio-port", str(free_port()),
                                      "--state-dir", str(self.tmp / f"node-state-{i}")])
