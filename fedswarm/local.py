@@ -29,6 +29,8 @@ def run_config_of(msg: Message, context: Context) -> RunConfig:
     rec = msg.content.config_records.get("config")
     if rec is not None:
         flat.update({k: v for k, v in rec.items() if k in _RUN_KEYS or k.startswith("params.")})
+    if context.node_config.get("device"):  # the node's own hardware (fedswarm client --device) over the run's
+        flat["device"] = str(context.node_config["device"])
     return RunConfig.from_flat(flat)
 
 
@@ -62,8 +64,8 @@ class LocalFit:
         """The reply's ``node`` record: the class and policy this node trained under, and on
         a real device (node config ``probe=true``, set by ``fedswarm client``) what it runs on."""
         rec = ConfigRecord({"device_class": self.device_class, "policy": json.dumps(self.policy, sort_keys=True)})
-        if self.probe is not None:
-            rec["probe"] = json.dumps(self.probe, sort_keys=True)
+        if self.probe is not None:  # with the device it trained on (fedswarm client --device)
+            rec["probe"] = json.dumps({**self.probe, "train_device": str(self.trainer.device)}, sort_keys=True)
         return rec
 
 
