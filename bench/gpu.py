@@ -107,16 +107,19 @@ def round_work(task_name: str, clients: int, batch_size: int = 16, seed: int = 0
     return {"examples": examples, "d": d, "flops": flops_per_example * examples, "bytes": nbytes}
 
 
-def engine_case(task_name: str, clients: int, rounds: int, device: str) -> dict:
+def engine_case(task_name: str, clients: int, rounds: int, device: str, local_steps: int = 1) -> dict:
     """Run the engine case on ``device`` in this process: the final model, the steady round
-    (median after the first), client-rounds/s, and on a GPU the peak allocated memory."""
+    (median after the first), client-rounds/s, and on a GPU the peak allocated memory.
+    ``local_steps`` > 1 trains every client's own model (vmap) instead of the one-step
+    shortcut (one backward pass over all the clients' examples)."""
     import fedswarm.sim.batched as batched
     from fedswarm.bench.engines import _round_figures
     from fedswarm.config import RunConfig
     from fedswarm.sim.run import run_engine
     from fedswarm.store import Store
 
-    cfg = RunConfig(task=task_name, clients=clients, rounds=rounds, device=device, **TASK)
+    cfg = RunConfig(task=task_name, clients=clients, rounds=rounds, device=device,
+                    **{**TASK, "local_steps": local_steps})
     gpu = torch.device(device).type == "cuda"
     threads = torch.get_num_threads()
     if gpu:

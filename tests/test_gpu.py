@@ -100,13 +100,9 @@ def test_client_device_goes_to_the_node_config_and_overrides_the_run():
 def test_batched_engine_on_gpu_equals_cpu(task, clients, local_steps):
     from fedswarm.bench import gpu
 
-    saved = gpu.TASK["local_steps"]
-    gpu.TASK["local_steps"] = local_steps  # 1: the one-backward shortcut; 3: every client's own model (vmap)
-    try:
-        cpu = gpu.engine_case(task, clients, 2, "cpu")
-        dev = gpu.engine_case(task, clients, 2, GPU)
-    finally:
-        gpu.TASK["local_steps"] = saved
+    # local_steps 1: the one-backward shortcut; 3: every client's own model (vmap)
+    cpu = gpu.engine_case(task, clients, 2, "cpu", local_steps)
+    dev = gpu.engine_case(task, clients, 2, GPU, local_steps)
     assert cpu["status"] == dev["status"] == "finished"
     assert dev["peak_gpu_mb"] > 0
     assert torch.allclose(cpu["model"], dev["model"], rtol=gpu.ENGINE_RTOL, atol=gpu.ENGINE_ATOL), \
