@@ -39,7 +39,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["run", "run_cell", "ENGINES"]
+__all__ = ["run", "run_cell", "run_in_store", "ENGINES"]
 
 ENGINES = ("flower", "pfl", "inprocess", "batched")
 TASK = dict(task="digits-mlp", partition="iid", local_steps=1, batch_size=16, lr=0.3, fraction=1.0, seed=0)
@@ -66,24 +66,33 @@ def run_cell(engine: str, clients: int, rounds: int, device: str = "cpu") -> dic
     if engine == "pfl":
         return _pfl_cell(clients, rounds, t0)
     from fedswarm.config import RunConfig
-    from fedswarm.sim.run import run_engine
-    from fedswarm.store import Store
 
     cfg = RunConfig(engine=engine, clients=clients, rounds=rounds, device=device, **TASK)
     gpu = torch.device(device).type == "cuda"
     if gpu:
         torch.cuda.reset_peak_memory_stats(device)
-    with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "bench.db")
-        rid = store.create_run(cfg.model_dump())
-        status = run_engine(cfg, store=store, run_id=rid)
-        total = time.perf_counter() - t0
-        res = store.export_result(rid)
-        store.close()
+    status, res, total = run_in_store(cfg, t0)
     walls = [r["wall_s"] for r in res["rounds"] if r["round"] > 0]
     extra = {"peak_gpu_mb": torch.cuda.max_memory_allocated(device) / 2**20} if gpu else {}
     return {"status": status, **_round_figures(walls, total),
             "final_test_accuracy": res["summary"]["final_test_accuracy"], **extra}
+
+
+def run_in_store(cfg, t0: float) -> tuple[str, dict, float]:
+    """Run ``cfg`` on its engine, recorded in a throwaway store: (status, the exported
+    result, seconds from ``t0`` to the run's end)."""
+    from fedswarm.sim.run import run_engine
+    from fedswarm.store import Store
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(Path(tmp) / "bench.db")
+        try:
+            rid = store.create_run(cfg.model_dump())
+            status = run_engine(cfg, store=store, run_id=rid)
+            total = time.perf_counter() - t0
+            return status, store.export_result(rid), total
+        finally:
+            store.close()
 
 
 def _round_figures(walls: list[float], total: float) -> dict:

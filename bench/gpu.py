@@ -16,10 +16,8 @@ intensity against the device's ridge point).
 
 from __future__ import annotations
 
-import tempfile
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -113,10 +111,8 @@ def engine_case(task_name: str, clients: int, rounds: int, device: str, local_st
     ``local_steps`` > 1 trains every client's own model (vmap) instead of the one-step
     shortcut (one backward pass over all the clients' examples)."""
     import fedswarm.sim.batched as batched
-    from fedswarm.bench.engines import _round_figures
+    from fedswarm.bench.engines import _round_figures, run_in_store
     from fedswarm.config import RunConfig
-    from fedswarm.sim.run import run_engine
-    from fedswarm.store import Store
 
     cfg = RunConfig(task=task_name, clients=clients, rounds=rounds, device=device,
                     **{**TASK, "local_steps": local_steps})
@@ -136,13 +132,8 @@ def engine_case(task_name: str, clients: int, rounds: int, device: str, local_st
     t0 = time.perf_counter()
     batched.evaluate_flat = keep
     try:
-        with tempfile.TemporaryDirectory() as tmp, full_fp32():
-            store = Store(Path(tmp) / "gpu-check.db")
-            rid = store.create_run(cfg.model_dump())
-            status = run_engine(cfg, store=store, run_id=rid)
-            total = time.perf_counter() - t0
-            res = store.export_result(rid)
-            store.close()
+        with full_fp32():
+            status, res, total = run_in_store(cfg, t0)
     finally:
         batched.evaluate_flat = evaluate_flat
         torch.set_num_threads(threads)  # run_engine pins the CPU's threads for its own run
