@@ -15,7 +15,9 @@ preallocated tensor (pure memory bandwidth, ``vs copy_``: the stricter figure, a
 the codec speed targets are held to). A VM's copy speed can swing between runs (6-15 GB/s
 at 40 MB on one 2-core cloud VM, minutes apart) while a codec bound by cache or compute
 moves less, so compare ``vs copy_`` across several runs. On a CPU the benchmark runs on
-ONE thread (``torch.set_num_threads(1)``, restored afterwards). Bytes on the wire are
+ONE thread (``torch.set_num_threads(1)``, restored afterwards). On a GPU (``--device cuda``)
+each run is timed with CUDA events, ``copy_`` is a device-to-device copy, and the same cells
+run on the CPU first so both devices' rows sit side by side. Bytes on the wire are
 measured on a serialized Flower message of one client's payload.
 
     python -m fedswarm.bench.codecs --quick --out out/   # or: fedswarm bench codecs
@@ -42,7 +44,7 @@ from fedswarm.params import ParamLayout
 from fedswarm.algorithms.compression.codecs import CODECS, make_codec
 from fedswarm.wire import message_nbytes, payload_to_records
 
-__all__ = ["run", "benchmark_layout", "sketch_profile"]
+__all__ = ["run", "device_rows", "benchmark_layout", "sketch_profile"]
 
 _MEMORY_LIMIT = 4 * 2**30  # skip a (d, K) cell whose working set would exceed ~4 GB
 _WORKING_SET = 5  # input + output + codec temporaries, in multiples of the input size
@@ -73,12 +75,16 @@ def _paired(fn: Callable[[], object], refs: dict[str, Callable[[], object]], dev
     figure of record on a loaded machine, where load changes between separate runs."""
 
     def once(f) -> float:
-        if device.type == "cuda":
+        if device.type == "cuda":  # CUDA events on the stream: the GPU's time from start to end, host gaps included
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
+            begin.record()
+            f()
+            end.record()
+            end.synchronize()
+            return begin.elapsed_time(end) / 1e3
         start = time.perf_counter()
         f()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
     first = once(fn)  # warm-up: builds cached tables
@@ -157,23 +163,43 @@ def _row(codec: str, d: int, k: int, dev: torch.device, wire: int, note: str, ti
 
 
 def run(out_dir: Path, quick: bool = False, device: str = "cpu", *, sizes: Sequence[int] | None = None,
-        clients: Sequence[int] = (1, 64)) -> list[dict]:
+        clients: Sequence[int] = (1, 64), beside_cpu: bool = True) -> list[dict]:
     """Run the benchmark, write ``out_dir/codecs.json`` and ``out_dir/codecs.png``, print a
-    table, and return the rows. ``sizes`` overrides the values of d, ``clients`` those of K."""
-    dev = torch.device(device)
+    table, and return the rows. ``sizes`` overrides the values of d, ``clients`` those of K.
+    On a GPU (``device`` cuda or cuda:N, checked to exist) the same cells run on the CPU
+    first, so both devices' rows sit side by side (``beside_cpu=False``: the GPU's only)."""
+    from fedswarm.train import check_node_device
+
+    dev = check_node_device(device)
+    rows: list[dict] = []
+    for d in ([torch.device("cpu")] if dev.type != "cpu" and beside_cpu else []) + [dev]:
+        rows += device_rows(d, quick, sizes, clients)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "codecs.json").write_text(json.dumps(rows, indent=1))
+    _plot(rows, out_dir / "codecs.png")
+    _print(rows)
+    return rows
+
+
+def device_rows(dev: torch.device, quick: bool = False, sizes: Sequence[int] | None = None,
+                clients: Sequence[int] = (1, 64), *, repeats: int | None = None,
+                budget_s: float | None = None) -> list[dict]:
+    """The rows of one device (a CPU runs on one thread: the targets are per core)."""
     threads = torch.get_num_threads()
     if dev.type == "cpu":
-        torch.set_num_threads(1)  # the targets are per core
+        torch.set_num_threads(1)
     try:
-        return _run(out_dir, quick, dev, sizes, clients)
+        return _run(quick, dev, sizes, clients, repeats, budget_s)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(out_dir: Path, quick: bool, dev: torch.device, sizes: Sequence[int] | None,
-         clients: Sequence[int]) -> list[dict]:
+def _run(quick: bool, dev: torch.device, sizes: Sequence[int] | None, clients: Sequence[int],
+         repeats: int | None, budget_s: float | None) -> list[dict]:
     sizes = list(sizes) if sizes else [10**6] if quick else [10**6, 10**7]
-    repeats, budget_s = (9, 1.5) if quick else (15, 10.0)
+    default_repeats, default_budget = (9, 1.5) if quick else (15, 10.0)
+    repeats, budget_s = repeats or default_repeats, budget_s or default_budget
     gen = torch.Generator().manual_seed(0)
     rows: list[dict] = []
     for d in sizes:
@@ -199,11 +225,6 @@ def _run(out_dir: Path, quick: bool, dev: torch.device, sizes: Sequence[int] | N
                 timing, ref_timing, ratios = _paired(fn, refs, dev, repeats, budget_s)
                 rows.append(_row(name, d, k, dev, wire[name], notes[name], timing, ref_timing["memcpy"], ratios))
             x = buf = buf2 = None  # free the batch before the next one is made
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "codecs.json").write_text(json.dumps(rows, indent=1))
-    _plot(rows, out_dir / "codecs.png")
-    _print(rows)
     return rows
 
 
@@ -218,6 +239,7 @@ def _print(rows: list[dict]) -> None:
     table = Table(title="codec encode+decode throughput, MB/s of float32 input (median; best of the runs)")
     cols = (
         "codec",
+        "device",
         "d",
         "K",
         "MB/s",
@@ -234,6 +256,7 @@ def _print(rows: list[dict]) -> None:
     for r in rows:
         table.add_row(
             r["codec"],
+            r["device"],
             f"{r['d']:.0e}",
             str(r["K"]),
             _fmt(r["mb_per_s"], ",.0f"),
@@ -254,15 +277,15 @@ def _plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = sorted({(r["d"], r["K"]) for r in rows if r["mb_per_s"] is not None})
+    cells = sorted({(r["device"], r["d"], r["K"]) for r in rows if r["mb_per_s"] is not None})
     fig, axes = plt.subplots(1, max(1, len(cells)), figsize=(4.5 * max(1, len(cells)), 4), squeeze=False)
-    for ax, (d, k) in zip(axes[0], cells, strict=True):
-        sel = [r for r in rows if r["d"] == d and r["K"] == k and r["mb_per_s"] is not None]
+    for ax, (device, d, k) in zip(axes[0], cells, strict=True):
+        sel = [r for r in rows if (r["device"], r["d"], r["K"]) == (device, d, k) and r["mb_per_s"] is not None]
         names = [r["codec"] for r in sel]
         ax.bar(names, [r["mb_per_s"] for r in sel],
                color=["grey" if n in ("memcpy", "copy_") else "tab:blue" for n in names])
         ax.set_yscale("log")
-        ax.set_title(f"d = {d:.0e}, K = {k}")
+        ax.set_title(f"{device}, d = {d:.0e}, K = {k}")
         ax.set_ylabel("MB/s of float32 input")
         ax.tick_params(axis="x", labelrotation=60)
     fig.suptitle("encode + decode throughput vs memory copy (higher is better)")
@@ -345,7 +368,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="a value of d (repeatable; default 1e6 and 1e7, quick: 1e6)")
     parser.add_argument("--clients", type=int, action="append", metavar="K",
                         help="a value of K (repeatable; default 1 and 64)")
-    parser.add_argument("--device", default="cpu", help="torch device (cpu or cuda)")
+    parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda or cuda:N; a GPU's rows come "
+                                                        "beside the CPU's)")
     parser.add_argument("--sketch-profile", action="store_true",
                         help="instead: time Count Sketch's steps (encode, the same with no rows, encode storing "
                              "single floats instead of lines, decode) beside a warm copy, at the first --d (default "

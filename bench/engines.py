@@ -19,6 +19,10 @@ rounds, or none, and the table says so. Columns: client-rounds per second, secon
 round (the median round after the first, whose Ray actor start-up and warm caches are
 shown apart with the start-up outside rounds), peak memory, final
 accuracy, and each engine's ratio to Flower at the same size. JSON + a log-log PNG.
+
+``--device cuda`` (or cuda:N) adds the batched engine on that GPU (``batched@cuda``, with its
+peak ``torch.cuda.max_memory_allocated``) beside every CPU row; ``scripts/gpu-check`` measures
+more on one GPU (100,000 clients, digits-cnn4, the fraction of the GPU's peak).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["run", "run_cell", "ENGINES"]
+__all__ = ["run", "run_cell", "run_in_store", "ENGINES"]
 
 ENGINES = ("flower", "pfl", "inprocess", "batched")
 TASK = dict(task="digits-mlp", partition="iid", local_steps=1, batch_size=16, lr=0.3, fraction=1.0, seed=0)
@@ -53,26 +57,42 @@ def pfl_available() -> str | None:
 
 # -- one cell, inside its own process ----------------------------------------------------------
 
-def run_cell(engine: str, clients: int, rounds: int) -> dict:
-    """Run one (engine, clients, rounds) cell in this process; return its figures."""
+def run_cell(engine: str, clients: int, rounds: int, device: str = "cpu") -> dict:
+    """Run one (engine, clients, rounds) cell in this process on ``device``; return its
+    figures (on a GPU also the peak of ``torch.cuda.max_memory_allocated``)."""
+    import torch
+
     t0 = time.perf_counter()
     if engine == "pfl":
         return _pfl_cell(clients, rounds, t0)
     from fedswarm.config import RunConfig
+
+    cfg = RunConfig(engine=engine, clients=clients, rounds=rounds, device=device, **TASK)
+    gpu = torch.device(device).type == "cuda"
+    if gpu:
+        torch.cuda.reset_peak_memory_stats(device)
+    status, res, total = run_in_store(cfg, t0)
+    walls = [r["wall_s"] for r in res["rounds"] if r["round"] > 0]
+    extra = {"peak_gpu_mb": torch.cuda.max_memory_allocated(device) / 2**20} if gpu else {}
+    return {"status": status, **_round_figures(walls, total),
+            "final_test_accuracy": res["summary"]["final_test_accuracy"], **extra}
+
+
+def run_in_store(cfg, t0: float) -> tuple[str, dict, float]:
+    """Run ``cfg`` on its engine, recorded in a throwaway store: (status, the exported
+    result, seconds from ``t0`` to the run's end)."""
     from fedswarm.sim.run import run_engine
     from fedswarm.store import Store
 
-    cfg = RunConfig(engine=engine, clients=clients, rounds=rounds, **TASK)
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(Path(tmp) / "bench.db")
-        rid = store.create_run(cfg.model_dump())
-        status = run_engine(cfg, store=store, run_id=rid)
-        total = time.perf_counter() - t0
-        res = store.export_result(rid)
-        store.close()
-    walls = [r["wall_s"] for r in res["rounds"] if r["round"] > 0]
-    return {"status": status, **_round_figures(walls, total),
-            "final_test_accuracy": res["summary"]["final_test_accuracy"]}
+        try:
+            rid = store.create_run(cfg.model_dump())
+            status = run_engine(cfg, store=store, run_id=rid)
+            total = time.perf_counter() - t0
+            return status, store.export_result(rid), total
+        finally:
+            store.close()
 
 
 def _round_figures(walls: list[float], total: float) -> dict:
@@ -184,13 +204,14 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def _subprocess_cell(engine: str, clients: int, rounds: int, timeout_s: float) -> dict:
+def _subprocess_cell(engine: str, clients: int, rounds: int, timeout_s: float, device: str = "cpu") -> dict:
     """Run a cell in a fresh interpreter, sampling its process tree's RSS for the peak."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "cell.json"
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
         proc = subprocess.Popen([sys.executable, "-m", "fedswarm.bench.engines", engine, str(clients), str(rounds),
-                                 str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                                 str(out), device], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env)
         peak = [0]
         done = threading.Event()
 
@@ -220,7 +241,13 @@ def _subprocess_cell(engine: str, clients: int, rounds: int, timeout_s: float) -
 
 
 def run(out_dir: Path, quick: bool = False, *, sizes: list[int] | None = None, rounds: int | None = None,
-        cap_s: float | None = None, engines: tuple[str, ...] = ENGINES) -> list[dict]:
+        cap_s: float | None = None, engines: tuple[str, ...] = ENGINES, device: str = "cpu") -> list[dict]:
+    """Every engine on the CPU; with ``device`` a GPU (cuda, cuda:N; checked to exist) the
+    batched engine also runs there, its row (``batched@cuda``, with its peak GPU memory)
+    beside the CPU's."""
+    from fedswarm.train import check_node_device
+
+    gpu = check_node_device(device).type != "cpu"
     sizes = sizes or ([100, 1000] if quick else [100, 1000, 10_000])
     rounds = rounds or (2 if quick else 5)
     cap_s = cap_s or (60.0 if quick else 600.0)
@@ -228,16 +255,18 @@ def run(out_dir: Path, quick: bool = False, *, sizes: list[int] | None = None, r
     rows: list[dict] = []
     last_per_client: dict[str, float] = {}  # seconds per client-round at the engine's last size
     console = Console(width=200)
+    cells = [(e, "cpu") for e in engines] + ([("batched", device)] if gpu else [])
     for clients in sizes:
-        for engine in engines:
-            row = {"engine": engine, "clients": clients, "rounds": rounds, "cap": ""}
+        for engine, dev in cells:
+            label = engine if dev == "cpu" else f"{engine}@{dev}"
+            row = {"engine": label, "device": dev, "clients": clients, "rounds": rounds, "cap": ""}
             if engine == "pfl" and pfl_missing:
                 row.update(status=f"not run: {pfl_missing}")
                 rows.append(row)
                 continue
             run_rounds = rounds
-            if engine in last_per_client:
-                per_round = last_per_client[engine] * clients
+            if label in last_per_client:
+                per_round = last_per_client[label] * clients
                 if per_round * rounds > cap_s:  # fewer rounds; one if one round fits the cap
                     run_rounds = min(rounds, max(int(cap_s // per_round), 1 if per_round <= cap_s else 0))
                     row["cap"] = (f"{run_rounds} of {rounds} rounds: a round predicted {per_round:.0f} s, cap "
@@ -247,13 +276,13 @@ def run(out_dir: Path, quick: bool = False, *, sizes: list[int] | None = None, r
                 row.update(status="capped")
                 rows.append(row)
                 continue
-            console.print(f"[dim]engines: {engine} at {clients} clients, {run_rounds} rounds ...[/]")
-            cell = _subprocess_cell(engine, clients, run_rounds, timeout_s=cap_s * 2 + 300)
+            console.print(f"[dim]engines: {label} at {clients} clients, {run_rounds} rounds ...[/]")
+            cell = _subprocess_cell(engine, clients, run_rounds, timeout_s=cap_s * 2 + 300, device=dev)
             row.update(cell)
             if cell.get("steady_round_s"):
                 row["s_per_round"] = cell["steady_round_s"]
                 row["client_rounds_per_s"] = clients / row["s_per_round"]
-                last_per_client[engine] = row["s_per_round"] / clients
+                last_per_client[label] = row["s_per_round"] / clients
             rows.append(row)
             # after every cell, so a long run interrupted still leaves what it measured
             (out_dir / "engines.partial.json").write_text(json.dumps(rows, indent=2))
@@ -285,7 +314,7 @@ def _print(rows: list[dict], console: Console) -> None:
     table = Table(title=f"engines: FedAvg, digits-mlp, one local step, all clients every round "
                         f"(load {load[0]:.1f} on {os.cpu_count()} cores)")
     for col in ("engine", "clients", "rounds run", "client-rounds/s", "x Flower", "s/round", "first round s", "setup s",
-                "peak MB", "mem x Flower", "final acc", "acc - inprocess", "note"):
+                "peak MB", "GPU peak MB", "mem x Flower", "final acc", "acc - inprocess", "note"):
         table.add_column(col)
 
     def f(v, spec):
@@ -297,7 +326,8 @@ def _print(rows: list[dict], console: Console) -> None:
                       f(r.get("client_rounds_per_s"), ",.0f"),
                       f(r.get("speed_vs_flower"), ".1f"), f(r.get("s_per_round"), ".3f"),
                       f(r.get("first_round_s"), ".2f"), f(r.get("setup_s"), ".1f"),
-                      f(r.get("peak_rss_mb"), ".0f"), f(r.get("memory_vs_flower"), ".2f"),
+                      f(r.get("peak_rss_mb"), ".0f"), f(r.get("peak_gpu_mb"), ".0f"),
+                      f(r.get("memory_vs_flower"), ".2f"),
                       f(r.get("final_test_accuracy"), ".4f"), f(r.get("accuracy_minus_inprocess"), "+.4f"), note[:70])
     console.print(table)
 
@@ -309,7 +339,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, engine in enumerate(ENGINES):
+    for i, engine in enumerate(dict.fromkeys(r["engine"] for r in rows)):
         pts = [(r["clients"], r["client_rounds_per_s"]) for r in rows
                if r["engine"] == engine and r.get("client_rounds_per_s")]
         if pts:
@@ -326,9 +356,10 @@ def _plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":  # a cell: python -m fedswarm.bench.engines ENGINE CLIENTS ROUNDS OUT.json
+if __name__ == "__main__":  # a cell: python -m fedswarm.bench.engines ENGINE CLIENTS ROUNDS OUT.json [DEVICE]
     import logging
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     engine_name, n_clients, n_rounds, out_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
-    out_path.write_text(json.dumps(run_cell(engine_name, n_clients, n_rounds)))
+    cell_device = sys.argv[5] if len(sys.argv) > 5 else "cpu"
+    out_path.write_text(json.dumps(run_cell(engine_name, n_clients, n_rounds, cell_device)))

@@ -48,6 +48,14 @@ def run_benchmark(name: str, out: Path, *, quick: bool, console: Console, device
         if "device" not in inspect.signature(mod.run).parameters:
             console.print(f"[bold red]error:[/] benchmark '{name}' has no --device option")
             raise SystemExit(2)
+        from fedswarm.config import ConfigError
+        from fedswarm.train import check_node_device
+
+        try:
+            check_node_device(device)
+        except ConfigError as exc:
+            console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise SystemExit(2) from None
         kwargs["device"] = device
     rows = mod.run(out, quick=quick, **kwargs)
     console.print(f"wrote {out / (name + '.json')} and {out / (name + '.png')}")

@@ -30,14 +30,18 @@ __all__ = ["supernode_command", "node_config_string", "run_supernode"]
 
 
 def node_config_string(partition_id: int, num_partitions: int, device_class: str,
-                       state_dir: Path | None = None, keep_runs: int | None = None, local=None) -> str:
+                       state_dir: Path | None = None, keep_runs: int | None = None, local=None,
+                       device: str | None = None) -> str:
     """The SuperNode's ``--node-config``: partition, device class, the device probe, the
     folder the node keeps its own state in and how many runs' state it keeps (see
-    :mod:`fedswarm.client.state_store`), and the node's own dataset (``local``, a
+    :mod:`fedswarm.client.state_store`), the node's own dataset (``local``, a
     :class:`~fedswarm.tasks.localdata.LocalDataSpec`: ``data-path``, ``label-column``,
-    ``val-fraction``)."""
+    ``val-fraction``) and the torch device it trains on (``device``: overrides the run
+    config's, see :func:`fedswarm.local.run_config_of`)."""
     text = (f'partition-id={partition_id} num-partitions={num_partitions} device-class="{device_class}" '
             'probe="true"')
+    if device is not None:
+        text += f' device="{device}"'
     if state_dir is not None:
         text += f" state-dir={json.dumps(str(state_dir))}"
     if keep_runs is not None:
@@ -51,7 +55,8 @@ def node_config_string(partition_id: int, num_partitions: int, device_class: str
 def supernode_command(superlink: str, partition_id: int, num_partitions: int, *, device_class: str | None = None,
                       insecure: bool = False, root_certificates: Path | None = None,
                       clientappio_port: int | None = None, auth_private_key: Path | None = None,
-                      state_dir: Path | None = None, keep_runs: int | None = None, local=None) -> list[str]:
+                      state_dir: Path | None = None, keep_runs: int | None = None, local=None,
+                      device: str | None = None) -> list[str]:
     """The ``flower-supernode`` command line for this node; ``state_dir`` (default: the
     per-user data folder) is where its ClientApp keeps the node's state between runs."""
     if insecure and (root_certificates is not None or auth_private_key is not None):
@@ -62,7 +67,7 @@ def supernode_command(superlink: str, partition_id: int, num_partitions: int, *,
     cmd = [exe, "--superlink", superlink,
            "--node-config", node_config_string(partition_id, num_partitions, device_class or probe_device_class(),
                                                Path(state_dir or default_state_dir()).expanduser().resolve(),
-                                               keep_runs, local)]
+                                               keep_runs, local, device)]
     if insecure:
         cmd.append("--insecure")
     if root_certificates is not None:

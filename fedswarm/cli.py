@@ -175,6 +175,9 @@ def sim(
         cfg.params = registry.resolve_params(cfg.strategy, cfg.params)
         from fedswarm.tasks import get_task
 
+        from fedswarm.train import check_node_device
+
+        check_node_device(cfg.device)  # a device this machine lacks: one line, before the run is recorded
         get_task(cfg.task)
         if cfg.client_data:  # every client's data read and checked now: bad data stops the run before it starts
             from fedswarm.train import local_validation
@@ -433,7 +436,8 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help=(
         "A smaller run that finishes in under two minutes on 2 cores.")),
     device: str = typer.Option("cpu", "--device", help=(
-        "Torch device for benchmarks that take one (codecs): cpu or cuda."
+        "Torch device for benchmarks that take one (codecs, engines): cpu, cuda or cuda:N; a GPU's rows are printed "
+        "beside the CPU's. A device this machine lacks is refused in one line (exit 2)."
     )),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and Ray's logs."),
 ) -> None:

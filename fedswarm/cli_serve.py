@@ -27,6 +27,10 @@ def client(
     device_class: Optional[str] = typer.Option(None, "--device-class", help=(
         "Device class reported to the server (default: probed)."
     )),
+    device: Optional[str] = typer.Option(None, "--device", help=(
+        "Torch device this node trains on: auto, cpu, cuda or cuda:N (default: the run config's device). "
+        "Checked at start: a device this machine lacks is refused."
+    )),
     insecure: bool = typer.Option(False, "--insecure", help="Connect without TLS (loopback tests and demos only)."),
     root_certificates: Optional[Path] = typer.Option(None, "--root-certificates", help=(
         "CA certificate for TLS (ca.pem from `fedswarm certs`)."
@@ -76,8 +80,15 @@ def client(
         fail(f"invalid value for 'partition-id': must be < num-partitions ({num_partitions}) (got {partition_id})")
     if not insecure and root_certificates is None:
         fail("TLS needs --root-certificates CA.pem (or pass --insecure for a loopback demo)")
+    if device is not None:
+        from fedswarm.train import check_node_device
+
+        try:
+            check_node_device(device)
+        except ValueError as exc:
+            fail(str(exc))
     try:
-        cmd = supernode_command(superlink, partition_id, num_partitions, device_class=device_class,
+        cmd = supernode_command(superlink, partition_id, num_partitions, device_class=device_class, device=device,
                                 insecure=insecure, root_certificates=root_certificates,
                                 clientappio_port=clientappio_port, auth_private_key=auth_key,
                                 state_dir=state_dir, keep_runs=state_keep_runs, local=local)

@@ -30,6 +30,8 @@ def run_config_of(msg: Message, context: Context) -> RunConfig:
     rec = msg.content.config_records.get("config")
     if rec is not None:
         flat.update({k: v for k, v in rec.items() if k in _RUN_KEYS or k.startswith("params.")})
+    if context.node_config.get("device"):  # the node's own hardware (fedswarm client --device) over the run's
+        flat["device"] = str(context.node_config["device"])
     return RunConfig.from_flat(flat)
 
 
@@ -83,8 +85,8 @@ class LocalFit:
         rec = ConfigRecord({"device_class": self.device_class, "policy": json.dumps(self.policy, sort_keys=True)})
         if self.trainer.skipped_examples:  # a node's own data: examples it could not read
             rec["skipped_examples"] = int(self.trainer.skipped_examples)
-        if self.probe is not None:
-            rec["probe"] = json.dumps(self.probe, sort_keys=True)
+        if self.probe is not None:  # with the device it trained on (fedswarm client --device)
+            rec["probe"] = json.dumps({**self.probe, "train_device": str(self.trainer.device)}, sort_keys=True)
         return rec
 
 

@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from fedswarm.config import RunConfig
+from fedswarm.config import ConfigError, RunConfig, TrainingSpec
 from fedswarm.params import ParamLayout, get_flat, set_flat
 from fedswarm.tasks import Task, TaskData, get_task
 from fedswarm.tasks.localdata import LocalDataSpec, load_local
@@ -25,6 +25,7 @@ __all__ = [
     "LocalTrainer",
     "TrainResult",
     "resolve_device",
+    "check_node_device",
     "task_data",
     "partition_data",
     "trainer_for",
@@ -46,9 +47,26 @@ def resolve_device(spec: str = "auto") -> torch.device:
     dev = torch.device(spec)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device '{spec}' was asked for but CUDA is not available here")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise RuntimeError(f"device '{spec}' was asked for but this machine has {torch.cuda.device_count()} CUDA "
+                           f"device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise RuntimeError(f"device '{spec}' was asked for but MPS is not available here")
     return dev
+
+
+def check_node_device(spec: str) -> torch.device:
+    """A node's ``--device`` checked before it starts: the form the run config allows
+    (auto, cpu, mps, cuda, cuda:N) and present on this machine; a one-line ConfigError."""
+    try:
+        TrainingSpec(device=spec)
+    except ValueError:
+        raise ConfigError(f"invalid value for '--device': must be auto, cpu, mps, cuda or cuda:N (got '{spec}')") \
+            from None
+    try:
+        return resolve_device(spec)
+    except RuntimeError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -177,12 +195,15 @@ class LocalTrainer:
         n_steps = self.steps_for(epochs, batch_size, steps)
         g = torch.Generator().manual_seed(seed)
         n = self.num_examples
-        order = torch.randperm(n, generator=g)
-        pos, total = 0, 0.0
+        order = torch.randperm(n, generator=g).to(self.device)
+        # the loss summed on the device, read once at the end (no host sync per step); float64
+        # as Python's float sum was (MPS has no float64)
+        pos, total = 0, torch.zeros((), dtype=torch.float32 if self.device.type == "mps" else torch.float64,
+                                    device=self.device)
         for _ in range(n_steps):
             if pos >= n:
-                order, pos = torch.randperm(n, generator=g), 0
-            idx = order[pos : pos + batch_size].to(self.device)
+                order, pos = torch.randperm(n, generator=g).to(self.device), 0
+            idx = order[pos : pos + batch_size]
             pos += batch_size
             opt.zero_grad(set_to_none=True)
             loss = self.task.objective(self.model, self.x[idx], self.y[idx])
@@ -190,9 +211,9 @@ class LocalTrainer:
             if grad_hook is not None:
                 grad_hook(self.model)
             opt.step()
-            total += loss.item()
+            total += loss.detach()
         opt.zero_grad(set_to_none=True)  # a cached trainer holds no gradient between rounds
-        return TrainResult(get_flat(self.model).cpu(), total / max(1, n_steps), n, n_steps)
+        return TrainResult(get_flat(self.model).cpu(), float(total) / max(1, n_steps), n, n_steps)
 
     @torch.no_grad()
     def evaluate(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor,

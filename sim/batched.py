@@ -278,7 +278,10 @@ def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, 
     traffic = Traffic()
     record_nodes = total <= NODE_ROWS_MAX
     node_rows: list[dict] | None = [] if record_nodes else None
-    policy_json = {c: json.dumps(p, sort_keys=True) for c, p in zip(classes, pols)}
+    policy_json: dict[str, str] = {}  # one dumps per class (a class's clients share its policy), not per client
+    for c, p in zip(classes, pols):
+        if c not in policy_json:
+            policy_json[c] = json.dumps(p, sort_keys=True)
     weights = trainer.num_examples(sched.partitions).to(torch.float32)  # FedAvg weighs by num-examples
     within = [0]
     if dp is not None:

@@ -297,7 +297,7 @@ class BatchedTrainer:
                                         ("partitions", "steps", "batch_size", "lr", "seeds")))
                 yield from self._per_client_average(start, part, weights[lo:hi], 0.0, None, memory_budget, on_chunk, lo)
                 continue
-            contribution = float(w.sum()) * start.to(torch.float64) - g.to(torch.float64)
+            contribution = float(weights[lo:hi].to(torch.float32).sum()) * start.to(torch.float64) - g.to(torch.float64)
             yield slice(lo, hi), contribution.cpu(), loss, n_examples[lo:hi], loss_wsum, {}
             if on_chunk is not None:
                 on_chunk(hi - lo)
@@ -331,6 +331,7 @@ class BatchedTrainer:
         lr = lr.to(dev, torch.float32)[:, None]
         steps = steps.to(dev)
         loss_sum = torch.zeros(c, device=dev)
+        full = valid.all(dim=2).all(dim=0).tolist() if valid.device.type == "cpu" else None
         idx, valid = idx.to(dev), valid.to(dev)
         for s in range(s_max):
             active = steps > s  # [C]
@@ -338,7 +339,8 @@ class BatchedTrainer:
             x, y = self.x[rows], self.y[rows]
             if flip is not None:
                 y = torch.where(flip, self.num_classes - 1 - y, y)
-            if bool(w.all()):
+            # which steps are unpadded, read from the CPU's mask before the loop (no GPU sync a step)
+            if full[s] if full is not None else bool(w.all()):
                 g, loss = self._full(params, x, y)
             else:
                 g, loss = self._masked(params, x, y, w.to(params.dtype))

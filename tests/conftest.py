@@ -14,7 +14,17 @@ INTEGRATION_TIMEOUT_S = 900
 
 
 def pytest_collection_modifyitems(config, items):
+    cuda_skip = None
     for item in items:
+        if item.get_closest_marker("cuda"):
+            if cuda_skip is None:
+                import torch
+
+                cuda_skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False here "
+                                                    "(scripts/gpu-check runs these on one)")
+                cuda_skip = False if torch.cuda.is_available() else cuda_skip
+            if cuda_skip:
+                item.add_marker(cuda_skip)
         if item.get_closest_marker("integration") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(INTEGRATION_TIMEOUT_S))
 

@@ -61,7 +61,8 @@ class Deployment:
         self.procs.append(p)
         return p
 
-    def start(self, num_nodes: int) -> None:
+    def start(self, num_nodes: int, devices: list[str | None] | None = None) -> None:
+        """The SuperLink, then ``num_nodes`` SuperNodes; ``devices[i]``: node i's ``--device``."""
         if self.pki is None:
             security = ["--insecure"]
         else:
@@ -76,9 +77,9 @@ class Deployment:
                 out = self.flwr("supernode", "register", str(self.pki / "supernodes" / f"sn{i}.pub"), "test")
                 assert "registered" in out, out
         for i in range(num_nodes):
-            self.start_node(i, num_nodes)
+            self.start_node(i, num_nodes, devices[i] if devices else None)
 
-    def start_node(self, i: int, n: int) -> None:
+    def start_node(self, i: int, n: int, device: str | None = None) -> None:
         """Start (or start again) node ``i`` of ``n``: the same partition, state folder and,
         in a secure deployment, the same authentication key every time."""
         if self.pki is None:
@@ -90,7 +91,8 @@ class Deployment:
                                      f"127.0.0.1:{self.port}", *security, "--partition-id", str(i),
                                      "--num-partitions", str(n), "--device-class", "cpu",
                                      "--clientappio-port", str(free_port()),
-                                     "--state-dir", str(self.tmp / f"node-state-{i}")])
+                                     "--state-dir", str(self.tmp / f"node-state-{i}")]
+                                    + (["--device", device] if device else []))
 
     def wait(self, pred, timeout: float, *, what: str, interval: float = 0.5):
         """``wait_until``, failing with the end of the processes' log."""
@@ -162,3 +164,31 @@ def status_of(db: Path, *statuses: str):
 
 def model_of(db: Path, run_id: str) -> torch.Tensor:
     return arrayrecord_to_vector(load_latest(Store(db), run_id).arrays)
+
+
+def run_on_devices(tmp: Path, devices: list[str], rounds: int = 3, timeout_s: float = 300) -> dict:
+    """A whole deployment on loopback with one SuperNode per entry of ``devices`` (its
+    ``fedswarm client --device``): ``flwr run`` fedswarm's app for ``rounds`` rounds, wait
+    until the run ends, stop everything. Returns the run's status, the clients of each
+    round, and the device each node reported it trained on (``train_device`` of its probe)."""
+    import time
+
+    dep = Deployment(tmp, hold="")
+    db = tmp / "store.db"
+    t0 = time.perf_counter()
+    try:
+        dep.start(len(devices), devices)
+        dep.flwr("run", str(ROOT), "test", "--run-config", f"rounds={rounds} clients={len(devices)} db='{db}'")
+        run = dep.wait(lambda: status_of(db, "finished", "failed", "stopped"), timeout_s, what="the run ending")
+        store = Store(db)
+        try:
+            done = [r for r in store.rounds(run.id) if r.round > 0]
+            nodes = [n for n in store.list_nodes() if n.kind == "supernode"]
+            return {"status": run.status, "rounds": len(done), "clients_per_round": [r.num_clients for r in done],
+                    "test_accuracy": done[-1].test_accuracy if done else None,
+                    "train_devices": sorted(str(n.info.get("train_device")) for n in nodes),
+                    "wall_s": time.perf_counter() - t0}
+        finally:
+            store.close()
+    finally:
+        dep.stop()

@@ -140,12 +140,14 @@ class CountSketch:
         self._window_rows = window_rows.to(self.device)  # [r, B]
         self._window_list = window_rows.tolist()
         self._loop = self.cols >= _LOOP_COLS or self.blocks <= 64
-        # for the C kernels (CPU): sigma < 0 as bytes, pi and pi^-1 as int32 where c allows
-        self._neg_u8 = (self.block_signs < 0).to(torch.uint8).contiguous()
-        self._pinv_i32 = self._perm_inv.to(torch.int32).contiguous() if cols < 2**31 else None
-        self._pi_i32 = self.perm.to(torch.int32).contiguous() if cols < 2**31 else None
+        # for the C kernels (CPU only: a GPU sketch never calls them, so it does not hold them):
+        # sigma < 0 as bytes, pi and pi^-1 as int32 where c allows
+        cpu = self.device.type == "cpu"
+        self._neg_u8 = (self.block_signs < 0).to(torch.uint8).contiguous() if cpu else None
+        self._pinv_i32 = self._perm_inv.to(torch.int32).contiguous() if cpu and cols < 2**31 else None
+        self._pi_i32 = self.perm.to(torch.int32).contiguous() if cpu and cols < 2**31 else None
         self._lines_i32 = (lines.to(torch.int32).contiguous(), tau_inv.to(torch.int32).contiguous()) \
-            if cols >= _LINE else None  # pi's line structure, for fs_sketch
+            if cpu and cols >= _LINE else None  # pi's line structure, for fs_sketch
         self._sample_hashes: tuple | None = None  # (sample, h, s, cells) of unsketch's fixed sample, hashed once
         self._rho_cache: dict[torch.dtype, torch.Tensor] = {}
 
