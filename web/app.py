@@ -27,6 +27,7 @@ import fedswarm
 from fedswarm.store import Store, migrate
 from fedswarm.web import auth_models  # noqa: F401  (registers the web tables on Base)
 from fedswarm.web import api_admin, api_ingest, api_nodes, api_runs, docs, pages_compare, pages_misc, pages_runs
+from fedswarm.web import pages_nodes
 from fedswarm.web.accounts import Accounts
 from fedswarm.web.cache import ResponseCache
 from fedswarm.web.catalog import Catalog
@@ -115,7 +116,8 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
     app.add_middleware(SecurityHeaders, https=settings.https, session_cookie=SESSION_COOKIE)
     app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
     docs.mount(app)
-    for module in (api_runs, api_nodes, api_ingest, api_admin, pages_runs, pages_compare, pages_misc, docs):
+    for module in (api_runs, api_nodes, api_ingest, api_admin, pages_runs, pages_compare, pages_misc,
+                   pages_nodes, docs):
         app.include_router(module.router)
     _install_handlers(app, ctx)
     return app
