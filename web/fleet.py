@@ -91,8 +91,53 @@ def _superlink_index(sn: SuperNodesOut) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _entry(node_id: str, n: Node | None, sn: dict | None, run: Run | None, run_live: bool,
-           now: dt.datetime) -> FleetNodeOut:
+@dataclass
+class _Row:
+    """A fleet node's state, cheap to filter and sort; made a :class:`FleetNodeOut` only when on the page."""
+
+    id: str
+    node: Node | None
+    link: dict | None  # the SuperLink's entry
+    run: Run | None
+    state: str
+    detail: str
+    since: dt.datetime | None
+    reachable: bool
+
+    @property
+    def kind(self) -> str:
+        return self.node.kind if self.node is not None else "supernode"
+
+    @property
+    def device_class(self) -> str | None:
+        return self.node.device_class if self.node is not None else None
+
+    @property
+    def run_id(self) -> str | None:
+        return self.node.run_id if self.node is not None else None
+
+    @property
+    def last_seen(self) -> dt.datetime | None:
+        return self.node.last_seen if self.node is not None else None
+
+    @property
+    def owner_name(self) -> str | None:
+        name = self.link.get("owner-name") if self.link else None
+        return str(name)[:100] if name is not None else None
+
+    def out(self) -> FleetNodeOut:
+        n, link = self.node, self.link
+        return FleetNodeOut(
+            id=self.id, kind=self.kind, state=self.state, state_detail=self.detail, online=self.reachable,
+            since=self.since, run_id=self.run_id, run_status=self.run.status if self.run is not None else None,
+            device_class=self.device_class, superlink_status=str(link.get("status")) if link else None,
+            owner_name=self.owner_name, rejected_updates=(n.rejected_updates or 0) if n is not None else 0,
+            last_seen=self.last_seen, telemetry=telemetry_of(n.telemetry if n is not None else None),
+            info=(n.info or {}) if n is not None else {})
+
+
+def _row(node_id: str, n: Node | None, sn: dict | None, run: Run | None, run_live: bool, now: dt.datetime) -> _Row:
+    """The node's state from the best evidence (the module's docstring says which)."""
     last_seen = n.last_seen if n is not None else None
     age = (now - last_seen).total_seconds() if last_seen is not None else None
     status = n.status if n is not None else None
@@ -120,15 +165,7 @@ def _entry(node_id: str, n: Node | None, sn: dict | None, run: Run | None, run_l
         state = "online"
         since = _ts(sn.get("online-at")) if sn else None
         detail = f"online since {_fmt(since)}" if since else "online"
-    return FleetNodeOut(
-        id=node_id, kind=n.kind if n is not None else "supernode", state=state, state_detail=detail, since=since,
-        run_id=run_id, run_status=run.status if run is not None else None,
-        device_class=n.device_class if n is not None else None,
-        superlink_status=str(sn.get("status")) if sn else None,
-        owner_name=str(sn["owner-name"])[:100] if sn and sn.get("owner-name") is not None else None,
-        rejected_updates=(n.rejected_updates or 0) if n is not None else 0, last_seen=last_seen,
-        telemetry=telemetry_of(n.telemetry if n is not None else None),
-        info=(n.info or {}) if n is not None else {})
+    return _Row(node_id, n, sn, run, state, detail, since, reachable)
 
 
 def _runs_live(runs: dict[str, Run], timeout_s: float, now: dt.datetime) -> dict[str, bool]:
@@ -136,7 +173,7 @@ def _runs_live(runs: dict[str, Run], timeout_s: float, now: dt.datetime) -> dict
 
 
 def fleet_nodes(store: Store, sn: SuperNodesOut, timeout_s: float = 120.0,
-                now: dt.datetime | None = None) -> tuple[list[FleetNodeOut], int]:
+                now: dt.datetime | None = None) -> tuple[list[_Row], int]:
     """Every fleet node with its state, and how many simulated nodes the store holds."""
     now = now or _now()
     with store.session() as s:
@@ -148,10 +185,10 @@ def fleet_nodes(store: Store, sn: SuperNodesOut, timeout_s: float = 120.0,
         simulated = int(s.scalar(select(func.count()).select_from(Node).where(Node.kind == "sim")) or 0)
     live = _runs_live(runs, timeout_s, now)
     links = _superlink_index(sn)
-    out = [_entry(n.id, n, links.get(n.id), runs.get(n.run_id or ""), live.get(n.run_id or "", False), now)
+    out = [_row(n.id, n, links.get(n.id), runs.get(n.run_id or ""), live.get(n.run_id or "", False), now)
            for n in nodes]
     known = {n.id for n in nodes}
-    out += [_entry(nid, None, d, None, False, now) for nid, d in links.items() if nid not in known]
+    out += [_row(nid, None, d, None, False, now) for nid, d in links.items() if nid not in known]
     return out, simulated
 
 
@@ -179,8 +216,8 @@ def fleet(store: Store, sn: SuperNodesOut, query: FleetQuery, timeout_s: float =
     counts.update(Counter(e.state for e in chosen))
     rows = [e for e in chosen if not query.state or e.state == query.state]
     rows.sort(key=_sort_key(query.sort), reverse=query.order == "desc")
-    return NodesOut(nodes=rows[query.offset:query.offset + query.limit], total=len(rows), limit=query.limit,
-                    offset=query.offset, counts=counts,
+    page = [e.out() for e in rows[query.offset:query.offset + query.limit]]
+    return NodesOut(nodes=page, total=len(rows), limit=query.limit, offset=query.offset, counts=counts,
                     device_classes=sorted({e.device_class for e in entries if e.device_class}),
                     runs=sorted({e.run_id for e in entries if e.run_id}), simulated_nodes=simulated, supernodes=sn)
 
@@ -220,7 +257,7 @@ def node_detail(store: Store, node_id: str, sn: SuperNodesOut, timeout_s: float 
     entry = None
     if not simulated and (node is not None or link is not None):
         live = _runs_live({run.id: run}, timeout_s, now).get(run.id, False) if run is not None else False
-        entry = _entry(node_id, node, link, run, live, now)
+        entry = _row(node_id, node, link, run, live, now).out()
     runs = [NodeRunOut(run_id=rid, name=name, status=status, rounds=int(c or 0), failed=int(f or 0),
                        rejected=int(rj or 0), bytes_up=int(up or 0), bytes_down=int(dn or 0), first_round=lo,
                        last_round=hi)

@@ -83,6 +83,7 @@ class FleetNodeOut(Out):
     state: Literal[FLEET_STATES] = Field(  # type: ignore[valid-type]
         description="training (in a live run), online, failed (its last round failed or was rejected), offline")
     state_detail: str = Field("", description="the state in words: 'training in run R', 'offline since T', ...")
+    online: bool = Field(False, description="reachable now: any state but offline")
     since: dt.datetime | None = Field(None, description="when it went offline (or online), where known")
     run_id: str | None = Field(None, description="the run it was last seen in")
     run_status: str | None = None
