@@ -147,6 +147,14 @@ def test_run_page_node_table_sorts_ids_as_numbers(app, admin):
     record_round(store, "many", 1, [{"node_id": str(k)} for k in (3, 11, 1, 10, 2, 100, 20)], "sim")
     assert [n["node_id"] for n in admin.get("/api/runs/many").json()["nodes"]] == ["1", "2", "3", "10", "11", "20",
                                                                                    "100"]
+    # Over the table's 2000 rows: the 2000 lowest ids (a text order would keep "1000" and drop "200").
+    store.create_run({}, run_id="big", status="finished")
+    record_round(store, "big", 1, [{"node_id": str(k)} for k in range(2005, 0, -1)], "sim")
+    assert [n["node_id"] for n in admin.get("/api/runs/big").json()["nodes"]] == [str(k) for k in range(1, 2001)]
+    store.create_run({}, run_id="mixed", status="finished")
+    record_round(store, "mixed", 1, [{"node_id": k} for k in ("b2", "a10", "a9", "pi-10", "pi-9")], "sim")
+    assert [n["node_id"] for n in admin.get("/api/runs/mixed").json()["nodes"]] == ["a9", "a10", "b2", "pi-9",
+                                                                                    "pi-10"]
 
 
 def test_ingest_carries_validated_telemetry(app, anon, admin):
@@ -160,8 +168,9 @@ def test_ingest_carries_validated_telemetry(app, anon, admin):
     assert listed["peer-a"]["telemetry"] == {**dict.fromkeys(listed["peer-a"]["telemetry"]), **tel,
                                              "peak_rss_mb": 512.0, "battery_pct": 40.0}
     assert listed["peer-a"]["state"] == "training"
-    # A heartbeat without telemetry keeps the last values.
+    # A heartbeat without telemetry (or with none measured) keeps the last values.
     assert anon.post("/api/ingest/nodes", json={"node_id": "peer-a"}, headers=h).status_code == 200
+    assert anon.post("/api/ingest/nodes", json={"node_id": "peer-a", "telemetry": {}}, headers=h).status_code == 200
     with store.session() as s:
         assert s.get(Node, "peer-a").telemetry == tel
     body = {"round": 1, "nodes": [{"node_id": "peer-a", "telemetry": {"train_s": 3.0}}, {"node_id": "peer-b"}]}
