@@ -50,6 +50,11 @@ def test_fleet_lists_real_nodes_in_honest_states_and_no_simulated_node(app, admi
     assert out["counts"] == {"training": 2, "online": 0, "failed": 1, "offline": 1}
     # Default order: live states first, then ids as numbers.
     assert [n["id"] for n in out["nodes"]] == ["123", "6917529027641081857", "55", "77"]
+    # Node 77 comes back in another round: seen again, online (its run has ended: not training).
+    record_round(store, "old-deploy", 2, [{"node_id": "77"}], "supernode")
+    back = {n["id"]: n for n in _fleet(admin)["nodes"]}["77"]
+    assert back["state"] == "online" and back["online"] and back["since"] is None
+    assert by[LIVE_NODES[0]]["online"] and not by["77"]["online"]
     # The deployment run ends: its nodes are no longer training (seen just now: online).
     store.set_status(DEPLOY_RUN, "finished")
     assert {n["id"]: n["state"] for n in _fleet(admin)["nodes"]}[LIVE_NODES[0]] == "online"
