@@ -192,3 +192,15 @@ def test_ingest_carries_validated_telemetry(app, anon, admin):
     assert r.status_code == 422
     with store.session() as s:
         assert s.get(Node, "peer-a").telemetry == tel  # nothing of the refused reports was stored
+
+
+def test_api_reference_documents_the_fleet_routes(anon):
+    schema = anon.get("/openapi.json").json()
+    listed = schema["paths"]["/api/nodes"]["get"]
+    assert {p["name"] for p in listed["parameters"]} >= {"state", "device_class", "run_id", "kind", "q", "sort",
+                                                          "order", "limit", "offset"}
+    one = schema["paths"]["/api/nodes/{node_id}"]["get"]
+    assert one["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/NodeDetailOut")
+    assert set(schema["components"]["schemas"]["Telemetry"]["properties"]) == {
+        "train_s", "examples_per_s", "peak_rss_mb", "cpu_count", "cpu_model", "accelerator", "accelerator_mem_mb",
+        "battery_pct", "power_source", "cpu_temp_c"}
