@@ -377,7 +377,9 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
                      "poll_interval_s": poll_s, "median_ms": statistics.median(d_ms) if d_ms else float("nan"),
                      "p99_ms": _pct(d_ms, 99), "max_ms": max(d_ms, default=float("nan")),
                      "under_1s": sum(d < 1000 for d in d_ms) / max(1, len(d_ms))})
-        rows += dashboard_fleet.fleet_rows(url, token, fleet_endpoints, requests=50 if quick else 200)
+        now_pid = servers["now"][0].pid
+        rows += dashboard_fleet.fleet_rows(url, token, fleet_endpoints, requests=50 if quick else 200,
+                                           server_cpu_s=lambda: (_server_clock(now_pid) or (None,))[0])
     finally:
         if own_cores:
             os.sched_setaffinity(0, own_cores)

@@ -8,8 +8,10 @@ simulated nodes (each in the nodes table and in every round's per-node rows) and
 from __future__ import annotations
 
 import datetime as dt
+import os
 import statistics
 import time
+from typing import Callable
 
 import httpx
 
@@ -59,22 +61,30 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))] if xs else float("nan")
 
 
-def fleet_rows(url: str, token: str, endpoints: dict[str, str], requests: int = 200) -> list[dict]:
-    """p50/p99 of each endpoint for one user: ``requests`` sequential requests after 5 warm-up ones."""
+def fleet_rows(url: str, token: str, endpoints: dict[str, str], requests: int = 200,
+               server_cpu_s: Callable[[], float | None] | None = None) -> list[dict]:
+    """p50/p99 of each endpoint for one user: ``requests`` sequential requests after 5 warm-up ones.
+    ``server_cpu_s()``: the server's CPU seconds so far, for its CPU time per request (what a
+    loaded machine does not inflate, unlike the latency)."""
     rows = []
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as c:
         for label, path in endpoints.items():
-            ms, errors = [], 0
+            ms, errors, cpu0 = [], 0, None
             for i in range(requests + 5):
+                if i == 5 and server_cpu_s is not None:
+                    cpu0 = server_cpu_s()
                 t = time.perf_counter()
                 r = c.get(path)
                 if i >= 5:
                     ms.append((time.perf_counter() - t) * 1e3)
                     errors += r.status_code != 200
+            cpu1 = server_cpu_s() if cpu0 is not None and server_cpu_s is not None else None
+            cpu = {"server_cpu_ms_per_request": round((cpu1 - cpu0) * 1e3 / requests, 2)} if cpu1 is not None else {}
             rows.append({"test": "fleet", "endpoint": label, "store": "quiet", "server": "now", "concurrency": 1,
                          "requests": requests, "errors": errors, "median_ms": statistics.median(ms),
                          "p99_ms": _pct(ms, 99), "rps": 1e3 / statistics.mean(ms), "target_p99_ms": TARGET_MS,
-                         "sim_nodes_in_store": SIM_NODES, "fleet_nodes": FLEET_NODES})
+                         "sim_nodes_in_store": SIM_NODES, "fleet_nodes": FLEET_NODES,
+                         "loadavg_1m": round(os.getloadavg()[0], 2), **cpu})
     return rows
 
 
