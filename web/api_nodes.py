@@ -14,6 +14,7 @@ from fedswarm.web.federation import FederationError
 from fedswarm.web.runs_service import RunError
 
 router = APIRouter(prefix="/api")
+SUPERNODES_MAX_AGE_S = 5.0  # the SuperLink's list is asked again after this long
 ERRORS = {401: {"model": schemas.Message}, 403: {"model": schemas.Message},
           404: {"model": schemas.Message}, 409: {"model": schemas.Message}, 422: {"model": schemas.Message}}
 
@@ -23,7 +24,8 @@ def supernodes(ctx: WebContext) -> schemas.SuperNodesOut:
     if not fed.configured:
         return schemas.SuperNodesOut(configured=False, error="no SuperLink configured")
     try:
-        return schemas.SuperNodesOut(configured=True, superlink=fed.superlink, nodes=fed.supernodes())
+        return schemas.SuperNodesOut(configured=True, superlink=fed.superlink,
+                                     nodes=fed.supernodes(max_age_s=SUPERNODES_MAX_AGE_S))
     except FederationError as exc:
         return schemas.SuperNodesOut(configured=True, superlink=fed.superlink, error=str(exc))
 

@@ -96,6 +96,7 @@ def test_superlink_view_decides_reachability(make_app, tmp_path, monkeypatch):
         {"node-id": LIVE_NODES[0], "owner-name": "pi-1", "status": "offline", "offline-at": "2026-01-02 03:04:05Z"},
         {"node-id": 4242, "owner-name": "pi-2", "status": "online", "online-at": "2026-01-02 01:00:00Z"},
         {"node-id": 8, "status": "registered"}, {"node-id": 9, "status": "unregistered"}]))
+    monkeypatch.setattr("fedswarm.web.api_nodes.SUPERNODES_MAX_AGE_S", 3600.0)
     app = make_app(superlink="lab")
     app.state.ctx.federation.flwr = [sys.executable, str(HERE / "fake_flwr.py")]
     seed_fleet(app.state.ctx.store, rounds=1)
@@ -112,6 +113,8 @@ def test_superlink_view_decides_reachability(make_app, tmp_path, monkeypatch):
         detail = c.get("/api/nodes/4242").json()
         assert detail["node"]["owner_name"] == "pi-2" and detail["runs"] == []
         assert "pi-2" in c.get("/nodes").text
+    asked = [x for x in (tmp_path / "flwr.log").read_text().splitlines() if '"supernode", "list"' in x]
+    assert len(asked) == 1  # three views, one `flwr supernode list`: the answer was reused
 
 
 def test_node_history_across_runs_with_telemetry(app, admin):

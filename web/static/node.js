@@ -1,4 +1,5 @@
-// Node page: the node's telemetry over its rounds (GET /api/nodes/{id}), drawn with charts.js.
+// Node page: the node's telemetry over its rounds (GET /api/nodes/{id}, without asking the
+// SuperLink again: the page already shows its state), drawn with charts.js.
 // x is the node's n-th round (oldest first, across runs); a round that measured nothing is a gap.
 (function () {
   "use strict";
@@ -13,7 +14,7 @@
     bytes: C("chart-bytes", { format: "bytes", empty: "no rounds yet", series: [{ name: "up", color: "#0d9488" }, { name: "down", color: "#64748b", dash: [5, 3] }] }),
   };
   for (const c of Object.values(charts)) c.setX("round of this node (oldest first)", "num");
-  fetch("/api/nodes/" + encodeURIComponent(root.dataset.nodeId), { credentials: "same-origin" })
+  fetch("/api/nodes/" + encodeURIComponent(root.dataset.nodeId) + "?supernodes=false", { credentials: "same-origin" })
     .then((r) => (r.ok ? r.json() : null))
     .then((d) => {
       if (!d) return;
