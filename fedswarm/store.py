@@ -215,14 +215,7 @@ class Store:
 
     # -- nodes -------------------------------------------------------------------------
     def upsert_node(self, node_id: str, **fields: Any) -> None:
-        with self.session() as s:
-            node = s.get(Node, node_id)
-            if node is None:
-                node = Node(id=node_id)
-                s.add(node)
-            for k, v in fields.items():
-                setattr(node, k, v)
-            node.last_seen = _now()
+        self.upsert_nodes({node_id: fields})
 
     def upsert_nodes(self, nodes: dict[str, dict[str, Any]]) -> None:
         """:meth:`upsert_node` for many nodes in one commit (a round's thousands of simulated nodes)."""
