@@ -1,5 +1,6 @@
 """Dashboard benchmark: API latency with 50 concurrent clients on a store of 50 runs x 101
-rounds, and live-update fan-out to 100 viewers, against the real app served by uvicorn.
+rounds, and live-update fan-out to 100 viewers, against the real app served by uvicorn; and the
+fleet's pages for one user with 10,000 simulated nodes in the store (:mod:`fedswarm.bench.dashboard_fleet`).
 
 ``run(out_dir, quick)`` seeds a temp SQLite store (50 finished runs, rounds 0..100, 10 nodes a
 round, so 50,500 per-node rows; 10,000 simulated nodes of a live run), starts the dashboard in
@@ -46,6 +47,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from fedswarm.bench import dashboard_fleet
 
 __all__ = ["run", "seed_store"]
 
@@ -290,7 +293,7 @@ def _plot(rows: list[dict], base: list[dict], delays_ms: list[float], path: Path
     api = [r for r in rows if r["test"] == "api" and r.get("server") == "now"]
     plain = {(r["endpoint"], r["store"]): r["p99_ms"] for r in rows
              if r["test"] == "api" and r.get("server") == "plain"}
-    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5))
+    fig, (a, b, f) = plt.subplots(1, 3, figsize=(20, 5))
     labels = [f"{r['endpoint'].replace('/api/', '')}\n{r['store']}" for r in api]
     xs = list(range(len(api)))
 
@@ -318,6 +321,7 @@ def _plot(rows: list[dict], base: list[dict], delays_ms: list[float], path: Path
     b.set_xlabel("round written → viewer received (ms)")
     b.set_ylabel("(viewer, round) pairs")
     b.set_title(f"SSE fan-out to {VIEWERS} viewers")
+    dashboard_fleet.plot(f, [r for r in rows if r["test"] == "fleet"])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -340,6 +344,7 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
     tmp = tempfile.mkdtemp(prefix="fedswarm-bench-")
     db = os.path.join(tmp, "bench.db")
     ids, live, token = seed_store(db)
+    fleet_endpoints = dashboard_fleet.seed_fleet(db)  # + 10,000 simulated nodes and a fleet of 200
     server_cores, client_cores = _cores()
     own_cores = os.sched_getaffinity(0) if client_cores else None
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
@@ -377,6 +382,9 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
                      "poll_interval_s": poll_s, "median_ms": statistics.median(d_ms) if d_ms else float("nan"),
                      "p99_ms": _pct(d_ms, 99), "max_ms": max(d_ms, default=float("nan")),
                      "under_1s": sum(d < 1000 for d in d_ms) / max(1, len(d_ms))})
+        now_pid = servers["now"][0].pid
+        rows += dashboard_fleet.fleet_rows(url, token, fleet_endpoints, requests=50 if quick else 200,
+                                           server_cpu_s=lambda: (_server_clock(now_pid) or (None,))[0])
     finally:
         if own_cores:
             os.sched_setaffinity(0, own_cores)

@@ -215,14 +215,23 @@ class Store:
 
     # -- nodes -------------------------------------------------------------------------
     def upsert_node(self, node_id: str, **fields: Any) -> None:
+        self.upsert_nodes({node_id: fields})
+
+    def upsert_nodes(self, nodes: dict[str, dict[str, Any]]) -> None:
+        """:meth:`upsert_node` for many nodes in one commit (a round's thousands of simulated nodes)."""
+        ids, now = list(nodes), _now()
         with self.session() as s:
-            node = s.get(Node, node_id)
-            if node is None:
-                node = Node(id=node_id)
-                s.add(node)
-            for k, v in fields.items():
-                setattr(node, k, v)
-            node.last_seen = _now()
+            have: dict[str, Node] = {}
+            for i in range(0, len(ids), 500):  # bounded IN lists (SQLite's parameter limit)
+                have.update((n.id, n) for n in s.scalars(select(Node).where(Node.id.in_(ids[i:i + 500]))))
+            for node_id, fields in nodes.items():
+                node = have.get(node_id)
+                if node is None:
+                    node = Node(id=node_id)
+                    s.add(node)
+                for k, v in fields.items():
+                    setattr(node, k, v)
+                node.last_seen = now
 
     def list_nodes(self, run_id: str | None = None) -> list[Node]:
         with self.session() as s:

@@ -90,6 +90,9 @@ class Round(Base):
 
 class NodeRound(Base):
     __tablename__ = "node_rounds"
+    # a node's history across runs (the dashboard's node page) and a run's node table
+    __table_args__ = (Index("ix_node_rounds_node_id_run_id", "node_id", "run_id", "round"),
+                      Index("ix_node_rounds_run_id_node_id", "run_id", "node_id"))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
@@ -103,6 +106,9 @@ class NodeRound(Base):
     policy: Mapped[dict] = mapped_column(JSON, default=dict)
     status: Mapped[str] = mapped_column(String(16), default="ok")  # ok | failed | rejected
     reason: Mapped[str | None] = mapped_column(Text)
+    # what the node measured that round (train_s, peak_rss_mb, battery_pct, cpu_temp_c, ...;
+    # fedswarm.web.node_schemas.TELEMETRY_KEYS), absent keys left out
+    telemetry: Mapped[dict | None] = mapped_column(JSON)
 
 
 class Rejection(Base):
@@ -122,6 +128,7 @@ class Rejection(Base):
 
 class Node(Base):
     __tablename__ = "nodes"
+    __table_args__ = (Index("ix_nodes_kind_last_seen", "kind", "last_seen"),)  # the fleet: every kind but sim
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     kind: Mapped[str] = mapped_column(String(16), default="supernode")  # supernode | peer | sim
@@ -132,6 +139,7 @@ class Node(Base):
     rejected_updates: Mapped[int] = mapped_column(Integer, default=0)
     last_seen: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
     owner: Mapped[str | None] = mapped_column(String(64))  # "token:<id>" for nodes reported through ingest
+    telemetry: Mapped[dict | None] = mapped_column(JSON)  # the last telemetry it sent (as NodeRound.telemetry)
 
 
 class Event(Base):

@@ -227,16 +227,21 @@ class RoundRecorder(RoundNotes):
         return late
 
     def _seen_nodes(self, rows: list[dict]) -> None:
-        """Keep the nodes table current: class, status, last seen, what it runs on."""
+        """Keep the nodes table current, in one commit: class, status of the last round, last
+        seen, what it runs on, and the telemetry it sent with the round (``row["telemetry"]``)."""
+        nodes: dict[str, dict[str, Any]] = {}
         for row in rows:
-            node_id = f"{self.run_id}:{row['node_id']}" if self.node_kind == "sim" else row["node_id"]
+            node_id = f"{self.run_id}:{row['node_id']}" if self.node_kind == "sim" else str(row["node_id"])
             fields: dict[str, Any] = {"kind": self.node_kind, "run_id": self.run_id,
                                       "status": "online" if row.get("status", "ok") == "ok" else row["status"]}
             if row.get("device_class"):
                 fields["device_class"] = row["device_class"]
             if row.get("probe"):
                 fields["info"] = row["probe"]
-            self.store.upsert_node(node_id, **fields)
+            if isinstance(row.get("telemetry"), dict) and row["telemetry"]:
+                fields["telemetry"] = row["telemetry"]
+            nodes[node_id] = fields
+        self.store.upsert_nodes(nodes)
 
     # -- controls ----------------------------------------------------------------------
     def _apply_policy(self, payload: dict) -> None:

@@ -88,19 +88,24 @@ class Recorder:
         self.heartbeat(force=True)
 
     # -- what the peer calls -------------------------------------------------------------
-    def heartbeat(self, force: bool = False, status: str = "online") -> None:
+    def heartbeat(self, force: bool = False, status: str = "online", telemetry: dict | None = None) -> None:
+        """``telemetry``: what the peer measured (the keys of ``NodeIn.telemetry``: train_s,
+        peak_rss_mb, battery_pct, cpu_temp_c, ...), shown on the dashboard's Nodes page."""
         now = time.monotonic()
         if not force and now - self._last_beat < self.min_interval_s:
             return
         self._last_beat = now
         p = self.peer
         drops = p.verifier.drop_counts()
-        self._submit("node", {
+        body = {
             "node_id": p.id, "kind": "peer", "run_id": self.run_id, "status": status,
             "info": {"round": p.round, "address": p.transport.address, "algorithm": p.cfg.algorithm,
                      "members": p.membership.count(), "dropped": drops},
             "rejected_updates": sum(drops.get(k, 0) for k in ("forged", "invalid_payload", "not_allowed")),
-        })
+        }
+        if telemetry:
+            body["telemetry"] = dict(telemetry)
+        self._submit("node", body)
 
     def round_done(self, row: dict) -> None:
         self.heartbeat(force=True)
@@ -175,8 +180,9 @@ class Recorder:
             if what == "run" and s.get_run(self.run_id) is None:
                 s.create_run(body["config"], name=body["name"], run_id=self.run_id, status="running")
             elif what == "node":
+                extra = {"telemetry": body["telemetry"]} if body.get("telemetry") else {}
                 s.upsert_node(body["node_id"], kind="peer", run_id=self.run_id, status=body["status"],
-                              info=body["info"], rejected_updates=body["rejected_updates"])
+                              info=body["info"], rejected_updates=body["rejected_updates"], **extra)
             elif what == "round":
                 fields = {k: v for k, v in body.items() if k not in ("round", "nodes")}
                 s.add_round(self.run_id, body["round"], **fields)

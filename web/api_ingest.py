@@ -22,6 +22,7 @@ from fedswarm.web import schemas
 from fedswarm.web.accounts import Principal
 from fedswarm.store import Node, Run
 from fedswarm.web.deps import WebContext, authorize_run, get_ctx, ingest_run, require_reporter
+from fedswarm.web.node_schemas import TelemetryIn
 from fedswarm.web.run_state import LIVE_STATUSES
 
 router = APIRouter(prefix="/api/ingest", tags=["ingest"])
@@ -49,6 +50,7 @@ class NodeIn(_In):
     status: Literal["online", "offline", "busy", "failed"] = "online"
     info: dict[str, Any] = Field(default_factory=dict)
     rejected_updates: int | None = Field(None, ge=0, le=2**31 - 1)
+    telemetry: TelemetryIn | None = Field(None, description="what the node measured (kept as its last values)")
 
     @field_validator("info")
     @classmethod
@@ -86,6 +88,14 @@ class NodeRoundIn(_In):
     device_class: str | None = Field(None, pattern=schemas.ID_PATTERN)
     status: Literal["ok", "failed", "rejected"] = "ok"
     reason: str | None = Field(None, max_length=2000)
+    telemetry: TelemetryIn | None = Field(None, description="what the node measured in this round")
+
+    def row(self) -> dict[str, Any]:
+        """The store's per-node row: telemetry with only the keys that were sent."""
+        out = self.model_dump(exclude={"telemetry"})
+        if self.telemetry is not None:
+            out["telemetry"] = self.telemetry.model_dump(exclude_none=True) or None
+        return out
 
 
 class RoundIn(_In):
@@ -147,6 +157,8 @@ def report_node(body: NodeIn, p: Principal = Depends(require_reporter), ctx: Web
     _node_owner(ctx, p, body.node_id, run)
     fields = body.model_dump(exclude={"node_id"}, exclude_none=True)
     fields["info"] = fields.get("info") or {}
+    if not fields.get("telemetry"):
+        fields.pop("telemetry", None)  # none sent: the last values stay
     if run_id is not None:
         fields["run_id"] = run_id
     if p.owner_tag and not p.is_admin:
@@ -179,7 +191,7 @@ def report_round(body: RoundIn, owned=Depends(ingest_run), ctx: WebContext = Dep
     except IntegrityError:
         raise HTTPException(409, f"round {body.round} of run '{run.id}' was already reported") from None
     if body.nodes:
-        ctx.store.add_node_rounds(run.id, body.round, [n.model_dump() for n in body.nodes])
+        ctx.store.add_node_rounds(run.id, body.round, [n.row() for n in body.nodes])
     return Ack(run_id=run.id, detail=f"round {body.round} recorded")
 
 

@@ -1,16 +1,20 @@
-"""/api/nodes (store nodes and Flower SuperNodes) and /api/policies (per device class)."""
+"""/api/nodes (the fleet: store nodes and Flower SuperNodes), /api/nodes/{id} (one node's history)
+and /api/policies (per device class)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, HTTPException, Query
+from typing import Literal
 
-from fedswarm.web import queries, schemas
+from fastapi import APIRouter, Depends, HTTPException, Path, Query
+
+from fedswarm.web import fleet, node_schemas, queries, schemas
 from fedswarm.web.accounts import Principal
 from fedswarm.web.deps import WebContext, get_ctx, require_admin, require_reader
 from fedswarm.web.federation import FederationError
 from fedswarm.web.runs_service import RunError
 
 router = APIRouter(prefix="/api")
+SUPERNODES_MAX_AGE_S = 5.0  # the SuperLink's list is asked again after this long
 ERRORS = {401: {"model": schemas.Message}, 403: {"model": schemas.Message},
           404: {"model": schemas.Message}, 409: {"model": schemas.Message}, 422: {"model": schemas.Message}}
 
@@ -20,20 +24,46 @@ def supernodes(ctx: WebContext) -> schemas.SuperNodesOut:
     if not fed.configured:
         return schemas.SuperNodesOut(configured=False, error="no SuperLink configured")
     try:
-        return schemas.SuperNodesOut(configured=True, superlink=fed.superlink, nodes=fed.supernodes())
+        return schemas.SuperNodesOut(configured=True, superlink=fed.superlink,
+                                     nodes=fed.supernodes(max_age_s=SUPERNODES_MAX_AGE_S))
     except FederationError as exc:
         return schemas.SuperNodesOut(configured=True, superlink=fed.superlink, error=str(exc))
 
 
-@router.get("/nodes", response_model=schemas.NodesOut, responses=ERRORS, tags=["nodes"])
+@router.get("/nodes", response_model=node_schemas.NodesOut, responses=ERRORS, tags=["nodes"])
 def list_nodes(supernodes_too: bool = Query(True, alias="supernodes",
                                             description="also ask the SuperLink for its SuperNodes"),
-               limit: int = Query(200, ge=1, le=2000), offset: int = Query(0, ge=0, le=10**7),
-               _: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)) -> schemas.NodesOut:
-    """Swarm peers and simulated nodes from the store, most recently seen first (one page);
-    Flower SuperNodes from the SuperLink."""
+               state: Literal[node_schemas.FLEET_STATES] | None = Query(None),  # type: ignore[valid-type]
+               device_class: str | None = Query(None, pattern=schemas.ID_PATTERN),
+               run_id: str | None = Query(None, pattern=schemas.RUN_ID_PATTERN, description="last seen in this run"),
+               kind: Literal[fleet.FLEET_KINDS] | None = Query(None),  # type: ignore[valid-type]
+               q: str | None = Query(None, max_length=100, description="part of the node id or owner name"),
+               sort: Literal[fleet.FLEET_SORTS] = Query("state"),  # type: ignore[valid-type]
+               order: Literal["asc", "desc"] = Query("asc"),
+               limit: int = Query(100, ge=1, le=2000), offset: int = Query(0, ge=0, le=10**7),
+               _: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)) -> node_schemas.NodesOut:
+    """The fleet, one page: Flower SuperNodes (the SuperLink's and those deployment runs recorded),
+    swarm peers and remote ServerApps, each with its state (training, online, failed, offline),
+    device class, last telemetry and last-seen time. Node ids sort as numbers where they are
+    numbers. Simulated nodes are not listed (``simulated_nodes`` counts them): see their run."""
     sn = supernodes(ctx) if supernodes_too else schemas.SuperNodesOut(configured=ctx.federation.configured)
-    return schemas.NodesOut(nodes=queries.node_list(ctx.store, limit, offset), supernodes=sn)
+    query = fleet.FleetQuery(state=state, device_class=device_class, run_id=run_id, kind=kind, q=q, sort=sort,
+                             order=order, limit=limit, offset=offset)
+    return fleet.fleet(ctx.store, sn, query, ctx.settings.report_timeout_s)
+
+
+@router.get("/nodes/{node_id}", response_model=node_schemas.NodeDetailOut, responses=ERRORS, tags=["nodes"])
+def get_node(node_id: str = Path(pattern=schemas.ID_PATTERN),
+             supernodes_too: bool = Query(True, alias="supernodes",
+                                          description="also ask the SuperLink about this node"),
+             _: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)) -> node_schemas.NodeDetailOut:
+    """One node: its state, its runs (rounds trained, failures, rejected updates, bytes) and
+    its rounds with their telemetry (the last 2000, oldest first)."""
+    sn = supernodes(ctx) if supernodes_too else schemas.SuperNodesOut(configured=ctx.federation.configured)
+    out = fleet.node_detail(ctx.store, node_id, sn, ctx.settings.report_timeout_s)
+    if out is None:
+        raise HTTPException(404, f"no node '{node_id}' in the store or on the SuperLink")
+    return out
 
 
 @router.get("/policies", response_model=list[schemas.PolicyOut], responses=ERRORS, tags=["policies"])

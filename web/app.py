@@ -27,7 +27,7 @@ import fedswarm
 from fedswarm.store import Store, migrate
 from fedswarm.web import auth_models  # noqa: F401  (registers the web tables on Base)
 from fedswarm.web import api_admin, api_ingest, api_nodes, api_runs, docs, pages_compare, pages_misc, pages_runs
-from fedswarm.web import api_export, api_webhooks, metrics
+from fedswarm.web import api_export, api_webhooks, metrics, pages_nodes
 from fedswarm.web.accounts import Accounts
 from fedswarm.web.cache import ResponseCache
 from fedswarm.web.catalog import Catalog
@@ -124,7 +124,7 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
     app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
     docs.mount(app)
     for module in (api_runs, api_export, api_nodes, api_ingest, api_admin, api_webhooks, metrics, pages_runs,
-                   pages_compare, pages_misc, docs):
+                   pages_compare, pages_misc, pages_nodes, docs):
         app.include_router(module.router)
     app.include_router(api_webhooks.pages)
     _install_handlers(app, ctx)

@@ -10,6 +10,8 @@ import json
 import re
 import shlex
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,8 @@ class Federation:
         self.flwr = settings.flwr_cmd
         self.app_dir = settings.flwr_app_dir or default_app_dir()
         self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._supernodes: tuple[float, list[dict[str, Any]]] | None = None  # (when, answer)
 
     @property
     def configured(self) -> bool:
@@ -71,8 +75,16 @@ class Federation:
             data = data.get(key, [])
         return [d for d in data if isinstance(d, dict)] if isinstance(data, list) else []
 
-    def supernodes(self) -> list[dict[str, Any]]:
-        return self._json(self._call("supernode", "list", self.superlink or "", "--format", "json"), "nodes")
+    def supernodes(self, max_age_s: float = 0.0) -> list[dict[str, Any]]:
+        """The SuperLink's SuperNodes. ``max_age_s``: an answer at most that old may be reused (the
+        fleet's pages ask on every view, and each ask is a ``flwr`` subprocess); errors never are."""
+        with self._lock:
+            if self._supernodes is not None and time.monotonic() - self._supernodes[0] <= max_age_s:
+                return self._supernodes[1]
+        nodes = self._json(self._call("supernode", "list", self.superlink or "", "--format", "json"), "nodes")
+        with self._lock:
+            self._supernodes = (time.monotonic(), nodes)
+        return nodes
 
     def runs(self) -> list[dict[str, Any]]:
         return self._json(self._call("ls", self.superlink or "", "--format", "json"), "runs")

@@ -1,4 +1,4 @@
-"""HTML pages: login and logout, nodes, the Flower federation, users and API tokens."""
+"""HTML pages: login and logout, the Flower federation, users and API tokens."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from fedswarm.web import api_admin, api_nodes, queries, schemas, security
+from fedswarm.web import api_admin, schemas, security
 from fedswarm.web.accounts import Principal
 from fedswarm.web.deps import (SESSION_COOKIE, WebContext, get_ctx, page_admin_form, page_user, principal,
                                read_form)
@@ -91,12 +91,6 @@ async def logout(request: Request, p: Principal = Depends(page_user), ctx: WebCo
     resp = RedirectResponse("/login", status_code=303)
     resp.delete_cookie(SESSION_COOKIE)
     return resp
-
-
-@router.get("/nodes", response_class=HTMLResponse)
-def nodes_page(request: Request, p: Principal = Depends(page_user), ctx: WebContext = Depends(get_ctx)):
-    return render(request, ctx, p, "nodes.html", nodes=queries.node_list(ctx.store),
-                  supernodes=api_nodes.supernodes(ctx))
 
 
 @router.get("/federation", response_class=HTMLResponse)

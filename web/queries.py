@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -11,14 +10,13 @@ from sqlalchemy.orm import Session
 
 from fedswarm.store import Control, Node, NodeRound, Round, Run, Store
 from fedswarm.web import schemas
+from fedswarm.web.fleet import natural_key
 from fedswarm.web.run_state import (LIVE_STATUSES, Health, allowed_actions, is_remote,
                                     lost_reason, shown_status, timeout_of)
 
-__all__ = ["RunQuery", "list_runs", "run_summaries", "run_summary", "run_detail", "rounds", "node_list",
-           "policies", "node_stats", "stats_for", "summary_of", "recent_events", "device_classes",
-           "ONLINE_WINDOW_S", "SORTS"]
+__all__ = ["RunQuery", "list_runs", "run_summaries", "run_summary", "run_detail", "rounds",
+           "policies", "node_stats", "stats_for", "summary_of", "recent_events", "device_classes", "SORTS"]
 
-ONLINE_WINDOW_S = 60.0
 SORTS = {"created": Run.created_at, "name": Run.name, "strategy": Run.strategy, "status": Run.status,
          "rounds": Run.total_rounds}
 
@@ -163,8 +161,10 @@ def node_stats(store: Store, run: Run) -> list[schemas.NodeStatsOut]:
                    func.sum(case((NodeRound.status == "rejected", 1), else_=0)),
                    func.sum(case((NodeRound.status == "failed", 1), else_=0)),
                    func.max(NodeRound.round), func.max(NodeRound.device_class))
-            .where(NodeRound.run_id == run_id).group_by(NodeRound.node_id).order_by(NodeRound.node_id)
+            .where(NodeRound.run_id == run_id).group_by(NodeRound.node_id)
+            .order_by(func.length(NodeRound.node_id), NodeRound.node_id)  # digit ids: by value
             .limit(2000)).all()
+        rows.sort(key=lambda r: natural_key(r[0]))  # numbers as numbers inside mixed ids too
         ids = [r[0] for r in rows]
         store_ids = ids + [f"{run_id}:{i}" for i in ids]  # simulated nodes are stored as RUN:NODE
         known = {n.id: n for n in s.scalars(select(Node).where(Node.id.in_(store_ids)))} if ids else {}
@@ -259,20 +259,6 @@ def rounds(store: Store, run_id: str, since: int = -1, limit: int = 100_000) -> 
     with store.session() as s:
         q = (select(Round).where(Round.run_id == run_id, Round.round > since).order_by(Round.round).limit(limit))
         return [schemas.RoundOut.model_validate(r) for r in s.scalars(q)]
-
-
-def node_list(store: Store, limit: int = 500, offset: int = 0) -> list[schemas.NodeOut]:
-    now = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
-    with store.session() as s:
-        rows = list(s.scalars(select(Node).order_by(Node.last_seen.desc()).limit(limit).offset(offset)))
-    out = []
-    for n in rows:
-        node = schemas.NodeOut.model_validate(n)
-        age = (now - n.last_seen).total_seconds() if n.last_seen is not None else None
-        node.online = n.status not in ("offline", "failed") and age is not None and age < ONLINE_WINDOW_S
-        node.lost = n.status not in ("offline",) and (age is None or age >= ONLINE_WINDOW_S)
-        out.append(node)
-    return out
 
 
 def recent_events(store: Store, limit: int = 100) -> list[schemas.EventOut]:

@@ -222,34 +222,11 @@ class PolicyOut(Out):
 
 
 # -- nodes -----------------------------------------------------------------------------
-class NodeOut(Out):
-    id: str
-    kind: str
-    run_id: str | None = None
-    device_class: str | None = None
-    status: str
-    info: dict[str, Any] = Field(default_factory=dict)
-    rejected_updates: int = 0
-    last_seen: dt.datetime | None = None
-    online: bool = False
-    lost: bool = Field(False, description="not heard from for over a minute")
-
-    @field_validator("info", mode="before")
-    @classmethod
-    def _finite(cls, v: Any) -> Any:
-        return clean(v or {})
-
-
 class SuperNodesOut(Out):
     configured: bool
     superlink: str | None = None
     nodes: list[dict[str, Any]] = Field(default_factory=list)
     error: str | None = None
-
-
-class NodesOut(Out):
-    nodes: list[NodeOut]
-    supernodes: SuperNodesOut
 
 
 # -- tokens and users ------------------------------------------------------------------

@@ -42,7 +42,8 @@ import fedswarm
 from fedswarm.store import Event, Node, Run, Store
 from fedswarm.store_schema import Webhook, WebhookDelivery
 from fedswarm.web.node_states import DOWN_STATUSES, FLEET_KINDS, online_clause
-from fedswarm.web.queries import ONLINE_WINDOW_S, stats_for
+from fedswarm.web.fleet import ONLINE_WINDOW_S
+from fedswarm.web.queries import stats_for
 from fedswarm.web.run_state import LIVE_STATUSES, is_remote, lost_reason, shown_status, timeout_of
 
 __all__ = ["EVENTS", "Notice", "Webhooks", "sign", "check_url", "SIGNATURE_HEADER"]

@@ -7,8 +7,9 @@ import sys
 args = sys.argv[1:]
 with open(os.environ["FAKE_FLWR_LOG"], "a") as f:
     f.write(json.dumps(args) + "\n")
-if args[:2] == ["supernode", "list"]:
-    print(json.dumps({"success": True, "nodes": [{"node-id": 4242, "status": "online", "owner-name": "pi-1"}]}))
+NODES = [{"node-id": 4242, "status": "online", "owner-name": "pi-1"}]
+if args[:2] == ["supernode", "list"]:  # FAKE_FLWR_NODES: the SuperNodes to list, as JSON
+    print(json.dumps({"success": True, "nodes": json.loads(os.environ.get("FAKE_FLWR_NODES", "null")) or NODES}))
 elif args[0] == "ls":
     print(json.dumps({"success": True, "runs": [{"run-id": 7, "app": "fedswarm==0.1.0", "status": "running"}]}))
 elif args[0] == "log":

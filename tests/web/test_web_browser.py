@@ -381,3 +381,34 @@ def test_phone_layout_has_no_horizontal_scroll(browser, tmp_path):
     finally:
         ctx.close()
         server.stop()
+
+
+def test_fleet_nodes_page_and_node_charts(page, tmp_path):
+    """Three finished simulated runs (54 nodes) and a deployment run whose two SuperNodes are
+    live, recorded by the real recorder: the Nodes page lists those two, in the training state,
+    and no simulated node at all; a node's page draws its telemetry."""
+    from fleet_seed import LIVE_NODES, seed_fleet
+
+    from fedswarm.store import Store
+
+    server = start_server(tmp_path, fake=True)
+    try:
+        store = Store(server.db)
+        seed_fleet(store)
+        store.close()
+        _login(page, server.url)
+        page.goto(server.url + "/nodes")
+        rows = page.locator("#nodes tbody tr")
+        assert rows.count() == 2
+        assert {rows.nth(i).get_attribute("data-node-id") for i in range(2)} == set(LIVE_NODES)
+        assert {rows.nth(i).get_attribute("data-state") for i in range(2)} == {"training"}
+        assert page.locator("#nodes tbody tr:has-text('sim-')").count() == 0
+        assert "54 simulated nodes" in page.text_content("main")
+        page.screenshot(path=str(ARTIFACTS / "fleet-nodes.png"), full_page=True)
+        page.click(f"#nodes a:text-is('{LIVE_NODES[0]}')")
+        page.wait_for_url(f"{server.url}/nodes/{LIVE_NODES[0]}")
+        for chart in ("chart-train", "chart-mem", "chart-battery", "chart-temp"):
+            _wait_points(page, "== 3", chart=chart)  # one point per recorded round
+        page.screenshot(path=str(ARTIFACTS / "fleet-node.png"), full_page=True)
+    finally:
+        server.stop()
