@@ -25,6 +25,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer, sessionmaker
 
 from fedswarm.store_migrations import create_schema, migrate, sqlite_pragmas
@@ -117,10 +118,14 @@ class Store:
 
     # -- runs --------------------------------------------------------------------------
     def create_run(self, config: dict, *, name: str | None = None, run_id: str | None = None,
-                   status: str = "pending") -> str:
+                   status: str = "pending", **fields: Any) -> str:
+        """Insert a run; ``fields`` are further :class:`Run` columns (``owner``...), written in
+        the same commit, so no reader ever sees the run without them. A ``run_id`` that exists
+        raises :class:`sqlalchemy.exc.IntegrityError`."""
         rid = run_id or uuid.uuid4().hex[:12]
         with self.session() as s:
             s.add(Run(
+                **fields,
                 id=rid,
                 name=name or config.get("name"),
                 status=status,
@@ -168,7 +173,10 @@ class Store:
         self.add_event(run_id, "status", f"run is {status}" + (f": {error}" if error else ""), actor=actor)
 
     # -- rounds ------------------------------------------------------------------------
-    def add_round(self, run_id: str, round: int, **fields: Any) -> None:
+    def add_round(self, run_id: str, round: int, *, nodes: list[dict] | None = None, **fields: Any) -> None:
+        """One round's row, and its per-node rows ``nodes`` (as :meth:`add_node_rounds`) in the
+        same commit: a writer that fails halfway, or whose retry finds the round recorded
+        (:class:`sqlalchemy.exc.IntegrityError`), never leaves a round without its node rows."""
         known = {c.name for c in Round.__table__.columns} - {"id", "run_id", "round", "created_at"}
         extra = {k: v for k, v in fields.items() if k not in known}
         cols = {k: v for k, v in fields.items() if k in known}
@@ -176,6 +184,9 @@ class Store:
         metrics.update(extra)
         with self.session() as s:
             s.add(Round(run_id=run_id, round=round, metrics=metrics, **cols))
+            if nodes:
+                s.flush()
+                _add_node_rows(s, run_id, round, nodes)
 
     def rounds(self, run_id: str, since: int = -1) -> list[Round]:
         with self.session() as s:
@@ -185,14 +196,8 @@ class Store:
     def add_node_rounds(self, run_id: str, round: int, rows: list[dict]) -> None:
         """Per-node rows of a round; the round's ``node_rows``/``failed_node_rows`` counters
         (what the dashboard's health and "degraded" state read) are kept in the same commit."""
-        known = {c.name for c in NodeRound.__table__.columns} - {"id", "run_id", "round"}
-        failed = sum(1 for r in rows if r.get("status", "ok") != "ok")
         with self.session() as s:
-            for r in rows:
-                s.add(NodeRound(run_id=run_id, round=round, **{k: v for k, v in r.items() if k in known}))
-            s.execute(update(Round).where(Round.run_id == run_id, Round.round == round).values(
-                node_rows=func.coalesce(Round.node_rows, 0) + len(rows),
-                failed_node_rows=func.coalesce(Round.failed_node_rows, 0) + failed))
+            _add_node_rows(s, run_id, round, rows)
 
     def node_rounds(self, run_id: str) -> list[NodeRound]:
         with self.session() as s:
@@ -215,14 +220,22 @@ class Store:
 
     # -- nodes -------------------------------------------------------------------------
     def upsert_node(self, node_id: str, **fields: Any) -> None:
-        with self.session() as s:
-            node = s.get(Node, node_id)
-            if node is None:
-                node = Node(id=node_id)
-                s.add(node)
-            for k, v in fields.items():
-                setattr(node, k, v)
-            node.last_seen = _now()
+        for attempt in range(2):
+            try:
+                with self.session() as s:
+                    node = s.get(Node, node_id)
+                    if node is None:
+                        node = Node(id=node_id)
+                        s.add(node)
+                    for k, v in fields.items():
+                        setattr(node, k, v)
+                    node.last_seen = _now()
+                return
+            except IntegrityError:
+                # Two first reports of one node at once (a heartbeat and its retry): the other
+                # inserted it between our read and our insert; the second pass updates it.
+                if attempt:
+                    raise
 
     def list_nodes(self, run_id: str | None = None) -> list[Node]:
         with self.session() as s:
@@ -375,6 +388,16 @@ class Store:
         path = out / "result.json"
         path.write_text(json.dumps(self.export_result(run_id), indent=2, default=str))
         return path
+
+
+def _add_node_rows(s: Session, run_id: str, round: int, rows: list[dict]) -> None:
+    known = {c.name for c in NodeRound.__table__.columns} - {"id", "run_id", "round"}
+    failed = sum(1 for r in rows if r.get("status", "ok") != "ok")
+    for r in rows:
+        s.add(NodeRound(run_id=run_id, round=round, **{k: v for k, v in r.items() if k in known}))
+    s.execute(update(Round).where(Round.run_id == run_id, Round.round == round).values(
+        node_rows=func.coalesce(Round.node_rows, 0) + len(rows),
+        failed_node_rows=func.coalesce(Round.failed_node_rows, 0) + failed))
 
 
 def _code_version() -> str:
