@@ -26,11 +26,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -67,6 +69,18 @@ def start_dashboard(db_url: str, log_path: Path) -> tuple[subprocess.Popen, str]
     proc.kill()
     proc.wait()
     raise RuntimeError("dashboard did not answer /api/health in 90 s")
+
+
+def server_log(path: Path) -> dict:
+    """What the dashboard itself answered (its access log: a 5xx the reporter had stopped
+    waiting for shows here only) and the errors it logged."""
+    text = path.read_text(errors="replace")
+    statuses = Counter(re.findall(r'HTTP/1\.1" (\d{3})', text))
+    return {"server_statuses": dict(sorted(statuses.items())),
+            "server_5xx": sum(c for s, c in statuses.items() if s.startswith("5")),
+            "server_tracebacks": text.count("Traceback (most recent call last)"),
+            "server_errors": sorted(set(re.findall(r"^(\w+(?:\.\w+)*(?:Error|Exception|Timeout)\b.*)$", text,
+                                                   re.M)))[:5]}
 
 
 def count_stored(db_url: str, run_ids: list[str]) -> tuple[dict, dict]:
@@ -112,7 +126,7 @@ def check(res: LoadResult, rounds: dict, nodes: dict) -> dict:
     }
 
 
-def bench_store(store: str, db_url: str, tmp: Path, cfg: dict) -> dict:
+def bench_store(store: str, db_url: str, tmp: Path, cfg: dict, out_dir: Path) -> dict:
     proc, url = start_dashboard(db_url, tmp / f"dashboard-{store}.log")
     try:
         cookies, csrf = login(url, "admin", ADMIN_PW)
@@ -126,14 +140,18 @@ def bench_store(store: str, db_url: str, tmp: Path, cfg: dict) -> dict:
         load2 = os.getloadavg()[0]
     finally:
         _stop(proc)
+    log = server_log(tmp / f"dashboard-{store}.log")
+    shutil.copy(tmp / f"dashboard-{store}.log", out_dir / f"ingest-dashboard-{store}.log")
     rounds, nodes = count_stored(db_url, res.run_ids)
     row = {"store": store, "reporters": cfg["reporters"], "duration_s": round(res.wall_s, 1),
            "round_every_s": cfg["round_every_s"], "tokens_issued_s": round(tokens_s, 1),
-           **res.summary(), **check(res, rounds, nodes),
+           **res.summary(), **check(res, rounds, nodes), **log,
            "loadavg_1m_start": round(load1, 2), "loadavg_1m_end": round(load2, 2)}
     if before and after:
         row["server_cpu_s"] = round(after[0] - before[0], 1)
         row["server_loop_waiting_for_cpu_s"] = round(after[1] - before[1], 1)
+    # The access log holds every answer; reporters missed those that came after they timed out.
+    row["client_5xx"], row["status_5xx"] = row["status_5xx"], max(row["status_5xx"], row["server_5xx"])
     row["exactly_once"] = row["duplicate_rows"] == 0 and row["lost_rows"] == 0 and row["stored_never_sent"] == 0
     return row
 
@@ -146,9 +164,9 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
     tmp = Path(tempfile.mkdtemp(prefix="fedswarm-ingest-"))
     rows: list[dict] = []
     try:
-        rows.append(bench_store("sqlite", str(tmp / "ingest.db"), tmp, cfg))
+        rows.append(bench_store("sqlite", str(tmp / "ingest.db"), tmp, cfg, out_dir))
         with temp_postgres(max_connections=200) as port:
-            rows.append(bench_store("postgresql", create_database(port, "ingest"), tmp, cfg))
+            rows.append(bench_store("postgresql", create_database(port, "ingest"), tmp, cfg, out_dir))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     (out_dir / "ingest.json").write_text(json.dumps(rows, indent=2))
@@ -181,7 +199,9 @@ def _print(rows: list[dict]) -> None:
             cells.append(f"{text:>{max(_width(f), len(h))}}")
         print(" ".join(cells))
     for r in rows:
-        print(f"{r['store']}: statuses {r['statuses']}; reads {r['reads']}; read p99 by endpoint "
+        print(f"{r['store']}: reporters got {r['statuses']}; the server answered {r['server_statuses']}, "
+              f"logged {r['server_tracebacks']} tracebacks {r['server_errors']}; reads {r['reads']}; "
+              f"read p99 by endpoint "
               f"{r['read_p99_by_endpoint_ms']}; stored-unacked rows (reporter gave up, row landed) "
               f"{r['stored_unacked_rows']}; tokens issued in {r['tokens_issued_s']} s")
 

@@ -24,7 +24,7 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer, sessionmaker
 
@@ -63,6 +63,15 @@ __all__ = [
     "CONTROL_KINDS",
 ]
 
+# Connections one Store may hold at once. The dashboard serves every sync route from
+# anyio's thread pool (40 threads) and more work through asyncio.to_thread (up to 32);
+# SQLAlchemy's default pool (5 + 10 overflow) made the rest wait for a connection, and after
+# 30 s fail with 500, under load. Overflow connections are closed when returned, so an idle
+# store keeps at most POOL_SIZE open.
+POOL_SIZE = 10
+POOL_OVERFLOW = 64
+
+
 def default_db_url() -> str:
     """``FEDSWARM_DB`` if set, else ``./fedswarm.db``."""
     return os.environ.get("FEDSWARM_DB") or "fedswarm.db"
@@ -83,6 +92,9 @@ class Store:
         kwargs: dict[str, Any] = {"future": True}
         if self.url.startswith("sqlite"):
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        u = make_url(self.url)
+        if not (u.get_backend_name() == "sqlite" and u.database in (None, "", ":memory:")):  # not one shared conn
+            kwargs.update(pool_size=POOL_SIZE, max_overflow=POOL_OVERFLOW)
         self.engine: Engine = create_engine(self.url, **kwargs)
         if self.url.startswith("sqlite"):
             event.listen(self.engine, "connect", sqlite_pragmas)

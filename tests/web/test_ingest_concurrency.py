@@ -14,7 +14,7 @@ import threading
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import event
+from sqlalchemy import event, select
 
 from dashboard_helpers import make_token
 from fedswarm.store import NodeRound, Store
@@ -127,6 +127,56 @@ def test_first_heartbeats_of_one_node_at_once(tmp_path):
     store.close()
 
 
+@pytest.fixture(scope="module")
+def pg_port():
+    pytest.importorskip("psycopg", reason="PostgreSQL driver missing: pip install 'psycopg[binary]'")
+    from fedswarm.bench.postgres import pg_bindir, temp_postgres
+
+    if pg_bindir() is None:
+        pytest.skip("PostgreSQL server binaries missing: apt-get install -y postgresql")
+    with temp_postgres(max_connections=120) as port:
+        yield port
+
+
+def _sessions_at_once(store: Store, n: int) -> bool:
+    """Whether ``n`` threads were all inside a store session at one moment (each holds its
+    connection until all are in, or 10 s pass)."""
+    inside = threading.Barrier(n)
+    reached: list = []
+
+    def hold() -> None:
+        with store.session() as s:
+            s.execute(select(1))
+            reached.append(1)
+            try:
+                inside.wait(timeout=10)
+            except threading.BrokenBarrierError:
+                pass
+
+    threads = [threading.Thread(target=hold) for _ in range(n)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    return len(reached) == n and not inside.broken
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_store_serves_the_dashboards_threads_at_once(backend, tmp_path, request):
+    """The dashboard runs up to 40 sync routes at once (anyio's pool) plus its to_thread work:
+    each must get a connection without queueing behind the others (the default pool of
+    5 + 10 made the 16th wait, then fail with 500 after 30 s)."""
+    if backend == "sqlite":
+        url = str(tmp_path / "s.db")
+    else:
+        from fedswarm.bench.postgres import create_database
+
+        url = create_database(request.getfixturevalue("pg_port"), "pool_test")
+    store = Store(url)
+    try:
+        assert _sessions_at_once(store, 48), "48 threads could not hold a connection each at once"
+    finally:
+        store.close()
+
+
 def _real_load(db_url: str, tmp_path) -> None:
     """20 reporters x 4 s through a real dashboard process; exactly once, no 5xx."""
     from fedswarm.bench.ingest import ADMIN_PW, check, count_stored, start_dashboard
@@ -155,11 +205,7 @@ def test_twenty_reporters_against_a_real_dashboard_sqlite(tmp_path):
     _real_load(str(tmp_path / "ingest.db"), tmp_path)
 
 
-def test_twenty_reporters_against_a_real_dashboard_postgres(tmp_path):
-    pytest.importorskip("psycopg", reason="PostgreSQL driver missing: pip install 'psycopg[binary]'")
-    from fedswarm.bench.postgres import create_database, pg_bindir, temp_postgres
+def test_twenty_reporters_against_a_real_dashboard_postgres(tmp_path, pg_port):
+    from fedswarm.bench.postgres import create_database
 
-    if pg_bindir() is None:
-        pytest.skip("PostgreSQL server binaries missing: apt-get install -y postgresql")
-    with temp_postgres(max_connections=100) as port:
-        _real_load(create_database(port, "ingest_test"), tmp_path)
+    _real_load(create_database(pg_port, "ingest_test"), tmp_path)
