@@ -35,9 +35,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import httpx
 
-from fedswarm.bench.dashboard import _free_port, _server_clock, _stop
+from fedswarm.bench.dashboard import _free_port, _server_clock, _stop, wait_healthy
 from fedswarm.bench.ingest_load import LoadResult, issue_tokens, login, run_load
 from fedswarm.bench.postgres import create_database, temp_postgres
 
@@ -57,18 +56,8 @@ def start_dashboard(db_url: str, log_path: Path) -> tuple[subprocess.Popen, str]
                              "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT, env=env)
     log.close()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("dashboard exited: " + log_path.read_text()[-2000:])
-        try:
-            if httpx.get(url + "/api/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    proc.wait()
-    raise RuntimeError("dashboard did not answer /api/health in 90 s")
+    wait_healthy(proc, url, 90, lambda: log_path.read_text(errors="replace"))
+    return proc, url
 
 
 def server_log(path: Path) -> dict:
