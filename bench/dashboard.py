@@ -50,7 +50,7 @@ import httpx
 
 from fedswarm.bench import dashboard_fleet
 
-__all__ = ["run", "seed_store"]
+__all__ = ["run", "seed_store", "wait_healthy"]
 
 CLIENTS = 50
 VIEWERS = 100
@@ -127,16 +127,25 @@ def _start_server(db: str, poll_s: float, variant: str = "now",
     proc = subprocess.Popen([sys.executable, "-c", _SERVE, db, str(port), str(poll_s), variant],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=pin)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
+    wait_healthy(proc, url, 30, lambda: proc.stderr.read().decode())
+    return proc, url
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, output) -> None:
+    """Wait until the dashboard at ``url`` answers /api/health; RuntimeError with the tail of
+    ``output()`` if its process exits first, and (after killing it) if ``timeout_s`` pass."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError("dashboard exited: " + proc.stderr.read().decode()[-2000:])
+            raise RuntimeError("dashboard exited: " + output()[-2000:])
         try:
-            if httpx.get(url + "/api/health", timeout=1).status_code == 200:
-                return proc, url
+            if httpx.get(url + "/api/health", timeout=2).status_code == 200:
+                return
         except httpx.HTTPError:
             time.sleep(0.1)
     proc.kill()
-    raise RuntimeError("dashboard did not start in 30 s")
+    proc.wait()
+    raise RuntimeError(f"dashboard did not answer /api/health in {timeout_s:g} s")
 
 
 def _wrk(url: str, token: str, seconds: int) -> dict:

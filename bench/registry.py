@@ -22,6 +22,7 @@ BENCHMARKS = {
     "decentralized": "fedswarm.bench.decentralized",
     "edge": "fedswarm.bench.edge",
     "dashboard": "fedswarm.bench.dashboard",
+    "ingest": "fedswarm.bench.ingest",
     "swarm": "fedswarm.bench.swarm",
     "robust": "fedswarm.bench.robust",
     "privacy": "fedswarm.bench.privacy",

@@ -427,7 +427,7 @@ app.command()(client)
 @app.command()
 def bench(
     name: str = typer.Argument(..., help=(
-        "Benchmark name: engines, codecs, compression, decentralized, edge, swarm, dashboard, robust, privacy, "
+        "Benchmark name: engines, codecs, compression, decentralized, edge, swarm, dashboard, ingest, robust, privacy, "
         "footprint (install size, import time and a SuperNode's memory, beside Flower alone), papers "
         "(every seed paper's claim in miniature; also writes DIR/reproductions.md; --quick about 2 min, full mode "
         "about 30 min on 2 quiet cores; FEDSWARM_PAPERS_ONLY=id1,id2 runs a subset)."

@@ -24,7 +24,8 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer, sessionmaker
 
 from fedswarm.store_migrations import create_schema, migrate, sqlite_pragmas
@@ -62,6 +63,15 @@ __all__ = [
     "CONTROL_KINDS",
 ]
 
+# Connections one Store may hold at once. The dashboard serves every sync route from
+# anyio's thread pool (40 threads) and more work through asyncio.to_thread (up to 32);
+# SQLAlchemy's default pool (5 + 10 overflow) made the rest wait for a connection, and after
+# 30 s fail with 500, under load. Overflow connections are closed when returned, so an idle
+# store keeps at most POOL_SIZE open.
+POOL_SIZE = 10
+POOL_OVERFLOW = 64
+
+
 def default_db_url() -> str:
     """``FEDSWARM_DB`` if set, else ``./fedswarm.db``."""
     return os.environ.get("FEDSWARM_DB") or "fedswarm.db"
@@ -82,6 +92,9 @@ class Store:
         kwargs: dict[str, Any] = {"future": True}
         if self.url.startswith("sqlite"):
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        u = make_url(self.url)
+        if not (u.get_backend_name() == "sqlite" and u.database in (None, "", ":memory:")):  # not one shared conn
+            kwargs.update(pool_size=POOL_SIZE, max_overflow=POOL_OVERFLOW)
         self.engine: Engine = create_engine(self.url, **kwargs)
         if self.url.startswith("sqlite"):
             event.listen(self.engine, "connect", sqlite_pragmas)
@@ -117,10 +130,14 @@ class Store:
 
     # -- runs --------------------------------------------------------------------------
     def create_run(self, config: dict, *, name: str | None = None, run_id: str | None = None,
-                   status: str = "pending") -> str:
+                   status: str = "pending", **fields: Any) -> str:
+        """Insert a run; ``fields`` are further :class:`Run` columns (``owner``...), written in
+        the same commit, so no reader ever sees the run without them. A ``run_id`` that exists
+        raises :class:`sqlalchemy.exc.IntegrityError`."""
         rid = run_id or uuid.uuid4().hex[:12]
         with self.session() as s:
             s.add(Run(
+                **fields,
                 id=rid,
                 name=name or config.get("name"),
                 status=status,
@@ -168,7 +185,10 @@ class Store:
         self.add_event(run_id, "status", f"run is {status}" + (f": {error}" if error else ""), actor=actor)
 
     # -- rounds ------------------------------------------------------------------------
-    def add_round(self, run_id: str, round: int, **fields: Any) -> None:
+    def add_round(self, run_id: str, round: int, *, nodes: list[dict] | None = None, **fields: Any) -> None:
+        """One round's row, and its per-node rows ``nodes`` (as :meth:`add_node_rounds`) in the
+        same commit: a writer that fails halfway, or whose retry finds the round recorded
+        (:class:`sqlalchemy.exc.IntegrityError`), never leaves a round without its node rows."""
         known = {c.name for c in Round.__table__.columns} - {"id", "run_id", "round", "created_at"}
         extra = {k: v for k, v in fields.items() if k not in known}
         cols = {k: v for k, v in fields.items() if k in known}
@@ -176,6 +196,9 @@ class Store:
         metrics.update(extra)
         with self.session() as s:
             s.add(Round(run_id=run_id, round=round, metrics=metrics, **cols))
+            if nodes:
+                s.flush()
+                _add_node_rows(s, run_id, round, nodes)
 
     def rounds(self, run_id: str, since: int = -1) -> list[Round]:
         with self.session() as s:
@@ -185,14 +208,8 @@ class Store:
     def add_node_rounds(self, run_id: str, round: int, rows: list[dict]) -> None:
         """Per-node rows of a round; the round's ``node_rows``/``failed_node_rows`` counters
         (what the dashboard's health and "degraded" state read) are kept in the same commit."""
-        known = {c.name for c in NodeRound.__table__.columns} - {"id", "run_id", "round"}
-        failed = sum(1 for r in rows if r.get("status", "ok") != "ok")
         with self.session() as s:
-            for r in rows:
-                s.add(NodeRound(run_id=run_id, round=round, **{k: v for k, v in r.items() if k in known}))
-            s.execute(update(Round).where(Round.run_id == run_id, Round.round == round).values(
-                node_rows=func.coalesce(Round.node_rows, 0) + len(rows),
-                failed_node_rows=func.coalesce(Round.failed_node_rows, 0) + failed))
+            _add_node_rows(s, run_id, round, rows)
 
     def node_rounds(self, run_id: str) -> list[NodeRound]:
         with self.session() as s:
@@ -219,19 +236,28 @@ class Store:
 
     def upsert_nodes(self, nodes: dict[str, dict[str, Any]]) -> None:
         """:meth:`upsert_node` for many nodes in one commit (a round's thousands of simulated nodes)."""
-        ids, now = list(nodes), _now()
-        with self.session() as s:
-            have: dict[str, Node] = {}
-            for i in range(0, len(ids), 500):  # bounded IN lists (SQLite's parameter limit)
-                have.update((n.id, n) for n in s.scalars(select(Node).where(Node.id.in_(ids[i:i + 500]))))
-            for node_id, fields in nodes.items():
-                node = have.get(node_id)
-                if node is None:
-                    node = Node(id=node_id)
-                    s.add(node)
-                for k, v in fields.items():
-                    setattr(node, k, v)
-                node.last_seen = now
+        ids = list(nodes)
+        for attempt in range(2):
+            try:
+                now = _now()
+                with self.session() as s:
+                    have: dict[str, Node] = {}
+                    for i in range(0, len(ids), 500):  # bounded IN lists (SQLite's parameter limit)
+                        have.update((n.id, n) for n in s.scalars(select(Node).where(Node.id.in_(ids[i:i + 500]))))
+                    for node_id, fields in nodes.items():
+                        node = have.get(node_id)
+                        if node is None:
+                            node = Node(id=node_id)
+                            s.add(node)
+                        for k, v in fields.items():
+                            setattr(node, k, v)
+                        node.last_seen = now
+                return
+            except IntegrityError:
+                # Two first reports of one node at once (a heartbeat and its retry): the other
+                # inserted it between our read and our insert; the second pass updates it.
+                if attempt:
+                    raise
 
     def list_nodes(self, run_id: str | None = None) -> list[Node]:
         with self.session() as s:
@@ -384,6 +410,16 @@ class Store:
         path = out / "result.json"
         path.write_text(json.dumps(self.export_result(run_id), indent=2, default=str))
         return path
+
+
+def _add_node_rows(s: Session, run_id: str, round: int, rows: list[dict]) -> None:
+    known = {c.name for c in NodeRound.__table__.columns} - {"id", "run_id", "round"}
+    failed = sum(1 for r in rows if r.get("status", "ok") != "ok")
+    for r in rows:
+        s.add(NodeRound(run_id=run_id, round=round, **{k: v for k, v in r.items() if k in known}))
+    s.execute(update(Round).where(Round.run_id == run_id, Round.round == round).values(
+        node_rows=func.coalesce(Round.node_rows, 0) + len(rows),
+        failed_node_rows=func.coalesce(Round.failed_node_rows, 0) + failed))
 
 
 def _code_version() -> str:

@@ -185,8 +185,7 @@ class Recorder:
                               info=body["info"], rejected_updates=body["rejected_updates"], **extra)
             elif what == "round":
                 fields = {k: v for k, v in body.items() if k not in ("round", "nodes")}
-                s.add_round(self.run_id, body["round"], **fields)
-                s.add_node_rounds(self.run_id, body["round"], body["nodes"])
+                s.add_round(self.run_id, body["round"], nodes=body["nodes"], **fields)
             elif what == "status":
                 s.set_status(self.run_id, body["status"])
         except IntegrityError:

@@ -116,6 +116,16 @@ class RoundIn(_In):
     def _small(cls, v: dict) -> dict:
         return schemas._small_json(schemas.clean(v))
 
+    @field_validator("nodes")
+    @classmethod
+    def _once_each(cls, v: list[NodeRoundIn]) -> list[NodeRoundIn]:
+        seen: set[str] = set()
+        for n in v:
+            if n.node_id in seen:
+                raise ValueError(f"node '{n.node_id}' appears twice in the round's nodes")
+            seen.add(n.node_id)
+        return v
+
 
 class StatusIn(_In):
     status: Literal[RUN_STATUSES]  # type: ignore[valid-type]
@@ -174,8 +184,11 @@ def report_run(body: RunIn, p: Principal = Depends(require_reporter), ctx: WebCo
         raise HTTPException(403, f"this token may only report on run '{p.run_id}'")
     if body.run_id is not None and ctx.store.get_run(body.run_id) is not None:
         raise HTTPException(409, f"run '{body.run_id}' already exists")
-    rid = ctx.store.create_run(body.config, name=body.name, run_id=body.run_id, status=body.status)
-    ctx.store.update_run(rid, owner=p.owner_tag, lost_after_s=body.lost_after_s, last_report_at=_now())
+    try:  # owner in the same commit: a retry that finds the run never finds it without its owner
+        rid = ctx.store.create_run(body.config, name=body.name, run_id=body.run_id, status=body.status,
+                                   owner=p.owner_tag, lost_after_s=body.lost_after_s, last_report_at=_now())
+    except IntegrityError:  # registered by a request that passed the check above at the same time
+        raise HTTPException(409, f"run '{body.run_id}' already exists") from None
     ctx.store.add_event(rid, "ingest.run", f"run reported by {p.name}", actor=p.name)
     ctx.cache.clear()
     return Ack(run_id=rid, detail=f"run '{rid}' registered")
@@ -183,15 +196,16 @@ def report_run(body: RunIn, p: Principal = Depends(require_reporter), ctx: WebCo
 
 @router.post("/runs/{run_id}/rounds", response_model=Ack, status_code=201, responses=ERRORS)
 def report_round(body: RoundIn, owned=Depends(ingest_run), ctx: WebContext = Depends(get_ctx)) -> Ack:
-    """One finished round, with optional per-node rows; recorded with the token that sent it."""
+    """One finished round, with optional per-node rows, in one commit; recorded with the token
+    that sent it. A round already recorded (e.g. a retry of a request that had in fact
+    succeeded) gets 409 and changes nothing."""
     p, run = owned
     fields = body.model_dump(exclude={"round", "nodes"})
     try:
-        ctx.store.add_round(run.id, body.round, reported_by=p.name[:64], **fields)
+        ctx.store.add_round(run.id, body.round, reported_by=p.name[:64], nodes=[n.row() for n in body.nodes],
+                            **fields)
     except IntegrityError:
         raise HTTPException(409, f"round {body.round} of run '{run.id}' was already reported") from None
-    if body.nodes:
-        ctx.store.add_node_rounds(run.id, body.round, [n.row() for n in body.nodes])
     return Ack(run_id=run.id, detail=f"round {body.round} recorded")
 
 

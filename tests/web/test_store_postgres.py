@@ -1,58 +1,29 @@
 """The run store and the dashboard against a real PostgreSQL started on loopback.
 
-Needs Debian's ``postgresql`` package (initdb, pg_ctl under /usr/lib/postgresql/*/bin) and
-``psycopg[binary]``; skips with the reason when either is missing. initdb refuses to run as
-root, so as root the server runs as the ``postgres`` user (runuser).
+Needs Debian's ``postgresql`` package and ``psycopg[binary]`` (the server is
+:func:`fedswarm.bench.postgres.temp_postgres`'s); skips with the reason when either is missing.
 """
 
 from __future__ import annotations
 
-import glob
-import os
-import pwd
-import shutil
-import subprocess
-import tempfile
-
 import pytest
 from fastapi.testclient import TestClient
 
-from dashboard_helpers import ADMIN_PW, FAKE_CATALOG, FAKE_RUNNER, free_port, login, wait_for
+from dashboard_helpers import ADMIN_PW, FAKE_CATALOG, FAKE_RUNNER, login, wait_for
 from fedswarm.store import Store
 
 pytest.importorskip("psycopg", reason="PostgreSQL driver missing: pip install 'psycopg[binary]'")
 
 
-def _pg_bin() -> str | None:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    return os.path.dirname(found[-1]) if found else None
-
-
 @pytest.fixture(scope="module")
 def pg_server():
-    bindir = _pg_bin()
-    if bindir is None:
-        pytest.skip("PostgreSQL server binaries missing: apt-get install -y postgresql")
-    root = tempfile.mkdtemp(prefix="fedswarm-pg-")
-    prefix: list[str] = []
-    if os.geteuid() == 0:
-        try:
-            pw = pwd.getpwnam("postgres")
-        except KeyError:
-            pytest.skip("running as root and there is no 'postgres' user to run initdb as")
-        os.chown(root, pw.pw_uid, pw.pw_gid)
-        prefix = ["runuser", "-u", "postgres", "--"]
-    data, port = os.path.join(root, "data"), free_port()
-    subprocess.run([*prefix, f"{bindir}/initdb", "-D", data, "-U", "fedswarm", "--auth=trust", "-E", "UTF8",
-                    "--no-sync"], check=True, capture_output=True)
-    opts = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off"
-    subprocess.run([*prefix, f"{bindir}/pg_ctl", "-D", data, "-o", opts, "-l", os.path.join(root, "log"),
-                    "-w", "-t", "60", "start"], check=True, capture_output=True)
+    from fedswarm.bench.postgres import temp_postgres
+
     try:
-        yield port
-    finally:
-        subprocess.run([*prefix, f"{bindir}/pg_ctl", "-D", data, "-m", "fast", "-w", "stop"], capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
+        with temp_postgres() as port:
+            yield port
+    except RuntimeError as exc:  # binaries or the user to run them as missing
+        pytest.skip(str(exc))
 
 
 @pytest.fixture()
@@ -60,12 +31,9 @@ def pg_url(pg_server):
     """A fresh database per test on the module's server, so repeated runs (pytest --count) start clean."""
     import uuid
 
-    import psycopg
+    from fedswarm.bench.postgres import create_database
 
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(f"host=127.0.0.1 port={pg_server} user=fedswarm dbname=postgres", autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    yield f"postgresql+psycopg://fedswarm@127.0.0.1:{pg_server}/{name}"
+    yield create_database(pg_server, f"t_{uuid.uuid4().hex[:12]}")
 
 
 def test_store_round_trip_on_postgres(pg_url):
