@@ -1,10 +1,12 @@
 """Rejoin after a restart on a secure deployment (Flower issue #4844's ask): a real SuperLink
 with TLS and SuperNode authentication, two registered SuperNodes made by ``fedswarm certs``.
 One SuperNode is killed with SIGKILL in the middle of round 2 and started again with the same
-authentication key and the same state folder, the SuperLink left running: the round completes
-with the other node, and the restarted one is accepted again (its key is still registered)
-and trains in round 3. "In the middle of a round" is known, not guessed: the run's task
-(``tests.resume_helpers``) holds every training step past round 1 and tells the test so."""
+authentication key and the same state folder, the SuperLink left running. The SuperLink still
+holds the dead session for two heartbeats and refuses the restart ("Failed to activate
+SuperNode"); ``fedswarm client --rejoin-wait`` starts it again until it is accepted under its
+key's node id, and it trains in round 3 (round 2 completes either way). "In the middle of a
+round" is known, not guessed: the run's task (``tests.resume_helpers``) holds every training
+step past round 1 and tells the test so."""
 
 from __future__ import annotations
 
@@ -39,14 +41,14 @@ def test_restarted_supernode_rejoins_tls_auth_superlink_and_trains(tmp_path, hol
         finally:
             store.close()
         assert sorted(rows) == [0, 1, 2, 3]
-        round2 = [n for n in node_rounds if n.round == 2]
-        assert sum(n.status == "failed" for n in round2) == 1 and sum(n.status == "ok" for n in round2) == 1
-        # round 3: two nodes trained, and one of them is the restarted device (it may come back
-        # under its old node id or a new one: either way it is not the survivor of round 2)
-        survivor = {n.node_id for n in round2 if n.status == "ok"}
-        round3 = [n for n in node_rounds if n.round == 3 and n.status == "ok"]
-        assert len(round3) == 2 and rows[3].num_clients == 2, [(n.round, n.node_id, n.status) for n in node_rounds]
-        assert {n.node_id for n in round3} - survivor, "the restarted node did not train in round 3"
+        # With node authentication the node id is the key's: the restarted device is the same
+        # node to the SuperLink. Round 2 completed (the survivor's reply, and the restarted
+        # node's if it came back in time to pull its message, else a failure), and in round 3
+        # both nodes trained: the same two ids as in round 1.
+        round2 = {n.node_id: n.status for n in node_rounds if n.round == 2}
+        assert set(round2) == first and list(round2.values()).count("ok") >= 1, round2
+        round3 = {n.node_id for n in node_rounds if n.round == 3 and n.status == "ok"}
+        assert round3 == first and rows[3].num_clients == 2, [(n.round, n.node_id, n.status) for n in node_rounds]
         assert rows[3].test_accuracy > rows[0].test_accuracy + 0.2  # it trained
         assert dep.nodes[1].poll() is None, "the restarted SuperNode exited"
     finally:
