@@ -37,7 +37,7 @@ from fedswarm.web.live import Hub
 from fedswarm.web.middleware import SecurityHeaders
 from fedswarm.web.ratelimit import IngestQuota, LoginThrottle
 from fedswarm.web.runs_service import RunService
-from fedswarm.web.schemas import clean
+from fedswarm.web.schemas import clean, json_depth_ok
 from fedswarm.web.settings import Settings
 
 __all__ = ["create_app", "run", "proxy_options", "LOOPBACK"]
@@ -124,8 +124,11 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
 def _install_handlers(app: FastAPI, ctx: WebContext) -> None:
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError):
-        # FastAPI's own handler echoes the input back, and JSON cannot carry a NaN input.
-        return JSONResponse({"detail": clean(jsonable_encoder(exc.errors()))}, status_code=422)
+        # FastAPI's own handler echoes the input back, and JSON cannot carry a NaN input; an input
+        # nested past MAX_JSON_DEPTH is echoed as its type only (encoding it recurses once a level).
+        errors = [{**e, "input": type(e["input"]).__name__} if "input" in e and not json_depth_ok(e["input"]) else e
+                  for e in exc.errors()]
+        return JSONResponse({"detail": clean(jsonable_encoder(errors))}, status_code=422)
 
     @app.exception_handler(LoginRequired)
     async def to_login(request: Request, exc: LoginRequired):
