@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import ipaddress
+import json
 import logging
 import sys
 import threading
@@ -19,7 +20,7 @@ from typing import Any, Sequence
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
@@ -128,7 +129,9 @@ def _install_handlers(app: FastAPI, ctx: WebContext) -> None:
         # nested past MAX_JSON_DEPTH is echoed as its type only (encoding it recurses once a level).
         errors = [{**e, "input": type(e["input"]).__name__} if "input" in e and not json_depth_ok(e["input"]) else e
                   for e in exc.errors()]
-        return JSONResponse({"detail": clean(jsonable_encoder(errors))}, status_code=422)
+        # ASCII: a key or value with a lone surrogate (JSON's "\\ud800" parses to one) has no UTF-8
+        body = json.dumps({"detail": clean(jsonable_encoder(errors))}, ensure_ascii=True, separators=(",", ":"))
+        return Response(body, status_code=422, media_type="application/json")
 
     @app.exception_handler(LoginRequired)
     async def to_login(request: Request, exc: LoginRequired):

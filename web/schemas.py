@@ -48,7 +48,11 @@ def json_depth_ok(v: Any, limit: int = MAX_JSON_DEPTH) -> bool:
 def _small_json(v: dict, limit: int = MAX_JSON_BYTES) -> dict:
     if not json_depth_ok(v):
         raise ValueError(f"must nest lists and objects at most {MAX_JSON_DEPTH} deep")
-    if len(json.dumps(v, default=str)) > limit:
+    try:  # UTF-8, as the store writes it
+        size = len(json.dumps(v, default=str, ensure_ascii=False).encode())
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (JSON's \\ud800 alone, a lone surrogate, is not)") from None
+    if size > limit:
         raise ValueError(f"must serialize to at most {limit} bytes of JSON")
     return v
 
