@@ -30,7 +30,7 @@ from hypothesis import seed as with_seed
 from hypothesis import strategies as st
 
 __all__ = ["CORPUS", "TARGET_MODULES", "Target", "all_targets", "corpus_files", "fuzz_settings", "get_target",
-           "mutate_once", "run_cases", "run_mutations", "save_example"]
+           "make_tests", "mutate_once", "run_cases", "run_mutations", "save_example"]
 
 CORPUS = Path(__file__).resolve().parent.parent / "fuzz_corpus"
 #: Where the targets live (module -> its ``TARGETS``), imported on demand: the ingest target builds a dashboard.
@@ -180,3 +180,25 @@ def run_mutations(target: Target, cases: int, *, seed: int, pool_size: int = 200
             if on_failure is not None:
                 on_failure(data)
     return failed
+
+
+def make_tests(names: list[str]):
+    """The two tests of a ``tests/test_fuzz_*.py`` module for the targets ``names``: each target's
+    fuzz run (``FEDSWARM_FUZZ_CASES`` cases, reproducible), and a replay of every corpus file."""
+    import pytest
+
+    @pytest.mark.timeout(900)  # ~10-20 s of CPU a target; a loaded machine may take many times that
+    @pytest.mark.parametrize("name", names)
+    def test_fuzz(name):
+        target = get_target(name)
+        outcomes = run_cases(target)
+        # the inputs reach past the first check: some are accepted, and several distinct refusals happen
+        assert outcomes["accepted"] > 0, outcomes
+        assert len(outcomes) >= target.min_outcomes, outcomes
+
+    @pytest.mark.parametrize("path", [p for n in names for p in corpus_files(n)],
+                             ids=lambda p: f"{p.parent.name}/{p.stem}")
+    def test_replay_corpus(path):
+        get_target(path.parent.name).run(path.read_bytes())
+
+    return test_fuzz, test_replay_corpus
