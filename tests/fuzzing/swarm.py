@@ -52,6 +52,8 @@ _HEADER_FIELDS = ["v", "from", "to", "ts", "nonce", "kind", "re", "meta", "blen"
 
 
 class _Capture:
+    """A socket that keeps what is sent (wrapped in a real ``Conn``, as the transport does)."""
+
     def __init__(self):
         self.data = bytearray()
 
@@ -105,7 +107,7 @@ def _message(draw) -> list[bytes]:
     meta = draw(st.sampled_from([{}, {"round": 3}, {"dtype": "float32", "d": 4}]))
     re = draw(st.sampled_from([None, None, "ab" * 16]))
     cap = _Capture()
-    send_message(cap, signer, kind, to=to, meta=meta, body=body, re=re, ts=TS, nonce=nonce,
+    send_message(Conn(cap), signer, kind, to=to, meta=meta, body=body, re=re, ts=TS, nonce=nonce,
                  chunk_bytes=draw(st.sampled_from([16, 64, 256, 1000])), encrypt=mode == "enc",
                  tls_bound=mode == "tls")
     frames = _split(bytes(cap.data))
