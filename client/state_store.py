@@ -182,10 +182,15 @@ class ClientStateStore:
             raise StateFileError("not a fedswarm client state file (bad magic)")
         try:
             header = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: nested thousands deep
             raise StateFileError("its header is not JSON") from None
         if not isinstance(header, dict):
             raise StateFileError("its header is not a JSON object")
+        for key in ("round", "node_id"):
+            if key in header and (type(header[key]) is not int or header[key] < 0):
+                raise StateFileError(f"its header's {key} is {header[key]!r}, not a non-negative integer")
+        if "round" not in header:
+            raise StateFileError("its header has no round")
         if header.get("run_id") != self.run_id or header.get("partition") != self.partition:
             raise StateFileError(f"it belongs to run {header.get('run_id')!r} partition {header.get('partition')!r}, "
                                  f"not run {self.run_id!r} partition {self.partition}")

@@ -10,7 +10,11 @@ formula: the formula is a test oracle.
 
 from __future__ import annotations
 
+import io
+import math
+
 import numpy as np
+import numpy.lib.format as npy
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.serde import message_to_proto, recorddict_to_proto
@@ -24,6 +28,7 @@ __all__ = [
     "recorddict_nbytes",
     "vector_to_arrayrecord",
     "arrayrecord_to_vector",
+    "read_array",
 ]
 
 # Keys a payload occupies inside a RecordDict.
@@ -52,14 +57,34 @@ def payload_from_records(content: RecordDict, max_bytes: int | None = None) -> P
     rec = content.array_records[PAYLOAD_ARRAYS]
     if max_bytes is not None and rec.count_bytes() > max_bytes:
         raise PayloadError(f"payload is {rec.count_bytes()} bytes, the limit is {max_bytes}")
-    arrays = {}
-    for k in rec.keys():
-        try:
-            arr = rec[k].numpy()
-        except Exception as exc:  # corrupt bytes or unknown dtype
-            raise PayloadError(f"payload array '{k}' cannot be read: {exc}") from None
-        arrays[k] = check_array(k, arr)
+    arrays = {k: check_array(k, read_array(k, rec[k], "payload array")) for k in rec.keys()}
     return Payload(arrays=arrays, meta=dict(content.config_records[PAYLOAD_META]))
+
+
+def read_array(key: str, array: Array, what: str = "array") -> np.ndarray:
+    """The numpy array a Flower ``Array`` that came off the network holds; PayloadError if its
+    bytes are not one ``.npy`` array whose header's shape and dtype account for exactly the
+    bytes that follow. Checked before numpy reads it: ``np.load`` allocates what the header
+    declares, so a few bytes declaring a 10 GB shape would otherwise allocate 10 GB."""
+    data = array.data if isinstance(array.data, (bytes, bytearray, memoryview)) else b""
+    f = io.BytesIO(data)
+    try:
+        version = npy.read_magic(f)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"npy version {version} is not supported")
+        read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+        shape, fortran_order, dtype = read_header(f)
+        if dtype.hasobject or dtype.itemsize == 0:
+            raise ValueError(f"dtype {dtype} holds no plain values")
+        count = math.prod(shape)
+        if count * dtype.itemsize != len(data) - f.tell():
+            raise ValueError(f"its header declares {count * dtype.itemsize} bytes of data, it holds "
+                             f"{len(data) - f.tell()}")
+        # what np.load does, without parsing the header a second time (a copy: writable, as np.load's)
+        flat = np.frombuffer(data, dtype=dtype, count=count, offset=f.tell())
+        return flat.reshape(shape, order="F" if fortran_order else "C").copy(order="K")
+    except Exception as exc:  # corrupt bytes, an unknown dtype, a header numpy refuses
+        raise PayloadError(f"{what} '{key}' cannot be read: {exc}") from None
 
 
 def message_nbytes(message: Message) -> int:
@@ -84,10 +109,7 @@ def arrayrecord_to_vector(rec: ArrayRecord, d: int | None = None) -> torch.Tenso
     finiteness; raises :class:`PayloadError`."""
     parts = []
     for k in rec.keys():
-        try:
-            arr = rec[k].numpy()
-        except Exception as exc:
-            raise PayloadError(f"array '{k}' cannot be read: {exc}") from None
+        arr = read_array(k, rec[k])
         if arr.dtype.kind != "f":
             raise PayloadError(f"array '{k}' has dtype {arr.dtype}, expected floating point")
         parts.append(arr.reshape(-1).astype(np.float32, copy=False))

@@ -88,9 +88,28 @@ def loads(data: bytes) -> ServerCheckpoint:
     if not isinstance(raw, dict) or raw.get("format") != CHECKPOINT_FORMAT:
         got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
         raise CheckpointError(f"checkpoint format {got!r}, this fedswarm reads format {CHECKPOINT_FORMAT}")
-    return ServerCheckpoint(round=int(raw["round"]), arrays=_arrays_from_plain(raw["arrays"]),
-                            strategy=raw["strategy"], rng=raw["rng"], policies=raw["policies"], grid=raw["grid"],
-                            byzantine=raw["byzantine"], strategy_name=str(raw["strategy_name"]))
+    for key, ok in _FIELDS.items():
+        if key not in raw or not ok(raw[key]):
+            raise CheckpointError(f"the checkpoint's '{key}' is missing or malformed ({type(raw.get(key)).__name__})")
+    try:
+        arrays = _arrays_from_plain(raw["arrays"])
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"the checkpoint's model arrays cannot be read ({exc})") from None
+    return ServerCheckpoint(round=raw["round"], arrays=arrays, strategy=raw["strategy"], rng=raw["rng"],
+                            policies=raw["policies"], grid=raw["grid"], byzantine=raw["byzantine"],
+                            strategy_name=raw["strategy_name"])
+
+
+def _named_arrays(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                                       and isinstance(item[1], np.ndarray) for item in v)
+
+
+#: What :func:`loads` needs of each field (:func:`dumps` writes them so).
+_FIELDS = {"round": lambda v: type(v) is int and v >= 0, "arrays": _named_arrays,
+           "strategy": lambda v: isinstance(v, dict), "rng": lambda v: isinstance(v, dict),
+           "policies": lambda v: isinstance(v, dict), "grid": lambda v: v is None or isinstance(v, dict),
+           "byzantine": lambda v: v is None or isinstance(v, dict), "strategy_name": lambda v: isinstance(v, str)}
 
 
 def load_latest(store: Store, run_id: str) -> ServerCheckpoint:

@@ -114,7 +114,7 @@ class RoundIn(_In):
     @field_validator("metrics")
     @classmethod
     def _small(cls, v: dict) -> dict:
-        return schemas._small_json(schemas.clean(v))
+        return schemas.clean(schemas._small_json(v))  # bounded (size, depth) before clean() recurses into it
 
     @field_validator("nodes")
     @classmethod

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import ipaddress
+import json
 import logging
 import sys
 import threading
@@ -19,7 +20,7 @@ from typing import Any, Sequence
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
@@ -38,7 +39,7 @@ from fedswarm.web.live import Hub
 from fedswarm.web.middleware import SecurityHeaders
 from fedswarm.web.ratelimit import IngestQuota, LoginThrottle
 from fedswarm.web.runs_service import RunService
-from fedswarm.web.schemas import clean
+from fedswarm.web.schemas import clean, json_depth_ok
 from fedswarm.web.settings import Settings
 from fedswarm.web.webhooks import Webhooks
 
@@ -134,8 +135,13 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
 def _install_handlers(app: FastAPI, ctx: WebContext) -> None:
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError):
-        # FastAPI's own handler echoes the input back, and JSON cannot carry a NaN input.
-        return JSONResponse({"detail": clean(jsonable_encoder(exc.errors()))}, status_code=422)
+        # FastAPI's own handler echoes the input back, and JSON cannot carry a NaN input; an input
+        # nested past MAX_JSON_DEPTH is echoed as its type only (encoding it recurses once a level).
+        errors = [{**e, "input": type(e["input"]).__name__} if "input" in e and not json_depth_ok(e["input"]) else e
+                  for e in exc.errors()]
+        # ASCII: a key or value with a lone surrogate (JSON's "\\ud800" parses to one) has no UTF-8
+        body = json.dumps({"detail": clean(jsonable_encoder(errors))}, ensure_ascii=True, separators=(",", ":"))
+        return Response(body, status_code=422, media_type="application/json")
 
     @app.exception_handler(LoginRequired)
     async def to_login(request: Request, exc: LoginRequired):

@@ -17,6 +17,7 @@ ID_PATTERN = r"^[A-Za-z0-9_.:@-]{1,64}$"
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,35}$"
 DISPLAY_STATUSES = (*RUN_STATUSES, "lost", "degraded")
 MAX_JSON_BYTES = 64_000
+MAX_JSON_DEPTH = 32
 
 
 def clean(v: Any) -> Any:
@@ -30,8 +31,28 @@ def clean(v: Any) -> Any:
     return v
 
 
+def json_depth_ok(v: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``v`` nests lists and dicts at most ``limit`` deep (checked without recursion:
+    the encoders and :func:`clean` recurse once a level, and a body nested a thousand deep
+    would overflow their stack)."""
+    stack = [(v, 0)]
+    while stack:
+        x, depth = stack.pop()
+        if isinstance(x, (dict, list, tuple)):
+            if depth >= limit:
+                return False
+            stack.extend((y, depth + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return True
+
+
 def _small_json(v: dict, limit: int = MAX_JSON_BYTES) -> dict:
-    if len(json.dumps(v, default=str)) > limit:
+    if not json_depth_ok(v):
+        raise ValueError(f"must nest lists and objects at most {MAX_JSON_DEPTH} deep")
+    try:  # UTF-8, as the store writes it
+        size = len(json.dumps(v, default=str, ensure_ascii=False).encode())
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (JSON's \\ud800 alone, a lone surrogate, is not)") from None
+    if size > limit:
         raise ValueError(f"must serialize to at most {limit} bytes of JSON")
     return v
 

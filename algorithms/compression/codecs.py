@@ -82,7 +82,7 @@ def decode_payload(payload: Payload, layout: ParamLayout, *, device: torch.devic
     accepts several codecs needs nothing else), into ``out`` if given (see
     :meth:`Codec.decode`). Raises PayloadError."""
     name = payload.meta.get("codec") if isinstance(payload, Payload) else None
-    if name not in CODECS:
+    if not isinstance(name, str) or name not in CODECS:  # a list from a client's ConfigRecord is no name
         raise PayloadError(f"payload names codec {name!r}; known codecs: {', '.join(CODECS)}")
     return CODECS[name]().decode(payload, layout, device=device, out=out)
 

@@ -164,10 +164,12 @@ def bit_lut(zero: torch.Tensor | float, one: torch.Tensor | float, device, dtype
     lut = _lut01(dtype, torch.device(device))
     zero = torch.as_tensor(zero, dtype=dtype, device=device)
     one = torch.as_tensor(one, dtype=dtype, device=device)
-    if zero.dim() == 0 and one.dim() == 0:
-        return zero + lut * (one - zero)
-    zero, one = zero.reshape(-1, 1, 1), one.reshape(-1, 1, 1)
-    return zero + lut * (one - zero)
+    if zero.dim() != 0 or one.dim() != 0:
+        zero, one = zero.reshape(-1, 1, 1), one.reshape(-1, 1, 1)
+    span = one - zero
+    if not bool(torch.isfinite(span).all()):  # finite ends a float32-max apart (a client's scale ~3e38): pick, not
+        return torch.where(lut > 0, one, zero)  # interpolate, or inf - inf gives NaN
+    return zero + lut * span
 
 
 def unpack_bits(packed: torch.Tensor, n: int, lut: torch.Tensor) -> torch.Tensor:

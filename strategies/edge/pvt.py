@@ -34,6 +34,7 @@ ProgFed (``strategies/edge/progfed.py``).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Sequence
 from logging import INFO, WARNING
 
@@ -51,7 +52,7 @@ from fedswarm.hyperparams import HyperParam
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register, resolve_params
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.strategy_utils import ReportsRounds, sample_train_nodes
-from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
+from fedswarm.wire import arrayrecord_to_vector, read_array, vector_to_arrayrecord
 
 __all__ = [
     "PartialVariableTraining",
@@ -201,21 +202,21 @@ class PartialVariableTraining(ReportsRounds, FedAvg):
             raise PayloadError(f"reply lacks {exc}") from None
         V = len(self.layout)
         if "ids" in rec:
-            ids = rec["ids"].numpy()
+            ids = read_array("ids", rec["ids"])  # checked before numpy allocates what its header declares
             if ids.dtype.kind not in "iu" or ids.ndim != 1:
                 raise PayloadError(f"ids must be a 1-d integer array, got {ids.dtype} {ids.shape}")
             ids = torch.from_numpy(ids.astype(np.int64))
             if ids.numel() == 0 or ids.min() < 0 or ids.max() >= V or not bool((ids[1:] > ids[:-1]).all()):
                 raise PayloadError(f"ids must be sorted, distinct and in 0..{V - 1}")
         else:
-            k = int(metrics.get("variables", 0))
-            if not 1 <= k <= V:
+            k = metrics.get("variables", 0)
+            if not isinstance(k, (int, float)) or not 1 <= k <= V or k != int(k):  # inf, NaN, 2.5: no count
                 raise PayloadError(f"reply sends no ids and a bad variable count {k}")
-            ids = select_variables(V, k, selection_seed(self.seed, server_round, reply.metadata.src_node_id))
+            ids = select_variables(V, int(k), selection_seed(self.seed, server_round, reply.metadata.src_node_id))
         idx = torch.cat([self._ranges[i] for i in ids.tolist()])
         values = arrayrecord_to_vector(ArrayRecord({"values": rec["values"]}), idx.numel())
-        if not weight > 0:
-            raise PayloadError(f"num-examples must be > 0, got {weight}")
+        if not (weight > 0 and math.isfinite(weight)):  # an infinite weight makes the weighted mean NaN
+            raise PayloadError(f"num-examples must be finite and > 0, got {weight}")
         return idx, values, weight, loss
 
     def aggregate_train(self, server_round: int,

@@ -301,7 +301,7 @@ def _parse_header(raw: bytearray, v: Verifier) -> tuple[dict, bytes, bytes]:
     text, sig = bytes(raw[:-SIGNATURE_BYTES]), bytes(raw[-SIGNATURE_BYTES:])
     try:
         h = json.loads(text)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
         raise Dropped("malformed", "header is not JSON") from None
     if not isinstance(h, dict) or h.get("v") != VERSION:
         raise Dropped("malformed", f"header is not a v{VERSION} envelope")
@@ -309,8 +309,13 @@ def _parse_header(raw: bytearray, v: Verifier) -> tuple[dict, bytes, bytes]:
     for key, typ in types.items():
         if not isinstance(h.get(key), typ) or isinstance(h.get(key), bool):
             raise Dropped("malformed", f"header field '{key}' is missing or has the wrong type")
-    if h["re"] is not None and not isinstance(h["re"], str):
+    if h.get("re") is not None and not isinstance(h["re"], str):
         raise Dropped("malformed", "header field 're' has the wrong type")
+    h["re"] = h.get("re")
+    try:
+        h["ts"] = float(h["ts"])  # an integer timestamp of 400 digits has no float
+    except OverflowError:
+        h["ts"] = math.inf
     if len(h["from"]) != 64 or len(h["nonce"]) != 32 or not math.isfinite(h["ts"]) or h["blen"] < 0:
         raise Dropped("malformed", "bad sender, nonce, timestamp or body length")
     try:

@@ -9,6 +9,7 @@ Both readers check dtype, length and finiteness (codecs then check their own inv
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -53,6 +54,10 @@ def read_vector(meta: dict, body: bytearray, d: int) -> torch.Tensor:
     return x
 
 
+def _is_size(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
 def payload_body(payload: Payload) -> tuple[dict[str, Any], bytes]:
     """``(meta, body)`` for a codec :class:`~fedswarm.payload.Payload`."""
     index, parts, off = {}, [], 0
@@ -74,19 +79,20 @@ def read_payload(meta: dict, body: bytearray) -> Payload:
     if not isinstance(index, dict) or not isinstance(cmeta, dict):
         raise Dropped("invalid_payload", "payload has no array index or codec meta")
     arrays, end = {}, 0
-    try:  # the header's JSON has sorted keys: walk the arrays in body order
-        entries = sorted(index.items(), key=lambda kv: int(kv[1]["offset"]))
-    except (KeyError, TypeError, ValueError):
-        raise Dropped("invalid_payload", "payload array index is malformed") from None
-    for name, spec in entries:
+    specs = {}
+    for name, spec in index.items():
         try:
             dt = np.dtype(_DTYPES[spec["dtype"]])
-            shape = tuple(int(s) for s in spec["shape"])
-            off, nbytes = int(spec["offset"]), int(spec["nbytes"])
-        except (KeyError, TypeError, ValueError):
+            shape, off, nbytes = spec["shape"], spec["offset"], spec["nbytes"]
+        except (KeyError, TypeError):
             raise Dropped("invalid_payload", f"array {name!r} has a bad index entry") from None
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        if min(shape, default=1) < 0 or nbytes != count * dt.itemsize or off != end or off + nbytes > len(body):
+        # JSON integers only (a float such as 1e400 or NaN, a string, a bool is no size), never negative
+        if not isinstance(shape, list) or not all(_is_size(n) for n in (*shape, off, nbytes)):
+            raise Dropped("invalid_payload", f"array {name!r} has a bad index entry")
+        specs[name] = (dt, tuple(shape), off, nbytes)
+    for name, (dt, shape, off, nbytes) in sorted(specs.items(), key=lambda kv: kv[1][2]):  # in body order
+        count = math.prod(shape)  # exact: a product past 2**63 cannot wrap round to a size that fits
+        if nbytes != count * dt.itemsize or off != end or off + nbytes > len(body):
             raise Dropped("invalid_payload", f"array {name!r} does not fit the body")
         a = np.frombuffer(body, dtype=dt, count=count, offset=off).reshape(shape)
         if dt.kind == "f" and not np.isfinite(a).all():
