@@ -27,6 +27,18 @@ app = typer.Typer(
 )
 
 
+def on_off(value: str | None, option: str) -> bool | None:
+    """``on``/``off`` (or true/false) of a switch option; None when not given."""
+    if value is None:
+        return None
+    low = value.strip().lower()
+    if low in ("on", "true", "yes", "1"):
+        return True
+    if low in ("off", "false", "no", "0"):
+        return False
+    fail(f"invalid value for {option}: '{value}' (use on or off)")
+
+
 def parse_policies(items: list[str] | None) -> dict[str, dict[str, Any]]:
     """``["edge-lte:local_steps=2", ...]`` -> ``{"edge-lte": {"local_steps": 2}}``."""
     out: dict[str, dict[str, Any]] = {}
@@ -122,6 +134,13 @@ def sim(
         "Checkpoint the server into the store every K rounds (default 1); `fedswarm resume` redoes at most K - 1 "
         "rounds. Larger K: less checkpoint time and store traffic."
     )),
+    eval_every: Optional[int] = typer.Option(None, "--eval-every", help=(
+        "Federated evaluation every K rounds (default 1): the round's nodes score the model on their own "
+        "validation split (fed_accuracy)."
+    )),
+    central_eval: Optional[str] = typer.Option(None, "--central-eval", help=(
+        "on (default) | off: off runs with no server test set; only the nodes' federated evaluation is reported."
+    )),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Strategy hyperparameter KEY=VALUE (repeatable)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=(
         "A TOML run config; command-line options override it."
@@ -146,6 +165,7 @@ def sim(
         "device": device, "name": name, "devices": devices, "profiles": profiles, "topology": topology,
         "byzantine": byzantine, "attack": attack, "dp": dp, "dp_sgd": dp_sgd,
         "memory_budget": memory_budget, "ray_address": ray_address, "checkpoint_every": checkpoint_every,
+        "eval_every": eval_every, "central_eval": on_off(central_eval, "--central-eval"),
     }
     quiet_flower(verbose)  # before the strategy is built to check it
     try:

@@ -168,6 +168,16 @@ class RunConfig(TrainingSpec):
     checkpoint_every: int = Field(1, ge=1, le=1_000_000, description=(
         "Checkpoint the server every K rounds (and when a control changes the run); a resume redoes the rounds "
         "after the newest checkpoint, at most K - 1."))
+    # Left out of the run's flat config when unset (None), so runs that do not use them send what they sent.
+    eval_every: int | None = Field(None, ge=1, le=1_000_000, description=(
+        "Federated evaluation every K rounds (default 1): the round's cohort scores the model on its own "
+        "validation split; recorded as fed_loss, fed_accuracy, fed_examples."))
+    central_eval: bool | None = Field(None, description=(
+        "false: the server holds no test set and evaluates nothing itself (only federated evaluation); "
+        "default true."))
+    round_timeout: float | None = Field(None, gt=0.0, le=86_400.0, description=(
+        "Seconds a round waits for the nodes' replies before it goes on without the missing ones "
+        "(default 600)."))
 
     @field_validator("policies")
     @classmethod

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,9 +26,23 @@ __all__ = [
     "resolve_device",
     "task_data",
     "partition_data",
+    "node_validation",
     "trainer_for",
     "evaluate_flat",
+    "examples_seen",
 ]
+
+_SEEN = threading.local()
+
+
+def examples_seen() -> int:
+    """Examples this thread's local SGD has processed so far (every minibatch's size summed):
+    a node's telemetry reads it before and after a round to report examples per second."""
+    return getattr(_SEEN, "n", 0)
+
+
+def _count_seen(n: int) -> None:
+    _SEEN.n = examples_seen() + n
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
@@ -64,6 +79,24 @@ def partition_data(cfg: RunConfig, partition_id: int, num_partitions: int) -> tu
     parts = partition_indices(data.train_y.numpy(), cfg.partition, num_partitions, cfg.seed)
     idx = torch.from_numpy(parts[partition_id])
     return data.train_x[idx], data.train_y[idx]
+
+
+@functools.lru_cache(maxsize=4096)
+def _validation_idx(task_name: str, seed: int, test_fraction: float, num_partitions: int) -> tuple:
+    data = _task_data(task_name, seed, test_fraction)
+    return tuple(partition_indices(data.test_y.numpy(), "iid", num_partitions, seed))
+
+
+def node_validation(cfg: RunConfig, partition_id: int, num_partitions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The validation split of node ``partition_id`` of ``num_partitions`` that holds no data
+    of its own: its share of the task's held-out test set, cut IID with the run's seed, the
+    same on every engine. The training partitions are not touched, so a run's training data
+    is what it was without federated evaluation."""
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
+    data = task_data(cfg)
+    idx = torch.from_numpy(_validation_idx(cfg.task, cfg.seed, cfg.test_fraction, num_partitions)[partition_id])
+    return data.test_x[idx], data.test_y[idx]
 
 
 @dataclass
@@ -133,6 +166,7 @@ class LocalTrainer:
                 order, pos = torch.randperm(n, generator=g), 0
             idx = order[pos : pos + batch_size].to(self.device)
             pos += batch_size
+            _count_seen(int(idx.numel()))
             opt.zero_grad(set_to_none=True)
             loss = self.task.objective(self.model, self.x[idx], self.y[idx])
             loss.backward()
