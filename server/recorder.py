@@ -169,12 +169,15 @@ class RoundRecorder(RoundNotes):
         """Whether round ``rnd`` gets a federated evaluation (every ``eval_every``-th round)."""
         return rnd % max(1, int(self.eval_every)) == 0
 
-    def federated(self, rnd: int, arrays: Any, cohort: list[int], node_rows: list[dict] | None) -> dict[str, Any]:
-        """Round ``rnd``'s federated evaluation by ``cohort``: each node's values merged into
-        its row of ``node_rows``, the round's aggregate returned."""
-        if not cohort:
+    def federated(self, rnd: int, arrays: Any, cohort: list[int], node_rows: list[dict] | None,
+                  fed_eval: Callable[[int, Any, list[int]], dict[str, dict]] | None = None) -> dict[str, Any]:
+        """Round ``rnd``'s federated evaluation by ``cohort`` (through ``fed_eval``, default the
+        recorder's): each node's values merged into its row of ``node_rows``, the round's
+        aggregate returned. An engine that writes its own node rows (batched) calls it itself."""
+        fed_eval = fed_eval if fed_eval is not None else self.fed_eval
+        if not cohort or fed_eval is None:
             return {}
-        results = self.fed_eval(rnd, arrays, [int(n) for n in cohort])
+        results = fed_eval(rnd, arrays, [int(n) for n in cohort])
         merge_into_rows(results, node_rows)
         return aggregate(results)
 
@@ -246,6 +249,12 @@ class RoundRecorder(RoundNotes):
                     n_sum -= row["num_examples"]
                     del row["train_loss"]
             rows.append(row)
+        # a node sent a message that never answered (cut off, frozen past the round's timeout): failed
+        for node in sorted(set(traffic.sent_to.values()) if getattr(traffic, "sent_to", None) else ()):
+            if node not in seen:
+                seen.add(node)
+                rows.append({"node_id": str(node), "bytes_up": 0, "bytes_down": int(traffic.node_down.get(node, 0)),
+                             "status": "failed", "reason": "no reply before the round's timeout"})
         return (loss_sum / n_sum if n_sum else None), n_sum, rows
 
     def late_nodes(self, rnd: int, rows: list[dict]) -> list[str]:
