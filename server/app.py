@@ -55,12 +55,7 @@ __all__ = ["app", "run_server", "split_run_config"]
 log = logging.getLogger("fedswarm.server")
 
 # Seconds a round may wait for replies before it goes on without the missing ones (run config round_timeout).
-ROUND_TIMEOUT_S = 600.0
-
-
-def round_timeout(cfg: RunConfig) -> float:
-    """The run's round timeout in seconds."""
-    return float(cfg.round_timeout) if cfg.round_timeout is not None else ROUND_TIMEOUT_S
+ROUND_TIMEOUT_S = RunConfig.model_fields["round_timeout"].default
 
 
 def split_run_config(run_config: dict) -> tuple[RunConfig, str | None, str | None]:
@@ -88,7 +83,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
     model = task.model(cfg.seed).to(device)
     layout = ParamLayout.from_module(model)
     evaluate = None
-    if cfg.central_eval is not False:  # off: no server test set, the task's data is not loaded
+    if cfg.central_eval:  # off: no server test set, the task's data is not loaded
         data = task_data(cfg)
 
         def evaluate(arrays: ArrayRecord) -> tuple[float, float]:
@@ -127,10 +122,10 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
     recorder.checkpoint_at_round_end = bool(getattr(strategy, "checkpoint_at_round_end", False))
     recorder.checkpoint_every = cfg.checkpoint_every
     recorder.min_train_nodes = getattr(strategy, "min_train_nodes", None)
-    timeout = round_timeout(cfg)
+    timeout = float(cfg.round_timeout)
     recorder.fed_eval = GridEvaluator(metered, train_config, timeout=timeout,
                                       own_model=registry.get(cfg.strategy).kind != "federated")
-    recorder.eval_every = cfg.eval_every or 1
+    recorder.eval_every = cfg.eval_every
     rounds = cfg.rounds
     if resume is not None:
         def restore() -> tuple[str, list[str]]:

@@ -226,7 +226,7 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     policies = PolicyBook(cfg.policies)
     policies.write(train_config)
     meter = Meter()
-    central = evaluate if cfg.central_eval is not False else None  # off: no server test set
+    central = evaluate if cfg.central_eval else None  # off: no server test set
     recorder = RoundRecorder(store, run_id, meter, central,  # type: ignore[arg-type]  (a Meter: only take())
                              listeners=listeners, policies=policies,
                              train_config=train_config, node_kind="sim")
@@ -244,7 +244,7 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
                   "fetchsgd": SketchRounds, "gs_sgd": SketchRounds}.get(cfg.strategy, CompressedRounds)
         rounds_of = runner(run, global_vec, notes=recorder)
         recorder.min_train_nodes = getattr(getattr(rounds_of, "strategy", None), "min_train_nodes", None)
-    recorder.eval_every = cfg.eval_every or 1
+    recorder.eval_every = cfg.eval_every
     store.set_status(run_id, "running")
     try:
         recorder(0, rounds_of.model)

@@ -139,3 +139,6 @@ def test_eval_every_and_central_eval_are_checked():
         RunConfig.build({"round_timeout": -1})
     # unset, they stay out of what every message carries (runs that do not use them send what they sent)
     assert not {"eval_every", "central_eval", "round_timeout"} & set(RunConfig().to_flat())
+    flat = RunConfig(eval_every=3, central_eval=False, round_timeout=5.0).to_flat()
+    assert (flat["eval_every"], flat["central_eval"], flat["round_timeout"]) == (3, False, 5.0)
+    assert RunConfig.from_flat(flat).eval_every == 3
