@@ -22,9 +22,8 @@ from tests.deployment_helpers import ROOT, TASK, Deployment, one_run, status_of
 
 pytestmark = pytest.mark.integration
 
-# Long enough for a healthy round on a loaded machine (a ClientApp process starts per message: up to ~55 s
-# seen on 2 busy cores), short
-# enough for a test: the frozen node costs round 2 this long.
+# Long enough for a healthy round on a loaded machine (a ClientApp process starts per message: rounds of up
+# to ~55 s seen on 2 busy cores), short enough for a test: the frozen node costs round 2 this long.
 ROUND_TIMEOUT_S = 120
 RUN = ("rounds=4 clients=3 local_epochs=3 batch_size=1000 seed=5 eval_every=4 "
        f"round_timeout={ROUND_TIMEOUT_S}.0 task='{TASK}' db='{{db}}'")

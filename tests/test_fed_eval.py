@@ -142,3 +142,37 @@ def test_eval_every_and_central_eval_are_checked():
     flat = RunConfig(eval_every=3, central_eval=False, round_timeout=5.0).to_flat()
     assert (flat["eval_every"], flat["central_eval"], flat["round_timeout"]) == (3, False, 5.0)
     assert RunConfig.from_flat(flat).eval_every == 3
+
+
+def test_a_node_that_never_answers_is_named_failed_and_trains_again_when_back(tmp_path):
+    """In process, fast: node 2's replies of round 2 are lost (a link cut off; the real SuperLink
+    and a frozen SuperNode: tests/test_deployment_flaky_link.py). Round 2 completes with the others
+    and names node 2 failed; in round 3 it trains again; its federated evaluation is lost with it."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedswarm.client.app import app as client_app
+    from fedswarm.server.app import run_server
+    from fedswarm.sim.inprocess import InProcessGrid
+
+    class CutLink(InProcessGrid):
+        def pull_messages(self, message_ids):
+            ids = list(message_ids)
+            lost = {mid for mid in ids if mid in self._queue and self._queue[mid].metadata.dst_node_id == 2
+                    and self._queue[mid].content.config_records["config"]["server-round"] == 2}  # train and evaluate
+            return [r for r in super().pull_messages(ids) if r.metadata.reply_to_message_id not in lost]
+
+    cfg = RunConfig(task=TASK, clients=3, rounds=3, seed=1, local_steps=2)
+    grid = CutLink(client_app, cfg.clients, run_config=cfg.to_flat())
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = grid.run.run_id, 1, 0
+    store = Store(tmp_path / "cut.db")
+    rid = store.create_run(cfg.model_dump())
+    assert run_server(grid, cfg, store=store, run_id=rid) == "finished"
+    rows = {(n.round, n.node_id): n for n in store.node_rounds(rid)}
+    cut = rows[(2, "2")]
+    assert cut.status == "failed" and "no reply" in cut.reason and cut.fed_accuracy is None
+    assert all(rows[(2, n)].status == "ok" for n in ("1", "3"))
+    assert rows[(3, "2")].status == "ok" and rows[(3, "2")].fed_accuracy is not None
+    r2 = {r.round: r for r in store.rounds(rid)}[2]
+    assert r2.metrics["nodes_failed"] == 1 and r2.metrics["fed_failed"] == 1
+    assert r2.fed_examples == sum(rows[(2, n)].fed_examples for n in ("1", "3"))
+    store.close()
