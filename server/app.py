@@ -123,7 +123,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
     recorder.checkpoint_every = cfg.checkpoint_every
     recorder.min_train_nodes = getattr(strategy, "min_train_nodes", None)
     timeout = float(cfg.round_timeout)
-    recorder.fed_eval = GridEvaluator(metered, train_config, timeout=timeout,
+    recorder.fed_eval = GridEvaluator(nodes_grid, train_config, timeout=timeout,
                                       own_model=registry.get(cfg.strategy).kind != "federated")
     recorder.eval_every = cfg.eval_every
     rounds = cfg.rounds

@@ -55,11 +55,15 @@ def merge_into_rows(results: dict[str, NodeEval], node_rows: list[dict] | None) 
 
 
 class GridEvaluator:
-    """Sends the round's evaluate messages through ``grid`` (the metered one: the recorder
-    counts their bytes apart as ``eval_bytes_up``/``eval_bytes_down``) and reads the replies."""
+    """Sends the round's evaluate messages to the nodes through its own meter over ``grid`` (the
+    nodes themselves: a ``--byzantine`` attack rewrites training replies, not these), so their
+    bytes are apart from the round's training bytes (``traffic``: the last call's), and reads the replies."""
 
     def __init__(self, grid: Grid, train_config: ConfigRecord | None, *, own_model: bool, timeout: float):
-        self.grid = grid
+        from fedswarm.server.metered_grid import MeteredGrid, Traffic
+
+        self.grid = MeteredGrid(grid)
+        self.traffic = Traffic()
         self.train_config = train_config
         self.own_model = own_model
         self.timeout = timeout
@@ -75,6 +79,7 @@ class GridEvaluator:
         record = RecordDict(content)
         messages = [Message(record, int(node), "evaluate", group_id=str(rnd)) for node in cohort]
         replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        self.traffic = self.grid.take()
         sent = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages if m.metadata.message_id}
         results: dict[str, NodeEval] = {str(node): {"error": "no reply before the round timeout"} for node in cohort}
         for reply in replies:

@@ -113,8 +113,9 @@ class RoundRecorder(RoundNotes):
         fed: dict[str, Any] = {}
         if server_round > 0 and self.fed_eval is not None and self.eval_due(rnd):
             fed = self.federated(rnd, arrays, sorted(traffic.node_down), node_rows)
-            spent = self.grid.take()  # the evaluate messages: not the round's training traffic
-            fed.update(eval_bytes_up=spent.bytes_up, eval_bytes_down=spent.bytes_down)
+            spent = getattr(self.fed_eval, "traffic", None)  # the evaluate messages, metered apart
+            if fed and spent is not None:
+                fed.update(eval_bytes_up=spent.bytes_up, eval_bytes_down=spent.bytes_down)
         row = {
             "train_loss": train_loss,
             "test_loss": test_loss,
