@@ -55,7 +55,8 @@ def evaluate_on_node(msg: Message, context: Context) -> RecordDict:
 
 
 class TrainClock:
-    """Times one client update and counts the examples its local SGD processed."""
+    """Times one client update (its whole local work: in a process's first round that includes
+    loading its data) and counts the examples its local SGD processed."""
 
     def __init__(self):
         self.t0 = time.perf_counter()
