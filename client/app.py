@@ -19,6 +19,7 @@ from __future__ import annotations
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedswarm.client.evaluate import TrainClock, evaluate_on_node
 from fedswarm.client.persist import RESUME_ACTION, answer_resume, save_after_train
 from fedswarm.local import local_fit, node_data
 from fedswarm.strategies import registry
@@ -31,18 +32,28 @@ app = ClientApp()
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Plain local training: the reply carries the new model and the example count."""
+    """Plain local training: the reply carries the new model and the example count (the
+    node's partition id travels in its ``node`` record, not among the metrics Flower averages)."""
+    clock = TrainClock()
     fit = local_fit(msg, context)
     res = fit.result
-    metrics = MetricRecord({"num-examples": res.num_examples, "train_loss": res.loss, "steps": res.steps,
-                            "partition-id": int(context.node_config.get("partition-id", -1))})
+    metrics = MetricRecord({"num-examples": res.num_examples, "train_loss": res.loss, "steps": res.steps})
     if node_data(context) is not None:  # its own data: examples it could not read (an ImageFolder's bad images)
         metrics["skipped_examples"] = fit.trainer.skipped_examples
     if res.dp_sample_rate is not None:  # DP-SGD: what the server's accountant needs
         metrics["dp_sample_rate"] = res.dp_sample_rate
-    content = RecordDict({"arrays": vector_to_arrayrecord(res.flat), "metrics": metrics, "node": fit.report()})
+    node = fit.report()
+    node["partition-id"] = int(context.node_config.get("partition-id", -1))
+    content = RecordDict({"arrays": vector_to_arrayrecord(res.flat), "metrics": metrics, "node": node})
     save_after_train(msg, context)
-    return Message(content, reply_to=msg)
+    return Message(clock.attach(content), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Federated evaluation: the global model (or, decentralized, the node's own) scored on
+    this node's validation split (:mod:`fedswarm.client.evaluate`)."""
+    return Message(evaluate_on_node(msg, context), reply_to=msg)
 
 
 @app.query(RESUME_ACTION)
@@ -53,9 +64,10 @@ def resume(msg: Message, context: Context) -> Message:
 
 def _dispatch(entry: registry.StrategyEntry):
     def handler(msg: Message, context: Context) -> Message:
+        clock = TrainClock()
         content = entry.client_update(msg, context)
         save_after_train(msg, context)  # the state this reply leaves, on the node's disk
-        return Message(content, reply_to=msg)
+        return Message(clock.attach(content), reply_to=msg)
 
     handler.__name__ = f"train_{entry.name}"
     return handler

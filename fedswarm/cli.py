@@ -27,6 +27,18 @@ app = typer.Typer(
 )
 
 
+def on_off(value: str | None, option: str) -> bool | None:
+    """``on``/``off`` (or true/false) of a switch option; None when not given."""
+    if value is None:
+        return None
+    low = value.strip().lower()
+    if low in ("on", "true", "yes", "1"):
+        return True
+    if low in ("off", "false", "no", "0"):
+        return False
+    fail(f"invalid value for {option}: '{value}' (use on or off)")
+
+
 def parse_policies(items: list[str] | None) -> dict[str, dict[str, Any]]:
     """``["edge-lte:local_steps=2", ...]`` -> ``{"edge-lte": {"local_steps": 2}}``."""
     out: dict[str, dict[str, Any]] = {}
@@ -132,6 +144,13 @@ def sim(
     val_fraction: Optional[float] = typer.Option(None, "--val-fraction", help=(
         "--client-data: share of each client's examples held out for its validation (default 0.2)."
     )),
+    eval_every: Optional[int] = typer.Option(None, "--eval-every", help=(
+        "Federated evaluation every K rounds (default 1): the round's nodes score the model on their own "
+        "validation split (fed_accuracy)."
+    )),
+    central_eval: Optional[str] = typer.Option(None, "--central-eval", help=(
+        "on (default) | off: off runs with no server test set; only the nodes' federated evaluation is reported."
+    )),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Strategy hyperparameter KEY=VALUE (repeatable)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=(
         "A TOML run config; command-line options override it."
@@ -158,6 +177,7 @@ def sim(
         "memory_budget": memory_budget, "ray_address": ray_address, "checkpoint_every": checkpoint_every,
         "client_data": str(client_data) if client_data else None, "label_column": label_column,
         "val_fraction": val_fraction,
+        "eval_every": eval_every, "central_eval": on_off(central_eval, "--central-eval"),
     }
     quiet_flower(verbose)  # before the strategy is built to check it
     try:

@@ -175,6 +175,15 @@ class RunConfig(TrainingSpec):
     checkpoint_every: int = Field(1, ge=1, le=1_000_000, description=(
         "Checkpoint the server every K rounds (and when a control changes the run); a resume redoes the rounds "
         "after the newest checkpoint, at most K - 1."))
+    # Left out of the run's flat config at their defaults (QUIET_DEFAULTS), so runs that do not use them
+    # send the nodes what they sent before.
+    eval_every: int = Field(1, ge=1, le=1_000_000, description=(
+        "Federated evaluation every K rounds: the round's cohort scores the model on its own validation split; "
+        "recorded as fed_loss, fed_accuracy, fed_examples."))
+    central_eval: bool = Field(True, description=(
+        "false: the server holds no test set and evaluates nothing itself (only federated evaluation)."))
+    round_timeout: float = Field(600.0, gt=0.0, le=86_400.0, description=(
+        "Seconds a round waits for the nodes' replies before it goes on without the missing ones."))
 
     @field_validator("policies")
     @classmethod
@@ -252,6 +261,8 @@ class RunConfig(TrainingSpec):
         strategy params become ``params.KEY``."""
         out: dict[str, Any] = {}
         for k, v in self.model_dump().items():
+            if k in QUIET_DEFAULTS and v == QUIET_DEFAULTS[k]:
+                continue
             if k == "params":
                 out.update({f"params.{pk}": pv for pk, pv in v.items()})
             elif k == "policies":
@@ -275,6 +286,11 @@ class RunConfig(TrainingSpec):
         if params:
             values["params"] = params
         return cls.build(values)
+
+
+#: Keys :meth:`RunConfig.to_flat` leaves out at these (their default) values: added after runs and
+#: byte counts were recorded, they change nothing in what an unchanged run sends.
+QUIET_DEFAULTS = {"eval_every": 1, "central_eval": True, "round_timeout": 600.0}
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -364,6 +364,9 @@ class Store:
                 "wall_s": r.wall_s,
                 "sim_time_s": r.sim_time_s,
                 "num_clients": r.num_clients,
+                "fed_loss": r.fed_loss,
+                "fed_accuracy": r.fed_accuracy,
+                "fed_examples": r.fed_examples,
             }
             row.update(r.metrics or {})
             rows.append(row)
@@ -377,6 +380,10 @@ class Store:
             "total_bytes_down": sum(r["bytes_down"] for r in rows),
             "wall_s": sum(r["wall_s"] for r in rows),
         }
+        feds = [(r["fed_accuracy"], r["fed_loss"]) for r in rows if r["fed_accuracy"] is not None and r["round"] > 0]
+        if feds:  # federated evaluation (the nodes' own validation data)
+            summary.update(final_fed_accuracy=feds[-1][0], best_fed_accuracy=max(a for a, _ in feds),
+                           final_fed_loss=feds[-1][1])
         sims = [r["sim_time_s"] for r in rows if r["sim_time_s"] is not None]
         summary["sim_time_s"] = sum(sims) if sims else None
         reports = [r["bytes_report"] for r in rows if r.get("bytes_report") is not None]
@@ -396,13 +403,28 @@ class Store:
                                                 key=lambda n: (len(str(n)), str(n)))
             summary["attack"] = attacked[-1].get("attack")
         summary.update({k: v for k, v in (run.summary or {}).items() if k not in summary})
-        return {
+        out = {
             "run_id": run.id,
             "config": run.config,
             "code_version": run.code_version,
             "rounds": rows,
             "summary": summary,
         }
+        nodes = self._node_evals(run_id)
+        if nodes:
+            out["node_rounds"] = nodes
+        return out
+
+    def _node_evals(self, run_id: str) -> list[dict]:
+        """The node-round rows that carry a federated evaluation or telemetry, for ``result.json``."""
+        keep = []
+        for nr in self.node_rounds(run_id):
+            if nr.fed_accuracy is None and not nr.telemetry:
+                continue
+            keep.append({"round": nr.round, "node_id": nr.node_id, "status": nr.status,
+                         "num_examples": nr.num_examples, "fed_loss": nr.fed_loss, "fed_accuracy": nr.fed_accuracy,
+                         "fed_examples": nr.fed_examples, "telemetry": nr.telemetry or {}})
+        return keep
 
     def write_result(self, run_id: str, out_dir: str | os.PathLike) -> Path:
         out = Path(out_dir)

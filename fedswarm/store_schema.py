@@ -86,6 +86,10 @@ class Round(Base):
     reported_by: Mapped[str | None] = mapped_column(String(64))  # the ingest token that wrote it, if any
     node_rows: Mapped[int | None] = mapped_column(Integer)  # per-node rows of the round
     failed_node_rows: Mapped[int | None] = mapped_column(Integer)  # of which failed or rejected
+    # federated evaluation (fedswarm.server.fed_eval): the cohort's example-weighted loss/accuracy
+    fed_loss: Mapped[float | None] = mapped_column(Float)
+    fed_accuracy: Mapped[float | None] = mapped_column(Float)
+    fed_examples: Mapped[int | None] = mapped_column(Integer)
 
 
 class NodeRound(Base):
@@ -106,9 +110,10 @@ class NodeRound(Base):
     policy: Mapped[dict] = mapped_column(JSON, default=dict)
     status: Mapped[str] = mapped_column(String(16), default="ok")  # ok | failed | rejected
     reason: Mapped[str | None] = mapped_column(Text)
-    # what the node measured that round (train_s, peak_rss_mb, battery_pct, cpu_temp_c, ...;
-    # fedswarm.web.node_schemas.TELEMETRY_KEYS), absent keys left out
-    telemetry: Mapped[dict | None] = mapped_column(JSON)
+    fed_loss: Mapped[float | None] = mapped_column(Float)  # this node's federated evaluation
+    fed_accuracy: Mapped[float | None] = mapped_column(Float)
+    fed_examples: Mapped[int | None] = mapped_column(Integer)
+    telemetry: Mapped[dict | None] = mapped_column(JSON)  # fedswarm.telemetry: absent sources left out
 
 
 class Rejection(Base):

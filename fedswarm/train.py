@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,12 +29,26 @@ __all__ = [
     "check_node_device",
     "task_data",
     "partition_data",
+    "node_validation",
     "trainer_for",
     "evaluate_flat",
     "client_data_spec",
     "pooled_client_data",
     "local_validation",
+    "examples_seen",
 ]
+
+_SEEN = threading.local()
+
+
+def examples_seen() -> int:
+    """Examples this thread's local SGD has processed so far (every minibatch's size summed):
+    a node's telemetry reads it before and after a round to report examples per second."""
+    return getattr(_SEEN, "n", 0)
+
+
+def _count_seen(n: int) -> None:
+    _SEEN.n = examples_seen() + n
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
@@ -134,6 +149,29 @@ def partition_data(cfg: RunConfig, partition_id: int, num_partitions: int) -> tu
     return data.train_x[idx], data.train_y[idx]
 
 
+@functools.lru_cache(maxsize=4096)
+def _validation_idx(task_name: str, seed: int, test_fraction: float, num_partitions: int) -> tuple:
+    data = _task_data(task_name, seed, test_fraction)
+    return tuple(partition_indices(data.test_y.numpy(), "iid", num_partitions, seed))
+
+
+def node_validation(cfg: RunConfig, partition_id: int, num_partitions: int,
+                    local: LocalDataSpec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The validation split of node ``partition_id`` of ``num_partitions``: with data of its
+    own (``local``, a deployed node's ``--data``, or the run's ``client_data``) the split held
+    out of it (:func:`local_validation`); otherwise its share of the task's held-out test set,
+    cut IID with the run's seed, the same on every engine. The training partitions are not
+    touched, so a run's training data is what it was without federated evaluation."""
+    own = local_validation(cfg, partition_id, local)
+    if own is not None:
+        return own
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
+    data = task_data(cfg)
+    idx = torch.from_numpy(_validation_idx(cfg.task, cfg.seed, cfg.test_fraction, num_partitions)[partition_id])
+    return data.test_x[idx], data.test_y[idx]
+
+
 @dataclass
 class TrainResult:
     flat: torch.Tensor  # new parameters, [d]
@@ -205,6 +243,7 @@ class LocalTrainer:
                 order, pos = torch.randperm(n, generator=g).to(self.device), 0
             idx = order[pos : pos + batch_size]
             pos += batch_size
+            _count_seen(int(idx.numel()))
             opt.zero_grad(set_to_none=True)
             loss = self.task.objective(self.model, self.x[idx], self.y[idx])
             loss.backward()

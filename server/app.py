@@ -12,7 +12,10 @@ simulation engine) the train config also names the run (``fedswarm-run``): the n
 their state under it after every round, and a resumed run asks them for it
 (:mod:`.client_state`).
 Every ``checkpoint_every``-th round (default: every round) is checkpointed into the store
-(:mod:`.checkpoint`).
+(:mod:`.checkpoint`). After every ``eval_every``-th round the round's cohort evaluates the model
+on its own validation data (:mod:`.fed_eval`); ``central_eval = false`` runs with no server test
+set at all (the task's data is never loaded here). ``round_timeout`` (seconds, default
+:data:`ROUND_TIMEOUT_S`) is how long a round waits for replies.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 from fedswarm.server.metered_grid import MeteredGrid, Traffic
 from fedswarm.server.prompt_grid import PromptGrid
 from fedswarm.server.checkpoint import ServerCheckpoint, ServerCheckpointer
+from fedswarm.server.fed_eval import GridEvaluator
 from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
 from fedswarm.server.client_state import restore_clients
 from fedswarm.server.resume import ACCEPT_LOSS_KEY, RESUME_KEY, resume_into
@@ -50,8 +54,8 @@ __all__ = ["app", "run_server", "split_run_config"]
 
 log = logging.getLogger("fedswarm.server")
 
-# Seconds a round may wait for replies before it goes on without the missing ones.
-ROUND_TIMEOUT_S = 600.0
+# Seconds a round may wait for replies before it goes on without the missing ones (run config round_timeout).
+ROUND_TIMEOUT_S = RunConfig.model_fields["round_timeout"].default
 
 
 def split_run_config(run_config: dict) -> tuple[RunConfig, str | None, str | None]:
@@ -78,11 +82,13 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
     device = resolve_device(cfg.device)
     model = task.model(cfg.seed).to(device)
     layout = ParamLayout.from_module(model)
-    data = task_data(cfg)
+    evaluate = None
+    if cfg.central_eval:  # off: no server test set, the task's data is not loaded
+        data = task_data(cfg)
 
-    def evaluate(arrays: ArrayRecord) -> tuple[float, float]:
-        flat = arrayrecord_to_vector(arrays, layout.d)
-        return evaluate_flat(task, model, flat, data.test_x, data.test_y, device)
+        def evaluate(arrays: ArrayRecord) -> tuple[float, float]:
+            flat = arrayrecord_to_vector(arrays, layout.d)
+            return evaluate_flat(task, model, flat, data.test_x, data.test_y, device)
 
     strategy = build_strategy(cfg, layout)
     engine_state = grid if callable(getattr(grid, "state_dict", None)) else None  # clients' state, if it has it
@@ -116,12 +122,16 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
     recorder.checkpoint_at_round_end = bool(getattr(strategy, "checkpoint_at_round_end", False))
     recorder.checkpoint_every = cfg.checkpoint_every
     recorder.min_train_nodes = getattr(strategy, "min_train_nodes", None)
+    timeout = float(cfg.round_timeout)
+    recorder.fed_eval = GridEvaluator(nodes_grid, train_config, timeout=timeout,
+                                      own_model=registry.get(cfg.strategy).kind != "federated")
+    recorder.eval_every = cfg.eval_every
     rounds = cfg.rounds
     if resume is not None:
         def restore() -> tuple[str, list[str]]:
             recorder.resume_asked, recorder.resume_round = set(), resume.round  # later nodes get named
             return restore_clients(nodes_grid, strategy, store=store, run_id=run_id, checkpoint_round=resume.round,
-                                   num_nodes=cfg.clients, timeout=ROUND_TIMEOUT_S, asked=recorder.resume_asked)
+                                   num_nodes=cfg.clients, timeout=timeout, asked=recorder.resume_asked)
 
         arrays, rounds = resume_into(resume, store=store, run_id=run_id, strategy=strategy, recorder=recorder,
                                      policies=policies, train_config=train_config, engine=engine_state,
@@ -133,7 +143,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
             shift_rounds(strategy, recorder.offset)  # clients are told the run's round, not start()'s
             recorder.reset_clock()
             recorder.final_round = recorder.offset + rounds
-            result = strategy.start(metered, arrays, num_rounds=rounds, timeout=ROUND_TIMEOUT_S,
+            result = strategy.start(metered, arrays, num_rounds=rounds, timeout=timeout,
                                     train_config=train_config, evaluate_fn=recorder)
             arrays = result.arrays if result.arrays is not None else arrays
             recorder.offset = recorder.last_round

@@ -8,7 +8,9 @@ Monitoring is counted apart: records of a reply whose name starts with
 :data:`REPORT_PREFIX` (``report.``; e.g. a decentralized node's model, sent only so the
 server can evaluate the node average) are not the algorithm's traffic. Their bytes (the
 reply's size minus its size without them, both serialized) go to ``report_up``, and
-``bytes_up`` is the rest: the algorithm's messages with their framing.
+``bytes_up`` is the rest: the algorithm's messages with their framing. A node's device
+telemetry (:data:`TELEMETRY_RECORD`, ``report.telemetry``) is monitoring too, counted apart
+again as ``telemetry_up`` (every reply carries it; ``report_up`` keeps what it meant).
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ from flwr.app import Message
 from flwr.common.serde import metadata_to_proto, recorddict_to_proto
 from flwr.serverapp import Grid
 
-__all__ = ["MeteredGrid", "REPORT_PREFIX", "Traffic", "WrappingGrid", "report_size", "serialized_size"]
+__all__ = ["MeteredGrid", "REPORT_PREFIX", "TELEMETRY_RECORD", "Traffic", "WrappingGrid", "report_size",
+           "serialized_size", "record_size"]
 
 #: Reply records named ``report.*`` are monitoring, counted in ``Traffic.report_up``.
 REPORT_PREFIX = "report."
+#: The record of a node's device telemetry (fedswarm.client.evaluate), counted in ``Traffic.telemetry_up``.
+TELEMETRY_RECORD = f"{REPORT_PREFIX}telemetry"
 
 
 class WrappingGrid(Grid):
@@ -99,20 +104,38 @@ def serialized_size(message: Message, content_cache: dict[int, int] | None = Non
     return total
 
 
+def record_size(message: Message, key: str, total: int | None = None) -> int:
+    """Bytes the record ``key`` adds to ``message`` (its serialized size minus the size of
+    the message without it; 0 when it has none), computed from the record alone: the
+    content's length is read back from ``total`` rather than by serializing the model again."""
+    if message.has_error() or not message.has_content() or key not in message.content:
+        return 0
+    from flwr.app import RecordDict
+
+    total = serialized_size(message) if total is None else total
+    meta = _field_len(metadata_to_proto(message.metadata).ByteSize())
+    rest = total - meta - 1  # the content field: its tag, its length's varint, its bytes
+    content = next(c for c in range(rest - 1, rest - 11, -1) if _varint_len(c) == rest - c)
+    item = recorddict_to_proto(RecordDict({key: message.content[key]})).ByteSize()  # its one entry
+    return total - (meta + _field_len(content - item))
+
+
 def report_size(message: Message, total: int | None = None) -> int:
-    """Bytes of ``message``'s monitoring records (:data:`REPORT_PREFIX`): its serialized
-    size minus the size of the same message without them (0 when it has none)."""
+    """Bytes of ``message``'s monitoring records (:data:`REPORT_PREFIX`), the telemetry record
+    (:data:`TELEMETRY_RECORD`) excepted: its serialized size minus the size of the same
+    message without them (0 when it has none)."""
     if message.has_error() or not message.has_content():
         return 0
-    keys = [k for k in message.content if k.startswith(REPORT_PREFIX)]
+    keys = [k for k in message.content if k.startswith(REPORT_PREFIX) and k != TELEMETRY_RECORD]
     if not keys:
         return 0
     from flwr.app import RecordDict
 
-    rest = RecordDict({k: v for k, v in message.content.items() if k not in keys})
+    rest = RecordDict({k: v for k, v in message.content.items() if k not in keys and k != TELEMETRY_RECORD})
     without = _field_len(metadata_to_proto(message.metadata).ByteSize()) + _field_len(
         recorddict_to_proto(rest).ByteSize())
-    return (serialized_size(message) if total is None else total) - without
+    total = serialized_size(message) if total is None else total
+    return total - without - record_size(message, TELEMETRY_RECORD, total)
 
 
 @dataclass
@@ -122,6 +145,7 @@ class Traffic:
     bytes_up: int = 0
     bytes_down: int = 0
     report_up: int = 0  # monitoring records (report.*) in replies, not in bytes_up
+    telemetry_up: int = 0  # the nodes' telemetry records (report.telemetry), in neither
     node_up: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     node_down: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     replies: list[Message] = field(default_factory=list)
@@ -164,10 +188,12 @@ class MeteredGrid(WrappingGrid):
         with self._lock:
             for m in replies:
                 n = serialized_size(m)
+                telemetry = record_size(m, TELEMETRY_RECORD, n)
                 report = report_size(m, n)
-                self._traffic.bytes_up += n - report
+                self._traffic.bytes_up += n - report - telemetry
                 self._traffic.report_up += report
-                self._traffic.node_up[self._traffic.node_of(m)] += n - report
+                self._traffic.telemetry_up += telemetry
+                self._traffic.node_up[self._traffic.node_of(m)] += n - report - telemetry
                 self._traffic.replies.append(m)
 
     # -- Grid: messages (the rest is WrappingGrid's) -------------------------------------

@@ -11,6 +11,15 @@ It is also the strategies' :class:`~fedswarm.strategies.strategy_utils.RoundNote
 strategy notes goes into the round's row, and every reply it rejects (with its reason) into
 the store's ``rejections`` table, the node's row (``status = rejected``) and the round's
 ``rejected`` count and ``rejected_reasons``.
+
+Federated evaluation (:mod:`fedswarm.server.fed_eval`): every ``eval_every``-th round, when
+``fed_eval`` is set, the round's cohort scores the model on its own validation data; the
+round row gets ``fed_loss``, ``fed_accuracy``, ``fed_examples`` (and the evaluate messages'
+bytes as ``eval_bytes_up``/``eval_bytes_down``, apart from the round's training bytes), each
+node's row its own values. With ``central_eval`` off the server holds no test set: ``evaluate``
+is None and ``test_loss``/``test_accuracy`` stay null. Each node's device telemetry (the
+``report.telemetry`` record of its reply, :mod:`fedswarm.telemetry`) goes into its row as
+``telemetry``; the round's telemetry bytes are ``bytes_telemetry``.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ from flwr.app import ArrayRecord, MetricRecord
 
 from fedswarm.policy import PolicyBook
 from fedswarm.store import Store
-from fedswarm.server.metered_grid import MeteredGrid
+from fedswarm.server.fed_eval import aggregate, merge_into_rows
+from fedswarm.server.metered_grid import TELEMETRY_RECORD, MeteredGrid
 from fedswarm.strategies.strategy_utils import RoundNotes
 
 log = logging.getLogger("fedswarm.server")
@@ -44,7 +54,7 @@ class RoundRecorder(RoundNotes):
         store: Store,
         run_id: str,
         grid: MeteredGrid,
-        evaluate: Callable[[Any], tuple[float, float]],
+        evaluate: Callable[[Any], tuple[float, float]] | None,
         *,
         listeners: list[RoundListener] | None = None,
         sim_time: Callable[[int, Any], float | None] | None = None,
@@ -83,6 +93,9 @@ class RoundRecorder(RoundNotes):
         self.resume_round = 0
         self.extra_rounds = 0
         self.last_round = 0
+        # federated evaluation: fed_eval(round, arrays, cohort) -> {node_id: values}, every eval_every rounds
+        self.fed_eval: Callable[[int, Any, list[int]], dict[str, dict]] | None = None
+        self.eval_every = 1
         self._t_last = time.perf_counter()
 
     def reset_clock(self) -> None:
@@ -94,9 +107,15 @@ class RoundRecorder(RoundNotes):
             return None  # round 0 of a continuation is the last round, already recorded
         traffic = self.grid.take()
         wall_s = time.perf_counter() - self._t_last
-        test_loss, test_acc = self.evaluate(arrays)
+        test_loss, test_acc = self.evaluate(arrays) if self.evaluate is not None else (None, None)
         notes, rejections = self.take()
         train_loss, num_examples, node_rows = self._replies(traffic, rejections)
+        fed: dict[str, Any] = {}
+        if server_round > 0 and self.fed_eval is not None and self.eval_due(rnd):
+            fed = self.federated(rnd, arrays, sorted(traffic.node_down), node_rows)
+            spent = getattr(self.fed_eval, "traffic", None)  # the evaluate messages, metered apart
+            if fed and spent is not None:
+                fed.update(eval_bytes_up=spent.bytes_up, eval_bytes_down=spent.bytes_down)
         row = {
             "train_loss": train_loss,
             "test_loss": test_loss,
@@ -111,6 +130,9 @@ class RoundRecorder(RoundNotes):
             row.update(self.failed_nodes(rnd, node_rows))
         if getattr(traffic, "report_up", 0):  # monitoring (report.* records), apart from bytes_up
             row["bytes_report"] = traffic.report_up
+        if getattr(traffic, "telemetry_up", 0):  # the nodes' telemetry records, apart from both
+            row["bytes_telemetry"] = traffic.telemetry_up
+        row.update(fed)
         for observe in self.observers:
             row.update(observe(traffic))
         row.update(notes)
@@ -140,7 +162,25 @@ class RoundRecorder(RoundNotes):
                 self._unsaved = None
                 self.checkpoint(rnd, arrays)
         self._t_last = time.perf_counter()  # time paused does not count as round time
-        return MetricRecord({"test_loss": test_loss, "test_accuracy": test_acc})
+        out = {"test_loss": test_loss, "test_accuracy": test_acc, "fed_loss": row.get("fed_loss"),
+               "fed_accuracy": row.get("fed_accuracy")}
+        return MetricRecord({k: v for k, v in out.items() if v is not None})
+
+    def eval_due(self, rnd: int) -> bool:
+        """Whether round ``rnd`` gets a federated evaluation (every ``eval_every``-th round)."""
+        return rnd % max(1, int(self.eval_every)) == 0
+
+    def federated(self, rnd: int, arrays: Any, cohort: list[int], node_rows: list[dict] | None,
+                  fed_eval: Callable[[int, Any, list[int]], dict[str, dict]] | None = None) -> dict[str, Any]:
+        """Round ``rnd``'s federated evaluation by ``cohort`` (through ``fed_eval``, default the
+        recorder's): each node's values merged into its row of ``node_rows``, the round's
+        aggregate returned. An engine that writes its own node rows (batched) calls it itself."""
+        fed_eval = fed_eval if fed_eval is not None else self.fed_eval
+        if not cohort or fed_eval is None:
+            return {}
+        results = fed_eval(rnd, arrays, [int(n) for n in cohort])
+        merge_into_rows(results, node_rows)
+        return aggregate(results)
 
     def round_done(self, *_: Any) -> None:
         """The round's state is complete: write the checkpoint of the last recorded round."""
@@ -178,6 +218,10 @@ class RoundRecorder(RoundNotes):
             if msg.has_error():
                 row.update(status="failed", reason=msg.error.reason[:2000])
             else:
+                telemetry = msg.content.config_records.get(TELEMETRY_RECORD)
+                if telemetry is not None:
+                    row["telemetry"] = {str(k): v for k, v in telemetry.items()
+                                        if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
                 node = msg.content.config_records.get("node")
                 if node is not None:
                     row["device_class"] = str(node.get("device_class", ""))[:64] or None
@@ -206,6 +250,12 @@ class RoundRecorder(RoundNotes):
                     n_sum -= row["num_examples"]
                     del row["train_loss"]
             rows.append(row)
+        # a node sent a message that never answered (cut off, frozen past the round's timeout): failed
+        for node in sorted(set(traffic.sent_to.values()) if getattr(traffic, "sent_to", None) else ()):
+            if node not in seen:
+                seen.add(node)
+                rows.append({"node_id": str(node), "bytes_up": 0, "bytes_down": int(traffic.node_down.get(node, 0)),
+                             "status": "failed", "reason": "no reply before the round's timeout"})
         return (loss_sum / n_sum if n_sum else None), n_sum, rows
 
     def late_nodes(self, rnd: int, rows: list[dict]) -> list[str]:

@@ -67,7 +67,9 @@ from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
 from fedswarm.store import Store
 from fedswarm.tasks import get_task
 from fedswarm.tasks.partition import partition_offsets
-from fedswarm.train import evaluate_flat, pooled_client_data, resolve_device, task_data
+import fedswarm.train as _train  # the nodes' scoring, as their ClientApp calls it (not the server's evaluate_flat)
+from fedswarm.server.fed_eval import cohort_on_partitions
+from fedswarm.train import evaluate_flat, node_validation, pooled_client_data, resolve_device, task_data
 from fedswarm.wire import vector_to_arrayrecord
 
 __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budget", "default_memory_budget",
@@ -216,11 +218,20 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     def evaluate(vec: torch.Tensor) -> tuple[float, float]:
         return evaluate_flat(task, model, vec, data.test_x, data.test_y, device)
 
+    def fed_eval(rnd: int, vec: torch.Tensor, cohort: list[int]) -> dict[str, dict]:
+        """What each cohort node's ClientApp answers an evaluate message with (fedswarm.client.evaluate)."""
+        def on_partition(pid: int) -> tuple[float, float, int]:
+            x, y = node_validation(cfg, pid, cfg.clients)
+            return (*_train.evaluate_flat(task, model, vec, x, y, device), int(x.shape[0]))
+
+        return cohort_on_partitions(cohort, on_partition)
+
     train_config = ConfigRecord({k: v for k, v in cfg.to_flat().items() if k != "policies"})
     policies = PolicyBook(cfg.policies)
     policies.write(train_config)
     meter = Meter()
-    recorder = RoundRecorder(store, run_id, meter, evaluate,  # type: ignore[arg-type]  (a Meter: only take())
+    central = evaluate if cfg.central_eval else None  # off: no server test set
+    recorder = RoundRecorder(store, run_id, meter, central,  # type: ignore[arg-type]  (a Meter: only take())
                              listeners=listeners, policies=policies,
                              train_config=train_config, node_kind="sim")
     run = BatchedRun(cfg, trainer, train_config, n_examples, meter, memory_budget=memory_budget,
@@ -237,6 +248,7 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
                   "fetchsgd": SketchRounds, "gs_sgd": SketchRounds}.get(cfg.strategy, CompressedRounds)
         rounds_of = runner(run, global_vec, notes=recorder)
         recorder.min_train_nodes = getattr(getattr(rounds_of, "strategy", None), "min_train_nodes", None)
+    recorder.eval_every = cfg.eval_every
     store.set_status(run_id, "running")
     try:
         recorder(0, rounds_of.model)
@@ -245,6 +257,9 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
             for _ in range(rounds):
                 done += 1
                 row, node_rows = rounds_of.round(done)
+                if recorder.eval_due(done):  # the round's cohort: the clients it sampled
+                    row.update(recorder.federated(done, rounds_of.model, sorted(meter.traffic.node_down), node_rows,
+                                                  fed_eval))
                 if node_rows:
                     store.add_node_rounds(run_id, done, node_rows)
                 recorder.note(**row, **recorder.failed_nodes(done, node_rows))

@@ -107,8 +107,8 @@ class ByteCounter:
         # As Flower's FedAvg builds it (no group id), measured before the grid gives it an id.
         ins = Message(RecordDict({"arrays": arrays, "config": config}), node_id, "train")
         down = serialized_size(ins)
-        metrics = MetricRecord({"num-examples": n, "train_loss": loss, "steps": steps, "partition-id": pid})
-        node = ConfigRecord({"device_class": device_class, "policy": policy_json})
+        metrics = MetricRecord({"num-examples": n, "train_loss": loss, "steps": steps})
+        node = ConfigRecord({"device_class": device_class, "policy": policy_json, "partition-id": pid})
         up = reply_size(ins, RecordDict({"arrays": vector_to_arrayrecord(new_vec), "metrics": metrics, "node": node}))
         out = (down, up)
         self._cache[key] = out

@@ -37,6 +37,10 @@ def summary_table(result: dict) -> Table:
     t.add_row("final test accuracy", _fmt(s.get("final_test_accuracy")))
     t.add_row("best test accuracy", _fmt(s.get("best_test_accuracy")))
     t.add_row("final test loss", _fmt(rows[-1]["test_loss"] if rows else None))
+    if s.get("final_fed_accuracy") is not None:  # federated evaluation: the nodes' own validation data
+        t.add_row("final federated accuracy", _fmt(s["final_fed_accuracy"]))
+        t.add_row("best federated accuracy", _fmt(s.get("best_fed_accuracy")))
+        t.add_row("final federated loss", _fmt(s.get("final_fed_loss")))
     t.add_row("bytes up (total)", _fmt_bytes(s.get("total_bytes_up")))
     t.add_row("bytes down (total)", _fmt_bytes(s.get("total_bytes_down")))
     if s.get("total_bytes_report") is not None:

@@ -67,8 +67,12 @@ def model_message_nbytes(cfg: RunConfig) -> int:
 
 
 def _partition_of(msg: Message, n: int) -> int | None:
-    """The node's index: the ``partition-id`` its reply reports, else the in-process
-    engine's convention (node id = partition id + 1)."""
+    """The node's index: the ``partition-id`` its reply reports (in its ``node`` record, or
+    among a decentralized node's metrics), else the in-process engine's convention (node id =
+    partition id + 1)."""
+    node = msg.content.config_records.get("node") if msg.has_content() else None
+    if node is not None and "partition-id" in node:
+        return int(node["partition-id"])
     metrics = next(iter(msg.content.metric_records.values()), None) if msg.has_content() else None
     if metrics is not None and "partition-id" in metrics:
         return int(metrics["partition-id"])

@@ -75,6 +75,11 @@ def test_superlink_two_supernodes_two_rounds(tmp_path):
         assert len(done) == 2
         assert all(r.num_clients == 2 and r.bytes_up > 4 * 4810 * 2 for r in done)
         assert done[-1].test_accuracy > 0.5
+        # federated evaluation on the SuperNodes: both nodes' validation splits make up the test set,
+        # so the example-weighted federated accuracy is the server's test accuracy
+        assert all(r.fed_examples == 359 for r in done)  # digits: the 359 held-out examples
+        assert done[-1].fed_accuracy == pytest.approx(done[-1].test_accuracy, abs=1e-6)
+        assert all(r.metrics["eval_bytes_up"] > 0 and r.metrics["bytes_telemetry"] > 0 for r in done)
         # each SuperNode reported its class and its probed device
         nodes = [n for n in store.list_nodes() if n.kind == "supernode"]
         assert len(nodes) == 2 and {n.device_class for n in nodes} == {"cpu"}

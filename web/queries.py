@@ -171,6 +171,16 @@ def node_stats(store: Store, run: Run) -> list[schemas.NodeStatsOut]:
         reasons = dict(s.execute(
             select(NodeRound.node_id, NodeRound.reason).where(
                 NodeRound.run_id == run_id, NodeRound.reason.is_not(None)).order_by(NodeRound.id)).all())
+        latest: dict[str, dict] = {}  # each node's latest telemetry and federated accuracy
+        has = NodeRound.telemetry.is_not(None) | NodeRound.fed_accuracy.is_not(None)
+        for nid, tel, acc in s.execute(
+                select(NodeRound.node_id, NodeRound.telemetry, NodeRound.fed_accuracy).where(
+                    NodeRound.run_id == run_id, has).order_by(NodeRound.round)):
+            got = latest.setdefault(nid, {})
+            if tel:
+                got["telemetry"] = tel
+            if acc is not None:
+                got["fed_accuracy"] = acc
     out = []
     for n, c, up, dn, rej, fail, lr, dc in rows:
         node = known.get(f"{run_id}:{n}") or known.get(n)
@@ -178,8 +188,33 @@ def node_stats(store: Store, run: Run) -> list[schemas.NodeStatsOut]:
             node_id=n, rounds=c, bytes_up=int(up or 0), bytes_down=int(dn or 0), rejected=int(rej or 0),
             failed=int(fail or 0), last_round=lr,
             device_class=dc or (node.device_class if node else None) or _class_from_config(run, n),
-            last_seen=node.last_seen if node else None, last_reason=reasons.get(n)))
+            last_seen=node.last_seen if node else None, last_reason=reasons.get(n),
+            fed_accuracy=latest.get(n, {}).get("fed_accuracy"), telemetry=latest.get(n, {}).get("telemetry"),
+            device=device_summary(latest.get(n, {}).get("telemetry"))))
     return out
+
+
+def device_summary(tel: dict | None) -> str | None:
+    """A node's telemetry in a few words (what its source exposed; absent ones left out)."""
+    if not tel:
+        return None
+    parts = []
+    if tel.get("train_s") is not None:
+        parts.append(f"{tel['train_s']:.2f} s")
+    if tel.get("examples_per_s") is not None:
+        parts.append(f"{tel['examples_per_s']:.0f} ex/s")
+    if tel.get("peak_rss_mb") is not None:
+        parts.append(f"{tel['peak_rss_mb']:.0f} MB")
+    if tel.get("accelerator"):
+        parts.append(str(tel["accelerator"]))
+    if tel.get("battery_pct") is not None:
+        source = f" ({tel['power_source']})" if tel.get("power_source") else ""
+        parts.append(f"battery {tel['battery_pct']:.0f}%{source}")
+    elif tel.get("power_source"):
+        parts.append(str(tel["power_source"]))
+    if tel.get("cpu_temp_c") is not None:
+        parts.append(f"{tel['cpu_temp_c']:.0f} °C")
+    return " · ".join(parts) or None
 
 
 def device_classes(store: Store, run: Run, nodes: list[schemas.NodeStatsOut]) -> list[schemas.DeviceClassOut]:

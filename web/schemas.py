@@ -137,8 +137,12 @@ class RoundOut(Out):
     node_rows: int | None = None
     failed_node_rows: int | None = None
     reported_by: str | None = None
+    fed_loss: float | None = None  # federated evaluation (the nodes' own validation data)
+    fed_accuracy: float | None = None
+    fed_examples: int | None = None
 
-    @field_validator("train_loss", "test_loss", "test_accuracy", "wall_s", "sim_time_s", "metrics",
+    @field_validator("train_loss", "test_loss", "test_accuracy", "wall_s", "sim_time_s", "metrics", "fed_loss",
+                     "fed_accuracy",
                      mode="before")
     @classmethod
     def _finite(cls, v: Any) -> Any:
@@ -156,6 +160,9 @@ class NodeStatsOut(Out):
     last_round: int | None = None
     last_seen: dt.datetime | None = None
     last_reason: str | None = None
+    fed_accuracy: float | None = None  # its latest federated evaluation
+    telemetry: dict[str, Any] | None = None  # its latest device telemetry (fedswarm.telemetry)
+    device: str | None = None  # that telemetry in a few words, as the run page shows it
 
 
 class ControlOut(Out):

@@ -50,6 +50,7 @@ __all__ = [
     "local_gradient",
     "save_state",
     "load_state",
+    "own_model",
     "message_nbytes_of",
     "neighbour_keys",
     "make_client_update",
@@ -103,6 +104,15 @@ def load_state(context: Context, algorithm: str, d: int) -> GossipState:
                for k in arrays if k.startswith("buf.")}
     extra = {k[len("meta."):]: v for k, v in meta.items() if k.startswith("meta.")}
     return GossipState(x=x, buffers=buffers, step=int(meta["step"]), meta=extra)
+
+
+def own_model(context: Context, d: int) -> torch.Tensor | None:
+    """This node's own model ``x`` from its state (for federated evaluation), or None if it
+    holds no gossip state."""
+    arrays = context.state.array_records.get(_STATE)
+    if arrays is None or "x" not in arrays:
+        return None
+    return arrayrecord_to_vector(ArrayRecord({"x": arrays["x"]}), d)
 
 
 def _received(content: RecordDict, algo: DecentralizedAlgorithm, i: int,

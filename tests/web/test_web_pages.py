@@ -186,3 +186,22 @@ def test_run_page_shows_rejected_replies_with_their_reason(app, admin):
     assert 'id="rejections-table"' in page and "values must be finite &lt;b&gt;" in page
     detail = admin.get(f"/api/runs/{rid}").json()
     assert detail["rejections"] == [{"round": 1, "node_id": "17", "reason": "values must be finite <b>"}]
+
+
+def test_run_page_shows_federated_accuracy_and_each_nodes_device(app, admin):
+    store = app.state.ctx.store
+    rid = store.create_run({"rounds": 2, "strategy": "fedavg"})
+    store.add_round(rid, 1, bytes_up=1, test_accuracy=None, fed_accuracy=0.75, fed_loss=0.5, fed_examples=40)
+    store.add_node_rounds(rid, 1, [
+        {"node_id": "3", "fed_accuracy": 0.8, "fed_examples": 20,
+         "telemetry": {"train_s": 1.5, "examples_per_s": 640.0, "peak_rss_mb": 512.4, "battery_pct": 87.0,
+                       "power_source": "battery", "cpu_temp_c": 61.5}},
+        {"node_id": "4", "fed_accuracy": 0.7, "fed_examples": 20, "telemetry": {"train_s": 2.0}}])
+    rows = admin.get(f"/api/runs/{rid}/rounds").json()
+    assert rows[0]["fed_accuracy"] == 0.75 and rows[0]["fed_examples"] == 40 and rows[0]["test_accuracy"] is None
+    nodes = {n["node_id"]: n for n in admin.get(f"/api/runs/{rid}").json()["nodes"]}
+    assert nodes["3"]["fed_accuracy"] == 0.8 and nodes["3"]["telemetry"]["cpu_temp_c"] == 61.5
+    assert nodes["3"]["device"] == "1.50 s · 640 ex/s · 512 MB · battery 87% (battery) · 62 °C"
+    assert nodes["4"]["device"] == "2.00 s"  # what it did not report is left out, not guessed
+    page = admin.get(f"/runs/{rid}").text
+    assert "80.0%" in page and "640 ex/s" in page

@@ -8,7 +8,8 @@
   const rounds = new Map();  // round number -> row, as received
   const C = (id, o) => new LineChart(document.getElementById(id), o);
   const charts = {
-    acc: C("chart-acc", { format: "pct", yMin: 0, yMax: 1, robust: false, series: [{ name: "test accuracy", color: "#2563eb" }] }),
+    acc: C("chart-acc", { format: "pct", yMin: 0, yMax: 1, robust: false, series: [{ name: "test accuracy", color: "#2563eb" },
+      { name: "federated accuracy (nodes' own data)", color: "#16a34a", dash: [5, 3] }] }),
     loss: C("chart-loss", { series: [{ name: "train loss", color: "#d97706" }, { name: "test loss", color: "#9333ea" }] }),
     bytes: C("chart-bytes", { format: "bytes", series: [{ name: "up", color: "#0d9488" }, { name: "down", color: "#64748b", dash: [5, 3] },
       { name: "model reports (monitoring, not in up)", color: "#d97706", dash: [2, 3] }] }),
@@ -38,6 +39,7 @@
       if (r.round > 0) { wall += r.wall_s || 0; if (r.sim_time_s == null) simKnown = false; else sim += r.sim_time_s; }
       const x = { round: r.round, wall: wall, sim: simKnown ? sim : null, bytes: up }[mode];
       charts.acc.push(0, x, r.test_accuracy);
+      charts.acc.push(1, x, r.fed_accuracy);
       charts.loss.push(0, r.round, r.train_loss);
       charts.loss.push(1, r.round, r.test_loss);
       charts.bytes.push(0, r.round, up);
@@ -80,8 +82,9 @@
       .then((d) => {
         if (!d) return;
         fill("nodes-body", d.nodes, (n) => [n.node_id, n.device_class || "–", n.rounds, fs.fmtBytes(n.bytes_up),
-          fs.fmtBytes(n.bytes_down), n.rejected, n.failed, n.last_seen ? n.last_seen.replace("T", " ").slice(0, 19) : "round " + n.last_round],
-          (i) => i >= 2 && i <= 6);
+          fs.fmtBytes(n.bytes_down), n.rejected, n.failed, n.last_seen ? n.last_seen.replace("T", " ").slice(0, 19) : "round " + n.last_round,
+          fs.fmtPct(n.fed_accuracy), n.device || "–"],
+          (i) => (i >= 2 && i <= 6) || i === 8);
         fill("classes-body", d.device_classes, (c) => [c.device_class, c.nodes, c.node_rounds, c.failed, c.rejected,
           fs.fmtBytes(c.bytes_up), fs.fmtBytes(c.bytes_down), JSON.stringify(d.policies[c.device_class] || {})],
           (i) => i >= 1 && i <= 6);
