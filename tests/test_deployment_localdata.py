@@ -38,6 +38,7 @@ def _device_data(tmp):
 def test_three_devices_train_on_their_own_data(tmp_path):
     paths, sizes = _device_data(tmp_path)
     train_sizes = sorted(n - round(0.2 * n) for n in sizes)  # --val-fraction 0.2 held out on each node
+    val_sizes = sorted(round(0.2 * n) for n in sizes)
     db = tmp_path / "store.db"
     dep = Deployment(tmp_path, hold="")
     try:
@@ -47,7 +48,9 @@ def test_three_devices_train_on_their_own_data(tmp_path):
                         "--insecure", "--data", str(path), "--partition-id", str(i), "--num-partitions", "3",
                         "--device-class", "cpu", "--clientappio-port", str(free_port()),
                         "--state-dir", str(tmp_path / f"node-state-{i}")])
-        dep.flwr("run", str(ROOT), "test", "--run-config", f"rounds=5 clients=3 seed={SEED} db='{db}'")
+        # the server holds no data: only the devices' own validation splits score the model
+        dep.flwr("run", str(ROOT), "test", "--run-config",
+                 f"rounds=5 clients=3 seed={SEED} central_eval=false db='{db}'")
         runs = dep.wait(lambda: runs_ended(db), 600, interval=0.5, what="the run finishing")
         assert runs[0].status == "finished", dep.logs()
         store = Store(db)
@@ -56,8 +59,16 @@ def test_three_devices_train_on_their_own_data(tmp_path):
             mine = [r for r in rows if r.round == rnd]
             assert len(mine) == 3 and all(r.status == "ok" for r in mine), (rnd, mine)
             assert sorted(r.num_examples for r in mine) == train_sizes, rnd
-        accuracy = [r.test_accuracy for r in store.rounds(runs[0].id) if r.round > 0]
-        assert len(accuracy) == 5 and accuracy[-1] > 0.85, accuracy
+            assert sorted(r.fed_examples for r in mine) == val_sizes, rnd  # each scored on its own split
+            for r in mine:  # what the device measured, in every node-round row
+                assert r.telemetry and r.telemetry["train_s"] > 0 and r.telemetry["peak_rss_mb"] > 0, r.telemetry
+                assert r.telemetry["cpu_count"] >= 1 and r.telemetry["examples_per_s"] > 0, r.telemetry
+        rounds = [r for r in store.rounds(runs[0].id) if r.round > 0]
+        assert all(r.test_accuracy is None for r in rounds)  # no central evaluation at all
+        fed = [r.fed_accuracy for r in rounds]
+        assert len(fed) == 5 and all(a is not None for a in fed), fed
+        assert all(r.fed_examples == sum(val_sizes) for r in rounds)
+        assert fed[-1] > 0.85 and fed[-1] > fed[0], fed
         store.close()
     finally:
         dep.stop()

@@ -176,3 +176,25 @@ def test_a_node_that_never_answers_is_named_failed_and_trains_again_when_back(tm
     assert r2.metrics["nodes_failed"] == 1 and r2.metrics["fed_failed"] == 1
     assert r2.fed_examples == sum(rows[(2, n)].fed_examples for n in ("1", "3"))
     store.close()
+
+
+def test_client_data_with_central_eval_off_same_federated_accuracy_on_inprocess_and_batched(tmp_path, monkeypatch):
+    """`fedswarm sim --client-data DIR --central-eval off` on both engines: each client scores the
+    model on the validation split of its own dataset, and the engines agree per round and node."""
+    from tests.test_localdata import _client_dir
+
+    root, sizes = _client_dir(tmp_path)
+    kw = dict(task=TASK, client_data=str(root), clients=3, rounds=3, seed=4, local_steps=3, central_eval=False)
+    ref, ref_nodes = _run(RunConfig(engine="inprocess", **kw), tmp_path, monkeypatch, "inproc")
+    got, got_nodes = _run(RunConfig(engine="batched", **kw), tmp_path, monkeypatch, "batched")
+    val = sum(round(0.2 * n) for n in sizes)  # --val-fraction 0.2 of each client's own examples
+    for a, b in zip(ref["rounds"][1:], got["rounds"][1:], strict=True):
+        assert a["test_accuracy"] is None and b["test_accuracy"] is None
+        assert a["fed_examples"] == b["fed_examples"] == val
+        assert abs(a["fed_accuracy"] - b["fed_accuracy"]) <= 1e-6 and abs(a["fed_loss"] - b["fed_loss"]) <= 1e-5
+    per = {(n.round, n.node_id): n for n in ref_nodes}
+    assert len(per) == 9 == len(got_nodes)
+    for n in got_nodes:
+        m = per[(n.round, n.node_id)]
+        assert n.fed_examples == m.fed_examples and abs(n.fed_accuracy - m.fed_accuracy) <= 1e-6
+    assert got["summary"]["final_fed_accuracy"] == pytest.approx(ref["summary"]["final_fed_accuracy"], abs=1e-6)
