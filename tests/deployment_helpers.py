@@ -138,8 +138,12 @@ class Deployment:
         return done.stdout
 
     def logs(self) -> str:
+        return self.logs_all()[-5000:]
+
+    def logs_all(self) -> str:
+        """Everything the processes printed so far."""
         self.log.flush()
-        return self.log_path.read_text()[-5000:]
+        return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
         stop_process_groups(list(self.procs), grace_s=15)
