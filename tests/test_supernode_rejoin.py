@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 
+from tests.deployment_helpers import alive
 from tests.helpers import wait_until
 
 
@@ -48,14 +49,6 @@ def run(tmp_path, cmd: list[str], wait_s: float, every_s: float) -> subprocess.C
 
 def starts(tmp_path) -> int:
     return int((tmp_path / "starts").read_text())
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 def test_refused_node_is_started_again_until_it_is_accepted_and_leftovers_stopped(tmp_path):
