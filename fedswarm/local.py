@@ -83,8 +83,9 @@ class LocalFit:
         """The reply's ``node`` record: the class and policy this node trained under, and on
         a real device (node config ``probe=true``, set by ``fedswarm client``) what it runs on."""
         rec = ConfigRecord({"device_class": self.device_class, "policy": json.dumps(self.policy, sort_keys=True)})
-        if self.trainer.skipped_examples:  # a node's own data: examples it could not read
-            rec["skipped_examples"] = int(self.trainer.skipped_examples)
+        skipped = getattr(self.trainer, "skipped_examples", 0)  # a Flower user's own model (the mod) has none
+        if skipped:  # a node's own data: examples it could not read
+            rec["skipped_examples"] = int(skipped)
         if self.probe is not None:  # with the device it trained on (fedswarm client --device)
             rec["probe"] = json.dumps({**self.probe, "train_device": str(self.trainer.device)}, sort_keys=True)
         return rec

@@ -110,15 +110,15 @@ def test_columns_follow_the_store(tmp_path, monkeypatch):
     store = Store(str(tmp_path / "s.db"))
     rid = _seed(store)
     with store.engine.begin() as conn:
-        conn.exec_driver_sql("ALTER TABLE rounds ADD COLUMN fed_loss FLOAT")
-        conn.exec_driver_sql("ALTER TABLE rounds ADD COLUMN telemetry JSON")
-        conn.exec_driver_sql("UPDATE rounds SET fed_loss = round * 1.5, telemetry = '{\"gpu_s\": 2}' WHERE round = 2")
+        conn.exec_driver_sql("ALTER TABLE rounds ADD COLUMN later_loss FLOAT")
+        conn.exec_driver_sql("ALTER TABLE rounds ADD COLUMN later_info JSON")
+        conn.exec_driver_sql("UPDATE rounds SET later_loss = round * 1.5, later_info = '{\"gpu_s\": 2}' WHERE round = 2")
     wider = Table("rounds", MetaData(), autoload_with=store.engine)
     monkeypatch.setitem(export.KINDS, "rounds", wider)
     rows = _csv(b"".join(export.export(store, rid, "rounds", "csv")).decode())
-    assert list(rows[0])[-2:] == ["fed_loss", "telemetry.gpu_s"]
-    assert [(x["fed_loss"], x["telemetry.gpu_s"]) for x in rows] == [("", ""), ("3.0", "2"), ("", "")]
-    assert "`telemetry.<key>`" in export.describe("rounds")
+    assert list(rows[0])[-2:] == ["later_loss", "later_info.gpu_s"]
+    assert [(x["later_loss"], x["later_info.gpu_s"]) for x in rows] == [("", ""), ("3.0", "2"), ("", "")]
+    assert "`later_info.<key>`" in export.describe("rounds")
 
 
 def test_streamed_in_chunks(tmp_path, monkeypatch):
