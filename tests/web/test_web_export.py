@@ -112,7 +112,8 @@ def test_columns_follow_the_store(tmp_path, monkeypatch):
     with store.engine.begin() as conn:
         conn.exec_driver_sql("ALTER TABLE rounds ADD COLUMN later_loss FLOAT")
         conn.exec_driver_sql("ALTER TABLE rounds ADD COLUMN later_info JSON")
-        conn.exec_driver_sql("UPDATE rounds SET later_loss = round * 1.5, later_info = '{\"gpu_s\": 2}' WHERE round = 2")
+        conn.exec_driver_sql(
+            "UPDATE rounds SET later_loss = round * 1.5, later_info = '{\"gpu_s\": 2}' WHERE round = 2")
     wider = Table("rounds", MetaData(), autoload_with=store.engine)
     monkeypatch.setitem(export.KINDS, "rounds", wider)
     rows = _csv(b"".join(export.export(store, rid, "rounds", "csv")).decode())
