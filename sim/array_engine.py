@@ -78,6 +78,10 @@ def check_config(cfg: RunConfig) -> None:
     if cfg.strategy not in ARRAY_ALGORITHMS:
         raise ConfigError(f"invalid value for 'engine': the array engine runs {', '.join(ARRAY_ALGORITHMS)}, "
                           f"not '{cfg.strategy}'")
+    if not cfg.central_eval:
+        raise ConfigError("invalid value for 'central_eval': the array engine has no federated evaluation yet "
+                          "(it would report central accuracy all the same); run the strategy on --engine inprocess "
+                          "(or flower), whose nodes score their own models on their validation splits")
     try:
         algo = make_algorithm(cfg.strategy, **_algorithm_params(cfg))
         _check_scheduled(algo)

@@ -270,6 +270,9 @@ def check_config(cfg: RunConfig) -> None:
     from fedswarm.algorithms.decentralized import make_algorithm
     from fedswarm.config import ConfigError
 
+    if not cfg.central_eval:
+        raise ConfigError("invalid value for 'central_eval': the virtual-clock engine has no federated evaluation "
+                          "yet (it would report central accuracy all the same); keep --central-eval on here")
     if cfg.strategy == "lsgd":
         from fedswarm.sim.async_leaders import check_config as check_lsgd
 
