@@ -272,8 +272,8 @@ def memory_rows(venv: Path, work: Path, rounds: int = 2) -> list[dict]:
     train_n = n - max(1, round(0.2 * n))
     steps = 2 * -(-train_n // 16)
     rows = []
-    for label in ("fedswarm ClientApp", "bare Flower ClientApp"):
-        rows.append(_one_node(label, venv, work / label.split()[0], data, steps, bare, work / "model.pt", rounds))
+    for i, label in enumerate(("fedswarm ClientApp", "bare Flower ClientApp")):
+        rows.append(_one_node(label, venv, work / f"node-{i}", data, steps, bare, work / "model.pt", rounds))
     fed, plain = rows[0]["peaks_mb"].get("flwr-clientapp"), rows[1]["peaks_mb"].get("flwr-clientapp")
     if fed and plain:
         rows[0]["clientapp_vs_bare"] = round(fed / plain, 3)
