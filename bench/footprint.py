@@ -312,7 +312,7 @@ def _one_node(label: str, venv: Path, work: Path, data: Path, steps: int, bare: 
             app, config = REPO, f"rounds={rounds} clients=1 task='digits-cnn4' db='{work / 'store.db'}'"
         else:
             node = spawn([str(venv / "bin" / "flower-supernode"), "--superlink", f"127.0.0.1:{port}", "--insecure",
-                          "--clientappio-api-address", f"127.0.0.1:{_free_port()}", "--node-config",
+                          "--port", str(_free_port()), "--node-config",
                           f'data-path="{data}" model-path="{model_path}" steps={steps}'], node_env)
             app, config = bare, f"rounds={rounds} model-path='{model_path}'"
         t = time.monotonic()
