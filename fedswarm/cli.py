@@ -16,6 +16,7 @@ import typer
 from fedswarm.cli_common import DB_HELP, console, fail, quiet_flower
 from fedswarm.cli_serve import client, dashboard
 from fedswarm.config import ConfigError, RunConfig, load_config, parse_set
+from fedswarm.extras import check_run_extras
 
 app = typer.Typer(
     name="fedswarm",
@@ -205,7 +206,7 @@ def sim(
             for k in range(cfg.clients):
                 local_validation(cfg, k)
         _check_strategy(cfg)
-        _check_extras(cfg)
+        check_run_extras(cfg)
         if cfg.engine == "batched":
             from fedswarm.sim.batched import check_supported, parse_memory_budget
 
@@ -297,19 +298,6 @@ def _resume_deployment(run_id: str, db_url: str, federation: str, app_dir: Path 
         fail(f"flwr run failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[-2000:]}", code=1)
     console.print(f"run [bold]{run_id}[/] resumes on federation '{federation}'; follow it with "
                   f"`fedswarm runs --db {db_url}`")
-
-
-def _check_extras(cfg: RunConfig) -> None:
-    """What this run needs beyond the base install, named in one line if it is missing."""
-    from fedswarm.extras import MissingExtra, require
-
-    try:
-        if cfg.engine == "flower":
-            require("sim", "--engine flower", modules=("ray",))
-        if cfg.dp or cfg.dp_sgd:
-            require("server", "--dp" if cfg.dp else "--dp-sgd", modules=("dp_accounting",))
-    except MissingExtra as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def _client_data_clients(values: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 
-__all__ = ["EXTRAS", "MissingExtra", "missing", "require", "install_hint"]
+__all__ = ["EXTRAS", "MissingExtra", "missing", "require", "install_hint", "check_run_extras"]
 
 # extra -> the import names it provides that fedswarm uses (looked up, never imported here).
 EXTRAS: dict[str, tuple[str, ...]] = {
@@ -57,3 +57,17 @@ def require(extra: str, what: str, modules: tuple[str, ...] | None = None) -> No
     if gone:
         raise MissingExtra(f"{what} needs the [{extra}] extra ({', '.join(gone)} not installed): "
                            f"{install_hint(extra)}")
+
+
+def check_run_extras(cfg) -> None:
+    """What a run (a :class:`~fedswarm.config.RunConfig`) needs beyond the base install, named in
+    one line (a ``ConfigError``) if it is missing."""
+    from fedswarm.config import ConfigError
+
+    try:
+        if cfg.engine == "flower":
+            require("sim", "--engine flower", modules=("ray",))
+        if cfg.dp or cfg.dp_sgd:
+            require("server", "--dp" if cfg.dp else "--dp-sgd", modules=("dp_accounting",))
+    except MissingExtra as exc:
+        raise ConfigError(str(exc)) from None

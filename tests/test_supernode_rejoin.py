@@ -29,7 +29,7 @@ def fake_supernode(tmp_path, refusals: int, final_rc: int = 0, final_line: str =
         counter.write_text(str(n + 1))
         if n < {refusals}:
             # Flower's SuperExec: started before the refusal, outlives the SuperNode, keeps stdout
-            kid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            kid = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
             Path({str(tmp_path)!r}, f"leftover-{{n}}").write_text(str(kid.pid))
             print("ERROR: Exit Code: 305")  # what flower-supernode logs; it exits with 1
             print("Failed to initialize the connection to the SuperLink.")
