@@ -1,9 +1,10 @@
 """The fleet rows of ``fedswarm bench dashboard``: the Nodes page, ``/api/nodes`` (default, and
-filtered + sorted by id) and one node's ``/api/nodes/{id}``, for one user (requests one after
+filtered + sorted by id), one node's ``/api/nodes/{id}`` and ``/metrics``, for one user (requests one after
 another), on the benchmark's store of 50 runs x 101 rounds plus one finished run of 10,000
 simulated nodes (each in the nodes table and in every round's per-node rows) and a fleet of
-200 SuperNodes of a live deployment run, each with 20 rounds of telemetry. Target: p99 under
-200 ms. The run page of the 10,000-node run is measured beside them (its node table)."""
+200 SuperNodes of a live deployment run, each with 20 rounds of telemetry. Targets: p99 under
+200 ms, and ``/metrics`` (one scraper) under 100 ms. The run page of the 10,000-node run is
+measured beside them (its node table)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,18 @@ from typing import Callable
 
 import httpx
 
-__all__ = ["seed_fleet", "fleet_rows", "plot", "SIM_NODES", "FLEET_NODES", "TARGET_MS"]
+__all__ = ["seed_fleet", "fleet_rows", "plot", "SIM_NODES", "FLEET_NODES", "TARGET_MS", "METRICS_TARGET_MS",
+           "target_ms"]
 
 SIM_NODES, SIM_ROUNDS = 10_000, 3
 FLEET_NODES, FLEET_ROUNDS = 200, 20
-TARGET_MS = 200.0
+TARGET_MS = 200.0  # p99 for one user: the Nodes page and /api/nodes
+METRICS_TARGET_MS = 100.0  # p99 for one scraper: /metrics
+
+
+def target_ms(label: str) -> float:
+    """The p99 target of a fleet row."""
+    return METRICS_TARGET_MS if label == "/metrics" else TARGET_MS
 
 
 def seed_fleet(db: str) -> dict[str, str]:
@@ -53,7 +61,8 @@ def seed_fleet(db: str) -> dict[str, str]:
     store.close()
     return {"/nodes (page)": "/nodes", "/api/nodes": "/api/nodes",
             "/api/nodes?class&sort=id": "/api/nodes?device_class=rpi4&sort=id&order=desc",
-            "/api/nodes/{id}": f"/api/nodes/{fleet_ids[7]}", "/api/runs/{10k-node run}": f"/api/runs/{sim}"}
+            "/api/nodes/{id}": f"/api/nodes/{fleet_ids[7]}", "/api/runs/{10k-node run}": f"/api/runs/{sim}",
+            "/metrics": "/metrics"}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -82,7 +91,7 @@ def fleet_rows(url: str, token: str, endpoints: dict[str, str], requests: int = 
             cpu = {"server_cpu_ms_per_request": round((cpu1 - cpu0) * 1e3 / requests, 2)} if cpu1 is not None else {}
             rows.append({"test": "fleet", "endpoint": label, "store": "quiet", "server": "now", "concurrency": 1,
                          "requests": requests, "errors": errors, "median_ms": statistics.median(ms),
-                         "p99_ms": _pct(ms, 99), "rps": 1e3 / statistics.mean(ms), "target_p99_ms": TARGET_MS,
+                         "p99_ms": _pct(ms, 99), "rps": 1e3 / statistics.mean(ms), "target_p99_ms": target_ms(label),
                          "sim_nodes_in_store": SIM_NODES, "fleet_nodes": FLEET_NODES,
                          "loadavg_1m": round(os.getloadavg()[0], 2), **cpu})
     return rows
@@ -93,7 +102,9 @@ def plot(ax, rows: list[dict]) -> None:
     xs = list(range(len(rows)))
     ax.bar([x - 0.2 for x in xs], [r["median_ms"] for r in rows], 0.4, label="p50", color="#94a3b8")
     ax.bar([x + 0.2 for x in xs], [r["p99_ms"] for r in rows], 0.4, label="p99", color="#2563eb")
-    ax.axhline(TARGET_MS, color="r", ls="--", label=f"target p99 {TARGET_MS:.0f} ms")
+    for x, r in zip(xs, rows):  # each row's own target (the Nodes page's, or /metrics')
+        ax.hlines(r["target_p99_ms"], x - 0.45, x + 0.45, colors="r", linestyles="--",
+                  label="target p99" if x == 0 else None)
     ax.set_xticks(xs, [r["endpoint"] for r in rows], rotation=20, fontsize=7)
     ax.set_ylabel("latency (ms), one user")
     ax.set_title(f"Fleet: {SIM_NODES:,} simulated nodes in the store, {FLEET_NODES} fleet nodes")
