@@ -5,13 +5,13 @@ built as :func:`fedswarm.server.app.build_strategy` builds it): its ``configure_
 samples and writes the train messages, its ``aggregate_train`` validates every reply and
 averages each variable over the clients that trained it, exactly as over any grid.
 
-Client half: each client's subset of variables is drawn with PVT's own schedule
-(:mod:`fedswarm.algorithms.selection.pvt`: ``num_selected``, ``select_variables``,
-``selection_seed`` from the run seed, the round and the node id; a class policy's
-``pvt_fraction`` first), and the batched trainer trains every sampled client at once with
-the other variables frozen (a ``[K, d]`` mask: no gradient step, no momentum, as
-``requires_grad = False``). The reply is the client's own: the trained tensors' deltas in
-layout order and their ids, its metrics and node report; it is built and measured for every
+Client half: each client's subset of variables is the client's own draw
+(:func:`~fedswarm.strategies.edge.pvt.client_variables`: from the run seed, the round and the
+node id; a class policy's ``pvt_fraction`` first), and the batched trainer trains every
+sampled client at once with the other variables frozen (a ``[K, d]`` mask: no gradient step,
+no momentum, as ``requires_grad = False``). The reply is the client's own
+(:func:`~fedswarm.strategies.edge.pvt.reply_content`: the trained tensors' deltas in layout
+order and their ids, its metrics and node report); it is built and measured for every
 client (PVT's replies differ in size from class to class).
 """
 
@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ConfigRecord
 
-from fedswarm.algorithms.selection.pvt import num_selected, select_variables, selection_seed
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
 from fedswarm.sim.batched_round import NodeIds, make_reply, mark_rejected, round_schedule, varint_len
-from fedswarm.strategies.edge.pvt import UPDATE
+from fedswarm.strategies.edge.pvt import client_variables, reply_content
 from fedswarm.strategies.registry import resolve_params
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
@@ -53,8 +51,7 @@ class PVTRounds:
         specs, n_vars = self.layout.specs, len(self.layout)
         ids, mask = [], torch.zeros(len(node_ids), self.layout.d, dtype=torch.bool)
         for i, (nid, pol) in enumerate(zip(node_ids, pols)):
-            k = num_selected(n_vars, float(pol.get("pvt_fraction", self.params["fraction"])))
-            chosen = select_variables(n_vars, k, selection_seed(self.run.cfg.seed, server_round, nid))
+            chosen = client_variables(n_vars, pol, self.params, self.run.cfg.seed, server_round, nid)
             for v in chosen.tolist():
                 mask[i, specs[v].offset:specs[v].end] = True
             ids.append(chosen)
@@ -82,17 +79,9 @@ class PVTRounds:
             for j, k in enumerate(range(rows.start, rows.stop)):
                 m = mask[k]
                 delta = new[j][m] - x[m]  # the trained tensors' slices, in layout order
-                arrays = ArrayRecord({"values": Array(np.ascontiguousarray(delta.numpy()))})
-                if self.params["send_ids"]:
-                    arrays["ids"] = Array(ids[k].numpy().astype(np.int32))
-                content = RecordDict({
-                    UPDATE: arrays,
-                    "metrics": MetricRecord({"num-examples": n_list[j], "train_loss": loss_list[j],
-                                             "steps": steps_list[j], "variables": int(ids[k].numel()),
-                                             "trained_params": int(delta.numel())}),
-                    "node": ConfigRecord({"device_class": classes[k],
-                                          "policy": json.dumps(pols[k], sort_keys=True)}),
-                })
+                node = ConfigRecord({"device_class": classes[k], "policy": json.dumps(pols[k], sort_keys=True)})
+                content = reply_content(delta, ids[k], self.params["send_ids"], n_list[j], loss_list[j],
+                                        steps_list[j], node)
                 ins = messages[k]
                 key = varint_len(ins.metadata.dst_node_id)  # every train message carries the same records
                 if key not in down_cache:

@@ -12,44 +12,56 @@ message is answered by the strategy's registered client update (its ``phase`` 2 
 on that client's state, and both the message and the real reply are serialized and
 counted, as the metered grid counts them.
 
-Client half, on the client axis: after the batched trainer, each client's state step (the
-strategy's own, :data:`~fedswarm.strategies.federated.sketched.CLIENT_VECTOR`: clear what
-the server used, accumulate momentum and error) gives the vector it sketches; all the
-chunk's vectors are sketched in one call
-(:func:`~fedswarm.strategies.federated.sketched.client_sketch`, ``[C, d]`` -> ``[C, r, c]``:
-one hash seed for all, and the sketch is linear). Each client's state is a ``RecordDict``
-kept as its ``Context.state`` would be.
+Client half, on the client axis: after the batched trainer, the chunk's clients run the
+strategy's own client half at once
+(:meth:`~fedswarm.strategies.federated.sketched.SketchClient.step`, as a Flower client runs it
+with ``C = 1``: clear what the server used, accumulate momentum and error, one sketch
+``[C, d]`` -> ``[C, r, c]`` with the round's shared hashes). Each client has its own Flower
+``Context``, whose ``state`` holds its memory between rounds as on any grid.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
-from flwr.app import Message, RecordDict
+from flwr.app import Context, Message, RecordDict
 
 from fedswarm.server.metered_grid import serialized_size
 from fedswarm.sim.batched_compressed import CompressedRounds, client_payload
 from fedswarm.sim.batched_round import NodeIds, make_reply
 from fedswarm.sim.inprocess import client_error_reply
-from fedswarm.strategies import registry
 from fedswarm.strategies.federated.compressed_base import KNOBS, ClientRound
-from fedswarm.strategies.federated.sketched import CLIENT_VECTOR, client_sketch
+from fedswarm.strategies.federated.sketched import SKETCH_CLIENTS, SketchClient
 
 __all__ = ["SketchRounds", "SKETCH_STRATEGIES"]
 
 #: The strategies :class:`SketchRounds` serves.
-SKETCH_STRATEGIES = tuple(CLIENT_VECTOR)
+SKETCH_STRATEGIES = tuple(SKETCH_CLIENTS)
+
+
+class _Contexts(dict):
+    """Each client's Flower ``Context`` by partition id, made on first use as the in-process
+    grid makes them (node id = partition id + 1)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def __missing__(self, pid: int) -> Context:
+        ctx = Context(run_id=0, node_id=pid + 1, node_config={"partition-id": pid, "num-partitions": self.n},
+                      state=RecordDict(), run_config={})
+        self[pid] = ctx
+        return ctx
 
 
 class _Exchange(NodeIds):
     """The grid the strategy is given: node ids for sampling, and its second exchange in a
-    round answered by each client's own update on that client's state."""
+    round answered by each client's own update (:meth:`SketchClient.update`) on that
+    client's Context."""
 
-    def __init__(self, n: int, states: dict[int, RecordDict], client_update):
+    def __init__(self, n: int, contexts: _Contexts, client: SketchClient):
         super().__init__(n)
-        self.states = states
-        self.client_update = client_update
+        self.contexts = contexts
+        self.client = client
         self.bytes: dict[int, list[int]] = {}  # node id -> [down, up] of this round's further exchanges
 
     def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
@@ -57,9 +69,8 @@ class _Exchange(NodeIds):
         for msg in messages:
             nid = msg.metadata.dst_node_id
             down = serialized_size(msg, cache)  # as the metered grid: before the push gives it an id
-            state = self.states.setdefault(nid - 1, RecordDict())  # partition id = node id - 1
             try:
-                reply = make_reply(msg, self.client_update(msg, SimpleNamespace(state=state)))
+                reply = make_reply(msg, self.client.update(msg, self.contexts[nid - 1]))
             except Exception as exc:  # as the in-process grid: a failing client costs its reply
                 reply = client_error_reply(msg, exc)
             sizes = self.bytes.setdefault(nid, [0, 0])
@@ -74,9 +85,9 @@ class SketchRounds(CompressedRounds):
 
     def __init__(self, run, model: torch.Tensor, notes=None):
         super().__init__(run, model, notes)
-        self.states: dict[int, RecordDict] = {}  # partition id -> the client's state
-        self.vector = CLIENT_VECTOR[run.cfg.strategy]
-        self.grid = _Exchange(run.cfg.clients, self.states, registry.get(run.cfg.strategy).client_update)
+        self.contexts = _Contexts(run.cfg.clients)  # partition id -> the client's Context
+        self.client = SKETCH_CLIENTS[run.cfg.strategy]
+        self.grid = _Exchange(run.cfg.clients, self.contexts, self.client)
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         """The round of :class:`CompressedRounds`, plus the second exchange's bytes, per node too."""
@@ -95,15 +106,11 @@ class SketchRounds(CompressedRounds):
         return row, node_rows
 
     def _client_step(self, delta, pids, ins, codecs, strategy_round, ef):
-        """Each client's state step on its row of ``delta``, then one sketch of all the rows."""
+        """The strategy's client half on the chunk's rows of ``delta``: one step, one sketch."""
         knobs = ins[0].content.config_records[KNOBS]
-        rounds, vectors = [], []
-        for j, pid in enumerate(pids):
-            cr = ClientRound(ins[j], SimpleNamespace(state=self.states.setdefault(pid, RecordDict())), self.run.cfg,
-                             SimpleNamespace(layout=self.layout), knobs, self.model, 0, "")
-            vectors.append(self.vector(cr, delta[j]))
-            rounds.append(cr)
-        payload = client_sketch(knobs, self.layout, torch.stack(vectors))
+        rounds = [ClientRound(ins[j], self.contexts[pid], self.run.cfg, self.run.trainer, knobs, self.model, 0, "")
+                  for j, pid in enumerate(pids)]
+        payload = self.client.step(rounds, delta)
         for cr in rounds:  # what finish() writes into the client's state
             for key, value in cr.state.items():
                 cr.context.state[key] = value

@@ -24,7 +24,7 @@ from fedswarm.strategies.federated.compressed_fedavg import CompressedFedAvg, On
 from fedswarm.algorithms.compression.countsketch import CountSketch
 from fedswarm.algorithms.compression.error_feedback import ErrorFeedback
 from fedswarm.strategies.federated.gtopk import GlobalTopK, merge_topk, tree_merge
-from fedswarm.strategies.federated.sketched import fetchsgd_step
+from fedswarm.algorithms.compression.sketched import fetchsgd_step
 from fedswarm.store import Store
 from fedswarm.wire import payload_to_records, vector_to_arrayrecord
 

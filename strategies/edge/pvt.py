@@ -58,6 +58,8 @@ __all__ = [
     "PartialVariableTraining",
     "frozen",
     "client_update",
+    "client_variables",
+    "reply_content",
     "HYPERPARAMS",
 ]
 
@@ -90,14 +92,21 @@ def frozen(model: torch.nn.Module, trained: Sequence[str]):
             p.requires_grad_(before[n])
 
 
+def client_variables(num_variables: int, policy: dict, params: dict, seed: int, server_round: int,
+                     node_id: int) -> torch.Tensor:
+    """The ids of the variables node ``node_id`` trains in ``server_round``: ``k`` from its
+    class policy's ``pvt_fraction`` (else the ``fraction`` hyperparameter), drawn from the
+    shared seed (:mod:`fedswarm.algorithms.selection.pvt`)."""
+    k = num_selected(num_variables, float(policy.get("pvt_fraction", params["fraction"])))
+    return select_variables(num_variables, k, selection_seed(seed, server_round, node_id))
+
+
 def client_update(msg: Message, context: Context) -> RecordDict:
     """Train a random subset of variables; reply with their deltas (and ids)."""
     setup = prepare_local(msg, context)
     params = resolve_params("pvt", setup.cfg.params)
     trainer, layout = setup.trainer, setup.trainer.layout
-    fraction = float(setup.policy.get("pvt_fraction", params["fraction"]))
-    k = num_selected(len(layout), fraction)
-    ids = select_variables(len(layout), k, selection_seed(setup.cfg.seed, server_round(msg), context.node_id))
+    ids = client_variables(len(layout), setup.policy, params, setup.cfg.seed, server_round(msg), context.node_id)
     specs = [layout.specs[i] for i in ids.tolist()]
     names = [s.name for s in specs]
     set_flat(trainer.model, setup.start.to(trainer.device))  # frozen tensors hold the global values
@@ -108,12 +117,20 @@ def client_update(msg: Message, context: Context) -> RecordDict:
     with frozen(trainer.model, names):
         res = trainer.fit(start, **setup.fit_kwargs)
     delta = res.flat.sub_(start)  # in place
+    return reply_content(delta, ids, params["send_ids"], res.num_examples, res.loss, res.steps, setup.report(res))
+
+
+def reply_content(delta: torch.Tensor, ids: torch.Tensor, send_ids: bool, num_examples: int, loss: float,
+                  steps: int, node: ConfigRecord) -> RecordDict:
+    """A node's reply: the trained variables' deltas (float32, in layout order) and, with
+    ``send_ids``, their ``ids``; its metrics (``variables`` k, ``trained_params``) and its
+    ``node`` report."""
     arrays = ArrayRecord({"values": Array(np.ascontiguousarray(delta.numpy()))})
-    if params["send_ids"]:
+    if send_ids:
         arrays["ids"] = Array(ids.numpy().astype(np.int32))
-    metrics = MetricRecord({"num-examples": res.num_examples, "train_loss": res.loss, "steps": res.steps,
-                            "variables": k, "trained_params": int(start.numel())})
-    return RecordDict({UPDATE: arrays, "metrics": metrics, "node": setup.report(res)})
+    metrics = MetricRecord({"num-examples": num_examples, "train_loss": loss, "steps": steps,
+                            "variables": int(ids.numel()), "trained_params": int(delta.numel())})
+    return RecordDict({UPDATE: arrays, "metrics": metrics, "node": node})
 
 
 # --------------------------------------------------------------------------- server side

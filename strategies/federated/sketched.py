@@ -9,7 +9,7 @@ Registered as ``sketched_sgd``, ``fetchsgd`` and ``gs_sgd``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 
 from fedswarm.params import ParamLayout
 from fedswarm.algorithms.compression.kernels import topk_abs_indices
+from fedswarm.algorithms.compression.sketched import SketchClientState, fetchsgd_step, sketch_client_step
 from fedswarm.algorithms.compression.sparse import CountSketchCodec
 from fedswarm.strategies.federated.compressed_base import (KNOBS, Accepted, ClientRound, CompressedStrategy,
                                                            Step, begin, finish, read_payload, save_sent,
@@ -29,8 +30,7 @@ from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import payload_to_records
 
-__all__ = ["SketchStrategy", "SketchedSGD", "FetchSGD", "GlobalSketchSGD", "fetchsgd_step", "client_sketch",
-           "CLIENT_VECTOR"]
+__all__ = ["SketchStrategy", "SketchedSGD", "FetchSGD", "GlobalSketchSGD", "SketchClient", "SKETCH_CLIENTS"]
 
 
 class SketchStrategy(CompressedStrategy):
@@ -134,29 +134,74 @@ class SketchStrategy(CompressedStrategy):
         return (torch.stack(values) * (w / w.sum()).to(torch.float32)[:, None]).sum(0), nodes
 
 
-def client_sketch(knobs: ConfigRecord, layout: ParamLayout, vectors: torch.Tensor) -> Payload:
-    """The clients' sketches of ``vectors`` (``[C, d]``, one row per client: a batched
-    payload; a client sends its own row, ``C = 1``), with the sketch the server's knobs name."""
-    codec = CountSketchCodec(rows=int(knobs["rows"]), cols=int(knobs["cols"]), k_ratio=float(knobs["density"]))
-    return codec.encode(vectors, layout, seed=int(knobs["hash_seed"]))
+@dataclass(frozen=True)
+class SketchClient:
+    """A sketch strategy's client half, written once for ``C`` clients: a Flower client runs
+    it on itself (``C = 1``, :meth:`update`), the batched engine on a cohort (:meth:`step`).
 
+    Each client's memory lives in its ``Context.state`` under ``error_key`` (v or e) and
+    ``momentum_key`` (u); None: not kept. ``prefix`` tags what a client sent, to match the
+    server's ``select`` and its phase-2 question; None: a stateless client with one exchange.
+    The math is :func:`~fedswarm.algorithms.compression.sketched.sketch_client_step`.
+    """
 
-def _sketching_update(vector: Callable[[ClientRound, torch.Tensor], torch.Tensor], prefix: str | None,
-                      vector_key: str = "") -> Callable[[Message, Context], RecordDict]:
-    """A sketch strategy's client update: train, ``vector(cr, δ)`` (the strategy's client
-    state step: what to sketch; it writes its state into ``cr.state``), reply with its
-    sketch. With ``prefix``, a ``phase`` 2 message is answered by :func:`_phase2`."""
+    prefix: str | None = None
+    error_key: str | None = None
+    momentum_key: str | None = None
 
-    def client_update(msg: Message, context: Context) -> RecordDict:
+    def step(self, rounds: list[ClientRound], delta: torch.Tensor) -> Payload:
+        """The clients of ``rounds`` (one round, same knobs) after local training, ``delta``
+        ``[C, d]`` their model changes: each one's memory from its state, cleared where the
+        server used its last sketch; one step and one sketch for all. Each new memory goes
+        into its round's ``state`` (written by ``finish``); returns the ``[C, r, c]`` payload,
+        row ``i`` client ``i``'s table."""
+        knobs, layout = rounds[0].knobs, rounds[0].layout
+        codec = CountSketchCodec(rows=int(knobs["rows"]), cols=int(knobs["cols"]), k_ratio=float(knobs["density"]))
+        seed = int(knobs["hash_seed"])
+        if self.error_key is None:
+            return sketch_client_step(SketchClientState(), codec, delta, layout, seed=seed)[0]
+        d = layout.d
+        taken = torch.zeros(len(rounds), d, dtype=torch.bool)
+        for i, cr in enumerate(rounds):
+            used = taken_indices(cr, self.prefix)
+            if used is not None:
+                taken[i, used] = True
+        error = torch.stack([load_vector(cr.context.state, self.error_key, d) for cr in rounds])
+        momentum = (None if self.momentum_key is None else
+                    torch.stack([load_vector(cr.context.state, self.momentum_key, d) for cr in rounds]))
+        payload, new = sketch_client_step(SketchClientState(error, momentum), codec, delta, layout, seed=seed,
+                                          rho=float(knobs.get("momentum", 0.0)), taken=taken)
+        for i, cr in enumerate(rounds):
+            save_vector(cr.state, self.error_key, new.error[i])
+            if self.momentum_key is not None:
+                save_vector(cr.state, self.momentum_key, new.momentum[i])
+            save_sent(cr, self.prefix)
+        return payload
+
+    def update(self, msg: Message, context: Context) -> RecordDict:
+        """The Flower client update: train, :meth:`step` with ``C = 1``, reply with the sketch;
+        a ``phase`` 2 message is answered by :meth:`phase2`."""
         knobs = msg.content.config_records[KNOBS]
-        if prefix is not None and int(knobs.get("phase", 1)) == 2:
-            return _phase2(msg, context, knobs, prefix, vector_key)
+        if self.prefix is not None and int(knobs.get("phase", 1)) == 2:
+            return self.phase2(msg, context)
         cr = begin(msg, context)
         fit = train(cr)
-        v = vector(cr, fit.result.flat - fit.start)
-        return finish(cr, fit, payload_to_records(client_sketch(cr.knobs, cr.layout, v[None]), RecordDict()))
+        payload = self.step([cr], (fit.result.flat - fit.start)[None])
+        return finish(cr, fit, payload_to_records(payload, RecordDict()))
 
-    return client_update
+    def phase2(self, msg: Message, context: Context) -> RecordDict:
+        """Reply with the exact values of the vector this node sketched at the candidates."""
+        knobs = msg.content.config_records[KNOBS]
+        sent = context.state.config_records.get(self.prefix + ".sent")
+        if sent is None or int(sent["round"]) != int(knobs["round"]):
+            raise RuntimeError(f"{self.prefix} phase 2 of round {knobs['round']}: this node sent no sketch that round")
+        v = context.state.array_records[self.error_key]["vector"].numpy()
+        cand = msg.content.array_records["candidates"]["indices"].numpy()
+        if cand.dtype != np.int32 or cand.ndim != 1 or (cand.size and (cand.min() < 0 or cand.max() >= v.size)):
+            raise PayloadError("candidates must be int32 indices in [0, d)")
+        context.state[self.prefix + ".sent_idx"] = ArrayRecord({"indices": Array(cand.copy())})
+        return RecordDict({"values": ArrayRecord({"values": Array(np.ascontiguousarray(v[cand]))}),
+                           "metrics": MetricRecord({"num-examples": 0, "phase": 2})})
 
 
 # -- Sketched-SGD ----------------------------------------------------------------------------
@@ -223,64 +268,20 @@ class SketchedSGD(SketchStrategy):
         return Step(self.sparse_update(cand[top], exact[top]), metrics={"phase2_replies": len(nodes)})
 
 
-def sketched_vector(cr: ClientRound, delta: torch.Tensor) -> torch.Tensor:
-    """Sketched-SGD's client step: clear u, v where the server used the last message, then
-    ``u ← ρ u + δ``, ``v ← v + u``; returns v (what is sketched)."""
-    d = cr.layout.d
-    u, v = load_vector(cr.context.state, _SK + ".u", d), load_vector(cr.context.state, _SK + ".v", d)
-    taken = taken_indices(cr, _SK)
-    if taken is not None:
-        u[taken], v[taken] = 0.0, 0.0
-    u = float(cr.knobs["momentum"]) * u + delta
-    v += u
-    save_vector(cr.state, _SK + ".u", u)
-    save_vector(cr.state, _SK + ".v", v)
-    save_sent(cr, _SK)
-    return v
-
-
-sketched_client_update = _sketching_update(sketched_vector, _SK, _SK + ".v")
-
-
-def _phase2(msg: Message, context: Context, knobs: ConfigRecord, prefix: str, vector_key: str) -> RecordDict:
-    """Reply with the exact values of the vector this node sketched at the candidates."""
-    sent = context.state.config_records.get(prefix + ".sent")
-    if sent is None or int(sent["round"]) != int(knobs["round"]):
-        raise RuntimeError(f"{prefix} phase 2 of round {knobs['round']}: this node sent no sketch that round")
-    v = context.state.array_records[vector_key]["vector"].numpy()
-    cand = msg.content.array_records["candidates"]["indices"].numpy()
-    if cand.dtype != np.int32 or cand.ndim != 1 or (cand.size and (cand.min() < 0 or cand.max() >= v.size)):
-        raise PayloadError("candidates must be int32 indices in [0, d)")
-    context.state[prefix + ".sent_idx"] = ArrayRecord({"indices": Array(cand.copy())})
-    return RecordDict({"values": ArrayRecord({"values": Array(np.ascontiguousarray(v[cand]))}),
-                       "metrics": MetricRecord({"num-examples": 0, "phase": 2})})
+#: Sketched-SGD's clients keep u and v (:class:`SketchClient`).
+SKETCHED_CLIENT = SketchClient(_SK, _SK + ".v", _SK + ".u")
+sketched_client_update = SKETCHED_CLIENT.update
 
 
 # -- FetchSGD ----------------------------------------------------------------------------------
-
-
-def fetchsgd_step(sketch: CountSketch, momentum: torch.Tensor, error: torch.Tensor, table: torch.Tensor, *,
-                  rho: float, lr: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One FetchSGD server step, in place on the ``[r, c]`` tables ``momentum`` (S_u) and
-    ``error`` (S_e)::
-
-        S_u ← ρ S_u + S_t;   S_e ← S_e + lr·S_u;   Δ = top-k(unsketch(S_e))
-        zero the cells of S_u and S_e that supp Δ hashes to
-
-    Returns Δ as (indices ascending, values)."""
-    momentum.mul_(rho).add_(table)
-    error.add_(momentum, alpha=lr)
-    idx, vals = sketch.unsketch(error, k)
-    sketch.zero_cells(momentum, idx)
-    sketch.zero_cells(error, idx)
-    return idx, vals
 
 
 class FetchSGD(SketchStrategy):
     """FetchSGD: stateless clients send sketches; momentum and error live in the sketch.
 
     Client c sends S(δ_c), the sketch of its local model change (one local step is the
-    paper's setting: δ_c = −η_c g_c). The server (:func:`fetchsgd_step`)::
+    paper's setting: δ_c = −η_c g_c). The server
+    (:func:`~fedswarm.algorithms.compression.sketched.fetchsgd_step`)::
 
         S_t = Σ_c n_c S(δ_c) / Σ n_c
         S_u ← ρ S_u + S_t;   S_e ← S_e + server_lr · S_u
@@ -326,12 +327,9 @@ class FetchSGD(SketchStrategy):
         return Step(update, metrics={"sketch_error_l2": float(self.sketch.l2_estimate(self.s_e))})
 
 
-def fetchsgd_vector(cr: ClientRound, delta: torch.Tensor) -> torch.Tensor:
-    """FetchSGD's clients are stateless: they sketch their local model change."""
-    return delta
-
-
-fetchsgd_client_update = _sketching_update(fetchsgd_vector, None)
+#: FetchSGD's clients are stateless: they sketch their local model change.
+FETCHSGD_CLIENT = SketchClient()
+fetchsgd_client_update = FETCHSGD_CLIENT.update
 
 
 # -- gs-SGD --------------------------------------------------------------------------------------
@@ -399,25 +397,14 @@ class GlobalSketchSGD(SketchStrategy):
         return Step(self.sparse_update(idx, exact))
 
 
-def gs_vector(cr: ClientRound, delta: torch.Tensor) -> torch.Tensor:
-    """gs-SGD's client step: clear e where the server used the last message, ``e ← e + δ``;
-    returns e (what is sketched)."""
-    e = load_vector(cr.context.state, _GS + ".e", cr.layout.d)
-    taken = taken_indices(cr, _GS)
-    if taken is not None:
-        e[taken] = 0.0
-    e += delta
-    save_vector(cr.state, _GS + ".e", e)
-    save_sent(cr, _GS)
-    return e
+#: gs-SGD's clients keep e (:class:`SketchClient` without momentum).
+GS_CLIENT = SketchClient(_GS, _GS + ".e")
+gs_client_update = GS_CLIENT.update
 
-
-gs_client_update = _sketching_update(gs_vector, _GS, _GS + ".e")
-
-#: Each strategy's client step (what its clients sketch), for engines that run the
-#: clients' half themselves (``--engine batched``, :mod:`fedswarm.sim.batched_sketched`).
-CLIENT_VECTOR: dict[str, Callable[[ClientRound, torch.Tensor], torch.Tensor]] = {
-    "sketched_sgd": sketched_vector, "fetchsgd": fetchsgd_vector, "gs_sgd": gs_vector}
+#: Each strategy's client half, for engines that run the clients' half themselves
+#: (``--engine batched``, :mod:`fedswarm.sim.batched_sketched`).
+SKETCH_CLIENTS: dict[str, SketchClient] = {"sketched_sgd": SKETCHED_CLIENT, "fetchsgd": FETCHSGD_CLIENT,
+                                           "gs_sgd": GS_CLIENT}
 
 
 # -- registry --------------------------------------------------------------------------------------
