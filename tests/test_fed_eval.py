@@ -199,15 +199,3 @@ def test_client_data_with_central_eval_off_same_federated_accuracy_on_inprocess_
         assert n.fed_examples == m.fed_examples and abs(n.fed_accuracy - m.fed_accuracy) <= 1e-6
     assert got["summary"]["final_fed_accuracy"] == pytest.approx(ref["summary"]["final_fed_accuracy"], abs=1e-6)
 
-
-def test_engines_without_federated_evaluation_refuse_central_eval_off():
-    """The array and virtual-clock engines have no federated evaluation: `--central-eval off`
-    there is refused in one line instead of silently reporting central accuracy."""
-    from fedswarm.sim.array_engine import check_config as check_array
-    from fedswarm.sim.async_engine import check_config as check_clock
-
-    with pytest.raises(ConfigError, match="the array engine has no federated evaluation yet"):
-        check_array(RunConfig(strategy="dpsgd", engine="array", central_eval=False))
-    check_array(RunConfig(strategy="dpsgd", engine="array"))  # on: runs as before
-    with pytest.raises(ConfigError, match="the virtual-clock engine has no federated evaluation"):
-        check_clock(RunConfig(strategy="adpsgd", engine="clock", central_eval=False))
