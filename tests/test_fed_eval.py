@@ -2,9 +2,10 @@
 
 Oracles: the validation splits partition the held-out test set, so with every node in the cohort
 the example-weighted federated accuracy IS the central test accuracy; the batched engine (its
-own round loop) gives the in-process engine's numbers per round and per node; a decentralized
-node's value is its own model (read from its state after the run) scored on its split; the
-evaluate messages' bytes are kept out of the round's training bytes.
+own round loop) gives the in-process engine's numbers per round and per node, and the array
+engine the router's; a decentralized node's value is its own model (read from its state after
+the run, or from the virtual clock's nodes) scored on its split; the evaluate messages' bytes
+are kept out of the round's training bytes.
 """
 
 from __future__ import annotations
