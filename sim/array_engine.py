@@ -14,10 +14,11 @@ engine.
 
 Recording is the other engines': one round per iteration, the node-average model's test
 accuracy, ``consensus_distance``, per-node rows. Federated evaluation (every ``eval_every``-th
-iteration) is the router's: every node scores its own model, its row of ``[n, d]``, on its
-validation split (:func:`~fedswarm.sim.async_engine.own_models_eval`); with ``central_eval``
-off the task's test set is not loaded. With ``client_data`` node ``i`` trains on the train
-split of the ``i``-th client's own dataset (:func:`~fedswarm.train.trainer_for`). Bytes: each node's message is its
+iteration) gives the router's numbers: every node scores its own model, its row of
+``[n, d]``, on its validation split (:func:`~fedswarm.sim.async_engine.own_models_eval`);
+with ``central_eval`` off the task's test set is not loaded. With ``client_data`` node ``i``
+trains on the train split of the ``i``-th client's own dataset
+(:func:`~fedswarm.train.trainer_for`). Bytes: each node's message is its
 algorithm's :class:`~fedswarm.payload.Payload`, measured serialized as Flower records
 (as the router would carry it), times its degree in that round's topology;
 ``bytes_up = bytes_down = p2p_bytes``. LSGD has no per-neighbour message: its bytes are

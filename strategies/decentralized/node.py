@@ -19,6 +19,10 @@ hands it the messages of its neighbours. Each exchange the node
    router and the recorder read (partition id, examples, loss; rejected neighbour messages
    when there were any).
 
+Federated evaluation scores the node's model after its last mix (:func:`own_model`), the one
+it reports; when the local step has already moved ``x`` (adapt-then-combine steps: D², D-PSGD
+``order="atc"``, ...), that model is kept beside the state.
+
 State is written only at the very end, so a node that fails mid-exchange keeps its
 previous state: the failure costs that round its update, nothing more.
 """
