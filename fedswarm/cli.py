@@ -146,11 +146,13 @@ def sim(
         "--client-data: share of each client's examples held out for its validation (default 0.2)."
     )),
     eval_every: Optional[int] = typer.Option(None, "--eval-every", help=(
-        "Federated evaluation every K rounds (default 1): the round's nodes score the model on their own "
-        "validation split (fed_accuracy)."
+        "Federated evaluation every K rounds (default 1): the round's nodes score the model (a decentralized "
+        "node: its own) on their own validation split (fed_accuracy); on the virtual clock a round is --clients "
+        "local steps."
     )),
     central_eval: Optional[str] = typer.Option(None, "--central-eval", help=(
-        "on (default) | off: off runs with no server test set; only the nodes' federated evaluation is reported."
+        "on (default) | off: off runs with no server test set; only the nodes' federated evaluation is reported "
+        "(every engine)."
     )),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Strategy hyperparameter KEY=VALUE (repeatable)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=(

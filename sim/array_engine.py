@@ -13,7 +13,12 @@ schedule takes the topology's place). Timed by a clock, they run on the virtual-
 engine.
 
 Recording is the other engines': one round per iteration, the node-average model's test
-accuracy, ``consensus_distance``, per-node rows. Bytes: each node's message is its
+accuracy, ``consensus_distance``, per-node rows. Federated evaluation (every ``eval_every``-th
+iteration) gives the router's numbers: every node scores its own model, its row of
+``[n, d]``, on its validation split (:func:`~fedswarm.sim.async_engine.own_models_eval`);
+with ``central_eval`` off the task's test set is not loaded. With ``client_data`` node ``i``
+trains on the train split of the ``i``-th client's own dataset
+(:func:`~fedswarm.train.trainer_for`). Bytes: each node's message is its
 algorithm's :class:`~fedswarm.payload.Payload`, measured serialized as Flower records
 (as the router would carry it), times its degree in that round's topology;
 ``bytes_up = bytes_down = p2p_bytes``. LSGD has no per-neighbour message: its bytes are
@@ -37,7 +42,7 @@ from fedswarm.params import get_flat
 from fedswarm.payload import Payload
 from fedswarm.server.metered_grid import Traffic
 from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
-from fedswarm.sim.async_engine import _P2PGrid
+from fedswarm.sim.async_engine import _P2PGrid, own_models_eval
 from fedswarm.store import Store
 from fedswarm.config import round_seed
 from fedswarm.strategies.decentralized.steps import local_gradient
@@ -78,10 +83,6 @@ def check_config(cfg: RunConfig) -> None:
     if cfg.strategy not in ARRAY_ALGORITHMS:
         raise ConfigError(f"invalid value for 'engine': the array engine runs {', '.join(ARRAY_ALGORITHMS)}, "
                           f"not '{cfg.strategy}'")
-    if not cfg.central_eval:
-        raise ConfigError("invalid value for 'central_eval': the array engine has no federated evaluation yet "
-                          "(it would report central accuracy all the same); run the strategy on --engine inprocess "
-                          "(or flower), whose nodes score their own models on their validation splits")
     try:
         algo = make_algorithm(cfg.strategy, **_algorithm_params(cfg))
         _check_scheduled(algo)
@@ -170,14 +171,19 @@ def run_array(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundLi
     return the final status."""
     torch.manual_seed(cfg.seed)
     sim = ArraySimulation(cfg)
-    data = task_data(cfg)
+    evaluate = None
+    if cfg.central_eval:  # off: no server test set, the task's data is not loaded
+        data = task_data(cfg)
 
-    def evaluate(arrays: ArrayRecord) -> tuple[float, float]:
-        return evaluate_flat(sim.task, sim.model, arrayrecord_to_vector(arrays), data.test_x, data.test_y,
-                             sim.device)
+        def evaluate(arrays: ArrayRecord) -> tuple[float, float]:
+            return evaluate_flat(sim.task, sim.model, arrayrecord_to_vector(arrays), data.test_x, data.test_y,
+                                 sim.device)
 
     grid = _P2PGrid()  # what the recorder reads: the bytes the messages would move
     recorder = RoundRecorder(store, run_id, grid, evaluate, listeners=listeners)  # type: ignore[arg-type]
+    recorder.eval_every = cfg.eval_every
+    fed_eval = own_models_eval(cfg, lambda: sim.state.x)
+    nodes = list(range(1, sim.n + 1))  # node i + 1 is row i, as on the in-process engine
     samples = sim.steps * cfg.batch_size
 
     def loop() -> None:
@@ -190,12 +196,13 @@ def run_array(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundLi
             out = sim.step()
             sent = out["sent"]
             grid.pending = Traffic(bytes_up=int(sum(sent)), bytes_down=int(sum(sent)))
-            store.add_node_rounds(run_id, rnd, [
-                {"node_id": str(i + 1), "bytes_up": int(sent[i]), "num_examples": samples,
-                 "train_loss": out["losses"][i]} for i in range(sim.n)])
+            rows = [{"node_id": str(i + 1), "bytes_up": int(sent[i]), "num_examples": samples,
+                     "train_loss": out["losses"][i]} for i in range(sim.n)]
+            fed = recorder.federated(rnd, None, nodes, rows, fed_eval) if recorder.eval_due(rnd) else {}
+            store.add_node_rounds(run_id, rnd, rows)
             recorder.note(train_loss=sum(out["losses"]) / sim.n, consensus_distance=consensus_distance(sim.state.x),
                           p2p_bytes=int(sum(sent)), num_clients=sim.n, nodes_reporting=sim.n,
-                          bytes_source="wire_accounting" if sim.uses_losses else "serialized_payloads")
+                          bytes_source="wire_accounting" if sim.uses_losses else "serialized_payloads", **fed)
             recorder(rnd, vector_to_arrayrecord(sim.average()))
             total, recorder.extra_rounds = total + recorder.extra_rounds, 0
 

@@ -24,6 +24,12 @@ the nodes have taken ``n`` local steps between them (one synchronous round's wor
 recorded round has the node-average model's test accuracy, ``consensus_distance``,
 ``sim_time_s`` (simulated seconds that round's work took, labeled as simulated) and the
 peer-to-peer bytes (two full models per averaging, measured on a serialized message).
+
+Federated evaluation is counted in the same unit: every ``eval_every``-th recorded round,
+every node scores its own model, as it stands at that instant of simulated time, on its
+validation split (:func:`own_models_eval`, the array engine's too); with ``central_eval`` off
+the task's test set is not loaded. With ``client_data`` node ``i`` trains on the train split of
+the ``i``-th client's own dataset (:func:`~fedswarm.train.trainer_for`).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from flwr.app import ArrayRecord
 from fedswarm.config import RunConfig
 from fedswarm.local import round_seed
 from fedswarm.params import get_flat
+from fedswarm.server.fed_eval import NodeEval, cohort_on_partitions
 from fedswarm.server.metered_grid import Traffic
 from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
 
@@ -48,10 +55,10 @@ from fedswarm.strategies.decentralized.node import local_gradient
 from fedswarm.algorithms.decentralized import ADPSGD, GossipState, bipartite_split, consensus_distance
 from fedswarm.algorithms.decentralized.topology import Topology, make_topology
 from fedswarm.tasks import get_task
-from fedswarm.train import evaluate_flat, resolve_device, task_data, trainer_for
+from fedswarm.train import evaluate_flat, node_validation, resolve_device, task_data, trainer_for
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
-__all__ = ["ADPSGDSimulation", "run_async", "check_clocked", "check_config", "DEFAULT_PROFILE"]
+__all__ = ["ADPSGDSimulation", "run_async", "check_clocked", "check_config", "own_models_eval", "DEFAULT_PROFILE"]
 
 #: Every node's profile when the run names no devices.
 DEFAULT_PROFILE = "datacenter"
@@ -234,6 +241,27 @@ class _P2PGrid:
         return t
 
 
+def own_models_eval(cfg: RunConfig, models: Callable[[], torch.Tensor]
+                    ) -> Callable[[int, object, list[int]], dict[str, NodeEval]]:
+    """Federated evaluation for engines whose nodes are the rows of ``models() [n, d]`` (array,
+    virtual clock): node ``i`` (row and partition ``i - 1``) scores its own model on its
+    validation split with its own trainer, as its ClientApp's evaluate handler does
+    (:func:`fedswarm.client.evaluate.evaluate_on_node`); a ``fed_eval`` for
+    :meth:`~fedswarm.server.recorder.RoundRecorder.federated`."""
+    n = cfg.clients
+
+    def fed_eval(rnd: int, _arrays: object, cohort: list[int]) -> dict[str, NodeEval]:
+        x = models()
+
+        def on_partition(pid: int) -> tuple[float, float, int]:
+            val_x, val_y = node_validation(cfg, pid, n)
+            return (*trainer_for(cfg, pid, n).evaluate(x[pid], val_x, val_y), int(val_x.shape[0]))
+
+        return cohort_on_partitions(cohort, on_partition)
+
+    return fed_eval
+
+
 def run_async(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
     """Run ``cfg`` (strategy ``adpsgd``; ``prague`` goes to
     :func:`fedswarm.sim.async_groups.run_prague`) on the virtual clock, recording ``cfg.rounds``
@@ -270,9 +298,6 @@ def check_config(cfg: RunConfig) -> None:
     from fedswarm.algorithms.decentralized import make_algorithm
     from fedswarm.config import ConfigError
 
-    if not cfg.central_eval:
-        raise ConfigError("invalid value for 'central_eval': the virtual-clock engine has no federated evaluation "
-                          "yet (it would report central accuracy all the same); keep --central-eval on here")
     if cfg.strategy == "lsgd":
         from fedswarm.sim.async_leaders import check_config as check_lsgd
 
@@ -303,27 +328,34 @@ def run_clocked(cfg: RunConfig, store: Store, run_id: str, listeners: list[Round
     model = task.model(cfg.seed).to(device)
     x0 = get_flat(model).cpu()
     profiles = node_profiles(cfg) or [BUILTIN_PROFILES[DEFAULT_PROFILE]] * n
-    data = task_data(cfg)
     steps = cfg.local_steps or 1
 
     def gradient(i: int, x: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
         return local_gradient(trainer_for(cfg, i, n), x, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr,
                               seed=round_seed(cfg.seed, k, i))
 
-    def evaluate(arrays: ArrayRecord) -> tuple[float, float]:
-        return evaluate_flat(task, model, arrayrecord_to_vector(arrays), data.test_x, data.test_y, device)
+    evaluate = None
+    if cfg.central_eval:  # off: no server test set, the task's data is not loaded
+        data = task_data(cfg)
+
+        def evaluate(arrays: ArrayRecord) -> tuple[float, float]:
+            return evaluate_flat(task, model, arrayrecord_to_vector(arrays), data.test_x, data.test_y, device)
 
     grid = _P2PGrid()
     recorder = RoundRecorder(store, run_id, grid, evaluate, listeners=listeners)  # type: ignore[arg-type]
+    recorder.eval_every = cfg.eval_every
+
     def loop() -> None:
         sim = make_sim(x0.repeat(n, 1), profiles, gradient, steps)
+        fed_eval = own_models_eval(cfg, lambda: sim.x)
         recorder(0, vector_to_arrayrecord(x0))
         rnd, total, last_t = 0, cfg.rounds, 0.0
         while rnd < total:
             rnd += 1
             recorder.reset_clock()
             sim.advance(n)
-            _record(recorder, store, run_id, rnd, sim, profiles, grid, last_t, samples=steps * cfg.batch_size)
+            _record(recorder, store, run_id, rnd, sim, profiles, grid, last_t, samples=steps * cfg.batch_size,
+                    fed_eval=fed_eval if recorder.eval_due(rnd) else None)
             last_t = sim.now
             total, recorder.extra_rounds = total + recorder.extra_rounds, 0
 
@@ -331,18 +363,19 @@ def run_clocked(cfg: RunConfig, store: Store, run_id: str, listeners: list[Round
 
 
 def _record(recorder: RoundRecorder, store: Store, run_id: str, rnd: int, sim: ClockedNodes,
-            profiles: list[Profile], grid: _P2PGrid, last_t: float, samples: int) -> None:
+            profiles: list[Profile], grid: _P2PGrid, last_t: float, samples: int,
+            fed_eval: Callable[[int, object, list[int]], dict[str, NodeEval]] | None = None) -> None:
+    """Round ``rnd``'s rows; ``fed_eval``: the round's federated evaluation by every node."""
     stats = sim.take_stats()
     sent = sum(s["bytes_sent"] for s in stats)
     grid.pending = Traffic(bytes_up=sent, bytes_down=sent)  # every byte sent is received once
     losses = [(s["loss"], s["steps"]) for s in stats if s["loss"] is not None]
     n_steps = sum(k for _, k in losses)
     # node ids as on the in-process engine: partition id + 1
-    store.add_node_rounds(run_id, rnd, [
-        {"node_id": str(i + 1), "bytes_up": s["bytes_sent"], "num_examples": s["steps"] * samples,
-         "train_loss": s["loss"], "device_class": profiles[i].name}
-        for i, s in enumerate(stats)
-    ])
+    rows = [{"node_id": str(i + 1), "bytes_up": s["bytes_sent"], "num_examples": s["steps"] * samples,
+             "train_loss": s["loss"], "device_class": profiles[i].name} for i, s in enumerate(stats)]
+    fed = recorder.federated(rnd, None, list(range(1, len(rows) + 1)), rows, fed_eval) if fed_eval else {}
+    store.add_node_rounds(run_id, rnd, rows)
     recorder.note(
         train_loss=sum(loss * k for loss, k in losses) / n_steps if n_steps else None,
         sim_time_s=sim.now - last_t,
@@ -351,5 +384,6 @@ def _record(recorder: RoundRecorder, store: Store, run_id: str, rnd: int, sim: C
         p2p_bytes=sent,
         num_clients=len(stats),
         averagings=sim.take_averagings(),
+        **fed,
     )
     recorder(rnd, vector_to_arrayrecord(sim.x.mean(dim=0)))

@@ -2,9 +2,10 @@
 
 Oracles: the validation splits partition the held-out test set, so with every node in the cohort
 the example-weighted federated accuracy IS the central test accuracy; the batched engine (its
-own round loop) gives the in-process engine's numbers per round and per node; a decentralized
-node's value is its own model (read from its state after the run) scored on its split; the
-evaluate messages' bytes are kept out of the round's training bytes.
+own round loop) gives the in-process engine's numbers per round and per node, and the array
+engine the router's; a decentralized node's value is its own model (read from its state after
+the run, or from the virtual clock's nodes) scored on its split; the evaluate messages' bytes
+are kept out of the round's training bytes.
 """
 
 from __future__ import annotations
@@ -200,14 +201,95 @@ def test_client_data_with_central_eval_off_same_federated_accuracy_on_inprocess_
     assert got["summary"]["final_fed_accuracy"] == pytest.approx(ref["summary"]["final_fed_accuracy"], abs=1e-6)
 
 
-def test_engines_without_federated_evaluation_refuse_central_eval_off():
-    """The array and virtual-clock engines have no federated evaluation: `--central-eval off`
-    there is refused in one line instead of silently reporting central accuracy."""
-    from fedswarm.sim.array_engine import check_config as check_array
-    from fedswarm.sim.async_engine import check_config as check_clock
 
-    with pytest.raises(ConfigError, match="the array engine has no federated evaluation yet"):
-        check_array(RunConfig(strategy="dpsgd", engine="array", central_eval=False))
-    check_array(RunConfig(strategy="dpsgd", engine="array"))  # on: runs as before
-    with pytest.raises(ConfigError, match="the virtual-clock engine has no federated evaluation"):
-        check_clock(RunConfig(strategy="adpsgd", engine="clock", central_eval=False))
+@pytest.mark.parametrize("strategy", ["dpsgd", "d2"])
+def test_array_engine_gives_the_routers_federated_numbers_with_client_data(tmp_path, monkeypatch, strategy):
+    """`--client-data DIR --central-eval off` on a decentralized strategy: the array engine (rows of
+    [n, d]) and the router (fedswarm's ServerApp and ClientApps, a deployment's code, in process)
+    give the same federated numbers, round by round and node by node: each node scores its own
+    model after the round's mix (D²'s local step moves x before the next mix; that is not its
+    model) on the validation split of its own dataset. No server test set is loaded."""
+    import fedswarm.sim.array_engine as array_engine
+    from tests.test_localdata import _client_dir
+
+    def no_data(*_a, **_k):
+        raise AssertionError("the array engine loaded the task's test set with central_eval off")
+
+    monkeypatch.setattr(array_engine, "task_data", no_data)
+    root, sizes = _client_dir(tmp_path)
+    kw = dict(task=TASK, strategy=strategy, topology="ring", client_data=str(root), clients=3, rounds=3, seed=4,
+              local_steps=2, central_eval=False)
+    ref, ref_nodes = _run(RunConfig(engine="inprocess", **kw), tmp_path, monkeypatch, "router")
+    got, got_nodes = _run(RunConfig(engine="array", **kw), tmp_path, monkeypatch, "array")
+    val = sum(round(0.2 * n) for n in sizes)
+    for a, b in zip(ref["rounds"][1:], got["rounds"][1:], strict=True):
+        assert a["test_accuracy"] is None and b["test_accuracy"] is None
+        assert a["fed_examples"] == b["fed_examples"] == val
+        assert abs(a["fed_accuracy"] - b["fed_accuracy"]) <= 1e-6 and abs(a["fed_loss"] - b["fed_loss"]) <= 1e-5
+    per = {(n.round, n.node_id): n for n in ref_nodes}
+    assert len(per) == 9 == len(got_nodes)
+    for n in got_nodes:
+        m = per[(n.round, n.node_id)]
+        assert n.fed_examples == m.fed_examples and abs(n.fed_accuracy - m.fed_accuracy) <= 1e-6
+        assert abs(n.fed_loss - m.fed_loss) <= 1e-5
+    assert len({round(n.fed_loss, 6) for n in got_nodes}) == 9  # each node, each round: its own model
+    assert got["summary"]["final_fed_accuracy"] == pytest.approx(ref["summary"]["final_fed_accuracy"], abs=1e-6)
+
+
+def test_clock_engine_trains_on_client_data_and_scores_own_models_every_eval_every_rounds(tmp_path, monkeypatch):
+    """AD-PSGD on the virtual clock with `--client-data DIR --central-eval off --eval-every 2`. A
+    recorded round is n local steps between the nodes (here one each: equal devices), and
+    federated evaluation counts those rounds: rounds 2 and 4 only. Oracles: node i's round-1 loss
+    is the loss of the initial model on the first minibatch of ITS OWN train split (drawn here
+    by hand); its round-4 values are its own final model scored on its own validation split."""
+    import fedswarm.sim.async_engine as clock
+    from fedswarm.config import round_seed
+    from fedswarm.params import get_flat, set_flat
+    from fedswarm.tasks.localdata import LocalDataSpec, load_local
+    from fedswarm.train import evaluate_flat
+    from tests.localdata_helpers import digits, write_npz
+    from tests.test_localdata import _client_dir
+
+    def no_data(*_a, **_k):
+        raise AssertionError("the clock engine loaded the task's test set with central_eval off")
+
+    sims = []
+
+    class Kept(clock.ADPSGDSimulation):  # the nodes, to read their final models
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            sims.append(self)
+
+    monkeypatch.setattr(clock, "task_data", no_data)
+    monkeypatch.setattr(clock, "ADPSGDSimulation", Kept)
+    root, sizes = _client_dir(tmp_path)
+    write_npz(root / "d.npz", *digits(slice(600, 700)))  # a fourth client: an even ring is bipartite
+    sizes.append(100)
+    cfg = RunConfig(task=TASK, strategy="adpsgd", topology="ring", client_data=str(root), clients=4, rounds=4,
+                    seed=4, central_eval=False, eval_every=2)
+    res, nodes = _run(cfg, tmp_path, monkeypatch, "clock")
+    rows = {(n.round, n.node_id): n for n in nodes}
+    assert [r["fed_examples"] is not None for r in res["rounds"][1:]] == [False, True, False, True]
+    assert all(rows[(r, str(i))].fed_accuracy is None for r in (1, 3) for i in range(1, 5))
+    assert res["rounds"][4]["fed_examples"] == sum(round(0.2 * n) for n in sizes)
+    task = get_task(TASK)
+    model = task.model(cfg.seed)
+    x0 = get_flat(model).detach().clone()
+    final = sims[0].x
+    accs, counts = [], []
+    for i, path in enumerate(sorted(root.iterdir())):
+        own = load_local(TASK, LocalDataSpec(str(path), "label", 0.2), cfg.seed)
+        assert rows[(1, str(i + 1))].num_examples == cfg.batch_size  # one step each in round 1
+        g = torch.Generator().manual_seed(round_seed(cfg.seed, 1, i))
+        batch = torch.randperm(own.train_y.shape[0], generator=g)[:cfg.batch_size]
+        with torch.no_grad():
+            set_flat(model, x0)
+            first = float(task.objective(model, own.train_x[batch], own.train_y[batch]))
+        assert rows[(1, str(i + 1))].train_loss == pytest.approx(first, abs=1e-5)
+        loss, acc = evaluate_flat(task, model, final[i], own.val_x, own.val_y, torch.device("cpu"))
+        last = rows[(4, str(i + 1))]
+        assert last.fed_accuracy == pytest.approx(acc, abs=1e-6) and last.fed_loss == pytest.approx(loss, abs=1e-5)
+        accs.append(acc)
+        counts.append(own.val_y.shape[0])
+    assert res["rounds"][4]["fed_accuracy"] == pytest.approx(float(np.dot(accs, counts) / sum(counts)), abs=1e-9)
+    assert res["summary"]["final_fed_accuracy"] == res["rounds"][4]["fed_accuracy"]

@@ -19,6 +19,10 @@ hands it the messages of its neighbours. Each exchange the node
    router and the recorder read (partition id, examples, loss; rejected neighbour messages
    when there were any).
 
+Federated evaluation scores the node's model after its last mix (:func:`own_model`), the one
+it reports; when the local step has already moved ``x`` (adapt-then-combine steps: D², D-PSGD
+``order="atc"``, ...), that model is kept beside the state.
+
 State is written only at the very end, so a node that fails mid-exchange keeps its
 previous state: the failure costs that round its update, nothing more.
 """
@@ -60,6 +64,8 @@ __all__ = [
 NO_STATE = "fedswarm: no gossip state on this node"
 
 _STATE, _META = "gossip.state", "gossip.meta"
+# the node's model after its last mix, kept only when the next local step already moved x (D², atc, ...)
+_MODEL = "gossip.model"
 
 #: Where a node's model report travels (monitoring, not the algorithm's message).
 REPORT_MODEL = f"{REPORT_PREFIX}model"
@@ -107,9 +113,10 @@ def load_state(context: Context, algorithm: str, d: int) -> GossipState:
 
 
 def own_model(context: Context, d: int) -> torch.Tensor | None:
-    """This node's own model ``x`` from its state (for federated evaluation), or None if it
-    holds no gossip state."""
-    arrays = context.state.array_records.get(_STATE)
+    """This node's own model from its state (for federated evaluation): its model after its
+    last mix, the one it reports (not ``x`` half-way through the next iteration, which an
+    adapt-then-combine step has already moved), or None if it holds no gossip state."""
+    arrays = context.state.array_records.get(_MODEL) or context.state.array_records.get(_STATE)
     if arrays is None or "x" not in arrays:
         return None
     return arrayrecord_to_vector(ArrayRecord({"x": arrays["x"]}), d)
@@ -185,6 +192,10 @@ def make_client_update(algorithm: str) -> Callable[[Message, Context], RecordDic
         else:
             reply[REPORT_MODEL] = vector_to_arrayrecord(model)
         save_state(context, algorithm, state)  # last: a failure above leaves the old state
+        if torch.equal(state.x[0], model):
+            context.state.array_records.pop(_MODEL, None)
+        else:
+            context.state[_MODEL] = ArrayRecord({"x": Array(np.ascontiguousarray(model.numpy()))})
         reply["metrics"] = MetricRecord(metrics)
         return reply
 
