@@ -250,7 +250,7 @@ def resume(
     resynchronised by the protocol (named in a client_resync event). Flower's engine on a Ray
     cluster (--ray-address) keeps no node state: such a run of a strategy with client state is
     refused unless --accept-client-state-loss."""
-    from fedswarm.server.checkpoint import CheckpointError
+    from fedswarm.errors import CheckpointError
     from fedswarm.server.resume import prepare_resume
     from fedswarm.store import Store
 

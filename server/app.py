@@ -46,7 +46,7 @@ from fedswarm.server.fed_eval import GridEvaluator
 from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
 from fedswarm.server.client_state import restore_clients
 from fedswarm.server.resume import ACCEPT_LOSS_KEY, RESUME_KEY, resume_into
-from fedswarm.client.persist import RUN_KEY
+from fedswarm.protocol import RUN_KEY
 from fedswarm.strategies.resumable import shift_rounds
 from fedswarm.strategies.federated.dp import attach_dp
 

@@ -34,7 +34,8 @@ from flwr.app import ArrayRecord, MetricRecord
 from fedswarm.policy import PolicyBook
 from fedswarm.store import Store
 from fedswarm.server.fed_eval import aggregate, merge_into_rows
-from fedswarm.server.metered_grid import TELEMETRY_RECORD, MeteredGrid
+from fedswarm.protocol import TELEMETRY_RECORD
+from fedswarm.server.metered_grid import MeteredGrid
 from fedswarm.strategies.strategy_utils import RoundNotes
 
 log = logging.getLogger("fedswarm.server")

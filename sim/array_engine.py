@@ -1,7 +1,7 @@
 """The ``array`` engine: every node of a decentralized algorithm as one row of ``[n, d]``.
 
 No Flower messages, no per-node contexts: each iteration computes every node's gradient
-(the same :func:`~fedswarm.strategies.decentralized.steps.local_gradient` and seeds as the
+(the same :func:`~fedswarm.algorithms.decentralized.steps.local_gradient` and seeds as the
 router's nodes and the swarm's peers), then calls the algorithm object once for all nodes
 (``local_step``, ``mix``: a gossip step is one matrix product). It runs every synchronous
 algorithm of :data:`fedswarm.algorithms.decentralized.ALGORITHMS` (dpsgd, d2, dsgdm, qgm,
@@ -40,7 +40,7 @@ from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
 from fedswarm.sim.async_engine import _P2PGrid
 from fedswarm.store import Store
 from fedswarm.config import round_seed
-from fedswarm.strategies.decentralized.steps import local_gradient
+from fedswarm.algorithms.decentralized.steps import local_gradient
 from fedswarm.tasks import get_task
 from fedswarm.train import evaluate_flat, resolve_device, task_data, trainer_for
 from fedswarm.wire import arrayrecord_to_vector, payload_to_records, recorddict_nbytes, vector_to_arrayrecord

@@ -25,7 +25,8 @@ import torch
 from fedswarm.config import RunConfig
 from fedswarm.params import ParamLayout
 from fedswarm.server.app import build_strategy
-from fedswarm.server.checkpoint import CheckpointError, dumps, load_latest, loads
+from fedswarm.errors import CheckpointError
+from fedswarm.server.checkpoint import dumps, load_latest, loads
 from fedswarm.server.resume import prepare_resume
 from fedswarm.sim.run import run_engine
 from fedswarm.store import Store
