@@ -1,4 +1,4 @@
-"""Federated evaluation (issue 32): the round's cohort scores the model on its own validation split.
+"""Federated evaluation: the round's cohort scores the model on its own validation split.
 
 Oracles: the validation splits partition the held-out test set, so with every node in the cohort
 the example-weighted federated accuracy IS the central test accuracy; the batched engine (its

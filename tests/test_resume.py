@@ -1,4 +1,4 @@
-"""Server checkpoints and resume (issue 15, point 1).
+"""Server checkpoints and resume of a killed ServerApp.
 
 - every stateful strategy's ``state_dict`` survives the trip through a checkpoint's bytes
   into a freshly built strategy;

@@ -1,4 +1,4 @@
-"""Device telemetry (issue 32): the /proc and /sys readers on a fake file system tree, absent
+"""Device telemetry: the /proc and /sys readers on a fake file system tree, absent
 sources left out (never guessed), the record's bytes counted apart from the training bytes,
 and a node's row carrying its telemetry."""
 
