@@ -15,7 +15,8 @@ import typer
 
 from fedswarm.cli_common import DB_HELP, console, fail, quiet_flower
 from fedswarm.cli_serve import client, dashboard
-from fedswarm.config import ConfigError, RunConfig, load_config, parse_set
+from fedswarm.config import RunConfig, load_config, parse_set
+from fedswarm.errors import ConfigError
 from fedswarm.extras import check_run_extras
 
 app = typer.Typer(

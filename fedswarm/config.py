@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fedswarm.errors import ConfigError
 
-__all__ = ["RunConfig", "TrainingSpec", "ConfigError", "parse_partition", "load_config", "parse_set", "round_seed"]
+__all__ = ["RunConfig", "TrainingSpec", "parse_partition", "load_config", "parse_set", "round_seed"]
 
 
 def round_seed(seed: int, server_round: int, partition_id: int) -> int:

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.algorithms.decentralized import (ALGORITHMS, DecentralizedAlgorithm, consensus_distance, make_algorithm,
                                               make_schedule, uses_fixed_schedule)
 from fedswarm.algorithms.decentralized.topology import make_topology
@@ -73,7 +74,7 @@ def _algorithm_params(cfg: RunConfig) -> dict[str, Any]:
 
 
 def check_config(cfg: RunConfig) -> None:
-    """Raise :class:`~fedswarm.config.ConfigError` (one line) unless the array engine can
+    """Raise :class:`~fedswarm.errors.ConfigError` (one line) unless the array engine can
     run ``cfg``: a supported algorithm, valid hyperparameters, a topology it accepts."""
     if cfg.strategy not in ARRAY_ALGORITHMS:
         raise ConfigError(f"invalid value for 'engine': the array engine runs {', '.join(ARRAY_ALGORITHMS)}, "

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.store import Store
 from fedswarm.tasks import get_task
 from fedswarm.train import node_validation, task_data

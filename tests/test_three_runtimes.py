@@ -22,7 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.server.app import run_server
 from fedswarm.sim.array_engine import ArraySimulation
 from fedswarm.sim.inprocess import InProcessGrid

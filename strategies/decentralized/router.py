@@ -47,7 +47,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 from fedswarm.hyperparams import HyperParam
 from fedswarm.strategies.decentralized.node import (NO_STATE, REPORT_MODEL, make_client_update, message_nbytes_of,
                                                    neighbour_keys)
