@@ -1,6 +1,8 @@
-"""The errors every layer raises, here at the bottom so that any layer may raise or catch
-them without importing the one above it (``fedswarm.algorithms`` raises :class:`ConfigError`
-yet sits under :mod:`fedswarm.config`, which imports it; docs/architecture.md has the layers).
+"""The errors several layers raise, here at the bottom so that any layer may raise or catch
+them without importing a layer above it: the algorithms raise :class:`ConfigError` as
+:mod:`fedswarm.config` does, yet sit under it (config checks settings with the algorithms'
+own parsers); a strategy raises :class:`CheckpointError` as the ServerApp's checkpoints do.
+docs/architecture.md has the layers.
 """
 
 from __future__ import annotations
