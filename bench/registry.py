@@ -49,7 +49,7 @@ def run_benchmark(name: str, out: Path, *, quick: bool, console: Console, device
         if "device" not in inspect.signature(mod.run).parameters:
             console.print(f"[bold red]error:[/] benchmark '{name}' has no --device option")
             raise SystemExit(2)
-        from fedswarm.config import ConfigError
+        from fedswarm.errors import ConfigError
         from fedswarm.train import check_node_device
 
         try:

@@ -20,8 +20,9 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedswarm.client.evaluate import TrainClock, evaluate_on_node
-from fedswarm.client.persist import RESUME_ACTION, answer_resume, save_after_train
+from fedswarm.client.persist import answer_resume, save_after_train
 from fedswarm.local import local_fit, node_data
+from fedswarm.protocol import RESUME_ACTION
 from fedswarm.strategies import registry
 from fedswarm.wire import vector_to_arrayrecord
 

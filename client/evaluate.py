@@ -20,16 +20,13 @@ import time
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fedswarm.local import node_data, node_partition, run_config_of
+from fedswarm.protocol import OWN_MODEL_KEY, TELEMETRY_RECORD
 from fedswarm.telemetry import round_telemetry
 from fedswarm.train import examples_seen, node_validation, trainer_for
 from fedswarm.wire import arrayrecord_to_vector
 
-__all__ = ["TELEMETRY_RECORD", "OWN_MODEL_KEY", "evaluate_on_node", "TrainClock"]
+__all__ = ["evaluate_on_node", "TrainClock"]
 
-#: The reply record that carries a node's telemetry (monitoring, not the algorithm's bytes).
-TELEMETRY_RECORD = "report.telemetry"  # = fedswarm.server.metered_grid.TELEMETRY_RECORD
-#: Config key of an evaluate message: score the node's own model (decentralized), not the message's.
-OWN_MODEL_KEY = "fed-eval-own"
 
 
 def evaluate_on_node(msg: Message, context: Context) -> RecordDict:

@@ -22,17 +22,11 @@ import logging
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fedswarm.client.state_store import KEEP_RUNS_KEY, RUNS_KEPT, ClientStateStore, state_dir_of
+from fedswarm.protocol import RESUME_RECORD, RUN_KEY
 
-__all__ = ["RUN_KEY", "RESUME_ACTION", "RESUME_RECORD", "save_after_train", "answer_resume", "store_for"]
+__all__ = ["save_after_train", "answer_resume", "store_for"]
 
 log = logging.getLogger("fedswarm.client")
-
-#: Key of the train config naming the fedswarm run the nodes key their state by.
-RUN_KEY = "fedswarm-run"
-#: The query action a resumed server sends (message type ``query.fedswarm_resume``).
-RESUME_ACTION = "fedswarm_resume"
-#: The record of that query: ``run`` (fedswarm run id) and ``round`` (the checkpoint's round).
-RESUME_RECORD = "resume"
 
 
 def store_for(context: Context, run_id: str, keep: int = 3) -> ClientStateStore | None:

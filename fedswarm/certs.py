@@ -38,19 +38,18 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedswarm.swarm.net.peercert import PEER_URI_PREFIX, peer_id_of_cert
+
 __all__ = [
-    "PEER_URI_PREFIX",
     "CertAuthority",
     "init_pki",
     "issue_peer",
     "issue_server",
     "make_supernode_keys",
-    "peer_id_of_cert",
     "revoke",
 ]
 
 CA_DAYS, SERVER_DAYS, PEER_DAYS = 5 * 365, 365, 365
-PEER_URI_PREFIX = "urn:fedswarm:peer:"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -220,25 +219,6 @@ def issue_peer(ca: CertAuthority, name: str, peer_id: str | None = None, days: i
                     [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
     _write_public(d / "cert.pem", _pem(cert))
     return d / "cert.pem", raw.hex()
-
-
-def peer_id_of_cert(cert: x509.Certificate | bytes) -> str:
-    """The peer id (hex Ed25519 public key) a peer certificate is issued for; ValueError
-    if it is not a peer certificate (other key type, or the URI does not match the key)."""
-    if isinstance(cert, bytes | bytearray):
-        cert = x509.load_der_x509_certificate(bytes(cert))
-    key = cert.public_key()
-    if not isinstance(key, Ed25519PublicKey):
-        raise ValueError("certificate is not for an Ed25519 peer key")
-    pid = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
-    try:
-        uris = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value \
-            .get_values_for_type(x509.UniformResourceIdentifier)
-    except x509.ExtensionNotFound:
-        uris = []
-    if PEER_URI_PREFIX + pid not in uris:
-        raise ValueError("certificate does not name its key as a fedswarm peer")
-    return pid
 
 
 def revoke(pki_dir: Path, *, cert: Path | None = None, name: str | None = None, reason: str = "") -> dict:

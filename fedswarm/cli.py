@@ -15,7 +15,8 @@ import typer
 
 from fedswarm.cli_common import DB_HELP, console, fail, quiet_flower
 from fedswarm.cli_serve import client, dashboard
-from fedswarm.config import ConfigError, RunConfig, load_config, parse_set
+from fedswarm.config import RunConfig, load_config, parse_set
+from fedswarm.errors import ConfigError
 from fedswarm.extras import check_run_extras
 
 app = typer.Typer(
@@ -252,7 +253,7 @@ def resume(
     resynchronised by the protocol (named in a client_resync event). Flower's engine on a Ray
     cluster (--ray-address) keeps no node state: such a run of a strategy with client state is
     refused unless --accept-client-state-loss."""
-    from fedswarm.server.checkpoint import CheckpointError
+    from fedswarm.errors import CheckpointError
     from fedswarm.server.resume import prepare_resume
     from fedswarm.store import Store
 

@@ -107,7 +107,7 @@ def client(
 
 def _check_data(data: Path, label_column: str, val_fraction: float, task: str):
     """Read and check ``--data`` now, so bad data stops the node at start (exit 2, one line)."""
-    from fedswarm.config import ConfigError
+    from fedswarm.errors import ConfigError
     from fedswarm.tasks.localdata import LocalDataError, LocalDataSpec, load_local
 
     local = LocalDataSpec(str(data.expanduser().resolve()), label_column, val_fraction)

@@ -22,17 +22,15 @@ else:  # pragma: no cover
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["RunConfig", "TrainingSpec", "ConfigError", "parse_partition", "load_config", "parse_set", "round_seed"]
+from fedswarm.errors import ConfigError
+
+__all__ = ["RunConfig", "TrainingSpec", "parse_partition", "load_config", "parse_set", "round_seed"]
 
 
 def round_seed(seed: int, server_round: int, partition_id: int) -> int:
     """The seed of one node's local training in one round: fedswarm's one recipe, the same
     on every runtime (Flower's ClientApp, the simulators, the swarm's peers) and engine."""
     return (seed * 1_000_003 + server_round * 10_007 + partition_id) % (2**31 - 1)
-
-
-class ConfigError(ValueError):
-    """A bad config key or value; the message is one line fit to show a user."""
 
 
 _PARTITION_RE = re.compile(

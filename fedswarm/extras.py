@@ -62,7 +62,7 @@ def require(extra: str, what: str, modules: tuple[str, ...] | None = None) -> No
 def check_run_extras(cfg) -> None:
     """What a run (a :class:`~fedswarm.config.RunConfig`) needs beyond the base install, named in
     one line (a ``ConfigError``) if it is missing."""
-    from fedswarm.config import ConfigError
+    from fedswarm.errors import ConfigError
 
     try:
         if cfg.engine == "flower":

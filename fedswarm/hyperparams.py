@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 
 __all__ = ["HyperParam"]
 

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord, Context, Message
 
-from fedswarm.config import ConfigError, RunConfig, round_seed
+from fedswarm.config import RunConfig, round_seed
+from fedswarm.errors import ConfigError
 from fedswarm.policy import device_class_of, policy_for
 from fedswarm.tasks.localdata import LocalDataError, LocalDataSpec
 from fedswarm.train import LocalTrainer, TrainResult, trainer_for

@@ -52,7 +52,7 @@ class DevicePolicy(BaseModel):
 
 
 def _check(device_class: str, policy: dict) -> dict[str, Any]:
-    from fedswarm.config import ConfigError
+    from fedswarm.errors import ConfigError
 
     if not device_class or not all(c.isalnum() or c in "-_." for c in device_class):
         raise ConfigError(f"invalid device class '{device_class}': use letters, digits, '-', '_' or '.'")

@@ -1,7 +1,7 @@
 """The run store: every runtime writes it, the dashboard reads it (the queries: :class:`Store`).
 
 SQLAlchemy 2.0; an SQLite file by default (``--db PATH_OR_URL`` or ``FEDSWARM_DB``),
-PostgreSQL by URL. Tables (DESIGN.md, "Run store"): runs, rounds, node_rounds, nodes,
+PostgreSQL by URL. Tables (docs/architecture.md, "Where state lives"): runs, rounds, node_rounds, nodes,
 events, checkpoints, controls. ``result.json`` is an export of one run
 (:meth:`Store.export_result`). The tables are in :mod:`fedswarm.store_schema`, their creation and
 upgrades in :mod:`fedswarm.store_migrations`; both are re-exported here.
@@ -348,7 +348,7 @@ class Store:
 
     # -- export ------------------------------------------------------------------------
     def export_result(self, run_id: str) -> dict:
-        """The run as the ``result.json`` of the output contract (DESIGN.md)."""
+        """The run as the ``result.json`` of the output contract (docs/architecture.md)."""
         run = self.get_run(run_id)
         if run is None:
             raise KeyError(f"no run {run_id!r} in the store")

@@ -1,5 +1,5 @@
 """The run store's tables (SQLAlchemy 2.0 models): runs, rounds, node_rounds, rejections,
-nodes, events, checkpoints, controls (DESIGN.md, "Run store"). The queries are
+nodes, events, checkpoints, controls (docs/architecture.md, "Where state lives"). The queries are
 :class:`fedswarm.store.Store`'s, the schema's creation and upgrades :mod:`fedswarm.store_migrations`'s;
 ``from fedswarm.store import Run`` (and every other name here) keeps working.
 """

@@ -16,7 +16,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from fedswarm.config import ConfigError, RunConfig, TrainingSpec
+from fedswarm.config import RunConfig, TrainingSpec
+from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout, get_flat, set_flat
 from fedswarm.tasks import Task, TaskData, get_task
 from fedswarm.tasks.localdata import LocalDataSpec, load_local

@@ -31,7 +31,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedswarm.algorithms.privacy.accountant import PrivacyBudgetExceeded
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout, get_flat
 from fedswarm.policy import PolicyBook
 from fedswarm.store import Store
@@ -46,7 +47,7 @@ from fedswarm.server.fed_eval import GridEvaluator
 from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
 from fedswarm.server.client_state import restore_clients
 from fedswarm.server.resume import ACCEPT_LOSS_KEY, RESUME_KEY, resume_into
-from fedswarm.client.persist import RUN_KEY
+from fedswarm.protocol import RUN_KEY
 from fedswarm.strategies.resumable import shift_rounds
 from fedswarm.strategies.federated.dp import attach_dp
 

@@ -30,10 +30,11 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
+from fedswarm.errors import CheckpointError
 from fedswarm.store import Store
 from fedswarm.strategies.resumable import rng_state, strategy_state
 
-__all__ = ["CHECKPOINT_FORMAT", "CheckpointError", "ServerCheckpoint", "ServerCheckpointer", "dumps", "loads",
+__all__ = ["CHECKPOINT_FORMAT", "ServerCheckpoint", "ServerCheckpointer", "dumps", "loads",
            "load_latest"]
 
 log = logging.getLogger("fedswarm.server")
@@ -41,10 +42,6 @@ log = logging.getLogger("fedswarm.server")
 CHECKPOINT_FORMAT = 1
 #: Checkpoints kept per run (the newest, and the one before in case the newest is unreadable).
 KEEP = 2
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint, or one this code cannot continue from."""
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Any
 
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from fedswarm.client.persist import RESUME_ACTION, RESUME_RECORD
+from fedswarm.protocol import RESUME_ACTION, RESUME_RECORD
 from fedswarm.store import Store
 from fedswarm.strategies.resumable import resync_clients
 

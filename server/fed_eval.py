@@ -22,10 +22,10 @@ from typing import Any, Callable
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-__all__ = ["NodeEval", "GridEvaluator", "aggregate", "merge_into_rows", "cohort_on_partitions", "OWN_MODEL_KEY"]
+from fedswarm.protocol import OWN_MODEL_KEY
 
-#: Config key of an evaluate message: score the node's own model (= fedswarm.client.evaluate.OWN_MODEL_KEY).
-OWN_MODEL_KEY = "fed-eval-own"
+__all__ = ["NodeEval", "GridEvaluator", "aggregate", "merge_into_rows", "cohort_on_partitions"]
+
 
 NodeEval = dict  # {"fed_loss": float, "fed_accuracy": float, "fed_examples": int} or {"error": str}
 

@@ -5,11 +5,11 @@ size of each reply it pulls. Per node, per round. Works over any Grid: Flower's
 deployment and simulation grids, and fedswarm's in-process grid.
 
 Monitoring is counted apart: records of a reply whose name starts with
-:data:`REPORT_PREFIX` (``report.``; e.g. a decentralized node's model, sent only so the
+:data:`~fedswarm.protocol.REPORT_PREFIX` (``report.``; e.g. a decentralized node's model, sent only so the
 server can evaluate the node average) are not the algorithm's traffic. Their bytes (the
 reply's size minus its size without them, both serialized) go to ``report_up``, and
 ``bytes_up`` is the rest: the algorithm's messages with their framing. A node's device
-telemetry (:data:`TELEMETRY_RECORD`, ``report.telemetry``) is monitoring too, counted apart
+telemetry (:data:`~fedswarm.protocol.TELEMETRY_RECORD`, ``report.telemetry``) is monitoring too, counted apart
 again as ``telemetry_up`` (every reply carries it; ``report_up`` keeps what it meant).
 """
 
@@ -24,13 +24,11 @@ from flwr.app import Message
 from flwr.common.serde import metadata_to_proto, recorddict_to_proto
 from flwr.serverapp import Grid
 
-__all__ = ["MeteredGrid", "REPORT_PREFIX", "TELEMETRY_RECORD", "Traffic", "WrappingGrid", "report_size",
+from fedswarm.protocol import REPORT_PREFIX, TELEMETRY_RECORD
+
+__all__ = ["MeteredGrid", "Traffic", "WrappingGrid", "report_size",
            "serialized_size", "record_size"]
 
-#: Reply records named ``report.*`` are monitoring, counted in ``Traffic.report_up``.
-REPORT_PREFIX = "report."
-#: The record of a node's device telemetry (fedswarm.client.evaluate), counted in ``Traffic.telemetry_up``.
-TELEMETRY_RECORD = f"{REPORT_PREFIX}telemetry"
 
 
 class WrappingGrid(Grid):

@@ -34,7 +34,8 @@ from flwr.app import ArrayRecord, MetricRecord
 from fedswarm.policy import PolicyBook
 from fedswarm.store import Store
 from fedswarm.server.fed_eval import aggregate, merge_into_rows
-from fedswarm.server.metered_grid import TELEMETRY_RECORD, MeteredGrid
+from fedswarm.protocol import TELEMETRY_RECORD
+from fedswarm.server.metered_grid import MeteredGrid
 from fedswarm.strategies.strategy_utils import RoundNotes
 
 log = logging.getLogger("fedswarm.server")
@@ -190,7 +191,7 @@ class RoundRecorder(RoundNotes):
             self.checkpoint(rnd, arrays)
 
     def failed_nodes(self, rnd: int, node_rows: list[dict]) -> dict:
-        """A node that vanished or failed mid-round costs the round its update (DESIGN.md): the
+        """A node that vanished or failed mid-round costs the round its update (docs/architecture.md): the
         round row's fields that say so, with the minimum the strategy needed to go on without
         it (empty if no node failed), and an event."""
         failed = sum(1 for r in node_rows if r.get("status") == "failed")

@@ -40,7 +40,8 @@ from typing import Any, Callable
 from fedswarm.config import RunConfig
 from fedswarm.procs import pid_alive
 from fedswarm.store import Store
-from fedswarm.server.checkpoint import CheckpointError, ServerCheckpoint, load_latest
+from fedswarm.errors import CheckpointError
+from fedswarm.server.checkpoint import ServerCheckpoint, load_latest
 from fedswarm.strategies.resumable import load_strategy_state, resync_clients, set_rng_state
 
 __all__ = ["ACCEPT_LOSS_KEY", "RESUME_KEY", "client_state_lost", "nodes_keep_state", "prepare_resume",

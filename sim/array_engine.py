@@ -1,7 +1,7 @@
 """The ``array`` engine: every node of a decentralized algorithm as one row of ``[n, d]``.
 
 No Flower messages, no per-node contexts: each iteration computes every node's gradient
-(the same :func:`~fedswarm.strategies.decentralized.steps.local_gradient` and seeds as the
+(the same :func:`~fedswarm.algorithms.decentralized.steps.local_gradient` and seeds as the
 router's nodes and the swarm's peers), then calls the algorithm object once for all nodes
 (``local_step``, ``mix``: a gossip step is one matrix product). It runs every synchronous
 algorithm of :data:`fedswarm.algorithms.decentralized.ALGORITHMS` (dpsgd, d2, dsgdm, qgm,
@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.algorithms.decentralized import (ALGORITHMS, DecentralizedAlgorithm, consensus_distance, make_algorithm,
                                               make_schedule, uses_fixed_schedule)
 from fedswarm.algorithms.decentralized.topology import make_topology
@@ -45,7 +46,7 @@ from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
 from fedswarm.sim.async_engine import _P2PGrid, own_models_eval
 from fedswarm.store import Store
 from fedswarm.config import round_seed
-from fedswarm.strategies.decentralized.steps import local_gradient
+from fedswarm.algorithms.decentralized.steps import local_gradient
 from fedswarm.tasks import get_task
 from fedswarm.train import evaluate_flat, resolve_device, task_data, trainer_for
 from fedswarm.wire import arrayrecord_to_vector, payload_to_records, recorddict_nbytes, vector_to_arrayrecord
@@ -78,7 +79,7 @@ def _algorithm_params(cfg: RunConfig) -> dict[str, Any]:
 
 
 def check_config(cfg: RunConfig) -> None:
-    """Raise :class:`~fedswarm.config.ConfigError` (one line) unless the array engine can
+    """Raise :class:`~fedswarm.errors.ConfigError` (one line) unless the array engine can
     run ``cfg``: a supported algorithm, valid hyperparameters, a topology it accepts."""
     if cfg.strategy not in ARRAY_ALGORITHMS:
         raise ConfigError(f"invalid value for 'engine': the array engine runs {', '.join(ARRAY_ALGORITHMS)}, "

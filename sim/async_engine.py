@@ -292,11 +292,11 @@ def check_clocked(name: str, params: dict) -> None:
 
 
 def check_config(cfg: RunConfig) -> None:
-    """Raise :class:`~fedswarm.config.ConfigError` (one line) unless the virtual clock can run
+    """Raise :class:`~fedswarm.errors.ConfigError` (one line) unless the virtual clock can run
     ``cfg``: adpsgd or prague timed by the clock (adpsgd on a bipartite graph), or lsgd with
     ``mode=async``."""
     from fedswarm.algorithms.decentralized import make_algorithm
-    from fedswarm.config import ConfigError
+    from fedswarm.errors import ConfigError
 
     if cfg.strategy == "lsgd":
         from fedswarm.sim.async_leaders import check_config as check_lsgd

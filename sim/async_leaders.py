@@ -167,9 +167,9 @@ def _algorithm(cfg: RunConfig) -> LSGD:
 
 
 def check_config(cfg: RunConfig) -> None:
-    """Raise :class:`~fedswarm.config.ConfigError` (one line) unless ``cfg`` is LSGD's
+    """Raise :class:`~fedswarm.errors.ConfigError` (one line) unless ``cfg`` is LSGD's
     asynchronous mode with valid parameters."""
-    from fedswarm.config import ConfigError
+    from fedswarm.errors import ConfigError
 
     try:
         algo = _algorithm(cfg)

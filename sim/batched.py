@@ -56,7 +56,8 @@ import torch
 from flwr.app import ConfigRecord
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.params import get_flat
 from fedswarm.policy import PolicyBook
 from fedswarm.server.metered_grid import Traffic

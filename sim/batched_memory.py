@@ -9,7 +9,7 @@ import re
 
 import torch
 
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 
 __all__ = ["parse_memory_budget", "default_memory_budget", "available_ram"]
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout
 from fedswarm.sim.batched_memory import default_memory_budget
 from fedswarm.tasks import Task

@@ -21,7 +21,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 from fedswarm.hyperparams import HyperParam
 
 __all__ = [

@@ -30,7 +30,8 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _params(items: list[str] | None) -> dict:
-    from fedswarm.config import ConfigError, parse_set
+    from fedswarm.config import parse_set
+    from fedswarm.errors import ConfigError
 
     try:
         return parse_set(items)

@@ -3,7 +3,7 @@ waits for and how it mixes. The math lives in the algorithm objects
 (:mod:`fedswarm.algorithms.decentralized`); a driver only routes the algorithm's
 :class:`~fedswarm.payload.Payload` and renormalises the mixing weights over the
 neighbours that answered. One round is one iteration of the algorithm: the gradient
-(:func:`fedswarm.strategies.decentralized.steps.local_gradient`, the seed of
+(:func:`fedswarm.algorithms.decentralized.steps.local_gradient`, the seed of
 :func:`~fedswarm.config.round_seed`) is the one the router's nodes
 and the array engine compute, so the three runtimes agree.
 
@@ -36,7 +36,7 @@ import torch
 from fedswarm.algorithms.decentralized import (ALGORITHMS, make_algorithm, make_schedule,
                                               merge_leader, uses_fixed_schedule, weighted_merge)
 from fedswarm.config import round_seed
-from fedswarm.strategies.decentralized.steps import local_gradient
+from fedswarm.algorithms.decentralized.steps import local_gradient
 from fedswarm.swarm.net.envelope import Dropped, Message
 from fedswarm.swarm.net.membership import View
 from fedswarm.swarm.net.payload import payload_body, read_payload, read_vector

@@ -1,5 +1,5 @@
 """``fedswarm swarm``: start N peer processes on loopback, optionally kill some mid-run,
-collect what each did and write ``result.json`` (DESIGN.md's output contract).
+collect what each did and write ``result.json`` (docs/architecture.md, "Output contract").
 
 The launcher creates every peer's key pair and one allow list, so even a demo swarm
 refuses keys it does not know. Peers are ``sys.executable -m fedswarm.swarm.cli peer``

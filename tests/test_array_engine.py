@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.sim.array_engine import ArraySimulation, check_config, payload_nbytes
 from fedswarm.sim.run import run_engine
 from fedswarm.store import Store

@@ -111,7 +111,7 @@ def _lsgd_sim(cfg, profiles, message_bytes=16):
     from fedswarm.config import round_seed
     from fedswarm.sim.array_engine import ArraySimulation
     from fedswarm.sim.async_leaders import LSGDSimulation
-    from fedswarm.strategies.decentralized.steps import local_gradient
+    from fedswarm.algorithms.decentralized.steps import local_gradient
 
     arr = ArraySimulation(cfg)  # the same trainers and starting models
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.store import Store
 from fedswarm.tasks import get_task
 from fedswarm.tasks.partition import iid_offsets, partition_indices, partition_offsets

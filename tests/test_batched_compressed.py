@@ -117,7 +117,7 @@ def test_served_strategies_share_the_compressed_client_half():
 
 
 def test_unserved_byzantine_runs_say_so_in_one_line():
-    from fedswarm.config import ConfigError
+    from fedswarm.errors import ConfigError
     from fedswarm.sim.batched import check_supported
 
     check_supported(RunConfig(engine="batched", strategy="gtopk", byzantine=1))  # served: no error

@@ -5,7 +5,8 @@ with its default settings and with another sketch, k or second exchange."""
 
 import pytest
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from tests.test_batched import same_models_on_both_engines
 
 BASE = dict(clients=10, rounds=3, local_steps=2, fraction=0.6, lr=0.1)

@@ -11,7 +11,8 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from fedswarm.certs import CertAuthority, init_pki, issue_peer, peer_id_of_cert, revoke
+from fedswarm.certs import CertAuthority, init_pki, issue_peer, revoke
+from fedswarm.swarm.net.peercert import peer_id_of_cert
 from fedswarm.swarm.net.identity import create_or_load
 from typer.testing import CliRunner
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from fedswarm.client.persist import RESUME_ACTION, RESUME_RECORD, RUN_KEY, answer_resume, save_after_train
+from fedswarm.client.persist import answer_resume, save_after_train
+from fedswarm.protocol import RESUME_ACTION, RESUME_RECORD, RUN_KEY
 from fedswarm.client.state_store import STATE_DIR_ENV, ClientStateStore, state_dir_of
 
 

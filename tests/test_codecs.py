@@ -11,7 +11,7 @@ import torch
 from flwr.app import Message
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout
 from fedswarm.algorithms.compression.codecs import CODECS, decode_payload, describe_codecs, make_codec
 from fedswarm.payload import Payload, PayloadError

@@ -7,7 +7,8 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedswarm.config import ConfigError, RunConfig, parse_set
+from fedswarm.config import RunConfig, parse_set
+from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout, get_flat, set_flat
 from fedswarm.strategies import registry
 from fedswarm.tasks import get_task

@@ -8,7 +8,8 @@ import torch
 from flwr.app import ConfigRecord, Message
 from flwr.clientapp import ClientApp
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.local import round_seed
 from fedswarm.params import get_flat, set_flat
 from fedswarm.server.app import run_server

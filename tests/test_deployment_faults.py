@@ -1,4 +1,4 @@
-"""Faults in a real deployment (issue 15): a Flower SuperLink and SuperNodes on loopback.
+"""Faults in a real deployment, server and nodes killed and resumed: a Flower SuperLink and SuperNodes on loopback.
 
 - The ServerApp is killed with SIGKILL in the middle of a round; ``fedswarm resume RUN_ID
   --federation NAME`` continues the run on the same SuperLink and SuperNodes, in the same
@@ -49,7 +49,7 @@ def test_serverapp_killed_mid_round_resumes_on_the_superlink(tmp_path, hold_dir,
     sim_args, run_config = STRATEGIES[strategy]
     steps_before = 1 * 2 * 3  # round 1, two nodes, three full-batch epochs: round 2 holds
     dep = Deployment(tmp_path, f"{steps_before}:{hold_dir}")
-    # the same run, uninterrupted, on the in-process engine (same seed, same model: DESIGN.md)
+    # the same run, uninterrupted, on the in-process engine (same seed, same model: docs/architecture.md)
     reference = subprocess.Popen([sys.executable, "-m", "fedswarm", "sim", "--task", TASK, "--clients", "2",
                                   "--rounds", "3", "--local-epochs", "3", "--batch-size", "1000", "--seed", "5",
                                   "--db", str(ref_db), *sim_args],

@@ -1,4 +1,4 @@
-"""A flaky link in a real deployment (issue 32): a Flower SuperLink and 3 SuperNodes on loopback;
+"""A flaky link in a real deployment: a Flower SuperLink and 3 SuperNodes on loopback;
 one SuperNode is frozen with SIGSTOP in the middle of round 2 (its link gone: it neither answers
 nor closes) for longer than the round's timeout (run config ``round_timeout``): round 2 completes
 with the other two and names the frozen node as failed; when it is let go (SIGCONT, no restart:

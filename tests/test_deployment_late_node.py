@@ -1,4 +1,4 @@
-"""A fault in a real deployment (issue 15): the ServerApp and one SuperNode die together;
+"""A fault in a real deployment, a node back only after the resume: the ServerApp and one SuperNode die together;
 the run is resumed, and the device comes back only after the resumed server has asked the
 nodes for their state. A Flower SuperLink and two SuperNodes (``fedswarm client
 --state-dir``) on loopback, compressed_fedavg (top-k with error feedback: client state).

@@ -1,4 +1,4 @@
-"""A fault in a real deployment (issue 15): a Flower SuperLink and 3 SuperNodes on loopback;
+"""A fault in a real deployment, a SuperNode killed mid-round: a Flower SuperLink and 3 SuperNodes on loopback;
 one SuperNode is killed with SIGKILL in the middle of a round: the round completes with the
 other two (FedAvg's minimum allows it; the round row and an event say so), and the node,
 restarted, rejoins and trains in a later round. (The ServerApp killed and resumed:

@@ -1,4 +1,4 @@
-"""Federated evaluation (issue 32): the round's cohort scores the model on its own validation split.
+"""Federated evaluation: the round's cohort scores the model on its own validation split.
 
 Oracles: the validation splits partition the held-out test set, so with every node in the cohort
 the example-weighted federated accuracy IS the central test accuracy; the batched engine (its
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.store import Store
 from fedswarm.tasks import get_task
 from fedswarm.train import node_validation, task_data

@@ -22,7 +22,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from fedswarm.algorithms.compression.codecs import CODECS, make_codec
 from fedswarm.bench.codecs import benchmark_layout
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 from fedswarm.train import check_node_device
 
 ROOT = Path(__file__).resolve().parents[1]

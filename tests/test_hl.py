@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.sim.inprocess import run_inprocess
 from fedswarm.strategies.edge.hl import HomogeneousLearning
 from fedswarm.algorithms.selection.hl import NodeStates, QAgent, distance_matrix, hl_reward

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 from fedswarm.hyperparams import HyperParam
 from fedswarm.web.validation import ValidationFailed, check_value
 

@@ -1,4 +1,4 @@
-"""``digits-mlp-wide``: the task big enough for sketching (issue 17)."""
+"""``digits-mlp-wide``: the task big enough for sketching (d in the hundreds of thousands)."""
 
 from __future__ import annotations
 

@@ -239,7 +239,7 @@ def test_sim_clients_default_to_the_datasets_and_a_mismatch_is_one_line(tmp_path
     from typer.testing import CliRunner
 
     from fedswarm.cli import _client_data_clients, app
-    from fedswarm.config import ConfigError
+    from fedswarm.errors import ConfigError
 
     root, _ = _client_dir(tmp_path)
     values = {"client_data": str(root)}

@@ -1,4 +1,4 @@
-"""1-bit SGD's scale granularity (issue 17): per column (CNTK), per tensor, and auto."""
+"""1-bit SGD's scale granularity: per column (CNTK), per tensor, and auto."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ import json
 import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.params import get_flat
 from fedswarm.policy import PolicyBook, device_class_of, policy_for
 from fedswarm.sim.inprocess import InProcessGrid, run_inprocess

@@ -7,7 +7,8 @@ import pytest
 import torch
 from flwr.app import ConfigRecord
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout, get_flat
 from fedswarm.policy import PolicyBook
 from fedswarm.sim.inprocess import InProcessGrid, run_inprocess

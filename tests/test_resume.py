@@ -1,4 +1,4 @@
-"""Server checkpoints and resume (issue 15, point 1).
+"""Server checkpoints and resume of a killed ServerApp.
 
 - every stateful strategy's ``state_dict`` survives the trip through a checkpoint's bytes
   into a freshly built strategy;
@@ -25,7 +25,8 @@ import torch
 from fedswarm.config import RunConfig
 from fedswarm.params import ParamLayout
 from fedswarm.server.app import build_strategy
-from fedswarm.server.checkpoint import CheckpointError, dumps, load_latest, loads
+from fedswarm.errors import CheckpointError
+from fedswarm.server.checkpoint import dumps, load_latest, loads
 from fedswarm.server.resume import prepare_resume
 from fedswarm.sim.run import run_engine
 from fedswarm.store import Store

@@ -1,4 +1,4 @@
-"""Exact resume where the nodes keep their own state (issue 15: durable deployment).
+"""Exact resume where the nodes keep their own state (a deployment that survives its ServerApp).
 
 A deployment resume and a resumed run on Flower's engine are new Flower runs: the nodes'
 ``Context.state`` starts empty. The nodes save it to their own disk after every round

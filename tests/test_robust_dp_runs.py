@@ -7,7 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from fedswarm.algorithms.privacy.accountant import PrivacyAccountant
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout
 from fedswarm.server.app import build_strategy
 from fedswarm.sim.inprocess import run_inprocess

@@ -1,4 +1,4 @@
-"""Forward secrecy on the swarm's peer links (issue 37): the Noise XX handshake, its session
+"""Forward secrecy on the swarm's peer links: the Noise XX handshake, its session
 keys, rekeying, and every altered, replayed, reordered or truncated frame refused.
 
 The decryptor below re-derives the key schedule of ``docs/swarm-protocol.md`` on its own

@@ -1,4 +1,4 @@
-"""The swarm transport's fast path in a permissioned swarm (issue 15 point 5).
+"""The swarm transport's fast path in a permissioned swarm: TLS's AEAD instead of a per-body tag.
 
 Over a mutual-TLS connection whose certificates are bound to both peers' signing keys, a
 body carries no Poly1305 tag of its own (TLS's AEAD authenticates it); only such a

@@ -1,4 +1,4 @@
-"""Device telemetry (issue 32): the /proc and /sys readers on a fake file system tree, absent
+"""Device telemetry: the /proc and /sys readers on a fake file system tree, absent
 sources left out (never guessed), the record's bytes counted apart from the training bytes,
 and a node's row carrying its telemetry."""
 
@@ -83,7 +83,8 @@ def test_telemetry_bytes_are_exactly_what_the_record_adds(ds):
 
 
 def _one_size(d: int) -> None:
-    from fedswarm.server.metered_grid import TELEMETRY_RECORD, MeteredGrid, record_size, serialized_size
+    from fedswarm.protocol import TELEMETRY_RECORD
+    from fedswarm.server.metered_grid import MeteredGrid, record_size, serialized_size
     from fedswarm.wire import vector_to_arrayrecord
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0

@@ -3,7 +3,7 @@ router (fedswarm's ServerApp on the in-process engine, real ClientApp nodes) and
 (real peers over loopback sockets, one thread each) give the same node models after 3
 rounds from the same seed, for every decentralized algorithm each runtime runs.
 
-What is not compared here, and why (also in the closing note of issue 12):
+What is not compared here, and why:
 
 * ``lsgd`` has no router form (it needs every worker's loss each pull): array engine vs
   swarm only (multi-leader and asynchronous), and the router must refuse it with a clear
@@ -22,7 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.server.app import run_server
 from fedswarm.sim.array_engine import ArraySimulation
 from fedswarm.sim.inprocess import InProcessGrid

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from pydantic import ValidationError
 
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 from fedswarm.web import queries, schemas
 from fedswarm.web.accounts import Principal
 from fedswarm.web.api_runs import Sort, Status, run_detail

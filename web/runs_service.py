@@ -16,7 +16,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.policy import DEFAULT_CLASS
 from fedswarm.store import Run, Store
 from fedswarm.web.catalog import Catalog

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 from fedswarm.hyperparams import HyperParam
 from fedswarm.web.catalog import CatalogData
 

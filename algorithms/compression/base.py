@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 import torch
 
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout
 from fedswarm.hyperparams import HyperParam
 from fedswarm.payload import Payload, PayloadError

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout
 from fedswarm.algorithms.compression.base import Codec
 from fedswarm.hyperparams import HyperParam

@@ -48,7 +48,7 @@ def engine_for(cfg: RunConfig) -> str:
     """``batched`` where the batched engine serves ``cfg`` (the same ServerApp strategy and
     client math on a client axis; held to the in-process engine's models by
     ``tests/test_batched*.py``), else ``inprocess``."""
-    from fedswarm.config import ConfigError
+    from fedswarm.errors import ConfigError
     from fedswarm.sim.batched import check_supported
 
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 from fedswarm.tasks.base import Task, TaskData
 from fedswarm.tasks.builtin import BUILTIN_TASKS
 from fedswarm.tasks.deep import DEEP_TASKS

@@ -15,7 +15,7 @@ hands it the messages of its neighbours. Each exchange the node
    model after the mix, for the node-average accuracy, when the router asks for it; left
    out when the dense message is the model, as for D-PSGD). ``report.*`` records are
    monitoring: the MeteredGrid counts them as ``bytes_report``, apart from ``bytes_up``
-   (:data:`fedswarm.server.metered_grid.REPORT_PREFIX`). The metrics carry only what the
+   (:data:`fedswarm.protocol.REPORT_PREFIX`). The metrics carry only what the
    router and the recorder read (partition id, examples, loss; rejected neighbour messages
    when there were any).
 
@@ -38,12 +38,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from fedswarm.local import node_data, node_partition, run_config_of
 from fedswarm.strategies import registry
 from fedswarm.config import round_seed
-from fedswarm.strategies.decentralized.steps import local_gradient, minibatch_gradient
+from fedswarm.algorithms.decentralized.steps import local_gradient, minibatch_gradient
 from fedswarm.algorithms.decentralized import GossipState, make_algorithm
 from fedswarm.algorithms.decentralized.base import DecentralizedAlgorithm
 from fedswarm.train import trainer_for
 from fedswarm.payload import PayloadError
-from fedswarm.server.metered_grid import REPORT_PREFIX
+from fedswarm.protocol import REPORT_PREFIX
 from fedswarm.wire import (PAYLOAD_ARRAYS, PAYLOAD_META, arrayrecord_to_vector, payload_from_records,
                            payload_to_records, recorddict_nbytes, vector_to_arrayrecord)
 

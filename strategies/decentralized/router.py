@@ -47,7 +47,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 from fedswarm.hyperparams import HyperParam
 from fedswarm.strategies.decentralized.node import (NO_STATE, REPORT_MODEL, make_client_update, message_nbytes_of,
                                                    neighbour_keys)
@@ -160,7 +160,7 @@ class DecentralizedStrategy(ReportsRounds, Strategy):
         nodes without state are refused by name."""
         lost = [r for r in reports if r.partition >= 0 and not r.restored]
         if lost and self._average is None:
-            from fedswarm.server.checkpoint import CheckpointError
+            from fedswarm.errors import CheckpointError
 
             raise CheckpointError("the checkpoint holds no model to restart " + ", ".join(r.name() for r in lost)
                                   + " from, and they have no state of their own")

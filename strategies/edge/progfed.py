@@ -50,7 +50,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 from fedswarm.algorithms.selection.progfed import default_stage_rounds, samples_processed, stage_of
 from fedswarm.params import ParamLayout, get_flat
 from fedswarm.local import prepare_local

@@ -35,7 +35,7 @@ from flwr.common import log
 
 from fedswarm.algorithms.robust.aggregators import ToleranceError
 from fedswarm.algorithms.robust.coding import make_code
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 from fedswarm.hyperparams import HyperParam
 from fedswarm.local import LocalFit, prepare_local
 from fedswarm.params import ParamLayout

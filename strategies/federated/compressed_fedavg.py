@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from flwr.app import Context, Message, RecordDict
 
-from fedswarm.config import ConfigError, parse_value
+from fedswarm.config import parse_value
+from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout
 from fedswarm.algorithms.compression.codecs import CODECS, decode_payload, make_codec
 from fedswarm.strategies.federated.compressed_base import (Accepted, CompressedStrategy, Step, begin,

@@ -27,7 +27,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 from fedswarm.algorithms.privacy.dp_fedavg import ClientLevelDP, parse_dp
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.strategy_utils import ReportsRounds, check_model_reply
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord

@@ -25,7 +25,7 @@ from logging import WARNING
 
 from fedswarm.algorithms.robust.aggregators import RULES, RobustRule, ToleranceError, make_rule
 from fedswarm.algorithms.robust.signum import MajorityVote
-from fedswarm.config import ConfigError
+from fedswarm.errors import ConfigError
 from fedswarm.hyperparams import HyperParam
 from fedswarm.params import ParamLayout
 from fedswarm.strategies.federated.compressed_base import Accepted, Step

@@ -290,7 +290,7 @@ class Transport:
     def _cert_id(self, sock) -> str | None:
         if not self.bind_identity:
             return None
-        from fedswarm.certs import peer_id_of_cert
+        from fedswarm.swarm.net.peercert import peer_id_of_cert
 
         der = sock.getpeercert(binary_form=True)
         if not der:
@@ -446,7 +446,7 @@ def permissioned_tls(ca: str, cert: str, key: str, peer_id: str, crl: str | None
     identity a peer proves in the handshake is the one its messages are signed with."""
     from cryptography import x509
 
-    from fedswarm.certs import peer_id_of_cert
+    from fedswarm.swarm.net.peercert import peer_id_of_cert
 
     with open(cert, "rb") as f:
         mine = x509.load_pem_x509_certificate(f.read())

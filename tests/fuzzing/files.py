@@ -8,7 +8,7 @@ header field changed *with the checksum and length made right again* (so the che
 the checksum are reached), the body edited likewise, or the header line replaced.
 
 Refusals: ``StateFileError`` (snapshots), ``swarm.checkpoint.CheckpointError`` and
-``server.checkpoint.CheckpointError``. Accepted snapshots must carry an int round (the one
+``fedswarm.errors.CheckpointError`` (server checkpoints). Accepted snapshots must carry an int round (the one
 asked for) and node id; an accepted peer checkpoint must give ``Peer.start`` what it reads.
 """
 
@@ -28,6 +28,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from hypothesis import strategies as st
 
 from fedswarm.client.state_store import MAGIC, ClientStateStore, Snapshot, StateFileError
+from fedswarm.errors import CheckpointError
 from fedswarm.server import checkpoint as server_ck
 from fedswarm.swarm import checkpoint as swarm_ck
 from tests.fuzzing import Target
@@ -159,7 +160,7 @@ def server_inputs(draw) -> bytes:
 def run_server(data: bytes) -> str:
     try:
         ck = server_ck.loads(data)
-    except server_ck.CheckpointError:
+    except CheckpointError:
         return "refused:checkpoint_error"
     assert type(ck.round) is int and isinstance(ck.arrays, ArrayRecord) and isinstance(ck.strategy_name, str)
     assert isinstance(ck.strategy, dict) and isinstance(ck.rng, dict) and isinstance(ck.policies, dict)

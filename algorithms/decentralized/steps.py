@@ -1,15 +1,22 @@
 """A node's local step, shared by every decentralized runtime (the router's node half,
-the array engine, the swarm peers): the seed of its minibatches and its gradient.
+the array engine, the clock engines, the swarm peers): the seed of its minibatches and its
+gradient.
 
-Flower-free (torch and the trainer only), so the swarm uses it too.
+Plain torch on a :class:`~fedswarm.train.LocalTrainer` the runtime built (its model, data
+and ``fit``); the trainer is only named for type checking, so this algorithm layer stays
+under ``fedswarm.train``, which imports it (DP-SGD).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from fedswarm.params import set_flat
-from fedswarm.train import LocalTrainer
+
+if TYPE_CHECKING:
+    from fedswarm.train import LocalTrainer
 
 __all__ = ["minibatch_gradient", "local_gradient"]
 
