@@ -53,6 +53,16 @@ def say_log_file(log_file: Path, verbose: bool) -> None:
         console.print(f"Flower's log: {log_file}" + ("" if verbose else " (--verbose shows it here)"), highlight=False)
 
 
+class _LogFile(logging.FileHandler):
+    """The run's log file, in one format: ``ray.init`` sets its own formatter on every handler
+    of the ``ray`` logger, this one included."""
+
+    formatter_ = logging.Formatter(LOG_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return self.formatter_.format(record)
+
+
 class _FedswarmWarnings(logging.Handler):
     """fedswarm's own warnings (a node failed, a round timed out, a run stopped) on the
     console in its words, above any progress bar."""
@@ -73,9 +83,8 @@ def route_logs(verbose: bool, log_file: Path, *, ray: bool = False) -> Callable[
     if ray:
         import ray as _ray  # noqa: F401  (Ray's console handler exists from here on)
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    file_handler = logging.FileHandler(log_file, encoding="utf-8", delay=True)
+    file_handler = _LogFile(log_file, encoding="utf-8", delay=True)
     file_handler.setLevel(logging.INFO)
-    file_handler.setFormatter(logging.Formatter(LOG_FORMAT))
     warnings = _FedswarmWarnings(logging.WARNING)
     undo: list[Callable[[], None]] = []
     for name in (*LIBRARY_LOGGERS, "fedswarm"):

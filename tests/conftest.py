@@ -38,6 +38,16 @@ def store(tmp_path):
     s.close()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _state_home(tmp_path_factory):
+    """A run without --out writes Flower's log under $XDG_STATE_HOME (fedswarm.cli_common.log_file_for):
+    the session's own folder, inherited by the processes tests start, not the user's home."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(autouse=True)
 def _flower_identity():
     """Flower messages need a task identity; engines set it, unit tests get a fixed one."""
