@@ -156,7 +156,7 @@ def sim(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=(
         "A TOML run config; command-line options override it."
     )),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write DIR/result.json (and DIR/accuracy.png)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write result.json, accuracy.png, flower.log here."),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
     run_id: Optional[str] = typer.Option(None, "--run-id", help=(
         "Record into this existing run of the store (used by the dashboard)."
@@ -233,7 +233,7 @@ def _run(cfg: RunConfig, verbose: bool, log_file: Path, **kwargs: Any) -> None:
 def resume(
     run_id: str = typer.Argument(..., help="The run to continue (see `fedswarm runs`)."),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write result.json and accuracy.png here."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write result.json, accuracy.png, flower.log here."),
     federation: Optional[str] = typer.Option(
         None, "--federation", help="A deployment run: the SuperLink connection (in $FLWR_HOME/config.toml) to "
                                    "resume it on, with `flwr run`."),
@@ -445,7 +445,7 @@ def bench(
         "(every seed paper's claim in miniature; also writes DIR/reproductions.md; --quick about 2 min, full mode "
         "about 30 min on 2 quiet cores; FEDSWARM_PAPERS_ONLY=id1,id2 runs a subset)."
     )),
-    out: Path = typer.Option(Path("bench"), "--out", "-o", help="Writes DIR/NAME.json and DIR/NAME.png."),
+    out: Path = typer.Option(Path("bench"), "--out", "-o", help="Writes DIR/NAME.json, NAME.png, flower.log."),
     quick: bool = typer.Option(False, "--quick", help=(
         "A smaller run that finishes in under two minutes on 2 cores.")),
     device: str = typer.Option("cpu", "--device", help=(

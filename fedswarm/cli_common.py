@@ -30,7 +30,8 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-VERBOSE_HELP = "Show Flower's and Ray's logs on the console too (they always go to the log file)."
+VERBOSE_HELP = ("Show Flower's and Ray's logs on the console too (they always go to OUT/flower.log, without --out "
+                "to a file under $XDG_STATE_HOME/fedswarm/logs, named at the end).")
 
 # Loggers of the libraries under fedswarm: their INFO log is for the log file, not the console.
 LIBRARY_LOGGERS = ("flwr", "ray")

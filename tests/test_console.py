@@ -4,10 +4,15 @@ and reaches the console only with ``--verbose``; fedswarm's warnings reach it in
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
+import signal
 import subprocess
 import sys
+
+import pytest
 
 from fedswarm.cli_common import log_file_for, route_logs
 
@@ -18,14 +23,21 @@ LIBRARY_LINE = re.compile(r"^(\x1b\[\d+m)?(DEBUG|INFO|WARNING|ERROR|CRITICAL) *(
 TINY = ["--task", "synthetic-logreg", "--clients", "2", "--rounds", "1", "--local-steps", "1"]
 
 
-def _sim(tmp_path, *extra: str) -> subprocess.CompletedProcess:
+def _sim(tmp_path, *extra: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
     """The README's first command on a tiny config, in a fresh interpreter: Flower and Ray set
-    their loggers up when first imported, which an in-process run would have done long before."""
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "fedswarm", "sim", "--out", str(out), "--db", str(tmp_path / "s.db"),
-                           *TINY, *extra], capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
+    their loggers up when first imported, which an in-process run would have done long before.
+    Its own session, so that nothing it started (Ray's processes) outlives the test."""
+    cmd = [sys.executable, "-m", "fedswarm", "sim", "--out", str(tmp_path / "out"), "--db", str(tmp_path / "s.db"),
+           *TINY, *extra]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stdout + stderr
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def test_readme_command_prints_no_flower_log_line_and_writes_it_to_the_log_file(tmp_path):
@@ -44,6 +56,19 @@ def test_verbose_shows_flowers_log_on_the_console(tmp_path):
     flower_lines = LIBRARY_LINE.findall(proc.stdout + proc.stderr)
     assert len(flower_lines) >= 10 and "[ROUND 1/1]" in proc.stderr
     assert "[ROUND 1/1]" in (tmp_path / "out" / "flower.log").read_text()  # the log file has it either way
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_flowers_engine_on_ray_prints_no_library_line_either(tmp_path):
+    """Ray sets its own console log up when imported, and ``ray.init`` reformats its handlers."""
+    proc = _sim(tmp_path, "--engine", "flower", timeout_s=800)
+    console = proc.stdout + proc.stderr
+    assert not LIBRARY_LINE.search(console), console
+    log = (tmp_path / "out" / "flower.log").read_text()
+    assert " INFO ray." in log and "Started a local Ray instance" in log  # Ray's log, in the file's one format
+    assert all(re.match(r"\d{4}-\d\d-\d\d [\d:,]+ [A-Z]+ [\w.]+: ", line) for line in log.splitlines()
+               if line[:1].isdigit())
 
 
 def test_fedswarms_warnings_reach_the_console_in_its_words_and_flowers_only_the_file(tmp_path, capfd):
