@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -81,7 +82,7 @@ def route_logs(verbose: bool, log_file: Path, *, ray: bool = False) -> Callable[
     are imported here first: Flower always; Ray only when ``ray`` (importing it takes seconds)."""
     import flwr.common.logger  # noqa: F401  (Flower's console handler exists from here on)
 
-    if ray:
+    if ray and importlib.util.find_spec("ray") is not None:  # without it the engine's own check says what to install
         import ray as _ray  # noqa: F401  (Ray's console handler exists from here on)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     file_handler = _LogFile(log_file, encoding="utf-8", delay=True)
