@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import typer
 
-from fedswarm.cli_common import DB_HELP, console, fail, quiet_flower
+from fedswarm.cli_common import DB_HELP, VERBOSE_HELP, console, fail, log_file_for, route_logs, say_log_file
 from fedswarm.cli_serve import client, dashboard
 from fedswarm.config import RunConfig, load_config, parse_set
 from fedswarm.errors import ConfigError
@@ -159,12 +159,12 @@ def sim(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=(
         "A TOML run config; command-line options override it."
     )),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write DIR/result.json (and DIR/accuracy.png)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write result.json, accuracy.png, flower.log here."),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
     run_id: Optional[str] = typer.Option(None, "--run-id", help=(
         "Record into this existing run of the store (used by the dashboard)."
     )),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and Ray's logs."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
 ) -> None:
     """Simulate a federation on this machine: progress bar, summary table, result.json.
 
@@ -183,7 +183,7 @@ def sim(
         "val_fraction": val_fraction,
         "eval_every": eval_every, "central_eval": on_off(central_eval, "--central-eval"),
     }
-    quiet_flower(verbose)  # before the strategy is built to check it
+    log_file = log_file_for(out)
     try:
         values: dict[str, Any] = load_config(config) if config else {}
         values.update({k: v for k, v in cli_values.items() if v is not None})
@@ -196,6 +196,7 @@ def sim(
         values["policies"] = policies
         _client_data_clients(values)
         cfg = RunConfig.build(values)
+        route_logs(verbose, log_file, ray=cfg.engine == "flower")  # before the strategy is built to check it
         cfg.params = registry.resolve_params(cfg.strategy, cfg.params)
         from fedswarm.tasks import get_task
 
@@ -217,9 +218,16 @@ def sim(
             parse_memory_budget(cfg.memory_budget)
     except ValueError as exc:  # ConfigError, or a client's LocalDataError
         fail(str(exc))
+    _run(cfg, verbose, log_file, db=db, run_id=run_id, out=out)
+
+
+def _run(cfg: RunConfig, verbose: bool, log_file: Path, **kwargs: Any) -> None:
+    """Run ``cfg`` with its progress bar and summary, then say where Flower's log went; exit 1
+    if the run failed."""
     from fedswarm.sim.run import run_simulation_cli
 
-    status = run_simulation_cli(cfg, db=db, run_id=run_id, out=out, console=console)
+    status = run_simulation_cli(cfg, console=console, **kwargs)
+    say_log_file(log_file, verbose)
     if status == "failed":
         raise typer.Exit(1)
 
@@ -228,7 +236,7 @@ def sim(
 def resume(
     run_id: str = typer.Argument(..., help="The run to continue (see `fedswarm runs`)."),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write result.json and accuracy.png here."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write result.json, accuracy.png, flower.log here."),
     federation: Optional[str] = typer.Option(
         None, "--federation", help="A deployment run: the SuperLink connection (in $FLWR_HOME/config.toml) to "
                                    "resume it on, with `flwr run`."),
@@ -239,7 +247,7 @@ def resume(
         "residuals, replicas, decentralized nodes' models) cannot be restored: --engine flower runs on a Ray cluster "
         "(--ray-address) of such strategies. The clients are resynchronised; the model will differ from an "
         "uninterrupted run's."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and Ray's logs."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
 ) -> None:
     """Continue a failed, stopped or killed run from its last checkpoint, in the same run and store.
 
@@ -271,13 +279,10 @@ def resume(
         return
     if federation:
         fail(f"run '{run_id}' is a simulation (engine {run.engine or cfg.engine}); --federation is for deployment runs")
-    quiet_flower(verbose)
-    from fedswarm.sim.run import run_simulation_cli
-
+    log_file = log_file_for(out)
+    route_logs(verbose, log_file, ray=cfg.engine == "flower")
     console.print(f"resuming run [bold]{run_id}[/] after round {checkpoint.round}")
-    status = run_simulation_cli(cfg, db=store.url, run_id=run_id, out=out, console=console, resume=checkpoint)
-    if status == "failed":
-        raise typer.Exit(1)
+    _run(cfg, verbose, log_file, db=store.url, run_id=run_id, out=out, resume=checkpoint)
 
 
 def _resume_deployment(run_id: str, db_url: str, federation: str, app_dir: Path | None,
@@ -443,22 +448,24 @@ def bench(
         "(every seed paper's claim in miniature; also writes DIR/reproductions.md; --quick about 2 min, full mode "
         "about 30 min on 2 quiet cores; FEDSWARM_PAPERS_ONLY=id1,id2 runs a subset)."
     )),
-    out: Path = typer.Option(Path("bench"), "--out", "-o", help="Writes DIR/NAME.json and DIR/NAME.png."),
+    out: Path = typer.Option(Path("bench"), "--out", "-o", help="Writes DIR/NAME.json, NAME.png, flower.log."),
     quick: bool = typer.Option(False, "--quick", help=(
         "A smaller run that finishes in under two minutes on 2 cores.")),
     device: str = typer.Option("cpu", "--device", help=(
         "Torch device for benchmarks that take one (codecs, engines): cpu, cuda or cuda:N; a GPU's rows are printed "
         "beside the CPU's. A device this machine lacks is refused in one line (exit 2)."
     )),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and Ray's logs."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
 ) -> None:
     """Run a benchmark: prints a table, writes JSON and a PNG, compares side by side in one run."""
     from fedswarm.bench.registry import BENCHMARKS, run_benchmark
 
     if name not in BENCHMARKS:
         fail(f"unknown benchmark '{name}' (available: {', '.join(BENCHMARKS)})")
-    quiet_flower(verbose)
+    log_file = log_file_for(out)
+    route_logs(verbose, log_file)
     run_benchmark(name, out, quick=quick, console=console, device=device)
+    say_log_file(log_file, verbose)
 
 
 app.command()(dashboard)

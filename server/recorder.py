@@ -197,10 +197,14 @@ class RoundRecorder(RoundNotes):
         failed = sum(1 for r in node_rows if r.get("status") == "failed")
         if not failed:
             return {}
-        self.store.add_event(self.run_id, "nodes_failed",
-                             f"round {rnd}: {failed} of {len(node_rows)} nodes failed; aggregated the "
-                             f"{len(node_rows) - failed} others (strategy minimum {self.min_train_nodes})",
+        reasons = sorted({r["reason"].strip().split("\n")[0][:200] for r in node_rows
+                          if r.get("status") == "failed" and (r.get("reason") or "").strip()})
+        why = f" ({'; '.join(reasons)})" if reasons else ""
+        message = (f"round {rnd}: {failed} of {len(node_rows)} nodes failed{why}; aggregated the "
+                   f"{len(node_rows) - failed} others (strategy minimum {self.min_train_nodes})")
+        self.store.add_event(self.run_id, "nodes_failed", message,
                              data={"round": rnd, "failed": failed, "min_train_nodes": self.min_train_nodes})
+        log.warning("run %s: %s", self.run_id, message)  # the console's warning (fedswarm.cli_common.route_logs)
         return {"nodes_failed": failed, "min_train_nodes": self.min_train_nodes}
 
     def _replies(self, traffic, rejections: dict[str, str]) -> tuple[float | None, int, list[dict]]:

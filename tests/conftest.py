@@ -7,9 +7,10 @@ from tests.helpers import free_port, wait_until  # noqa: F401  (re-exported for 
 warnings.filterwarnings("ignore", category=UserWarning, module="flwr_datasets")
 
 
-#: A test that starts real processes (Ray, a SuperLink, peers: ``@pytest.mark.integration``) waits
-#: on their start-up, which on a loaded 2-core machine takes minutes: it gets this limit unless it
-#: sets its own with ``@pytest.mark.timeout``; every other test keeps pyproject's 300 s.
+#: A test that starts real processes (Ray, a SuperLink, peers: ``@pytest.mark.integration``) or is
+#: in the slow set (``@pytest.mark.slow``) waits on their start-up, which on a loaded 2-core machine
+#: takes minutes: it gets this limit unless it sets its own with ``@pytest.mark.timeout``; every
+#: other test keeps pyproject's 300 s.
 INTEGRATION_TIMEOUT_S = 900
 
 
@@ -25,7 +26,8 @@ def pytest_collection_modifyitems(config, items):
                 cuda_skip = False if torch.cuda.is_available() else cuda_skip
             if cuda_skip:
                 item.add_marker(cuda_skip)
-        if item.get_closest_marker("integration") and not item.get_closest_marker("timeout"):
+        long = item.get_closest_marker("integration") or item.get_closest_marker("slow")
+        if long and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(INTEGRATION_TIMEOUT_S))
 
 
@@ -36,6 +38,16 @@ def store(tmp_path):
     s = Store(tmp_path / "store.db")
     yield s
     s.close()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _state_home(tmp_path_factory):
+    """A run without --out writes Flower's log under $XDG_STATE_HOME (fedswarm.cli_common.log_file_for):
+    the session's own folder, inherited by the processes tests start, not the user's home."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+    yield
+    patch.undo()
 
 
 @pytest.fixture(autouse=True)

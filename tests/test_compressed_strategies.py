@@ -439,6 +439,7 @@ def test_the_model_comes_back_shaped_like_the_input():
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_two_phase_round_on_flowers_simulation_engine(store):
     """Sketched-SGD's second exchange inside a round goes through Flower's own Grid (Ray)."""
     from fedswarm.sim.flower_engine import run_flower

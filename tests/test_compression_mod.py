@@ -51,6 +51,8 @@ class Rounds:
 # -- on Flower's Simulation Engine, exactly the README's shape ------------------------------
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_user_app_on_flower_simulation_engine_sends_the_codecs_bytes():
     from flwr.simulation import run_simulation
 

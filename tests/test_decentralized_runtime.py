@@ -211,6 +211,7 @@ def test_federated_round_timer(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_router_runs_unchanged_on_flowers_engine(tmp_path):
     from fedswarm.sim.flower_engine import run_flower
     from fedswarm.sim.inprocess import run_inprocess

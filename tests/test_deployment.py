@@ -12,7 +12,7 @@ from tests.helpers import runs_ended, free_port, port_open, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # flwr is a dependency: its commands sit beside this interpreter
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # a loaded 2-core machine: minutes
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]  # a loaded 2-core machine: minutes
 
 
 def _spawn(cmd, log, env):

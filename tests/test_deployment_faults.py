@@ -31,7 +31,7 @@ from fedswarm.store import Store
 from tests.deployment_helpers import (
     HOLD_ENV, RUN, ROOT, TASK, Deployment, alive, model_of, one_run, status_of)
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 #: strategy -> (its `fedswarm sim` options, its `flwr run --run-config` keys)

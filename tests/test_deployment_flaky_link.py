@@ -20,7 +20,7 @@ import pytest
 from fedswarm.store import Store
 from tests.deployment_helpers import ROOT, TASK, Deployment, one_run, status_of
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 # Long enough for a healthy round on a loaded machine (a ClientApp process starts per message: rounds of up
 # to ~55 s seen on 2 busy cores), short enough for a test: the frozen node costs round 2 this long.

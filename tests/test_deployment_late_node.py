@@ -23,7 +23,7 @@ import pytest
 from fedswarm.store import Store
 from tests.deployment_helpers import Deployment, alive, status_of
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.mark.timeout(1200)  # ClientApp processes start per message, and a dead node is found by heartbeat

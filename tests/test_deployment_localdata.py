@@ -16,7 +16,7 @@ from tests.deployment_helpers import ROOT, Deployment
 from tests.helpers import free_port, runs_ended
 from tests.localdata_helpers import write_csv, write_image_folder, write_npz
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # a loaded 2-core machine: minutes
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]  # a loaded 2-core machine: minutes
 SEED = 0
 
 

@@ -15,7 +15,7 @@ import pytest
 from fedswarm.store import Store
 from tests.deployment_helpers import Deployment, status_of
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.mark.timeout(1200)

@@ -44,6 +44,7 @@ def test_fedavg_inprocess_reaches_accuracy(store):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_engines_give_the_same_model(tmp_path):
     """In-process and Flower's Simulation Engine (Ray): same accuracy and loss every round."""
     base = dict(clients=4, rounds=3, seed=5, partition="dirichlet:0.5")

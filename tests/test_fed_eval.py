@@ -11,6 +11,7 @@ are kept out of the round's training bytes.
 from __future__ import annotations
 
 import itertools
+import logging
 
 import numpy as np
 import pytest
@@ -146,10 +147,11 @@ def test_eval_every_and_central_eval_are_checked():
     assert RunConfig.from_flat(flat).eval_every == 3
 
 
-def test_a_node_that_never_answers_is_named_failed_and_trains_again_when_back(tmp_path):
+def test_a_node_that_never_answers_is_named_failed_and_trains_again_when_back(tmp_path, caplog):
     """In process, fast: node 2's replies of round 2 are lost (a link cut off; the real SuperLink
     and a frozen SuperNode: tests/test_deployment_flaky_link.py). Round 2 completes with the others
-    and names node 2 failed; in round 3 it trains again; its federated evaluation is lost with it."""
+    and names node 2 failed (a warning in fedswarm's words, the console's); in round 3 it trains
+    again; its federated evaluation is lost with it."""
     from flwr.supercore.task_identity import TaskIdentity
 
     from fedswarm.client.app import app as client_app
@@ -168,7 +170,11 @@ def test_a_node_that_never_answers_is_named_failed_and_trains_again_when_back(tm
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = grid.run.run_id, 1, 0
     store = Store(tmp_path / "cut.db")
     rid = store.create_run(cfg.model_dump())
-    assert run_server(grid, cfg, store=store, run_id=rid) == "finished"
+    with caplog.at_level(logging.WARNING, logger="fedswarm.server"):
+        assert run_server(grid, cfg, store=store, run_id=rid) == "finished"
+    assert [r.getMessage() for r in caplog.records if "nodes failed" in r.getMessage()] == [
+        f"run {rid}: round 2: 1 of 3 nodes failed (no reply before the round's timeout); aggregated the 2 others "
+        f"(strategy minimum 1)"]
     rows = {(n.round, n.node_id): n for n in store.node_rounds(rid)}
     cut = rows[(2, "2")]
     assert cut.status == "failed" and "no reply" in cut.reason and cut.fed_accuracy is None

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.integration]  # a SuperLink and two SuperNodes on loopback
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # a SuperLink and two SuperNodes on loopback
 
 
 def test_gpu_check_smoke_runs_every_section(tmp_path):

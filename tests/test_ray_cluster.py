@@ -66,6 +66,8 @@ def _session_alive(sid: int) -> bool:
     return False
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_flower_engine_attaches_to_a_running_ray_cluster(ray_cluster, tmp_path):
     address, temp_dir = ray_cluster
     out = subprocess.run(

@@ -166,6 +166,7 @@ def test_the_recorder_names_a_late_node_from_a_rounds_replies(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_flower_engine_resume_is_exact(name, tmp_path, monkeypatch):

@@ -118,6 +118,7 @@ def test_random_bytes_do_not_poison_fedavg(store):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_attacks_apply_on_flowers_simulation_engine(tmp_path):
     """The same attack on Flower's Simulation Engine (Ray): recorded, and it wrecks FedAvg."""
     from fedswarm.sim.flower_engine import run_flower

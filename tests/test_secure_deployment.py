@@ -19,7 +19,7 @@ from tests.helpers import runs_ended, free_port, port_open, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # flwr's commands sit beside this interpreter
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # a loaded 2-core machine: minutes
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]  # a loaded 2-core machine: minutes
 
 
 def test_tls_supernode_auth_two_registered_nodes_run_and_intruders_are_refused(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 from fedswarm.store import Store
 from tests.deployment_helpers import BIN, Deployment, status_of
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.mark.timeout(1200)

@@ -57,6 +57,8 @@ def undisturbed(tmp_path_factory):
     return res
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_two_of_eight_peer_processes_killed_survivors_match_and_victims_rejoin(tmp_path, undisturbed):
     gate = tmp_path / "gate"
     gate.mkdir()

@@ -1,8 +1,8 @@
 """Starting runs as detached processes, and telling whether their process still lives.
 
-A run started from the dashboard is ``RUNNER sim --db URL --run-id ID --config TOML`` in
-its own session (``start_new_session=True``), so it survives a dashboard restart; its
-stdout and stderr go to ``RUNS_DIR/ID/run.log``.
+A run started from the dashboard is ``RUNNER sim --db URL --run-id ID --config TOML --verbose``
+in its own session (``start_new_session=True``), so it survives a dashboard restart; its
+stdout and stderr, Flower's log included, go to ``RUNS_DIR/ID/run.log``.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def spawn_run(runner: list[str], db_url: str, run_id: str, config: dict[str, Any
     toml_path = run_dir / "config.toml"
     toml_path.write_text(to_toml(config))
     log_path = run_dir / "run.log"
-    cmd = [*runner, "sim", "--db", db_url, "--run-id", run_id, "--config", str(toml_path)]
+    # --verbose: run.log is the run's log file, Flower's log included (the dashboard shows its tail)
+    cmd = [*runner, "sim", "--db", db_url, "--run-id", run_id, "--config", str(toml_path), "--verbose"]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, cwd=str(run_dir), close_fds=True)
@@ -80,8 +81,9 @@ def spawn_resume(runner: list[str], db_url: str, run_id: str, runs_dir: Path) ->
     run_dir = runs_dir / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "run.log", "ab") as log:
-        proc = subprocess.Popen([*runner, "resume", run_id, "--db", db_url], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(run_dir), close_fds=True)
+        proc = subprocess.Popen([*runner, "resume", run_id, "--db", db_url, "--verbose"], stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                cwd=str(run_dir), close_fds=True)
     return proc.pid
 
 

@@ -28,6 +28,7 @@ def main() -> int:
     ap.add_argument("--db")
     ap.add_argument("--run-id")
     ap.add_argument("--config")
+    ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     if os.environ.get("FAKE_FAIL"):
         print("fake runner: failing on purpose", file=sys.stderr)

@@ -18,7 +18,7 @@ from test_web_browser import _login, _wait_points, browser, page  # noqa: F401  
 from fedswarm.store import Store
 from tests.deployment_helpers import ROOT, Deployment
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 SIMS = 3
 SIM_CLIENTS = 4
 

@@ -22,7 +22,7 @@ from fedswarm.wire import arrayrecord_to_vector
 
 sync_api, CHROMIUM = chromium_or_skip()
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 class Died(Exception):
