@@ -94,7 +94,7 @@ class SketchRounds(CompressedRounds):
                 by_node[str(nid)]["bytes_up"] += up
         return row, node_rows
 
-    def _client_step(self, delta, pids, ins, codecs, strategy_round, ef):
+    def _client_step(self, delta, pids, ins, policies):
         """Each client's state step on its row of ``delta``, then one sketch of all the rows."""
         knobs = ins[0].content.config_records[KNOBS]
         rounds, vectors = [], []
