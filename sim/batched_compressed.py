@@ -334,8 +334,8 @@ class GTopKRounds(CompressedRounds):
 
     def _client_step(self, delta, pids, ins, policies):
         knobs = ins[0].content.config_records[KNOBS]
-        state = GTopKClientState.concat([self.states.get(pid) or GTopKClientState.empty(self.layout.d)
-                                         for pid in pids])
+        state = GTopKClientState.concat([self.states[pid] if pid in self.states
+                                         else GTopKClientState.empty(self.layout.d) for pid in pids])
         selects = [m.content.config_records.get(SELECT) for m in ins]
         payload, state = gtopk.client_step(state, selects, delta, float(knobs["density"]), int(knobs["round"]),
                                            self.layout)

@@ -138,3 +138,6 @@ def test_gtopk_state_and_accumulate_name_bad_shapes():
         gtopk.GTopKClientState(torch.zeros(2, 3), (None,), (None,))
     with pytest.raises(ValueError, match="C index sets"):
         accumulate(torch.zeros(2, 3), [None], torch.zeros(2, 3))
+    state = gtopk.GTopKClientState.empty(LAYOUT.d)
+    with pytest.raises(ValueError, match="got 2 for 1 clients"):
+        gtopk.client_step(state, [None, None], torch.zeros(1, LAYOUT.d), 0.1, 1, LAYOUT)

@@ -1,7 +1,9 @@
 """FedAvg with any codec on the uplink (and optionally the downlink), and 1-bit SGD.
 
 Registered as ``compressed_fedavg`` and ``onebit``. Both use one client update: local SGD
-from the public model, then compress the model change with error feedback.
+from the public model, then compress the model change with error feedback
+(:func:`client_step`, on C clients at once: a Flower client runs it with C = 1, the batched
+engine with the cohort).
 """
 
 from __future__ import annotations

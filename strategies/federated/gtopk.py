@@ -150,9 +150,11 @@ class GTopKClientState:
                    sum((s.sent_idx for s in states), ()))
 
     def rows(self) -> list[GTopKClientState]:
-        """Each client's own state (C = 1)."""
-        return [GTopKClientState(self.acc[i:i + 1], self.sent_round[i:i + 1], self.sent_idx[i:i + 1])
-                for i in range(self.acc.shape[0])]
+        """Each client's own state (C = 1), copied out of the batch's tensors (a row kept
+        between rounds must not hold its whole batch in memory)."""
+        return [GTopKClientState(self.acc[i:i + 1].clone(), self.sent_round[i:i + 1],
+                                 (None if idx is None else idx.clone(),))
+                for i, idx in enumerate(self.sent_idx)]
 
 
 def client_step(state: GTopKClientState, selects: Sequence[ConfigRecord | None], delta: torch.Tensor,
@@ -162,8 +164,11 @@ def client_step(state: GTopKClientState, selects: Sequence[ConfigRecord | None],
     its model change (``delta`` ``[C, d]``) and send the local top-k of each; returns the
     payload (``[C, k]``) and the new state. A Flower client runs it with C = 1; the batched
     engine with the chunk's clients."""
-    taken = [selected_indices(sel, rnd, idx, layout.d)
-             for sel, rnd, idx in zip(selects, state.sent_round, state.sent_idx, strict=True)]
+    if len(selects) != len(state.sent_round):
+        raise ValueError(f"client_step takes one select record (or None) a client: got {len(selects)} for "
+                         f"{len(state.sent_round)} clients")
+    taken = [selected_indices(sel, rnd, idx, layout.d) for sel, rnd, idx in zip(selects, state.sent_round,
+                                                                                state.sent_idx)]
     acc = accumulate(state.acc, taken, delta)
     payload = TopKCodec(ratio=density).encode(acc, layout)
     sent = payload.arrays["indices"].to(torch.int64)
