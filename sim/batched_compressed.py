@@ -1,6 +1,7 @@
-"""The compressed strategies on the batched engine: ``compressed_fedavg`` (every codec) and
-``onebit``, whose client half is
-:func:`fedswarm.strategies.federated.compressed_fedavg.client_update`.
+"""The compressed strategies on the batched engine: ``compressed_fedavg`` (every codec),
+``onebit`` and the robust rules, whose client half is
+:func:`fedswarm.strategies.federated.compressed_fedavg.client_step`, and ``gtopk``
+(:func:`fedswarm.strategies.federated.gtopk.client_step`).
 
 Server half: the strategy object itself, built as :func:`fedswarm.server.app.build_strategy`
 builds it. Its ``configure_train`` samples the nodes and writes every train message (the
@@ -11,14 +12,13 @@ residual) and commits the update to the public model.
 
 Client half, on the client axis: the batched trainer trains every sampled client from the
 public model (every replica equals it), ``delta = theta_k - x`` is ``[C, d]``, and the
-client's codec with its error-feedback memory runs on that batch:
-:func:`~fedswarm.algorithms.compression.error_feedback.error_feedback_step` with a ``[C, d]``
-residual state (the sampled clients' rows), one ``encode`` for all the clients that share a
-codec and a seed. Codecs whose randomness is per client (their seed includes the partition
-id, :func:`~fedswarm.strategies.federated.compressed_fedavg.uplink_seed`) encode client by
-client. The server decodes the batched payload with the codec its meta names (what
-``parse_reply`` does with each client's) and hands the rows to the strategy as its accepted
-replies.
+strategy's own client step, the one a Flower client runs with C = 1, runs on that batch:
+once for all the clients that share an uplink (codec, parameters and seed; codecs whose
+randomness is per client have one seed per client,
+:func:`~fedswarm.strategies.federated.compressed_fedavg.uplink_seed`), with their rows of the
+error-feedback residuals. The server decodes the batched payload with the codec its meta
+names (what ``parse_reply`` does with each client's) and hands the rows to the strategy as
+its accepted replies.
 
 Bytes up: a real reply (the client's own one-row payload, ``metrics``, ``node``) is built
 and serialized for every size class of the round and counted once per client of that class.
@@ -29,23 +29,25 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedswarm.algorithms.compression.codecs import decode_payload, make_codec
-from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState, error_feedback_step
+from fedswarm.algorithms.compression.codecs import decode_payload
+from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
 from fedswarm.sim.batched_round import NodeIds, make_reply, reply_size, round_schedule, varint_len
 from fedswarm.sim.inprocess import client_error_reply
+from fedswarm.strategies.federated import gtopk
 from fedswarm.strategies.federated.compressed_base import KNOBS, Accepted
-from fedswarm.strategies.federated.compressed_fedavg import client_codec, uplink_seed
+from fedswarm.strategies.federated.compressed_client import SELECT
+from fedswarm.strategies.federated.compressed_fedavg import Uplink, client_step, uplink_of
+from fedswarm.strategies.federated.gtopk import GTopKClientState
 from fedswarm.wire import payload_to_records, vector_to_arrayrecord
 
-__all__ = ["CompressedRounds", "GTopKRounds", "client_payload"]
+__all__ = ["CompressedRounds", "GTopKRounds", "client_payload", "sent_rows"]
 
 
 @dataclass
@@ -89,6 +91,15 @@ def client_payload(payload: Payload, row: int, seed: int) -> Payload:
     return Payload(arrays=arrays, meta={**payload.meta, "K": 1, "seed": int(seed)})
 
 
+def sent_rows(payload: Payload, seed: int) -> list[tuple[Payload, tuple]]:
+    """Each client's one-row payload of a batched ``payload`` (:func:`client_payload`), with
+    what its serialized size depends on (its arrays' shapes and dtypes, meta, seed)."""
+    shapes = tuple((k, (1, *v.shape[1:]), str(v.dtype)) for k, v in payload.arrays.items())
+    meta = tuple(sorted((k, v) for k, v in payload.meta.items() if k not in ("K", "seed")))
+    k = next(iter(payload.arrays.values())).shape[0]
+    return [(client_payload(payload, i, seed), (shapes, meta, seed)) for i in range(k)]
+
+
 class CompressedRounds:
     """Rounds of a compressed strategy; ``model`` is the strategy's public model."""
 
@@ -129,7 +140,6 @@ class CompressedRounds:
         self._down = {}  # the sync bodies are this version's
         node_ids = [m.metadata.dst_node_id for m in messages]
         total = len(node_ids)
-        knobs = messages[0].content.config_records[KNOBS]
         sched, classes, pols = round_schedule(cfg, node_ids, run.train_config, run.n_examples, server_round)
         if self.byzantine is not None and self.byzantine.attack.kind == "data":  # labelflip
             # the chosen nodes train on flipped labels; the record that tells them so is added
@@ -137,31 +147,24 @@ class CompressedRounds:
             bad = set(self.byzantine.byzantine)
             sched.flip_labels = torch.tensor([nid in bad for nid in node_ids], dtype=torch.bool)
         policy_json = {c: json.dumps(p, sort_keys=True) for c, p in zip(classes, pols)}
-        codecs = {c: client_codec(knobs, p) for c, p in zip(classes, pols)} if "codec" in knobs else {}
-        ef = bool(knobs.get("error_feedback", True))
         x = self.model
         replies: list[_Reply] = []
         for rows, new, loss, n in trainer.fit(x, sched, momentum=cfg.momentum, chunk_size=run.chunk_size,
                                               memory_budget=run.memory_budget, on_chunk=run.progress(total)):
             delta = new.cpu() - x
-            if "dp_clip" in knobs:  # DP-FedAvg: each client clips before it compresses, as its own code does
-                from fedswarm.algorithms.privacy.dp_fedavg import clip_rows
-
-                delta = clip_rows(delta, float(knobs["dp_clip"]))[0]
             pids = sched.partitions[rows].tolist()
             ks = list(range(rows.start, rows.stop))
             n_list, loss_list, steps_list = n.tolist(), loss.tolist(), sched.steps[rows].tolist()
             finite = torch.isfinite(new).all(dim=1).tolist()
-            # the finite rows in one batch; a client whose local SGD diverged alone, as its own
-            # code runs it: its codec may raise (the client fails) or send what the server refuses
+            # the finite rows in one batch; a client whose local SGD diverged alone: its client
+            # step may raise (the client fails) or send what the server refuses
             batches = [[j for j, ok in enumerate(finite) if ok]] + [[j] for j, ok in enumerate(finite) if not ok]
             for members in filter(None, batches):
                 sub = delta if len(members) == len(ks) else delta[members]
                 try:
                     decoded, sent = self._client_step(sub, [pids[j] for j in members],
                                                       [messages[ks[j]] for j in members],
-                                                      [codecs.get(classes[ks[j]]) for j in members], strategy.round,
-                                                      ef)
+                                                      [pols[ks[j]] for j in members])
                 except Exception as exc:
                     if finite[members[0]]:
                         raise
@@ -252,56 +255,53 @@ class CompressedRounds:
             except (PayloadError, KeyError, TypeError, ValueError) as exc:
                 r.rejected = self.strategy.reject(msg, str(exc) or type(exc).__name__)
 
-    # -- the clients' codec, on the client axis -------------------------------------------
-    def _client_step(self, delta: torch.Tensor, pids: list[int], ins: list[Message], codecs: list[tuple[str, dict]],
-                     strategy_round: int, ef: bool) -> tuple[list | torch.Tensor, list[tuple[Payload, tuple]]]:
+    # -- the clients' half, on the client axis --------------------------------------------
+    def _client_step(self, delta: torch.Tensor, pids: list[int], ins: list[Message],
+                     policies: list[dict]) -> tuple[list | torch.Tensor, list[tuple[Payload, tuple]]]:
         """The clients' half after local training, for a chunk: ``delta`` ``[C, d]``, their
-        partition ids and train messages; returns what the server's ``parse_reply`` makes of
-        each reply and each client's one-row payload with its size key."""
-        return self._encode(delta, pids, codecs, strategy_round, ef)
+        partition ids, train messages and device-class policies; returns what the server's
+        ``parse_reply`` makes of each reply and each client's one-row payload with its size key.
 
-    def _encode(self, delta: torch.Tensor, pids: list[int], codecs: list[tuple[str, dict]], strategy_round: int,
-                ef: bool) -> tuple[torch.Tensor, list[tuple[Payload, tuple]]]:
-        """Each client's payload of ``delta`` (``[C, d]``) with its codec, seed and residual;
-        returns the server's decoding of them (``[C, d]``) and the one-client payloads, each
-        with what its serialized size depends on (array shapes and dtypes, meta)."""
-        seed0 = self.run.cfg.seed
+        Here :func:`~fedswarm.strategies.federated.compressed_fedavg.client_step` once for
+        the clients of each uplink (codec, parameters and seed), with their residuals."""
+        knobs = ins[0].content.config_records[KNOBS]
+        seed = self.run.cfg.seed
         decoded = torch.empty_like(delta)
         sent: list[tuple[Payload, tuple] | None] = [None] * len(pids)
-        groups: dict[tuple, list[int]] = defaultdict(list)
-        for j, (name, params) in enumerate(codecs):  # clients of one codec and seed: one encode
-            seed = uplink_seed(seed0, strategy_round, name, pids[j])
-            groups[(name, json.dumps(params, sort_keys=True), seed)].append(j)
-        for (name, params_json, seed), members in groups.items():
-            codec = make_codec(name, **json.loads(params_json))
+        groups: dict[Uplink, list[int]] = defaultdict(list)
+        for j, (pid, policy) in enumerate(zip(pids, policies)):
+            groups[uplink_of(knobs, policy, seed, pid)].append(j)
+        for uplink, members in groups.items():
             idx = torch.tensor(members)
-            rows = delta[idx]
-            if ef:
-                zero = torch.zeros(rows.shape[1])
+            state = ErrorFeedbackState()
+            if uplink.error_feedback:
+                zero = torch.zeros(delta.shape[1])
                 state = ErrorFeedbackState(torch.stack([self.residuals.get(pids[j], zero) for j in members]))
-                payload, state = error_feedback_step(state, codec, rows, self.layout, seed=seed)
+            payload, state = client_step(uplink, state, delta[idx], self.layout)
+            if uplink.error_feedback:
                 for i, j in enumerate(members):
                     self.residuals[pids[j]] = state.residual[i].clone()
-            else:
-                payload = codec.encode(rows, self.layout, seed=seed)
-            lo, hi = members[0], members[0] + len(members)
-            view = decoded[lo:hi]
-            try:
-                if members == list(range(lo, hi)) and view.dtype == torch.float32 and view.is_contiguous():
-                    decode_payload(payload, self.layout, out=view)  # straight into the round's buffer
-                else:
-                    decoded[idx] = decode_payload(payload, self.layout)
-            except PayloadError:  # the server's reading of some client's payload fails: client by client
-                for i, j in enumerate(members):
-                    try:
-                        decoded[j] = decode_payload(client_payload(payload, i, seed), self.layout)[0]
-                    except PayloadError:
-                        decoded[j] = float("nan")  # refused by the strategy's parse_reply in round()
-            shapes = tuple((k, (1, *v.shape[1:]), str(v.dtype)) for k, v in payload.arrays.items())
-            meta = tuple(sorted((k, v) for k, v in payload.meta.items() if k not in ("K", "seed")))
-            for i, j in enumerate(members):
-                sent[j] = (client_payload(payload, i, seed), (shapes, meta, seed))
+            self._decode(payload, members, uplink.seed, decoded)
+            for j, row in zip(members, sent_rows(payload, uplink.seed)):
+                sent[j] = row
         return decoded, sent  # type: ignore[return-value]
+
+    def _decode(self, payload: Payload, members: list[int], seed: int, out: torch.Tensor) -> None:
+        """The server's reading of the payload of the clients ``members`` into their rows of
+        ``out`` (what ``parse_reply`` decodes of each; NaN where it refuses a client's)."""
+        lo, hi = members[0], members[0] + len(members)
+        view = out[lo:hi]
+        try:
+            if members == list(range(lo, hi)) and view.dtype == torch.float32 and view.is_contiguous():
+                decode_payload(payload, self.layout, out=view)  # straight into the round's buffer
+            else:
+                out[torch.tensor(members)] = decode_payload(payload, self.layout)
+        except PayloadError:  # the server's reading of some client's payload fails: client by client
+            for i, j in enumerate(members):
+                try:
+                    out[j] = decode_payload(client_payload(payload, i, seed), self.layout)[0]
+                except PayloadError:
+                    out[j] = float("nan")  # refused by the strategy's parse_reply in round()
 
     # -- bytes ---------------------------------------------------------------------------------
     def _down_size(self, msg: Message) -> int:
@@ -324,42 +324,22 @@ class CompressedRounds:
 
 
 class GTopKRounds(CompressedRounds):
-    """gTop-k (``gtopk``): each client's accumulator, cleared where the server used its last
-    message (the ``select`` mask in its train message, read by the client's own
-    :func:`~fedswarm.strategies.federated.compressed_base.taken_indices` against its state),
-    plus its model change (:func:`~fedswarm.strategies.federated.gtopk.accumulate`); the
-    local top-k of all the chunk's accumulators in one ``encode``. Each client's state is a
-    ``RecordDict`` kept as its ``Context.state`` would be."""
+    """gTop-k (``gtopk``): the clients' half is
+    :func:`~fedswarm.strategies.federated.gtopk.client_step` on the chunk's clients at once,
+    each with its own :class:`~fedswarm.strategies.federated.gtopk.GTopKClientState` row."""
 
     def __init__(self, run, model: torch.Tensor, notes=None):
         super().__init__(run, model, notes)
-        self.states: dict[int, RecordDict] = {}  # partition id -> the client's state
+        self.states: dict[int, GTopKClientState] = {}  # partition id -> the client's memory
 
-    def _client_step(self, delta, pids, ins, codecs, strategy_round, ef):
-        from fedswarm.algorithms.compression.sparse import TopKCodec
-        from fedswarm.strategies.federated.compressed_base import ClientRound, save_sent, taken_indices
-        from fedswarm.strategies.federated.gtopk import ACCUMULATOR, accumulate
-        from fedswarm.strategies.strategy_utils import load_vector, save_vector
-
-        d = self.layout.d
+    def _client_step(self, delta, pids, ins, policies):
         knobs = ins[0].content.config_records[KNOBS]
-        rounds, accs = [], []
-        for j, pid in enumerate(pids):
-            state = self.states.setdefault(pid, RecordDict())
-            cr = ClientRound(ins[j], SimpleNamespace(state=state), self.run.cfg, SimpleNamespace(layout=self.layout),
-                             knobs, delta[j], 0, "")
-            accs.append(accumulate(load_vector(state, ACCUMULATOR, d), taken_indices(cr, ACCUMULATOR), delta[j]))
-            rounds.append(cr)
-        payload = TopKCodec(ratio=float(knobs["density"])).encode(torch.stack(accs), self.layout)
-        shapes = tuple((k, (1, *v.shape[1:]), str(v.dtype)) for k, v in payload.arrays.items())
-        meta = tuple(sorted((k, v) for k, v in payload.meta.items() if k not in ("K", "seed")))
-        values, sent = [], []
-        for j, cr in enumerate(rounds):
-            idx, vals = payload.arrays["indices"][j], payload.arrays["values"][j]
-            save_vector(cr.state, ACCUMULATOR, accs[j])  # the sent values stay until the server says which it used
-            save_sent(cr, ACCUMULATOR, idx)
-            for key, value in cr.state.items():  # what finish() writes into the client's state
-                cr.context.state[key] = value
-            values.append((idx.to(torch.int64), vals.to(torch.float32)))  # what GlobalTopK.parse_reply returns
-            sent.append((client_payload(payload, j, int(payload.meta["seed"])), (shapes, meta, payload.meta["seed"])))
-        return values, sent
+        state = GTopKClientState.concat([self.states[pid] if pid in self.states
+                                         else GTopKClientState.empty(self.layout.d) for pid in pids])
+        selects = [m.content.config_records.get(SELECT) for m in ins]
+        payload, state = gtopk.client_step(state, selects, delta, float(knobs["density"]), int(knobs["round"]),
+                                           self.layout)
+        self.states.update(zip(pids, state.rows()))
+        values = [(idx.to(torch.int64), vals.to(torch.float32))  # what GlobalTopK.parse_reply returns
+                  for idx, vals in zip(payload.arrays["indices"], payload.arrays["values"])]
+        return values, sent_rows(payload, int(payload.meta["seed"]))

@@ -105,7 +105,7 @@ class SketchRounds(CompressedRounds):
                 by_node[str(nid)]["bytes_up"] += up
         return row, node_rows
 
-    def _client_step(self, delta, pids, ins, codecs, strategy_round, ef):
+    def _client_step(self, delta, pids, ins, policies):
         """The strategy's client half on the chunk's rows of ``delta``: one step, one sketch."""
         knobs = ins[0].content.config_records[KNOBS]
         rounds = [ClientRound(ins[j], self.contexts[pid], self.run.cfg, self.run.trainer, knobs, self.model, 0, "")

@@ -23,7 +23,8 @@ from fedswarm.algorithms.compression.codecs import make_codec
 from fedswarm.strategies.federated.compressed_fedavg import CompressedFedAvg, OneBitSGD, parse_codec_params
 from fedswarm.algorithms.compression.countsketch import CountSketch
 from fedswarm.algorithms.compression.error_feedback import ErrorFeedback
-from fedswarm.strategies.federated.gtopk import GlobalTopK, merge_topk, tree_merge
+from fedswarm.algorithms.compression.gtopk import merge_topk, tree_merge
+from fedswarm.strategies.federated.gtopk import GlobalTopK
 from fedswarm.algorithms.compression.sketched import fetchsgd_step
 from fedswarm.store import Store
 from fedswarm.wire import payload_to_records, vector_to_arrayrecord

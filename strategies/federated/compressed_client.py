@@ -27,8 +27,8 @@ from fedswarm.strategies.strategy_utils import layout_from_json
 from fedswarm.train import LocalTrainer, TrainResult, trainer_for
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
-__all__ = ["ClientRound", "begin", "train", "finish", "taken_indices", "save_sent", "KNOBS", "SELECT",
-           "UserTraining", "user_training"]
+__all__ = ["ClientRound", "begin", "train", "finish", "taken_indices", "selected_indices", "sent_of", "save_sent",
+           "KNOBS", "SELECT", "UserTraining", "user_training"]
 
 KNOBS = "compress"  # the ConfigRecord of strategy knobs in every train message
 SELECT = "select"
@@ -176,27 +176,39 @@ def save_sent(cr: ClientRound, key: str, indices: torch.Tensor | None = None) ->
         cr.state[key + ".sent_idx"] = ArrayRecord({"indices": Array(idx)})
 
 
-def taken_indices(cr: ClientRound, key: str) -> torch.Tensor | None:
-    """Coordinates of this node's last message that the server used, or None (nothing
-    used, or the server's note is about another message)."""
-    sel = cr.msg.content.config_records.get(SELECT)
-    sent = cr.context.state.config_records.get(key + ".sent")
-    if sel is None or sent is None or int(sel.get("round", -1)) != int(sent["round"]):
+def sent_of(state: RecordDict, key: str) -> tuple[int | None, torch.Tensor | None]:
+    """The round tag and the indices of this node's last message kept under ``key`` by
+    :func:`save_sent` in its ``Context.state`` (None for what is not kept)."""
+    sent = state.config_records.get(key + ".sent")
+    rec = state.array_records.get(key + ".sent_idx")
+    idx = None if rec is None else torch.from_numpy(next(iter(rec.values())).numpy().astype(np.int64))
+    return (None if sent is None else int(sent["round"])), idx
+
+
+def selected_indices(select: ConfigRecord | None, sent_round: int | None, sent_idx: torch.Tensor | None,
+                     d: int) -> torch.Tensor | None:
+    """Coordinates of a node's last message that the server used: its ``select`` record read
+    against the round tag and the indices it sent. None: nothing used, or the server's note
+    is about another message."""
+    if select is None or sent_round is None or int(select.get("round", -1)) != sent_round:
         return None
-    d = cr.layout.d
-    if "mask" in sel:
-        rec = cr.context.state.array_records.get(key + ".sent_idx")
-        if rec is None:
+    if "mask" in select:
+        if sent_idx is None:
             return None
-        sent_idx = torch.from_numpy(next(iter(rec.values())).numpy().astype(np.int64))
-        bits = np.unpackbits(np.frombuffer(sel["mask"], dtype=np.uint8), bitorder="little")
+        bits = np.unpackbits(np.frombuffer(select["mask"], dtype=np.uint8), bitorder="little")
         if bits.size < sent_idx.numel():
             raise PayloadError(f"selection mask has {bits.size} bits for {sent_idx.numel()} sent indices")
         return sent_idx[torch.from_numpy(bits[: sent_idx.numel()].astype(bool))]
-    raw = sel.get("indices", b"")
+    raw = select.get("indices", b"")
     if len(raw) % 4:
         raise PayloadError("selection indices are not int32")
     idx = torch.from_numpy(np.frombuffer(raw, dtype="<i4").astype(np.int64))
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= d):
         raise PayloadError(f"selection indices must lie in [0, {d})")
     return idx
+
+
+def taken_indices(cr: ClientRound, key: str) -> torch.Tensor | None:
+    """:func:`selected_indices` of this client round: the train message's ``select`` read
+    against what this node kept under ``key``."""
+    return selected_indices(cr.msg.content.config_records.get(SELECT), *sent_of(cr.context.state, key), cr.layout.d)

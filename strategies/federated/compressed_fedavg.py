@@ -1,12 +1,15 @@
 """FedAvg with any codec on the uplink (and optionally the downlink), and 1-bit SGD.
 
 Registered as ``compressed_fedavg`` and ``onebit``. Both use one client update: local SGD
-from the public model, then compress the model change with error feedback.
+from the public model, then compress the model change with error feedback
+(:func:`client_step`, on C clients at once: a Flower client runs it with C = 1, the batched
+engine with the cohort).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +18,7 @@ from flwr.app import Context, Message, RecordDict
 from fedswarm.config import parse_value
 from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout
+from fedswarm.algorithms.compression.base import Codec
 from fedswarm.algorithms.compression.codecs import CODECS, decode_payload, make_codec
 from fedswarm.strategies.federated.compressed_base import (Accepted, CompressedStrategy, Step, begin,
                                                            finish, read_payload, train)
@@ -22,11 +26,11 @@ from fedswarm.strategies.strategy_utils import load_error_feedback, save_error_f
 from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState, error_feedback_step
 from fedswarm.hyperparams import HyperParam
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
-from fedswarm.payload import PayloadError
+from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import payload_to_records
 
-__all__ = ["CompressedFedAvg", "OneBitSGD", "parse_codec_params", "client_update", "client_codec",
-           "uplink_seed"]
+__all__ = ["CompressedFedAvg", "OneBitSGD", "parse_codec_params", "Uplink", "uplink_of", "client_step",
+           "client_update", "client_codec", "uplink_seed"]
 
 
 def parse_codec_params(text: str | dict | None) -> dict[str, Any]:
@@ -222,27 +226,61 @@ def uplink_seed(seed: int, server_round: int, codec_name: str, partition_id: int
     return out + partition_id if codec_name in _PER_CLIENT_SEED else out
 
 
-def client_update(msg: Message, context: Context) -> RecordDict:
-    """Local SGD from the public model, then send ``C(δ + e)`` and keep the new residual.
-    The node's device-class policy may choose another codec (``codec``/``codec_params``)."""
-    cr = begin(msg, context)
-    fit = train(cr)
-    knobs = cr.knobs
-    name, params = client_codec(knobs, fit.policy)
-    codec = make_codec(name, **params)
-    delta = (fit.result.flat - fit.start)[None]
-    if "dp_clip" in knobs:  # DP-FedAvg: clip before compressing (the server clips again)
+@dataclass(frozen=True)
+class Uplink:
+    """How a client sends its update in a round, read by :func:`uplink_of` from the train
+    message's knobs and the client's policy. Equal values encode in one batch."""
+
+    codec: str
+    params: str  # the codec's parameters, JSON with sorted keys
+    seed: int  # of the encode (:func:`uplink_seed`)
+    error_feedback: bool = True
+    dp_clip: float | None = None  # DP-FedAvg: each client clips its change to this norm first
+
+    def make_codec(self) -> Codec:
+        return make_codec(self.codec, **json.loads(self.params))
+
+
+def uplink_of(knobs: Any, policy: dict, run_seed: int, partition_id: int) -> Uplink:
+    """A client's :class:`Uplink` this round: ``knobs`` (the train message's ``compress``
+    record), its device class's ``policy``, the run's seed and its partition id."""
+    name, params = client_codec(knobs, policy)
+    seed = uplink_seed(run_seed, int(knobs["round"]), name, partition_id)
+    dp_clip = float(knobs["dp_clip"]) if "dp_clip" in knobs else None
+    return Uplink(name, json.dumps(params, sort_keys=True), seed, bool(knobs.get("error_feedback", True)), dp_clip)
+
+
+def client_step(uplink: Uplink, state: ErrorFeedbackState, delta: torch.Tensor,
+                layout: ParamLayout) -> tuple[Payload, ErrorFeedbackState]:
+    """The client half after local training, for C clients of one uplink: ``delta`` ``[C, d]``
+    their model changes, ``state`` their residuals (``[C, d]``, or ``[d]`` for one, or none).
+    Clips each row (DP-FedAvg; the server clips again), then sends ``C(δ + e)`` and returns the
+    new residuals (error feedback), or sends ``C(δ)`` and returns ``state`` as it was. A Flower
+    client runs it with C = 1; the batched engine with the chunk's clients of one uplink."""
+    if delta.dim() != 2:
+        raise ValueError(f"client_step takes the model changes as [C, d], got {tuple(delta.shape)}")
+    codec = uplink.make_codec()
+    if uplink.dp_clip is not None:
         from fedswarm.algorithms.privacy.dp_fedavg import clip_rows
 
-        delta = clip_rows(delta, float(knobs["dp_clip"]))[0]
+        delta = clip_rows(delta, uplink.dp_clip)[0]
+    if not uplink.error_feedback:
+        return codec.encode(delta, layout, seed=uplink.seed), state
+    return error_feedback_step(state, codec, delta, layout, seed=uplink.seed)
+
+
+def client_update(msg: Message, context: Context) -> RecordDict:
+    """Local SGD from the public model, then :func:`client_step` with C = 1: send
+    ``C(δ + e)`` and keep the new residual. The node's device-class policy may choose
+    another codec (``codec``/``codec_params``)."""
+    cr = begin(msg, context)
+    fit = train(cr)
+    uplink = uplink_of(cr.knobs, fit.policy, cr.cfg.seed, int(context.node_config.get("partition-id", 0)))
     key = f"{msg.metadata.message_type}.residual"
-    seed = uplink_seed(cr.cfg.seed, cr.round, codec.name, int(context.node_config.get("partition-id", 0)))
-    if bool(knobs.get("error_feedback", True)):
-        ef = load_error_feedback(context.state, key, cr.layout.d)
-        payload, ef = error_feedback_step(ef, codec, delta[0], cr.layout, seed=seed)
+    ef = load_error_feedback(context.state, key, cr.layout.d) if uplink.error_feedback else ErrorFeedbackState()
+    payload, ef = client_step(uplink, ef, (fit.result.flat - fit.start)[None], cr.layout)
+    if uplink.error_feedback:
         save_error_feedback(cr.state, key, ef)  # written by finish(), with the rest of the round's state
-    else:
-        payload = codec.encode(delta, cr.layout, seed=seed)
     return finish(cr, fit, payload_to_records(payload, RecordDict()))
 
 

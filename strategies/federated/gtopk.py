@@ -1,53 +1,35 @@
-"""gTop-k: global top-k sparsification (Shi et al., ICDCS 2019), registered as ``gtopk``."""
+"""gTop-k: global top-k sparsification (Shi et al., ICDCS 2019), registered as ``gtopk``.
+
+The server (:class:`GlobalTopK`) and the client half (:func:`client_step`, on C clients at
+once); the math they share, the merges and the accumulator, is
+:mod:`fedswarm.algorithms.compression.gtopk`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from fedswarm.params import ParamLayout
+from fedswarm.algorithms.compression.gtopk import accumulate, merge_topk, tree_merge
 from fedswarm.algorithms.compression.sparse import TopKCodec
-from fedswarm.strategies.federated.compressed_base import (Accepted, CompressedStrategy, Step, begin,
-                                                           finish, read_payload, save_sent, taken_indices,
-                                                           train)
+from fedswarm.strategies.federated.compressed_base import (Accepted, ClientRound, CompressedStrategy, Step, begin,
+                                                           finish, read_payload, save_sent, train)
+from fedswarm.strategies.federated.compressed_client import SELECT, selected_indices, sent_of
 from fedswarm.strategies.strategy_utils import load_vector, save_vector
 from fedswarm.hyperparams import HyperParam
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
-from fedswarm.payload import PayloadError
+from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import payload_to_records
 
-__all__ = ["GlobalTopK", "merge_topk", "tree_merge", "client_update", "accumulate", "ACCUMULATOR"]
+__all__ = ["GlobalTopK", "GTopKClientState", "client_step", "client_update", "load_client_state",
+           "save_client_state", "ACCUMULATOR"]
 
-ACCUMULATOR = _KEY = "gtopk.acc"  # the client state key of the accumulator
-
-
-def merge_topk(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
-               k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One gTop-k merge: sum the values of two sparse vectors on the union of their
-    indices and keep the ``k`` of largest magnitude (indices ascending)."""
-    idx = torch.cat([a[0], b[0]])
-    vals = torch.cat([a[1], b[1]])
-    union, inverse = torch.unique(idx, return_inverse=True)
-    sums = torch.zeros(union.numel(), dtype=vals.dtype).index_add_(0, inverse, vals)
-    if union.numel() > k:
-        keep = sums.abs().topk(k).indices.sort().values
-        union, sums = union[keep], sums[keep]
-    return union, sums
-
-
-def tree_merge(parts: list[tuple[torch.Tensor, torch.Tensor]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """gTop-k's recursive-doubling reduction of P sparse vectors: at each of ceil(log2 P)
-    levels, neighbours (0,1), (2,3), ... are merged with :func:`merge_topk`; an odd one
-    out passes up unchanged. Entries dropped at a level are lost to that round (they stay
-    in their workers' residuals), as in the reference ``gtopkssgd/allreducer.py``."""
-    level = list(parts)
-    while len(level) > 1:
-        level = [merge_topk(level[i], level[i + 1], k) if i + 1 < len(level) else level[i]
-                 for i in range(0, len(level), 2)]
-    return level[0]
+ACCUMULATOR = "gtopk.acc"  # the client state key of the accumulator
 
 
 class GlobalTopK(CompressedStrategy):
@@ -140,25 +122,80 @@ class GlobalTopK(CompressedStrategy):
         return Step(update)
 
 
-def accumulate(acc: torch.Tensor, taken: torch.Tensor | None, delta: torch.Tensor) -> torch.Tensor:
-    """A client's accumulator for this round (in place): the coordinates of its last
-    message the server used (``taken``) are cleared, its local model change is added."""
-    if taken is not None:
-        acc[taken] = 0.0
-    return acc.add_(delta)
+@dataclass(frozen=True)
+class GTopKClientState:
+    """The memory of C gTop-k clients: their accumulators ``acc`` ``[C, d]`` and, per client,
+    the round and the indices of its last message (None before its first), against which
+    the server's ``select`` mask is read. A Flower client keeps its own (C = 1) in its
+    ``Context.state`` (:func:`load_client_state`, :func:`save_client_state`)."""
+
+    acc: torch.Tensor
+    sent_round: tuple[int | None, ...]
+    sent_idx: tuple[torch.Tensor | None, ...]
+
+    def __post_init__(self) -> None:
+        if self.acc.dim() != 2 or not len(self.sent_round) == len(self.sent_idx) == self.acc.shape[0]:
+            raise ValueError(f"a gTop-k client state holds acc [C, d] and C sent rounds and index sets; got "
+                             f"{tuple(self.acc.shape)}, {len(self.sent_round)} and {len(self.sent_idx)}")
+
+    @classmethod
+    def empty(cls, d: int) -> GTopKClientState:
+        """One client's state before its first round."""
+        return cls(torch.zeros(1, d, dtype=torch.float32), (None,), (None,))
+
+    @classmethod
+    def concat(cls, states: Sequence[GTopKClientState]) -> GTopKClientState:
+        """The states of several groups of clients as one, in order."""
+        return cls(torch.cat([s.acc for s in states]), sum((s.sent_round for s in states), ()),
+                   sum((s.sent_idx for s in states), ()))
+
+    def rows(self) -> list[GTopKClientState]:
+        """Each client's own state (C = 1), copied out of the batch's tensors (a row kept
+        between rounds must not hold its whole batch in memory)."""
+        return [GTopKClientState(self.acc[i:i + 1].clone(), self.sent_round[i:i + 1],
+                                 (None if idx is None else idx.clone(),))
+                for i, idx in enumerate(self.sent_idx)]
+
+
+def client_step(state: GTopKClientState, selects: Sequence[ConfigRecord | None], delta: torch.Tensor,
+                density: float, server_round: int, layout: ParamLayout) -> tuple[Payload, GTopKClientState]:
+    """The client half after local training, for C clients: clear in each accumulator the
+    coordinates the server used of its last message (its train message's ``select``), add
+    its model change (``delta`` ``[C, d]``) and send the local top-k of each; returns the
+    payload (``[C, k]``) and the new state. A Flower client runs it with C = 1; the batched
+    engine with the chunk's clients."""
+    if len(selects) != len(state.sent_round):
+        raise ValueError(f"client_step takes one select record (or None) a client: got {len(selects)} for "
+                         f"{len(state.sent_round)} clients")
+    taken = [selected_indices(sel, rnd, idx, layout.d) for sel, rnd, idx in zip(selects, state.sent_round,
+                                                                                state.sent_idx)]
+    acc = accumulate(state.acc, taken, delta)
+    payload = TopKCodec(ratio=density).encode(acc, layout)
+    sent = payload.arrays["indices"].to(torch.int64)
+    return payload, GTopKClientState(acc, (server_round,) * len(taken), tuple(sent))
+
+
+def load_client_state(state: RecordDict, d: int) -> GTopKClientState:
+    """A Flower client's gTop-k memory from its ``Context.state`` (the empty one if none)."""
+    rnd, idx = sent_of(state, ACCUMULATOR)
+    return GTopKClientState(load_vector(state, ACCUMULATOR, d)[None], (rnd,), (idx,))
+
+
+def save_client_state(cr: ClientRound, state: GTopKClientState) -> None:
+    """Keep a Flower client's memory (C = 1) with the round's state, written by ``finish``;
+    the sent values stay in the accumulator until the server says which it used."""
+    save_vector(cr.state, ACCUMULATOR, state.acc[0])
+    save_sent(cr, ACCUMULATOR, state.sent_idx[0])
 
 
 def client_update(msg: Message, context: Context) -> RecordDict:
-    """Fix the accumulator with the server's mask, train, accumulate, send the local top-k."""
+    """Train, then :func:`client_step` with C = 1 on this node's memory."""
     cr = begin(msg, context)
-    acc = load_vector(context.state, _KEY, cr.layout.d)
-    taken = taken_indices(cr, _KEY)
     fit = train(cr)
-    acc = accumulate(acc, taken, fit.result.flat - fit.start)
-    codec = TopKCodec(ratio=float(cr.knobs["density"]))
-    payload = codec.encode(acc[None], cr.layout)
-    save_vector(cr.state, _KEY, acc)  # the sent values stay until the server says which it used
-    save_sent(cr, _KEY, payload.arrays["indices"][0])
+    payload, state = client_step(load_client_state(context.state, cr.layout.d),
+                                 [msg.content.config_records.get(SELECT)], (fit.result.flat - fit.start)[None],
+                                 float(cr.knobs["density"]), cr.round, cr.layout)
+    save_client_state(cr, state)
     return finish(cr, fit, payload_to_records(payload, RecordDict()))
 
 
