@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import re
 import shutil
 import warnings
 
@@ -372,7 +373,7 @@ def test_a_broken_kernel_fails_loudly(tmp_path, monkeypatch, broken, message):
     monkeypatch.setattr(native, "_state", {})
     with pytest.warns(native.NativeBuildWarning, match=message):
         assert native.lib() is None
-    assert native.build_error() is not None and "-Werror" in native.build_error()
+    assert re.search(message, native.build_error())  # the compiler's whole output
     assert not list((tmp_path / "cache").rglob("*.so"))  # nothing cached from a failed build
 
 

@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["lib", "disabled", "ptr", "isa", "march", "compiler", "build", "build_error", "CSRC",
-           "NativeBuildError", "NativeBuildWarning"]
+__all__ = ["lib", "disabled", "ptr", "isa", "march", "compiler", "build", "build_error", "prototypes", "CSRC",
+           "HEADER", "NativeBuildError", "NativeBuildWarning"]
 
 CSRC = Path(__file__).with_name("csrc")  # the C sources, shipped as package data
 HEADER = "fs_kernels.h"
