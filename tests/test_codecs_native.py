@@ -377,6 +377,18 @@ def test_a_broken_kernel_fails_loudly(tmp_path, monkeypatch, broken, message):
     assert not list((tmp_path / "cache").rglob("*.so"))  # nothing cached from a failed build
 
 
+def test_a_function_declared_but_not_defined_is_refused(tmp_path, monkeypatch):
+    """A shared library links with a header function left undefined: the loader finds it
+    missing and says which (here every loop: only isa.c is built)."""
+    src = tmp_path / "csrc"
+    src.mkdir()
+    for name in (native.HEADER, "isa.c"):
+        shutil.copy(native.CSRC / name, src)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(native.NativeBuildError, match="declares fs_sign_encode, which the library does not define"):
+        native.build(src)
+
+
 def test_native_off_and_a_bad_march(monkeypatch):
     """FEDSWARM_NATIVE=0 turns the loops off; a -march that is not a name is refused by name."""
     monkeypatch.setenv("FEDSWARM_NATIVE", "0")

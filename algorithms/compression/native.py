@@ -141,9 +141,10 @@ def build(csrc: Path | None = None, arch: str | None = None) -> ctypes.CDLL:
     csrc, arch = csrc or CSRC, arch or march()
     flags = [f"-march={arch}", *_FLAGS]
     files = sorted(p for p in csrc.iterdir() if p.suffix in (".c", ".h"))
-    try:
-        cc_stat = os.stat(shutil.which(cc) or cc)
-        cc_id = f"{os.path.realpath(shutil.which(cc) or cc)}:{cc_stat.st_size}:{cc_stat.st_mtime_ns}"
+    exe = shutil.which(cc) or cc
+    try:  # a compiler upgraded in place builds anew
+        st = os.stat(exe)
+        cc_id = f"{os.path.realpath(exe)}:{st.st_size}:{st.st_mtime_ns}"
     except OSError:
         cc_id = cc
     key = hashlib.sha256()
@@ -154,7 +155,7 @@ def build(csrc: Path | None = None, arch: str | None = None) -> ctypes.CDLL:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             so = Path(tmp) / "k.so"
-            cmd = [cc, *flags, "-I", str(csrc), *(str(p) for p in files if p.suffix == ".c"), "-o", str(so), "-lm"]
+            cmd = [cc, *flags, *(str(p) for p in files if p.suffix == ".c"), "-o", str(so), "-lm"]
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             except (OSError, subprocess.SubprocessError) as e:
@@ -167,8 +168,9 @@ def build(csrc: Path | None = None, arch: str | None = None) -> ctypes.CDLL:
     except OSError as e:
         raise NativeBuildError(f"loading {path}: {e}") from e
     for name, (restype, argtypes) in prototypes((csrc / HEADER).read_text()).items():
-        fn = getattr(so, name)  # AttributeError: declared FS_API but not defined (the link would not fail)
-        fn.restype, fn.argtypes = restype, argtypes
+        if not hasattr(so, name):  # declared but never defined: a shared library still links
+            raise NativeBuildError(f"error: {HEADER} declares {name}, which the library does not define")
+        getattr(so, name).restype, getattr(so, name).argtypes = restype, argtypes
     if not so.fs_cpu_ok():
         raise NativeBuildError(f"error: built for -march={arch} ({so.fs_isa().decode()}), "
                                "which this CPU does not run")
@@ -181,7 +183,7 @@ def _load() -> ctypes.CDLL | None:
     arch = march()  # a bad FEDSWARM_NATIVE_MARCH is the caller's error, raised
     try:
         return build(arch=arch)
-    except (NativeBuildError, AttributeError, ValueError) as e:
+    except (NativeBuildError, ValueError) as e:  # ValueError: a header type ctypes is not given
         _state["error"] = str(e)
         warnings.warn(f"fedswarm's C codec loops are off, the codecs run their torch code: {_first_error(str(e))}",
                       NativeBuildWarning, stacklevel=3)
