@@ -389,6 +389,20 @@ def test_a_function_declared_but_not_defined_is_refused(tmp_path, monkeypatch):
         native.build(src)
 
 
+def test_a_library_this_cpu_cannot_run_is_refused(tmp_path, monkeypatch):
+    """fs_cpu_ok false (as for a -march wider than the CPU's): refused before any loop runs,
+    naming the -march and the branch."""
+    src = tmp_path / "csrc"
+    src.mkdir()
+    shutil.copy(native.CSRC / native.HEADER, src)
+    code = (native.CSRC / "isa.c").read_text()
+    assert "int fs_cpu_ok(void) {" in code
+    (src / "isa.c").write_text(code.replace("int fs_cpu_ok(void) {", "int fs_cpu_ok(void) {\n    return 0;", 1))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(native.NativeBuildError, match=r"built for -march=x86-64 \(scalar\), which this CPU does not"):
+        native.build(src, arch="x86-64")
+
+
 def test_native_off_and_a_bad_march(monkeypatch):
     """FEDSWARM_NATIVE=0 turns the loops off; a -march that is not a name is refused by name."""
     monkeypatch.setenv("FEDSWARM_NATIVE", "0")

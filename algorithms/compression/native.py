@@ -167,13 +167,14 @@ def build(csrc: Path | None = None, arch: str | None = None) -> ctypes.CDLL:
         so = ctypes.CDLL(str(path))
     except OSError as e:
         raise NativeBuildError(f"loading {path}: {e}") from e
-    for name, (restype, argtypes) in prototypes((csrc / HEADER).read_text()).items():
+    protos = prototypes((csrc / HEADER).read_text())
+    for i, name in enumerate(dict.fromkeys(["fs_isa", "fs_cpu_ok", *protos])):  # the CPU checked before any loop
         if not hasattr(so, name):  # declared but never defined: a shared library still links
             raise NativeBuildError(f"error: {HEADER} declares {name}, which the library does not define")
-        getattr(so, name).restype, getattr(so, name).argtypes = restype, argtypes
-    if not so.fs_cpu_ok():
-        raise NativeBuildError(f"error: built for -march={arch} ({so.fs_isa().decode()}), "
-                               "which this CPU does not run")
+        getattr(so, name).restype, getattr(so, name).argtypes = protos[name]
+        if i == 1 and not so.fs_cpu_ok():
+            raise NativeBuildError(f"error: built for -march={arch} ({so.fs_isa().decode()}), "
+                                   "which this CPU does not run")
     return so
 
 
