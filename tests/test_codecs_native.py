@@ -1,10 +1,18 @@
 """The C loops of the codecs (fedswarm.algorithms.compression.native) against the eager
 numpy/torch code they replace (run under native.disabled(), the oracle), and decoding
-into a caller's out= buffer."""
+into a caller's out= buffer; their build: the instruction-set branch compiled for
+FEDSWARM_NATIVE_MARCH, a broken kernel failing loudly, the ctypes signatures read from the
+header. Where a C compiler exists, a library that does not build fails this module instead
+of skipping it (.ci/run runs it at -march native, x86-64-v3 and x86-64)."""
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
+import re
+import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -17,7 +25,20 @@ from fedswarm.algorithms.compression.kernels import _at_least_cpu, bit_lut, lut_
 
 from tests.codec_oracles import np_topk, randn
 
-pytestmark = pytest.mark.skipif(native.lib() is None, reason="no C compiler: the codecs run their eager code")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _built():
+    """Skip without a compiler or with FEDSWARM_NATIVE=0; fail when a compiler is there and the
+    library is not (the compiler's output in the message)."""
+    if os.environ.get("FEDSWARM_NATIVE", "1") == "0":
+        pytest.skip("FEDSWARM_NATIVE=0: the codecs run their eager code")
+    if native.compiler() is None:
+        pytest.skip("no C compiler: the codecs run their eager code")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", native.NativeBuildWarning)
+        if native.lib() is None:
+            pytest.fail(f"the C loops did not build:\n{native.build_error()}", pytrace=False)
 
 # offsets not multiples of 8, columns of 1, 3, 13, 24, 27, 40, a scalar, d % 8 = 2
 LAYOUT = ParamLayout.from_shapes([("a", (37, 24)), ("b", (5,)), ("c", (300, 13)), ("s", ()), ("conv", (64, 3, 3, 3)),
@@ -294,3 +315,99 @@ def test_sketch_profile_times_the_codecs_own_kernel(tmp_path):
     assert [r["step"].split(" ")[0] for r in rows] == ["encode", "encode", "encode", "decode"]
     assert all(r["ms"] > 0 and r["copy_ms"] > 0 and r["vs_copy_"] > 0 and r["runs"] >= 1 for r in rows)
     assert rows[0]["cols"] == 10 * rows[0]["k"] and (tmp_path / "countsketch_profile.json").exists()
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(ln.split(":", 1)[1].split()) for ln in f if ln.startswith(("flags", "Features"))), set())
+
+
+def test_the_library_holds_the_branch_of_the_requested_march():
+    """The ISA the library reports (its preprocessor branch) is the one FEDSWARM_NATIVE_MARCH asks
+    for; for native, the one this CPU's flags in /proc/cpuinfo allow."""
+    levels = {"x86-64": "scalar", "x86-64-v2": "scalar", "x86-64-v3": "avx2", "x86-64-v4": "avx512"}
+    if native.march() == "native":
+        flags = _cpu_flags()
+        want = "avx512" if {"avx512f", "avx512bw"} <= flags else "avx2" if {"avx2", "fma"} <= flags else "scalar"
+    elif native.march() in levels:
+        want = levels[native.march()]
+    else:
+        pytest.skip(f"no expected branch known for -march={native.march()}")
+    assert native.isa() == want
+
+
+def test_signatures_come_from_the_header():
+    """Every FS_API function of fs_kernels.h is bound with the header's types (written out here
+    for two), and a type ctypes is not given refuses to bind."""
+    protos = native.prototypes((native.CSRC / native.HEADER).read_text())
+    assert len(protos) == 15
+    assert protos["fs_sign_encode"] == (ctypes.c_double, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p])
+    assert protos["fs_kth_largest"] == (ctypes.c_float, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                                         ctypes.c_int])
+    assert protos["fs_isa"] == (ctypes.c_char_p, [])
+    so = native.lib()
+    for name, (restype, argtypes) in protos.items():
+        assert getattr(so, name).restype == restype and getattr(so, name).argtypes == argtypes, name
+    with pytest.raises(ValueError, match=r"fs_x\(size_t n\).*'size_t'"):
+        native.prototypes("FS_API int fs_x(size_t n);")
+
+
+@pytest.mark.parametrize("broken, message", [
+    (("double fs_sign_encode(const float *x,", "double fs_sign_encode(const float *x x,"), r"codecs\.c:\d+:\d+: error"),
+    (("double fs_sign_encode(const float *x, int64_t n,", "double fs_sign_encode(const float *x, int n,"),
+     r"codecs\.c:\d+:\d+: error: conflicting types for .fs_sign_encode"),
+    (("    double lane[8] =", "    int unused;\n    double lane[8] ="), r"codecs\.c:\d+:\d+: error: unused variable"),
+])
+def test_a_broken_kernel_fails_loudly(tmp_path, monkeypatch, broken, message):
+    """A syntax error, a definition that differs from its header prototype, or a warning: the
+    build fails, and lib() warns with the compiler's first error line and returns None (the
+    sources: the header and the broken file, which is all the compiler needs to fail)."""
+    src = tmp_path / "csrc"
+    src.mkdir()
+    shutil.copy(native.CSRC / native.HEADER, src)
+    code = (native.CSRC / "codecs.c").read_text()
+    assert broken[0] in code
+    (src / "codecs.c").write_text(code.replace(broken[0], broken[1], 1))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "CSRC", src)
+    monkeypatch.setattr(native, "_state", {})
+    with pytest.warns(native.NativeBuildWarning, match=message):
+        assert native.lib() is None
+    assert re.search(message, native.build_error())  # the compiler's whole output
+    assert not list((tmp_path / "cache").rglob("*.so"))  # nothing cached from a failed build
+
+
+def test_a_function_declared_but_not_defined_is_refused(tmp_path, monkeypatch):
+    """A shared library links with a header function left undefined: the loader finds it
+    missing and says which (here every loop: only isa.c is built)."""
+    src = tmp_path / "csrc"
+    src.mkdir()
+    for name in (native.HEADER, "isa.c"):
+        shutil.copy(native.CSRC / name, src)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(native.NativeBuildError, match="declares fs_sign_encode, which the library does not define"):
+        native.build(src)
+
+
+def test_a_library_this_cpu_cannot_run_is_refused(tmp_path, monkeypatch):
+    """fs_cpu_ok false (as for a -march wider than the CPU's): refused before any loop runs,
+    naming the -march and the branch."""
+    src = tmp_path / "csrc"
+    src.mkdir()
+    shutil.copy(native.CSRC / native.HEADER, src)
+    code = (native.CSRC / "isa.c").read_text()
+    assert "int fs_cpu_ok(void) {" in code
+    (src / "isa.c").write_text(code.replace("int fs_cpu_ok(void) {", "int fs_cpu_ok(void) {\n    return 0;", 1))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(native.NativeBuildError, match=r"built for -march=x86-64 \(scalar\), which this CPU does not"):
+        native.build(src, arch="x86-64")
+
+
+def test_native_off_and_a_bad_march(monkeypatch):
+    """FEDSWARM_NATIVE=0 turns the loops off; a -march that is not a name is refused by name."""
+    monkeypatch.setenv("FEDSWARM_NATIVE", "0")
+    assert native.lib() is None
+    monkeypatch.setenv("FEDSWARM_NATIVE", "1")
+    monkeypatch.setenv("FEDSWARM_NATIVE_MARCH", "x86-64; rm -rf /")
+    with pytest.raises(ValueError, match="FEDSWARM_NATIVE_MARCH"):
+        native.march()

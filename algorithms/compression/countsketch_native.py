@@ -1,7 +1,7 @@
-"""Count Sketch on a CPU through the C loops of
-:mod:`~fedswarm.algorithms.compression.native_sketch_source`: the sketch (``fs_sketch``),
-and unsketch's threshold, its candidates with ``|x̂_i| >= t`` found exactly from bit rows
-of the table, and the top k of them in coordinate order. :meth:`CountSketch.sketch` and
+"""Count Sketch on a CPU through the C loops of ``csrc/countsketch.c`` (built by
+:mod:`~fedswarm.algorithms.compression.native`): the sketch (``fs_sketch``), and unsketch's
+threshold, its candidates with ``|x̂_i| >= t`` found exactly from bit rows of the table,
+and the top k of them in coordinate order. :meth:`CountSketch.sketch` and
 :meth:`CountSketch._unsketch_sparse` call these where the library is built; their numpy
 and torch paths are the oracle the tests hold them to."""
 

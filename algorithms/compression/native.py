@@ -3,19 +3,25 @@
 A codec pass like "sum |x| and pack x >= 0 into bits" is one read of x when written as
 one loop, but three or four when composed from numpy/torch ops (each op streams its
 operands through memory, or at best through cache with a call's overhead per chunk).
-These few loops are written in C here, compiled once with the system's C compiler
-(``cc -O3 -march=native``, about a second) into a shared library kept under
-``$XDG_CACHE_HOME/fedswarm/native`` (``~/.cache`` by default; the file name hashes the
-source, the flags and the CPU), and called through ctypes on contiguous CPU tensors.
+These few loops are written in C in ``csrc/`` beside this module (``codecs.c``,
+``countsketch.c``; their API, the ``fs_*`` functions, in ``fs_kernels.h``), compiled once
+with the system's C compiler (``cc -O3 -march=native`` with warnings as errors, a few
+seconds) into a shared library kept under ``$XDG_CACHE_HOME/fedswarm/native`` (``~/.cache``
+by default; the file name hashes the sources, the flags, the compiler and the CPU), and
+called through ctypes on contiguous CPU tensors, with signatures read from the header.
 
-Everything here is optional: :func:`lib` returns None when there is no compiler, the
-build fails, ``FEDSWARM_NATIVE=0`` is set, or :func:`disabled` is active, and the codecs
-then run their eager numpy/torch code, which stays the oracle the tests hold these loops
-to (bit for bit, or to float tolerance where a summation order differs).
+Everything here is optional: :func:`lib` returns None when there is no compiler,
+``FEDSWARM_NATIVE=0`` is set, or :func:`disabled` is active, and the codecs then run their
+eager numpy/torch code, which stays the oracle the tests hold these loops to (bit for bit,
+or to float tolerance where a summation order differs). A build that fails, or a library
+this CPU cannot run, also returns None, but says so once in a :class:`NativeBuildWarning`
+naming the compiler's first error (:func:`build_error` has the whole of it).
+``FEDSWARM_NATIVE_MARCH`` picks the ``-march`` (default ``native``): CI builds
+``x86-64-v3`` (the AVX2 branch) and ``x86-64`` (the scalar one) too; :func:`isa` says which
+branch a library holds.
 
-The loops (the ``fs_*`` functions in ``native_source.py`` and
-``native_sketch_source.py``) take raw pointers: the Python wrappers in the codecs check
-shapes, dtypes and contiguity before calling them.
+The loops take raw pointers: the Python wrappers in the codecs check shapes, dtypes and
+contiguity before calling them.
 """
 
 from __future__ import annotations
@@ -25,28 +31,52 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import torch
 
-from fedswarm.algorithms.compression.native_sketch_source import SKETCH_SOURCE
-from fedswarm.algorithms.compression.native_source import SOURCE
+__all__ = ["lib", "disabled", "ptr", "isa", "march", "compiler", "build", "build_error", "prototypes", "CSRC",
+           "HEADER", "NativeBuildError", "NativeBuildWarning"]
 
-__all__ = ["lib", "disabled", "ptr"]
-
-_SOURCE = SOURCE + SKETCH_SOURCE  # the C loops, one file; hashed into the library's file name
-
+CSRC = Path(__file__).with_name("csrc")  # the C sources, shipped as package data
+HEADER = "fs_kernels.h"
 
 # -fno-trapping-math lets the compiler vectorize the selects (FP exception flags are never read);
-# results are those of plain IEEE arithmetic in the order written (no -ffast-math)
-_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-shared", "-fPIC", "-std=c99"]
+# results are those of plain IEEE arithmetic in the order written (no -ffast-math; -std=c99 keeps
+# a * b + c unfused). Warnings are errors: our own code, and a warning in intrinsics code is
+# usually a bug. -fvisibility=hidden: only the header's FS_API functions are exported.
+_FLAGS = ["-O3", "-fno-trapping-math", "-std=c99", "-Wall", "-Wextra", "-Wmissing-prototypes", "-Werror",
+          "-fvisibility=hidden", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 _off = threading.local()
+
+
+class NativeBuildError(RuntimeError):
+    """The C loops did not compile or load (the message holds the compiler's output)."""
+
+
+class NativeBuildWarning(RuntimeWarning):
+    """The C loops are not in use although a compiler is there: the codecs run their torch code."""
+
+
+def march() -> str:
+    """The ``-march`` to build for: ``FEDSWARM_NATIVE_MARCH``, default ``native``."""
+    m = os.environ.get("FEDSWARM_NATIVE_MARCH", "") or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", m):
+        raise ValueError(f"FEDSWARM_NATIVE_MARCH={m!r}: expected a -march name such as native, x86-64-v3 or x86-64")
+    return m
+
+
+def compiler() -> str | None:
+    """The C compiler to build with (``$CC``, else ``cc`` or ``gcc`` on the PATH), or None."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def _cpu_key() -> str:
@@ -65,56 +95,123 @@ def _cache_dir() -> Path:
     return Path(base) / "fedswarm" / "native"
 
 
-def _build() -> ctypes.CDLL | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+_CTYPES = {"void": None, "int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
+           "double": ctypes.c_double}
+
+
+def _ctype(decl: str, where: str):
+    """The ctypes type of a C type (a return type, or a parameter without its name)."""
+    if "*" in decl:
+        return ctypes.c_char_p if re.fullmatch(r"const char\s*\*", decl.strip()) else ctypes.c_void_p
+    base = " ".join(w for w in decl.split() if w != "const")
+    if base not in _CTYPES:
+        raise ValueError(f"{HEADER}: {where}: no ctypes type for {decl.strip()!r} (use int, int64_t, float, "
+                         "double or a pointer)")
+    return _CTYPES[base]
+
+
+def prototypes(header: str) -> dict[str, tuple[object, list]]:
+    """``{name: (restype, argtypes)}`` of the header's ``FS_API`` declarations: the one place
+    the library's C signatures meet ctypes (the compiler holds the definitions to the header)."""
+    out: dict[str, tuple[object, list]] = {}
+    for ret, name, params in re.findall(r"FS_API\s+([^;(]*?)\s*\b(fs_\w+)\s*\(([^)]*)\)\s*;", header):
+        args = [] if params.strip() in ("", "void") else [
+            _ctype(re.sub(r"\w+\s*$", "", p.strip()), f"{name}({p.strip()})") for p in params.split(",")]
+        out[name] = (_ctype(ret, name), args)
+    if not out:
+        raise ValueError(f"{HEADER}: no FS_API declarations")
+    return out
+
+
+def _first_error(log: str) -> str:
+    lines = log.splitlines()
+    return next((ln for ln in lines if re.search(r"\berror:", ln)),
+                next((ln for ln in lines if ln.strip()), "no output"))
+
+
+def build(csrc: Path | None = None, arch: str | None = None) -> ctypes.CDLL:
+    """Compile the C files of ``csrc`` (default :data:`CSRC`) for ``-march=arch`` (default
+    :func:`march`), once per sources, flags, compiler and CPU (the cached library is reused),
+    load it and set its signatures from the header. Raises :class:`NativeBuildError` (with
+    the compiler's output) if it does not build, load, or run on this CPU; FileNotFoundError
+    without a compiler."""
+    cc = compiler()
     if cc is None:
-        return None
-    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, cc, platform.machine(), _cpu_key()]).encode()).hexdigest()
-    path = _cache_dir() / f"codec_kernels_{key[:20]}.so"
+        raise FileNotFoundError("no C compiler (set CC, or install cc)")
+    csrc, arch = csrc or CSRC, arch or march()
+    flags = [f"-march={arch}", *_FLAGS]
+    files = sorted(p for p in csrc.iterdir() if p.suffix in (".c", ".h"))
+    exe = shutil.which(cc) or cc
+    try:  # a compiler upgraded in place builds anew
+        st = os.stat(exe)
+        cc_id = f"{os.path.realpath(exe)}:{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        cc_id = cc
+    key = hashlib.sha256()
+    for part in [*(p.name + "\0" + p.read_text() for p in files), *flags, cc_id, platform.machine(), _cpu_key()]:
+        key.update(part.encode() + b"\0")
+    path = _cache_dir() / f"codec_kernels_{key.hexdigest()[:20]}.so"
     if not path.exists():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                src, so = Path(tmp) / "k.c", Path(tmp) / "k.so"
-                src.write_text(_SOURCE)
-                subprocess.run([cc, *_FLAGS, str(src), "-o", str(so), "-lm"], check=True, capture_output=True,
-                               timeout=120)
-                os.replace(so, path)  # atomic: a concurrent builder finds a whole file or none
-        except (OSError, subprocess.SubprocessError):
-            return None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            so = Path(tmp) / "k.so"
+            cmd = [cc, *flags, *(str(p) for p in files if p.suffix == ".c"), "-o", str(so), "-lm"]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.SubprocessError) as e:
+                raise NativeBuildError(f"{' '.join(cmd)}: {e}") from e
+            if done.returncode != 0:
+                raise NativeBuildError(f"{' '.join(cmd)} failed:\n{done.stderr or done.stdout}")
+            os.replace(so, path)  # atomic: a concurrent builder finds a whole file or none
     try:
         so = ctypes.CDLL(str(path))
-    except OSError:
-        return None
-    i64, f32, vp = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-    so.fs_sign_encode.argtypes, so.fs_sign_encode.restype = [vp, i64, vp], ctypes.c_double
-    so.fs_lut_decode.argtypes, so.fs_lut_decode.restype = [vp, i64, vp, vp], None
-    so.fs_onebit_encode.argtypes, so.fs_onebit_encode.restype = [vp, i64, vp, vp, vp, vp, vp, vp, vp], None
-    so.fs_onebit_decode.argtypes, so.fs_onebit_decode.restype = [vp, i64, vp, vp, vp, vp, vp, vp], None
-    so.fs_scatter_dense.argtypes, so.fs_scatter_dense.restype = [vp, i64, vp, vp, i64], None
-    so.fs_collect_abs_ge.argtypes, so.fs_collect_abs_ge.restype = [vp, i64, f32, vp, vp, i64], i64
-    so.fs_select_top.argtypes, so.fs_select_top.restype = [vp, vp, i64, i64, vp], i64
-    so.fs_kth_largest.argtypes, so.fs_kth_largest.restype = [vp, i64, i64, ctypes.c_int], f32
-    so.fs_sketch.argtypes, so.fs_sketch.restype = [vp, i64, i64, i64, i64, vp, vp, vp, vp, vp, vp, vp], None
-    so.fs_cs_sample_threshold.argtypes = [vp, i64, i64, vp, vp, i64, vp]
-    so.fs_cs_sample_threshold.restype = f32
-    so.fs_cs_top.argtypes, so.fs_cs_top.restype = [vp, vp, i64, i64, vp, vp, vp, vp], i64
-    so.fs_cs_candidates.argtypes = [vp, i64, i64, i64, i64, vp, vp, vp, f32, vp, i64, vp, vp]
-    so.fs_cs_candidates.restype = i64
-    so.fs_cs_scratch_words.argtypes, so.fs_cs_scratch_words.restype = [i64, i64], i64
+    except OSError as e:
+        raise NativeBuildError(f"loading {path}: {e}") from e
+    protos = prototypes((csrc / HEADER).read_text())
+    for i, name in enumerate(dict.fromkeys(["fs_isa", "fs_cpu_ok", *protos])):  # the CPU checked before any loop
+        if not hasattr(so, name):  # declared but never defined: a shared library still links
+            raise NativeBuildError(f"error: {HEADER} declares {name}, which the library does not define")
+        getattr(so, name).restype, getattr(so, name).argtypes = protos[name]
+        if i == 1 and not so.fs_cpu_ok():
+            raise NativeBuildError(f"error: built for -march={arch} ({so.fs_isa().decode()}), "
+                                   "which this CPU does not run")
     return so
 
 
+def _load() -> ctypes.CDLL | None:
+    if compiler() is None:
+        return None
+    arch = march()  # a bad FEDSWARM_NATIVE_MARCH is the caller's error, raised
+    try:
+        return build(arch=arch)
+    except (NativeBuildError, ValueError) as e:  # ValueError: a header type ctypes is not given
+        _state["error"] = str(e)
+        warnings.warn(f"fedswarm's C codec loops are off, the codecs run their torch code: {_first_error(str(e))}",
+                      NativeBuildWarning, stacklevel=3)
+        return None
+
+
 def lib() -> ctypes.CDLL | None:
-    """The compiled loops, or None (no compiler, a failed build, ``FEDSWARM_NATIVE=0``, or
-    inside :func:`disabled`): callers then take their eager path."""
+    """The compiled loops, or None (no compiler, ``FEDSWARM_NATIVE=0``, inside
+    :func:`disabled`, or a failed build, which warns once): callers then take their eager path."""
     if getattr(_off, "depth", 0) or os.environ.get("FEDSWARM_NATIVE", "1") == "0":
         return None
     if "lib" not in _state:
         with _lock:
             if "lib" not in _state:
-                _state["lib"] = _build()
+                _state["lib"] = _load()
     return _state["lib"]  # type: ignore[return-value]
+
+
+def build_error() -> str | None:
+    """Why :func:`lib` is None although a compiler is there (the compiler's whole output), else None."""
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def isa() -> str | None:
+    """The branch the loops were compiled for: ``avx512``, ``avx2``, ``scalar``; None without them."""
+    so = lib()
+    return None if so is None else so.fs_isa().decode()
 
 
 @contextlib.contextmanager

@@ -1,17 +1,8 @@
-"""The C source of the codecs' fused CPU loops (built and loaded by
-:mod:`fedswarm.algorithms.compression.native`; the ``fs_*`` functions are its API): the
-headers and the quantizers' and top-k's loops here, Count Sketch's in
-:mod:`~fedswarm.algorithms.compression.native_sketch_source`, compiled as one file."""
-
-__all__ = ["SOURCE"]
-
-SOURCE = r"""
-#include <stdint.h>
+/* The quantizers' and top-k's loops (the API and the ISA macros: fs_kernels.h). */
 #include <string.h>
 #include <math.h>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+
+#include "fs_kernels.h"
 
 /* Outputs over this many bytes are written with streaming stores (no read for ownership
    of their lines; they would not stay in cache anyway). */
@@ -19,7 +10,7 @@ SOURCE = r"""
 
 /* Bit e % 8 of byte e / 8 of `bits` is [x[e] >= 0] (false for NaN, true for -0.0). */
 static inline uint8_t byte_ge0(const float *p) {
-#if defined(__AVX2__)
+#if FS_AVX2
     return (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p), _mm256_setzero_ps(), _CMP_GE_OQ));
 #else
     uint8_t b = 0;
@@ -44,7 +35,7 @@ static void pack_ge0(const float *x, int64_t lo, int64_t hi, uint8_t *bits) {
 double fs_sign_encode(const float *x, int64_t n, uint8_t *bits) {
     double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t e = 0;
-#if defined(__AVX2__)
+#if FS_AVX2
     __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (; e + 8 <= n; e += 8) {
@@ -76,7 +67,7 @@ void fs_lut_decode(const uint8_t *bits, int64_t n, const float *lut, float *out)
     for (int64_t e = 8 * full; e < n; e++) out[e] = lut[8 * (int64_t)bits[full] + (e & 7)];
 }
 
-#if defined(__AVX2__)
+#if FS_AVX2
 /* max(v, 0) and min(v, 0) of values already in float64 (exact: float32 -> float64 is);
    the operand order keeps the float32 form's sums: a NaN goes to the min's sum only */
 #define POS(a) _mm256_max_pd((a), _mm256_setzero_pd())
@@ -90,7 +81,7 @@ void fs_lut_decode(const uint8_t *bits, int64_t n, const float *lut, float *out)
     } while (0)
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if FS_AVX512
 /* onebit_encode's inner loop with AVX-512, 16 columns at a time from column c0 on, rows
    r0..r1 (one block): the same sums in the same order as the AVX2 loop, bit for bit (a
    masked add of v where v >= 0 adds what max(v, 0) adds: an add of +-0 leaves a sum as
@@ -183,7 +174,7 @@ static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, in
     }
     int64_t block = 4096 / cols; /* rows per block: about 16 KB, still in cache when packed */
     if (block < 1) block = 1;
-#if defined(__AVX2__)
+#if FS_AVX2
     /* whole bytes of bits per 8 columns of a row: packed in the same pass as the sums */
     const int fused = (off & 7) == 0 && (cols & 7) == 0;
 #else
@@ -191,11 +182,13 @@ static void onebit_encode(const float *restrict x, int64_t off, int64_t rows, in
 #endif
     for (int64_t r0 = 0; r0 < rows; r0 += block) {
         int64_t r1 = r0 + block < rows ? r0 + block : rows, c0 = 0;
+#if FS_AVX2
         int64_t r2 = r1 + block < rows ? r1 + block : rows; /* the next block, prefetched */
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#endif
+#if FS_AVX512
         c0 = onebit_cols16(t, off, cols, r0, r1, r2, c0, sp, sn, cnt, bits, fused);
 #endif
-#if defined(__AVX2__)
+#if FS_AVX2
         for (; c0 + 8 <= cols; c0 += 8) { /* 8 columns' sums in registers down the block */
             for (int64_t i = r1; i < r2; i++) __builtin_prefetch(t + i * cols + c0);
             __m256d p0 = _mm256_loadu_pd(sp + c0), p1 = _mm256_loadu_pd(sp + c0 + 4);
@@ -275,7 +268,7 @@ static inline float pick(const uint8_t *bits, int64_t e, float a0, float a1) {
 }
 
 /* Store 8 floats at o: streamed past the caches (nt, o 32-byte aligned) or plain. */
-#if defined(__AVX2__)
+#if FS_AVX2
 static inline void put8(float *o, __m256 v, int nt) {
     if (nt) _mm256_stream_ps(o, v);
     else _mm256_storeu_ps(o, v);
@@ -288,11 +281,14 @@ static inline void put8(float *o, __m256 v, int nt) {
    large to stay in cache is streamed to memory (no read for ownership of its lines). */
 static void onebit_decode(const uint8_t *bits, int64_t off, int64_t rows, int64_t cols, const float *a0,
                           const float *a1, float *out, int nt) {
+#if !FS_AVX2
+    (void)nt; /* plain stores only */
+#endif
     if (cols == 1) {
         float z = a0[0], o = a1[0];
         int64_t e = off, hi = off + rows;
         for (; e < hi && (e & 7); e++) out[e] = pick(bits, e, z, o);
-#if defined(__AVX2__)
+#if FS_AVX2
         const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
         const __m256 vz = _mm256_set1_ps(z), vo = _mm256_set1_ps(o);
         const int s = nt && ((uintptr_t)(out + e) & 31) == 0;
@@ -308,7 +304,7 @@ static void onebit_decode(const uint8_t *bits, int64_t off, int64_t rows, int64_
         int64_t e0 = off + r * cols, c = 0;
         float *o = out + e0;
         for (; c < cols && ((e0 + c) & 7); c++) o[c] = pick(bits, e0 + c, a0[c], a1[c]);
-#if defined(__AVX2__)
+#if FS_AVX2
         const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
         const int s = nt && ((uintptr_t)(o + c) & 31) == 0;
         for (; c + 8 <= cols; c += 8) {
@@ -333,7 +329,7 @@ void fs_onebit_decode(const uint8_t *bits, int64_t n, const int64_t *off, const 
         onebit_decode(bits, off[i], rows[i], cols[i], a0 + c, a1 + c, out, nt);
         c += cols[i];
     }
-#if defined(__AVX2__)
+#if FS_AVX2
     if (nt) _mm_sfence(); /* the streamed stores are visible before the caller reads `out` */
 #endif
 }
@@ -344,7 +340,7 @@ void fs_onebit_decode(const uint8_t *bits, int64_t n, const int64_t *off, const 
    values are written. */
 void fs_scatter_dense(float *out, int64_t n, const int64_t *idx, const float *val, int64_t m) {
     int64_t e = 0;
-#if defined(__AVX2__)
+#if FS_AVX2
     if (n * (int64_t)sizeof(float) > STREAM_BYTES) {
         for (; e < n && ((uintptr_t)(out + e) & 31); e++) out[e] = 0.0f;
         const __m256 z = _mm256_setzero_ps();
@@ -366,7 +362,7 @@ void fs_scatter_dense(float *out, int64_t n, const int64_t *idx, const float *va
    (more than cap: only cap were written). */
 int64_t fs_collect_abs_ge(const float *x, int64_t n, float thr, int64_t *idx, float *val, int64_t cap) {
     int64_t m = 0, e = 0;
-#if defined(__AVX2__)
+#if FS_AVX2
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 vt = _mm256_set1_ps(thr);
     for (; e + 8 <= n; e += 8) {
@@ -396,7 +392,7 @@ int64_t fs_collect_abs_ge(const float *x, int64_t n, float thr, int64_t *idx, fl
 /* The exact top-k once the k-th largest magnitude t is known: the positions i of
    val[0:m] (|val[i]| if `absolute`, else val[i] itself), in order, of every one above t
    and then of the first ones equal to t until there are k, into pos. Returns how many. */
-static int64_t top_positions(const float *val, int absolute, int64_t m, float t, int64_t k, int64_t *pos) {
+int64_t fs_top_positions(const float *val, int absolute, int64_t m, float t, int64_t k, int64_t *pos) {
     int64_t above = 0, w = 0;
     for (int64_t i = 0; i < m; i++) above += (absolute ? fabsf(val[i]) : val[i]) > t;
     int64_t ties = k - above;
@@ -442,12 +438,11 @@ float fs_kth_largest(const float *val, int64_t m, int64_t k, int absolute) {
 }
 
 /* Of the candidates idx[0:m] (ascending) with magnitudes val[0:m], 1 <= k <= m, write to
-   out, in order, the top k: top_positions with t the k-th largest magnitude
+   out, in order, the top k: fs_top_positions with t the k-th largest magnitude
    (fs_kth_largest). Returns how many were written (k for finite magnitudes). */
 int64_t fs_select_top(const float *val, const int64_t *idx, int64_t m, int64_t k, int64_t *out) {
-    int64_t w = top_positions(val, 0, m, fs_kth_largest(val, m, k, 0), k, out);
+    int64_t w = fs_top_positions(val, 0, m, fs_kth_largest(val, m, k, 0), k, out);
     for (int64_t i = 0; i < w; i++) out[i] = idx[out[i]]; /* out[i] >= i: read before written over */
     return w;
 }
 
-"""

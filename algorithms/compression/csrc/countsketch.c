@@ -1,11 +1,9 @@
-"""The C source of Count Sketch's CPU loops (fs_sketch, fs_cs_sample_threshold,
-fs_cs_candidates, fs_cs_top),
-appended to :data:`~fedswarm.algorithms.compression.native_source.SOURCE` (whose headers
-it uses) and built with it by :mod:`fedswarm.algorithms.compression.native`."""
+/* Count Sketch's loops (the API and the ISA macros: fs_kernels.h). */
+#include <string.h>
+#include <math.h>
 
-__all__ = ["SKETCH_SOURCE"]
+#include "fs_kernels.h"
 
-SKETCH_SOURCE = r"""
 /* Count Sketch unsketch, the first step for one client: the threshold t, the rank-th
    largest |estimate| (fs_kth_largest) over a fixed sample of n coordinates, an estimate
    being the lower median over the r rows of sign[j][i] * S[cell[j][i]] (cell = j * c +
@@ -35,13 +33,13 @@ float fs_cs_sample_threshold(const float *table, int64_t r, int64_t n, const int
 /* Count Sketch unsketch, the last step for one client: of the m >= k candidates
    (coordinate cols[i] < 2^62, estimate vals[i]; coordinates distinct) keep every one with
    |val| > t and then the first ones (in candidate order) with |val| == t until there are
-   k, t being the k-th largest |val| (fs_kth_largest, top_positions: native_source.py);
+   k, t being the k-th largest |val| (fs_kth_largest, fs_top_positions: codecs.c);
    write them to out_cols / out_vals in ascending coordinate order (an LSD radix sort, 11
    bits a pass, through tmp_cols / tmp_vals, each room for k). Returns how many were kept
    (k for finite estimates). */
 int64_t fs_cs_top(const int64_t *cols, const float *vals, int64_t m, int64_t k, int64_t *out_cols,
                   float *out_vals, int64_t *tmp_cols, float *tmp_vals) {
-    int64_t w = top_positions(vals, 1, m, fs_kth_largest(vals, m, k, 1), k, tmp_cols), top = 0;
+    int64_t w = fs_top_positions(vals, 1, m, fs_kth_largest(vals, m, k, 1), k, tmp_cols), top = 0;
     for (int64_t i = 0; i < w; i++) {
         out_cols[i] = cols[tmp_cols[i]];
         out_vals[i] = vals[tmp_cols[i]];
@@ -83,13 +81,13 @@ static void sketch_block(const float *restrict xb, int64_t n, int64_t c, const i
                          const int32_t *tauinv, float *restrict y) {
     const int64_t nl = ldst ? c / 16 : 0, whole = n / 16 < nl ? n / 16 : nl; /* lines of x to move whole */
     if (n < c) memset(y, 0, (size_t)c * sizeof(float));
-#if defined(__AVX512F__)
+#if FS_AVX512
     const __m512i tperm = ldst ? _mm512_loadu_si512(tauinv) : _mm512_setzero_si512();
 #endif
     for (int64_t P = 0; P < whole; P++) {
         const float *src = xb + 16 * P;
         float *dst = y + 16 * (int64_t)ldst[P];
-#if defined(__AVX512F__)
+#if FS_AVX512
         _mm512_storeu_ps(dst, _mm512_permutexvar_ps(tperm, _mm512_loadu_ps(src)));
 #else
         for (int l = 0; l < 16; l++) dst[l] = src[tauinv[l]];
@@ -180,7 +178,7 @@ static inline uint64_t count_ge(const uint64_t *plane, int np, int64_t q) {
     return gt | eq;
 }
 
-#if defined(__AVX512F__)
+#if FS_AVX512
 /* count_add and count_ge on 8 words at a time */
 static inline void count_add8(__m512i *plane, int np, __m512i w) {
     for (int k = 0; k < np; k++) {
@@ -221,7 +219,7 @@ cs_hits(const uint64_t *hi_bits, const uint64_t *lo_bits, int64_t words, int64_t
         flip[j] = -(uint64_t)neg[j * blocks + b]; /* sigma < 0: the two marks swap roles */
     }
     int64_t h = 0, u = 0, w = 0;
-#if defined(__AVX512F__)
+#if FS_AVX512
     for (; u + 512 <= n; u += 512, w += 8) { /* 512 slots: 8 words per row, shifted in-register */
         __m512i up[7], down[7];
         for (int k = 0; k < np; k++) up[k] = down[k] = _mm512_setzero_si512();
@@ -297,7 +295,7 @@ int64_t fs_cs_candidates(const float *rs, int64_t r, int64_t c, int64_t blocks, 
         const float *row = rs + j * c;
         uint64_t *hb = hi_bits + j * words, *lb = lo_bits + j * words;
         int64_t m = 0;
-#if defined(__AVX512F__)
+#if FS_AVX512
         const __m512 vt = _mm512_set1_ps(t), vnt = _mm512_set1_ps(-t);
         for (; m + 16 <= 2 * c; m += 16) { /* 16 marks at once, unless the 16 cells wrap */
             int64_t at0 = m < c ? m : m - c;
@@ -315,7 +313,9 @@ int64_t fs_cs_candidates(const float *rs, int64_t r, int64_t c, int64_t blocks, 
         }
     }
     for (int64_t b = 0; b < blocks; b++) {
+#if FS_AVX512
         const int64_t n_b = d - b * c < c ? d - b * c : c; /* block b's coordinates */
+#endif
         for (int64_t u0 = 0; u0 < c; u0 += CH) {
             int64_t n = c - u0 < CH ? c - u0 : CH, h = 0;
             switch (np) { /* a constant np for the inlined counters: planes in registers */
@@ -327,7 +327,7 @@ int64_t fs_cs_candidates(const float *rs, int64_t r, int64_t c, int64_t blocks, 
             case 6: h = cs_hits(hi_bits, lo_bits, words, r, shifts, neg, blocks, b, u0, n, 6, q_hi, q_lo, hit); break;
             default: h = cs_hits(hi_bits, lo_bits, words, r, shifts, neg, blocks, b, u0, n, 7, q_hi, q_lo, hit);
             }
-#if defined(__AVX512F__)
+#if FS_AVX512
             /* 16 hits at a time: their r terms gathered row by row (independent loads, so
                their latencies overlap), the median by a min/max transposition sort */
             const __m512i vc = _mm512_set1_epi32((int)c);
@@ -412,4 +412,3 @@ int64_t fs_cs_candidates(const float *rs, int64_t r, int64_t c, int64_t blocks, 
     }
     return found;
 }
-"""
