@@ -342,6 +342,9 @@ def runs(
 ) -> None:
     """List the runs in the store: status, strategy, progress, accuracy, bytes.
 
+    A run the store calls live whose process is gone (killed, crashed) shows as lost; `fedswarm
+    resume RUN_ID` continues it from its last checkpoint.
+
     `fedswarm runs export RUN_ID` writes one run's rounds (or per-node rounds) as CSV or JSON Lines."""
     if ctx.invoked_subcommand is not None:
         return
@@ -349,9 +352,14 @@ def runs(
     from fedswarm.store import Store
 
     store = Store(db)
-    rows = [store.export_result(r.id) for r in store.list_runs(limit)]
+    runs = store.list_runs(limit)
+    rows = [store.export_result(r.id) for r in runs]
     if as_json:
-        print(json.dumps([{"run_id": r["run_id"], "config": r["config"], "summary": r["summary"]} for r in rows],
+        from fedswarm.store_liveness import lost_reason
+
+        why = [lost_reason(r) for r in runs]  # read once: status and reason agree
+        print(json.dumps([{"run_id": r["run_id"], "status": "lost" if w else run.status, "lost_reason": w,
+                           "config": r["config"], "summary": r["summary"]} for r, run, w in zip(rows, runs, why)],
                          indent=2, default=str))
         return
     if not rows:

@@ -21,8 +21,8 @@ from typing import Any
 from fedswarm.procs import pid_alive, process_start
 from fedswarm.store_schema import Run
 
-__all__ = ["LIVE_STATUSES", "REPORT_TIMEOUT_S", "owner_fields", "owner_gone", "lost_reason", "is_remote",
-           "timeout_of"]
+__all__ = ["LIVE_STATUSES", "REPORT_TIMEOUT_S", "owner_fields", "owner_gone", "lost_reason", "live_status",
+           "is_remote", "timeout_of"]
 
 LIVE_STATUSES = ("pending", "running", "paused")
 
@@ -73,3 +73,7 @@ def lost_reason(run: Run, default_timeout_s: float = REPORT_TIMEOUT_S, now: dt.d
             return f"no report for over {timeout:.0f} s (last at {last:%Y-%m-%d %H:%M:%S} UTC)"
     return None
 
+
+def live_status(run: Run, default_timeout_s: float = REPORT_TIMEOUT_S) -> str:
+    """The run's stored status, or ``lost`` when :func:`lost_reason` finds one."""
+    return "lost" if lost_reason(run, default_timeout_s) is not None else run.status

@@ -76,9 +76,9 @@ def _lazy(module: str, name: str) -> Callable[..., Any]:
 ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("inprocess", _check_flower_strategy, _lazy("inprocess", "run_inprocess"), can_resume=True),
     Engine("flower", _check_flower_strategy, _lazy("flower_engine", "run_flower"), can_resume=True, threads=None),
+    Engine("array", _lazy("array_engine", "check_config"), _lazy("array_engine", "run_array")),
     Engine("batched", _check_batched, _lazy("batched", "run_batched"), threads=2,  # its math uses a second core
            reports_clients=True),
-    Engine("array", _lazy("array_engine", "check_config"), _lazy("array_engine", "run_array")),
     Engine("clock", _lazy("async_engine", "check_config"), _lazy("async_engine", "run_async")),
 )}
 
