@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from fedswarm.procs import process_start
-from fedswarm.store import Store
+from fedswarm.store import Store, migrate
 from fedswarm.store_liveness import lost_reason, owner_fields
 from tests.helpers import wait_until
 from tests.resume_helpers import HOLD_ENV
@@ -35,6 +35,18 @@ def test_a_reused_pid_or_a_dead_one_is_lost_another_hosts_is_not_judged(store):
     store.set_status(rid, "failed")
     assert lost_reason(store.get_run(rid)) is None  # only a live run can be lost
     assert process_start(os.getpid()) == process_start(os.getpid()) is not None
+
+
+def test_migrate_gives_an_old_store_the_owner_columns(tmp_path):
+    store = Store(tmp_path / "old.db")
+    rid = store.create_run({}, status="running")
+    with store.engine.begin() as conn:  # a store made before runs recorded their host and process start
+        for col in ("host", "pid_start"):
+            conn.exec_driver_sql(f"ALTER TABLE runs DROP COLUMN {col}")
+    migrate(store.engine)
+    store.update_run(rid, **owner_fields())
+    assert lost_reason(store.get_run(rid)) is None and store.get_run(rid).host == socket.gethostname()
+    store.close()
 
 
 def _runs_json(db: Path, env: dict) -> list[dict]:
