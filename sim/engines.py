@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.server.recorder import RoundListener
 from fedswarm.store import Store
 

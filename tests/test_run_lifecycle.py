@@ -9,7 +9,8 @@ from typing import get_args
 import pytest
 
 from fedswarm.algorithms.privacy.accountant import PrivacyBudgetExceeded
-from fedswarm.config import ConfigError, RunConfig
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
 from fedswarm.procs import process_start
 from fedswarm.server.recorder import StopRun, run_recorded
 from fedswarm.sim.engines import ENGINES, check_config, engine_for, run_engine
