@@ -74,14 +74,10 @@ def _config(strategy: str, rounds: int, **kw) -> RunConfig:
 
 def _rounds(cfg: RunConfig, store: Store) -> list[dict]:
     run_id = store.create_run(cfg.model_dump(), name=f"bench-decentralized-{cfg.strategy}")
-    status = (run_async if cfg.strategy == "adpsgd" else _inprocess)(cfg, store, run_id)
+    status = (run_async if cfg.strategy == "adpsgd" else run_inprocess)(cfg, store=store, run_id=run_id)
     if status != "finished":
         raise RuntimeError(f"{cfg.strategy} run ended {status}")
     return store.export_result(run_id)["rounds"]
-
-
-def _inprocess(cfg: RunConfig, store: Store, run_id: str) -> str:
-    return run_inprocess(cfg, store=store, run_id=run_id)
 
 
 def _per_epoch(rows: list[dict], ipe: int) -> list[float]:

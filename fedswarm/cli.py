@@ -209,13 +209,10 @@ def sim(
 
             for k in range(cfg.clients):
                 local_validation(cfg, k)
-        _check_strategy(cfg)
-        check_run_extras(cfg)
-        if cfg.engine == "batched":
-            from fedswarm.sim.batched import check_supported, parse_memory_budget
+        from fedswarm.sim.engines import check_config
 
-            check_supported(cfg)
-            parse_memory_budget(cfg.memory_budget)
+        check_config(cfg)  # the engine's own check: a bad combination is one line (exit 2), not a failed run
+        check_run_extras(cfg)
     except ValueError as exc:  # ConfigError, or a client's LocalDataError
         fail(str(exc))
     _run(cfg, verbose, log_file, db=db, run_id=run_id, out=out)
@@ -329,30 +326,6 @@ def _client_data_clients(values: dict[str, Any]) -> None:
                           f"{values['client_data']} holds {len(paths)} datasets (one per client)")
 
 
-def _check_strategy(cfg: RunConfig) -> None:
-    """Build the run's strategy once before starting, so a tolerance bound, a privacy
-    budget or an unsupported combination fails as one line (exit 2), not mid-run."""
-    from fedswarm.algorithms.privacy.accountant import PrivacyBudgetExceeded
-    from fedswarm.params import ParamLayout
-    from fedswarm.server.app import build_strategy
-    from fedswarm.strategies import registry
-    from fedswarm.tasks import get_task
-
-    if cfg.engine == "clock" or (registry.get(cfg.strategy).kind == "async"
-                                 and cfg.params.get("schedule", "clock") == "clock"):
-        from fedswarm.sim.async_engine import check_config as check_clock
-
-        return check_clock(cfg)  # the virtual clock: no Flower strategy
-    if cfg.engine == "array" or registry.get(cfg.strategy).kind == "array":
-        from fedswarm.sim.array_engine import check_config
-
-        return check_config(cfg)  # no Flower strategy on the array engine
-    try:
-        build_strategy(cfg, ParamLayout.from_module(get_task(cfg.task).model(cfg.seed)))
-    except PrivacyBudgetExceeded as exc:
-        raise ConfigError(f"invalid value for 'dp': {exc}") from None
-
-
 # --------------------------------------------------------------------------------------
 # runs, strategies
 # --------------------------------------------------------------------------------------
@@ -369,6 +342,9 @@ def runs(
 ) -> None:
     """List the runs in the store: status, strategy, progress, accuracy, bytes.
 
+    A run the store calls live whose process is gone (killed, crashed) shows as lost; `fedswarm
+    resume RUN_ID` continues it from its last checkpoint.
+
     `fedswarm runs export RUN_ID` writes one run's rounds (or per-node rounds) as CSV or JSON Lines."""
     if ctx.invoked_subcommand is not None:
         return
@@ -376,9 +352,14 @@ def runs(
     from fedswarm.store import Store
 
     store = Store(db)
-    rows = [store.export_result(r.id) for r in store.list_runs(limit)]
+    runs = store.list_runs(limit)
+    rows = [store.export_result(r.id) for r in runs]
     if as_json:
-        print(json.dumps([{"run_id": r["run_id"], "config": r["config"], "summary": r["summary"]} for r in rows],
+        from fedswarm.store_liveness import lost_reason
+
+        why = [lost_reason(r) for r in runs]  # read once: status and reason agree
+        print(json.dumps([{"run_id": r["run_id"], "status": "lost" if w else run.status, "lost_reason": w,
+                           "config": r["config"], "summary": r["summary"]} for r, run, w in zip(rows, runs, why)],
                          indent=2, default=str))
         return
     if not rows:

@@ -1,6 +1,6 @@
-"""Processes fedswarm starts and watches: whether one still runs here (the one check the
-dashboard's run liveness and ``fedswarm resume`` share), and stopping the process groups a
-benchmark or a test started (SuperLinks, SuperNodes, peers)."""
+"""Processes fedswarm starts and watches: whether one still runs here and which process it is
+(the checks behind a run's liveness, :mod:`fedswarm.store_liveness`), and stopping the process
+groups a benchmark or a test started (SuperLinks, SuperNodes, peers)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-__all__ = ["pid_alive", "stop_process_groups"]
+__all__ = ["pid_alive", "process_start", "stop_process_groups"]
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -33,6 +33,19 @@ def pid_alive(pid: int | None) -> bool:
     except OSError:
         return False
     return not _is_zombie(pid)
+
+
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` started, as ``BOOT_ID:TICKS`` (the kernel's boot and the start in
+    clock ticks since it): with the pid it names one process, so a pid the kernel gave to a
+    later process is not taken for the first. None where ``/proc`` cannot say (not Linux, gone)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
+    return f"{boot}:{fields[19]}"  # field 22 of proc(5), starttime
 
 
 def _is_zombie(pid: int) -> bool:

@@ -56,7 +56,10 @@ class Run(Base):
     started_at: Mapped[dt.datetime | None] = mapped_column(DateTime)
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime)
     error: Mapped[str | None] = mapped_column(Text)
+    # The process that runs it (fedswarm.store_liveness): a live run whose process is gone shows as lost
     pid: Mapped[int | None] = mapped_column(Integer)
+    host: Mapped[str | None] = mapped_column(String(255))
+    pid_start: Mapped[str | None] = mapped_column(String(64))  # fedswarm.procs.process_start: tells pid reuse
     summary: Mapped[dict] = mapped_column(JSON, default=dict)
     # Who registered the run: "dashboard" (started from the web), "token:<id>" (an ingest
     # token), "cli" or None (written by a runtime directly). Ingest tokens act only on runs

@@ -20,10 +20,7 @@ set at all (the task's data is never loaded here). ``round_timeout`` (seconds, d
 
 from __future__ import annotations
 
-import logging
-import os
 import random
-import traceback
 from typing import Callable
 
 import torch
@@ -36,6 +33,7 @@ from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout, get_flat
 from fedswarm.policy import PolicyBook
 from fedswarm.store import Store
+from fedswarm.store_liveness import owner_fields
 from fedswarm.strategies import registry
 from fedswarm.tasks import get_task
 from fedswarm.train import evaluate_flat, resolve_device, task_data
@@ -44,7 +42,7 @@ from fedswarm.server.metered_grid import MeteredGrid, Traffic
 from fedswarm.server.prompt_grid import PromptGrid
 from fedswarm.server.checkpoint import ServerCheckpoint, ServerCheckpointer
 from fedswarm.server.fed_eval import GridEvaluator
-from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
+from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
 from fedswarm.server.client_state import restore_clients
 from fedswarm.server.resume import ACCEPT_LOSS_KEY, RESUME_KEY, resume_into
 from fedswarm.protocol import RUN_KEY
@@ -52,8 +50,6 @@ from fedswarm.strategies.resumable import shift_rounds
 from fedswarm.strategies.federated.dp import attach_dp
 
 __all__ = ["app", "run_server", "split_run_config"]
-
-log = logging.getLogger("fedswarm.server")
 
 # Seconds a round may wait for replies before it goes on without the missing ones (run config round_timeout).
 ROUND_TIMEOUT_S = RunConfig.model_fields["round_timeout"].default
@@ -137,9 +133,9 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
         arrays, rounds = resume_into(resume, store=store, run_id=run_id, strategy=strategy, recorder=recorder,
                                      policies=policies, train_config=train_config, engine=engine_state,
                                      byzantine=byzantine, restore_clients=restore)
-    store.set_status(run_id, "running")
-    status = "finished"
-    try:
+
+    def loop() -> None:
+        nonlocal arrays, rounds
         while rounds > 0:
             shift_rounds(strategy, recorder.offset)  # clients are told the run's round, not start()'s
             recorder.reset_clock()
@@ -149,22 +145,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
             arrays = result.arrays if result.arrays is not None else arrays
             recorder.offset = recorder.last_round
             rounds, recorder.extra_rounds = recorder.extra_rounds, 0
-    except StopRun as stop:
-        status = "stopped"
-        store.set_status(run_id, "stopped", error=None)
-        store.add_event(run_id, "stopped", str(stop))
-        return status
-    except PrivacyBudgetExceeded as exc:  # --dp target_epsilon: the next round would exceed it
-        store.set_status(run_id, "stopped", error=None)
-        store.add_event(run_id, "privacy_budget", str(exc))
-        log.warning("run %s stopped: %s", run_id, exc)
-        return "stopped"
-    except BaseException as exc:
-        store.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
-        store.add_event(run_id, "error", traceback.format_exc()[-4000:])
-        raise
-    store.set_status(run_id, status)
-    return status
+
+    return run_recorded(store, run_id, loop)
 
 
 def build_strategy(cfg: RunConfig, layout: ParamLayout):
@@ -242,7 +224,7 @@ def main(grid: Grid, context: Context) -> None:
         cfg, checkpoint = prepare_resume(store, run_id, accept_client_state_loss=accept_loss)
     elif run_id is None or store.get_run(run_id) is None:
         run_id = store.create_run(cfg.model_dump(), run_id=run_id)
-    # Started by a SuperLink (`flwr run`), not by a fedswarm simulation engine; the pid is
-    # this ServerApp process's (what the dashboard watches, and stops).
-    store.update_run(run_id, engine="deployment", pid=os.getpid())
+    # Started by a SuperLink (`flwr run`), not by a fedswarm simulation engine; its process is
+    # this ServerApp's (what the dashboard watches, and stops), recorded again when the rounds start.
+    store.update_run(run_id, engine="deployment", **owner_fields())
     run_server(PromptGrid(grid), cfg, store=store, run_id=run_id, node_kind="supernode", resume=checkpoint)

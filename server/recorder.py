@@ -27,12 +27,15 @@ from __future__ import annotations
 import json
 import logging
 import time
+import traceback
 from typing import Any, Callable
 
 from flwr.app import ArrayRecord, MetricRecord
 
+from fedswarm.algorithms.privacy.accountant import PrivacyBudgetExceeded
 from fedswarm.policy import PolicyBook
 from fedswarm.store import Store
+from fedswarm.store_liveness import owner_fields
 from fedswarm.server.fed_eval import aggregate, merge_into_rows
 from fedswarm.protocol import TELEMETRY_RECORD
 from fedswarm.server.metered_grid import MeteredGrid
@@ -40,7 +43,7 @@ from fedswarm.strategies.strategy_utils import RoundNotes
 
 log = logging.getLogger("fedswarm.server")
 
-__all__ = ["RoundRecorder", "StopRun", "RoundListener"]
+__all__ = ["RoundRecorder", "StopRun", "RoundListener", "run_recorded"]
 
 RoundListener = Callable[[int, dict[str, Any]], None]
 
@@ -342,10 +345,17 @@ class RoundRecorder(RoundNotes):
                 return changed
             time.sleep(self.poll_s)
 
+
 def run_recorded(store: Store, run_id: str, loop: Callable[[], None]) -> str:
-    """Run ``loop`` as run ``run_id``: status ``running``, then ``finished``, ``stopped``
-    (a stop control, :class:`~fedswarm.server.recorder.StopRun`) or ``failed`` (re-raised);
-    returns the final status. The array engine and the virtual-clock engine both run through it."""
+    """Run ``loop`` as run ``run_id``: the one run lifecycle of every engine and of the ServerApp.
+
+    Records this process as the run's owner (:func:`fedswarm.store_liveness.owner_fields`: a
+    killed process shows its run as lost) and status ``running``; then ``finished``, or
+    ``stopped`` on a stop control (:class:`StopRun`) or on reaching the privacy budget
+    (:class:`PrivacyBudgetExceeded`, a ``privacy_budget`` event), or ``stopped`` and re-raised
+    on an interrupt from the keyboard, or ``failed`` with the traceback as an ``error`` event
+    and re-raised; returns the final status."""
+    store.update_run(run_id, **owner_fields())
     store.set_status(run_id, "running")
     try:
         loop()
@@ -353,8 +363,17 @@ def run_recorded(store: Store, run_id: str, loop: Callable[[], None]) -> str:
         store.set_status(run_id, "stopped")
         store.add_event(run_id, "stopped", str(stop))
         return "stopped"
+    except PrivacyBudgetExceeded as exc:  # --dp target_epsilon: the next round would exceed it
+        store.set_status(run_id, "stopped")
+        store.add_event(run_id, "privacy_budget", str(exc))
+        log.warning("run %s stopped: %s", run_id, exc)
+        return "stopped"
+    except KeyboardInterrupt:
+        store.set_status(run_id, "stopped", error="interrupted from the keyboard")
+        raise
     except BaseException as exc:
         store.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
+        store.add_event(run_id, "error", traceback.format_exc()[-4000:])
         raise
     store.set_status(run_id, "finished")
     return "finished"

@@ -38,7 +38,7 @@ import os
 from typing import Any, Callable
 
 from fedswarm.config import RunConfig
-from fedswarm.procs import pid_alive
+from fedswarm.store_liveness import owner_gone
 from fedswarm.store import Store
 from fedswarm.errors import CheckpointError
 from fedswarm.server.checkpoint import ServerCheckpoint, load_latest
@@ -113,9 +113,9 @@ def prepare_resume(store: Store, run_id: str, *,
         raise CheckpointError(f"no run '{run_id}' in {store.url}")
     if run.status == "finished":
         raise CheckpointError(f"run '{run_id}' finished: there is nothing to resume")
-    if run.status in ("running", "paused") and run.pid and run.pid != os.getpid() and pid_alive(run.pid):
-        raise CheckpointError(f"run '{run_id}' is {run.status} in process {run.pid} on this machine: stop it "
-                              f"first (`fedswarm` dashboard or kill {run.pid}), then resume it")
+    if run.status in ("running", "paused") and run.pid and run.pid != os.getpid() and owner_gone(run) is None:
+        raise CheckpointError(f"run '{run_id}' is {run.status} in process {run.pid} on {run.host or 'this machine'}: "
+                              f"stop it first (`fedswarm` dashboard or kill {run.pid}), then resume it")
     try:
         cfg = RunConfig.model_validate(run.config)
     except ValueError as exc:

@@ -167,7 +167,7 @@ class ArraySimulation:
         return self.state.x.mean(dim=0)
 
 
-def run_array(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
+def run_array(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
     """Run ``cfg`` on the array engine, recording ``cfg.rounds`` iterations into ``run_id``;
     return the final status."""
     torch.manual_seed(cfg.seed)

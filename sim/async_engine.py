@@ -262,14 +262,19 @@ def own_models_eval(cfg: RunConfig, models: Callable[[], torch.Tensor]
     return fed_eval
 
 
-def run_async(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
+def run_async(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
     """Run ``cfg`` (strategy ``adpsgd``; ``prague`` goes to
-    :func:`fedswarm.sim.async_groups.run_prague`) on the virtual clock, recording ``cfg.rounds``
-    rounds of ``cfg.clients`` local steps each into ``store``; return the final status."""
-    if registry.get(cfg.strategy).kind == "async" and cfg.strategy == "prague":
+    :func:`fedswarm.sim.async_groups.run_prague`, ``lsgd`` to
+    :func:`fedswarm.sim.async_leaders.run_lsgd_async`) on the virtual clock, recording
+    ``cfg.rounds`` rounds of ``cfg.clients`` local steps each into ``store``; return the final status."""
+    if cfg.strategy == "prague":
         from fedswarm.sim.async_groups import run_prague  # it imports this module
 
-        return run_prague(cfg, store, run_id, listeners)
+        return run_prague(cfg, store=store, run_id=run_id, listeners=listeners)
+    if cfg.strategy == "lsgd":
+        from fedswarm.sim.async_leaders import run_lsgd_async  # it imports this module
+
+        return run_lsgd_async(cfg, store=store, run_id=run_id, listeners=listeners)
     if registry.get(cfg.strategy).kind != "async" or cfg.strategy != "adpsgd":
         raise ValueError(f"the virtual-clock engine runs 'adpsgd' and 'prague', not '{cfg.strategy}'")
     params = registry.resolve_params(cfg.strategy, cfg.params)

@@ -125,7 +125,7 @@ class PragueSimulation(ClockedNodes):
             raise ValueError(f"unknown event {event!r}")
 
 
-def run_prague(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
+def run_prague(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
     """Run ``cfg`` (strategy ``prague``) on the virtual clock, recording ``cfg.rounds``
     rounds of ``cfg.clients`` local steps each into ``store``; return the final status."""
     if cfg.strategy != "prague":

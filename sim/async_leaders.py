@@ -178,7 +178,7 @@ def check_config(cfg: RunConfig) -> None:
         raise ConfigError(f"invalid value for 'params': {exc}") from None
 
 
-def run_lsgd_async(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
+def run_lsgd_async(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
     """Run ``cfg`` (strategy ``lsgd``, ``mode=async``) on the virtual clock, recording
     ``cfg.rounds`` rounds of ``cfg.clients`` local steps each; return the final status."""
     algo = _algorithm(cfg)

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import json
 import random
-import traceback
 from typing import Callable
 
 import numpy as np
@@ -61,7 +60,7 @@ from fedswarm.errors import ConfigError
 from fedswarm.params import get_flat
 from fedswarm.policy import PolicyBook
 from fedswarm.server.metered_grid import Traffic
-from fedswarm.server.recorder import RoundListener, RoundRecorder, StopRun
+from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
 from fedswarm.sim.batched_memory import available_ram, default_memory_budget, parse_memory_budget
 from fedswarm.sim.batched_round import ByteCounter, Meter, reject_diverged, round_schedule
 from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
@@ -190,11 +189,11 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
                 on_clients: ClientsListener | None = None, memory_budget: int | None = None,
                 chunk_size: int | None = None) -> str:
     """Run ``cfg`` on the batched engine, recording into ``run_id``; return the final status.
+    ``cfg`` passed :func:`check_supported` (:func:`fedswarm.sim.engines.run_engine` checks it).
 
     ``on_clients(done, total)`` is called after every chunk (the CLI's clients/s bar)."""
     from fedswarm.sim.inprocess import _run_ids
 
-    check_supported(cfg)
     TaskIdentity.run_id = next(_run_ids)  # what Flower's Message stamps on the messages it builds
     TaskIdentity.task_id = 1
     TaskIdentity.node_id = 0
@@ -250,8 +249,8 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
         rounds_of = runner(run, global_vec, notes=recorder)
         recorder.min_train_nodes = getattr(getattr(rounds_of, "strategy", None), "min_train_nodes", None)
     recorder.eval_every = cfg.eval_every
-    store.set_status(run_id, "running")
-    try:
+
+    def loop() -> None:
         recorder(0, rounds_of.model)
         rounds, done = cfg.rounds, 0
         while rounds > 0:
@@ -266,16 +265,8 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
                 recorder.note(**row, **recorder.failed_nodes(done, node_rows))
                 recorder(done, rounds_of.model)
             rounds, recorder.extra_rounds = recorder.extra_rounds, 0
-    except StopRun as stop:
-        store.set_status(run_id, "stopped", error=None)
-        store.add_event(run_id, "stopped", str(stop))
-        return "stopped"
-    except BaseException as exc:
-        store.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
-        store.add_event(run_id, "error", traceback.format_exc()[-4000:])
-        raise
-    store.set_status(run_id, "finished")
-    return "finished"
+
+    return run_recorded(store, run_id, loop)
 
 
 def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, sample: list[int],

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
+from fedswarm.store_liveness import live_status
 
 __all__ = ["summary_table", "runs_table", "catalog", "catalog_tables", "plot_run", "policy_keys"]
 
@@ -79,7 +80,7 @@ def runs_table(store: Store, results: list[dict]) -> Table:
     for res, run in zip(results, runs):
         s = res["summary"]
         cells = [res["run_id"]] + ([run.name or ""] if named else []) + [
-            run.status, run.strategy, run.task, run.engine,
+            live_status(run), run.strategy, run.task, run.engine,
             f"{s['rounds']}/{run.total_rounds}", _fmt(s.get("final_test_accuracy"), ".3f"),
             _fmt_bytes(s.get("total_bytes_up")), run.created_at.strftime("%m-%d %H:%M"),
         ]

@@ -80,7 +80,7 @@ def test_run_async_trains_and_records(tmp_path):
                     devices="straggler:1,edge-wifi")
     store = Store(tmp_path / "a.db")
     run_id = store.create_run(cfg.model_dump())
-    assert run_async(cfg, store, run_id) == "finished"
+    assert run_async(cfg, store=store, run_id=run_id) == "finished"
     result = store.export_result(run_id)
     rows = result["rounds"]
     assert [r["round"] for r in rows] == list(range(7))

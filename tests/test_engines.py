@@ -146,6 +146,7 @@ def test_cli_sim_writes_result_and_runs_lists_it(tmp_path):
     (["--set", "nope=1"], "unknown parameter 'nope'"),
     (["--strategy", "warp"], "unknown strategy 'warp'"),
     (["--partition", "dirichlet:-1"], "'partition'"),
+    (["--engine", "warp"], "'inprocess', 'flower', 'array', 'batched' or 'clock'"),  # every registered engine
 ])
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, needle):
     r = _cli("sim", *args, "--db", str(tmp_path / "s.db"), cwd=tmp_path)

@@ -30,6 +30,7 @@ from fedswarm.server.checkpoint import dumps, load_latest, loads
 from fedswarm.server.resume import prepare_resume
 from fedswarm.sim.run import run_engine
 from fedswarm.store import Store
+from fedswarm.store_liveness import owner_fields
 from fedswarm.strategies.resumable import StateError, load_strategy_state, restore, strategy_state
 from fedswarm.tasks import get_task
 from fedswarm.wire import arrayrecord_to_vector
@@ -305,7 +306,7 @@ def test_resume_refuses_runs_without_a_checkpoint_or_finished(tmp_path):
     live = _crashed(_cfg("fedavg", rounds=2), store, after=1)
     other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
-        store.update_run(live, status="running", pid=other.pid)
+        store.update_run(live, status="running", **owner_fields(other.pid))
         with pytest.raises(CheckpointError, match=f"running in process {other.pid}"):
             prepare_resume(store, live)
     finally:

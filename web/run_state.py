@@ -3,8 +3,9 @@
 The store's status is what the run's process last wrote. The dashboard shows more honest
 states on top of it:
 
-* ``lost``: the store says the run is live, but its local process is gone, or a run that
-  reports through ingest has sent nothing for longer than its timeout (shown on the page).
+* ``lost``: the store says the run is live, but its process is gone, or a run that reports
+  through ingest has sent nothing for longer than its timeout (shown on the page); the rule is
+  :func:`fedswarm.store_liveness.lost_reason`, which ``fedswarm runs`` applies too.
 * ``degraded``: the run finished, but in most rounds that recorded nodes, most nodes failed
   or had their update rejected; ``failed`` when every node failed in every such round. A run
   that trained on almost nobody is not a green "finished".
@@ -15,16 +16,14 @@ updates and the API's 409 answers all use it.
 
 from __future__ import annotations
 
-import datetime as dt
 from dataclasses import dataclass
 
 from fedswarm.store import Run
-from fedswarm.web.launcher import pid_alive
+from fedswarm.store_liveness import LIVE_STATUSES, REPORT_TIMEOUT_S, is_remote, lost_reason, timeout_of
 
 __all__ = ["LIVE_STATUSES", "Health", "display_status", "shown_status", "lost_reason", "allowed_actions", "ACTIONS",
            "is_remote", "timeout_of"]
 
-LIVE_STATUSES = ("pending", "running", "paused")
 ACTIONS = ("pause", "resume", "stop", "kill", "add_rounds", "policy", "restart")
 
 
@@ -47,34 +46,7 @@ class Health:
         return self.rounds_with_nodes > 0 and self.dead_rounds == self.rounds_with_nodes
 
 
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
-
-
-def is_remote(run: Run) -> bool:
-    """A run registered through ingest (a swarm, a remote ServerApp): it has no local process."""
-    return bool(run.owner and run.owner.startswith("token:"))
-
-
-def timeout_of(run: Run, default_s: float) -> float:
-    return float(run.lost_after_s or default_s)
-
-
-def lost_reason(run: Run, default_timeout_s: float, now: dt.datetime | None = None) -> str | None:
-    """Why a live run is lost, or None when it is not."""
-    if run.status not in LIVE_STATUSES:
-        return None
-    if run.pid:
-        return None if pid_alive(run.pid) else f"its process {run.pid} is gone (killed, crashed, or exited early)"
-    if is_remote(run):
-        last = run.last_report_at or run.created_at
-        timeout = timeout_of(run, default_timeout_s)
-        if last is not None and ((now or _now()) - last).total_seconds() > timeout:
-            return f"no report for over {timeout:.0f} s (last at {last:%Y-%m-%d %H:%M:%S} UTC)"
-    return None
-
-
-def display_status(run: Run, default_timeout_s: float = 120.0, health: Health | None = None) -> str:
+def display_status(run: Run, default_timeout_s: float = REPORT_TIMEOUT_S, health: Health | None = None) -> str:
     """The status a viewer sees (reads the process's liveness)."""
     return shown_status(run, lost_reason(run, default_timeout_s), health)
 

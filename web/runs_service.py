@@ -20,6 +20,7 @@ from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.policy import DEFAULT_CLASS
 from fedswarm.store import Run, Store
+from fedswarm.store_liveness import owner_fields
 from fedswarm.web.catalog import Catalog
 from fedswarm.web.launcher import log_tail, spawn_run, spawn_resume, terminate
 from fedswarm.web.queries import policies, stats_for
@@ -120,7 +121,7 @@ class RunService:
         except OSError as exc:
             self.store.set_status(run_id, "failed", error=f"could not start the run's process: {exc}", actor=actor)
             raise RunError(503, f"could not start run '{run_id}': {exc}") from None
-        self.store.update_run(run_id, pid=pid)
+        self.store.update_run(run_id, **owner_fields(pid))
         self.store.add_event(run_id, "started", f"run started by {actor} (pid {pid})", actor=actor,
                              data={"pid": pid, "log": str(log_path)})
         return self.get(run_id)
@@ -219,6 +220,6 @@ class RunService:
             pid = spawn_resume(self.settings.runner, self.store.url, run_id, self.settings.runs_dir)
         except OSError as exc:
             raise RunError(503, f"could not resume run '{run_id}': {exc}") from None
-        self.store.update_run(run_id, pid=pid)
+        self.store.update_run(run_id, **owner_fields(pid))
         self.store.add_event(run_id, "resumed", f"run resumed from its checkpoint by {actor} (pid {pid})", actor=actor)
         return f"run '{run_id}' resumes from its last checkpoint (pid {pid})"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedswarm.store import to_url
+from fedswarm.store_liveness import REPORT_TIMEOUT_S
 
 __all__ = ["Settings"]
 
@@ -44,7 +45,7 @@ class Settings:
     behind_proxy: bool = False
     # A run registered through ingest that reports nothing for this long shows as "lost"
     # (a reporter may ask for another timeout when it registers the run).
-    report_timeout_s: float = 120.0
+    report_timeout_s: float = REPORT_TIMEOUT_S
     # Ingest quotas per API token (see fedswarm.web.ratelimit).
     ingest_per_minute: int = 1200
     ingest_bytes_per_hour: int = 512_000_000

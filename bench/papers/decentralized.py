@@ -130,7 +130,7 @@ def adpsgd_straggler(s) -> Measured:
         try:
             cfg = _cfg("adpsgd", 0, rounds=iters, devices=STRAGGLER)
             rid = store.create_run(cfg.model_dump(), name="bench-papers adpsgd")
-            status = run_async(cfg, store, rid)
+            status = run_async(cfg, store=store, run_id=rid)
             if status != "finished":
                 raise RuntimeError(f"adpsgd run ended {status}")
             rounds = store.export_result(rid)["rounds"]
