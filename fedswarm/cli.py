@@ -15,8 +15,9 @@ import typer
 
 from fedswarm.cli_common import DB_HELP, console, fail, quiet_flower
 from fedswarm.cli_serve import client, dashboard
-from fedswarm.config import ConfigError, RunConfig, load_config, parse_set
+from fedswarm.config import ConfigError, RunConfig, load_config
 from fedswarm.extras import check_run_extras
+from fedswarm.kv import parse_items
 
 app = typer.Typer(
     name="fedswarm",
@@ -47,7 +48,7 @@ def parse_policies(items: list[str] | None) -> dict[str, dict[str, Any]]:
         cls, sep, kv = item.partition(":")
         if not sep or not cls.strip():
             raise ConfigError(f"invalid --policy '{item}': expected CLASS:KEY=VALUE")
-        out.setdefault(cls.strip(), {}).update(parse_set([kv]))
+        out.setdefault(cls.strip(), {}).update(parse_items([kv], what=f"--policy '{item}'"))
     return out
 
 
@@ -185,7 +186,7 @@ def sim(
         values: dict[str, Any] = load_config(config) if config else {}
         values.update({k: v for k, v in cli_values.items() if v is not None})
         params = dict(values.get("params", {}) or {})
-        params.update(parse_set(set_))
+        params.update(parse_items(set_, what="--set"))
         values["params"] = params
         policies = {k: dict(v) for k, v in (values.get("policies") or {}).items()}
         for cls, kv in parse_policies(policy).items():
