@@ -193,7 +193,7 @@ def sim(
             policies.setdefault(cls, {}).update(kv)
         values["policies"] = policies
         _client_data_clients(values)
-        cfg = RunConfig.build(values)
+        cfg = RunConfig.build(registry.with_run_defaults(values))
         cfg.params = registry.resolve_params(cfg.strategy, cfg.params)
         from fedswarm.tasks import get_task
 

@@ -38,8 +38,8 @@ def config_from_form(form: dict[str, str], cat: CatalogData) -> dict[str, Any]:
             raw[key] = form[key].strip()
     for spec in form_fields(cat):
         text = form.get(spec.name)
-        if text is None or not text.strip():
-            continue  # empty: the field's default
+        if text is None or not text.strip() or text.strip() == spec.input_value:
+            continue  # empty or as pre-filled: the field's default, or the strategy's own (its run_defaults)
         raw[spec.name] = _convert(text.strip(), spec)
     prefix = f"p.{raw.get('strategy', '')}."
     params = {k[len(prefix):]: parse_value(v.strip()) for k, v in form.items()

@@ -77,6 +77,8 @@ class AlgorithmEntry:
     description: str
     paper: str
     synchronous: bool = True
+    #: The topology it runs on when none is given (its ``check_topology`` refuses some graphs).
+    topology: str = "ring"
 
     def defaults(self) -> dict[str, Any]:
         return {h.name: h.default for h in self.hyperparams}
@@ -106,6 +108,7 @@ ALGORITHMS: dict[str, AlgorithmEntry] = {
             "D²: D-PSGD with a correction that removes the bias of heterogeneous data "
             "(needs λ_min(W) > -1/3)",
             "Tang et al., ICML 2018, arXiv:1803.07068",
+            topology="ring+lazy",  # λ_min((I + W)/2) >= 0 for every W; a plain even ring has -1/3
         ),
         AlgorithmEntry(
             "dsgdm", DSGDm, (_BETA, _NESTEROV, _WD),
@@ -147,6 +150,7 @@ ALGORITHMS: dict[str, AlgorithmEntry] = {
             "EASGD: every τ steps workers and a center variable pull elastically towards each other "
             "(needs topology 'complete')",
             "Zhang, Choromanska, LeCun, NeurIPS 2015, arXiv:1412.6651",
+            topology="complete",  # the all-reduce of every worker
         ),
         AlgorithmEntry(
             "lsgd", LSGD,

@@ -398,4 +398,5 @@ ENTRY = register(StrategyEntry(
     hyperparams=HYPERPARAMS,
     client_update=client_update,
     paper="Wang, Stich, He, Fritz, ICML 2022 (arXiv 2110.05323)",
+    run_defaults={"task": "digits-cnn4"},  # the smallest staged task
 ))
