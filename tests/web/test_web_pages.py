@@ -152,10 +152,12 @@ def test_admin_pages_create_user_and_show_token_once(app, admin):
 
 def test_toml_round_trip():
     cfg = {"name": 'quote " and \\ back ✓', "rounds": 3, "lr": 0.1, "fraction": 1e-05, "flag": True,
-           "params": {"k": 0.5, "codec": "top\nk", "layers": [1, 2]}, "device_mix": {"edge-wifi": 0.5},
-           "skip": None}
+           "params": {"k": 0.5, "codec": "top\nk", "layers": [1, 2], "unset": None}, "device_mix": {"edge-wifi": 0.5},
+           "policies": {"edge-lte": {"local_steps": 2, "lr": None}}, "skip": None}
     back = tomllib.loads(to_toml(cfg))
-    assert back == {k: v for k, v in cfg.items() if v is not None}
+    assert back == {**{k: v for k, v in cfg.items() if v is not None},
+                    "params": {"k": 0.5, "codec": "top\nk", "layers": [1, 2]},
+                    "policies": {"edge-lte": {"local_steps": 2}}}
     assert math.isinf(tomllib.loads(to_toml({"x": float("inf")}))["x"])
 
 
