@@ -30,6 +30,14 @@ def test_every_strategy_runs_one_round_with_its_defaults(name, tmp_path, monkeyp
         assert runs[0].config[key] == value
 
 
+@pytest.mark.parametrize("name", ["easgd", "d2"])
+def test_the_array_engine_takes_the_same_defaults(name, tmp_path, monkeypatch):
+    result, runs, _ = _sim(tmp_path, monkeypatch, "--strategy", name, "--engine", "array", "--rounds", "1")
+    assert result.exit_code == 0, result.output
+    assert [(r.status, r.config["engine"], r.config["topology"]) for r in runs] == [
+        ("finished", "array", registry.get(name).run_defaults["topology"])]
+
+
 @pytest.mark.parametrize("args,error", [
     (("--strategy", "easgd", "--topology", "ring"), "easgd cannot use topology 'ring'"),
     (("--strategy", "d2", "--topology", "ring", "--engine", "array"), "d2 cannot use topology 'ring'"),
