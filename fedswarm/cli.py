@@ -61,8 +61,8 @@ def sim(
         "Strategy name (see `fedswarm strategies`). Default: fedavg."
     )),
     task: Optional[str] = typer.Option(None, "--task", "-t", help=(
-        "Task: digits-mlp (default), digits-cnn, digits-cnn4, synthetic-logreg, mnist, cifar10, femnist (and their "
-        "-resnet variants), or module:function."
+        "Task: digits-mlp (default; progfed: digits-cnn4), digits-cnn, digits-cnn4, synthetic-logreg, mnist, cifar10, "
+        "femnist (and their -resnet variants), or module:function."
     )),
     clients: Optional[int] = typer.Option(None, "--clients", "-n", help="Number of clients (default 20)."),
     rounds: Optional[int] = typer.Option(None, "--rounds", "-r", help="Number of rounds (default 10)."),
@@ -110,8 +110,8 @@ def sim(
         "A TOML file of device/link profiles merged over the built-in ones."
     )),
     topology: Optional[str] = typer.Option(None, "--topology", help=(
-        "Gossip topology for decentralized strategies: ring (default), torus, exp, onepeer-exp, complete, random:D, "
-        "edges:PATH."
+        "Gossip topology for decentralized strategies: ring, torus, exp, onepeer-exp, complete, random:D, "
+        "edges:PATH. Default: the strategy's own (ring; easgd complete, d2 ring+lazy: `fedswarm strategies`)."
     )),
     policy: Optional[list[str]] = typer.Option(None, "--policy", help=(
         "Per-device-class policy CLASS:KEY=VALUE (repeatable), e.g. edge-lte:local_steps=2. Keys: local_steps, "
