@@ -15,9 +15,10 @@ import typer
 
 from fedswarm.cli_common import DB_HELP, VERBOSE_HELP, console, fail, log_file_for, route_logs, say_log_file
 from fedswarm.cli_serve import client, dashboard
-from fedswarm.config import RunConfig, load_config, parse_set
+from fedswarm.config import RunConfig, load_config
 from fedswarm.errors import ConfigError
 from fedswarm.extras import check_run_extras
+from fedswarm.kv import parse_items
 
 app = typer.Typer(
     name="fedswarm",
@@ -48,7 +49,7 @@ def parse_policies(items: list[str] | None) -> dict[str, dict[str, Any]]:
         cls, sep, kv = item.partition(":")
         if not sep or not cls.strip():
             raise ConfigError(f"invalid --policy '{item}': expected CLASS:KEY=VALUE")
-        out.setdefault(cls.strip(), {}).update(parse_set([kv]))
+        out.setdefault(cls.strip(), {}).update(parse_items([kv], what=f"--policy '{item}'"))
     return out
 
 
@@ -61,8 +62,8 @@ def sim(
         "Strategy name (see `fedswarm strategies`). Default: fedavg."
     )),
     task: Optional[str] = typer.Option(None, "--task", "-t", help=(
-        "Task: digits-mlp (default), digits-cnn, digits-cnn4, synthetic-logreg, mnist, cifar10, femnist (and their "
-        "-resnet variants), or module:function."
+        "Task: digits-mlp (default; progfed: digits-cnn4), digits-cnn, digits-cnn4, synthetic-logreg, mnist, cifar10, "
+        "femnist (and their -resnet variants), or module:function."
     )),
     clients: Optional[int] = typer.Option(None, "--clients", "-n", help="Number of clients (default 20)."),
     rounds: Optional[int] = typer.Option(None, "--rounds", "-r", help="Number of rounds (default 10)."),
@@ -110,8 +111,8 @@ def sim(
         "A TOML file of device/link profiles merged over the built-in ones."
     )),
     topology: Optional[str] = typer.Option(None, "--topology", help=(
-        "Gossip topology for decentralized strategies: ring (default), torus, exp, onepeer-exp, complete, random:D, "
-        "edges:PATH."
+        "Gossip topology for decentralized strategies: ring, torus, exp, onepeer-exp, complete, random:D, "
+        "edges:PATH. Default: the strategy's own (ring; easgd complete, d2 ring+lazy: `fedswarm strategies`)."
     )),
     policy: Optional[list[str]] = typer.Option(None, "--policy", help=(
         "Per-device-class policy CLASS:KEY=VALUE (repeatable), e.g. edge-lte:local_steps=2. Keys: local_steps, "
@@ -188,14 +189,14 @@ def sim(
         values: dict[str, Any] = load_config(config) if config else {}
         values.update({k: v for k, v in cli_values.items() if v is not None})
         params = dict(values.get("params", {}) or {})
-        params.update(parse_set(set_))
+        params.update(parse_items(set_, what="--set"))
         values["params"] = params
         policies = {k: dict(v) for k, v in (values.get("policies") or {}).items()}
         for cls, kv in parse_policies(policy).items():
             policies.setdefault(cls, {}).update(kv)
         values["policies"] = policies
         _client_data_clients(values)
-        cfg = RunConfig.build(values)
+        cfg = RunConfig.build(registry.with_run_defaults(values))
         route_logs(verbose, log_file, ray=cfg.engine == "flower")  # before the strategy is built to check it
         cfg.params = registry.resolve_params(cfg.strategy, cfg.params)
         from fedswarm.tasks import get_task

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fedswarm.errors import ConfigError
 
-__all__ = ["RunConfig", "TrainingSpec", "parse_partition", "load_config", "parse_set", "round_seed"]
+__all__ = ["RunConfig", "TrainingSpec", "parse_partition", "load_config", "round_seed"]
 
 
 def round_seed(seed: int, server_round: int, partition_id: int) -> int:
@@ -310,33 +310,6 @@ def describe_validation_error(exc: ValidationError) -> str:
         hint = f" [{field.description}]" if field is not None and field.description else ""
         lines.append(f"invalid value for '{key}': {msg} (got {got!r}){hint}")
     return "; ".join(lines)
-
-
-def parse_value(text: str) -> Any:
-    """Turn a command-line string into a bool, int, float or string."""
-    low = text.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_set(items: list[str] | None) -> dict[str, Any]:
-    """``["k=v", ...]`` from ``--set`` into a dict of typed values."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        if "=" not in item:
-            raise ConfigError(f"invalid --set '{item}': expected KEY=VALUE")
-        k, v = item.split("=", 1)
-        k = k.strip()
-        if not k:
-            raise ConfigError(f"invalid --set '{item}': empty key")
-        out[k] = parse_value(v)
-    return out
 
 
 def load_config(path: str | Path) -> dict[str, Any]:

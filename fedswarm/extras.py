@@ -6,7 +6,7 @@ the algorithms and the swarm peer. Server-side parts are extras named for what t
 
 - ``server``: the ServerApp's privacy accounting (``dp-accounting``, which brings SciPy);
 - ``dashboard``: the web dashboard (FastAPI, uvicorn, Jinja2, rate limits, form uploads, the
-  offline API reference, Prometheus metrics);
+  offline API reference, Prometheus metrics, the TOML a run from the dashboard starts with);
 - ``sim``: the simulation engines and the built-in digits data (Ray, scikit-learn,
   flwr-datasets, Matplotlib, Opacus), with ``server``.
 
@@ -23,7 +23,7 @@ __all__ = ["EXTRAS", "MissingExtra", "missing", "require", "install_hint", "chec
 # extra -> the import names it provides that fedswarm uses (looked up, never imported here).
 EXTRAS: dict[str, tuple[str, ...]] = {
     "server": ("dp_accounting",),
-    "dashboard": ("fastapi", "uvicorn", "jinja2", "limits", "multipart", "swagger_ui", "prometheus_client"),
+    "dashboard": ("fastapi", "uvicorn", "jinja2", "limits", "multipart", "swagger_ui", "prometheus_client", "tomli_w"),
     "sim": ("ray", "sklearn", "flwr_datasets", "matplotlib", "opacus"),
 }
 

@@ -5,6 +5,10 @@ momentum), its default, and its allowed range. The strategy registry, the codec 
 decentralized-algorithm catalogs, the CLI's ``--set`` and the dashboard's form all read
 them. No Flower here: the algorithm layer (``fedswarm.algorithms``) uses it too.
 
+A default is written once, where the code that uses it declares it: a parameter declared with
+:data:`SIGNATURE` as its default takes it from the constructor's keyword argument of the same
+name (:func:`defaults_from`), and one that repeats the constructor's default is refused.
+
 Values are checked by pydantic (a ``TypeAdapter`` built from the parameter's type, bounds
 and choices): the CLI, the registry and the dashboard (``fedswarm.web.validation``, from the
 catalog's JSON through :meth:`HyperParam.from_spec`) share this one check.
@@ -12,15 +16,25 @@ catalog's JSON through :meth:`HyperParam.from_spec`) share this one check.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Iterable, Literal
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
 from fedswarm.errors import ConfigError
 
-__all__ = ["HyperParam"]
+__all__ = ["HyperParam", "SIGNATURE", "defaults_from"]
+
+
+class _Signature:
+    def __repr__(self) -> str:
+        return "SIGNATURE"
+
+
+#: A :class:`HyperParam`'s default when :func:`defaults_from` reads it from the constructor.
+SIGNATURE: Any = _Signature()
 
 
 @dataclass(frozen=True)
@@ -92,3 +106,24 @@ class HyperParam:
             return self._adapter.validate_python(value)
         except ValidationError:
             raise bad from None
+
+
+def defaults_from(fn: Callable[..., Any], params: Iterable[HyperParam]) -> tuple[HyperParam, ...]:
+    """``params`` with each :data:`SIGNATURE` default replaced by the default of ``fn``'s
+    argument of the same name (``fn``: the constructor the parameters are passed to).
+    TypeError at import when a default is missing or written twice, here and in ``fn``."""
+    args = inspect.signature(fn).parameters
+    where = getattr(fn, "__qualname__", repr(fn))
+    out = []
+    for h in params:
+        arg = args.get(h.name)
+        default = inspect.Parameter.empty if arg is None else arg.default
+        if h.default is SIGNATURE:
+            if default is inspect.Parameter.empty:
+                raise TypeError(f"hyperparameter '{h.name}' takes its default from {where}, which has none")
+            h = replace(h, default=default)
+        elif default is not inspect.Parameter.empty:
+            raise TypeError(f"hyperparameter '{h.name}': default written twice ({h.default!r} here, "
+                            f"{default!r} in {where}); declare it with SIGNATURE")
+        out.append(h)
+    return tuple(out)

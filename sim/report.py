@@ -126,7 +126,7 @@ def catalog() -> dict:
         "strategies": [
             {"name": e.name, "description": e.description, "kind": e.kind, "paper": e.paper,
              "message_type": e.message_type, "hyperparams": [hp(h) for h in e.hyperparams],
-             "policy_keys": policy_keys(e)}
+             "policy_keys": policy_keys(e), "run_defaults": dict(e.run_defaults)}
             for e in registry.entries()
         ],
         "codecs": [],
@@ -154,7 +154,8 @@ def catalog_tables(cat: dict) -> list[Table]:
         t.add_column(col)
     for s in cat["strategies"]:
         hps = "\n".join(f"{h['name']}={h['default']!r} ({h['allowed']}): {h['help']}" for h in s["hyperparams"]) or "-"
-        t.add_row(s["name"], s["kind"], s["description"], hps)
+        runs = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in s.get("run_defaults", {}).items())
+        t.add_row(s["name"], s["kind"], s["description"] + (f"\n(default: {runs})" if runs else ""), hps)
     tables.append(t)
     if cat["codecs"]:
         c = Table(title="codecs (for compressed strategies: --set codec=NAME)")

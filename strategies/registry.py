@@ -13,14 +13,19 @@ It returns the reply's content. ``fedswarm.local.local_fit(msg, context)`` does 
 common part (config, partition, local SGD); ``context.state`` is the node's memory
 across rounds (error-feedback residuals, momentum, ...). Strategies whose clients do plain local training (FedAvg) use
 Flower's own ``train`` message type and need no client update of their own.
+
+An entry's ``run_defaults`` are the run options the strategy needs where the user gives none
+(EASGD's all-reduce: topology ``complete``); every front end (the CLI, the dashboard) completes a
+raw config with :func:`with_run_defaults` before building the ``RunConfig``.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
+from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.hyperparams import HyperParam
 
@@ -31,6 +36,7 @@ __all__ = [
     "names",
     "entries",
     "resolve_params",
+    "with_run_defaults",
     "load_builtin",
     "message_type_of",
 ]
@@ -59,6 +65,9 @@ class StrategyEntry:
     client_update: Callable[..., Any] | None = None
     kind: str = "federated"  # "federated" | "decentralized"
     paper: str = ""
+    #: Run options (RunConfig fields) the strategy needs to run, used where the user gave none:
+    #: EASGD's all-reduce needs topology 'complete'. See :func:`with_run_defaults`.
+    run_defaults: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     @property
     def message_type(self) -> str:
@@ -140,3 +149,11 @@ def resolve_params(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
             )
         out[key] = known[key].check(value, name)
     return out
+
+
+def with_run_defaults(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A raw run config (before ``RunConfig.build``) completed with its strategy's
+    ``run_defaults`` for the options it leaves unset, so ``--strategy S`` alone runs. What the
+    user gave wins; a combination the strategy cannot run is then refused by its own check."""
+    entry = get(str(values.get("strategy") or RunConfig.model_fields["strategy"].default))
+    return {**entry.run_defaults, **values}

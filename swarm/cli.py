@@ -30,12 +30,11 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _params(items: list[str] | None) -> dict:
-    from fedswarm.config import parse_set
-    from fedswarm.errors import ConfigError
+    from fedswarm.kv import parse_items
 
     try:
-        return parse_set(items)
-    except ConfigError as exc:
+        return parse_items(items, what="--set")
+    except ValueError as exc:
         _fail(str(exc))
 
 

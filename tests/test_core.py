@@ -7,7 +7,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedswarm.config import RunConfig, parse_set
+from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout, get_flat, set_flat
 from fedswarm.strategies import registry
@@ -98,9 +98,6 @@ def test_config_errors_name_the_key(values, key):
 def test_config_flat_round_trip():
     cfg = RunConfig.build({"clients": 7, "partition": "dirichlet:0.3", "params": {"k": 2}})
     assert RunConfig.from_flat(cfg.to_flat()) == cfg
-    assert parse_set(["a=1", "b=0.5", "c=true", "d=topk"]) == {"a": 1, "b": 0.5, "c": True, "d": "topk"}
-    with pytest.raises(ConfigError, match="KEY=VALUE"):
-        parse_set(["nokey"])
 
 
 def test_registry_params():

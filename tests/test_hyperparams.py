@@ -41,3 +41,41 @@ def test_the_dashboard_uses_the_same_check_from_the_catalog_spec():
         with pytest.raises(ValidationFailed, match=r"invalid value for 'topk\.k': expected int >= 1 and <= 64"):
             check_value(spec, bad, "topk.k")
     assert HyperParam.from_spec(spec) == K.__class__("k", 4, "count", ge=1, le=64)
+
+
+def test_defaults_are_read_from_the_constructor_once():
+    """A SIGNATURE default is the constructor's own; repeating it, or naming an argument with no
+    default, fails at import (TypeError) instead of letting the two copies drift apart."""
+    from fedswarm.hyperparams import SIGNATURE, defaults_from
+
+    class Step:
+        def __init__(self, size: int, lr: float = 0.25, nesterov: bool = True, *, name: str = "sgd"):
+            pass
+
+    got = defaults_from(Step.__init__, (HyperParam("lr", SIGNATURE, "step", gt=0.0), K,
+                                        HyperParam("nesterov", SIGNATURE, "flag"),
+                                        HyperParam("name", SIGNATURE, "label")))
+    assert [(h.name, h.default, h.type) for h in got] == [("lr", 0.25, float), ("k", 4, int),
+                                                          ("nesterov", True, bool), ("name", "sgd", str)]
+    assert got[0].check("0.5", "s") == 0.5
+    with pytest.raises(TypeError, match=r"'lr': default written twice \(0.25 here, 0.25 in"):
+        defaults_from(Step.__init__, (HyperParam("lr", 0.25, "step"),))
+    for missing in ("missing", "size"):  # no such argument; an argument without a default
+        with pytest.raises(TypeError, match=rf"'{missing}' takes its default from .*Step.__init__, which has none"):
+            defaults_from(Step.__init__, (HyperParam(missing, SIGNATURE, "?"),))
+
+
+def test_the_registry_shows_the_constructors_defaults():
+    """What `fedswarm strategies` lists is what the classes use when built without arguments."""
+    import inspect
+
+    from fedswarm.algorithms.decentralized.catalog import ALGORITHMS
+    from fedswarm.strategies import registry
+    from fedswarm.strategies.edge.hl import HomogeneousLearning
+    from fedswarm.strategies.edge.progfed import ProgFed
+
+    owners = {name: e.cls for name, e in ALGORITHMS.items()} | {"hl": HomogeneousLearning, "progfed": ProgFed}
+    for name, cls in owners.items():
+        args = inspect.signature(cls.__init__).parameters
+        shown = {h.name: h.default for h in registry.get(name).hyperparams if h.name in args}
+        assert shown and shown == {k: args[k].default for k in shown}, name

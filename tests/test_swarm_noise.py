@@ -485,3 +485,44 @@ def test_legacy_static_keys_needs_encryption():
     PeerConfig(insecure_allow_any=True, legacy_static_keys=True).check()
     with pytest.raises(ValueError, match="cannot go with --no-encrypt"):
         PeerConfig(insecure_allow_any=True, encrypt=False, legacy_static_keys=True).check()
+
+
+# -- the Ed25519 -> X25519 map (libsodium through PyNaCl) ------------------------------------------
+def _fixed(seed: bytes) -> Identity:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    key = Ed25519PrivateKey.from_private_bytes(seed)
+    return Identity(key, key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
+
+
+def test_x25519_keys_match_the_known_answers():
+    """Vectors written down from the former field-arithmetic conversion (u = (1 + y)/(1 − y)
+    mod 2^255 − 19, scalar = SHA-512(seed)[:32]) before it was replaced: PyNaCl gives the same."""
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    from fedswarm.swarm.net.identity import x25519_public
+
+    def raw(pub: X25519PublicKey) -> str:
+        return pub.public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
+
+    a, b = _fixed(bytes(range(32))), _fixed(bytes(range(100, 132)))
+    assert a.peer_id == "03a107bff3ce10be1d70dd18e74bc09967e4d6309ba50d5f1ddc8664125531b8"
+    assert raw(x25519_public(a.peer_id)) == "4701d08488451f545a409fb58ae3e58581ca40ac3f7f114698cd71deac73ca01"
+    assert raw(x25519_public(b.peer_id)) == "5bccd484527714f28eb6b6fa9e43feabae73eab192aef1e7d59d2111343d7b70"
+    assert raw(a.x25519_private().public_key()) == raw(x25519_public(a.peer_id))
+    secret = "b56138ad241960171c76273df6634f09ce469acc28bc81439b5c8c231819ff5a"
+    assert a.shared_secret(b.peer_id).hex() == secret and b.shared_secret(a.peer_id).hex() == secret
+
+
+@pytest.mark.parametrize("peer_id,match", [
+    ("01" + "00" * 31, "not a usable curve point"),         # y = 1: the neutral point, u would divide by 0
+    ("ed" + "ff" * 30 + "7f", "not a usable curve point"),  # y = p: not a field element
+    ("00" * 31, "not a usable curve point"),                # 31 bytes
+    ("zz" * 32, "not a peer id"),
+])
+def test_unusable_public_keys_are_refused(peer_id, match):
+    from fedswarm.swarm.net.identity import x25519_public
+
+    with pytest.raises(ValueError, match=match):
+        x25519_public(peer_id)

@@ -7,57 +7,29 @@ stdout and stderr, Flower's log included, go to ``RUNS_DIR/ID/run.log``.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import signal
 import subprocess
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from fedswarm.procs import pid_alive
 
 __all__ = ["to_toml", "spawn_run", "spawn_resume", "pid_alive", "terminate", "log_tail"]
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # JSON string escapes are valid TOML basic-string escapes
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()
-                               if x is not None) + "}"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
-def _toml_key(k: str) -> str:
-    return k if k.replace("_", "").replace("-", "").isalnum() else json.dumps(k)
+def _without_none(value: Any) -> Any:
+    """TOML has no null: an unset key is left out, in tables too."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    return value
 
 
 def to_toml(config: dict[str, Any]) -> str:
-    """A run config as TOML: RunConfig keys at top level, dicts (``params``, ...) as tables."""
-    lines: list[str] = []
-    tables = {k: v for k, v in config.items() if isinstance(v, dict)}
-    for k, v in config.items():
-        if v is not None and k not in tables:
-            lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
-    for k, table in tables.items():
-        lines.append(f"\n[{_toml_key(k)}]")
-        for tk, tv in table.items():
-            if tv is not None:
-                lines.append(f"{_toml_key(tk)} = {_toml_value(tv)}")
-    return "\n".join(lines) + "\n"
+    """A run config as TOML (tomli-w): RunConfig keys at top level, dicts (``params``, ...) as tables."""
+    return tomli_w.dumps(_without_none(config))
 
 
 def spawn_run(runner: list[str], db_url: str, run_id: str, config: dict[str, Any],

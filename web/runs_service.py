@@ -69,6 +69,9 @@ class RunService:
                                        "uploaded with the request (topology_edges)")
             if profiles_path is not None:
                 raw = raw | {"profiles": str(profiles_path)}
+            chosen = cat.strategy(str(raw.get("strategy") or RunConfig.model_fields["strategy"].default))
+            if chosen is not None:  # the run options the strategy needs, where the form leaves them (registry)
+                raw = (chosen.get("run_defaults") or {}) | raw
             try:
                 cfg = RunConfig.build(raw)
             except ConfigError as exc:  # name the upload, not where the server keeps it

@@ -32,7 +32,7 @@ from fedswarm.algorithms.decentralized.schedule import FixedSchedule, make_sched
 from fedswarm.algorithms.decentralized.squarm import SQuARM
 from fedswarm.algorithms.decentralized.swarm_merge import merge_leader, weighted_merge
 from fedswarm.algorithms.decentralized.sync import D2, DPSGD, DSGDm, QGDSGDm
-from fedswarm.hyperparams import HyperParam
+from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
 
 __all__ = [
     "GossipState",
@@ -77,26 +77,32 @@ class AlgorithmEntry:
     description: str
     paper: str
     synchronous: bool = True
+    #: The topology it runs on when none is given (its ``check_topology`` refuses some graphs).
+    topology: str = "ring"
+
+    def __post_init__(self) -> None:
+        # the defaults are the constructor's own (declared SIGNATURE here), written once
+        object.__setattr__(self, "hyperparams", defaults_from(self.cls.__init__, self.hyperparams))
 
     def defaults(self) -> dict[str, Any]:
         return {h.name: h.default for h in self.hyperparams}
 
 
-_WD = HyperParam("weight_decay", 0.0, "L2 weight decay added to the gradient (wd·x)", ge=0.0)
-_BETA = HyperParam("momentum", 0.9, "momentum factor β", ge=0.0, lt=1.0)
-_SCHEDULE = HyperParam("schedule", "clock", "asynchronous events timed by the runtime ('clock': the simulator's "
+_WD = HyperParam("weight_decay", SIGNATURE, "L2 weight decay added to the gradient (wd·x)", ge=0.0)
+_BETA = HyperParam("momentum", SIGNATURE, "momentum factor β", ge=0.0, lt=1.0)
+_SCHEDULE = HyperParam("schedule", SIGNATURE, "asynchronous events timed by the runtime ('clock': the simulator's "
                       "virtual clock, the swarm's messages) or replayed from a seeded fixed schedule, the same on "
                       "the array engine, the router and the swarm ('fixed')", choices=("clock", "fixed"))
-_STALENESS = HyperParam("max_staleness", 0, "schedule='fixed': a gradient may be taken at the node's model up to "
-                        "this many iterations old (drawn per iteration and node from the seed)", ge=0)
-_NESTEROV = HyperParam("nesterov", False, "Nesterov momentum (epfml's scripts use it) instead of heavy ball")
+_STALENESS = HyperParam("max_staleness", SIGNATURE, "schedule='fixed': a gradient may be taken at the node's model "
+                        "up to this many iterations old (drawn per iteration and node from the seed)", ge=0)
+_NESTEROV = HyperParam("nesterov", SIGNATURE, "Nesterov momentum (epfml's scripts use it) instead of heavy ball")
 
 ALGORITHMS: dict[str, AlgorithmEntry] = {
     e.name: e
     for e in (
         AlgorithmEntry(
             "dpsgd", DPSGD,
-            (HyperParam("order", "cta", "'cta': x ← Wx − ηg (the paper); 'atc': x ← W(x − ηg)",
+            (HyperParam("order", SIGNATURE, "'cta': x ← Wx − ηg (the paper); 'atc': x ← W(x − ηg)",
                         choices=("cta", "atc")), _WD),
             "D-PSGD: gossip the models with neighbours, then a local SGD step",
             "Lian et al., NeurIPS 2017, arXiv:1705.09056",
@@ -106,6 +112,7 @@ ALGORITHMS: dict[str, AlgorithmEntry] = {
             "D²: D-PSGD with a correction that removes the bias of heterogeneous data "
             "(needs λ_min(W) > -1/3)",
             "Tang et al., ICML 2018, arXiv:1803.07068",
+            topology="ring+lazy",  # λ_min((I + W)/2) >= 0 for every W; a plain even ring has -1/3
         ),
         AlgorithmEntry(
             "dsgdm", DSGDm, (_BETA, _NESTEROV, _WD),
@@ -114,7 +121,7 @@ ALGORITHMS: dict[str, AlgorithmEntry] = {
         ),
         AlgorithmEntry(
             "qgm", QGDSGDm,
-            (_BETA, HyperParam("mu", 0.9, "averaging factor μ of the quasi-global momentum buffer",
+            (_BETA, HyperParam("mu", SIGNATURE, "averaging factor μ of the quasi-global momentum buffer",
                                ge=0.0, lt=1.0), _NESTEROV, _WD),
             "QG-DSGDm: momentum from the model's displacement after gossip, robust to non-IID data",
             "Lin, Karimireddy, Stich, Jaggi, ICML 2021, arXiv:2102.04761",
@@ -127,14 +134,14 @@ ALGORITHMS: dict[str, AlgorithmEntry] = {
         ),
         AlgorithmEntry(
             "squarm", SQuARM,
-            (HyperParam("momentum", 0.9, "Nesterov momentum factor β", ge=0.0, lt=1.0),
-             HyperParam("gamma", 0.5, "consensus step size γ", gt=0.0, le=1.0),
-             HyperParam("period", 5, "H: local steps between synchronization steps", ge=1),
-             HyperParam("threshold", 0.0, "event trigger c: send only if ‖x − x̂‖² > c·η²", ge=0.0),
-             HyperParam("codec", "topk", "compressor of x − x̂ (algorithms.compression.codecs)",
+            (HyperParam("momentum", SIGNATURE, "Nesterov momentum factor β", ge=0.0, lt=1.0),
+             HyperParam("gamma", SIGNATURE, "consensus step size γ", gt=0.0, le=1.0),
+             HyperParam("period", SIGNATURE, "H: local steps between synchronization steps", ge=1),
+             HyperParam("threshold", SIGNATURE, "event trigger c: send only if ‖x − x̂‖² > c·η²", ge=0.0),
+             HyperParam("codec", SIGNATURE, "compressor of x − x̂ (algorithms.compression.codecs)",
                         choices=("topk", "sign", "randk", "qsgd", "fp16", "onebit", "none")),
-             HyperParam("ratio", 0.01, "fraction of coordinates kept by topk/randk", gt=0.0, le=1.0),
-             HyperParam("seed", 0, "seed of the codec's randomness", ge=0),
+             HyperParam("ratio", SIGNATURE, "fraction of coordinates kept by topk/randk", gt=0.0, le=1.0),
+             HyperParam("seed", SIGNATURE, "seed of the codec's randomness", ge=0),
              _WD),
             "SQuARM-SGD: local Nesterov steps, event-triggered compressed gossip of x − x̂ every H steps "
             "with consensus step γ (static topologies)",
@@ -142,38 +149,39 @@ ALGORITHMS: dict[str, AlgorithmEntry] = {
         ),
         AlgorithmEntry(
             "easgd", EASGD,
-            (HyperParam("beta", 0.43, "moving rate β = n·α of the elastic pull", gt=0.0, le=1.0),
-             HyperParam("period", 16, "τ: steps between elastic pulls", ge=1), _WD),
+            (HyperParam("beta", SIGNATURE, "moving rate β = n·α of the elastic pull", gt=0.0, le=1.0),
+             HyperParam("period", SIGNATURE, "τ: steps between elastic pulls", ge=1), _WD),
             "EASGD: every τ steps workers and a center variable pull elastically towards each other "
             "(needs topology 'complete')",
             "Zhang, Choromanska, LeCun, NeurIPS 2015, arXiv:1412.6651",
+            topology="complete",  # the all-reduce of every worker
         ),
         AlgorithmEntry(
             "lsgd", LSGD,
-            (HyperParam("mode", "multi", "'multi': local leaders per group plus a global leader; 'single': "
+            (HyperParam("mode", SIGNATURE, "'multi': local leaders per group plus a global leader; 'single': "
                         "the global leader only; 'async': leader servers under a fixed staggered schedule",
                         choices=LSGD_MODES),
-             HyperParam("groups", 2, "number of contiguous worker groups (local leaders)", ge=1),
-             HyperParam("c1", 0.1, "pull towards the group's leader", ge=0.0, le=1.0),
-             HyperParam("c2", 0.1, "pull towards the global leader", ge=0.0, le=1.0),
-             HyperParam("tau_local", 4, "τ_l: steps between local pulls", ge=1),
-             HyperParam("tau_global", 16, "τ_g: steps between global pulls", ge=1),
-             HyperParam("momentum", 0.0, "local heavy-ball momentum", ge=0.0, lt=1.0), _WD),
+             HyperParam("groups", SIGNATURE, "number of contiguous worker groups (local leaders)", ge=1),
+             HyperParam("c1", SIGNATURE, "pull towards the group's leader", ge=0.0, le=1.0),
+             HyperParam("c2", SIGNATURE, "pull towards the global leader", ge=0.0, le=1.0),
+             HyperParam("tau_local", SIGNATURE, "τ_l: steps between local pulls", ge=1),
+             HyperParam("tau_global", SIGNATURE, "τ_g: steps between global pulls", ge=1),
+             HyperParam("momentum", SIGNATURE, "local heavy-ball momentum", ge=0.0, lt=1.0), _WD),
             "LSGD: every τ steps workers pull towards the lowest-loss worker of their group and of all "
             "(array engine and swarm: needs every worker's loss)",
             "Teng et al., NeurIPS 2019, arXiv:1905.10395",
         ),
         AlgorithmEntry(
             "dasgd", DaSGD,
-            (HyperParam("period", 4, "τ: steps between averagings", ge=1),
-             HyperParam("delay", 1, "δ: steps after which the average is applied (0 <= δ < τ)", ge=0),
+            (HyperParam("period", SIGNATURE, "τ: steps between averagings", ge=1),
+             HyperParam("delay", SIGNATURE, "δ: steps after which the average is applied (0 <= δ < τ)", ge=0),
              _WD),
             "DaSGD: local SGD whose periodic average is applied δ steps late, overlapping communication",
             "Zhou et al., arXiv:2006.00441 (update reconstructed, docs/algorithms.md §10)",
         ),
         AlgorithmEntry(
             "prague", Prague,
-            (HyperParam("group_size", 4, "workers per Partial All-Reduce (n = synchronous all-reduce)", ge=2),
+            (HyperParam("group_size", SIGNATURE, "workers per Partial All-Reduce (n = synchronous all-reduce)", ge=2),
              _SCHEDULE, _STALENESS, _WD),
             "Prague: local SGD steps, each followed by a Partial All-Reduce among a group of ready workers",
             "Luo, He, Zhuo, Qian, ASPLOS 2020, doi:10.1145/3373376.3378499",

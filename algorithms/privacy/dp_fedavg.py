@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from fedswarm.algorithms.privacy.accountant import PrivacyAccountant, PrivacyBudgetExceeded, calibrate_noise
+from fedswarm.kv import parse_pairs
 
 __all__ = ["DPSpec", "parse_dp", "ClientLevelDP", "clip_rows"]
 
@@ -71,25 +72,7 @@ class DPSpec:
 def parse_dp(spec: str, what: str = "dp") -> DPSpec:
     """``noise_multiplier=N[,clip=C,delta=D,...]`` or ``target_epsilon=E[,delta=D]``;
     raises ValueError naming the bad key or value."""
-    values: dict = {}
-    for item in filter(None, (x.strip() for x in str(spec).split(","))):
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or key not in _KEYS:
-            raise ValueError(f"--{what.replace('_', '-')}: bad item '{item}' (keys: {', '.join(_KEYS)})")
-        raw = raw.strip()
-        if _KEYS[key] is bool:
-            if raw.lower() not in ("true", "false"):
-                raise ValueError(f"--{what}: {key} must be true or false (got '{raw}')")
-            values[key] = raw.lower() == "true"
-            continue
-        try:
-            v = float(raw)
-        except ValueError:
-            raise ValueError(f"--{what}: {key} must be a number (got '{raw}')") from None
-        if not math.isfinite(v):
-            raise ValueError(f"--{what}: {key} must be finite (got '{raw}')")
-        values[key] = v
+    values = parse_pairs(str(spec), what=f"--{what.replace('_', '-')}", types=_KEYS)
     out = DPSpec(**values)
     if out.noise_multiplier is None and out.target_epsilon is None:
         raise ValueError(f"--{what} needs noise_multiplier=N or target_epsilon=E")

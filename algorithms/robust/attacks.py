@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from fedswarm.kv import parse_pairs
+
 __all__ = ["Attack", "ATTACKS", "parse_attack", "alie_z"]
 
 # name -> (kind, {param: default}, help)
@@ -118,24 +120,10 @@ def parse_attack(spec: str) -> Attack:
     name = name.strip().lower()
     if name not in ATTACKS:
         raise ValueError(f"unknown attack '{name}' (available: {', '.join(ATTACKS)})")
-    defaults = dict(ATTACKS[name][1])
-    params = dict(defaults)
-    for item in filter(None, (x.strip() for x in rest.split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or key not in defaults:
-            allowed = ", ".join(defaults) or "none"
-            raise ValueError(f"attack '{name}': bad parameter '{item}' (parameters: {allowed})")
-        value = value.strip()
-        if key == "add":
-            if value.lower() not in ("true", "false"):
-                raise ValueError(f"attack '{name}': add must be true or false (got '{value}')")
-            params[key] = value.lower() == "true"
-            continue
-        try:
-            params[key] = float(value)
-        except ValueError:
-            raise ValueError(f"attack '{name}': {key} must be a number (got '{value}')") from None
-        if not math.isfinite(params[key]) or (key in ("std", "z") and params[key] < 0):
-            raise ValueError(f"attack '{name}': {key} must be a finite number{' >= 0' if key in ('std', 'z') else ''}")
+    defaults = ATTACKS[name][1]
+    params = dict(defaults) | parse_pairs(rest, what=f"attack '{name}'",
+                                          types={k: bool if k == "add" else float for k in defaults})
+    for key in ("std", "z"):
+        if params.get(key) is not None and params[key] < 0:
+            raise ValueError(f"attack '{name}': {key} must be a finite number >= 0 (got {params[key]})")
     return Attack(name, params)

@@ -369,6 +369,7 @@ for _name in SYNC_ALGORITHMS:
         client_update=make_client_update(_name),
         kind="decentralized",
         paper=_alg.paper,
+        run_defaults={"topology": _alg.topology},
     ))
 
 def _build_array(params: dict, ctx: BuildContext):

@@ -40,7 +40,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedswarm.algorithms.selection.hl import NodeStates, QAgent, distance_matrix, hl_reward
 from fedswarm.algorithms.selection.hl_attention import DQNAgent, chain_state, visit_features
-from fedswarm.hyperparams import HyperParam
+from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
 from fedswarm.strategies.resumable import capture, restore
 from fedswarm.payload import PayloadError
@@ -315,24 +315,24 @@ class HomogeneousLearning(ReportsRounds, Strategy):
 
 # --------------------------------------------------------------------------- registry
 
-HYPERPARAMS = (
-    HyperParam("selector", "learned", "how the next node is chosen", choices=SELECTORS),
-    HyperParam("target_accuracy", 0.8, "an episode ends when the test accuracy reaches it", gt=0.0, le=1.0),
-    HyperParam("max_episode_rounds", 35, "an episode also ends after this many rounds", ge=1, le=1_000_000),
-    HyperParam("reset_model", True, "start each episode from the initial model (the paper's agent training)"),
-    HyperParam("distance_weight", 0.1, "weight of the hop distance in the reward", ge=0.0, le=100.0),
-    HyperParam("gamma", 0.9, "the agent's discount", ge=0.0, lt=1.0),
-    HyperParam("agent_lr", 0.1, "the agent's step size", gt=0.0, le=10.0),
-    HyperParam("epsilon_decay", 0.1, "exploration decay per episode: eps <- eps * exp(-decay)", ge=0.0, le=10.0),
-    HyperParam("agent_target", "mc", "the agent learns from Monte Carlo returns or TD(0) targets",
+HYPERPARAMS = defaults_from(HomogeneousLearning.__init__, (  # defaults: the constructor's
+    HyperParam("selector", SIGNATURE, "how the next node is chosen", choices=SELECTORS),
+    HyperParam("target_accuracy", SIGNATURE, "an episode ends when the test accuracy reaches it", gt=0.0, le=1.0),
+    HyperParam("max_episode_rounds", SIGNATURE, "an episode also ends after this many rounds", ge=1, le=1_000_000),
+    HyperParam("reset_model", SIGNATURE, "start each episode from the initial model (the paper's agent training)"),
+    HyperParam("distance_weight", SIGNATURE, "weight of the hop distance in the reward", ge=0.0, le=100.0),
+    HyperParam("gamma", SIGNATURE, "the agent's discount", ge=0.0, lt=1.0),
+    HyperParam("agent_lr", SIGNATURE, "the agent's step size", gt=0.0, le=10.0),
+    HyperParam("epsilon_decay", SIGNATURE, "exploration decay per episode: eps <- eps * exp(-decay)", ge=0.0, le=10.0),
+    HyperParam("agent_target", SIGNATURE, "the agent learns from Monte Carlo returns or TD(0) targets",
                choices=("mc", "td")),
-    HyperParam("dqn_lr", 1e-3, "selector 'attention': the DQN's Adam step size", gt=0.0, le=1.0),
-    HyperParam("dqn_passes", 1, "selector 'attention': DQN training passes after each episode (the paper: 1)",
+    HyperParam("dqn_lr", SIGNATURE, "selector 'attention': the DQN's Adam step size", gt=0.0, le=1.0),
+    HyperParam("dqn_passes", SIGNATURE, "selector 'attention': DQN training passes after each episode (the paper: 1)",
                ge=1, le=1000),
-    HyperParam("attention_state", "pca", "selector 'attention': the paper's state (pca: the node models' PCA) "
+    HyperParam("attention_state", SIGNATURE, "selector 'attention': the paper's state (pca: the node models' PCA) "
                "or pca+visits (plus each node's visit recency)", choices=("pca", "pca+visits")),
-    HyperParam("agent_path", "", "load the agent from this JSON file if it exists; save it there at the end"),
-)
+    HyperParam("agent_path", SIGNATURE, "load the agent from this JSON file if it exists; save it there at the end"),
+))
 
 
 def build(params: dict, ctx: BuildContext) -> HomogeneousLearning:

@@ -54,7 +54,7 @@ from fedswarm.errors import ConfigError
 from fedswarm.algorithms.selection.progfed import default_stage_rounds, samples_processed, stage_of
 from fedswarm.params import ParamLayout, get_flat
 from fedswarm.local import prepare_local
-from fedswarm.hyperparams import HyperParam
+from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register
 from fedswarm.strategies.resumable import capture, restore
 from fedswarm.tasks.staged import StagedModel, StageModel, step_flops
@@ -362,11 +362,11 @@ class ProgFed(ReportsRounds, FedAvg):
 
 # --------------------------------------------------------------------------- registry
 
-HYPERPARAMS = (
-    HyperParam("stage_rounds", 0, "rounds of each stage before the last (T_s); 0 = rounds / (2·stages), "
+HYPERPARAMS = defaults_from(ProgFed.__init__, (  # defaults: the constructor's
+    HyperParam("stage_rounds", SIGNATURE, "rounds of each stage before the last (T_s); 0 = rounds / (2·stages), "
                "the paper's ResNet schedule (its ConvNet configs use rounds / stages)", ge=0, le=1_000_000),
-    HyperParam("server_lr", 1.0, "server step size on the averaged deltas", gt=0.0, le=10.0),
-)
+    HyperParam("server_lr", SIGNATURE, "server step size on the averaged deltas", gt=0.0, le=10.0),
+))
 
 
 def build(params: dict, ctx: BuildContext) -> ProgFed:
@@ -398,4 +398,5 @@ ENTRY = register(StrategyEntry(
     hyperparams=HYPERPARAMS,
     client_update=client_update,
     paper="Wang, Stich, He, Fritz, ICML 2022 (arXiv 2110.05323)",
+    run_defaults={"task": "digits-cnn4"},  # the smallest staged task
 ))

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from flwr.app import Context, Message, RecordDict
 
-from fedswarm.config import parse_value
 from fedswarm.errors import ConfigError
+from fedswarm.kv import parse_pairs
 from fedswarm.params import ParamLayout
 from fedswarm.algorithms.compression.base import Codec
 from fedswarm.algorithms.compression.codecs import CODECS, decode_payload, make_codec
@@ -48,13 +48,10 @@ def parse_codec_params(text: str | dict | None) -> dict[str, Any]:
         if not isinstance(out, dict):
             raise ConfigError(f"invalid codec parameters {text!r}: expected a JSON object")
         return out
-    out = {}
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"invalid codec parameters {text!r}: expected KEY=VALUE[,KEY=VALUE...]")
-        out[key.strip()] = parse_value(value.strip())
-    return out
+    try:
+        return parse_pairs(text, what=f"invalid codec parameters {text!r}")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 class CompressedFedAvg(CompressedStrategy):

@@ -1,8 +1,8 @@
 """Peer identities: Ed25519 key pairs and the allow list of admitted public keys.
 
 A peer's identity is an Ed25519 key pair kept in a key directory (``private.pem``, mode
-0600, and ``public.txt``). The same key pair, mapped to Curve25519 (as libsodium's
-``crypto_sign_ed25519_*_to_curve25519`` do), gives every pair of peers a static
+0600, and ``public.txt``). The same key pair, mapped to Curve25519 by libsodium's
+``crypto_sign_ed25519_*_to_curve25519`` (through PyNaCl), gives every pair of peers a static
 Diffie-Hellman secret (:meth:`Identity.shared_secret`) with no handshake: it keys the
 one-time Poly1305 tag that authenticates a message body far faster than hashing it. Its
 **peer id** is the hex of the 32-byte raw public key; the
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import (
     X25519PrivateKey,
     X25519PublicKey,
 )
+from nacl.bindings import crypto_sign_ed25519_pk_to_curve25519, crypto_sign_ed25519_sk_to_curve25519
+from nacl.exceptions import CryptoError
 
 __all__ = [
     "SIGNATURE_BYTES",
@@ -91,7 +92,8 @@ class Identity:
         if key is None:
             seed = self.private_key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
                                                   serialization.NoEncryption())
-            key = self._shared[""] = X25519PrivateKey.from_private_bytes(hashlib.sha512(seed).digest()[:32])
+            scalar = crypto_sign_ed25519_sk_to_curve25519(seed + self.public_bytes)  # libsodium's secret key
+            key = self._shared[""] = X25519PrivateKey.from_private_bytes(scalar)
         return key
 
     @classmethod
@@ -100,19 +102,17 @@ class Identity:
         return cls(key, _raw_public(key.public_key()))
 
 
-_P = 2**255 - 19
-
-
 def x25519_public(peer_id: str) -> X25519PublicKey:
-    """The Curve25519 (Montgomery) form of an Ed25519 public key: ``u = (1 + y) / (1 − y)``."""
+    """The Curve25519 (Montgomery) form of an Ed25519 public key, ``u = (1 + y) / (1 − y)``;
+    ValueError for a peer id that is no valid point (libsodium also refuses small-order points)."""
     try:
-        y = int.from_bytes(bytes.fromhex(peer_id), "little") & ((1 << 255) - 1)
+        raw = bytes.fromhex(peer_id)
     except ValueError:
         raise ValueError(f"not a peer id: {peer_id[:16]!r}") from None
-    if y >= _P or y == 1:
-        raise ValueError("public key is not a usable curve point")
-    u = (1 + y) * pow(1 - y, _P - 2, _P) % _P
-    return X25519PublicKey.from_public_bytes(u.to_bytes(32, "little"))
+    try:
+        return X25519PublicKey.from_public_bytes(crypto_sign_ed25519_pk_to_curve25519(raw))
+    except (CryptoError, ValueError):
+        raise ValueError("public key is not a usable curve point") from None
 
 
 def _raw_public(pub: Ed25519PublicKey) -> bytes:

@@ -26,6 +26,8 @@ print(json.dumps({
          "policy_keys": LOCAL + ["codec", "codec_params"]},
         {"name": "dpsgd", "description": "Decentralized SGD.", "kind": "decentralized", "hyperparams": [],
          "policy_keys": []},
+        {"name": "easgd", "description": "Elastic averaging.", "kind": "decentralized", "hyperparams": [],
+         "policy_keys": [], "run_defaults": {"topology": "complete"}},
     ],
     "codecs": [{"name": "none", "description": "no compression", "hyperparams": []},
                {"name": "topk", "description": "top-k",

@@ -68,6 +68,19 @@ def test_form_errors_are_shown_with_the_values_kept(app, admin):
     assert app.state.ctx.store.list_runs() == []
 
 
+def test_a_strategy_s_run_defaults_fill_what_the_form_leaves(app, admin):
+    """The form pre-fills topology 'ring'; EASGD's registry entry asks for 'complete' where the
+    user did not choose, and a topology the user typed still wins (and is checked by the run)."""
+    store = app.state.ctx.store
+    for topology, want in (("ring", "complete"), ("", "complete"), ("torus", "torus")):
+        form = {"csrf_token": _csrf(admin), "strategy": "easgd", "rounds": "1", "topology": topology}
+        r = admin.post("/runs/new", data=form, follow_redirects=False)
+        assert r.status_code == 303, r.text
+        assert store.get_run(r.headers["location"].rsplit("/", 1)[1]).config["topology"] == want
+    for run in store.list_runs():
+        admin.post(f"/api/runs/{run.id}/stop?force=true")
+
+
 def test_catalog_fallback_still_offers_the_generic_fields(make_app):
     app = make_app(catalog_cmd=[sys.executable, "-c", "import sys; sys.exit('no registry here')"])
     with TestClient(app) as c:
@@ -139,10 +152,12 @@ def test_admin_pages_create_user_and_show_token_once(app, admin):
 
 def test_toml_round_trip():
     cfg = {"name": 'quote " and \\ back ✓', "rounds": 3, "lr": 0.1, "fraction": 1e-05, "flag": True,
-           "params": {"k": 0.5, "codec": "top\nk", "layers": [1, 2]}, "device_mix": {"edge-wifi": 0.5},
-           "skip": None}
+           "params": {"k": 0.5, "codec": "top\nk", "layers": [1, 2], "unset": None}, "device_mix": {"edge-wifi": 0.5},
+           "policies": {"edge-lte": {"local_steps": 2, "lr": None}}, "skip": None}
     back = tomllib.loads(to_toml(cfg))
-    assert back == {k: v for k, v in cfg.items() if v is not None}
+    assert back == {**{k: v for k, v in cfg.items() if v is not None},
+                    "params": {"k": 0.5, "codec": "top\nk", "layers": [1, 2]},
+                    "policies": {"edge-lte": {"local_steps": 2}}}
     assert math.isinf(tomllib.loads(to_toml({"x": float("inf")}))["x"])
 
 
