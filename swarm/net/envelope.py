@@ -251,21 +251,24 @@ class BodyPool:
         if n < POOL_MIN_BYTES or n > self.max_bytes:
             return alloc_body(n)
         with self._lock:
-            for i in range(len(self._bufs)):  # (enumerate's cached tuple would hold one more reference)
-                buf = self._bufs[i]
-                # 3 references: the list's, ``buf``'s and getrefcount's argument
-                if len(buf) == n and sys.getrefcount(buf) == 3:
-                    del self._bufs[i]
-                    self.reused += 1
-                    break
-            else:
-                buf = None
+            free = [i for i in range(len(self._bufs)) if len(self._bufs[i]) == n and _refs(self._bufs, i) == _LIST_ONLY]
+            buf = self._bufs.pop(free[0]) if free else None
+            self.reused += buf is not None
         buf = alloc_body(n) if buf is None else buf
         with self._lock:
             self._bufs.append(buf)  # most recent last; the oldest go first
             while sum(len(b) for b in self._bufs) > self.max_bytes:
                 self._bufs.pop(0)
         return buf
+
+
+def _refs(bufs: list, i: int) -> int:
+    return sys.getrefcount(bufs[i])
+
+
+#: What :func:`_refs` counts for an object only a list holds (whatever this interpreter adds for the call
+#: itself included, so the test is exact), the pool's test that no one else holds a buffer.
+_LIST_ONLY = _refs([bytearray(1)], 0)
 
 
 def alloc_body(n: int):
