@@ -1,18 +1,22 @@
 """Swarm transport and round time, measured (wall-clock, this machine, loopback).
 
 1. **Model exchange**: a 10M-parameter float32 model (40 MB) pushed from one peer to
-   another in a separate process, four ways in rotation in one run: a raw socket copy
-   of the same bytes (connect, ``sendall`` → ``recv_into`` a preallocated buffer, a small
-   ack); the swarm without TLS (signed header, Poly1305 body tag), the same over a Noise
-   session (the swarm's default without TLS: an XX handshake on every connection, its
-   wall time per connection in ``handshake_ms``, then every byte AES-256-GCM under
-   forward-secret session keys), the legacy static-key encryption (bodies AES-256-GCM
+   another in a separate process, several ways in turn in one run: a raw socket copy
+   of the same bytes (connect, ``sendall`` → ``recv_into`` one preallocated, warm buffer, a
+   small ack; no authentication and no validation: the reference ``vs raw`` divides), the
+   same with the finiteness check a peer must do (``raw_checked``, still unauthenticated); the
+   swarm without TLS (signed header, Poly1305 body tag), the same over a Noise session (the
+   swarm's default without TLS: an XX handshake on every connection, its wall time per
+   connection in ``handshake_ms``, then every byte AES-256-GCM under forward-secret session
+   keys), the legacy static-key encryption (bodies AES-256-GCM
    under keys from the identity keys, no handshake, no forward secrecy); and the swarm as a
    permissioned swarm runs it, with mutual TLS (encrypted, certificates from the swarm's
    CA bound to the signing keys; a TLS 1.3 session ticket from the previous exchange
    resumes the session, as between gossiping neighbours; the first, full handshake is
    ``seconds_first``). Every swarm path validates dtype, length and finiteness on arrival
-   and answers with a signed ack. Median of the reps; the load average is recorded beside
+   and answers with a signed ack; a received body reuses the buffer of an earlier one once
+   nothing refers to it (:class:`~fedswarm.swarm.net.envelope.BodyPool`), as the raw socket
+   reuses its one buffer. Median of the reps; the load average is recorded beside
    the figures, and so is each side's CPU time per exchange (``send_cpu_ms``,
    ``recv_cpu_ms``: thread CPU time, much less sensitive than wall time to a loaded
    machine; a transfer cannot be faster than its busier side's CPU time).
@@ -252,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("bench"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--exchange-only", action="store_true",
-                    help="only the 40 MB exchange (raw, plain, Noise-encrypted, static-key encrypted, mutual TLS)")
+                    help="only the 40 MB exchange (raw, raw + finiteness check, plain, Noise-encrypted, static-key "
+                         "encrypted, mutual TLS)")
     ap.add_argument("--profile", action="store_true",
                     help="also time each step of an exchange in-process (handshakes, copies, crypto, checks)")
     a = ap.parse_args(argv)

@@ -45,8 +45,9 @@ def _transport(pki: Path, name: str, handler, *, mode: str, **kw):
 
 
 def _receiver(pipe, pki: str, d: int) -> None:
-    """Child process: swarm transports (plain and mutual TLS) that validate and ack models,
-    and a raw socket server that reads the same number of bytes."""
+    """Child process: swarm transports that validate and ack models, and two raw socket
+    servers that read the same number of bytes into one warm buffer (one also checks them
+    for finiteness, as a peer must; neither authenticates anything)."""
     from fedswarm.swarm.net.payload import read_vector
 
     torch.set_num_threads(1)
@@ -56,14 +57,14 @@ def _receiver(pipe, pki: str, d: int) -> None:
         # one thread per connection: its CPU time so far is this exchange's (handshake included)
         s.send("ack", {"cpu_s": time.thread_time()}, re=msg.nonce)
 
-    ts = {m: _transport(Path(pki), "p1", handle, mode=m).start() for m in EXCHANGE_PATHS if m != "raw"}
-    raw = socket.create_server(("127.0.0.1", 0))
+    ts = {m: _transport(Path(pki), "p1", handle, mode=m).start() for m in EXCHANGE_PATHS if not m.startswith("raw")}
+    raw = {m: socket.create_server(("127.0.0.1", 0)) for m in ("raw", "raw_checked")}
     buf = bytearray(4 * d)
 
-    def serve_raw():
+    def serve_raw(server: socket.socket, check: bool):
         while True:
             try:
-                c, _ = raw.accept()
+                c, _ = server.accept()
             except OSError:
                 return
             with c:
@@ -71,18 +72,24 @@ def _receiver(pipe, pki: str, d: int) -> None:
                 view, got = memoryview(buf), 0
                 while got < len(buf):
                     got += c.recv_into(view[got:])
+                if check:
+                    torch.aminmax(torch.frombuffer(buf, dtype=torch.float32))  # what read_vector checks
                 c.sendall(struct.pack(">d", time.thread_time() - cpu0))
 
-    threading.Thread(target=serve_raw, daemon=True).start()
-    pipe.send((ts["plain"].ident.peer_id, {m: t.address for m, t in ts.items()}, raw.getsockname()[1]))
+    for m, server in raw.items():
+        threading.Thread(target=serve_raw, args=(server, m == "raw_checked"), daemon=True).start()
+    pipe.send((ts["plain"].ident.peer_id, {m: t.address for m, t in ts.items()},
+               {m: server.getsockname()[1] for m, server in raw.items()}))
     pipe.recv()  # until the parent is done
     for t in ts.values():
         t.stop()
-    raw.close()
+    for server in raw.values():
+        server.close()
 
 
 EXCHANGE_PATHS = {
-    "raw": "raw socket copy",
+    "raw": "raw socket copy into one warm buffer (no authentication, no validation)",
+    "raw_checked": "raw socket copy into one warm buffer + the finiteness check a peer does (no authentication)",
     "plain": "swarm, no TLS, body in clear (signed header, Poly1305 body tag, validated)",
     "encrypted": "swarm, no TLS, Noise XX handshake per connection, then all AES-256-GCM (forward secret, validated)",
     "static": "swarm, no TLS, body AES-256-GCM under static-key-derived keys (legacy, NO forward secrecy, validated)",
@@ -104,15 +111,15 @@ def exchange_rows(reps: int, d: int = D_EXCHANGE) -> list[dict]:
     sent: dict[str, int] = {}
     handshake_ms: dict[str, float] = {}
     try:
-        peer_id, addrs, raw_port = parent.recv()
+        peer_id, addrs, raw_ports = parent.recv()
         senders = {m: (_transport(tmp / "pki", "p0", lambda m, s: None, mode=m, io_timeout_s=120), a)
                    for m, a in addrs.items()}
         meta, body = vector_body(torch.randn(d))
         for _ in range(reps + 1):  # the first round warms up every path; the order rotates
             for key in times:
                 t0, c0 = time.perf_counter(), time.thread_time()
-                if key == "raw":
-                    with socket.create_connection(("127.0.0.1", raw_port)) as s:
+                if key in raw_ports:
+                    with socket.create_connection(("127.0.0.1", raw_ports[key])) as s:
                         s.sendall(body)
                         ack = s.recv(8, socket.MSG_WAITALL)
                     recv_cpu = struct.unpack(">d", ack)[0]
@@ -160,7 +167,8 @@ def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
     aes = AESGCM(os.urandom(32))
     cts = [aes.encrypt(i.to_bytes(12, "big"), memoryview(src)[o : o + chunk], None)
            for i, o in enumerate(range(0, n, chunk))]
-    warm = bytearray(n)
+    warm = bytearray(n + 16)  # room for the last chunk's tag when decrypting in place
+    scratch = bytearray(chunk + 16)
     tmp = Path(tempfile.mkdtemp(prefix="bench-swarm-prof-"))
     init_pki(tmp / "pki", hosts=[], peers=2)
 
@@ -186,7 +194,7 @@ def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
         return c, co, s, si
 
     def step_copy():
-        memoryview(warm)[:] = src
+        memoryview(warm)[:n] = src
 
     def step_fresh():
         memoryview(alloc_body(n))[:] = src
@@ -207,6 +215,24 @@ def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
         v = memoryview(warm)
         for i, o in enumerate(range(0, n, chunk)):
             aes.decrypt_into(i.to_bytes(12, "big"), cts[i], None, v[o : o + len(cts[i]) - 16])
+
+    def step_record_scratch(check: bool = False):
+        """A record copied into a 1 MB scratch (as ``recv_into`` does), decrypted into the body;
+        ``check``: each chunk's finiteness checked while it is in cache."""
+        v = memoryview(warm)
+        for i, o in enumerate(range(0, n, chunk)):
+            c = len(cts[i])
+            memoryview(scratch)[:c] = cts[i]
+            aes.decrypt_into(i.to_bytes(12, "big"), memoryview(scratch)[:c], None, v[o : o + c - 16])
+            if check:
+                torch.aminmax(torch.frombuffer(warm, dtype=torch.float32, count=(c - 16) // 4, offset=o))
+
+    def step_record_in_place():
+        v = memoryview(warm)
+        for i, o in enumerate(range(0, n, chunk)):
+            c = len(cts[i])
+            v[o : o + c] = cts[i]
+            aes.decrypt_into(i.to_bytes(12, "big"), v[o : o + c], None, v[o : o + c - 16])
 
     def step_tls_enc():
         c, co, _, _ = tls_pair()
@@ -235,7 +261,7 @@ def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
         return time.thread_time() - t0
 
     def step_validate():
-        x = torch.frombuffer(warm, dtype=torch.float32)
+        x = torch.frombuffer(warm, dtype=torch.float32, count=n // 4)
         torch.aminmax(x)
 
     def handshakes(resume: bool) -> float:
@@ -299,10 +325,15 @@ def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
         return 1e3 * statistics.median(out[1:])
 
     steps = {"copy 40 MB into a warm buffer (what a raw socket costs per side, roughly)": step_copy,
-             "copy into a fresh body buffer (page faults included)": step_fresh,
+             "copy into a fresh body buffer (page faults included; a received body reuses a pooled one)":
+                 step_fresh,
              "Poly1305 tag of the body (clear mode, each side)": step_poly,
              f"AES-256-GCM encrypt, {chunk >> 20} MB chunks (encrypted mode, sender)": step_gcm_enc,
              f"AES-256-GCM decrypt_into, {chunk >> 20} MB chunks (encrypted mode, receiver)": step_gcm_dec,
+             "a record copied into a 1 MB scratch, decrypt_into the body (Noise receiver)": step_record_scratch,
+             "... instead copied into the body and decrypted in place (not used)": step_record_in_place,
+             "... the scratch path with each chunk's finiteness checked in cache (not used)":
+                 lambda: step_record_scratch(check=True),
              "TLS 1.3 record encryption through Python's ssl (mutual-TLS mode, sender)": step_tls_enc,
              "TLS 1.3 record decryption through Python's ssl, 16 KB records (mutual-TLS mode, receiver)":
                  step_tls_dec,

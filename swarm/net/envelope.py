@@ -38,7 +38,10 @@ import json
 import math
 import mmap
 import os
+import socket
+import ssl
 import struct
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -50,8 +53,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 from fedswarm.swarm.net.identity import SIGNATURE_BYTES, Identity, verify
 
-__all__ = ["CHUNK_BYTES", "DROP_REASONS", "TAG_NOISE", "TAG_TLS", "Conn", "Dropped", "Message", "Verifier",
-           "header_frame", "recv_message", "send_message"]
+__all__ = ["BODY_POOL", "CHUNK_BYTES", "DROP_REASONS", "TAG_NOISE", "TAG_TLS", "BodyPool", "Conn", "Dropped", "Message",
+           "Verifier", "header_frame", "recv_message", "send_message"]
 
 VERSION = 1
 _LEN = struct.Struct(">I")
@@ -107,6 +110,23 @@ class Conn:
     def sendall(self, data) -> None:
         self.sock.sendall(data)
         self.sent += len(data)
+
+    def send_frame(self, head: bytes, piece) -> None:
+        """``head`` then ``piece`` in one system call where the socket allows (``sendmsg``;
+        a TLS socket has none), not one write for a 4-byte length and one for its chunk."""
+        if not isinstance(self.sock, socket.socket) or isinstance(self.sock, ssl.SSLSocket):
+            self.sendall(head)
+            self.sendall(piece)
+            return
+        bufs = [memoryview(head), memoryview(piece).cast("B")]
+        total = sum(len(b) for b in bufs)
+        while bufs:
+            n = self.sock.sendmsg(bufs)
+            while bufs and n >= len(bufs[0]):
+                n -= len(bufs.pop(0))
+            if bufs:
+                bufs[0] = bufs[0][n:]
+        self.sent += total
 
     def recv_exact_into(self, view: memoryview) -> None:
         got, n = 0, len(view)
@@ -206,11 +226,56 @@ def _body_mac(ident: Identity, other: str, nonce: str, sender: str, receiver: st
 CHUNK_BYTES = 1 << 20
 
 
+#: Received bodies of at least this size come from :data:`BODY_POOL` (smaller ones are cheap to allocate).
+POOL_MIN_BYTES = 4 << 20
+
+
+class BodyPool:
+    """The last few large body buffers, handed out again once nothing refers to them.
+
+    A fresh 40 MB buffer costs its page faults and the kernel's zeroing (~3 ms of CPU, the
+    ``profile`` rows of ``fedswarm bench swarm``) on every model a peer receives; a model's
+    size never changes, so the previous one's buffer fits. A buffer is reused only when the
+    pool holds the sole reference to it (CPython counts every holder: a :class:`Message`, a
+    tensor or array made with ``frombuffer``, a memoryview), so a body a caller still uses
+    is never overwritten. ``max_bytes`` bounds what the pool keeps alive (oldest dropped first)."""
+
+    def __init__(self, max_bytes: int = 128 << 20):
+        self.max_bytes = max_bytes
+        self.reused = 0
+        self._bufs: list = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int):
+        """A writable ``n``-byte buffer: a free pooled one, else a new one (then pooled)."""
+        if n < POOL_MIN_BYTES or n > self.max_bytes:
+            return alloc_body(n)
+        with self._lock:
+            free = [i for i in range(len(self._bufs)) if len(self._bufs[i]) == n and _refs(self._bufs, i) == _LIST_ONLY]
+            buf = self._bufs.pop(free[0]) if free else None
+            self.reused += buf is not None
+        buf = alloc_body(n) if buf is None else buf
+        with self._lock:
+            self._bufs.append(buf)  # most recent last; the oldest go first
+            while sum(len(b) for b in self._bufs) > self.max_bytes:
+                self._bufs.pop(0)
+        return buf
+
+
+def _refs(bufs: list, i: int) -> int:
+    return sys.getrefcount(bufs[i])
+
+
+#: What :func:`_refs` counts for an object only a list holds (whatever this interpreter adds for the call
+#: itself included, so the test is exact), the pool's test that no one else holds a buffer.
+_LIST_ONLY = _refs([bytearray(1)], 0)
+
+
 def alloc_body(n: int):
-    """A writable buffer for an ``n``-byte body. Large ones are anonymous maps advised to
-    use transparent huge pages: a fresh 40 MB bytearray costs ~10k page faults (~25 ms, as
+    """A fresh writable ``n``-byte buffer. Large ones are anonymous maps advised to use
+    transparent huge pages: a fresh 40 MB bytearray costs ~10k page faults (~25 ms, as
     long as the transfer itself), 2 MB pages a few dozen."""
-    if n < (4 << 20) or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if n < POOL_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return bytearray(n)
     m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -218,6 +283,10 @@ def alloc_body(n: int):
     except OSError:
         pass
     return m
+
+
+#: Where received bodies come from (one per process, shared by its transports).
+BODY_POOL = BodyPool()
 
 
 def _dump(obj: dict) -> bytes:
@@ -273,8 +342,7 @@ def send_message(conn: Conn, ident: Identity, kind: str, *, to: str, meta: dict 
     if tls_tag:
         for start in range(0, len(view), chunk_bytes):
             piece = view[start : start + chunk_bytes]
-            conn.sendall(_LEN.pack(len(piece)))
-            conn.sendall(piece)
+            conn.send_frame(_LEN.pack(len(piece)), piece)
     elif enc:
         aes = _body_cipher(ident, to, nonce, ident.peer_id, to)
         out = bytearray(4 + min(chunk_bytes, len(view)) + TAG_BYTES)
@@ -288,8 +356,7 @@ def send_message(conn: Conn, ident: Identity, kind: str, *, to: str, meta: dict 
         mac = _body_mac(ident, to, nonce, ident.peer_id, to)
         for start in range(0, len(view), chunk_bytes):
             piece = view[start : start + chunk_bytes]
-            conn.sendall(_LEN.pack(len(piece)))
-            conn.sendall(piece)
+            conn.send_frame(_LEN.pack(len(piece)), piece)
             mac.update(piece)
         conn.sendall(_LEN.pack(TAG_BYTES) + mac.finalize())
     return nonce
@@ -409,7 +476,7 @@ def _recv(conn: Conn, v: Verifier, expect_re: str | None, bound_peer: str | None
     if body_tag is not None and (bound_peer is None or body_tag != conn.channel_tag):
         raise Dropped("malformed", "body without a tag over a connection not bound to the sender's certificate "
                                    "or Noise session")
-    body = alloc_body(blen)
+    body = BODY_POOL.take(blen)
     if blen and body_tag is not None:
         _recv_chunks(conn, v, body, blen, None)  # the channel (bound to the sender, checked above) authenticates it
     elif blen and h.get("enc") == ENC_AES_GCM:

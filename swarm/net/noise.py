@@ -151,17 +151,33 @@ class NoiseConn(Conn):
     def sendall(self, data) -> None:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), MAX_RECORD):
-            piece = view[start : start + MAX_RECORD]
+            self._send_records((view[start : start + MAX_RECORD],))
+
+    def send_frame(self, head: bytes, piece) -> None:
+        """``head`` and ``piece`` as two records (as :meth:`sendall` twice would), in one write."""
+        if len(piece) > MAX_RECORD:
+            self.sendall(head)
+            self.sendall(piece)
+        else:
+            self._send_records((head, memoryview(piece).cast("B")))
+
+    def _send_records(self, pieces) -> None:
+        """One record per non-empty piece (each <= MAX_RECORD), written to the socket at once."""
+        size = sum(4 + len(p) + _TAG for p in pieces if len(p))
+        if len(self._out) < size:
+            self._out = bytearray(size)
+        out, pos = memoryview(self._out), 0
+        for piece in pieces:
+            if not len(piece):
+                continue  # a receiver refuses an empty record
             c = len(piece) + _TAG
-            if len(self._out) < 4 + c:
-                self._out = bytearray(4 + c)
-            frame = memoryview(self._out)[: 4 + c]
             head = _LEN.pack(c)
-            frame[:4] = head
-            self._tx[1].encrypt_into(_nonce(self._tx[2]), piece, head, frame[4:])
-            self.sock.sendall(frame)  # one write per record: length and ciphertext together
-            self.sent += 4 + c
+            out[pos : pos + 4] = head
+            self._tx[1].encrypt_into(_nonce(self._tx[2]), piece, head, out[pos + 4 : pos + 4 + c])
             self._advance(self._tx, len(piece), "sent")
+            pos += 4 + c
+        self.sock.sendall(out[:pos])  # length and ciphertext of every record together
+        self.sent += pos
 
     def recv_exact_into(self, view: memoryview) -> None:
         got, n = 0, len(view)
