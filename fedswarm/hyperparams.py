@@ -7,7 +7,9 @@ them. No Flower here: the algorithm layer (``fedswarm.algorithms``) uses it too.
 
 A default is written once, where the code that uses it declares it: a parameter declared with
 :data:`SIGNATURE` as its default takes it from the constructor's keyword argument of the same
-name (:func:`defaults_from`), and one that repeats the constructor's default is refused.
+name (:func:`defaults_from`; given a class, also the arguments its ``__init__`` passes on to its
+bases through ``**kwargs``), and one that repeats the constructor's default is refused, unless the
+caller keeps it on purpose (a sentinel or a string the constructor does not take as is).
 
 Values are checked by pydantic (a ``TypeAdapter`` built from the parameter's type, bounds
 and choices): the CLI, the registry and the dashboard (``fedswarm.web.validation``, from the

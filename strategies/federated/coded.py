@@ -252,7 +252,7 @@ register(StrategyEntry(
     build=_build("auto", "draco"),
     hyperparams=defaults_from(CodedStrategy, (_S, HyperParam("code", "auto", "repetition (needs 2s+1 | P), cyclic, "
                                                              "or auto", choices=("auto", "repetition", "cyclic")),
-                                              _LR)),  # code: the builder's scheme; the constructor's default is solon
+                                              _LR)),  # code: Draco's scheme (the constructor's defaults to solon)
     client_update=coded_client_update,
     paper="Chen, Wang, Charles, Papailiopoulos, ICML 2018",
 ))

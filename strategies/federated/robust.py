@@ -140,7 +140,7 @@ for _name, _desc, _extra in (
     ("trimmed_mean", "Coordinate-wise mean after dropping the f largest and f smallest values (n > 2f).", ()),
     ("krum", "Krum: the update closest to its n-f-2 nearest neighbours (n > 2f+2).", ()),
     ("multikrum", "Multi-Krum: the mean of the m best Krum scores (n > 2f+2).",
-     (HyperParam("m", 0, "updates averaged (0: n - f)", ge=0, le=100_000),)),  # the rule's, which takes None for 0
+     (HyperParam("m", 0, "updates averaged (0: n - f)", ge=0, le=100_000),)),  # the rule's (0: None), not the class's
     ("bulyan", "Bulyan: iterated Krum selects n-2f, then a trimmed mean around the median (n >= 4f+3).", ()),
 ):
     register(StrategyEntry(name=_name, description=_desc, build=_builder(_name),
