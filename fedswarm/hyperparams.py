@@ -7,7 +7,9 @@ them. No Flower here: the algorithm layer (``fedswarm.algorithms``) uses it too.
 
 A default is written once, where the code that uses it declares it: a parameter declared with
 :data:`SIGNATURE` as its default takes it from the constructor's keyword argument of the same
-name (:func:`defaults_from`), and one that repeats the constructor's default is refused.
+name (:func:`defaults_from`; given a class, also the arguments its ``__init__`` passes on to its
+bases through ``**kwargs``), and one that repeats the constructor's default is refused, unless the
+caller keeps it on purpose (a sentinel or a string the constructor does not take as is).
 
 Values are checked by pydantic (a ``TypeAdapter`` built from the parameter's type, bounds
 and choices): the CLI, the registry and the dashboard (``fedswarm.web.validation``, from the
@@ -108,22 +110,49 @@ class HyperParam:
             raise bad from None
 
 
-def defaults_from(fn: Callable[..., Any], params: Iterable[HyperParam]) -> tuple[HyperParam, ...]:
+def defaults_from(fn: Callable[..., Any], params: Iterable[HyperParam], *,
+                  kept: Iterable[str] = ()) -> tuple[HyperParam, ...]:
     """``params`` with each :data:`SIGNATURE` default replaced by the default of ``fn``'s
     argument of the same name (``fn``: the constructor the parameters are passed to).
-    TypeError at import when a default is missing or written twice, here and in ``fn``."""
-    args = inspect.signature(fn).parameters
+
+    ``fn`` may be a class: its arguments are then its ``__init__``'s and, while an ``__init__``
+    passes ``**kwargs`` on, those of the next ``__init__`` up the MRO (a subclass's own default
+    wins over its base's). A subclass that fixes a base argument in its ``super().__init__`` call
+    is not seen: declare no hyperparameter of that name. ``kept`` names parameters whose default
+    is written here on purpose, being something the constructor does not take as is (a sentinel
+    or a string the builder translates); the caller says why. TypeError at import when a default
+    is missing or written twice, here and in ``fn``."""
+    args = _arguments(fn)
+    kept = frozenset(kept)
     where = getattr(fn, "__qualname__", repr(fn))
     out = []
     for h in params:
         arg = args.get(h.name)
         default = inspect.Parameter.empty if arg is None else arg.default
         if h.default is SIGNATURE:
-            if default is inspect.Parameter.empty:
+            if default is inspect.Parameter.empty or h.name in kept:
                 raise TypeError(f"hyperparameter '{h.name}' takes its default from {where}, which has none")
             h = replace(h, default=default)
-        elif default is not inspect.Parameter.empty:
+        elif default is not inspect.Parameter.empty and h.name not in kept:
             raise TypeError(f"hyperparameter '{h.name}': default written twice ({h.default!r} here, "
                             f"{default!r} in {where}); declare it with SIGNATURE")
         out.append(h)
     return tuple(out)
+
+
+def _arguments(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+    """``fn``'s named arguments; for a class, its constructor's, following ``**kwargs`` up the MRO."""
+    if not isinstance(fn, type):
+        return dict(inspect.signature(fn).parameters)
+    out: dict[str, inspect.Parameter] = {}
+    for klass in fn.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        for p in params:
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                out.setdefault(p.name, p)
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return out

@@ -65,17 +65,102 @@ def test_defaults_are_read_from_the_constructor_once():
             defaults_from(Step.__init__, (HyperParam(missing, SIGNATURE, "?"),))
 
 
-def test_the_registry_shows_the_constructors_defaults():
-    """What `fedswarm strategies` lists is what the classes use when built without arguments."""
+def test_defaults_follow_kwargs_up_the_classes():
+    """Given a class, an argument its ``__init__`` passes on through ``**kwargs`` has the base's
+    default, unless the subclass sets its own; a base behind an ``__init__`` without ``**kwargs``
+    is out of reach. ``kept`` lets a default that the constructor does not take stay written here."""
+    from fedswarm.hyperparams import SIGNATURE, defaults_from
+
+    class Base:
+        def __init__(self, layout=None, *, server_lr: float = 1.0, seed: int = 0):
+            pass
+
+    class Mid(Base):
+        def __init__(self, layout=None, density: float = 0.01, **kwargs):
+            super().__init__(layout, **kwargs)
+
+    class Top(Mid):
+        def __init__(self, layout=None, server_lr: float = 2.0, **kwargs):
+            super().__init__(layout, server_lr=server_lr, **kwargs)
+
+    class Inherits(Top):  # no __init__ of its own: Top's
+        pass
+
+    class Closed(Base):
+        def __init__(self, layout=None, density: float = 0.5):
+            super().__init__(layout)
+
+    lr, dens = HyperParam("server_lr", SIGNATURE, "step"), HyperParam("density", SIGNATURE, "share")
+    assert [h.default for h in defaults_from(Mid, (lr, dens))] == [1.0, 0.01]
+    for cls in (Top, Inherits):
+        assert [h.default for h in defaults_from(cls, (lr, dens))] == [2.0, 0.01]
+    assert [h.default for h in defaults_from(Closed, (dens,))] == [0.5]
+    with pytest.raises(TypeError, match=r"'server_lr' takes its default from .*Closed, which has none"):
+        defaults_from(Closed, (lr,))
+    with pytest.raises(TypeError, match=r"'seed': default written twice \(-1 here, 0 in .*Top\)"):
+        defaults_from(Top, (HyperParam("seed", -1, "seed (-1: the run's)"),))
+    sentinel = HyperParam("seed", -1, "seed (-1: the run's)")
+    assert defaults_from(Top, (sentinel,), kept=("seed",)) == (sentinel,)
+    with pytest.raises(TypeError, match=r"'seed' takes its default from .*Top, which has none"):
+        defaults_from(Top, (HyperParam("seed", SIGNATURE, "seed"),), kept=("seed",))
+
+
+def _constructor_defaults(cls: type) -> dict:
+    """The test's own reading of what ``cls()`` uses: each ``__init__`` up the MRO while they pass
+    ``**kwargs`` on, the first one to name an argument deciding its default."""
     import inspect
 
+    out: dict = {}
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
+        for p in params:
+            out.setdefault(p.name, p.default)
+        if all(p.kind is not p.VAR_KEYWORD for p in params):
+            return out
+    return out
+
+
+#: Hyperparameters whose listed default is not the constructor's, on purpose.
+NOT_THE_CONSTRUCTORS = {
+    # a 'k=v' string the builder parses; the constructor takes a dict (None: none)
+    ("compressed_fedavg", "codec_params"), ("compressed_fedavg", "downlink_codec_params"),
+    # -1: the run's --byzantine, put in its place by the builder (Signum's own f is 0)
+    ("signum", "f"),
+    # -1: the run's --byzantine; the constructor's s is required (no default)
+    ("solon", "s"), ("draco", "s"),
+}
+
+
+def test_the_registry_shows_the_constructors_defaults():
+    """What `fedswarm strategies` lists is what the classes use when built without arguments,
+    for every registered strategy, but for the listed exceptions."""
+    import inspect
+
+    import fedswarm.strategies as fs
     from fedswarm.algorithms.decentralized.catalog import ALGORITHMS
     from fedswarm.strategies import registry
-    from fedswarm.strategies.edge.hl import HomogeneousLearning
-    from fedswarm.strategies.edge.progfed import ProgFed
+    from fedswarm.strategies.federated.fedavg import CheckedFedAvg
 
-    owners = {name: e.cls for name, e in ALGORITHMS.items()} | {"hl": HomogeneousLearning, "progfed": ProgFed}
+    owners = {name: e.cls for name, e in ALGORITHMS.items()} | {
+        "fedavg": CheckedFedAvg, "hl": fs.HomogeneousLearning, "progfed": fs.ProgFed,
+        "pvt": fs.PartialVariableTraining, "compressed_fedavg": fs.CompressedFedAvg, "onebit": fs.OneBitSGD,
+        "gtopk": fs.GlobalTopK, "sketched_sgd": fs.SketchedSGD, "fetchsgd": fs.FetchSGD,
+        "gs_sgd": fs.GlobalSketchSGD, "signum": fs.Signum, "solon": fs.CodedStrategy, "draco": fs.CodedStrategy,
+    } | {rule: fs.RobustAggregation for rule in ("median", "trimmed_mean", "krum", "multikrum", "bulyan")}
+    assert set(owners) == set(registry.names())  # a new strategy names its class here
+    checked, excepted = 0, set()
     for name, cls in owners.items():
-        args = inspect.signature(cls.__init__).parameters
-        shown = {h.name: h.default for h in registry.get(name).hyperparams if h.name in args}
-        assert shown and shown == {k: args[k].default for k in shown}, name
+        args = _constructor_defaults(cls)
+        for h in registry.get(name).hyperparams:
+            if h.name not in args:
+                continue
+            if (name, h.name) in NOT_THE_CONSTRUCTORS:
+                excepted.add((name, h.name))
+                assert h.default != args[h.name], f"{name}.{h.name}: the same as the constructor's, not an exception"
+            else:
+                assert args[h.name] is not inspect.Parameter.empty, f"{name}.{h.name}: the constructor has no default"
+                assert (h.default, h.type) == (args[h.name], type(args[h.name])), f"{name}.{h.name}"
+                checked += 1
+    assert excepted == NOT_THE_CONSTRUCTORS and checked > 60

@@ -48,7 +48,7 @@ from flwr.serverapp.strategy import FedAvg, Result
 from fedswarm.local import prepare_local, server_round
 from fedswarm.algorithms.selection.pvt import num_selected, select_variables, selection_seed
 from fedswarm.params import ParamLayout, set_flat
-from fedswarm.hyperparams import HyperParam
+from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register, resolve_params
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.strategy_utils import ReportsRounds, sample_train_nodes
@@ -274,13 +274,13 @@ class PartialVariableTraining(ReportsRounds, FedAvg):
 
 # --------------------------------------------------------------------------- registry
 
-HYPERPARAMS = (
-    HyperParam("fraction", 0.25, "share of variables (tensors) each client trains per round; "
+HYPERPARAMS = defaults_from(PartialVariableTraining, (  # defaults: the constructor's
+    HyperParam("fraction", SIGNATURE, "share of variables (tensors) each client trains per round; "
                "a device class's policy 'pvt_fraction' overrides it", gt=0.0, le=1.0),
-    HyperParam("server_lr", 1.0, "server step size on the per-variable averaged deltas", gt=0.0, le=10.0),
-    HyperParam("send_ids", True, "clients send the trained variables' ids (else the server re-derives "
+    HyperParam("server_lr", SIGNATURE, "server step size on the per-variable averaged deltas", gt=0.0, le=10.0),
+    HyperParam("send_ids", SIGNATURE, "clients send the trained variables' ids (else the server re-derives "
                "them from the shared seed)"),
-)
+))
 
 
 def build(params: dict, ctx: BuildContext) -> PartialVariableTraining:

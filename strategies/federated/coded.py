@@ -36,7 +36,7 @@ from flwr.common import log
 from fedswarm.algorithms.robust.aggregators import ToleranceError
 from fedswarm.algorithms.robust.coding import make_code
 from fedswarm.errors import ConfigError
-from fedswarm.hyperparams import HyperParam
+from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
 from fedswarm.local import LocalFit, prepare_local
 from fedswarm.params import ParamLayout
 from fedswarm.payload import Payload, PayloadError
@@ -70,7 +70,7 @@ class CodedStrategy(CompressedStrategy):
     scheme : str
         ``solon`` (polynomial code with compression m), ``repetition`` or ``cyclic``
         (Draco), ``auto`` (Draco: repetition when 2s+1 divides P, else cyclic).
-    m : int (default: 1)
+    m : int (default: 3)
         Solon's communication compression (messages of ⌈d/m⌉ floats, r = 2s + m).
     server_lr, seed, history
         See :class:`~fedswarm.strategies.federated.compressed_base.CompressedStrategy`.
@@ -82,7 +82,7 @@ class CodedStrategy(CompressedStrategy):
         """Resumed: a worker that restored its state under a new node id keeps its index."""
         self.workers = {moved.get(nid, nid): i for nid, i in self.workers.items()}
 
-    def __init__(self, layout: ParamLayout, num_workers: int, s: int, *, scheme: str = "solon", m: int = 1,
+    def __init__(self, layout: ParamLayout, num_workers: int, s: int, *, scheme: str = "solon", m: int = 3,
                  name: str = "solon", **kwargs: Any):
         super().__init__(layout, min_available_nodes=num_workers, min_train_nodes=num_workers, **kwargs)
         self.name = name
@@ -229,16 +229,18 @@ def _build(scheme_default: str, name: str):
     return build
 
 
+# s = -1 stands for the run's --byzantine, which the builder puts in its place; the constructor's s
+# has no default, so it is written here.
 _S = HyperParam("s", -1, "liars the code corrects (-1: the run's --byzantine)", ge=-1, le=100_000)
-_LR = HyperParam("server_lr", 1.0, "scale of the decoded average update", gt=0.0, le=100.0)
+_LR = HyperParam("server_lr", SIGNATURE, "scale of the decoded average update", gt=0.0, le=100.0)
 
 register(StrategyEntry(
     name="solon",
     description="Solon-style coded aggregation: each client trains r = 2s+m partitions, sends d/m coded floats; "
                 "the exact average is decoded despite s liars.",
     build=_build("solon", "solon"),
-    hyperparams=(_S, HyperParam("m", 3, "communication compression: messages of d/m floats (r = 2s + m)", ge=1,
-                                le=1_000), _LR),
+    hyperparams=defaults_from(CodedStrategy, (_S, HyperParam("m", SIGNATURE, "communication compression: messages "
+                                                             "of d/m floats (r = 2s + m)", ge=1, le=1_000), _LR)),
     client_update=coded_client_update,
     paper="L. Chen, L. Chen, Wang, Davidson, Dobriban, arXiv 2110.01595 (2021) [construction reconstructed]",
 ))
@@ -248,8 +250,9 @@ register(StrategyEntry(
     description="Draco: each client trains r = 2s+1 partitions and sends d floats; majority vote (repetition code) "
                 "or cyclic-code decoding recovers the exact average despite s liars.",
     build=_build("auto", "draco"),
-    hyperparams=(_S, HyperParam("code", "auto", "repetition (needs 2s+1 | P), cyclic, or auto",
-                                choices=("auto", "repetition", "cyclic")), _LR),
+    hyperparams=defaults_from(CodedStrategy, (_S, HyperParam("code", "auto", "repetition (needs 2s+1 | P), cyclic, "
+                                                             "or auto", choices=("auto", "repetition", "cyclic")),
+                                              _LR)),  # code: Draco's scheme (the constructor's defaults to solon)
     client_update=coded_client_update,
     paper="Chen, Wang, Charles, Papailiopoulos, ICML 2018",
 ))

@@ -24,7 +24,7 @@ from fedswarm.strategies.federated.compressed_base import (Accepted, CompressedS
                                                            finish, read_payload, train)
 from fedswarm.strategies.strategy_utils import load_error_feedback, save_error_feedback
 from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState, error_feedback_step
-from fedswarm.hyperparams import HyperParam
+from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import payload_to_records
@@ -284,7 +284,7 @@ def client_update(msg: Message, context: Context) -> RecordDict:
 # -- registry --------------------------------------------------------------------------------
 
 _COMMON = (
-    HyperParam("server_lr", 1.0, "scale of the averaged update applied to the model", gt=0.0, le=100.0),
+    HyperParam("server_lr", SIGNATURE, "scale of the averaged update applied to the model", gt=0.0, le=100.0),
 )
 
 
@@ -308,16 +308,18 @@ register(StrategyEntry(
     name="compressed_fedavg",
     description="FedAvg with any codec on the uplink (error feedback on clients) and optionally the downlink.",
     build=_build_cfa,
-    hyperparams=(
-        HyperParam("codec", "topk", "uplink codec", choices=tuple(CODECS)),
+    # The codec parameters are a 'k=v' string here, which the builder parses into the constructor's
+    # dict (None: none): their default, '', is written here (kept).
+    hyperparams=defaults_from(CompressedFedAvg, (
+        HyperParam("codec", SIGNATURE, "uplink codec", choices=tuple(CODECS)),
         HyperParam("codec_params", "", "codec hyperparameters: 'ratio=0.05,levels=4' or JSON "
                    "(the codecs' are listed by `fedswarm strategies`)"),
-        HyperParam("error_feedback", True, "keep the untransmitted part (client and server residuals)"),
-        HyperParam("downlink_codec", "none", "codec of the update sent down (none: model or changed coordinates)",
+        HyperParam("error_feedback", SIGNATURE, "keep the untransmitted part (client and server residuals)"),
+        HyperParam("downlink_codec", SIGNATURE, "codec of the update sent down (none: model or changed coordinates)",
                    choices=tuple(CODECS)),
         HyperParam("downlink_codec_params", "", "downlink codec hyperparameters, as codec_params"),
         *_COMMON,
-    ),
+    ), kept=("codec_params", "downlink_codec_params")),
     client_update=client_update,
     paper="McMahan et al. 2017; Karimireddy et al., ICML 2019",
 ))
@@ -326,11 +328,12 @@ register(StrategyEntry(
     name="onebit",
     description="1-bit SGD: 1-bit quantization (per column or tensor) with error feedback, 1-bit aggregate sent down.",
     build=_build_onebit,
-    hyperparams=(HyperParam("error_feedback", True, "keep client and server quantization residuals"),
-                 HyperParam("scale", "auto", "values sharing one pair of reconstruction values: column (the "
-                            "paper's), tensor, auto (columns of >= 256 rows, else the tensor) or block (columns "
-                            "grouped to >= 256 values)", choices=("column", "tensor", "auto", "block")),
-                 *_COMMON),
+    hyperparams=defaults_from(OneBitSGD, (
+        HyperParam("error_feedback", SIGNATURE, "keep client and server quantization residuals"),
+        HyperParam("scale", SIGNATURE, "values sharing one pair of reconstruction values: column (the paper's), "
+                   "tensor, auto (columns of >= 256 rows, else the tensor) or block (columns grouped to >= 256 values)",
+                   choices=("column", "tensor", "auto", "block")),
+        *_COMMON)),
     client_update=client_update,
     paper="Seide et al., Interspeech 2014",
 ))

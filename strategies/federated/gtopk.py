@@ -21,7 +21,7 @@ from fedswarm.strategies.federated.compressed_base import (Accepted, ClientRound
                                                            finish, read_payload, save_sent, train)
 from fedswarm.strategies.federated.compressed_client import SELECT, selected_indices, sent_of
 from fedswarm.strategies.strategy_utils import load_vector, save_vector
-from fedswarm.hyperparams import HyperParam
+from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import payload_to_records
@@ -209,13 +209,14 @@ register(StrategyEntry(
     name="gtopk",
     description="gTop-k: clients send local top-k with error feedback; only the global top-k goes down.",
     build=_build,
-    hyperparams=(
-        HyperParam("density", 0.01, "fraction of coordinates each client sends, k = ceil(density·d)", gt=0.0, le=1.0),
-        HyperParam("merge", "tree", "how the server reduces: the paper's pairwise tree or the exact top-k of the sum",
-                   choices=("tree", "exact")),
-        HyperParam("server_lr", 2.0, "scale of the merged update applied to the model (see the class docstring)",
-                   gt=0.0, le=100.0),
-    ),
+    hyperparams=defaults_from(GlobalTopK, (
+        HyperParam("density", SIGNATURE, "fraction of coordinates each client sends, k = ceil(density·d)",
+                   gt=0.0, le=1.0),
+        HyperParam("merge", SIGNATURE, "how the server reduces: the paper's pairwise tree or the exact top-k of the "
+                   "sum", choices=("tree", "exact")),
+        HyperParam("server_lr", SIGNATURE, "scale of the merged update applied to the model (see the class "
+                   "docstring)", gt=0.0, le=100.0),
+    )),
     client_update=client_update,
     paper="Shi et al., ICDCS 2019",
 ))

@@ -26,7 +26,7 @@ from logging import WARNING
 from fedswarm.algorithms.robust.aggregators import RULES, RobustRule, ToleranceError, make_rule
 from fedswarm.algorithms.robust.signum import MajorityVote
 from fedswarm.errors import ConfigError
-from fedswarm.hyperparams import HyperParam
+from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
 from fedswarm.params import ParamLayout
 from fedswarm.strategies.federated.compressed_base import Accepted, Step
 from fedswarm.strategies.federated.compressed_fedavg import CompressedFedAvg, client_update
@@ -76,10 +76,11 @@ class Signum(RobustAggregation):
     """signSGD with majority vote: clients send the sign of their model change (1 bit a
     coordinate), the server steps ``server_lr · sign(Σ_i sign(δ_i))`` and sends the vote
     down as 1 bit a coordinate (Bernstein et al., ICLR 2019; see
-    :mod:`fedswarm.algorithms.robust.signum`)."""
+    :mod:`fedswarm.algorithms.robust.signum`). ``server_lr`` is a step per coordinate, not the
+    scale of an average: hence its small default."""
 
-    def __init__(self, layout: ParamLayout | None = None, f: int = 0, **kwargs: Any):
-        super().__init__(layout, MajorityVote(f), codec="sign", **kwargs)
+    def __init__(self, layout: ParamLayout | None = None, f: int = 0, server_lr: float = 0.005, **kwargs: Any):
+        super().__init__(layout, MajorityVote(f), codec="sign", server_lr=server_lr, **kwargs)
         from fedswarm.algorithms.compression.codecs import make_codec
 
         self.downlink = make_codec("sign")
@@ -129,26 +130,29 @@ def _build_signum(params: dict, ctx: BuildContext) -> Signum:
     return s
 
 
+# f = -1 stands for the run's --byzantine, which the builder puts in its place: no constructor
+# takes it (Signum's own f defaults to 0), so its default is written here (kept).
 _F = HyperParam("f", -1, "Byzantine clients the rule is built for (-1: the run's --byzantine)", ge=-1, le=100_000)
-_LR = HyperParam("server_lr", 1.0, "scale of the aggregated update", gt=0.0, le=100.0)
+_LR = HyperParam("server_lr", SIGNATURE, "scale of the aggregated update", gt=0.0, le=100.0)
 
 for _name, _desc, _extra in (
     ("median", "Coordinate-wise median of client updates (f < n/2).", ()),
     ("trimmed_mean", "Coordinate-wise mean after dropping the f largest and f smallest values (n > 2f).", ()),
     ("krum", "Krum: the update closest to its n-f-2 nearest neighbours (n > 2f+2).", ()),
     ("multikrum", "Multi-Krum: the mean of the m best Krum scores (n > 2f+2).",
-     (HyperParam("m", 0, "updates averaged (0: n - f)", ge=0, le=100_000),)),
+     (HyperParam("m", 0, "updates averaged (0: n - f)", ge=0, le=100_000),)),  # the rule's (0: None), not the class's
     ("bulyan", "Bulyan: iterated Krum selects n-2f, then a trimmed mean around the median (n >= 4f+3).", ()),
 ):
-    register(StrategyEntry(name=_name, description=_desc, build=_builder(_name), hyperparams=(_F, *_extra, _LR),
+    register(StrategyEntry(name=_name, description=_desc, build=_builder(_name),
+                           hyperparams=defaults_from(RobustAggregation, (_F, *_extra, _LR)),
                            client_update=client_update, paper=RULES[_name].paper))
 
 register(StrategyEntry(
     name="signum",
     description="signSGD with majority vote: 1-bit client updates, the sign of their sum (f < n/2, blind adversaries).",
     build=_build_signum,
-    hyperparams=(_F, HyperParam("server_lr", 0.005, "step per coordinate: x <- x + server_lr * vote",
-                                gt=0.0, le=100.0)),
+    hyperparams=defaults_from(Signum, (_F, HyperParam("server_lr", SIGNATURE, "step per coordinate: x <- x + "
+                                                      "server_lr * vote", gt=0.0, le=100.0)), kept=("f",)),
     client_update=client_update,
     paper=MajorityVote.paper,
 ))

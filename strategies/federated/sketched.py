@@ -25,7 +25,7 @@ from fedswarm.strategies.federated.compressed_base import (KNOBS, Accepted, Clie
                                                            taken_indices, train)
 from fedswarm.strategies.strategy_utils import load_vector, save_vector
 from fedswarm.algorithms.compression.countsketch import CountSketch
-from fedswarm.hyperparams import HyperParam
+from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import payload_to_records
@@ -410,10 +410,10 @@ SKETCH_CLIENTS: dict[str, SketchClient] = {"sketched_sgd": SKETCHED_CLIENT, "fet
 # -- registry --------------------------------------------------------------------------------------
 
 _SKETCH_PARAMS = (
-    HyperParam("density", 0.001, "fraction of coordinates updated per round, k = ceil(density·d)", gt=0.0, le=1.0),
-    HyperParam("rows", 5, "sketch rows r", ge=1, le=64),
-    HyperParam("cols", 0, "sketch columns c (0: 10·k)", ge=0, le=2**26),
-    HyperParam("server_lr", 1.0, "scale of the update applied to the model", gt=0.0, le=100.0),
+    HyperParam("density", SIGNATURE, "fraction of coordinates updated per round, k = ceil(density·d)", gt=0.0, le=1.0),
+    HyperParam("rows", SIGNATURE, "sketch rows r", ge=1, le=64),
+    HyperParam("cols", SIGNATURE, "sketch columns c (0: 10·k)", ge=0, le=2**26),
+    HyperParam("server_lr", SIGNATURE, "scale of the update applied to the model", gt=0.0, le=100.0),
 )
 
 
@@ -430,10 +430,11 @@ register(StrategyEntry(
     name="sketched_sgd",
     description="Sketched-SGD: sketch of momentum+error up, exact values of candidates up, sparse update down.",
     build=_builder(SketchedSGD, ("momentum", "candidates")),
-    hyperparams=(*_SKETCH_PARAMS,
-                 HyperParam("momentum", 0.0, "client momentum ρ (0.9 with server_lr ≈ 0.1 is the paper's scale)",
-                            ge=0.0, lt=1.0),
-                 HyperParam("candidates", 4, "p2: the server asks for p2·k exact values", ge=1, le=1000)),
+    hyperparams=defaults_from(SketchedSGD, (
+        *_SKETCH_PARAMS,
+        HyperParam("momentum", SIGNATURE, "client momentum ρ (0.9 with server_lr ≈ 0.1 is the paper's scale)",
+                   ge=0.0, lt=1.0),
+        HyperParam("candidates", SIGNATURE, "p2: the server asks for p2·k exact values", ge=1, le=1000))),
     client_update=sketched_client_update,
     paper="Ivkin et al., NeurIPS 2019",
 ))
@@ -442,7 +443,8 @@ register(StrategyEntry(
     name="fetchsgd",
     description="FetchSGD: stateless clients send sketches; the server keeps momentum and error in the sketch.",
     build=_builder(FetchSGD, ("momentum",)),
-    hyperparams=(*_SKETCH_PARAMS, HyperParam("momentum", 0.9, "server momentum ρ (in sketch space)", ge=0.0, lt=1.0)),
+    hyperparams=defaults_from(FetchSGD, (
+        *_SKETCH_PARAMS, HyperParam("momentum", SIGNATURE, "server momentum ρ (in sketch space)", ge=0.0, lt=1.0))),
     client_update=fetchsgd_client_update,
     paper="Rothchild et al., ICML 2020",
 ))
@@ -451,9 +453,9 @@ register(StrategyEntry(
     name="gs_sgd",
     description="gs-SGD (reconstructed): clients sketch their error-compensated update; top-k of the global sketch.",
     build=_builder(GlobalSketchSGD, ("exact_values",)),
-    hyperparams=(*_SKETCH_PARAMS,
-                 HyperParam("exact_values", True,
-                            "a second exchange for the exact values at the selected coordinates")),
+    hyperparams=defaults_from(GlobalSketchSGD, (
+        *_SKETCH_PARAMS,
+        HyperParam("exact_values", SIGNATURE, "a second exchange for the exact values at the selected coordinates"))),
     client_update=gs_client_update,
     paper="arXiv 2108.06004 (2021); reconstructed from the abstract",
 ))
