@@ -143,11 +143,9 @@ class RoundRecorder(RoundNotes):
         if rejections or server_round > 0:  # every strategy's rounds count what they rejected
             row["rejected"] = len(rejections)
             row["rejected_reasons"] = dict(rejections)
-        self.store.add_round(self.run_id, rnd, **row)
-        if rejections:
-            self.store.add_rejections(self.run_id, rnd, rejections)
+        # one transaction: a crash leaves the round with its node rows and rejections, or none of them
+        self.store.add_round(self.run_id, rnd, nodes=node_rows, rejections=rejections, **row)
         if node_rows:
-            self.store.add_node_rounds(self.run_id, rnd, node_rows)
             self._seen_nodes(node_rows)
             self.late_nodes(rnd, node_rows)
         self.last_round = rnd
