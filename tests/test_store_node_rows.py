@@ -166,3 +166,27 @@ def test_a_crash_in_the_node_rows_leaves_neither_the_round_nor_its_rows(url):
         assert [(r.node_id, r.reason) for r in store.rejections(rid)] == [("2", "too large")]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(engine="batched", strategy="fedavg", clients=12, local_steps=1),
+    dict(engine="array", strategy="squarm", clients=4, params={"period": 2, "ratio": 0.05}),
+    dict(engine="clock", strategy="lsgd", clients=4, topology="complete",
+         params={"mode": "async", "groups": 2, "tau_local": 2, "tau_global": 3}),
+], ids=lambda c: c["engine"])
+def test_engines_that_make_their_own_node_rows_write_them_with_their_round(cfg, tmp_path):
+    """The batched, array and virtual-clock engines build each round's node rows themselves
+    and hand them to the recorder, which writes them in the round's transaction: every
+    round's counters (set only when its row exists as the rows are written) match its rows."""
+    from fedswarm.sim.run import run_engine
+
+    config = RunConfig(task="digits-mlp", rounds=2, lr=0.1, batch_size=8, seed=1, **cfg)
+    store = Store(tmp_path / "store.db")
+    try:
+        rid = store.create_run(config.model_dump())
+        assert run_engine(config, store=store, run_id=rid) == "finished"
+        per_round = {r: sum(1 for n in store.node_rounds(rid) if n.round == r) for r in (1, 2)}
+        assert per_round == {1: config.clients, 2: config.clients}
+        assert {r.round: r.node_rows for r in store.rounds(rid) if r.round > 0} == per_round
+    finally:
+        store.close()
