@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from sqlalchemy import (
+    case,
     create_engine,
     delete,
     event,
@@ -199,10 +200,17 @@ class Store:
         metrics = dict(cols.pop("metrics", {}) or {})
         metrics.update(extra)
         with self.session() as s:
-            s.add(Round(run_id=run_id, round=round, metrics=metrics, **cols))
-            if nodes:
-                s.flush()
-                _add_node_rows(s, run_id, round, nodes)
+            row = Round(run_id=run_id, round=round, metrics=metrics, **cols)
+            s.add(row)
+            s.flush()  # the round first: a round recorded already fails here, before any node row
+            _add_node_rows(s, run_id, round, nodes or [])
+            s.flush()
+            # counted, not incremented: rows written before their round (by an older fedswarm's
+            # engines) count too; a round without node rows keeps NULL
+            total, failed = s.execute(select(func.count(), func.sum(case((NodeRound.status != "ok", 1), else_=0)))
+                                      .where(NodeRound.run_id == run_id, NodeRound.round == round)).one()
+            if total:
+                row.node_rows, row.failed_node_rows = int(total), int(failed or 0)
             if rejections:
                 _add_rejections(s, run_id, round, rejections)
 
@@ -219,7 +227,11 @@ class Store:
         for attempt in range(2):
             try:
                 with self.session() as s:
-                    _add_node_rows(s, run_id, round, rows)
+                    fresh = _add_node_rows(s, run_id, round, rows)
+                    failed = sum(1 for r in fresh if r["status"] != "ok")
+                    s.execute(update(Round).where(Round.run_id == run_id, Round.round == round).values(
+                        node_rows=func.coalesce(Round.node_rows, 0) + len(fresh),
+                        failed_node_rows=func.coalesce(Round.failed_node_rows, 0) + failed))
                 return
             except IntegrityError:
                 # another writer inserted some of these rows between our read and our insert
@@ -467,10 +479,10 @@ def _node_value(row: dict, name: str) -> Any:
     return default.arg(None) if default.is_callable else default.arg
 
 
-def _add_node_rows(s: Session, run_id: str, round: int, rows: list[dict]) -> None:
-    """Insert the rows the store lacks (one per node per round, the unique index's rule);
-    a row it holds is skipped when identical and a :class:`RowConflict` otherwise. The
-    round's counters count only the rows inserted."""
+def _add_node_rows(s: Session, run_id: str, round: int, rows: list[dict]) -> list[dict]:
+    """Insert the rows the store lacks (one per node per round, the unique index's rule)
+    and return them; a row it holds is skipped when identical and a :class:`RowConflict`
+    otherwise."""
     wanted = [{k: _node_value(r, k) for k in _NODE_COLUMNS} for r in rows]
     ids = list({r["node_id"] for r in wanted})
     held: dict[str, dict] = {}
@@ -489,10 +501,7 @@ def _add_node_rows(s: Session, run_id: str, round: int, rows: list[dict]) -> Non
             raise RowConflict(f"node '{r['node_id']}' of round {round} of run '{run_id}' is already recorded with "
                               f"other values ({diff}); a node has one row per round")
     s.add_all(NodeRound(run_id=run_id, round=round, **r) for r in fresh)
-    failed = sum(1 for r in fresh if r["status"] != "ok")
-    s.execute(update(Round).where(Round.run_id == run_id, Round.round == round).values(
-        node_rows=func.coalesce(Round.node_rows, 0) + len(fresh),
-        failed_node_rows=func.coalesce(Round.failed_node_rows, 0) + failed))
+    return fresh
 
 
 def _add_rejections(s: Session, run_id: str, round: int, reasons: dict[str, str]) -> None:
