@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from sqlalchemy import (
+    case,
     create_engine,
     delete,
     event,
@@ -55,6 +56,7 @@ __all__ = [
     "Checkpoint",
     "Control",
     "Store",
+    "RowConflict",
     "default_db_url",
     "create_schema",
     "migrate",
@@ -185,20 +187,32 @@ class Store:
         self.add_event(run_id, "status", f"run is {status}" + (f": {error}" if error else ""), actor=actor)
 
     # -- rounds ------------------------------------------------------------------------
-    def add_round(self, run_id: str, round: int, *, nodes: list[dict] | None = None, **fields: Any) -> None:
-        """One round's row, and its per-node rows ``nodes`` (as :meth:`add_node_rounds`) in the
-        same commit: a writer that fails halfway, or whose retry finds the round recorded
-        (:class:`sqlalchemy.exc.IntegrityError`), never leaves a round without its node rows."""
+    def add_round(self, run_id: str, round: int, *, nodes: list[dict] | None = None,
+                  rejections: dict[str, str] | None = None, **fields: Any) -> None:
+        """One round's row with its per-node rows ``nodes`` (as :meth:`add_node_rounds`) and
+        rejected replies ``rejections`` (as :meth:`add_rejections`) in one transaction: a writer
+        that fails halfway, or whose retry finds the round recorded
+        (:class:`sqlalchemy.exc.IntegrityError`), never leaves a round without its node rows, nor
+        node rows without their round."""
         known = {c.name for c in Round.__table__.columns} - {"id", "run_id", "round", "created_at"}
         extra = {k: v for k, v in fields.items() if k not in known}
         cols = {k: v for k, v in fields.items() if k in known}
         metrics = dict(cols.pop("metrics", {}) or {})
         metrics.update(extra)
         with self.session() as s:
-            s.add(Round(run_id=run_id, round=round, metrics=metrics, **cols))
-            if nodes:
-                s.flush()
-                _add_node_rows(s, run_id, round, nodes)
+            row = Round(run_id=run_id, round=round, metrics=metrics, **cols)
+            s.add(row)
+            s.flush()  # the round first: a round recorded already fails here, before any node row
+            _add_node_rows(s, run_id, round, nodes or [])
+            s.flush()
+            # counted, not incremented: rows written before their round (by an older fedswarm's
+            # engines) count too; a round without node rows keeps NULL
+            total, failed = s.execute(select(func.count(), func.sum(case((NodeRound.status != "ok", 1), else_=0)))
+                                      .where(NodeRound.run_id == run_id, NodeRound.round == round)).one()
+            if total:
+                row.node_rows, row.failed_node_rows = int(total), int(failed or 0)
+            if rejections:
+                _add_rejections(s, run_id, round, rejections)
 
     def rounds(self, run_id: str, since: int = -1) -> list[Round]:
         with self.session() as s:
@@ -207,9 +221,23 @@ class Store:
 
     def add_node_rounds(self, run_id: str, round: int, rows: list[dict]) -> None:
         """Per-node rows of a round; the round's ``node_rows``/``failed_node_rows`` counters
-        (what the dashboard's health and "degraded" state read) are kept in the same commit."""
-        with self.session() as s:
-            _add_node_rows(s, run_id, round, rows)
+        (what the dashboard's health and "degraded" state read) are kept in the same commit.
+        Idempotent: a row the store holds with the same values (a retry) is skipped; one with
+        other values raises :class:`RowConflict`, which names it."""
+        for attempt in range(2):
+            try:
+                with self.session() as s:
+                    fresh = _add_node_rows(s, run_id, round, rows)
+                    failed = sum(1 for r in fresh if r["status"] != "ok")
+                    s.execute(update(Round).where(Round.run_id == run_id, Round.round == round).values(
+                        node_rows=func.coalesce(Round.node_rows, 0) + len(fresh),
+                        failed_node_rows=func.coalesce(Round.failed_node_rows, 0) + failed))
+                return
+            except IntegrityError:
+                # another writer inserted some of these rows between our read and our insert
+                # (the unique (run_id, round, node_id)); the second pass compares with them
+                if attempt:
+                    raise
 
     def node_rounds(self, run_id: str) -> list[NodeRound]:
         with self.session() as s:
@@ -219,8 +247,7 @@ class Store:
     def add_rejections(self, run_id: str, round: int, reasons: dict[str, str]) -> None:
         """The round's rejected replies, ``{node id: reason}``."""
         with self.session() as s:
-            for node_id, reason in reasons.items():
-                s.add(Rejection(run_id=run_id, round=round, node_id=str(node_id)[:64], reason=str(reason)[:2000]))
+            _add_rejections(s, run_id, round, reasons)
 
     def rejections(self, run_id: str, limit: int | None = None) -> list[Rejection]:
         """Rejected replies of a run, newest round first."""
@@ -434,14 +461,52 @@ class Store:
         return path
 
 
-def _add_node_rows(s: Session, run_id: str, round: int, rows: list[dict]) -> None:
-    known = {c.name for c in NodeRound.__table__.columns} - {"id", "run_id", "round"}
-    failed = sum(1 for r in rows if r.get("status", "ok") != "ok")
-    for r in rows:
-        s.add(NodeRound(run_id=run_id, round=round, **{k: v for k, v in r.items() if k in known}))
-    s.execute(update(Round).where(Round.run_id == run_id, Round.round == round).values(
-        node_rows=func.coalesce(Round.node_rows, 0) + len(rows),
-        failed_node_rows=func.coalesce(Round.failed_node_rows, 0) + failed))
+class RowConflict(ValueError):
+    """A write that contradicts a row the store holds: a node's row of a round sent again
+    with other values. The message names the run, round, node and the differing columns."""
+
+
+_NODE_COLUMNS = {c.name: c for c in NodeRound.__table__.columns if c.name not in ("id", "run_id", "round")}
+
+
+def _node_value(row: dict, name: str) -> Any:
+    """Column ``name`` of a node row as the store would hold it (its default when left out)."""
+    if name in row:
+        return str(row[name]) if name == "node_id" else row[name]
+    default = _NODE_COLUMNS[name].default
+    if default is None:
+        return None
+    return default.arg(None) if default.is_callable else default.arg
+
+
+def _add_node_rows(s: Session, run_id: str, round: int, rows: list[dict]) -> list[dict]:
+    """Insert the rows the store lacks (one per node per round, the unique index's rule)
+    and return them; a row it holds is skipped when identical and a :class:`RowConflict`
+    otherwise."""
+    wanted = [{k: _node_value(r, k) for k in _NODE_COLUMNS} for r in rows]
+    ids = list({r["node_id"] for r in wanted})
+    held: dict[str, dict] = {}
+    for i in range(0, len(ids), 500):  # bounded IN lists (SQLite's parameter limit)
+        q = select(NodeRound).where(NodeRound.run_id == run_id, NodeRound.round == round,
+                                    NodeRound.node_id.in_(ids[i:i + 500]))
+        held.update((nr.node_id, {k: getattr(nr, k) for k in _NODE_COLUMNS}) for nr in s.scalars(q))
+    fresh = []
+    for r in wanted:
+        have = held.get(r["node_id"])
+        if have is None:
+            held[r["node_id"]] = r
+            fresh.append(r)
+        elif have != r:
+            diff = ", ".join(f"{k}: {have[k]!r} held, {r[k]!r} sent" for k in _NODE_COLUMNS if have[k] != r[k])
+            raise RowConflict(f"node '{r['node_id']}' of round {round} of run '{run_id}' is already recorded with "
+                              f"other values ({diff}); a node has one row per round")
+    s.add_all(NodeRound(run_id=run_id, round=round, **r) for r in fresh)
+    return fresh
+
+
+def _add_rejections(s: Session, run_id: str, round: int, reasons: dict[str, str]) -> None:
+    for node_id, reason in reasons.items():
+        s.add(Rejection(run_id=run_id, round=round, node_id=str(node_id)[:64], reason=str(reason)[:2000]))
 
 
 def _code_version() -> str:

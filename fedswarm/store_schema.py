@@ -25,7 +25,9 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 __all__ = ["Base", "Run", "Round", "NodeRound", "Rejection", "Node", "Event", "Checkpoint", "Control",
-           "Webhook", "WebhookDelivery", "RUN_STATUSES", "CONTROL_KINDS"]
+           "Webhook", "WebhookDelivery", "RUN_STATUSES", "CONTROL_KINDS", "NODE_ROUND_KEY"]
+
+NODE_ROUND_KEY = "uq_node_rounds_run_id_round_node_id"  # node_rounds' unique (run_id, round, node_id)
 
 RUN_STATUSES = ("pending", "running", "paused", "finished", "failed", "stopped")
 
@@ -97,9 +99,11 @@ class Round(Base):
 
 class NodeRound(Base):
     __tablename__ = "node_rounds"
-    # a node's history across runs (the dashboard's node page) and a run's node table
+    # a node's history across runs (the dashboard's node page) and a run's node table; one row per
+    # node per round, kept by the database (a unique index: SQLite cannot add a constraint to a table)
     __table_args__ = (Index("ix_node_rounds_node_id_run_id", "node_id", "run_id", "round"),
-                      Index("ix_node_rounds_run_id_node_id", "run_id", "node_id"))
+                      Index("ix_node_rounds_run_id_node_id", "run_id", "node_id"),
+                      Index(NODE_ROUND_KEY, "run_id", "round", "node_id", unique=True))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)

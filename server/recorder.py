@@ -3,9 +3,10 @@
 :class:`RoundRecorder` is passed to ``Strategy.start`` as its ``evaluate_fn``: Flower
 calls it after every round with the new global arrays. It evaluates the model on the
 held-out test set, reads what crossed the :class:`MeteredGrid` that round, writes the
-round and per-node rows, tells listeners (progress bars), and then applies pending
-controls from the store (pause blocks until resume, stop ends the run, add_rounds
-extends it).
+round with its per-node rows (those of the replies and those an engine made itself,
+:meth:`RoundRecorder.node_rows`) in one transaction, tells listeners (progress bars),
+and then applies pending controls from the store (pause blocks until resume, stop ends
+the run, add_rounds extends it).
 
 It is also the strategies' :class:`~fedswarm.strategies.strategy_utils.RoundNotes`: what a
 strategy notes goes into the round's row, and every reply it rejects (with its reason) into
@@ -100,7 +101,13 @@ class RoundRecorder(RoundNotes):
         # federated evaluation: fed_eval(round, arrays, cohort) -> {node_id: values}, every eval_every rounds
         self.fed_eval: Callable[[int, Any, list[int]], dict[str, dict]] | None = None
         self.eval_every = 1
+        self._engine_rows: list[dict] = []  # node_rows(): written with the next recorded round
         self._t_last = time.perf_counter()
+
+    def node_rows(self, rows: list[dict]) -> None:
+        """Per-node rows an engine made itself (batched, array, virtual clock) for the round it
+        records next: written in that round's transaction, as the rows read from replies are."""
+        self._engine_rows.extend(rows)
 
     def reset_clock(self) -> None:
         self._t_last = time.perf_counter()
@@ -143,11 +150,10 @@ class RoundRecorder(RoundNotes):
         if rejections or server_round > 0:  # every strategy's rounds count what they rejected
             row["rejected"] = len(rejections)
             row["rejected_reasons"] = dict(rejections)
-        self.store.add_round(self.run_id, rnd, **row)
-        if rejections:
-            self.store.add_rejections(self.run_id, rnd, rejections)
+        # one transaction: a crash leaves the round with its node rows and rejections, or none of them
+        nodes, self._engine_rows = node_rows + self._engine_rows, []
+        self.store.add_round(self.run_id, rnd, nodes=nodes, rejections=rejections, **row)
         if node_rows:
-            self.store.add_node_rounds(self.run_id, rnd, node_rows)
             self._seen_nodes(node_rows)
             self.late_nodes(rnd, node_rows)
         self.last_round = rnd

@@ -200,7 +200,7 @@ def run_array(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Roun
             rows = [{"node_id": str(i + 1), "bytes_up": int(sent[i]), "num_examples": samples,
                      "train_loss": out["losses"][i]} for i in range(sim.n)]
             fed = recorder.federated(rnd, None, nodes, rows, fed_eval) if recorder.eval_due(rnd) else {}
-            store.add_node_rounds(run_id, rnd, rows)
+            recorder.node_rows(rows)
             recorder.note(train_loss=sum(out["losses"]) / sim.n, consensus_distance=consensus_distance(sim.state.x),
                           p2p_bytes=int(sum(sent)), num_clients=sim.n, nodes_reporting=sim.n,
                           bytes_source="wire_accounting" if sim.uses_losses else "serialized_payloads", **fed)

@@ -359,7 +359,7 @@ def run_clocked(cfg: RunConfig, store: Store, run_id: str, listeners: list[Round
             rnd += 1
             recorder.reset_clock()
             sim.advance(n)
-            _record(recorder, store, run_id, rnd, sim, profiles, grid, last_t, samples=steps * cfg.batch_size,
+            _record(recorder, rnd, sim, profiles, grid, last_t, samples=steps * cfg.batch_size,
                     fed_eval=fed_eval if recorder.eval_due(rnd) else None)
             last_t = sim.now
             total, recorder.extra_rounds = total + recorder.extra_rounds, 0
@@ -367,7 +367,7 @@ def run_clocked(cfg: RunConfig, store: Store, run_id: str, listeners: list[Round
     return run_recorded(store, run_id, loop)
 
 
-def _record(recorder: RoundRecorder, store: Store, run_id: str, rnd: int, sim: ClockedNodes,
+def _record(recorder: RoundRecorder, rnd: int, sim: ClockedNodes,
             profiles: list[Profile], grid: _P2PGrid, last_t: float, samples: int,
             fed_eval: Callable[[int, object, list[int]], dict[str, NodeEval]] | None = None) -> None:
     """Round ``rnd``'s rows; ``fed_eval``: the round's federated evaluation by every node."""
@@ -380,7 +380,7 @@ def _record(recorder: RoundRecorder, store: Store, run_id: str, rnd: int, sim: C
     rows = [{"node_id": str(i + 1), "bytes_up": s["bytes_sent"], "num_examples": s["steps"] * samples,
              "train_loss": s["loss"], "device_class": profiles[i].name} for i, s in enumerate(stats)]
     fed = recorder.federated(rnd, None, list(range(1, len(rows) + 1)), rows, fed_eval) if fed_eval else {}
-    store.add_node_rounds(run_id, rnd, rows)
+    recorder.node_rows(rows)
     recorder.note(
         train_loss=sum(loss * k for loss, k in losses) / n_steps if n_steps else None,
         sim_time_s=sim.now - last_t,

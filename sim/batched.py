@@ -260,8 +260,7 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
                 if recorder.eval_due(done):  # the round's cohort: the clients it sampled
                     row.update(recorder.federated(done, rounds_of.model, sorted(meter.traffic.node_down), node_rows,
                                                   fed_eval))
-                if node_rows:
-                    store.add_node_rounds(run_id, done, node_rows)
+                recorder.node_rows(node_rows)
                 recorder.note(**row, **recorder.failed_nodes(done, node_rows))
                 recorder(done, rounds_of.model)
             rounds, recorder.extra_rounds = recorder.extra_rounds, 0

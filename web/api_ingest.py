@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
-from fedswarm.store import RUN_STATUSES
+from fedswarm.store import RUN_STATUSES, RowConflict
 from fedswarm.web import schemas
 from fedswarm.web.accounts import Principal
 from fedswarm.store import Node, Run
@@ -206,6 +206,8 @@ def report_round(body: RoundIn, owned=Depends(ingest_run), ctx: WebContext = Dep
                             **fields)
     except IntegrityError:
         raise HTTPException(409, f"round {body.round} of run '{run.id}' was already reported") from None
+    except RowConflict as exc:  # node rows written without their round (an old store) that differ
+        raise HTTPException(409, str(exc)) from None
     return Ack(run_id=run.id, detail=f"round {body.round} recorded")
 
 

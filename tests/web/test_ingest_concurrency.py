@@ -68,6 +68,27 @@ def test_a_node_twice_in_one_round_is_refused(app):
     assert app.state.ctx.store.rounds("sw-4") == [] and app.state.ctx.store.node_rounds("sw-4") == []
 
 
+def test_a_round_over_node_rows_written_before_it(app):
+    """Node rows an older fedswarm wrote before their round (its engines did): the round
+    reported with the same rows is stored and counts them all; with a row that differs it is
+    refused with 409 naming the node, and nothing changes."""
+    store = app.state.ctx.store
+    token = make_token(app, "reporter")
+    with TestClient(app) as c:
+        assert c.post("/api/ingest/runs", json={"run_id": "sw-5"}, headers=bearer(token)).status_code == 201
+        body = _round(1)
+        store.add_node_rounds("sw-5", 1, [n for n in body["nodes"] if n["node_id"] != "p2"])
+        assert c.post("/api/ingest/runs/sw-5/rounds", json=body, headers=bearer(token)).status_code == 201
+        [row] = store.rounds("sw-5")
+        assert (row.node_rows, row.failed_node_rows) == (3, 1)
+        store.add_node_rounds("sw-5", 2, [{**body["nodes"][1], "bytes_up": 11}])
+        r = c.post("/api/ingest/runs/sw-5/rounds", json=_round(2), headers=bearer(token))
+    assert r.status_code == 409 and "node 'p1' of round 2 of run 'sw-5'" in r.text and "bytes_up: 11 held" in r.text
+    assert [x.round for x in store.rounds("sw-5")] == [1]
+    assert sorted((n.round, n.node_id) for n in store.node_rounds("sw-5")) == [
+        (1, "p0"), (1, "p1"), (1, "p2"), (2, "p1")]
+
+
 def test_run_registered_twice_at_once_is_one_run_with_its_owner(app, monkeypatch):
     """A registration and its retry both pass the "does it exist" check before either commits
     (forced here: the check sees nothing); the loser must get 409, not 500, and the run must
