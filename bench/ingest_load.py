@@ -142,7 +142,9 @@ class _Reporter:
                 "device_class": "edge-wifi", "info": {"round": r}}
         self._ok("heartbeat", *await self.post("/api/ingest/nodes", body, give_up_at))
 
-    async def main(self, end: float, every_s: float) -> None:
+    async def main(self, end: float, every_s: float, min_rounds: int = 0) -> None:
+        """Register, then report a round every ``every_s`` until ``end``, and at least
+        ``min_rounds`` rounds however long that takes (a test's count, not a loaded machine's)."""
         give_up_at = end + GRACE_S
         await asyncio.sleep(random.uniform(0, every_s))  # reporters join over the first interval
         body = {"run_id": self.run_id, "name": self.run_id, "status": "running",
@@ -151,7 +153,8 @@ class _Reporter:
             return
         self.res.run_ids.append(self.run_id)
         r = 1
-        while time.monotonic() < end:
+        while time.monotonic() < end or r <= min_rounds:
+            give_up_at = max(give_up_at, time.monotonic() + GRACE_S)
             body = self.round_body(r)
             self.res.sent[(self.run_id, r)] = self.nodes
             if self._ok(f"round {r}", *await self.post(f"/api/ingest/runs/{self.run_id}/rounds", body, give_up_at)):
@@ -182,8 +185,9 @@ async def _reader(url: str, cookies: httpx.Cookies, res: LoadResult, end: float)
 
 
 async def run_load(url: str, tokens: list[str], cookies: httpx.Cookies, *, seconds: float,
-                   round_every_s: float) -> LoadResult:
-    """Every token a reporter for ``seconds``; what was sent, acknowledged and measured."""
+                   round_every_s: float, min_rounds: int = 0) -> LoadResult:
+    """Every token a reporter for ``seconds`` (and for at least ``min_rounds`` rounds each);
+    what was sent, acknowledged and measured."""
     res = LoadResult()
     tag = f"{int(time.time()) % 100000:05d}"
     limits = httpx.Limits(max_connections=len(tokens) + 8, max_keepalive_connections=len(tokens) + 8)
@@ -191,7 +195,8 @@ async def run_load(url: str, tokens: list[str], cookies: httpx.Cookies, *, secon
     end = t0 + seconds
     async with httpx.AsyncClient(base_url=url, limits=limits) as client:
         reporters = [_Reporter(i, tok, client, res, tag) for i, tok in enumerate(tokens)]
-        await asyncio.gather(_reader(url, cookies, res, end), *(r.main(end, round_every_s) for r in reporters))
+        await asyncio.gather(_reader(url, cookies, res, end),
+                             *(r.main(end, round_every_s, min_rounds) for r in reporters))
     res.wall_s = time.monotonic() - t0
     res.cpu_s = time.process_time() - cpu0
     return res

@@ -73,6 +73,8 @@ def test_exchange_applies_on_both_sides_or_neither(pair):
 @pytest.mark.parametrize("n", [4, 3, 5])  # 4: even ring, active/passive split; 3, 5: odd rings, lower end initiates
 def test_concurrent_exchanges_keep_the_sum_and_never_deadlock(tmp_path, n):
     peers = make_peers(tmp_path, n, algorithm="adpsgd")
+    for p in peers:  # every peer is up: a connect or handshake must not time out on a starved 2-core
+        p.transport.connect_timeout_s = 60.0  # machine (the default 3 s made one 'unreachable' at load ~20)
     start_all(peers)
     try:
         g = torch.Generator().manual_seed(n)
