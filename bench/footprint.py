@@ -11,15 +11,24 @@
    installed. The base install's ``import fedswarm.client.app`` time (best of 5 fresh
    interpreters) sits beside Flower's own ``import flwr.clientapp``.
 2. **Memory of a SuperNode** (skipped by ``--quick``): a real ``flower-superlink`` on
-   127.0.0.1, and one SuperNode from the base venv training ``digits-cnn4`` on its own data
+   127.0.0.1, and one SuperNode from the grown venv (the base install plus the server and
+   dashboard extras, none of which ``import fedswarm.client.app`` loads) training ``digits-cnn4`` on its own data
    (``fedswarm client --data``, 2 rounds); then the same SuperNode setup running a bare Flower
    App (a ClientApp of ~40 lines that trains the same model, traced to TorchScript so it
    imports nothing of fedswarm, on the same examples with the same batch size and steps).
-   Every process of the node's process group is sampled every 20 ms for its peak resident
-   set (``VmHWM``), grouped by program: the SuperNode, its SuperExec, and the ClientApp
-   processes. Target: fedswarm's ClientApp within 10% of the bare one.
+   The bare ServerApp sends no evaluate messages; fedswarm's does (one lighter ClientApp
+   process per round). Every process of the node's process group is sampled every 20 ms for
+   its peak resident set (``VmHWM``), grouped by program: ``flower-supernode`` (the SuperNode),
+   ``flower-superexec`` (its SuperExec, which starts the ClientApps), ``flwr-clientapp`` (the
+   largest of the ClientApp processes, one per message), ``fedswarm client (wrapper)`` (the
+   CLI that starts fedswarm's SuperNode), and the node's total (largest sum of VmRSS at one
+   sample). Target: fedswarm's ClientApp within 10% of the bare one.
 
-Writes ``DIR/footprint.json`` (rows) and ``DIR/footprint.png``; prints the table.
+Writes ``DIR/footprint.json`` (rows) and ``DIR/footprint.png``; prints the table. The grown venv
+and its install rows are cached under ``~/.cache/fedswarm/footprint``, keyed by the pins, the
+interpreter and fedswarm's code: a rerun of the same tree measures memory only.
+``FEDSWARM_FOOTPRINT_KEEP=1`` keeps the work folder (data, apps, each process's log); a process
+that exits, a failed run or a timeout is an error that prints the tail of every log.
 """
 
 from __future__ import annotations
@@ -268,7 +277,7 @@ def _make_data(work: Path) -> tuple[Path, int]:
 
 
 def memory_rows(venv: Path, work: Path, rounds: int = 2) -> list[dict]:
-    """One SuperNode from the base venv: fedswarm's App, then the bare Flower App."""
+    """One SuperNode from the grown venv: fedswarm's App, then the bare Flower App."""
     import torch
 
     from fedswarm.tasks import get_task
@@ -400,11 +409,15 @@ def _listening(port: int) -> bool:
         return False
 
 
+POLL_LINES = ("ListRuns", "list-runs")  # the SuperLink logging this bench's own `flwr ls` polls
+
+
 def _tails(logs: dict[str, Path], lines: int = 25) -> str:
-    """The last lines of each log, named, so that a failure explains itself."""
+    """The last lines of each log (less the bench's own polls), named, so that a failure explains itself."""
     parts = []
     for name, path in logs.items():
-        text = path.read_text(errors="replace").splitlines()[-lines:] if path.is_file() else ["(no log)"]
+        text = [line for line in (path.read_text(errors="replace").splitlines() if path.is_file() else ["(no log)"])
+                if not any(poll in line for poll in POLL_LINES)][-lines:]
         parts.append(f"--- {name} ({path}), last {len(text)} lines:\n" + "\n".join(text))
     return "\n".join(parts)
 
