@@ -513,23 +513,36 @@ def _table(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="fedswarm on a device: install and memory (this machine)")
-    for col in ("install / app", "site-packages MB", "beyond torch+flwr MB", "packages", "import s", "peak RSS MB"):
-        t.add_column(col, justify="left" if col == "install / app" else "right")
-    for r in rows:
-        if r["benchmark"] == "install":
-            beyond = "-" if r["beyond_torch_flwr_mb"] is None else f"{r['beyond_torch_flwr_mb']:.1f}"
-            if "meets_target" in r:
-                beyond += f" (target <= {r['target_mb']:.0f}: {'met' if r['meets_target'] else 'MISSED'})"
-            imp = f"{r['import_s']:.2f} ({r['import_module']})" if "import_s" in r else "-"
-            t.add_row(r["install"], f"{r['site_packages_mb']:.1f}", beyond, str(r["packages"]), imp, "-")
-        else:
-            peaks = ", ".join(f"{k} {v:.0f}" for k, v in r["peaks_mb"].items())
-            if "clientapp_vs_bare" in r:
-                peaks += (f"; ClientApp {r['clientapp_vs_bare']:.2f}x bare (target <= {r['target_ratio']:.2f}: "
-                          f"{'met' if r['meets_target'] else 'MISSED'})")
-            t.add_row(r["app"], "-", "-", "-", "-", peaks)
-    Console().print(t)
+    console = Console()
+    inst = [r for r in rows if r["benchmark"] == "install"]
+    cached = f", cached venv built {inst[0]['cached']}" if inst and "cached" in inst[0] else ""
+    t = Table(title=f"fedswarm on a device: install (this machine{cached})")
+    for col in ("install", "site-packages MB", "beyond torch+flwr MB", "packages", "import s"):
+        t.add_column(col, justify="left" if col == "install" else "right")
+    for r in inst:
+        beyond = "-" if r["beyond_torch_flwr_mb"] is None else f"{r['beyond_torch_flwr_mb']:.1f}"
+        if "meets_target" in r:
+            beyond += f" (target <= {r['target_mb']:.0f}: {'met' if r['meets_target'] else 'MISSED'})"
+        imp = f"{r['import_s']:.2f} ({r['import_module']})" if "import_s" in r else "-"
+        t.add_row(r["install"], f"{r['site_packages_mb']:.1f}", beyond, str(r["packages"]), imp)
+    console.print(t)
+    mem = [r for r in rows if r["benchmark"] == "memory"]
+    if not mem:
+        return
+    t = Table(title="one SuperNode: peak MB (VmHWM of flower-supernode, flower-superexec, the largest "
+                    "flwr-clientapp, the fedswarm client CLI; node total: largest summed VmRSS)")
+    t.add_column("app")
+    for name in ("SuperNode", "SuperExec", "ClientApp", "fedswarm CLI", "node total"):
+        t.add_column(name, justify="right")
+    t.add_column("ClientApp vs bare", justify="right")
+    for r in mem:
+        ratio = "-"
+        if "clientapp_vs_bare" in r:
+            ratio = (f"{r['clientapp_vs_bare']:.2f}x (target <= {r['target_ratio']:.2f}: "
+                     f"{'met' if r['meets_target'] else 'MISSED'})")
+        t.add_row(r["app"], *(f"{r['peaks_mb'][k]:.1f}" if k in r["peaks_mb"] else "-" for k in (*PROGRAMS, TOTAL)),
+                  ratio)
+    console.print(t)
 
 
 def _plot(rows: list[dict], path: Path) -> None:
@@ -552,8 +565,8 @@ def _plot(rows: list[dict], path: Path) -> None:
         for i, r in enumerate(mem):
             ax.bar([j + i * width for j in range(len(names))], [r["peaks_mb"].get(k, 0) for k in names], width,
                    label=r["app"])
-        ax.set_xticks([j + width * (len(mem) - 1) / 2 for j in range(len(names))], names, rotation=15)
-        ax.set_ylabel("peak RSS MB (VmHWM)")
+        ax.set_xticks([j + width * (len(mem) - 1) / 2 for j in range(len(names))], names, rotation=20, ha="right")
+        ax.set_ylabel("peak MB (VmHWM; node total: summed VmRSS)")
         ax.set_title("one SuperNode, digits-cnn4, node-local data")
         ax.legend()
     fig.tight_layout()
