@@ -553,7 +553,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
     inst = [r for r in rows if r["benchmark"] == "install"]
     mem = [r for r in rows if r["benchmark"] == "memory"]
-    fig, axes = plt.subplots(1, 2 if mem else 1, figsize=(12 if mem else 6, 4), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if mem else 1, figsize=(14 if mem else 6, 5), squeeze=False)
     ax = axes[0][0]
     ax.barh([r["install"] for r in inst], [r["site_packages_mb"] for r in inst], color="tab:blue")
     ax.set_xlabel("site-packages MB")
@@ -565,9 +565,9 @@ def _plot(rows: list[dict], path: Path) -> None:
         for i, r in enumerate(mem):
             ax.bar([j + i * width for j in range(len(names))], [r["peaks_mb"].get(k, 0) for k in names], width,
                    label=r["app"])
-        ax.set_xticks([j + width * (len(mem) - 1) / 2 for j in range(len(names))], names, rotation=20, ha="right")
-        ax.set_ylabel("peak MB (VmHWM; node total: summed VmRSS)")
-        ax.set_title("one SuperNode, digits-cnn4, node-local data")
+        ax.set_xticks([j + width * (len(mem) - 1) / 2 for j in range(len(names))], names, rotation=30, ha="right")
+        ax.set_ylabel("peak MB")
+        ax.set_title("one SuperNode (digits-cnn4): VmHWM per program")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
