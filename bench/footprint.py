@@ -470,7 +470,8 @@ def _grown_venv(work: Path) -> tuple[Path, list[dict]]:
 
     A cached venv was measured when it was built from exactly these inputs (pins, interpreter,
     fedswarm's code), so its rows stand; they say ``cached`` and when. The venv is grown in place
-    under the cache (venvs do not move), its rows written last, so a half-built one is rebuilt.
+    under the cache (venvs do not move), its rows written last, so a half-built one is rebuilt;
+    building one removes the others.
     """
     key = _cache_key()
     if key is None:
@@ -481,7 +482,8 @@ def _grown_venv(work: Path) -> tuple[Path, list[dict]]:
         cached = json.loads(rows_file.read_text())
         print(f"footprint: the venv grown from these pins and this code is cached: {entry}", flush=True)
         return entry / "venv", [dict(r, cached=cached["built"]) for r in cached["rows"]]
-    shutil.rmtree(entry, ignore_errors=True)
+    for old in CACHE.glob("*"):  # one venv is over a GB: keep only the one for this tree
+        shutil.rmtree(old, ignore_errors=True)
     entry.mkdir(parents=True)
     rows = install_rows(entry / "venv")
     rows_file.write_text(json.dumps({"built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}))
