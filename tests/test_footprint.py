@@ -153,3 +153,32 @@ def test_bare_app_run_finishes_on_one_supernode(tmp_path):
                        tmp_path / "model.pt", rounds=1, run_timeout=300)
     assert set(row["peaks_mb"]) == {"flower-supernode", "flower-superexec", "flwr-clientapp", fp.TOTAL}
     assert row["peaks_mb"]["flwr-clientapp"] > row["peaks_mb"]["flower-superexec"] > 0
+
+
+def test_grown_venv_is_built_once_per_key_and_replaces_older_ones(monkeypatch, tmp_path):
+    """Same key: the cached rows, marked cached, without growing a venv; a new key: grown afresh,
+    the older entry gone; a half-built entry (no rows) is grown again."""
+    built = []
+
+    def grow(venv: Path) -> list[dict]:
+        venv.mkdir(parents=True)
+        built.append(venv)
+        return [{"benchmark": "install", "install": "x", "site_packages_mb": float(len(built))}]
+
+    monkeypatch.setattr(fp, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(fp, "install_rows", grow)
+    monkeypatch.setattr(fp, "_cache_key", lambda: "k1")
+    venv, rows = fp._grown_venv(tmp_path / "work")
+    assert venv == tmp_path / "cache" / "k1" / "venv" and rows[0]["site_packages_mb"] == 1.0 and "cached" not in rows[0]
+    venv, rows = fp._grown_venv(tmp_path / "work")
+    assert len(built) == 1 and rows[0]["site_packages_mb"] == 1.0 and rows[0]["cached"].endswith("Z")
+    monkeypatch.setattr(fp, "_cache_key", lambda: "k2")
+    venv, rows = fp._grown_venv(tmp_path / "work")
+    assert len(built) == 2 and rows[0]["site_packages_mb"] == 2.0
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["k2"]
+    (tmp_path / "cache" / "k2" / "install.json").unlink()
+    fp._grown_venv(tmp_path / "work")
+    assert len(built) == 3
+    monkeypatch.setattr(fp, "_cache_key", lambda: None)
+    venv, rows = fp._grown_venv(tmp_path / "work")
+    assert len(built) == 4 and venv == tmp_path / "work" / "venv"
