@@ -11,19 +11,29 @@
    installed. The base install's ``import fedswarm.client.app`` time (best of 5 fresh
    interpreters) sits beside Flower's own ``import flwr.clientapp``.
 2. **Memory of a SuperNode** (skipped by ``--quick``): a real ``flower-superlink`` on
-   127.0.0.1, and one SuperNode from the base venv training ``digits-cnn4`` on its own data
+   127.0.0.1, and one SuperNode from the grown venv (the base install plus the server and
+   dashboard extras, none of which ``import fedswarm.client.app`` loads) training ``digits-cnn4`` on its own data
    (``fedswarm client --data``, 2 rounds); then the same SuperNode setup running a bare Flower
    App (a ClientApp of ~40 lines that trains the same model, traced to TorchScript so it
    imports nothing of fedswarm, on the same examples with the same batch size and steps).
-   Every process of the node's process group is sampled every 20 ms for its peak resident
-   set (``VmHWM``), grouped by program: the SuperNode, its SuperExec, and the ClientApp
-   processes. Target: fedswarm's ClientApp within 10% of the bare one.
+   The bare ServerApp sends no evaluate messages; fedswarm's does (one lighter ClientApp
+   process per round). Every process of the node's process group is sampled every 20 ms for
+   its peak resident set (``VmHWM``), grouped by program: ``flower-supernode`` (the SuperNode),
+   ``flower-superexec`` (its SuperExec, which starts the ClientApps), ``flwr-clientapp`` (the
+   largest of the ClientApp processes, one per message), ``fedswarm client (wrapper)`` (the
+   CLI that starts fedswarm's SuperNode), and the node's total (largest sum of VmRSS at one
+   sample). Target: fedswarm's ClientApp within 10% of the bare one.
 
-Writes ``DIR/footprint.json`` (rows) and ``DIR/footprint.png``; prints the table.
+Writes ``DIR/footprint.json`` (rows) and ``DIR/footprint.png``; prints the table. The grown venv
+and its install rows are cached under ``~/.cache/fedswarm/footprint``, keyed by the pins, the
+interpreter and fedswarm's code: a rerun of the same tree measures memory only.
+``FEDSWARM_FOOTPRINT_KEEP=1`` keeps the work folder (data, apps, each process's log); a process
+that exits, a failed run or a timeout is an error that prints the tail of every log.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -167,8 +177,10 @@ server = ServerApp()
 @server.main()
 def main(grid: Grid, context: Context) -> None:
     model = torch.jit.load(str(context.run_config["model-path"]))
-    FedAvg(fraction_evaluate=0.0).start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()),
-                                        num_rounds=int(context.run_config["rounds"]))
+    # One node: FedAvg's defaults wait for two nodes, so the run would never start its first round.
+    strategy = FedAvg(fraction_evaluate=0.0, min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
+    strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()),
+                   num_rounds=int(context.run_config["rounds"]))
 '''
 
 BARE_PYPROJECT = '''[project]
@@ -195,8 +207,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+PROGRAMS = ("flower-supernode", "flower-superexec", "flwr-clientapp", "fedswarm client (wrapper)")
+TOTAL = "node total (sum of VmRSS)"
+
+
 class PeakSampler:
-    """Peak VmHWM of every process in a process group, sampled every 20 ms, by program."""
+    """Peak VmHWM of the node's programs (``PROGRAMS``) in a process group, sampled every 20 ms.
+
+    A program's peak is the largest VmHWM of any one of its processes (one ClientApp process
+    per message). ``TOTAL`` is the largest sum of VmRSS over every process of the group at
+    one sample, helpers (``file`` and the like) included: what the node held at once.
+    """
 
     def __init__(self, pgid: int):
         self.pgid, self.peaks, self._stop = pgid, {}, threading.Event()
@@ -204,6 +225,7 @@ class PeakSampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            total = 0.0
             for pid in os.listdir("/proc"):
                 if not pid.isdigit():
                     continue
@@ -214,10 +236,12 @@ class PeakSampler:
                     cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                 except (OSError, ProcessLookupError):
                     continue
-                m = re.search(r"VmHWM:\s+(\d+) kB", status)
-                if m:
-                    name = _program(cmd)
-                    self.peaks[name] = max(self.peaks.get(name, 0.0), int(m.group(1)) / 1024)
+                hwm, rss = re.search(r"VmHWM:\s+(\d+) kB", status), re.search(r"VmRSS:\s+(\d+) kB", status)
+                total += int(rss.group(1)) / 1024 if rss else 0.0
+                name = _program(cmd)
+                if hwm and name in PROGRAMS:
+                    self.peaks[name] = max(self.peaks.get(name, 0.0), int(hwm.group(1)) / 1024)
+            self.peaks[TOTAL] = max(self.peaks.get(TOTAL, 0.0), total)
             self._stop.wait(0.02)
 
     def __enter__(self):
@@ -230,12 +254,12 @@ class PeakSampler:
 
 
 def _program(cmd: list[bytes]) -> str:
-    """flower-supernode, flower-superexec, flwr-clientapp, or fedswarm (the CLI wrapper)."""
+    """flower-supernode, flower-superexec, flwr-clientapp, fedswarm client (wrapper), or another program's name."""
     words = [Path(c.decode(errors="replace")).name for c in cmd if c]
     for w in words[:3]:
         if w.startswith(("flower-", "flwr-")):
             return w
-    if "fedswarm" in words[:3] or any(w == "fedswarm" for w in words[:4]):
+    if "fedswarm" in words[:3]:
         return "fedswarm client (wrapper)"
     return words[0] if words else "?"
 
@@ -253,7 +277,7 @@ def _make_data(work: Path) -> tuple[Path, int]:
 
 
 def memory_rows(venv: Path, work: Path, rounds: int = 2) -> list[dict]:
-    """One SuperNode from the base venv: fedswarm's App, then the bare Flower App."""
+    """One SuperNode from the grown venv: fedswarm's App, then the bare Flower App."""
     import torch
 
     from fedswarm.tasks import get_task
@@ -283,7 +307,7 @@ def memory_rows(venv: Path, work: Path, rounds: int = 2) -> list[dict]:
 
 
 def _one_node(label: str, venv: Path, work: Path, data: Path, steps: int, bare: Path, model_path: Path,
-              rounds: int) -> dict:
+              rounds: int, run_timeout: float = 900) -> dict:
     work.mkdir(parents=True)
     port = _free_port()
     (work / "flwr").mkdir()
@@ -292,61 +316,89 @@ def _one_node(label: str, venv: Path, work: Path, data: Path, steps: int, bare: 
     env = dict(os.environ, FLWR_HOME=str(work / "flwr"), PYTHONUNBUFFERED="1",
                PATH=f"{HOST_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     node_env = dict(env, PATH=f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
-    procs: list[subprocess.Popen] = []
-    log = open(work / "processes.log", "w")
+    procs: dict[str, subprocess.Popen] = {}
+    logs = {name: work / f"{name}.log" for name in ("superlink", "supernode", "flwr", "serverapp")}
 
-    def spawn(cmd: list[str], e: dict) -> subprocess.Popen:
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=e, start_new_session=True)
-        procs.append(p)
-        return p
+    def spawn(name: str, cmd: list[str], e: dict) -> subprocess.Popen:
+        with open(logs[name], "w") as log:
+            procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=e, start_new_session=True)
+        return procs[name]
+
+    def explain() -> str:
+        _save_run_logs(env, logs["serverapp"])
+        return _tails(logs)
+
+    def wait(pred, timeout: float, what: str) -> None:
+        _wait(pred, timeout, what, procs, explain)
 
     try:
-        spawn([str(HOST_BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port),
-               "--database", str(work / "state.db"), "--disable-runtime-dependency-installation"], env)
-        _wait(lambda: _listening(port), 120, "the SuperLink")
+        spawn("superlink", [str(HOST_BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port",
+                            str(port), "--database", str(work / "state.db"),
+                            "--disable-runtime-dependency-installation"], env)
+        wait(lambda: _listening(port), 120, "the SuperLink")
         if label.startswith("fedswarm"):
-            node = spawn([str(venv / "bin" / "fedswarm"), "client", "--superlink", f"127.0.0.1:{port}", "--insecure",
-                          "--data", str(data), "--partition-id", "0", "--num-partitions", "1",
-                          "--clientappio-port", str(_free_port()),
-                          "--state-dir", str(work / "state")], node_env)
+            node = spawn("supernode", [str(venv / "bin" / "fedswarm"), "client", "--superlink", f"127.0.0.1:{port}",
+                                       "--insecure", "--data", str(data), "--partition-id", "0",
+                                       "--num-partitions", "1", "--clientappio-port", str(_free_port()),
+                                       "--state-dir", str(work / "state")], node_env)
             app, config = REPO, f"rounds={rounds} clients=1 task='digits-cnn4' db='{work / 'store.db'}'"
         else:
-            node = spawn([str(venv / "bin" / "flower-supernode"), "--superlink", f"127.0.0.1:{port}", "--insecure",
-                          "--port", str(_free_port()), "--node-config",
-                          f'data-path="{data}" model-path="{model_path}" steps={steps}'], node_env)
+            node = spawn("supernode", [str(venv / "bin" / "flower-supernode"), "--superlink", f"127.0.0.1:{port}",
+                                       "--insecure", "--port", str(_free_port()), "--node-config",
+                                       f'data-path="{data}" model-path="{model_path}" steps={steps}'], node_env)
             app, config = bare, f"rounds={rounds} model-path='{model_path}'"
         t = time.monotonic()
         with PeakSampler(node.pid) as sampler:
             started = subprocess.run([str(HOST_BIN / "flwr"), "run", str(app), "local", "--run-config", config],
                                      capture_output=True, text=True, env=env, timeout=600)
+            logs["flwr"].write_text(started.stdout + started.stderr)
             if started.returncode != 0:
-                raise RuntimeError(f"flwr run failed:\n{started.stdout}{started.stderr}")
-            _wait(lambda: _run_finished(env), 900, "the run to finish")
+                raise RuntimeError(f"flwr run failed:\n{explain()}")
+            wait(lambda: _run_finished(env), run_timeout, "the run to finish")
+        _save_run_logs(env, logs["serverapp"])
         return {"benchmark": "memory", "app": label, "rounds": rounds, "wall_s": round(time.monotonic() - t, 1),
                 "peaks_mb": {k: round(v, 1) for k, v in sorted(sampler.peaks.items())}}
     finally:
-        for p in procs:
+        for p in procs.values():
             try:
                 os.killpg(p.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        for p in procs:
+        for p in procs.values():
             try:
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
-        log.close()
+                p.wait()
 
 
 def _run_finished(env: dict) -> bool:
-    """True once the SuperLink lists the (only) run as finished."""
+    """True once the SuperLink lists the (only) run as completed; a failed or stopped run is an error."""
     out = subprocess.run([str(HOST_BIN / "flwr"), "ls", "local", "--format", "json"], capture_output=True, text=True,
                          env=env, timeout=120)
     try:
         runs = json.loads(out.stdout).get("runs", [])
     except (json.JSONDecodeError, AttributeError):
         return False
-    return bool(runs) and all(str(r.get("status", "")).startswith("finished") for r in runs)
+    status = [str(r.get("status", "")) for r in runs]
+    ended = [st for st in status if st.startswith("finished") and st != "finished:completed"]
+    if ended:
+        raise RuntimeError(f"the run ended {ended[0]}")
+    return bool(status) and all(st == "finished:completed" for st in status)
+
+
+def _save_run_logs(env: dict, path: Path) -> None:
+    """The ServerApp's log of every run on the SuperLink (``flwr log --show``): not in the SuperLink's own."""
+    flwr = str(HOST_BIN / "flwr")
+    try:
+        listed = subprocess.run([flwr, "ls", "local", "--format", "json"], capture_output=True, text=True, env=env,
+                                timeout=120)
+        ids = [str(r["run-id"]) for r in json.loads(listed.stdout).get("runs", [])]
+        text = "".join(subprocess.run([flwr, "log", i, "local", "--show"], capture_output=True, text=True, env=env,
+                                      timeout=120).stdout for i in ids)
+    except (OSError, subprocess.SubprocessError, json.JSONDecodeError, AttributeError, KeyError) as exc:
+        text = f"(flwr log failed: {exc})"
+    path.write_text(text)
 
 
 def _listening(port: int) -> bool:
@@ -357,27 +409,102 @@ def _listening(port: int) -> bool:
         return False
 
 
-def _wait(pred, timeout: float, what: str) -> None:
+POLL_LINES = ("ListRuns", "list-runs")  # the SuperLink logging this bench's own `flwr ls` polls
+
+
+def _tails(logs: dict[str, Path], lines: int = 25) -> str:
+    """The last lines of each log (less the bench's own polls), named, so that a failure explains itself."""
+    parts = []
+    for name, path in logs.items():
+        text = [line for line in (path.read_text(errors="replace").splitlines() if path.is_file() else ["(no log)"])
+                if not any(poll in line for poll in POLL_LINES)][-lines:]
+        parts.append(f"--- {name} ({path}), last {len(text)} lines:\n" + "\n".join(text))
+    return "\n".join(parts)
+
+
+def _wait(pred, timeout: float, what: str, procs: dict[str, subprocess.Popen], explain) -> None:
+    """Poll ``pred`` until true; a process that exits, or the deadline, is an error with ``explain()`` (the logs)."""
     end = time.monotonic() + timeout
     pause = threading.Event()
     while time.monotonic() < end:
-        if pred():
-            return
-        pause.wait(0.5)
-    raise RuntimeError(f"timed out waiting for {what}")
+        try:
+            if pred():
+                return
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc} (waiting for {what})\n{explain()}") from None
+        for name, p in procs.items():
+            if p.poll() is not None:
+                raise RuntimeError(f"the {name} exited with code {p.returncode} while waiting for {what}\n"
+                                   f"{explain()}")
+        pause.wait(1.0)
+    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}\n{explain()}")
 
 
 # -- report ------------------------------------------------------------------------------------
+CACHE = Path.home() / ".cache" / "fedswarm" / "footprint"
+PACKAGE_DIRS = ("fedswarm", "algorithms", "strategies", "server", "client", "sim", "swarm", "bench", "web")
+
+
+def _cache_key() -> str | None:
+    """What the grown venv is made of: the pins, the interpreter, and fedswarm's code as installed.
+
+    The bench's own results (``bench/*.json``, ``*.png``) are package data but not code: left out,
+    so writing this bench's output does not invalidate its cache. None outside a git checkout.
+    """
+    try:
+        files = subprocess.run(["git", "-C", str(REPO), "ls-files", "pyproject.toml", *PACKAGE_DIRS],
+                               capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    h = hashlib.sha256(sys.version.encode())
+    for rel in ["requirements/lock.txt", "requirements/torch.txt", *sorted(files)]:
+        if rel.startswith("bench/") and not rel.endswith(".py"):
+            continue
+        path = REPO / rel
+        h.update(rel.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"") + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _grown_venv(work: Path) -> tuple[Path, list[dict]]:
+    """The grown venv and its install rows: from the cache when the same inputs built one before.
+
+    A cached venv was measured when it was built from exactly these inputs (pins, interpreter,
+    fedswarm's code), so its rows stand; they say ``cached`` and when. The venv is grown in place
+    under the cache (venvs do not move), its rows written last, so a half-built one is rebuilt;
+    building one removes the others.
+    """
+    key = _cache_key()
+    if key is None:
+        return work / "venv", install_rows(work / "venv")
+    entry = CACHE / key
+    rows_file = entry / "install.json"
+    if rows_file.is_file():
+        cached = json.loads(rows_file.read_text())
+        print(f"footprint: the venv grown from these pins and this code is cached: {entry}", flush=True)
+        return entry / "venv", [dict(r, cached=cached["built"]) for r in cached["rows"]]
+    for old in CACHE.glob("*"):  # one venv is over a GB: keep only the one for this tree
+        shutil.rmtree(old, ignore_errors=True)
+    entry.mkdir(parents=True)
+    rows = install_rows(entry / "venv")
+    rows_file.write_text(json.dumps({"built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}))
+    return entry / "venv", rows
+
+
 def run(out_dir: Path, quick: bool = False) -> list[dict]:
+    """``FEDSWARM_FOOTPRINT_KEEP=1`` keeps the work folder (data, apps, every process's log)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="fedswarm-footprint-"))
+    keep = os.environ.get("FEDSWARM_FOOTPRINT_KEEP", "") not in ("", "0")
     try:
-        rows = install_rows(work / "venv")
+        venv, rows = _grown_venv(work)
         if not quick:
-            rows += memory_rows(work / "venv", work)
+            rows += memory_rows(venv, work)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if keep:
+            print(f"footprint: work folder kept: {work}", flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     (out_dir / "footprint.json").write_text(json.dumps(rows, indent=2))
     _table(rows)
     _plot(rows, out_dir / "footprint.png")
@@ -388,23 +515,36 @@ def _table(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="fedswarm on a device: install and memory (this machine)")
-    for col in ("install / app", "site-packages MB", "beyond torch+flwr MB", "packages", "import s", "peak RSS MB"):
-        t.add_column(col, justify="left" if col == "install / app" else "right")
-    for r in rows:
-        if r["benchmark"] == "install":
-            beyond = "-" if r["beyond_torch_flwr_mb"] is None else f"{r['beyond_torch_flwr_mb']:.1f}"
-            if "meets_target" in r:
-                beyond += f" (target <= {r['target_mb']:.0f}: {'met' if r['meets_target'] else 'MISSED'})"
-            imp = f"{r['import_s']:.2f} ({r['import_module']})" if "import_s" in r else "-"
-            t.add_row(r["install"], f"{r['site_packages_mb']:.1f}", beyond, str(r["packages"]), imp, "-")
-        else:
-            peaks = ", ".join(f"{k} {v:.0f}" for k, v in r["peaks_mb"].items())
-            if "clientapp_vs_bare" in r:
-                peaks += (f"; ClientApp {r['clientapp_vs_bare']:.2f}x bare (target <= {r['target_ratio']:.2f}: "
-                          f"{'met' if r['meets_target'] else 'MISSED'})")
-            t.add_row(r["app"], "-", "-", "-", "-", peaks)
-    Console().print(t)
+    console = Console()
+    inst = [r for r in rows if r["benchmark"] == "install"]
+    cached = f", cached venv built {inst[0]['cached']}" if inst and "cached" in inst[0] else ""
+    t = Table(title=f"fedswarm on a device: install (this machine{cached})")
+    for col in ("install", "site-packages MB", "beyond torch+flwr MB", "packages", "import s"):
+        t.add_column(col, justify="left" if col == "install" else "right")
+    for r in inst:
+        beyond = "-" if r["beyond_torch_flwr_mb"] is None else f"{r['beyond_torch_flwr_mb']:.1f}"
+        if "meets_target" in r:
+            beyond += f" (target <= {r['target_mb']:.0f}: {'met' if r['meets_target'] else 'MISSED'})"
+        imp = f"{r['import_s']:.2f} ({r['import_module']})" if "import_s" in r else "-"
+        t.add_row(r["install"], f"{r['site_packages_mb']:.1f}", beyond, str(r["packages"]), imp)
+    console.print(t)
+    mem = [r for r in rows if r["benchmark"] == "memory"]
+    if not mem:
+        return
+    t = Table(title="one SuperNode: peak MB (VmHWM of flower-supernode, flower-superexec, the largest "
+                    "flwr-clientapp, the fedswarm client CLI; node total: largest summed VmRSS)")
+    t.add_column("app")
+    for name in ("SuperNode", "SuperExec", "ClientApp", "fedswarm CLI", "node total"):
+        t.add_column(name, justify="right")
+    t.add_column("ClientApp vs bare", justify="right")
+    for r in mem:
+        ratio = "-"
+        if "clientapp_vs_bare" in r:
+            ratio = (f"{r['clientapp_vs_bare']:.2f}x (target <= {r['target_ratio']:.2f}: "
+                     f"{'met' if r['meets_target'] else 'MISSED'})")
+        t.add_row(r["app"], *(f"{r['peaks_mb'][k]:.1f}" if k in r["peaks_mb"] else "-" for k in (*PROGRAMS, TOTAL)),
+                  ratio)
+    console.print(t)
 
 
 def _plot(rows: list[dict], path: Path) -> None:
@@ -415,7 +555,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
     inst = [r for r in rows if r["benchmark"] == "install"]
     mem = [r for r in rows if r["benchmark"] == "memory"]
-    fig, axes = plt.subplots(1, 2 if mem else 1, figsize=(12 if mem else 6, 4), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if mem else 1, figsize=(14 if mem else 6, 5), squeeze=False)
     ax = axes[0][0]
     ax.barh([r["install"] for r in inst], [r["site_packages_mb"] for r in inst], color="tab:blue")
     ax.set_xlabel("site-packages MB")
@@ -427,9 +567,9 @@ def _plot(rows: list[dict], path: Path) -> None:
         for i, r in enumerate(mem):
             ax.bar([j + i * width for j in range(len(names))], [r["peaks_mb"].get(k, 0) for k in names], width,
                    label=r["app"])
-        ax.set_xticks([j + width * (len(mem) - 1) / 2 for j in range(len(names))], names, rotation=15)
-        ax.set_ylabel("peak RSS MB (VmHWM)")
-        ax.set_title("one SuperNode, digits-cnn4, node-local data")
+        ax.set_xticks([j + width * (len(mem) - 1) / 2 for j in range(len(names))], names, rotation=30, ha="right")
+        ax.set_ylabel("peak MB")
+        ax.set_title("one SuperNode (digits-cnn4): VmHWM per program")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
