@@ -21,7 +21,9 @@
    its peak resident set (``VmHWM``), grouped by program: ``flower-supernode`` (the SuperNode),
    ``flower-superexec`` (its SuperExec, which starts the ClientApps), ``flwr-clientapp`` (the
    largest of the ClientApp processes, one per message), ``fedswarm client (wrapper)`` (the
-   CLI that starts fedswarm's SuperNode), and the node's total (largest sum of VmRSS at one
+   CLI that checks the node's data and device, then starts fedswarm's SuperNode: its peak is that
+   of the checks), ``fedswarm client (supervisor)`` (what the CLI execs into when it watches a
+   SuperNode that rejoins: standard library only), and the node's total (largest sum of VmRSS at one
    sample). Target: fedswarm's ClientApp within 10% of the bare one.
 
 Writes ``DIR/footprint.json`` (rows) and ``DIR/footprint.png``; prints the table. The grown venv
@@ -207,7 +209,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-PROGRAMS = ("flower-supernode", "flower-superexec", "flwr-clientapp", "fedswarm client (wrapper)")
+PROGRAMS = ("flower-supernode", "flower-superexec", "flwr-clientapp", "fedswarm client (wrapper)",
+            "fedswarm client (supervisor)")
 TOTAL = "node total (sum of VmRSS)"
 
 
@@ -254,11 +257,15 @@ class PeakSampler:
 
 
 def _program(cmd: list[bytes]) -> str:
-    """flower-supernode, flower-superexec, flwr-clientapp, fedswarm client (wrapper), or another program's name."""
+    """flower-supernode, flower-superexec, flwr-clientapp, fedswarm client (wrapper: its checks, before it
+    execs), fedswarm client (supervisor: what the wrapper becomes, python -m fedswarm.client.rejoin), or
+    another program's name."""
     words = [Path(c.decode(errors="replace")).name for c in cmd if c]
     for w in words[:3]:
         if w.startswith(("flower-", "flwr-")):
             return w
+    if "fedswarm.client.rejoin" in words[:3]:
+        return "fedswarm client (supervisor)"
     if "fedswarm" in words[:3]:
         return "fedswarm client (wrapper)"
     return words[0] if words else "?"

@@ -73,7 +73,7 @@ def client(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the flower-supernode command and exit."),
 ) -> None:
     """Join a federation: start a Flower SuperNode that runs fedswarm's ClientApp."""
-    from fedswarm.client.supernode import run_supernode, supernode_command
+    from fedswarm.client.supernode import supernode_command
 
     local = _check_data(data, label_column, val_fraction, task) if data is not None else None
     if partition_id >= num_partitions:
@@ -102,7 +102,9 @@ def client(
     os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.25")
     if auth_key is None or rejoin_wait <= 0:  # a node id of its own each start: nothing to wait for
         os.execvp(cmd[0], cmd)
-    raise typer.Exit(run_supernode(cmd, rejoin_wait_s=rejoin_wait))
+    from fedswarm.client.rejoin import exec_supervisor
+
+    exec_supervisor(cmd, rejoin_wait)  # a lean process that watches the SuperNode: not this one, with torch loaded
 
 
 def _check_data(data: Path, label_column: str, val_fraction: float, task: str):

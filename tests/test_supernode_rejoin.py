@@ -1,6 +1,6 @@
 """``fedswarm client --auth-key`` keeps starting a SuperNode that the SuperLink refuses to
 activate (its key's previous session has not timed out yet), for up to ``--rejoin-wait``
-seconds, and passes any other outcome through (client/supernode.py ``run_supernode``). A fake
+seconds, and passes any other outcome through (client/rejoin.py ``run_supernode``). A fake
 ``flower-supernode`` stands in for Flower's: refused the first K times, then it runs and exits
 with the status given; like Flower's, a refused one leaves a child behind (its SuperExec) that
 holds the output pipe. ``run_supernode`` runs in its own interpreter here, since it adopts and
@@ -42,7 +42,7 @@ def fake_supernode(tmp_path, refusals: int, final_rc: int = 0, final_line: str =
 
 
 def run(tmp_path, cmd: list[str], wait_s: float, every_s: float) -> subprocess.CompletedProcess:
-    code = (f"import sys; from fedswarm.client.supernode import run_supernode; "
+    code = (f"import sys; from fedswarm.client.rejoin import run_supernode; "
             f"sys.exit(run_supernode({cmd!r}, rejoin_wait_s={wait_s}, retry_every_s={every_s}))")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
@@ -73,3 +73,22 @@ def test_any_other_exit_is_passed_through_at_once(tmp_path, final_rc, line):
               every_s=0.01)
     assert out.returncode == final_rc and starts(tmp_path) == 1 and line in out.stdout
 
+
+
+def test_the_supervisor_is_a_lean_process_without_the_checks_torch(tmp_path):
+    """``fedswarm client`` loads torch (and the node's data) for its checks, then execs into the
+    supervisor (``python -m fedswarm.client.rejoin``), which lives as long as the node: the
+    SuperNode's parent must not map torch's library."""
+    script = tmp_path / "fake_supernode.py"
+    script.write_text(textwrap.dedent(f"""
+        import os
+        from pathlib import Path
+        maps = Path(f"/proc/{{os.getppid()}}/maps").read_text()
+        Path({str(tmp_path / "parent")!r}).write_text("torch" if "libtorch" in maps else "lean")
+    """))
+    cmd = [sys.executable, str(script)]
+    code = ("import sys, torch; from fedswarm.client.rejoin import exec_supervisor; "
+            f"assert 'libtorch' in open('/proc/self/maps').read(); exec_supervisor({cmd!r}, 5)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp_path / "parent").read_text() == "lean"
