@@ -411,3 +411,25 @@ def test_native_off_and_a_bad_march(monkeypatch):
     monkeypatch.setenv("FEDSWARM_NATIVE_MARCH", "x86-64; rm -rf /")
     with pytest.raises(ValueError, match="FEDSWARM_NATIVE_MARCH"):
         native.march()
+
+
+def test_sources_of_the_installed_fedswarm_serve_a_copy_without_them(tmp_path, monkeypatch):
+    """A SuperNode runs fedswarm's ClientApp from its Flower App bundle, which carries only .py
+    (and a few other) files, never the C sources: native then builds from the installed
+    fedswarm's copy of them (package data, or an editable install's tree)."""
+    here = native.CSRC
+    monkeypatch.setattr(native, "CSRC", tmp_path / "fab" / "csrc")  # a FAB's copy of native.py: no csrc beside it
+    found = native.sources()
+    assert found != native.CSRC and (found / native.HEADER).read_text() == (here / native.HEADER).read_text()
+    assert native.build(arch="x86-64" if os.uname().machine == "x86_64" else None).fs_isa()
+
+
+def test_no_sources_anywhere_warns_and_runs_the_torch_code(tmp_path, monkeypatch):
+    from importlib import metadata
+
+    monkeypatch.setattr(native, "CSRC", tmp_path / "csrc")
+    monkeypatch.setattr(metadata, "distributions", lambda **_kw: iter(()))  # no installed fedswarm either
+    with pytest.raises(FileNotFoundError, match="C sources"):
+        native.sources()
+    with pytest.warns(native.NativeBuildWarning, match="C sources"):
+        assert native._load() is None

@@ -42,10 +42,36 @@ from pathlib import Path
 import torch
 
 __all__ = ["lib", "disabled", "ptr", "isa", "march", "compiler", "build", "build_error", "prototypes", "CSRC",
-           "HEADER", "NativeBuildError", "NativeBuildWarning"]
+           "sources", "HEADER", "NativeBuildError", "NativeBuildWarning"]
 
 CSRC = Path(__file__).with_name("csrc")  # the C sources, shipped as package data
 HEADER = "fs_kernels.h"
+
+
+def sources() -> Path:
+    """Where the C sources are: :data:`CSRC` beside this module, or, when this module runs from a
+    copy without them, those of the installed fedswarm distribution (its package data, or an
+    editable install's tree, PEP 610's ``direct_url.json``). A Flower App bundle is such a copy:
+    a SuperNode runs fedswarm's ClientApp from the FAB, which carries only ``.py``, ``.toml``,
+    ``.md`` and a few other kinds of file, never ``.c``. FileNotFoundError if neither has them."""
+    if (CSRC / HEADER).is_file():
+        return CSRC
+    import json
+    from importlib import metadata
+    from urllib.parse import unquote, urlparse
+
+    found: list[Path] = []
+    for dist in metadata.distributions(name="fedswarm"):  # a stale egg-info on sys.path may come first
+        found += [Path(str(dist.locate_file(f))).parent for f in dist.files or ()
+                  if f.name == HEADER and f.parent.name == "csrc"]
+        url = json.loads(dist.read_text("direct_url.json") or "{}")
+        if url.get("dir_info", {}).get("editable") and str(url.get("url", "")).startswith("file://"):
+            found.append(Path(unquote(urlparse(url["url"]).path)) / "algorithms" / "compression" / "csrc")
+    for d in found:
+        if (d / HEADER).is_file():
+            return d
+    raise FileNotFoundError(f"the C sources ({HEADER}, *.c) are neither beside {Path(__file__).name} ({CSRC}) "
+                            "nor in the installed fedswarm")
 
 # -fno-trapping-math lets the compiler vectorize the selects (FP exception flags are never read);
 # results are those of plain IEEE arithmetic in the order written (no -ffast-math; -std=c99 keeps
@@ -130,7 +156,7 @@ def _first_error(log: str) -> str:
 
 
 def build(csrc: Path | None = None, arch: str | None = None) -> ctypes.CDLL:
-    """Compile the C files of ``csrc`` (default :data:`CSRC`) for ``-march=arch`` (default
+    """Compile the C files of ``csrc`` (default :func:`sources`) for ``-march=arch`` (default
     :func:`march`), once per sources, flags, compiler and CPU (the cached library is reused),
     load it and set its signatures from the header. Raises :class:`NativeBuildError` (with
     the compiler's output) if it does not build, load, or run on this CPU; FileNotFoundError
@@ -138,7 +164,7 @@ def build(csrc: Path | None = None, arch: str | None = None) -> ctypes.CDLL:
     cc = compiler()
     if cc is None:
         raise FileNotFoundError("no C compiler (set CC, or install cc)")
-    csrc, arch = csrc or CSRC, arch or march()
+    csrc, arch = csrc or sources(), arch or march()
     flags = [f"-march={arch}", *_FLAGS]
     files = sorted(p for p in csrc.iterdir() if p.suffix in (".c", ".h"))
     exe = shutil.which(cc) or cc
@@ -184,8 +210,8 @@ def _load() -> ctypes.CDLL | None:
     arch = march()  # a bad FEDSWARM_NATIVE_MARCH is the caller's error, raised
     try:
         return build(arch=arch)
-    except (NativeBuildError, ValueError) as e:  # ValueError: a header type ctypes is not given
-        _state["error"] = str(e)
+    except (NativeBuildError, ValueError, FileNotFoundError) as e:  # ValueError: a header type ctypes
+        _state["error"] = str(e)  # is not given; FileNotFoundError: no sources here (the compiler is)
         warnings.warn(f"fedswarm's C codec loops are off, the codecs run their torch code: {_first_error(str(e))}",
                       NativeBuildWarning, stacklevel=3)
         return None

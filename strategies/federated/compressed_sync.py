@@ -103,6 +103,12 @@ class ReplicaSync:
         self.crc = crc32(new)
         self._bodies = {}
 
+    def __getstate__(self) -> dict:
+        """A copy (a checkpoint's ``deepcopy``) leaves out the cache of planned bodies: it is
+        rebuilt from ``x`` on demand, and in a deployment it holds the records Flower sent,
+        whose buffers (memoryviews) cannot be copied."""
+        return {**self.__dict__, "_bodies": {}}
+
     # -- per node ------------------------------------------------------------------------
     def write(self, content: RecordDict, node_id: int) -> None:
         """Put the smallest body that brings ``node_id`` to the current version into
