@@ -425,10 +425,10 @@ def test_sources_of_the_installed_fedswarm_serve_a_copy_without_them(tmp_path, m
 
 
 def test_no_sources_anywhere_warns_and_runs_the_torch_code(tmp_path, monkeypatch):
-    from importlib import metadata
+    import fedswarm.installed
 
     monkeypatch.setattr(native, "CSRC", tmp_path / "csrc")
-    monkeypatch.setattr(metadata, "distributions", lambda **_kw: iter(()))  # no installed fedswarm either
+    monkeypatch.setattr(fedswarm.installed.metadata, "distributions", lambda **_kw: iter(()))  # none installed
     with pytest.raises(FileNotFoundError, match="C sources"):
         native.sources()
     with pytest.warns(native.NativeBuildWarning, match="C sources"):

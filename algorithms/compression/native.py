@@ -56,22 +56,14 @@ def sources() -> Path:
     ``.md`` and a few other kinds of file, never ``.c``. FileNotFoundError if neither has them."""
     if (CSRC / HEADER).is_file():
         return CSRC
-    import json
-    from importlib import metadata
-    from urllib.parse import unquote, urlparse
+    from fedswarm.installed import installed_file
 
-    found: list[Path] = []
-    for dist in metadata.distributions(name="fedswarm"):  # a stale egg-info on sys.path may come first
-        found += [Path(str(dist.locate_file(f))).parent for f in dist.files or ()
-                  if f.name == HEADER and f.parent.name == "csrc"]
-        url = json.loads(dist.read_text("direct_url.json") or "{}")
-        if url.get("dir_info", {}).get("editable") and str(url.get("url", "")).startswith("file://"):
-            found.append(Path(unquote(urlparse(url["url"]).path)) / "algorithms" / "compression" / "csrc")
-    for d in found:
-        if (d / HEADER).is_file():
-            return d
+    header = installed_file(f"compression/csrc/{HEADER}", f"algorithms/compression/csrc/{HEADER}")
+    if header is not None:
+        return header.parent
     raise FileNotFoundError(f"the C sources ({HEADER}, *.c) are neither beside {Path(__file__).name} ({CSRC}) "
                             "nor in the installed fedswarm")
+
 
 # -fno-trapping-math lets the compiler vectorize the selects (FP exception flags are never read);
 # results are those of plain IEEE arithmetic in the order written (no -ffast-math; -std=c99 keeps
