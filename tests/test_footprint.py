@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fedswarm.bench import footprint as fp
+from fedswarm.bench import footprint_memory as fm
 
 HOG = textwrap.dedent("""\
     import sys
@@ -49,7 +50,7 @@ def test_sampler_reports_the_peak_of_each_program_in_the_group(tmp_path):
     inside = _hog(tmp_path, "flwr-clientapp", 150, new_session=True)
     outside = _hog(tmp_path, "flower-supernode", 300, new_session=True)
     try:
-        with fp.PeakSampler(inside.pid) as sampler:
+        with fm.PeakSampler(inside.pid) as sampler:
             deadline = time.monotonic() + 30
             seen = threading.Event()
             while time.monotonic() < deadline and not sampler.peaks.get("flwr-clientapp", 0) >= 150:
@@ -58,7 +59,7 @@ def test_sampler_reports_the_peak_of_each_program_in_the_group(tmp_path):
         _stop(inside, outside)
     peak = sampler.peaks["flwr-clientapp"]
     assert 150 <= peak < 150 + 100, sampler.peaks
-    assert sampler.peaks[fp.TOTAL] < 100  # the node's total is what it holds at once: the block is gone
+    assert sampler.peaks[fm.TOTAL] < 100  # the node's total is what it holds at once: the block is gone
     assert "flower-supernode" not in sampler.peaks
 
 
@@ -69,19 +70,19 @@ def test_a_node_process_that_exits_is_an_error_with_its_log(tmp_path):
     try:
         with pytest.raises(RuntimeError, match=r"(?s)the supernode exited with code 3 while waiting for the run"
                                                r".*refused: bad flag"):
-            fp._wait(lambda: False, 120, "the run", {"supernode": p}, lambda: log.read_text())
+            fm._wait(lambda: False, 120, "the run", {"supernode": p}, lambda: log.read_text())
     finally:
         p.wait(timeout=30)
 
 
 def test_a_timeout_is_an_error_with_the_logs():
     with pytest.raises(RuntimeError, match=r"(?s)timed out after 0 s waiting for the SuperLink\nTAIL"):
-        fp._wait(lambda: False, 0.0, "the SuperLink", {}, lambda: "TAIL")
+        fm._wait(lambda: False, 0.0, "the SuperLink", {}, lambda: "TAIL")
 
 
 def test_log_tails_name_each_log_and_leave_out_the_bench_polls(tmp_path):
     (tmp_path / "superlink.log").write_text("".join(f"line {i}\nINFO: ControlServicer.ListRuns\n" for i in range(40)))
-    text = fp._tails({"superlink": tmp_path / "superlink.log", "serverapp": tmp_path / "none.log"}, lines=3)
+    text = fm._tails({"superlink": tmp_path / "superlink.log", "serverapp": tmp_path / "none.log"}, lines=3)
     assert text == (f"--- superlink ({tmp_path / 'superlink.log'}), last 3 lines:\nline 37\nline 38\nline 39\n"
                     f"--- serverapp ({tmp_path / 'none.log'}), last 1 lines:\n(no log)")
 
@@ -89,15 +90,15 @@ def test_log_tails_name_each_log_and_leave_out_the_bench_polls(tmp_path):
 @pytest.mark.parametrize(("status", "finished"), [(["running"], False), ([], False),
                                                   (["finished:completed"], True)])
 def test_run_finished_only_when_completed(monkeypatch, status, finished):
-    monkeypatch.setattr(fp, "subprocess", _FakeLs(status))
-    assert fp._run_finished({}) is finished
+    monkeypatch.setattr(fm, "subprocess", _FakeLs(status))
+    assert fm._run_finished({}) is finished
 
 
 @pytest.mark.parametrize("status", ["finished:failed", "finished:stopped"])
 def test_a_failed_run_is_no_measurement(monkeypatch, status):
-    monkeypatch.setattr(fp, "subprocess", _FakeLs([status]))
+    monkeypatch.setattr(fm, "subprocess", _FakeLs([status]))
     with pytest.raises(RuntimeError, match=f"the run ended {status}"):
-        fp._run_finished({})
+        fm._run_finished({})
 
 
 class _FakeLs:
@@ -143,15 +144,15 @@ def test_bare_app_run_finishes_on_one_supernode(tmp_path):
 
     from fedswarm.tasks import get_task
 
-    data, _n = fp._make_data(tmp_path)
+    data, _n = fm._make_data(tmp_path)
     torch.jit.trace(get_task("digits-cnn4").model(0), torch.zeros(2, 1, 8, 8)).save(str(tmp_path / "model.pt"))
     bare = tmp_path / "bare"
     bare.mkdir()
-    (bare / "bareapp.py").write_text(fp.BARE_CLIENT)
-    (bare / "pyproject.toml").write_text(fp.BARE_PYPROJECT)
-    row = fp._one_node("bare Flower ClientApp", Path(sys.executable).parents[1], tmp_path / "node", data, 4, bare,
+    (bare / "bareapp.py").write_text(fm.BARE_CLIENT)
+    (bare / "pyproject.toml").write_text(fm.BARE_PYPROJECT)
+    row = fm._one_node("bare Flower ClientApp", Path(sys.executable).parents[1], tmp_path / "node", data, 4, bare,
                        tmp_path / "model.pt", rounds=1, run_timeout=300)
-    assert set(row["peaks_mb"]) == {"flower-supernode", "flower-superexec", "flwr-clientapp", fp.TOTAL}
+    assert set(row["peaks_mb"]) == {"flower-supernode", "flower-superexec", "flwr-clientapp", fm.TOTAL}
     assert row["peaks_mb"]["flwr-clientapp"] > row["peaks_mb"]["flower-superexec"] > 0
 
 
