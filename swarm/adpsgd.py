@@ -112,7 +112,7 @@ class ADPSGDDriver(Driver):
                     return self._count("busy")
                 t_acc = time.monotonic()
                 try:
-                    x_j = read_vector(acc.meta, acc.body, p.d)
+                    x_j = read_vector(acc.meta, acc.body, p.d, finite=acc.finite)
                 except Dropped as exc:
                     p.verifier.count(exc.reason)
                     s.send("avg_abort", re=acc.nonce)
@@ -142,7 +142,7 @@ class ADPSGDDriver(Driver):
             return False
         p = self.peer
         try:
-            x_i = read_vector(msg.meta, msg.body, p.d).clone()
+            x_i = read_vector(msg.meta, msg.body, p.d, finite=msg.finite).clone()
         except Dropped as exc:
             p.verifier.count(exc.reason)
             s.send("nack", {"reason": exc.reason}, re=msg.nonce)

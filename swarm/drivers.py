@@ -78,7 +78,7 @@ class Driver:
         raise NotImplementedError
 
     def accept(self, msg: Message) -> Any:
-        return read_vector(msg.meta, msg.body, self.peer.d)
+        return read_vector(msg.meta, msg.body, self.peer.d, finite=msg.finite)
 
     def ack_meta(self, msg: Message) -> dict:
         return {}
@@ -133,7 +133,8 @@ class GossipDriver(Driver):
         if "arrays" in msg.meta:
             payload = read_payload(msg.meta, msg.body)
         else:
-            payload = Payload({"vector": read_vector(msg.meta, msg.body, self.peer.d)}, {"kind": "dense"})
+            x = read_vector(msg.meta, msg.body, self.peer.d, finite=msg.finite)
+            payload = Payload({"vector": x}, {"kind": "dense"})
         try:
             return self.algo.read_payload(payload, self.peer.d)
         except PayloadError as exc:
@@ -218,7 +219,7 @@ class SwarmMergeDriver(Driver):
         return self.x
 
     def accept(self, msg: Message) -> Any:
-        x = read_vector(msg.meta, msg.body, self.peer.d)
+        x = read_vector(msg.meta, msg.body, self.peer.d, finite=msg.finite)
         if msg.kind == "merged":
             return x
         w = msg.meta.get("weight")

@@ -145,7 +145,7 @@ class LeaderDriver(Driver):
             if self._server_of(kind, j, view) != view.index:
                 raise Dropped("malformed", f"this peer does not host node {j}'s {kind} leader server")
             f = self._finite_loss(msg.meta.get("loss"))
-            x = read_vector(msg.meta, msg.body, self.peer.d).clone()
+            x = read_vector(msg.meta, msg.body, self.peer.d, finite=msg.finite).clone()
         except Dropped as exc:
             self.peer.verifier.count(exc.reason)
             log.warning("%s: refused lead report from %s: %s", self.peer.ident.short_id, msg.sender[:8], exc)
@@ -181,7 +181,7 @@ class LeaderDriver(Driver):
         try:
             resp = p.transport.request(addr, server, "lead", {**meta, "kind": kind, "round": r, "loss": f}, body,
                                        timeout=2 * p.cfg.round_timeout_s)
-            return read_vector(resp.meta, resp.body, p.d).clone() if resp.kind == "model" else None
+            return read_vector(resp.meta, resp.body, p.d, finite=resp.finite).clone() if resp.kind == "model" else None
         except Dropped as exc:
             if exc.reason == "invalid_payload":
                 p.verifier.count(exc.reason)
@@ -197,7 +197,7 @@ class LeaderDriver(Driver):
             return None
         try:
             resp = p.transport.request(addr, leader, "pull", {"round": r}, timeout=2 * p.cfg.round_timeout_s)
-            return read_vector(resp.meta, resp.body, p.d).clone() if resp.kind == "model" else None
+            return read_vector(resp.meta, resp.body, p.d, finite=resp.finite).clone() if resp.kind == "model" else None
         except Dropped as exc:
             if exc.reason == "invalid_payload":  # transport-level drops are counted already
                 p.verifier.count(exc.reason)

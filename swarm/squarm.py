@@ -57,7 +57,7 @@ class SquarmDriver(Driver):
     # -- receiving ---------------------------------------------------------------------
     def accept(self, msg: Message) -> Any:
         if msg.meta.get("type") == "full":
-            return ("full", read_vector(msg.meta, msg.body, self.peer.d).clone())
+            return ("full", read_vector(msg.meta, msg.body, self.peer.d, finite=msg.finite).clone())
         try:
             return ("q", self.algo.read_payload(read_payload(msg.meta, msg.body), self.peer.d))
         except PayloadError as exc:

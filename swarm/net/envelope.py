@@ -36,12 +36,10 @@ import hashlib
 import hmac
 import json
 import math
-import mmap
 import os
 import socket
 import ssl
 import struct
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -51,10 +49,12 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.poly1305 import Poly1305
+from fedswarm.swarm.net.bodies import BODY_POOL, POOL_MIN_BYTES, BodyPool, FiniteScan, alloc_body, float_scan
 from fedswarm.swarm.net.identity import SIGNATURE_BYTES, Identity, verify
 
-__all__ = ["BODY_POOL", "CHUNK_BYTES", "DROP_REASONS", "TAG_NOISE", "TAG_TLS", "BodyPool", "Conn", "Dropped", "Message",
-           "Verifier", "header_frame", "recv_message", "send_message"]
+__all__ = ["BODY_POOL", "CHUNK_BYTES", "DROP_REASONS", "POOL_MIN_BYTES", "TAG_NOISE", "TAG_TLS", "BodyPool", "Conn",
+           "Dropped", "FiniteScan", "Message", "Verifier", "alloc_body", "header_frame", "recv_message",
+           "send_message"]
 
 VERSION = 1
 _LEN = struct.Struct(">I")
@@ -91,6 +91,9 @@ class Message:
     meta: dict[str, Any] = field(default_factory=dict)
     body: bytearray = field(default_factory=bytearray)
     re: str | None = None
+    #: Whether every float32 of the body is finite, scanned as it arrived (a header saying
+    #: ``dtype: float32``, a whole number of values); None when not scanned.
+    finite: bool | None = None
 
 
 class Conn:
@@ -127,6 +130,19 @@ class Conn:
             if bufs:
                 bufs[0] = bufs[0][n:]
         self.sent += total
+
+    def recv_frames_into(self, view: memoryview, max_chunk: int, scan: FiniteScan | None = None) -> None:
+        """Length-prefixed chunks (4-byte length, then that many bytes) filling ``view``:
+        how a body travels over a channel that authenticates it. ``scan`` sees each chunk
+        once it is in place."""
+        got = 0
+        while got < len(view):
+            c = self.read_len()
+            _check_chunk(c, got, len(view), max_chunk)
+            self.recv_exact_into(view[got : got + c])
+            got += c
+            if scan is not None:
+                scan.upto(got)
 
     def recv_exact_into(self, view: memoryview) -> None:
         got, n = 0, len(view)
@@ -224,69 +240,6 @@ def _body_mac(ident: Identity, other: str, nonce: str, sender: str, receiver: st
 #: Body bytes per chunk a sender writes (1 MB): of 128 KB to 4 MB side by side, the fastest for clear and
 #: encrypted bodies in the 40 MB exchange of ``fedswarm bench swarm --exchange-only`` on loopback.
 CHUNK_BYTES = 1 << 20
-
-
-#: Received bodies of at least this size come from :data:`BODY_POOL` (smaller ones are cheap to allocate).
-POOL_MIN_BYTES = 4 << 20
-
-
-class BodyPool:
-    """The last few large body buffers, handed out again once nothing refers to them.
-
-    A fresh 40 MB buffer costs its page faults and the kernel's zeroing (~3 ms of CPU, the
-    ``profile`` rows of ``fedswarm bench swarm``) on every model a peer receives; a model's
-    size never changes, so the previous one's buffer fits. A buffer is reused only when the
-    pool holds the sole reference to it (CPython counts every holder: a :class:`Message`, a
-    tensor or array made with ``frombuffer``, a memoryview), so a body a caller still uses
-    is never overwritten. ``max_bytes`` bounds what the pool keeps alive (oldest dropped first)."""
-
-    def __init__(self, max_bytes: int = 128 << 20):
-        self.max_bytes = max_bytes
-        self.reused = 0
-        self._bufs: list = []
-        self._lock = threading.Lock()
-
-    def take(self, n: int):
-        """A writable ``n``-byte buffer: a free pooled one, else a new one (then pooled)."""
-        if n < POOL_MIN_BYTES or n > self.max_bytes:
-            return alloc_body(n)
-        with self._lock:
-            free = [i for i in range(len(self._bufs)) if len(self._bufs[i]) == n and _refs(self._bufs, i) == _LIST_ONLY]
-            buf = self._bufs.pop(free[0]) if free else None
-            self.reused += buf is not None
-        buf = alloc_body(n) if buf is None else buf
-        with self._lock:
-            self._bufs.append(buf)  # most recent last; the oldest go first
-            while sum(len(b) for b in self._bufs) > self.max_bytes:
-                self._bufs.pop(0)
-        return buf
-
-
-def _refs(bufs: list, i: int) -> int:
-    return sys.getrefcount(bufs[i])
-
-
-#: What :func:`_refs` counts for an object only a list holds (whatever this interpreter adds for the call
-#: itself included, so the test is exact), the pool's test that no one else holds a buffer.
-_LIST_ONLY = _refs([bytearray(1)], 0)
-
-
-def alloc_body(n: int):
-    """A fresh writable ``n``-byte buffer. Large ones are anonymous maps advised to use
-    transparent huge pages: a fresh 40 MB bytearray costs ~10k page faults (~25 ms, as
-    long as the transfer itself), 2 MB pages a few dozen."""
-    if n < POOL_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return bytearray(n)
-    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        pass
-    return m
-
-
-#: Where received bodies come from (one per process, shared by its transports).
-BODY_POOL = BodyPool()
 
 
 def _dump(obj: dict) -> bytes:
@@ -409,7 +362,7 @@ def recv_message(conn: Conn, v: Verifier, *, expect_re: str | None = None, bound
         raise Dropped("timeout", "peer too slow") from None
 
 
-def _recv_encrypted(conn: Conn, v: Verifier, h: dict, body) -> None:
+def _recv_encrypted(conn: Conn, v: Verifier, h: dict, body, scan: FiniteScan | None) -> None:
     """Read and decrypt AES-GCM chunks into ``body``: every chunk is authenticated before
     the next is read, numbered (no reordering), and the last one is marked (no truncation)."""
     sender, blen = h["from"], h["blen"]
@@ -431,18 +384,30 @@ def _recv_encrypted(conn: Conn, v: Verifier, h: dict, body) -> None:
             raise Dropped("forged", f"body chunk {i} does not decrypt (from {sender[:8]})") from None
         got += n
         i += 1
+        if scan is not None:
+            scan.upto(got)
 
 
-def _recv_chunks(conn: Conn, v: Verifier, body, blen: int, mac: Poly1305 | None) -> None:
+def _check_chunk(c: int, got: int, blen: int, max_chunk: int) -> None:
+    """A body chunk's announced length ``c`` at offset ``got`` of ``blen``: refused when
+    empty, over ``max_chunk`` or past the body's end."""
+    if c == 0 or c > max_chunk or got + c > blen:
+        raise Dropped("oversized" if c else "malformed", f"body chunk of {c} bytes at offset {got}")
+
+
+def _recv_chunks(conn: Conn, v: Verifier, body, blen: int, mac: Poly1305 | None, scan: FiniteScan | None) -> None:
     view, got = memoryview(body), 0
+    if mac is None:
+        conn.recv_frames_into(view[:blen], v.max_chunk_bytes, scan)
+        return
     while got < blen:
         c = conn.read_len()
-        if c == 0 or c > v.max_chunk_bytes or got + c > blen:
-            raise Dropped("oversized" if c else "malformed", f"body chunk of {c} bytes at offset {got}")
+        _check_chunk(c, got, blen, v.max_chunk_bytes)
         conn.recv_exact_into(view[got : got + c])
-        if mac is not None:
-            mac.update(view[got : got + c])
+        mac.update(view[got : got + c])
         got += c
+        if scan is not None:
+            scan.upto(got)
 
 
 def _recv(conn: Conn, v: Verifier, expect_re: str | None, bound_peer: str | None) -> Message:
@@ -477,17 +442,18 @@ def _recv(conn: Conn, v: Verifier, expect_re: str | None, bound_peer: str | None
         raise Dropped("malformed", "body without a tag over a connection not bound to the sender's certificate "
                                    "or Noise session")
     body = BODY_POOL.take(blen)
+    scan = float_scan(h["meta"], body, blen)
     if blen and body_tag is not None:
-        _recv_chunks(conn, v, body, blen, None)  # the channel (bound to the sender, checked above) authenticates it
+        _recv_chunks(conn, v, body, blen, None, scan)  # the channel (bound to the sender, checked above) vouches
     elif blen and h.get("enc") == ENC_AES_GCM:
-        _recv_encrypted(conn, v, h, body)
+        _recv_encrypted(conn, v, h, body, scan)
     elif blen and h.get("enc") is not None:
         raise Dropped("malformed", f"unknown body encryption {h.get('enc')!r}")
     elif v.require_encryption and blen:
         raise Dropped("malformed", "body not encrypted (this peer requires encryption)")
     elif blen:
         mac = _body_mac(v.ident, sender, h["nonce"], sender, h["to"])
-        _recv_chunks(conn, v, body, blen, mac)
+        _recv_chunks(conn, v, body, blen, mac, scan)
         if conn.read_len() != TAG_BYTES:
             raise Dropped("malformed", "missing body tag")
         tag = bytes(conn.recv_exact(TAG_BYTES))
@@ -496,4 +462,5 @@ def _recv(conn: Conn, v: Verifier, expect_re: str | None, bound_peer: str | None
         except InvalidSignature:
             raise Dropped("forged", f"body does not match its tag (from {sender[:8]})") from None
     return Message(sender=sender, to=h["to"], ts=float(h["ts"]), nonce=h["nonce"], kind=h["kind"],
-                   meta=h["meta"], body=body, re=h["re"])
+                   meta=h["meta"], body=body, re=h["re"],
+                   finite=scan.finite if scan is not None and scan.done == blen else None)  # a whole scan, or none

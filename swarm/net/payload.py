@@ -41,15 +41,17 @@ def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
-def read_vector(meta: dict, body: bytearray, d: int) -> torch.Tensor:
+def read_vector(meta: dict, body: bytearray, d: int, *, finite: bool | None = None) -> torch.Tensor:
     """The ``[d]`` float32 vector in ``body``; Dropped("invalid_payload") unless the dtype
-    is float32, the length is ``d`` and every value is finite. Shares ``body``'s memory."""
+    is float32, the length is ``d`` and every value is finite. Shares ``body``'s memory.
+    ``finite``: the receive path's verdict on this very buffer (``Message.finite``, scanned
+    chunk by chunk as it arrived), which saves the pass over it; None scans it here."""
     if meta.get("dtype") != "float32":
         raise Dropped("invalid_payload", f"model dtype is {meta.get('dtype')!r}, expected float32")
     if meta.get("d") != d or len(body) != 4 * d:
         raise Dropped("invalid_payload", f"model has {len(body) // 4} values, expected {d}")
     x = torch.frombuffer(body, dtype=torch.float32) if len(body) else torch.zeros(0)
-    if not _finite(x):
+    if not (_finite(x) if finite is None else finite):
         raise Dropped("invalid_payload", "model has non-finite values")
     return x
 
