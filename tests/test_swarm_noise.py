@@ -7,12 +7,10 @@ The decryptor below re-derives the key schedule of ``docs/swarm-protocol.md`` on
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import os
 import socket
-import struct
 import threading
 
 import pytest
@@ -25,17 +23,7 @@ from fedswarm.swarm.net.identity import Identity
 from fedswarm.swarm.net.transport import Transport
 
 from tests.helpers import wait_until
-
-A, B, EVE = Identity.generate(), Identity.generate(), Identity.generate()
-ALLOWED = {A.peer_id, B.peer_id}
-
-
-def _transport(ident: Identity, handler=None, **kw) -> Transport:
-    def echo(msg, s):
-        s.send("ack", {"n": len(msg.body)}, bytes(msg.body)[::-1], re=msg.nonce)
-
-    return Transport(ident, Verifier(ident, ALLOWED), handler or echo, encrypt=True, io_timeout_s=10, **kw)
-
+from tests.noise_helpers import EVE, A, B, Wire, handshake, records, transport
 
 class _Proxy:
     """A recording TCP proxy on loopback for one connection: what each side sent."""
@@ -85,16 +73,6 @@ def _n(i: int) -> bytes:
     return bytes(4) + i.to_bytes(8, "big")
 
 
-def _records(data: bytes) -> list[tuple[bytes, bytes]]:
-    out, pos = [], 0
-    while pos < len(data):
-        head = data[pos : pos + 4]
-        c = struct.unpack(">I", head)[0]
-        out.append((head, data[pos + 4 : pos + 4 + c]))
-        pos += 4 + c
-    return out
-
-
 def _decrypt(c2s: bytes, s2c: bytes, ee: bytes, es: bytes, se: bytes) -> tuple[bytes, bytes]:
     """Both directions' plaintext of a recorded session, given its three DH results (raises
     InvalidTag for wrong ones)."""
@@ -114,7 +92,7 @@ def _decrypt(c2s: bytes, s2c: bytes, ee: bytes, es: bytes, se: bytes) -> tuple[b
     plain = []
     for key, data in ((k1, c2s[132:]), (k2, s2c[128:])):
         aes = AESGCM(key)
-        plain.append(b"".join(aes.decrypt(_n(i), ct, head) for i, (head, ct) in enumerate(_records(data))))
+        plain.append(b"".join(aes.decrypt(_n(i), ct, head) for i, (head, ct) in enumerate(records(data))))
     return plain[0], plain[1]
 
 
@@ -129,7 +107,7 @@ def test_recorded_session_stays_secret_from_both_static_keys(monkeypatch):
             return ephemeral[-1]
 
     monkeypatch.setattr(noise, "X25519PrivateKey", Recording)
-    server, client = _transport(A).start(), _transport(B)
+    server, client = transport(A).start(), transport(B)
     proxy = _Proxy(server.address)
     body = os.urandom(50_000)
     try:
@@ -161,9 +139,9 @@ def test_recorded_session_stays_secret_from_both_static_keys(monkeypatch):
 
 # -- a man in the middle without an allowed identity -------------------------------------------
 def test_unlisted_identity_refused_both_ways_and_a_spoofed_one_too():
-    a, eve = _transport(A).start(), Transport(EVE, Verifier(EVE, None), lambda m, s: s.send("ack", re=m.nonce),
+    a, eve = transport(A).start(), Transport(EVE, Verifier(EVE, None), lambda m, s: s.send("ack", re=m.nonce),
                                              encrypt=True, io_timeout_s=10).start()
-    b = _transport(B)
+    b = transport(B)
     try:
         # eve answers where b expects a: refused before b reveals its identity
         with pytest.raises(Dropped) as exc:
@@ -202,31 +180,12 @@ def test_unlisted_identity_refused_both_ways_and_a_spoofed_one_too():
 
 
 # -- rekeying --------------------------------------------------------------------------------
-class _Wire:
-    """A socket stand-in: what is sent is kept; reads replay ``data``."""
-
-    def __init__(self, data: bytes = b""):
-        self.data, self.pos = bytearray(data), 0
-
-    def sendall(self, b) -> None:
-        self.data += bytes(b)
-
-    def recv_into(self, view, n) -> int:
-        n = min(n, len(self.data) - self.pos)
-        view[:n] = self.data[self.pos : self.pos + n]
-        self.pos += n
-        return n
-
-    def settimeout(self, t) -> None:
-        pass
-
-
 K1, K2 = os.urandom(32), os.urandom(32)
 
 
 def _pair(wire_in: bytes = b"", **kw) -> tuple[noise.NoiseConn, noise.NoiseConn]:
-    tx = noise.NoiseConn(_Wire(), K1, K2, A.peer_id, b"", max_record_bytes=1 << 20, **kw)
-    rx = noise.NoiseConn(_Wire(wire_in), K2, K1, B.peer_id, b"", max_record_bytes=1 << 20, **kw)
+    tx = noise.NoiseConn(Wire(), K1, K2, A.peer_id, b"", max_record_bytes=1 << 20, **kw)
+    rx = noise.NoiseConn(Wire(wire_in), K2, K1, B.peer_id, b"", max_record_bytes=1 << 20, **kw)
     return tx, rx
 
 
@@ -261,8 +220,8 @@ def test_rekeying_session_between_transports():
         got.append(bytes(msg2.body))
         s.send("ack", {"rekeys": s.conn.rekeys}, re=msg2.nonce)
 
-    server = _transport(A, handle, rekey_bytes=100_000, chunk_bytes=16_384).start()
-    client = _transport(B, rekey_bytes=100_000, chunk_bytes=16_384)
+    server = transport(A, handle, rekey_bytes=100_000, chunk_bytes=16_384).start()
+    client = transport(B, rekey_bytes=100_000, chunk_bytes=16_384)
     try:
         s = client.open_session(server.address, A.peer_id, "avg")
         bodies = [os.urandom(500_000), os.urandom(300_000)]
@@ -288,7 +247,7 @@ def test_body_records_altered_replayed_reordered_or_truncated_are_refused():
     body = os.urandom(40_000)
     tx, _ = _pair()
     send_message(tx, A, "model", to=B.peer_id, body=body, chunk_bytes=10_000, tls_bound=True)
-    recs = [h + c for h, c in _records(bytes(tx.sock.data))]
+    recs = [h + c for h, c in records(bytes(tx.sock.data))]
     assert len(recs) == 1 + 2 * 4  # the header frame, then each chunk's length and chunk
     _, rx = _pair(b"".join(recs))
     assert bytes(recv_message(rx, Verifier(B, None), bound_peer=A.peer_id).body) == body
@@ -311,19 +270,6 @@ def test_body_records_altered_replayed_reordered_or_truncated_are_refused():
         assert exc.value.reason == ("malformed" if bound is None else "identity_mismatch")
 
 
-class _Tamper:
-    """Wraps a socket; ``sendall`` passes its data through ``mutate`` first."""
-
-    def __init__(self, sock, mutate):
-        self.sock, self.mutate = sock, mutate
-
-    def sendall(self, data) -> None:
-        self.sock.sendall(self.mutate(bytes(data)))
-
-    def __getattr__(self, name):
-        return getattr(self.sock, name)
-
-
 def _flip(i: int):
     def f(data: bytes) -> bytes:
         out = bytearray(data)
@@ -332,49 +278,20 @@ def _flip(i: int):
     return f
 
 
-def _handshake(mutate_i=None, mutate_r=None) -> tuple[BaseException | None, BaseException | None]:
-    """Both sides of one handshake over a socket pair; what each raised (None: succeeded)."""
-    si, sr = socket.socketpair()
-    for s in (si, sr):
-        s.settimeout(5)
-    out: list = [None, None]
-
-    def responder():
-        try:
-            assert noise.read_exact(sr, 4, "magic") == noise.MAGIC
-            noise.respond(_Tamper(sr, mutate_r or (lambda d: d)), A, Verifier(A, ALLOWED))
-        except Exception as exc:  # noqa: BLE001 -- reported to the test
-            out[1] = exc
-            sr.close()
-
-    t = threading.Thread(target=responder)
-    t.start()
-    try:
-        noise.initiate(_Tamper(si, mutate_i or (lambda d: d)), B, Verifier(B, ALLOWED), A.peer_id)
-    except Exception as exc:  # noqa: BLE001
-        out[0] = exc
-    with contextlib.suppress(OSError):  # the responder reads to the end of what was sent, then ends
-        si.shutdown(socket.SHUT_WR)
-    t.join(10)
-    si.close()
-    sr.close()
-    return out[0], out[1]
-
-
 def test_handshake_frames_altered_truncated_or_replayed_are_refused():
-    assert _handshake() == (None, None)
+    assert handshake() == (None, None)
     reasons = lambda r: tuple(getattr(x, "reason", None) for x in r)  # noqa: E731
-    assert reasons(_handshake(mutate_r=_flip(40)))[0] == "forged"  # the responder's encrypted static key
-    assert reasons(_handshake(mutate_r=_flip(100)))[0] == "forged"  # its identity payload
-    assert reasons(_handshake(mutate_r=_flip(5)))[0] == "forged"  # its ephemeral key (the transcript)
-    assert reasons(_handshake(mutate_i=lambda d: d if d[:4] == noise.MAGIC else _flip(60)(d)))[1] == "forged"
-    assert reasons(_handshake(mutate_i=lambda d: d if d[:4] == noise.MAGIC else d[:50]))[1] == "closed"
+    assert reasons(handshake(mutate_r=_flip(40)))[0] == "forged"  # the responder's encrypted static key
+    assert reasons(handshake(mutate_r=_flip(100)))[0] == "forged"  # its identity payload
+    assert reasons(handshake(mutate_r=_flip(5)))[0] == "forged"  # its ephemeral key (the transcript)
+    assert reasons(handshake(mutate_i=lambda d: d if d[:4] == noise.MAGIC else _flip(60)(d)))[1] == "forged"
+    assert reasons(handshake(mutate_i=lambda d: d if d[:4] == noise.MAGIC else d[:50]))[1] == "closed"
     low_order = noise.MAGIC + bytes(32)  # an ephemeral key of small order: no shared secret
-    assert reasons(_handshake(mutate_i=lambda d: low_order if d[:4] == noise.MAGIC else d))[1] == "forged"
+    assert reasons(handshake(mutate_i=lambda d: low_order if d[:4] == noise.MAGIC else d))[1] == "forged"
 
 
 def test_replayed_connection_refused_by_a_live_peer():
-    server, client = _transport(A).start(), _transport(B)
+    server, client = transport(A).start(), transport(B)
     proxy = _Proxy(server.address)
     try:
         client.request(proxy.address, A.peer_id, "model", {}, os.urandom(1000), timeout=10)
@@ -396,133 +313,3 @@ def test_replayed_connection_refused_by_a_live_peer():
 
 
 # -- interoperability with another Noise implementation ------------------------------------------
-def _raw_private(ident: Identity) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
-    return ident.x25519_private().private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
-                                                serialization.NoEncryption())
-
-
-def _reference(ident: Identity, initiator: bool):
-    conn = pytest.importorskip("noise.connection")  # noiseprotocol, a dev dependency
-    n = conn.NoiseConnection.from_name(b"Noise_XX_25519_AESGCM_SHA256")
-    n.set_as_initiator() if initiator else n.set_as_responder()
-    n.set_prologue(b"fedswarm-swarm-noise-v1")
-    n.set_keypair_from_private_bytes(conn.Keypair.STATIC, _raw_private(ident))
-    n.start_handshake()
-    return n
-
-
-def test_handshake_and_records_interoperate_with_the_noiseprotocol_package():
-    # our initiator, their responder; our records (rekeyed every 2) decrypted by their cipher state
-    ref = _reference(A, initiator=False)
-    x, y = socket.socketpair()
-    seen = {}
-
-    def responder():
-        m1 = noise.read_exact(x, 36, "message 1")
-        assert m1[:4] == noise.MAGIC
-        ref.read_message(m1[4:])
-        x.sendall(ref.write_message(A.public_bytes))
-        seen["payload"] = ref.read_message(noise.read_exact(x, 96, "message 3"))
-
-    t = threading.Thread(target=responder)
-    t.start()
-    ours = noise.initiate(y, B, Verifier(B, ALLOWED), A.peer_id, rekey_records=2)
-    t.join(10)
-    assert seen["payload"] == B.public_bytes and ref.handshake_finished
-    assert ref.get_handshake_hash() == ours.handshake_hash
-    ours.sock = _Wire()
-    msgs = [os.urandom(100 + i) for i in range(5)]
-    for m in msgs:
-        ours.sendall(m)
-    theirs = ref.noise_protocol.cipher_state_decrypt
-    for i, (head, ct) in enumerate(_records(bytes(ours.sock.data))):
-        assert theirs.decrypt_with_ad(head, ct) == msgs[i]
-        if i % 2 == 1:
-            theirs.rekey()
-    # their initiator, our responder; their record read by ours
-    ref = _reference(B, initiator=True)
-    x, y = socket.socketpair()
-    got = {}
-
-    def our_responder():
-        assert noise.read_exact(x, 4, "magic") == noise.MAGIC
-        got["conn"] = noise.respond(x, A, Verifier(A, ALLOWED))
-
-    t = threading.Thread(target=our_responder)
-    t.start()
-    y.sendall(noise.MAGIC + ref.write_message())
-    assert ref.read_message(noise.read_exact(y, 128, "message 2")) == A.public_bytes
-    y.sendall(ref.write_message(B.public_bytes))
-    t.join(10)
-    assert got["conn"].peer == B.peer_id and got["conn"].handshake_hash == ref.get_handshake_hash()
-    head = struct.pack(">I", 16 + 11)
-    y.sendall(head + ref.noise_protocol.cipher_state_encrypt.encrypt_with_ad(head, b"hello, swarm"[:11]))
-    assert bytes(got["conn"].recv_exact(11)) == b"hello, swarm"[:11]
-    for s in (x, y):
-        s.close()
-
-
-def test_a_responder_accepts_the_handshake_and_the_legacy_static_key_mode():
-    server = _transport(A).start()
-    noise_client, legacy = _transport(B), _transport(B, static_keys=True)
-    try:
-        for client, handshakes in ((noise_client, 1), (legacy, 1)):  # the legacy request adds none
-            body = os.urandom(20_000)
-            assert bytes(client.request(server.address, A.peer_id, "model", {}, body, timeout=10).body) == body[::-1]
-            assert server.stats.handshakes == handshakes
-        assert noise_client.stats.handshakes == 1 and legacy.stats.handshakes == 0
-        assert server.verifier.drop_counts() == {}
-    finally:
-        for t in (server, noise_client, legacy):
-            t.stop()
-
-
-def test_legacy_static_keys_needs_encryption():
-    from fedswarm.swarm.peer import PeerConfig
-
-    PeerConfig(insecure_allow_any=True, legacy_static_keys=True).check()
-    with pytest.raises(ValueError, match="cannot go with --no-encrypt"):
-        PeerConfig(insecure_allow_any=True, encrypt=False, legacy_static_keys=True).check()
-
-
-# -- the Ed25519 -> X25519 map (libsodium through PyNaCl) ------------------------------------------
-def _fixed(seed: bytes) -> Identity:
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-
-    key = Ed25519PrivateKey.from_private_bytes(seed)
-    return Identity(key, key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
-
-
-def test_x25519_keys_match_the_known_answers():
-    """Vectors written down from the former field-arithmetic conversion (u = (1 + y)/(1 − y)
-    mod 2^255 − 19, scalar = SHA-512(seed)[:32]) before it was replaced: PyNaCl gives the same."""
-    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-
-    from fedswarm.swarm.net.identity import x25519_public
-
-    def raw(pub: X25519PublicKey) -> str:
-        return pub.public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
-
-    a, b = _fixed(bytes(range(32))), _fixed(bytes(range(100, 132)))
-    assert a.peer_id == "03a107bff3ce10be1d70dd18e74bc09967e4d6309ba50d5f1ddc8664125531b8"
-    assert raw(x25519_public(a.peer_id)) == "4701d08488451f545a409fb58ae3e58581ca40ac3f7f114698cd71deac73ca01"
-    assert raw(x25519_public(b.peer_id)) == "5bccd484527714f28eb6b6fa9e43feabae73eab192aef1e7d59d2111343d7b70"
-    assert raw(a.x25519_private().public_key()) == raw(x25519_public(a.peer_id))
-    secret = "b56138ad241960171c76273df6634f09ce469acc28bc81439b5c8c231819ff5a"
-    assert a.shared_secret(b.peer_id).hex() == secret and b.shared_secret(a.peer_id).hex() == secret
-
-
-@pytest.mark.parametrize("peer_id,match", [
-    ("01" + "00" * 31, "not a usable curve point"),         # y = 1: the neutral point, u would divide by 0
-    ("ed" + "ff" * 30 + "7f", "not a usable curve point"),  # y = p: not a field element
-    ("00" * 31, "not a usable curve point"),                # 31 bytes
-    ("zz" * 32, "not a peer id"),
-])
-def test_unusable_public_keys_are_refused(peer_id, match):
-    from fedswarm.swarm.net.identity import x25519_public
-
-    with pytest.raises(ValueError, match=match):
-        x25519_public(peer_id)
