@@ -16,27 +16,12 @@ from fedswarm.swarm.net.envelope import Dropped, Verifier, recv_message, send_me
 from fedswarm.swarm.net.identity import Identity
 from fedswarm.swarm.net.payload import read_vector, vector_body
 
+from tests.noise_helpers import Wire
 from tests.swarm_helpers import Recorder, Replay
 
 A, B = Identity.generate(), Identity.generate()
 D = 20_000
 BAD = (float("nan"), float("inf"), float("-inf"))
-
-
-class _Wire:
-    """A socket stand-in: writes are kept, reads replay them."""
-
-    def __init__(self, data: bytes = b""):
-        self.data, self.pos = bytearray(data), 0
-
-    def sendall(self, b) -> None:
-        self.data += bytes(b)
-
-    def recv_into(self, view, n) -> int:
-        n = min(n, len(self.data) - self.pos)
-        view[:n] = self.data[self.pos : self.pos + n]
-        self.pos += n
-        return n
 
 
 def _send_and_receive(path: str, x: torch.Tensor, chunk: int, meta: dict | None = None):
@@ -46,9 +31,9 @@ def _send_and_receive(path: str, x: torch.Tensor, chunk: int, meta: dict | None 
     v = Verifier(B, None, window_s=1e12)
     if path == "noise":
         k1, k2 = os.urandom(32), os.urandom(32)
-        tx = noise.NoiseConn(_Wire(), k1, k2, B.peer_id, b"", max_record_bytes=1 << 20)
+        tx = noise.NoiseConn(Wire(), k1, k2, B.peer_id, b"", max_record_bytes=1 << 20)
         send_message(tx, A, "model", to=B.peer_id, meta=meta, body=body, chunk_bytes=chunk, tls_bound=True)
-        rx = noise.NoiseConn(_Wire(tx.sock.data), k2, k1, A.peer_id, b"", max_record_bytes=1 << 20)
+        rx = noise.NoiseConn(Wire(tx.sock.data), k2, k1, A.peer_id, b"", max_record_bytes=1 << 20)
         return recv_message(rx, v, bound_peer=A.peer_id)
     rec = Recorder()
     send_message(rec, A, "model", to=B.peer_id, meta=meta, body=body, chunk_bytes=chunk,
