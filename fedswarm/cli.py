@@ -343,8 +343,9 @@ def runs(
 ) -> None:
     """List the runs in the store: status, strategy, progress, accuracy, bytes.
 
-    A run the store calls live whose process is gone (killed, crashed) shows as lost; `fedswarm
-    resume RUN_ID` continues it from its last checkpoint.
+    A run the store calls live whose process is gone (killed, crashed) shows as lost; so does one
+    whose process runs on another host sharing the store once its heartbeat (every 30 s) is over
+    2 minutes old. `fedswarm resume RUN_ID` continues it from its last checkpoint.
 
     `fedswarm runs export RUN_ID` writes one run's rounds (or per-node rounds) as CSV or JSON Lines."""
     if ctx.invoked_subcommand is not None:

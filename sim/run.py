@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
-from fedswarm.store_liveness import owner_fields
+from fedswarm.store_liveness import Heartbeat, owner_fields
 from fedswarm.sim.engines import engine_for, run_engine
 from fedswarm.sim.report import plot_run, summary_table
 
@@ -46,7 +46,7 @@ def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, ou
         TimeElapsedColumn(), console=console, transient=False,
     )
     status = "failed"
-    with progress:
+    with Heartbeat(store, run_id), progress:  # a host sharing the store sees this process is alive
         bar = progress.add_task("rounds", total=cfg.rounds, completed=getattr(resume, "round", 0), acc="-",
                                 up="0 B", eps="")
         on_clients = None
