@@ -2,6 +2,7 @@
 run records its process (pid, host, start) when it starts, and the one rule
 (:func:`fedswarm.store_liveness.lost_reason`) checks it."""
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -106,23 +107,19 @@ def _runs_json(db: Path, env: dict) -> list[dict]:
     return json.loads(out.stdout)
 
 
-def test_fedswarm_runs_shows_a_sigkilled_run_as_lost(tmp_path, hold_dir):
-    """`fedswarm sim` holds in its first training step (the test task tells the test so); `fedswarm
-    runs` lists it running; after SIGKILL the store still says running (nothing could record the
-    death), and `fedswarm runs` lists it lost, naming the process."""
-    db = tmp_path / "run.db"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **{HOLD_ENV: f"0:{hold_dir}"})
+@contextlib.contextmanager
+def _held_sim(db: Path, env: dict, hold_dir: Path):
+    """`fedswarm sim` on ``db`` started and held in its first training step (the test task
+    tells the test so), then SIGKILLed when the block ends; killed whatever happens."""
     victim = subprocess.Popen([sys.executable, "-m", "fedswarm", "sim", "--task", "tests.resume_helpers:make_task",
                                "--clients", "2", "--rounds", "2", "--local-steps", "1", "--db", str(db)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
+                              cwd=ROOT, env=dict(env, **{HOLD_ENV: f"0:{hold_dir}"}), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         held = wait_until(lambda: list(hold_dir.glob("held-*")) or victim.poll() is not None, 300,
                           what="the run holding in its first training step")
         assert held is not True and victim.poll() is None, victim.communicate()[0][-3000:]
-        env.pop(HOLD_ENV)
-        (row,) = _runs_json(db, env)
-        assert (row["status"], row["lost_reason"]) == ("running", None)
+        yield victim
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(timeout=60)
     finally:
@@ -130,6 +127,17 @@ def test_fedswarm_runs_shows_a_sigkilled_run_as_lost(tmp_path, hold_dir):
             os.killpg(victim.pid, signal.SIGKILL)
             victim.wait()
         victim.stdout.close()
+
+
+def test_fedswarm_runs_shows_a_sigkilled_run_as_lost(tmp_path, hold_dir):
+    """`fedswarm sim` holds in its first training step; `fedswarm runs` lists it running; after
+    SIGKILL the store still says running (nothing could record the death), and `fedswarm runs`
+    lists it lost, naming the process."""
+    db = tmp_path / "run.db"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    with _held_sim(db, env, hold_dir) as victim:
+        (row,) = _runs_json(db, env)
+        assert (row["status"], row["lost_reason"]) == ("running", None)
     store = Store(db)
     assert store.get_run(row["run_id"]).status == "running"
     store.close()
@@ -145,32 +153,18 @@ def test_a_sigkilled_run_on_another_host_is_lost_once_its_heartbeat_stops(tmp_pa
     nothing here. While `fedswarm sim` holds in training its heartbeat keeps it running; after
     SIGKILL the heartbeat stops and `fedswarm runs` lists it lost, naming the host."""
     db = tmp_path / "run.db"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", FEDSWARM_HEARTBEAT_S="0.2",
-               **{HOLD_ENV: f"0:{hold_dir}"})
-    victim = subprocess.Popen([sys.executable, "-m", "fedswarm", "sim", "--task", "tests.resume_helpers:make_task",
-                               "--clients", "2", "--rounds", "2", "--local-steps", "1", "--db", str(db)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", FEDSWARM_HEARTBEAT_S="0.2")
     store = Store(db)
     try:
-        held = wait_until(lambda: list(hold_dir.glob("held-*")) or victim.poll() is not None, 300,
-                          what="the run holding in its first training step")
-        assert held is not True and victim.poll() is None, victim.communicate()[0][-3000:]
-        env.pop(HOLD_ENV)
-        (rid,) = [r["run_id"] for r in _runs_json(db, env)]
-        store.update_run(rid, host="another-machine", lost_after_s=3.0)
-        seen = store.get_run(rid).last_report_at or dt.datetime.min
-        wait_until(lambda: (store.get_run(rid).last_report_at or dt.datetime.min) > seen, 60,
-                   what="a heartbeat while held in training")
-        (row,) = _runs_json(db, env)
-        assert (row["status"], row["lost_reason"]) == ("running", None)
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.wait(timeout=60)
+        with _held_sim(db, env, hold_dir) as victim:
+            (rid,) = [r["run_id"] for r in _runs_json(db, env)]
+            store.update_run(rid, host="another-machine", lost_after_s=3.0)
+            seen = store.get_run(rid).last_report_at or dt.datetime.min
+            wait_until(lambda: (store.get_run(rid).last_report_at or dt.datetime.min) > seen, 60,
+                       what="a heartbeat while held in training")
+            (row,) = _runs_json(db, env)
+            assert (row["status"], row["lost_reason"]) == ("running", None)
     finally:
-        if victim.poll() is None:
-            os.killpg(victim.pid, signal.SIGKILL)
-            victim.wait()
-        victim.stdout.close()
         store.close()
     row = wait_until(lambda: (r := _runs_json(db, env)[0])["status"] == "lost" and r, 120,
                      what="the run shown lost once its heartbeat is older than 3 s")
