@@ -22,7 +22,9 @@
    reuses its one buffer. Median of the reps; the load average is recorded beside
    the figures, and so is each side's CPU time per exchange (``send_cpu_ms``,
    ``recv_cpu_ms``: thread CPU time, much less sensitive than wall time to a loaded
-   machine; a transfer cannot be faster than its busier side's CPU time).
+   machine; a transfer cannot be faster than its busier side's CPU time). Each exchange row has
+   its p90 too; when the raw exchange's p90 is over 1.5x its median the run warns that its
+   ratios are noise (on a shared VM some processes run everything ~2x slower).
 2. **Gossip round, 16 peers, digits-mlp** (D-PSGD on a ring, one local step per round):
    the swarm's round period = median over rounds of the time between the last peer
    finishing round r−1 and the last peer finishing round r. Quick: 16 peers as threads of
@@ -201,6 +203,11 @@ def run(out_dir: Path, quick: bool = False, exchange_only: bool = False, profile
         rows.append(round_row_flower(rounds=4))
     (out_dir / "swarm.json").write_text(json.dumps(rows, indent=2, default=str))
     _table(rows)
+    for r in rows:
+        if r["benchmark"] == "exchange" and r["path"] == "raw" and _p90(r["seconds_all"]) > 1.5 * r["seconds"]:
+            print(f"warning: this machine's timings are unsteady (the raw exchange's p90 "
+                  f"{_p90(r['seconds_all']):.3f} s is over 1.5x its median {r['seconds']:.3f} s): the ratios of this "
+                  "run are noise; run it again on a quieter machine", file=sys.stderr)
     _plot(rows, out_dir / "swarm.png")
     return rows
 
