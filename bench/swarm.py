@@ -24,7 +24,8 @@
    ``recv_cpu_ms``: thread CPU time, much less sensitive than wall time to a loaded
    machine; a transfer cannot be faster than its busier side's CPU time). Each exchange row has
    its p90 too; when the raw exchange's p90 is over 1.5x its median the run warns that its
-   ratios are noise (on a shared VM some processes run everything ~2x slower).
+   ratios are noise (on a shared 2-core VM the raw exchange took 8 ms in some reps and 25 ms in
+   others of one run; a run that is slow throughout is not caught: compare its raw row).
 2. **Gossip round, 16 peers, digits-mlp** (D-PSGD on a ring, one local step per round):
    the swarm's round period = median over rounds of the time between the last peer
    finishing round r−1 and the last peer finishing round r. Quick: 16 peers as threads of
