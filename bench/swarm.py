@@ -204,11 +204,9 @@ def run(out_dir: Path, quick: bool = False, exchange_only: bool = False, profile
         rows.append(round_row_flower(rounds=4))
     (out_dir / "swarm.json").write_text(json.dumps(rows, indent=2, default=str))
     _table(rows)
-    for r in rows:
-        if r["benchmark"] == "exchange" and r["path"] == "raw" and _p90(r["seconds_all"]) > 1.5 * r["seconds"]:
-            print(f"warning: this machine's timings are unsteady (the raw exchange's p90 "
-                  f"{_p90(r['seconds_all']):.3f} s is over 1.5x its median {r['seconds']:.3f} s): the ratios of this "
-                  "run are noise; run it again on a quieter machine", file=sys.stderr)
+    warning = unsteady(rows)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     _plot(rows, out_dir / "swarm.png")
     return rows
 
@@ -216,6 +214,16 @@ def run(out_dir: Path, quick: bool = False, exchange_only: bool = False, profile
 def _p90(xs: list[float]) -> float:
     """The 90th percentile of ``xs`` (nearest rank): how far the slow reps stray from the median."""
     return sorted(xs)[max(0, math.ceil(0.9 * len(xs)) - 1)] if xs else float("nan")
+
+
+def unsteady(rows: list[dict]) -> str | None:
+    """Why this run's exchange ratios are noise (the raw exchange's p90 over 1.5x its median), or None."""
+    for r in rows:
+        if r["benchmark"] == "exchange" and r["path"] == "raw" and _p90(r["seconds_all"]) > 1.5 * r["seconds"]:
+            return (f"this machine's timings are unsteady (the raw exchange's p90 {_p90(r['seconds_all']):.3f} s is "
+                    f"over 1.5x its median {r['seconds']:.3f} s): the ratios of this run are noise; run it again on "
+                    "a quieter machine")
+    return None
 
 
 def _table(rows: list[dict]) -> None:

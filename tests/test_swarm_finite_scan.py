@@ -88,20 +88,3 @@ def test_the_scan_covers_every_value_once_whatever_the_cut_points():
             scan.upto(c)
         assert scan.done == len(raw)
         assert scan.finite is bool(torch.isfinite(x).all()), (trial, cuts)
-
-
-def test_the_exchange_bench_runs_every_path_and_reports_the_handshake_apart():
-    """``fedswarm bench swarm --exchange-only`` in miniature (a 1 MB model, one rep): every
-    path moves the model through a real peer process, and only the Noise path has a
-    handshake to set apart (so its ratio less the handshake is the larger)."""
-    from fedswarm.bench.swarm_exchange import EXCHANGE_PATHS, exchange_rows
-
-    rows = {r["path"]: r for r in exchange_rows(reps=1, d=250_000)}
-    assert set(rows) == set(EXCHANGE_PATHS)
-    for path, r in rows.items():
-        assert r["payload_bytes"] == 1_000_000 and r["wire_bytes"] >= 1_000_000, path
-        assert r["seconds"] > 0 and r["ratio_vs_raw"] > 0, path
-    assert rows["raw"]["ratio_vs_raw"] == 1.0
-    hs = [p for p, r in rows.items() if r["handshake_ms"] is not None]
-    assert hs == ["encrypted"] and rows["encrypted"]["ratio_vs_raw_handshake_apart"] > rows["encrypted"]["ratio_vs_raw"]
-    assert all(r["ratio_vs_raw_handshake_apart"] is None for p, r in rows.items() if p != "encrypted")
