@@ -100,11 +100,13 @@ _HEADER_TEXTS = st.one_of(st.binary(max_size=64), st.integers(1, 6000).map(lambd
 def _message(draw) -> list[bytes]:
     signer = draw(st.sampled_from([SENDER, SENDER, SENDER, STRANGER]))
     to = draw(st.sampled_from([RECEIVER.peer_id] * 4 + ["", STRANGER.peer_id]))
+    meta = draw(st.sampled_from([{}, {"round": 3}, {"dtype": "float32", "d": 4}]))
     body = draw(st.binary(max_size=300)) if to else b""
+    if body and meta.get("dtype") == "float32" and draw(st.booleans()):  # whole values, NaN and inf among them
+        body = np.array(draw(st.lists(st.floats(width=32), min_size=1, max_size=75)), dtype="<f4").tobytes()
     mode = draw(st.sampled_from(["clear", "enc", "tls"]))
     nonce = draw(st.binary(min_size=16, max_size=16)).hex()
     kind = draw(st.sampled_from(["model", "join", "probe", "push"]))
-    meta = draw(st.sampled_from([{}, {"round": 3}, {"dtype": "float32", "d": 4}]))
     re = draw(st.sampled_from([None, None, "ab" * 16]))
     cap = _Capture()
     send_message(Conn(cap), signer, kind, to=to, meta=meta, body=body, re=re, ts=TS, nonce=nonce,
@@ -152,6 +154,10 @@ def run_envelope(data: bytes) -> str:
         assert bound is None or msg.sender == bound
         assert msg.to in (RECEIVER.peer_id, ""), "a misdirected message was accepted"
         assert len(msg.body) <= LIMITS["max_body_bytes"] and isinstance(msg.meta, dict)
+        if msg.finite is not None:  # the scan on arrival agrees with a look at the whole body's values
+            assert msg.meta.get("dtype") == "float32" and len(msg.body) % 4 == 0, "a body scanned that is no float32"
+            values = np.frombuffer(bytes(msg.body), dtype="<f4")
+            assert msg.finite == bool(np.isfinite(values).all()), "the scan on arrival missed or invented a bad value"
         first = first or "accepted"
     limit = max(LIMITS["max_header_bytes"], LIMITS["max_body_bytes"], LIMITS["max_chunk_bytes"] + TAG_BYTES)
     assert sock.largest <= limit, f"a read of {sock.largest} bytes, past every limit ({limit})"
