@@ -26,7 +26,7 @@ from logging import INFO, WARNING
 from typing import Any
 
 import torch
-from flwr.app import Message, MetricRecord, RecordDict
+from flwr.app import Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
@@ -37,7 +37,7 @@ from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
 __all__ = ["load_vector", "save_vector", "load_error_feedback", "save_error_feedback", "layout_of_arrays",
            "layout_json", "layout_from_json", "RoundNotes", "ReportsRounds", "notes_for", "clean_reason",
-           "check_model_reply", "sample_train_nodes", "wait_for_nodes"]
+           "check_model_reply", "sample_train_nodes", "wait_for_nodes", "SamplesAfterWait"]
 
 MAX_REASON = 500
 NODE_WAIT_S = 600.0  # how long a strategy waits for the nodes it needs, by default
@@ -69,6 +69,24 @@ def sample_train_nodes(grid: Any, fraction: float, min_train_nodes: int,
     _, available = sample_nodes(grid, min_available_nodes, 0)
     num = max(int(len(available) * fraction), min_train_nodes)
     return sample_nodes(grid, min_available_nodes, num)
+
+
+class SamplesAfterWait:
+    """For strategies built on Flower's FedAvg: each round trains on ``fraction_train`` of the
+    nodes connected *after* waiting for ``min_available_nodes`` (:func:`sample_train_nodes`).
+    Flower's ``configure_train`` counts the fraction on the nodes connected before it waits, so
+    a round that starts while a node registers or rejoins samples too few and can leave the
+    newcomer out (a restarted SuperNode missed its round this way). Otherwise as Flower's."""
+
+    def configure_train(self, server_round: int, arrays: Any, config: Any, grid: Any) -> list[Message]:
+        if self.fraction_train == 0.0:
+            return []
+        node_ids, available = sample_train_nodes(grid, self.fraction_train, self.min_train_nodes,
+                                                 self.min_available_nodes)
+        log(INFO, "configure_train: sampled %s nodes (out of %s)", len(node_ids), len(available))
+        config["server-round"] = server_round
+        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+        return list(self._construct_messages(record, node_ids, MessageType.TRAIN))
 
 
 def clean_reason(reason: object) -> str:

@@ -7,6 +7,7 @@ than asked (CI once saw Flower's simulation engine sample 1 of 3 nodes in round 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fedswarm.strategies.strategy_utils import sample_train_nodes, wait_for_nodes
 
@@ -39,3 +40,22 @@ def test_wait_for_nodes_returns_once_enough_have_registered():
 def test_wait_for_nodes_names_how_many_came_when_time_runs_out():
     with pytest.raises(RuntimeError, match="only 1 of 3 nodes connected within 0 s"):
         wait_for_nodes(RegisteringGrid([5]), 3, timeout_s=0)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "dp"])
+def test_fedavg_strategies_sample_after_the_wait_a_rejoining_node_included(name):
+    """Flower's FedAvg counts the fraction before it waits: with 1 of 2 nodes connected at the
+    round's start it samples 1 and may leave out the node that (re)joins during the wait."""
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    from fedswarm.strategies.federated.dp import DPFedAvg, client_dp
+    from fedswarm.strategies.federated.fedavg import CheckedFedAvg
+    from fedswarm.config import RunConfig
+
+    kwargs = dict(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=1, min_evaluate_nodes=0,
+                  min_available_nodes=2)
+    strategy = CheckedFedAvg(**kwargs) if name == "fedavg" else DPFedAvg(
+        client_dp(RunConfig(dp="noise_multiplier=1.0", clients=2, rounds=100)), **kwargs)
+    msgs = strategy.configure_train(1, ArrayRecord({"x": torch.zeros(3)}), ConfigRecord({}), RegisteringGrid([7, 8]))
+    assert sorted(m.metadata.dst_node_id for m in msgs) == [7, 8]  # Flower's sampling sends 1 message
+    assert all(m.content["config"]["server-round"] == 1 for m in msgs)

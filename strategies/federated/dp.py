@@ -30,7 +30,7 @@ from fedswarm.algorithms.privacy.dp_fedavg import ClientLevelDP, parse_dp
 from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.payload import PayloadError
-from fedswarm.strategies.strategy_utils import ReportsRounds, check_model_reply
+from fedswarm.strategies.strategy_utils import ReportsRounds, SamplesAfterWait, check_model_reply
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
 __all__ = ["DPFedAvg", "client_dp", "attach_dp"]
@@ -45,7 +45,7 @@ def client_dp(cfg: RunConfig) -> ClientLevelDP | None:
     return ClientLevelDP(parse_dp(cfg.dp), rounds=cfg.rounds, sample_rate=cfg.fraction, seed=cfg.seed)
 
 
-class DPFedAvg(ReportsRounds, FedAvg):
+class DPFedAvg(ReportsRounds, SamplesAfterWait, FedAvg):
     """FedAvg with DP-FedAvg's clipping and noise (McMahan et al., ICLR 2018)::
 
         x ← x + (Σ_i clip_C(x_i − x) + N(0, (z·C)² I)) / K

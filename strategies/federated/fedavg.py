@@ -10,14 +10,15 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
-from fedswarm.strategies.strategy_utils import ReportsRounds, check_model_reply
+from fedswarm.strategies.strategy_utils import ReportsRounds, SamplesAfterWait, check_model_reply
 from fedswarm.wire import arrayrecord_to_vector
 
 
-class CheckedFedAvg(ReportsRounds, FedAvg):
+class CheckedFedAvg(ReportsRounds, SamplesAfterWait, FedAvg):
     """Flower's FedAvg, except that a reply whose model is malformed (missing, wrong size,
     not floating point, non-finite) is rejected (``reject``, recorded with its reason)
-    instead of averaged in: one such reply would otherwise turn the global model into NaN.
+    instead of averaged in: one such reply would otherwise turn the global model into NaN;
+    and a round's fraction is counted on the nodes connected after the wait (:class:`SamplesAfterWait`).
     A *well-formed* lie still moves the average anywhere (that is what the robust
     strategies are for)."""
 
