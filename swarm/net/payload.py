@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from fedswarm.payload import Payload
+from fedswarm.swarm.net.bodies import all_finite
 from fedswarm.swarm.net.envelope import Dropped
 
 __all__ = ["payload_body", "read_payload", "read_vector", "vector_body"]
@@ -34,13 +35,6 @@ def vector_body(x: torch.Tensor) -> tuple[dict[str, Any], memoryview]:
     return {"dtype": "float32", "d": int(arr.size)}, memoryview(arr).cast("B")
 
 
-def _finite(t: torch.Tensor) -> bool:
-    if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)  # NaN propagates through min/max: one pass, no bool tensor
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
-
-
 def read_vector(meta: dict, body: bytearray, d: int, *, finite: bool | None = None) -> torch.Tensor:
     """The ``[d]`` float32 vector in ``body``; Dropped("invalid_payload") unless the dtype
     is float32, the length is ``d`` and every value is finite. Shares ``body``'s memory.
@@ -51,7 +45,7 @@ def read_vector(meta: dict, body: bytearray, d: int, *, finite: bool | None = No
     if meta.get("d") != d or len(body) != 4 * d:
         raise Dropped("invalid_payload", f"model has {len(body) // 4} values, expected {d}")
     x = torch.frombuffer(body, dtype=torch.float32) if len(body) else torch.zeros(0)
-    if not (_finite(x) if finite is None else finite):
+    if not (all_finite(x) if finite is None else finite):
         raise Dropped("invalid_payload", "model has non-finite values")
     return x
 
