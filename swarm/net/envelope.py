@@ -131,19 +131,6 @@ class Conn:
                 bufs[0] = bufs[0][n:]
         self.sent += total
 
-    def recv_frames_into(self, view: memoryview, max_chunk: int, scan: FiniteScan | None = None) -> None:
-        """Length-prefixed chunks (4-byte length, then that many bytes) filling ``view``:
-        how a body travels over a channel that authenticates it. ``scan`` sees each chunk
-        once it is in place."""
-        got = 0
-        while got < len(view):
-            c = self.read_len()
-            _check_chunk(c, got, len(view), max_chunk)
-            self.recv_exact_into(view[got : got + c])
-            got += c
-            if scan is not None:
-                scan.upto(got)
-
     def recv_exact_into(self, view: memoryview) -> None:
         got, n = 0, len(view)
         if self.head:
@@ -388,23 +375,15 @@ def _recv_encrypted(conn: Conn, v: Verifier, h: dict, body, scan: FiniteScan | N
             scan.upto(got)
 
 
-def _check_chunk(c: int, got: int, blen: int, max_chunk: int) -> None:
-    """A body chunk's announced length ``c`` at offset ``got`` of ``blen``: refused when
-    empty, over ``max_chunk`` or past the body's end."""
-    if c == 0 or c > max_chunk or got + c > blen:
-        raise Dropped("oversized" if c else "malformed", f"body chunk of {c} bytes at offset {got}")
-
-
 def _recv_chunks(conn: Conn, v: Verifier, body, blen: int, mac: Poly1305 | None, scan: FiniteScan | None) -> None:
     view, got = memoryview(body), 0
-    if mac is None:
-        conn.recv_frames_into(view[:blen], v.max_chunk_bytes, scan)
-        return
     while got < blen:
         c = conn.read_len()
-        _check_chunk(c, got, blen, v.max_chunk_bytes)
+        if c == 0 or c > v.max_chunk_bytes or got + c > blen:
+            raise Dropped("oversized" if c else "malformed", f"body chunk of {c} bytes at offset {got}")
         conn.recv_exact_into(view[got : got + c])
-        mac.update(view[got : got + c])
+        if mac is not None:
+            mac.update(view[got : got + c])
         got += c
         if scan is not None:
             scan.upto(got)
