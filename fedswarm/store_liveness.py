@@ -23,7 +23,7 @@ import threading
 from typing import Any
 
 from fedswarm.procs import pid_alive, process_start
-from fedswarm.store_schema import Run
+from fedswarm.store_schema import Run, _now  # the store's naive-UTC clock
 
 __all__ = ["HEARTBEAT_S", "LIVE_STATUSES", "REPORT_TIMEOUT_S", "Heartbeat", "owner_fields", "owner_gone", "lost_reason",
            "live_status", "is_remote", "timeout_of"]
@@ -46,10 +46,6 @@ def owner_fields(pid: int | None = None) -> dict[str, Any]:
     the run's owner."""
     pid = os.getpid() if pid is None else pid
     return {"pid": pid, "host": socket.gethostname(), "pid_start": process_start(pid)}
-
-
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
 
 
 def _silent(last: dt.datetime | None, timeout: float, now: dt.datetime | None, what: str) -> str | None:
