@@ -6,10 +6,10 @@
    small ack; no authentication and no validation: the reference ``vs raw`` divides), the
    same with the finiteness check a peer must do (``raw_checked``, still unauthenticated); the
    swarm without TLS (signed header, Poly1305 body tag), the same over a Noise session (the
-   swarm's default without TLS: an XX handshake on every connection, its wall time per
-   connection in ``handshake_ms``, then every byte AES-256-GCM under forward-secret session
-   keys; ``vs raw, handshake apart`` is its ratio less that handshake, as over a session
-   already open), the legacy static-key encryption (bodies AES-256-GCM
+   swarm's default without TLS: an XX handshake on every connection, the median of its wall
+   time in ``handshake_ms``, then every byte AES-256-GCM under forward-secret session keys;
+   ``vs raw, handshake apart`` divides by the median of each exchange less its own
+   connection's handshake, as over a session already open), the legacy static-key encryption (bodies AES-256-GCM
    under keys from the identity keys, no handshake, no forward secrecy); and the swarm as a
    permissioned swarm runs it, with mutual TLS (encrypted, certificates from the swarm's
    CA bound to the signing keys; a TLS 1.3 session ticket from the previous exchange
@@ -19,7 +19,9 @@
    :class:`~fedswarm.swarm.net.bodies.FiniteScan`) and answers with a signed ack; a received
    body reuses the buffer of an earlier one once
    nothing refers to it (:class:`~fedswarm.swarm.net.bodies.BodyPool`), as the raw socket
-   reuses its one buffer. Median of the reps; the load average is recorded beside
+   reuses its one buffer. Median of the reps (7 quick, 15 full; the paths take turns in each
+   round, their order rotating from round to round, so a slow spell of the machine falls on
+   all of them alike); the load average is recorded beside
    the figures, and so is each side's CPU time per exchange (``send_cpu_ms``,
    ``recv_cpu_ms``: thread CPU time, much less sensitive than wall time to a loaded
    machine; a transfer cannot be faster than its busier side's CPU time). Each exchange row has
@@ -194,7 +196,7 @@ def run(out_dir: Path, quick: bool = False, exchange_only: bool = False, profile
     """Run the measurements, write ``swarm.json`` and ``swarm.png``, print the table."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = exchange_rows(reps=3 if quick else 7)
+    rows = exchange_rows(reps=7 if quick else 15)
     if profile:
         rows += profile_rows()
     if not exchange_only:

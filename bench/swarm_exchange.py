@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from fedswarm.params import all_finite
+
 __all__ = ["D_EXCHANGE", "EXCHANGE_PATHS", "exchange_rows", "profile_rows"]
 
 D_EXCHANGE = 10_000_000
@@ -77,7 +79,7 @@ def _receiver(pipe, pki: str, d: int) -> None:
                 while got < len(buf):
                     got += c.recv_into(view[got:])
                 if check:
-                    torch.aminmax(torch.frombuffer(buf, dtype=torch.float32))  # what read_vector checks
+                    all_finite(torch.frombuffer(buf, dtype=torch.float32))  # what a peer checks
                 c.sendall(struct.pack(">d", time.thread_time() - cpu0))
 
     for m, server in raw.items():
@@ -112,15 +114,16 @@ def exchange_rows(reps: int, d: int = D_EXCHANGE) -> list[dict]:
     proc.start()
     times: dict[str, list[float]] = {k: [] for k in EXCHANGE_PATHS}
     cpu: dict[str, list[tuple[float, float]]] = {k: [] for k in EXCHANGE_PATHS}  # (sender, receiver) s
+    handshakes: dict[str, list[float]] = {}  # each exchange's own handshake, wall s (the sender's side)
     sent: dict[str, int] = {}
-    handshake_ms: dict[str, float] = {}
+    order = list(EXCHANGE_PATHS)
     try:
         peer_id, addrs, raw_ports = parent.recv()
         senders = {m: (_transport(tmp / "pki", "p0", lambda m, s: None, mode=m, io_timeout_s=120), a)
                    for m, a in addrs.items()}
         meta, body = vector_body(torch.randn(d))
-        for _ in range(reps + 1):  # the first round warms up every path; the order rotates
-            for key in times:
+        for r in range(reps + 1):  # the first round warms up every path; the order rotates
+            for key in order[r % len(order):] + order[: r % len(order)]:
                 t0, c0 = time.perf_counter(), time.thread_time()
                 if key in raw_ports:
                     with socket.create_connection(("127.0.0.1", raw_ports[key])) as s:
@@ -130,13 +133,14 @@ def exchange_rows(reps: int, d: int = D_EXCHANGE) -> list[dict]:
                     recv_cpu = struct.unpack(">d", ack)[0]
                 else:
                     t, addr = senders[key]
+                    n0, h0 = t.stats.handshakes, t.stats.handshake_s
                     recv_cpu = t.request(addr, peer_id, "model", meta, body, timeout=120).meta["cpu_s"]
+                    if t.stats.handshakes > n0:
+                        handshakes.setdefault(key, []).append(t.stats.handshake_s - h0)
                 times[key].append(time.perf_counter() - t0)
                 cpu[key].append((time.thread_time() - c0, recv_cpu))
         for key, (t, _) in senders.items():
             sent[key] = t.stats.totals()[0] // (reps + 1)
-            if t.stats.handshakes:  # wall time per connection, the sender's side (1.5 round trips)
-                handshake_ms[key] = 1e3 * t.stats.handshake_s / t.stats.handshakes
             t.stop()
     finally:
         parent.send("done")
@@ -145,14 +149,16 @@ def exchange_rows(reps: int, d: int = D_EXCHANGE) -> list[dict]:
             proc.kill()
         shutil.rmtree(tmp, ignore_errors=True)
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
-    # over a session already open: the exchange less its connection's handshake (wall, the sender's side)
-    apart = {k: med[k] - handshake_ms[k] / 1e3 for k in handshake_ms}
+    # over a session already open: each exchange less its own connection's handshake, then the median
+    # (a path whose every exchange opened a connection; one slow handshake moves only its own rep)
+    apart = {k: statistics.median(t - h for t, h in zip(times[k][1:], hs[1:], strict=True))
+             for k, hs in handshakes.items() if len(hs) == len(times[k])}
     common = {"benchmark": "exchange", "params": d, "payload_bytes": 4 * d, "reps": reps, "load": os.getloadavg()[0]}
     return [{**common, "transport": EXCHANGE_PATHS[k], "path": k, "seconds": med[k], "MBps": 4 * d / med[k] / 1e6,
              "ratio_vs_raw": med["raw"] / med[k], "wire_bytes": sent.get(k, 4 * d + 8),
              "send_cpu_ms": 1e3 * statistics.median(c[0] for c in cpu[k][1:]),
              "recv_cpu_ms": 1e3 * statistics.median(c[1] for c in cpu[k][1:]),
-             "handshake_ms": handshake_ms.get(k),
+             "handshake_ms": 1e3 * statistics.median(handshakes[k][1:]) if k in apart else None,
              "ratio_vs_raw_handshake_apart": med["raw"] / apart[k] if k in apart else None,
              "seconds_first": times[k][0], "seconds_all": times[k][1:]} for k in EXCHANGE_PATHS]
 
@@ -233,7 +239,7 @@ def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
             memoryview(scratch)[:c] = cts[i]
             aes.decrypt_into(i.to_bytes(12, "big"), memoryview(scratch)[:c], None, v[o : o + c - 16])
             if check:
-                torch.aminmax(torch.frombuffer(warm, dtype=torch.float32, count=(c - 16) // 4, offset=o))
+                all_finite(torch.frombuffer(warm, dtype=torch.float32, count=(c - 16) // 4, offset=o))
 
     def step_record_in_place():
         v = memoryview(warm)
@@ -269,8 +275,7 @@ def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
         return time.thread_time() - t0
 
     def step_validate():
-        x = torch.frombuffer(warm, dtype=torch.float32, count=n // 4)
-        torch.aminmax(x)
+        all_finite(torch.frombuffer(warm, dtype=torch.float32, count=n // 4))
 
     def handshakes(resume: bool) -> float:
         """CPU ms of both sides of one mutual-TLS handshake (CRL checked), median of 5."""
@@ -345,7 +350,7 @@ def profile_rows(reps: int = 3, n: int = 4 * D_EXCHANGE) -> list[dict]:
              "TLS 1.3 record encryption through Python's ssl (mutual-TLS mode, sender)": step_tls_enc,
              "TLS 1.3 record decryption through Python's ssl, 16 KB records (mutual-TLS mode, receiver)":
                  step_tls_dec,
-             "finiteness check (aminmax, receiver)": step_validate}
+             "finiteness check (params.all_finite, receiver)": step_validate}
     torch.set_num_threads(1)
     rows = []
     try:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["TensorSpec", "ParamLayout", "get_flat", "set_flat"]
+__all__ = ["TensorSpec", "ParamLayout", "all_finite", "get_flat", "set_flat"]
 
 
 @dataclass(frozen=True)
@@ -155,3 +155,21 @@ def set_flat(model: nn.Module, vec: torch.Tensor) -> None:
         n = p.numel()
         p.copy_(vec[offset : offset + n].view_as(p))
         offset += n
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite, without a bool tensor (``isfinite().all()``
+    materializes one and is ~20x slower on a CPU).
+
+    First the sum: a NaN or an infinity absorbs every IEEE addition (``inf + x = inf``,
+    ``inf - inf = NaN``, ``NaN + x = NaN``), in any order and any split across threads or
+    vector lanes, so a finite sum proves every value finite (one add per value, about half
+    the time of a min and a max). A sum that is not finite may also be finite values that
+    overflowed; only then does the exact test run: one ``aminmax`` (NaN propagates through
+    min and max)."""
+    if t.numel() == 0:
+        return True
+    if bool(torch.isfinite(t.sum())):
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))

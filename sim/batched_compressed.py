@@ -36,6 +36,7 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from fedswarm.algorithms.compression.codecs import decode_payload
 from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState
 from fedswarm.payload import Payload, PayloadError
+from fedswarm.params import all_finite
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
 from fedswarm.sim.batched_round import NodeIds, make_reply, reply_size, round_schedule, varint_len
@@ -81,7 +82,7 @@ def _finite(value) -> bool:
     """Whether a parsed reply (a tensor, or a tuple of them such as gTop-k's indices and values) is finite."""
     if isinstance(value, (tuple, list)):
         return all(_finite(v) for v in value)
-    return not isinstance(value, torch.Tensor) or not value.is_floating_point() or bool(torch.isfinite(value).all())
+    return not isinstance(value, torch.Tensor) or not value.is_floating_point() or all_finite(value)
 
 
 def client_payload(payload: Payload, row: int, seed: int) -> Payload:

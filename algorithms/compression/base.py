@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from fedswarm.errors import ConfigError
-from fedswarm.params import ParamLayout
+from fedswarm.params import ParamLayout, all_finite
 from fedswarm.hyperparams import HyperParam
 from fedswarm.payload import Payload, PayloadError
 
@@ -212,7 +212,7 @@ class Codec:
             if tuple(t.shape) != tuple(shape):
                 raise self._fail(f"array '{key}' has shape {list(t.shape)}, expected {list(shape)}")
             t = t.to(device)
-            if t.is_floating_point() and not _all_finite(t):
+            if t.is_floating_point() and not all_finite(t):
                 raise self._fail(f"array '{key}' has non-finite values")
             out[key] = t
         return out
@@ -224,12 +224,3 @@ def _dt(dtype: torch.dtype) -> str:
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return torch.empty(0, dtype=dtype).numpy().dtype
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    # one min/max reduction (NaN propagates through it) is ~20x faster on a CPU than
-    # isfinite().all(), which materializes a bool tensor
-    if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedswarm.params import ParamLayout
+from fedswarm.params import ParamLayout, all_finite
 from fedswarm.algorithms.compression.base import Codec
 from fedswarm.payload import Payload
 
@@ -49,7 +49,7 @@ class ErrorFeedbackState:
         if r is not None:
             if not isinstance(r, torch.Tensor) or r.dim() not in (1, 2) or not r.is_floating_point():
                 raise ValueError("an error-feedback residual is a float tensor, [d] or [K, d]")
-            if not bool(torch.isfinite(r).all()):
+            if not all_finite(r):
                 raise ValueError("an error-feedback residual must be finite")
 
     @property

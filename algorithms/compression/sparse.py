@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from fedswarm.algorithms.compression import native
-from fedswarm.algorithms.compression.base import Codec, _all_finite
+from fedswarm.algorithms.compression.base import Codec
+from fedswarm.params import all_finite
 from fedswarm.hyperparams import HyperParam
 from fedswarm.algorithms.compression.kernels import out_buffer, random_subset, topk_abs_indices
 from fedswarm.algorithms.compression.countsketch import CountSketch
@@ -120,7 +121,7 @@ class RandKCodec(Codec):
         idx = random_subset(layout.d, n, seed, vals.device)
         if params["unbiased"]:
             vals = vals * (layout.d / n)
-            if not _all_finite(vals):  # finite values near float32's max overflow when scaled up by d/k
+            if not all_finite(vals):  # finite values near float32's max overflow when scaled up by d/k
                 raise self._fail(f"values overflow float32 when scaled by d/k = {layout.d / n:g}")
         return _scatter(k, layout.d, idx.expand(k, n), vals, out)
 

@@ -34,7 +34,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from fedswarm.params import ParamLayout
+from fedswarm.params import ParamLayout, all_finite
 # The client half (begin/train/finish) lives in compressed_client; its names stay importable from here.
 from fedswarm.strategies.federated.compressed_client import (KNOBS, SELECT, ClientRound, UserTraining, begin,
                                                              finish, save_sent, taken_indices, train,
@@ -241,7 +241,7 @@ class CompressedStrategy(ReportsRounds, Strategy):
             self.note(**dp_metrics)
         step = self.aggregate(self.round, accepted) if accepted else None
         if step is not None:
-            if not bool(torch.isfinite(step.update).all()):  # never commit a non-finite model
+            if not all_finite(step.update):  # never commit a non-finite model
                 log(WARNING, "round %s: the aggregate is not finite; the model is left as it was", server_round)
                 metrics["nonfinite_aggregate"] = 1
                 for a in accepted:  # nothing was applied: clients keep all they sent

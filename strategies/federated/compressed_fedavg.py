@@ -17,7 +17,7 @@ from flwr.app import Context, Message, RecordDict
 
 from fedswarm.errors import ConfigError
 from fedswarm.kv import parse_pairs
-from fedswarm.params import ParamLayout
+from fedswarm.params import ParamLayout, all_finite
 from fedswarm.algorithms.compression.base import Codec
 from fedswarm.algorithms.compression.codecs import CODECS, decode_payload, make_codec
 from fedswarm.strategies.federated.compressed_base import (Accepted, CompressedStrategy, Step, begin,
@@ -128,7 +128,7 @@ class CompressedFedAvg(CompressedStrategy):
         x = decode_payload(read_payload(msg, self.layout.d), self.layout)
         if x.shape[0] != 1:
             raise PayloadError(f"payload holds {x.shape[0]} clients' updates, expected 1")
-        if not bool(torch.isfinite(x).all()):
+        if not all_finite(x):
             raise PayloadError("payload decodes to non-finite values")
         return x[0]
 

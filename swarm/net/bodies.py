@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["BODY_POOL", "POOL_MIN_BYTES", "BodyPool", "FiniteScan", "all_finite", "alloc_body", "float_scan"]
+__all__ = ["BODY_POOL", "POOL_MIN_BYTES", "BodyPool", "FiniteScan", "alloc_body", "float_scan"]
 
 
 #: Received bodies of at least this size come from :data:`BODY_POOL` (smaller ones are cheap to allocate).
@@ -75,17 +75,6 @@ def alloc_body(n: int):
 BODY_POOL = BodyPool()
 
 
-def all_finite(t) -> bool:
-    """Whether every value of tensor ``t`` is finite: one pass (``aminmax``; NaN propagates
-    through min and max), no bool tensor."""
-    if t.numel() == 0:
-        return True
-    import torch
-
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
-
-
 class FiniteScan:
     """Whether every float32 of a body is finite, found chunk by chunk while the body
     arrives (each chunk still in cache, the scan overlapping the rest of the transfer)
@@ -105,6 +94,8 @@ class FiniteScan:
             return
         if self.finite:
             import torch  # a peer that receives models has it loaded; the envelope alone does not need it
+
+            from fedswarm.params import all_finite
 
             self.finite = all_finite(torch.frombuffer(self.view[self.done : end], dtype=torch.float32))
         self.done = end

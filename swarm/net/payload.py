@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from fedswarm.payload import Payload
-from fedswarm.swarm.net.bodies import all_finite
+from fedswarm.params import all_finite
 from fedswarm.swarm.net.envelope import Dropped
 
 __all__ = ["payload_body", "read_payload", "read_vector", "vector_body"]
