@@ -9,7 +9,10 @@
    swarm's default without TLS: an XX handshake on every connection, the median of its wall
    time in ``handshake_ms``, then every byte AES-256-GCM under forward-secret session keys;
    ``vs raw, handshake apart`` divides by the median of each exchange less its own
-   connection's handshake, as over a session already open), the legacy static-key encryption (bodies AES-256-GCM
+   connection's handshake, as over a session already open), the same with each body's records
+   encrypted on a second thread while earlier ones are written (``pipelined``, what a peer
+   does with ``FEDSWARM_NOISE_PIPELINE=on``; the row a peer here would use is marked), the
+   legacy static-key encryption (bodies AES-256-GCM
    under keys from the identity keys, no handshake, no forward secrecy); and the swarm as a
    permissioned swarm runs it, with mutual TLS (encrypted, certificates from the swarm's
    CA bound to the signing keys; a TLS 1.3 session ticket from the previous exchange
@@ -285,7 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("bench"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--exchange-only", action="store_true",
-                    help="only the 40 MB exchange (raw, raw + finiteness check, plain, Noise-encrypted, static-key "
+                    help="only the 40 MB exchange (raw, raw + finiteness check, plain, Noise-encrypted (in turn and "
+                         "pipelined), static-key "
                          "encrypted, mutual TLS)")
     ap.add_argument("--profile", action="store_true",
                     help="also time each step of an exchange in-process (handshakes, copies, crypto, checks)")

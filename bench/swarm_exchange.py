@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from fedswarm.params import all_finite
+from fedswarm.swarm.net.noise import pipeline_default
 
 __all__ = ["D_EXCHANGE", "EXCHANGE_PATHS", "exchange_rows", "profile_rows"]
 
@@ -33,7 +34,8 @@ RAW_WRITE = 1 << 20
 def _transport(pki: Path, name: str, handler, *, mode: str, **kw):
     """A transport for peer ``name`` of the bench's PKI: ``plain`` (signed envelopes, Poly1305
     body tags), ``encrypted`` (a Noise handshake per connection, then everything AES-256-GCM
-    under its session keys), ``static`` (AES-256-GCM bodies under static-key-derived keys, no
+    under its session keys), ``pipelined`` (the same, each body's records encrypted on a
+    second thread while earlier ones are written), ``static`` (AES-256-GCM bodies under static-key-derived keys, no
     forward secrecy) or ``secure`` (mutual TLS with CA-issued certificates bound to the key)."""
     from fedswarm.swarm.net.envelope import Verifier
     from fedswarm.swarm.net.identity import create_or_load
@@ -42,7 +44,8 @@ def _transport(pki: Path, name: str, handler, *, mode: str, **kw):
     d = pki / "peers" / name
     ident = create_or_load(d / "keys")
     other = create_or_load(pki / "peers" / ("p1" if name == "p0" else "p0") / "keys")
-    tls = {"encrypt": mode in ("encrypted", "static"), "static_keys": mode == "static"}
+    tls = {"encrypt": mode in ("encrypted", "pipelined", "static"), "static_keys": mode == "static",
+           "noise_pipeline": mode == "pipelined"}
     if mode == "secure":
         tls_s, tls_c = permissioned_tls(str(pki / "ca.pem"), str(d / "cert.pem"), str(d / "keys" / "private.pem"),
                                         ident.peer_id, str(pki / "crl.pem"))
@@ -98,6 +101,8 @@ EXCHANGE_PATHS = {
     "raw_checked": "raw socket copy into one warm buffer + the finiteness check a peer does (no authentication)",
     "plain": "swarm, no TLS, body in clear (signed header, Poly1305 body tag, validated)",
     "encrypted": "swarm, no TLS, Noise XX handshake per connection, then all AES-256-GCM (forward secret, validated)",
+    "pipelined": "swarm, no TLS, Noise as above, a body's records encrypted on a second thread while earlier ones "
+                 "are written (FEDSWARM_NOISE_PIPELINE=on)",
     "static": "swarm, no TLS, body AES-256-GCM under static-key-derived keys (legacy, NO forward secrecy, validated)",
     "secure": "swarm, mutual TLS (encrypted, CA-issued certs bound to the signing key, validated)",
 }
@@ -154,7 +159,9 @@ def exchange_rows(reps: int, d: int = D_EXCHANGE) -> list[dict]:
     apart = {k: statistics.median(t - h for t, h in zip(times[k][1:], hs[1:], strict=True))
              for k, hs in handshakes.items() if len(hs) == len(times[k])}
     common = {"benchmark": "exchange", "params": d, "payload_bytes": 4 * d, "reps": reps, "load": os.getloadavg()[0]}
-    return [{**common, "transport": EXCHANGE_PATHS[k], "path": k, "seconds": med[k], "MBps": 4 * d / med[k] / 1e6,
+    default = "pipelined" if pipeline_default() else "encrypted"  # what a peer here does (FEDSWARM_NOISE_PIPELINE)
+    return [{**common, "transport": EXCHANGE_PATHS[k] + (" [this machine's default]" if k == default else ""),
+             "path": k, "seconds": med[k], "MBps": 4 * d / med[k] / 1e6,
              "ratio_vs_raw": med["raw"] / med[k], "wire_bytes": sent.get(k, 4 * d + 8),
              "send_cpu_ms": 1e3 * statistics.median(c[0] for c in cpu[k][1:]),
              "recv_cpu_ms": 1e3 * statistics.median(c[1] for c in cpu[k][1:]),

@@ -104,7 +104,8 @@ def peer(
         "Without TLS, start every connection with a Noise XX handshake (ephemeral X25519 keys authenticated by the "
         "peers' identity keys) and send everything AES-256-GCM encrypted under its session keys: forward secrecy, "
         "a recorded link stays secret even if identity keys are stolen later. --no-encrypt: bodies in clear "
-        "(signed and tagged)."
+        "(signed and tagged). FEDSWARM_NOISE_PIPELINE=on encrypts a model's records on a second thread while "
+        "earlier ones are written (off by default: slower on 2 cores; see `fedswarm bench swarm`)."
     )),
     legacy_static_keys: bool = typer.Option(False, "--legacy-static-keys", help=(
         "Only to talk to peers of older fedswarm versions: no handshake, bodies encrypted under keys derived from "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 def test_the_exchange_bench_runs_every_path_and_reports_the_handshake_apart():
     """``fedswarm bench swarm --exchange-only`` in miniature (a 1 MB model, one rep): every
-    path moves the model through a real peer process, and only the Noise path has a
+    path moves the model through a real peer process, and only the Noise paths have a
     handshake to set apart (so its ratio less the handshake is the larger)."""
     from fedswarm.bench.swarm_exchange import EXCHANGE_PATHS, exchange_rows
 
@@ -18,8 +18,10 @@ def test_the_exchange_bench_runs_every_path_and_reports_the_handshake_apart():
         assert r["seconds"] > 0 and r["ratio_vs_raw"] > 0, path
     assert rows["raw"]["ratio_vs_raw"] == 1.0
     hs = [p for p, r in rows.items() if r["handshake_ms"] is not None]
-    assert hs == ["encrypted"] and rows["encrypted"]["ratio_vs_raw_handshake_apart"] > rows["encrypted"]["ratio_vs_raw"]
-    assert all(r["ratio_vs_raw_handshake_apart"] is None for p, r in rows.items() if p != "encrypted")
+    assert hs == ["encrypted", "pipelined"]
+    assert all(rows[p]["ratio_vs_raw_handshake_apart"] > rows[p]["ratio_vs_raw"] for p in hs)
+    assert all(r["ratio_vs_raw_handshake_apart"] is None for p, r in rows.items() if p not in hs)
+    assert sum("[this machine's default]" in r["transport"] for r in rows.values()) == 1
 
 
 def test_the_bench_warns_when_the_raw_reference_itself_is_unsteady():

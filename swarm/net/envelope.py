@@ -131,6 +131,12 @@ class Conn:
                 bufs[0] = bufs[0][n:]
         self.sent += total
 
+    def send_frames(self, frames) -> None:
+        """Each ``(head, piece)`` of ``frames`` as :meth:`send_frame` sends it (a Noise
+        session may encrypt the next ones on a second thread meanwhile)."""
+        for head, piece in frames:
+            self.send_frame(head, piece)
+
     def recv_exact_into(self, view: memoryview) -> None:
         got, n = 0, len(view)
         if self.head:
@@ -280,9 +286,8 @@ def send_message(conn: Conn, ident: Identity, kind: str, *, to: str, meta: dict 
     conn.sendall(header_frame(ident, kind, to=to, meta=meta, blen=len(view), re=re, ts=ts, nonce=nonce, enc=enc,
                               tls_tag=tls_tag and conn.channel_tag))
     if tls_tag:
-        for start in range(0, len(view), chunk_bytes):
-            piece = view[start : start + chunk_bytes]
-            conn.send_frame(_LEN.pack(len(piece)), piece)
+        pieces = (view[start : start + chunk_bytes] for start in range(0, len(view), chunk_bytes))
+        conn.send_frames((_LEN.pack(len(piece)), piece) for piece in pieces)
     elif enc:
         aes = _body_cipher(ident, to, nonce, ident.peer_id, to)
         out = bytearray(4 + min(chunk_bytes, len(view)) + TAG_BYTES)

@@ -48,7 +48,7 @@ from fedswarm.swarm.net.envelope import (
     send_message,
 )
 from fedswarm.swarm.net.identity import Identity
-from fedswarm.swarm.net.noise import MAGIC, REKEY_BYTES, initiate, read_exact, respond
+from fedswarm.swarm.net.noise import MAGIC, REKEY_BYTES, initiate, pipeline_default, read_exact, respond
 
 __all__ = ["Session", "Transport", "TransportStats", "client_tls_context", "parse_addr", "server_tls_context",
            "tls_refusal"]
@@ -207,6 +207,9 @@ class Transport:
         the two peers' static identity keys, WITHOUT forward secrecy (what older peers speak).
     rekey_bytes : int
         A Noise session replaces a direction's key after this many bytes under it.
+    noise_pipeline : bool or None
+        Encrypt a Noise session's body records on a second thread while earlier ones are
+        written; None: as ``FEDSWARM_NOISE_PIPELINE`` says (off unless set to ``on``).
     """
 
     def __init__(self, ident: Identity, verifier: Verifier, handler: Handler, *, host: str = "127.0.0.1",
@@ -214,7 +217,7 @@ class Transport:
                  tls_client: ssl.SSLContext | None = None, io_timeout_s: float = 30.0,
                  connect_timeout_s: float = 3.0, max_connections: int = 64, chunk_bytes: int = CHUNK_BYTES,
                  bind_identity: bool = False, encrypt: bool = False, static_keys: bool = False,
-                 rekey_bytes: int = REKEY_BYTES):
+                 rekey_bytes: int = REKEY_BYTES, noise_pipeline: bool | None = None):
         self.ident = ident
         self.verifier = verifier
         self.handler = handler
@@ -227,6 +230,8 @@ class Transport:
         self.encrypt = encrypt and static_keys  # static-key AES-GCM bodies (no forward secrecy)
         self.noise = encrypt and not static_keys and tls_client is None  # handshake on outgoing connections
         self.rekey_bytes = rekey_bytes
+        # a bad FEDSWARM_NOISE_PIPELINE fails here, when the peer starts
+        self.noise_pipeline = pipeline_default() if noise_pipeline is None else noise_pipeline
         if bind_identity and (tls_server is None or tls_client is None):
             raise ValueError("binding identities to certificates needs TLS on both sides")
         self.stats = TransportStats()
@@ -398,9 +403,11 @@ class Transport:
         the refusal counted, logged and remembered."""
         try:
             if remote is None:
-                conn = respond(sock, self.ident, self.verifier, rekey_bytes=self.rekey_bytes)
+                conn = respond(sock, self.ident, self.verifier, rekey_bytes=self.rekey_bytes,
+                               pipeline=self.noise_pipeline)
             else:
-                conn = initiate(sock, self.ident, self.verifier, remote, rekey_bytes=self.rekey_bytes)
+                conn = initiate(sock, self.ident, self.verifier, remote, rekey_bytes=self.rekey_bytes,
+                                pipeline=self.noise_pipeline)
             if cert_id is not None and conn.peer != cert_id:
                 raise Dropped("identity_mismatch", f"Noise identity {conn.peer[:8]} over the TLS connection of "
                                                    f"{cert_id[:8]}")
