@@ -20,7 +20,8 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     secs = report["sections"]
-    assert list(secs) == ["tests", "engine", "codecs", "deployment"] and all(s["ok"] for s in secs.values()), secs
+    assert list(secs) == ["tests", "engine", "codecs", "deployment", "swarm"], secs
+    assert all(s["ok"] for s in secs.values()), secs
     # the CUDA tests were collected and skipped here, none silently deselected
     assert secs["tests"].get("skipped", 0) >= 5 and not secs["tests"].get("passed"), secs["tests"]
     for r in secs["engine"]["rows"]:  # CPU against CPU: the very same model, figures present
@@ -33,5 +34,10 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     dep = secs["deployment"]
     assert dep["status"] == "finished" and dep["clients_per_round"] == [2, 2, 2] and dep["train_devices"] == [
         "cpu", "cpu"]
+    from fedswarm.bench.swarm_exchange import EXCHANGE_PATHS
+
+    assert [r["path"] for r in secs["swarm"]["rows"]] == list(EXCHANGE_PATHS)  # both Noise rows among them
+    assert "pipelined x" in secs["swarm"]["summary"] and "handshake apart" in secs["swarm"]["summary"]
     table = (tmp_path / "gpu-check.md").read_text()
     assert "## batched engine" in table and "## codecs" in table and "## deployment on loopback" in table
+    assert "## swarm exchange on loopback" in table
