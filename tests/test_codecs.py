@@ -185,6 +185,24 @@ def test_meta_hyperparameters_are_checked(name, key, value, message):
         make_codec(name).decode(with_meta(valid(name), **{key: value}), LAYOUT)
 
 
+@pytest.mark.parametrize("name", list(CODECS))
+def test_a_seed_no_generator_takes_is_refused_by_name(name):
+    """Seeds reach torch generators (row i of a batch: seed + i), which take [-2^63, 2^64 - 1]:
+    beyond, a decode raised a bare ValueError ('Overflow when unpacking long long', found by
+    scripts/fuzz on a randk payload from a swarm peer) instead of refusing the payload."""
+    p = valid(name)
+    k = p.meta["K"]
+    for seed in (-(2**63) - 1, 2**64 - k + 1, 2**64, 10**30):
+        with pytest.raises(PayloadError, match=f"seed {seed} is out of range"):
+            make_codec(name).decode(with_meta(p, seed=seed), LAYOUT)
+        with pytest.raises(ValueError, match=f"seed {seed} is out of range"):
+            make_codec(name).encode(torch.from_numpy(randn(k)), LAYOUT, seed=seed)
+    for seed in (-(2**63), 2**64 - k):  # the ends of the range still work
+        x = torch.from_numpy(randn(k))
+        q = make_codec(name).encode(x, LAYOUT, seed=seed)
+        assert make_codec(name).decode(q, LAYOUT).shape == x.shape
+
+
 def test_codec_specific_corruptions():
     p = valid("topk")
     idx = p.arrays["indices"]

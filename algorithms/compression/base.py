@@ -33,6 +33,15 @@ from fedswarm.payload import Payload, PayloadError
 __all__ = ["Codec"]
 
 _META_FIXED = ("codec", "K", "d", "seed")
+#: A torch generator takes seeds in [-2^63, 2^64 - 1], and row i of a batch uses seed + i.
+_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def _seed_range_error(seed: int, k: int) -> str | None:
+    """Why ``seed`` cannot seed a batch of ``k`` rows, or None."""
+    if _SEED_MIN <= seed and seed + k - 1 <= _SEED_MAX:
+        return None
+    return f"seed {seed} is out of range: the {k} rows' seeds must lie in [-2^63, 2^64 - 1]"
 
 
 class Codec:
@@ -97,6 +106,8 @@ class Codec:
             raise ValueError(f"{self.name}.encode: x is {tuple(x.shape)}, the layout has d={layout.d} (K >= 1)")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise ValueError(f"{self.name}.encode: seed must be an int, got {seed!r}")
+        if (why := _seed_range_error(int(seed), x.shape[0])) is not None:
+            raise ValueError(f"{self.name}.encode: {why}")
         x = x.detach().to(torch.float32)
         arrays = self._encode(x, layout, int(seed))
         meta = {"codec": self.name, "K": int(x.shape[0]), "d": layout.d, "seed": int(seed), **self.params}
@@ -181,6 +192,8 @@ class Codec:
             raise self._fail(f"meta 'd' is {d}, the model layout has d={layout.d}")
         if k < 1:
             raise self._fail(f"meta 'K' is {k}, must be >= 1")
+        if (why := _seed_range_error(int(meta["seed"]), k)) is not None:
+            raise self._fail(f"meta {why}")
         try:
             params = self.resolve_params({h.name: meta[h.name] for h in self.hyperparams})
         except ConfigError as exc:
