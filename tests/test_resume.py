@@ -314,6 +314,24 @@ def test_resume_refuses_runs_without_a_checkpoint_or_finished(tmp_path):
     assert prepare_resume(store, live)[1].round == 1
 
 
+def test_a_checkpoint_naming_a_huge_memo_index_is_refused_without_allocating_for_it():
+    """One altered byte turned a checkpoint's BINPUT into a LONG_BINPUT of index ~1.5e9 (found by
+    scripts/fuzz, kept in tests/fuzz_corpus/server_checkpoint): CPython's C unpickler sized its
+    memo array for it (~11 GB, ~30 s) before the file was refused. Refused now, with what
+    Python allocates while reading it far below that."""
+    import tracemalloc
+
+    bad = (Path(__file__).parent / "fuzz_corpus" / "server_checkpoint" / "b1cec027549088f2.bin").read_bytes()
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match="cannot be read"):
+            loads(bad)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB allocated to read a 2 KB file"
+
+
 def test_store_keeps_the_newest_checkpoints_in_one_transaction(tmp_path):
     store = Store(tmp_path / "store.db")
     rid = store.create_run({"strategy": "fedavg"})
