@@ -44,7 +44,7 @@ log = logging.getLogger("fedswarm.server")
 CHECKPOINT_FORMAT = 1
 #: The unpickler :func:`loads` gives ``torch.load``: CPython's pure-Python one, whose memo is a
 #: dict. The C unpickler sizes its memo array by the largest index a pickle names, so one altered
-#: byte (a LONG_BINPUT index of ~1.5e9) made it allocate ~11 GB and take ~30 s before the file was
+#: byte (a LONG_BINPUT index of ~1.5e9) made it allocate ~22 GB and take 30-40 s before the file was
 #: refused (found by ``scripts/fuzz --parser server_checkpoint``); here that file is refused in ~1 ms.
 _UNPICKLER = types.SimpleNamespace(__name__="pickle", Unpickler=pickle._Unpickler, load=pickle._load)
 #: Checkpoints kept per run (the newest, and the one before in case the newest is unreadable).

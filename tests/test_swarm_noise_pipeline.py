@@ -17,7 +17,7 @@ from fedswarm.swarm.net import noise
 from fedswarm.swarm.net.envelope import Verifier, recv_message, send_message
 from fedswarm.swarm.net.payload import read_vector, vector_body
 
-from tests.noise_helpers import A, B, Wire, transport
+from tests.noise_helpers import A, B, Wire, records, transport
 
 K1, K2 = os.urandom(32), os.urandom(32)
 
@@ -109,13 +109,8 @@ def test_a_failure_while_sealing_is_raised_in_the_sender(monkeypatch):
         tx.send_frames([(b"%04d" % i, os.urandom(10_000)) for i in range(20)])
     assert time.monotonic() - t0 < 30 and len(_seal_threads()) == before
     # whole frames only (two records each): 0-1, and 2 unless the failure was seen first
-    assert len(tx.sock.data) == tx.sent and len(noise_records(bytes(tx.sock.data))) in (4, 6)
+    assert len(tx.sock.data) == tx.sent and len(records(bytes(tx.sock.data))) in (4, 6)
 
-
-def noise_records(data: bytes) -> list[bytes]:
-    from tests.noise_helpers import records
-
-    return [c for _, c in records(data)]
 
 
 def test_the_setting_is_read_strictly(monkeypatch):

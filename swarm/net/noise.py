@@ -77,6 +77,8 @@ def pipeline_default() -> bool:
     if value in ("0", "off", "false", "no", ""):
         return False
     raise ConfigError(f"{PIPELINE_ENV}={value!r}: expected on or off")
+
+
 #: What an initiator sends before its first record (messages 1 and 3).
 INITIATOR_HANDSHAKE_BYTES = len(MAGIC) + _DH + _MSG3
 
@@ -144,9 +146,9 @@ class NoiseConn(Conn):
 
     def __init__(self, sock, send_key: bytes, recv_key: bytes, peer: str, handshake_hash: bytes, *,
                  max_record_bytes: int, rekey_bytes: int = REKEY_BYTES, rekey_records: int = REKEY_RECORDS,
-                 pipeline: bool | None = None):
+                 pipeline: bool = False):
         super().__init__(sock)
-        self.pipeline = pipeline_default() if pipeline is None else pipeline
+        self.pipeline = pipeline  # the Transport resolves FEDSWARM_NOISE_PIPELINE once
         self.peer = peer
         self.handshake_hash = handshake_hash  # channel binding: the same on both ends
         self.max_record_bytes = max_record_bytes
@@ -191,8 +193,7 @@ class NoiseConn(Conn):
         stops both and is raised here, after the thread has ended."""
         frames = list(frames)
         if not self.pipeline or len(frames) < 3 or any(len(p) > MAX_RECORD for _, p in frames):
-            for head, piece in frames:
-                self.send_frame(head, piece)
+            super().send_frames(frames)
             return
         size = max(_record_bytes((h, p)) for h, p in frames)
         bufs, lens = (bytearray(size), bytearray(size)), [0, 0]
