@@ -13,18 +13,25 @@ control changed the run, :class:`ServerCheckpointer` serializes
   virtual node's ``Context.state``, so residuals and replicas come back too),
 
 and commits it with :meth:`fedswarm.store.Store.save_checkpoint`: one transaction, so a
-process killed at any instant leaves the previous checkpoint or the new one. A
-checkpoint is loaded with ``torch.load(weights_only=False)``: it holds Python objects, and it
-is trusted exactly as far as the store it comes from (whoever can write the store can
-change any run in it).
+process killed at any instant leaves the previous checkpoint or the new one.
+
+A checkpoint is read with ``torch.load(weights_only=True)`` and an explicit allowlist
+(:data:`SAFE_GLOBALS`): besides what PyTorch allows (tensors, plain containers), only the
+fedswarm, Flower, NumPy and ``random`` types that strategies' states hold may be named in it,
+so a checkpoint written into the store by someone else cannot run code in the process that
+resumes the run (a pickle that calls ``os.system`` is refused, naming the callable, before
+anything is called). The file format is unchanged: checkpoints written by earlier releases
+(``torch.save`` of the same dict) load as they are. PyTorch's restricted unpickler keeps its
+memo in a dict, so a pickle naming a huge memo index allocates nothing for it.
 """
 
 from __future__ import annotations
 
+import importlib
 import io
 import logging
 import pickle
-import types
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,17 +43,49 @@ from fedswarm.errors import CheckpointError
 from fedswarm.store import Store
 from fedswarm.strategies.resumable import rng_state, strategy_state
 
-__all__ = ["CHECKPOINT_FORMAT", "ServerCheckpoint", "ServerCheckpointer", "dumps", "loads",
-           "load_latest"]
+__all__ = ["CHECKPOINT_FORMAT", "SAFE_GLOBALS", "ServerCheckpoint", "ServerCheckpointer", "dumps", "loads",
+           "load_latest", "safe_globals"]
 
 log = logging.getLogger("fedswarm.server")
 
 CHECKPOINT_FORMAT = 1
-#: The unpickler :func:`loads` gives ``torch.load``: CPython's pure-Python one, whose memo is a
-#: dict. The C unpickler sizes its memo array by the largest index a pickle names, so one altered
-#: byte (a LONG_BINPUT index of ~1.5e9) made it allocate ~22 GB and take 30-40 s before the file was
-#: refused (found by ``scripts/fuzz --parser server_checkpoint``); here that file is refused in ~1 ms.
-_UNPICKLER = types.SimpleNamespace(__name__="pickle", Unpickler=pickle._Unpickler, load=pickle._load)
+#: The globals (beyond PyTorch's own weights-only set) a checkpoint may name: every type the
+#: strategies' states, the engine's client state and the RNG states hold, across all registered
+#: strategies (``torch.serialization.get_unsafe_globals_in_checkpoint`` of each one's checkpoint
+#: lists them; tests/test_resume.py resumes them). NumPy's own names are given for NumPy 2
+#: (``numpy._core``) and NumPy 1 (``numpy.core``) writers; both resolve to NumPy 2's objects.
+#: A name here is pickled by its module path: a class that moves must keep its old name here.
+SAFE_GLOBALS = (
+    "builtins.bytes",
+    "random.Random",
+    "numpy.ndarray",
+    "numpy.dtype",
+    "numpy._core.multiarray._reconstruct",
+    "numpy._core.multiarray.scalar",
+    "numpy.random._pcg64.PCG64",
+    "numpy.random._pickle.__bit_generator_ctor",
+    "numpy.random._pickle.__generator_ctor",
+    "numpy.random.bit_generator.SeedSequence",
+    "numpy.random.bit_generator.__pyx_unpickle_SeedSequence",
+    "flwr.app.message.array.Array",
+    "flwr.app.message.arrayrecord.ArrayRecord",
+    "flwr.app.message.arrayrecord._check_key",
+    "flwr.app.message.arrayrecord._check_value",
+    "flwr.app.message.configrecord.ConfigRecord",
+    "flwr.app.message.configrecord._check_key",
+    "flwr.app.message.configrecord._check_value",
+    "flwr.app.message.metricrecord.MetricRecord",
+    "flwr.app.message.metricrecord._check_key",
+    "flwr.app.message.metricrecord._check_value",
+    "fedswarm.payload.Payload",
+    "fedswarm.algorithms.compression.error_feedback.ErrorFeedbackState",
+    "fedswarm.algorithms.selection.hl.NodeStates",
+    "fedswarm.algorithms.selection.hl.QAgent",
+    "fedswarm.strategies.federated.compressed_sync.ReplicaSync",
+)
+_ALIASES = {"numpy.core.multiarray._reconstruct": "numpy._core.multiarray._reconstruct",
+            "numpy.core.multiarray.scalar": "numpy._core.multiarray.scalar"}
+_UNSAFE = re.compile(r"GLOBAL ([\w.]+)")  # how PyTorch's refusals name a global it does not allow
 #: Checkpoints kept per run (the newest, and the one before in case the newest is unreadable).
 KEEP = 2
 
@@ -84,11 +123,42 @@ def dumps(ck: ServerCheckpoint) -> bytes:
     return buf.getvalue()
 
 
+def _resolve(name: str) -> Any:
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+_allowed: list[tuple[Any, str]] = []
+
+
+def safe_globals() -> list[tuple[Any, str]]:
+    """:data:`SAFE_GLOBALS` (and their NumPy 1 names) as ``(object, name)`` pairs for
+    ``torch.serialization.safe_globals``; resolved once (an unknown name is a bug: it raises)."""
+    if not _allowed:
+        import numpy.dtypes
+
+        # np.dtype(...) unpickles into its concrete class (Float32DType...), which must be allowed to build
+        dtypes = [(cls, f"numpy.dtypes.{name}") for name, cls in vars(numpy.dtypes).items()
+                  if name.endswith("DType") and isinstance(cls, type)]
+        _allowed.extend([(_resolve(n), n) for n in SAFE_GLOBALS] + dtypes +
+                        [(_resolve(target), alias) for alias, target in _ALIASES.items()])
+    return _allowed
+
+
 def loads(data: bytes) -> ServerCheckpoint:
+    """The checkpoint in ``data``; :class:`CheckpointError` in one line when it cannot be read or
+    names a callable outside :data:`SAFE_GLOBALS` (refused before anything in it is called)."""
     try:
-        raw = torch.load(io.BytesIO(data), weights_only=False, pickle_module=_UNPICKLER)
+        with torch.serialization.safe_globals(safe_globals()):
+            raw = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        unsafe = _UNSAFE.search(str(exc))
+        if unsafe:
+            raise CheckpointError(f"the checkpoint names {unsafe.group(1)}, which no fedswarm checkpoint holds: "
+                                  f"refused without running it (was the store written by someone else?)") from None
+        raise CheckpointError(f"the checkpoint cannot be read (UnpicklingError: {_why(exc)})") from None
     except Exception as exc:  # a truncated or foreign blob: say what it is, not a pickle trace
-        raise CheckpointError(f"the checkpoint cannot be read ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(f"the checkpoint cannot be read ({type(exc).__name__}: {_first_line(exc)})") from None
     if not isinstance(raw, dict) or raw.get("format") != CHECKPOINT_FORMAT:
         got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
         raise CheckpointError(f"checkpoint format {got!r}, this fedswarm reads format {CHECKPOINT_FORMAT}")
@@ -102,6 +172,20 @@ def loads(data: bytes) -> ServerCheckpoint:
     return ServerCheckpoint(round=raw["round"], arrays=arrays, strategy=raw["strategy"], rng=raw["rng"],
                             policies=raw["policies"], grid=raw["grid"], byzantine=raw["byzantine"],
                             strategy_name=raw["strategy_name"])
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
+_BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the documentation")
+
+
+def _why(exc: BaseException) -> str:
+    """What PyTorch's weights-only unpickler objected to, without the advice around it."""
+    lines = [line.strip().removeprefix("WeightsUnpickler error:").strip() for line in str(exc).splitlines()]
+    lines = [line for line in lines if line and not line.startswith(_BOILERPLATE)]
+    return lines[0][:300] if lines else _first_line(exc)
 
 
 def _named_arrays(v: Any) -> bool:

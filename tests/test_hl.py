@@ -271,6 +271,8 @@ def test_dqn_agent_checkpoint_continues_exactly_where_it_stopped():
     import copy
     import io
 
+    from fedswarm.server.checkpoint import safe_globals
+
     rng = np.random.default_rng(0)
     transitions = [(rng.normal(size=6), i % 4, float(rng.normal()), rng.normal(size=6), i % 5 == 0) for i in range(40)]
     a = DQNAgent(4, 6, seed=1, batch=8, fit_batch=4, replay=20, epsilon_decay=1.0)
@@ -283,7 +285,8 @@ def test_dqn_agent_checkpoint_continues_exactly_where_it_stopped():
     torch.save(state, buf)  # as the checkpoint writes it
     frozen = copy.deepcopy(state)
     b = DQNAgent(4, 6, seed=99, batch=8, fit_batch=4, replay=20)
-    b.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+    with torch.serialization.safe_globals(safe_globals()):  # as the checkpoint reads it
+        b.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
     assert len(b.memory) == 20 and b.epsilon == a.epsilon and b.episodes == a.episodes
     for t in transitions[30:]:
         for agent in (a, b):
