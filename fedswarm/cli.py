@@ -14,7 +14,7 @@ from typing import Any, Optional
 import typer
 
 from fedswarm.cli_common import DB_HELP, VERBOSE_HELP, console, fail, log_file_for, route_logs, say_log_file
-from fedswarm.cli_serve import client, dashboard
+from fedswarm.cli_serve import client, dashboard, rekey
 from fedswarm.config import RunConfig, load_config
 from fedswarm.errors import ConfigError
 from fedswarm.extras import check_run_extras
@@ -452,6 +452,7 @@ def bench(
 
 
 app.command()(dashboard)
+app.command()(rekey)
 
 
 def _mount_swarm() -> None:

@@ -1,5 +1,6 @@
 """``fedswarm client`` and ``fedswarm dashboard``: the two long-running services a deployment
-starts (a Flower SuperNode running fedswarm's ClientApp, and the web dashboard). Mounted on
+starts (a Flower SuperNode running fedswarm's ClientApp, and the web dashboard), and
+``fedswarm rekey``, which re-seals the dashboard's webhook secrets under a new key. Mounted on
 the ``fedswarm`` app by :mod:`fedswarm.cli`."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import typer
 
 from fedswarm.cli_common import DB_HELP, fail
 
-__all__ = ["client", "dashboard"]
+__all__ = ["client", "dashboard", "rekey"]
 
 
 def client(
@@ -153,7 +154,13 @@ def dashboard(
     """Open the web dashboard: start, watch, pause and stop runs; see every node.
 
     The admin account is created at first start: its password is $FEDSWARM_ADMIN_PASSWORD,
-    or a generated one printed once. The API reference is at /docs (served offline)."""
+    or a generated one printed once. The API reference is at /docs (served offline).
+
+    Webhook secrets are kept in the store sealed (AES-GCM) under a key outside it:
+    $FEDSWARM_SECRET_KEY (which also signs cookies; give every dashboard of one store the same),
+    else the key file $FEDSWARM_SECRET_KEY_FILE, by default $XDG_CONFIG_HOME/fedswarm/secret.key
+    (~/.config/fedswarm/secret.key), made with mode 0600 at first start. A store copied without
+    that key yields no secret; `fedswarm rekey` moves the secrets to a new key."""
     if (certfile is None) != (keyfile is None):
         fail("--certfile and --keyfile go together")
     from fedswarm.extras import MissingExtra, require
@@ -170,7 +177,50 @@ def dashboard(
         proxy_options(behind_proxy, trusted_proxies)
     except ValueError as exc:
         fail(f"--trusted-proxies: {exc}")
-    run_dashboard(host=host, port=port, db=db, superlink=superlink, https=https, behind_proxy=behind_proxy,
-                  trusted_proxies=trusted_proxies,
-                  certfile=str(certfile) if certfile else None, keyfile=str(keyfile) if keyfile else None,
-                  report_timeout_s=report_timeout)
+    from fedswarm.web.secret_box import SecretKeyError
+
+    try:
+        run_dashboard(host=host, port=port, db=db, superlink=superlink, https=https, behind_proxy=behind_proxy,
+                      trusted_proxies=trusted_proxies,
+                      certfile=str(certfile) if certfile else None, keyfile=str(keyfile) if keyfile else None,
+                      report_timeout_s=report_timeout)
+    except SecretKeyError as exc:
+        fail(str(exc))
+
+
+def rekey(
+    new_key_file: Optional[Path] = typer.Option(None, "--new-key-file", help=(
+        "The new key: this file's content (made with a fresh key and mode 0600 if it does not exist); "
+        "$FEDSWARM_NEW_SECRET_KEY instead when set.")),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+) -> None:
+    """Re-seal every webhook secret in the store under a new key, in one transaction.
+
+    The current key is the dashboard's: $FEDSWARM_SECRET_KEY, else the key file
+    ($FEDSWARM_SECRET_KEY_FILE, by default $XDG_CONFIG_HOME/fedswarm/secret.key). Stop the
+    dashboards first; then start them with the new key (FEDSWARM_SECRET_KEY_FILE=NEW_KEY_FILE, or
+    the file moved to the default place, or $FEDSWARM_SECRET_KEY set to the new key). The secrets
+    themselves do not change: receivers need nothing new."""
+    from fedswarm.store import Store
+    from fedswarm.web.secret_box import SecretBox, SecretKeyError, SecretUnavailable, load_box, reseal_all
+
+    try:
+        old = load_box(os.environ.get("FEDSWARM_SECRET_KEY"), create=False)
+        new_env = os.environ.get("FEDSWARM_NEW_SECRET_KEY")
+        if new_env:
+            new = SecretBox(new_env, "$FEDSWARM_NEW_SECRET_KEY")
+        elif new_key_file is not None:
+            new = load_box(key_file=new_key_file)
+        else:
+            fail("give the new key: --new-key-file PATH or $FEDSWARM_NEW_SECRET_KEY")
+    except SecretKeyError as exc:
+        fail(str(exc))
+    if new.key_id == old.key_id:
+        fail(f"the new key is the current one ({old.source})")
+    store = Store(db)
+    try:
+        n = reseal_all(store, old, new)
+    except SecretUnavailable as exc:
+        fail(f"nothing changed: {exc}", code=1)
+    typer.echo(f"re-sealed {n} webhook secret(s) of {store.url} under key {new.key_id} ({new.source}); "
+               f"start the dashboards with that key")

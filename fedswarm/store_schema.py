@@ -200,14 +200,16 @@ CONTROL_KINDS = ("pause", "resume", "stop", "add_rounds", "policy")
 
 class Webhook(Base):
     """A URL the dashboard POSTs signed JSON to when a run ends, is lost, reaches its privacy
-    budget, or a node goes offline (:mod:`fedswarm.web.webhooks`). ``secret`` is the HMAC key,
-    kept in clear because signing needs it."""
+    budget, or a node goes offline (:mod:`fedswarm.web.webhooks`). ``secret_sealed`` is the HMAC
+    key sealed with AES-GCM under a key kept outside the store (:mod:`fedswarm.web.secret_box`);
+    ``secret`` held it in clear before, and is emptied when a dashboard first starts on the store."""
 
     __tablename__ = "webhooks"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     url: Mapped[str] = mapped_column(Text)
-    secret: Mapped[str] = mapped_column(String(128))
+    secret: Mapped[str] = mapped_column(String(128), default="")  # clear text of stores before sealing
+    secret_sealed: Mapped[str | None] = mapped_column(Text)
     events: Mapped[list] = mapped_column(JSON, default=list)
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)

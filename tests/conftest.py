@@ -42,10 +42,14 @@ def store(tmp_path):
 
 @pytest.fixture(autouse=True, scope="session")
 def _state_home(tmp_path_factory):
-    """A run without --out writes Flower's log under $XDG_STATE_HOME (fedswarm.cli_common.log_file_for):
-    the session's own folder, inherited by the processes tests start, not the user's home."""
+    """A run without --out writes Flower's log under $XDG_STATE_HOME (fedswarm.cli_common.log_file_for),
+    and a dashboard makes its secret key file under $XDG_CONFIG_HOME (fedswarm.web.secret_box): the
+    session's own folders, inherited by the processes tests start, not the user's home."""
     patch = pytest.MonkeyPatch()
     patch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+    patch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
+    patch.delenv("FEDSWARM_SECRET_KEY", raising=False)
+    patch.delenv("FEDSWARM_SECRET_KEY_FILE", raising=False)
     yield
     patch.undo()
 

@@ -1,5 +1,7 @@
 """/api/webhooks (admin only) and the webhook forms of the admin page: register a URL with the
-events to send, change or delete it, and read its deliveries (:mod:`fedswarm.web.webhooks`)."""
+events to send, change or delete it, give it a new secret, and read its deliveries
+(:mod:`fedswarm.web.webhooks`). A secret is shown once, when it is made; the store keeps it sealed
+(:mod:`fedswarm.web.secret_box`)."""
 
 from __future__ import annotations
 
@@ -54,6 +56,13 @@ class WebhookIn(_WebhookFields):
     enabled: bool = True
 
 
+class SecretIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    secret: str | None = Field(None, min_length=16, max_length=128,
+                               description="the new HMAC-SHA256 key (default: a generated one, shown once)")
+
+
 class WebhookPatch(_WebhookFields):
     url: str | None = Field(None, max_length=2000)
     events: list[EventName] | None = Field(None, min_length=1, max_length=len(EVENTS))
@@ -100,9 +109,10 @@ def _get(store: Store, webhook_id: int) -> Webhook:
 def create(ctx: WebContext, body: WebhookIn, actor: str) -> WebhookCreated:
     secret = body.secret or secrets.token_urlsafe(32)
     with ctx.store.session() as s:
-        hook = Webhook(url=body.url, secret=secret, events=list(body.events), enabled=body.enabled, created_by=actor)
+        hook = Webhook(url=body.url, events=list(body.events), enabled=body.enabled, created_by=actor)
         s.add(hook)
-        s.flush()
+        s.flush()  # the id, which the sealed secret is bound to
+        hook.secret_sealed = ctx.secrets.seal(secret, hook.id)
         out = WebhookCreated(**WebhookOut.model_validate(hook).model_dump(), secret=secret)
     ctx.store.add_event(None, "webhook.created", f"webhook {out.id} for {', '.join(out.events)} created",
                         actor=actor)
@@ -173,6 +183,23 @@ def change_webhook(body: WebhookPatch, webhook_id: int = WebhookId, p: Principal
         s.flush()
         out = WebhookOut.model_validate(hook)
     ctx.store.add_event(None, "webhook.changed", f"webhook {webhook_id} changed", actor=p.name)
+    return out
+
+
+@router.post("/{webhook_id}/secret", response_model=WebhookCreated, responses=ERRORS)
+def rotate_secret(body: SecretIn | None = None, webhook_id: int = WebhookId, p: Principal = Depends(require_admin),
+                  ctx: WebContext = Depends(get_ctx)):
+    """Give the webhook a new secret (the one in the body, else a generated one), shown in this
+    answer only. Deliveries from now on are signed with it, retries of earlier ones too."""
+    secret = (body.secret if body else None) or secrets.token_urlsafe(32)
+    with ctx.store.session() as s:
+        hook = s.get(Webhook, webhook_id)
+        if hook is None:
+            raise HTTPException(404, f"no webhook {webhook_id}")
+        hook.secret_sealed, hook.secret = ctx.secrets.seal(secret, webhook_id), ""
+        s.flush()
+        out = WebhookCreated(**WebhookOut.model_validate(hook).model_dump(), secret=secret)
+    ctx.store.add_event(None, "webhook.secret_rotated", f"webhook {webhook_id} has a new secret", actor=p.name)
     return out
 
 

@@ -40,6 +40,7 @@ from fedswarm.web.middleware import SecurityHeaders
 from fedswarm.web.ratelimit import IngestQuota, LoginThrottle
 from fedswarm.web.runs_service import RunService
 from fedswarm.web.schemas import clean, json_depth_ok
+from fedswarm.web.secret_box import load_box, seal_clear_secrets
 from fedswarm.web.settings import Settings
 from fedswarm.web.webhooks import Webhooks
 
@@ -81,6 +82,9 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
     settings = Settings.build(db_url, runs_dir, **kw)
     store = Store(settings.db_url)
     migrate(store.engine)  # the web tables and columns, if the store was made before them
+    box = load_box(settings.secret_key, settings.secret_key_file)  # the key file is made at first start
+    if sealed := seal_clear_secrets(store, box):
+        announce(f"fedswarm dashboard: sealed {sealed} webhook secret(s) kept in clear by an older fedswarm")
     accounts = Accounts(store, settings.session_hours, settings.token_days)
     generated = accounts.ensure_admin(settings.admin_password)
     if generated:
@@ -92,8 +96,8 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
                      federation=Federation(settings), key=accounts.signing_key(settings.secret_key),
                      templates=Jinja2Templates(directory=str(HERE / "templates")),
                      quota=IngestQuota(settings.ingest_per_minute, settings.ingest_bytes_per_hour),
-                     throttle=LoginThrottle(), cache=ResponseCache(store))
-    hooks = Webhooks(store, settings)
+                     throttle=LoginThrottle(), cache=ResponseCache(store), secrets=box)
+    hooks = Webhooks(store, settings, box)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -28,6 +28,7 @@ from fedswarm.web.live import Hub
 from fedswarm.web.ratelimit import IngestQuota, LoginThrottle, QuotaExceeded
 from fedswarm.web.runs_service import RunService
 from fedswarm.web.schemas import RUN_ID_PATTERN
+from fedswarm.web.secret_box import SecretBox
 from fedswarm.web.settings import Settings
 
 __all__ = ["WebContext", "get_ctx", "principal", "require_reader", "require_admin", "require_reporter",
@@ -55,6 +56,7 @@ class WebContext:
     quota: IngestQuota
     throttle: LoginThrottle
     cache: ResponseCache
+    secrets: SecretBox  # seals and opens the webhook secrets kept in the store
 
     def csrf(self, p: Principal | None) -> str | None:
         return security.csrf_token(self.key, p.session_id) if p and p.session_id else None

@@ -34,6 +34,9 @@ class Settings:
     flwr_app_dir: Path | None = None
     admin_password: str | None = None
     secret_key: str | None = None
+    # The key file that seals webhook secrets when no secret_key is given (fedswarm.web.secret_box;
+    # None: $FEDSWARM_SECRET_KEY_FILE, else $XDG_CONFIG_HOME/fedswarm/secret.key).
+    secret_key_file: Path | None = None
     session_hours: float = 12.0
     poll_interval_s: float = 0.3
     # Served over HTTPS (directly or behind a TLS-terminating proxy): cookies get ``Secure``

@@ -45,6 +45,7 @@ from fedswarm.web.node_states import DOWN_STATUSES, FLEET_KINDS, online_clause
 from fedswarm.web.fleet import ONLINE_WINDOW_S
 from fedswarm.web.queries import stats_for
 from fedswarm.web.run_state import LIVE_STATUSES, is_remote, lost_reason, shown_status, timeout_of
+from fedswarm.web.secret_box import SecretBox, SecretUnavailable
 
 __all__ = ["EVENTS", "Notice", "Webhooks", "sign", "check_url", "SIGNATURE_HEADER"]
 
@@ -115,8 +116,8 @@ def _payload(event: str, occurred: dt.datetime, message: str, **parts: Any) -> d
 class Webhooks:
     """The watcher and sender threads of one dashboard (started and stopped with its lifespan)."""
 
-    def __init__(self, store: Store, settings: Any):
-        self.store, self.settings = store, settings
+    def __init__(self, store: Store, settings: Any, box: SecretBox):
+        self.store, self.settings, self.box = store, settings, box
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -298,10 +299,15 @@ class Webhooks:
 
     def _post(self, d: WebhookDelivery, h: Webhook) -> None:
         body = body_of({**d.payload, "delivery_id": d.id})
-        headers = {"Content-Type": "application/json", SIGNATURE_HEADER: sign(h.secret, body),
+        code, error = None, None
+        try:
+            secret = self.box.open(h.secret_sealed, h.id)
+        except SecretUnavailable as exc:  # nothing unsigned or wrongly signed is sent
+            self._record(d, None, f"not sent: {exc}", final=True)
+            return
+        headers = {"Content-Type": "application/json", SIGNATURE_HEADER: sign(secret, body),
                    "X-Fedswarm-Event": d.event, "X-Fedswarm-Delivery": str(d.id),
                    "User-Agent": f"fedswarm/{fedswarm.__version__}"}
-        code, error = None, None
         try:
             req = urllib.request.Request(h.url, data=body, headers=headers, method="POST")
             with self._opener.open(req, timeout=self.settings.webhook_timeout_s) as r:
@@ -313,11 +319,14 @@ class Webhooks:
             error = f"{type(exc).__name__}: {exc}"[:500]
         if code is not None and not 200 <= code < 300:
             error = f"answered {code}"
+        self._record(d, code, error)
+
+    def _record(self, d: WebhookDelivery, code: int | None, error: str | None, final: bool = False) -> None:
         attempts = d.attempts + 1
         fields: dict[str, Any] = {"last_code": code, "last_error": error}
         if error is None:
             fields.update(status="delivered", delivered_at=_now())
-        elif attempts >= self.settings.webhook_attempts:
+        elif final or attempts >= self.settings.webhook_attempts:
             fields.update(status="failed")
         else:
             delay = self.settings.webhook_backoff_s * 2 ** (attempts - 1)
