@@ -28,7 +28,7 @@ import fedswarm
 from fedswarm.store import Store, migrate
 from fedswarm.web import auth_models  # noqa: F401  (registers the web tables on Base)
 from fedswarm.web import api_admin, api_ingest, api_nodes, api_runs, docs, pages_compare, pages_misc, pages_runs
-from fedswarm.web import api_export, api_webhooks, metrics, pages_nodes
+from fedswarm.web import api_export, api_webhooks, metrics, openapi, pages_nodes
 from fedswarm.web.accounts import Accounts
 from fedswarm.web.cache import ResponseCache
 from fedswarm.web.catalog import Catalog
@@ -117,8 +117,10 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
     app = FastAPI(title="fedswarm dashboard", version=fedswarm.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None,  # /docs is served offline by fedswarm.web.docs
                   description="Start, watch and steer federated and decentralized runs. "
-                              "Authenticate with the session cookie (plus X-CSRF-Token on writes) "
-                              "or `Authorization: Bearer <token>`.")
+                              "Authenticate with `Authorization: Bearer <token>` (an API token), or the "
+                              "session cookie plus `X-CSRF-Token` on writes (never on GET, HEAD, OPTIONS); "
+                              "the security schemes below say which each operation takes.")
+    openapi.install(app)  # /openapi.json with the security schemes
     app.state.ctx = ctx
     app.state.metrics = metrics.Metrics(ctx)
     app.state.webhooks = hooks

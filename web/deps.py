@@ -1,9 +1,10 @@
 """FastAPI dependencies: the app context, who is asking, and what they may do.
 
 API requests authenticate with ``Authorization: Bearer <token>`` or the session cookie;
-cookie-authenticated writes must also send ``X-CSRF-Token`` (pages get it from a meta tag),
-so another site cannot make a logged-in browser change anything. Page forms carry the same
-token in a ``csrf_token`` field.
+cookie-authenticated writes (any method but GET, HEAD and OPTIONS) must also send
+``X-CSRF-Token`` (pages get it from a meta tag), so another site cannot make a logged-in
+browser change anything; safe methods never need it. Page forms carry the same token in a
+``csrf_token`` field. The OpenAPI document declares these schemes (:mod:`fedswarm.web.openapi`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, quote
 
-from fastapi import Depends, HTTPException, Path, Request
+from fastapi import Depends, HTTPException, Path, Request, Security
+from fastapi.security import APIKeyCookie, HTTPBearer
 from starlette.datastructures import UploadFile
 from starlette.templating import Jinja2Templates
 
@@ -33,12 +35,22 @@ from fedswarm.web.settings import Settings
 
 __all__ = ["WebContext", "get_ctx", "principal", "require_reader", "require_admin", "require_reporter",
            "authorize_run", "ingest_run", "page_user", "page_admin_form", "read_form", "LoginRequired",
-           "SESSION_COOKIE", "RunIdPath"]
+           "SESSION_COOKIE", "CSRF_HEADER", "SAFE_METHODS", "RunIdPath"]
 
 # Every run id in a path is checked against this before anything reads a file or the store.
 RunIdPath = Path(pattern=RUN_ID_PATTERN, description="a run id, as listed by GET /api/runs")
 
 SESSION_COOKIE = "fedswarm_session"
+CSRF_HEADER = "X-CSRF-Token"
+#: Methods that change nothing: a cookie-authenticated request needs no CSRF token for them.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# The schemes the OpenAPI document declares (fedswarm.web.openapi); as dependencies they only
+# name the credentials a route takes, the principal is read below.
+BEARER = HTTPBearer(auto_error=False, scheme_name="bearerToken",
+                    description="An API token (admin page, API tokens): `Authorization: Bearer <token>`.")
+COOKIE = APIKeyCookie(name=SESSION_COOKIE, auto_error=False, scheme_name="sessionCookie",
+                      description="The session cookie a browser gets by logging in at /login; writes also send "
+                                  "X-CSRF-Token (scheme csrfHeader).")
 MAX_FORM_BYTES = 256_000
 
 
@@ -68,7 +80,19 @@ async def get_ctx(request: Request) -> WebContext:
     return request.app.state.ctx
 
 
-async def principal(request: Request, ctx: WebContext = Depends(get_ctx)) -> Principal | None:
+async def principal(request: Request, ctx: WebContext = Depends(get_ctx), _token: Any = Security(BEARER),
+                    _cookie: Any = Security(COOKIE)) -> Principal | None:
+    """Who sends the request: an API token's principal or a logged-in user's (None: nobody)."""
+    return await _principal(request, ctx)
+
+
+async def token_principal(request: Request, ctx: WebContext = Depends(get_ctx),
+                          _token: Any = Security(BEARER)) -> Principal | None:
+    """Like :func:`principal`, for routes that take an API token only (declared so in OpenAPI)."""
+    return await _principal(request, ctx)
+
+
+async def _principal(request: Request, ctx: WebContext) -> Principal | None:
     auth = request.headers.get("authorization")
     if auth:
         scheme, _, token = auth.partition(" ")
@@ -96,12 +120,13 @@ async def require_admin(request: Request, p: Principal = Depends(require_reader)
                         ctx: WebContext = Depends(get_ctx)) -> Principal:
     if not p.is_admin:
         raise HTTPException(403, f"'{p.name}' is a {p.role}; this needs the admin role")
-    if p.session_id and not security.check_csrf(ctx.key, p.session_id, request.headers.get("x-csrf-token")):
-        raise HTTPException(403, "missing or wrong X-CSRF-Token header for a cookie-authenticated write")
+    if (p.session_id and request.method not in SAFE_METHODS
+            and not security.check_csrf(ctx.key, p.session_id, request.headers.get(CSRF_HEADER))):
+        raise HTTPException(403, f"missing or wrong {CSRF_HEADER} header for a cookie-authenticated write")
     return p
 
 
-async def require_reporter(request: Request, p: Principal | None = Depends(principal),
+async def require_reporter(request: Request, p: Principal | None = Depends(token_principal),
                            ctx: WebContext = Depends(get_ctx)) -> Principal:
     """A reporter or admin API token within its ingest quota (429 with Retry-After past it)."""
     if p is None:

@@ -5,7 +5,8 @@ Each app has its own :class:`~prometheus_client.CollectorRegistry` (tests build 
 one process). What it exports:
 
 * ``fedswarm_runs{status}``: runs by the status a viewer sees (``lost``, ``degraded`` included);
-* ``fedswarm_rounds_recorded``: round rows in the store;
+* ``fedswarm_rounds_recorded``: training rounds recorded in the store (round 0, the initial
+  evaluation, is not a round);
 * ``fedswarm_nodes{state,device_class}``: nodes online/offline (:mod:`fedswarm.web.node_states`);
 * ``fedswarm_ingest_requests_total{route}`` and ``fedswarm_ingest_rejections_total{reason}``:
   calls to ``/api/ingest`` and the ones refused, by reason
@@ -15,6 +16,9 @@ one process). What it exports:
   by route template (``/api/runs/{run_id}``; never a raw URL), and
   ``fedswarm_http_requests_total{method,route,status}``;
 * ``fedswarm_sse_subscribers``: open live-update streams.
+
+Counters and histograms export no ``_created`` series (``disable_created_metrics``, for the
+process: the dashboard's registries are its only ones), which would double the series for nothing.
 
 The store-derived figures are aggregate queries, recomputed at most every ``cache_s``; the
 text is rendered at most every ``render_s`` (1 s), in a thread, while scrapes get the last one.
@@ -31,7 +35,8 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, disable_created_metrics,
+                               generate_latest)
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
 from starlette.routing import Match
@@ -48,6 +53,7 @@ from fedswarm.web.run_state import LIVE_STATUSES, Health, lost_reason, shown_sta
 __all__ = ["Metrics", "HttpMetrics", "router", "run_status_counts", "leaf_routes"]
 
 log = logging.getLogger(__name__)
+disable_created_metrics()
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 UNMATCHED = "(unmatched)"
 router = APIRouter()
@@ -86,7 +92,7 @@ class _StoreCollector:
                 now = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
                 with self.ctx.store.session() as s:
                     runs = run_status_counts(s, self.ctx.settings.report_timeout_s)
-                    rounds = int(s.scalar(select(func.count()).select_from(Round)) or 0)
+                    rounds = int(s.scalar(select(func.count()).select_from(Round).where(Round.round > 0)) or 0)
                     nodes = node_state_counts(s, now)
                 self._snap, self._at = (runs, rounds, nodes), time.monotonic()
             return self._snap
@@ -98,7 +104,8 @@ class _StoreCollector:
         for status, n in sorted(runs.items()):
             g.add_metric([status], n)
         yield g
-        yield GaugeMetricFamily("fedswarm_rounds_recorded", "Rounds recorded in the store.", value=rounds)
+        yield GaugeMetricFamily("fedswarm_rounds_recorded", "Training rounds recorded in the store (round 0, the "
+                                "initial evaluation, not counted).", value=rounds)
         g = GaugeMetricFamily("fedswarm_nodes", "Nodes by state and device class: fleet nodes (supernode, peer) "
                               "and simulated nodes of live runs.", labels=["state", "device_class"])
         for (state, dc), n in sorted(nodes.items()):

@@ -122,6 +122,18 @@ def test_csrf_required_for_cookie_writes(app, admin):
     assert admin.post(f"/api/runs/{rid}/pause", headers={"X-CSRF-Token": csrf}).status_code == 200
 
 
+def test_safe_methods_never_need_the_csrf_header(app, admin):
+    """An admin's cookie-authenticated GET, HEAD or OPTIONS of an admin-only route needs no
+    X-CSRF-Token (it changes nothing); a write to the same route still does."""
+    admin.headers.pop("X-CSRF-Token")
+    for path in ("/api/webhooks", "/api/users", "/api/tokens"):
+        assert admin.get(path).status_code == 200, path
+        assert admin.head(path).status_code in (200, 405), path  # 405: no HEAD route, never a CSRF 403
+        assert admin.options(path).status_code in (200, 405), path
+    r = admin.post("/api/webhooks", json={"url": "http://127.0.0.1:9/h", "events": ["run.failed"]})
+    assert r.status_code == 403 and "X-CSRF-Token" in r.json()["detail"]
+
+
 def test_login_form_needs_its_csrf_cookie_and_right_password(app):
     c = TestClient(app)
     r = c.post("/login", data={"username": "admin", "password": ADMIN_PW, "csrf_token": "forged"})

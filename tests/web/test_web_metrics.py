@@ -42,6 +42,7 @@ def _seed(store) -> None:
     store.create_run({}, run_id="allfail", status="finished")
     store.add_round("allfail", 1)
     store.add_node_rounds("allfail", 1, [{"node_id": "x", "status": "failed"}])  # every node failed: failed
+    store.add_round("done", 0)  # the initial evaluation: not a round
     store.add_round("done", 1)
     store.add_round("done", 2)
     store.upsert_node("sn1", kind="supernode", device_class="gpu")
@@ -63,7 +64,7 @@ def test_metrics_count_runs_rounds_nodes(app, viewer):
     runs = {dict(k[1])["status"]: v for k, v in m.items() if k[0] == "fedswarm_runs"}
     assert runs == {"pending": 0, "running": 1, "paused": 0, "finished": 1, "failed": 1, "stopped": 1,
                     "lost": 2, "degraded": 0}
-    assert m[("fedswarm_rounds_recorded", ())] == 3
+    assert m[("fedswarm_rounds_recorded", ())] == 3  # rounds 1 and 2 of "done", 1 of "allfail"; not round 0
     nodes = {(dict(k[1])["state"], dict(k[1])["device_class"]): v for k, v in m.items() if k[0] == "fedswarm_nodes"}
     assert nodes == {("online", "gpu"): 2, ("offline", "edge-wifi"): 1, ("offline", "unknown"): 1,
                      ("online", "cpu"): 1}
@@ -99,6 +100,9 @@ def test_http_latency_by_route_template_and_ingest_rejections(app, admin):
     assert rej["rate_limited"] == 0
     assert m[("fedswarm_sse_subscribers", ())] == 1
     app.state.ctx.hub.unsubscribe(None, q)
+    # Counters and histograms have samples, and none of them is a _created timestamp.
+    assert any(k[0].endswith("_total") for k in m) and any(k[0].endswith("_bucket") for k in m)
+    assert [k for k in m if k[0].endswith("_created")] == []
 
 
 def test_metrics_need_a_reader_and_each_app_has_its_own_registry(tmp_path, anon, app):
