@@ -4,7 +4,9 @@
 old checkpoint (``os.replace`` is atomic on POSIX), so a peer killed at any instant leaves
 either the previous or the new checkpoint, never half of one. ``load`` returns None when
 there is none, and :class:`CheckpointError` when it cannot be used. Tensors go through
-``torch.save``; everything else must be plain data.
+``torch.save``; everything else must be plain data: it is read with
+``torch.load(weights_only=True)`` and no globals beyond PyTorch's own, so a file that names any
+other callable (``os.system`` through ``__reduce__``, say) is refused before anything is called.
 """
 
 from __future__ import annotations
