@@ -61,6 +61,7 @@ VARIANTS = ("plain", "now")  # measured in this order on each endpoint
 _SERVE = ("import sys, uvicorn; from fedswarm.web.app import create_app; "
           "now = sys.argv[4] == 'now'; "
           "app = create_app(sys.argv[1], admin_password='bench-password-1', catalog_cmd=['true'], "
+          "secret_key_file=sys.argv[1] + '.secret-key', "  # beside the bench's store, not the user's key file
           "poll_interval_s=float(sys.argv[3]), freeze_gc=now, cached_reads=now); "
           "uvicorn.run(app, host='127.0.0.1', port=int(sys.argv[2]), log_level='warning', "
           "timeout_graceful_shutdown=2, proxy_headers=False)")  # as `fedswarm dashboard` without --behind-proxy

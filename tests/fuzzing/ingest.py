@@ -42,6 +42,7 @@ def _client() -> TestClient:
         tmp = Path(tempfile.mkdtemp(prefix="fedswarm-fuzz-ingest-"))
         atexit.register(shutil.rmtree, tmp, True)
         app = create_app(str(tmp / "store.db"), runs_dir=tmp / "runs", admin_password="admin-password-1",
+                         secret_key_file=tmp / "secret.key",  # not the user's key file
                          runner=[sys.executable, "-c", "pass"], catalog_cmd=[sys.executable, "-c", "print('{}')"],
                          announce=lambda _: None, ingest_per_minute=10**9, ingest_bytes_per_hour=10**15)
         _, token = app.state.ctx.accounts.create_token("fuzz-reporter", "reporter", None, "test")
