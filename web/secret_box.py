@@ -143,13 +143,16 @@ def _write_key_file(path: Path) -> None:
 def seal_clear_secrets(store: Store, box: SecretBox) -> int:
     """Seal, in place, the secrets an older fedswarm kept in clear (``webhooks.secret``); returns
     how many. Each row is updated only if it still holds that clear secret and no sealed one, so
-    two dashboards starting at once seal it once."""
+    two dashboards starting at once seal it once. On SQLite the update runs with
+    ``secure_delete``, so the clear text's old bytes are overwritten, not left in free space."""
     with store.session() as s:
         rows = s.execute(select(Webhook.id, Webhook.secret).where(
             Webhook.secret_sealed.is_(None), Webhook.secret != "")).all()
     done = 0
     for row_id, clear in rows:
         with store.session() as s:
+            if store.engine.dialect.name == "sqlite":
+                s.connection().exec_driver_sql("PRAGMA secure_delete = ON")
             done += s.execute(update(Webhook).where(
                 Webhook.id == row_id, Webhook.secret == clear, Webhook.secret_sealed.is_(None)).values(
                 secret="", secret_sealed=box.seal(clear, row_id))).rowcount
