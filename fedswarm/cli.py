@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+import click
 import typer
+from typer.core import TyperCommand
 
 from fedswarm.cli_common import DB_HELP, VERBOSE_HELP, console, fail, log_file_for, route_logs, say_log_file
 from fedswarm.cli_serve import client, dashboard
@@ -19,6 +21,7 @@ from fedswarm.config import RunConfig, load_config
 from fedswarm.errors import ConfigError
 from fedswarm.extras import check_run_extras
 from fedswarm.kv import parse_items
+from fedswarm.sim.engines import engine_help
 
 app = typer.Typer(
     name="fedswarm",
@@ -56,11 +59,28 @@ def parse_policies(items: list[str] | None) -> dict[str, dict[str, Any]]:
 # --------------------------------------------------------------------------------------
 # sim
 # --------------------------------------------------------------------------------------
-@app.command(no_args_is_help=False)
+STRATEGY_HELP = "Strategy name (see `fedswarm strategies`). Default: fedavg."
+
+
+class SimCommand(TyperCommand):
+    """``fedswarm sim``: its ``--strategy`` and ``--engine`` help list the registered strategies,
+    read from the registry when the help is shown (loading every strategy module is not for every
+    command line)."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from fedswarm.strategies import registry
+
+        for param in self.params:
+            if param.name == "strategy":
+                param.help = STRATEGY_HELP.replace(")", f": {', '.join(registry.names())})", 1)
+            elif param.name == "engine":
+                param.help = engine_help()
+        super().format_help(ctx, formatter)
+
+
+@app.command(no_args_is_help=False, cls=SimCommand)
 def sim(
-    strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help=(
-        "Strategy name (see `fedswarm strategies`). Default: fedavg."
-    )),
+    strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help=STRATEGY_HELP),
     task: Optional[str] = typer.Option(None, "--task", "-t", help=(
         "Task: digits-mlp (default; progfed: digits-cnn4), digits-cnn, digits-cnn4, synthetic-logreg, mnist, cifar10, "
         "femnist (and their -resnet variants), or module:function."
@@ -82,15 +102,7 @@ def sim(
     lr: Optional[float] = typer.Option(None, "--lr", help="Client learning rate (default 0.3)."),
     momentum: Optional[float] = typer.Option(None, "--momentum", help="Client SGD momentum in [0, 1) (default 0)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for init, split and sampling (default 0)."),
-    engine: Optional[str] = typer.Option(None, "--engine", "-e", help=(
-        "inprocess (default, no Ray), flower (Flower's Simulation Engine on Ray), array (decentralized algorithms, "
-        "every node one row of an n-by-d tensor: fast, no Flower messages) or batched (every sampled client trained at"
-        " once with torch.func.vmap: 10,000+ clients per round; fedavg, compressed_fedavg, onebit, gtopk, pvt,"
-        " sketched_sgd, fetchsgd, gs_sgd, progfed and the robust rules median, trimmed_mean, krum, multikrum, bulyan,"
-        " signum) or clock (asynchronous algorithms on the virtual clock, --devices sets each node's speed: adpsgd"
-        " and prague always run there unless --set schedule=fixed, lsgd with --set mode=async)."
-        " See README 'Which engine when'."
-    )),
+    engine: Optional[str] = typer.Option(None, "--engine", "-e", help=engine_help(strategies=False)),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help=(
         "--engine batched: memory one chunk of clients may use, e.g. 2GB (default: a quarter of free RAM up to 8 GB, "
         "or half the free GPU memory)."
@@ -405,10 +417,18 @@ def strategies(
     as_json: bool = typer.Option(False, "--json", help=(
         "Print the catalog as JSON (the dashboard's form is built from it)."
     )),
+    markdown: bool = typer.Option(False, "--markdown", help=(
+        "Print the table of every strategy and what it can do (engines, --dp, --byzantine, policy keys) as Markdown: "
+        "the README's table."
+    )),
 ) -> None:
-    """Every registered strategy, codec and task, with hyperparameters and defaults."""
-    from fedswarm.sim.report import catalog, catalog_tables
+    """Every registered strategy, codec and task, with hyperparameters, defaults and what each
+    strategy can do (the engines that run it, --dp, --byzantine), from the strategy registry."""
+    from fedswarm.sim.report import catalog, catalog_tables, strategy_table
 
+    if markdown:
+        print(strategy_table(), end="")
+        return
     cat = catalog()
     if as_json:
         print(json.dumps(cat, indent=2, default=str))

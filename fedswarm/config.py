@@ -24,7 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fedswarm.errors import ConfigError
 
-__all__ = ["RunConfig", "TrainingSpec", "parse_partition", "load_config", "round_seed"]
+__all__ = ["RunConfig", "TrainingSpec", "EngineName", "parse_partition", "load_config", "round_seed"]
+
+#: The simulation engines' names, the values of :attr:`RunConfig.engine`. Each is one entry of
+#: ``fedswarm.sim.engines.ENGINES`` (what it runs, its help, its check), which refuses to load unless
+#: its names are these, in this order: the run config sits below the engines and cannot import them.
+EngineName = Literal["inprocess", "flower", "array", "batched", "clock"]
 
 
 def round_seed(seed: int, server_round: int, partition_id: int) -> int:
@@ -126,11 +131,11 @@ class RunConfig(TrainingSpec):
     )
     local_epochs: int = Field(2, ge=1, le=10_000, description="Local epochs per round.")
     momentum: float = Field(0.0, ge=0.0, lt=1.0, description="Client SGD momentum.")
-    engine: Literal["inprocess", "flower", "array", "batched", "clock"] = Field(
-        "inprocess", description="'inprocess' (no Ray, default), 'flower' (Flower's Simulation Engine), 'array' "
-        "(decentralized algorithms on [n, d] tensors, no Flower messages), 'batched' (all sampled clients "
-        "trained at once with torch.func.vmap) or 'clock' (asynchronous algorithms on the virtual clock: adpsgd, "
-        "prague, lsgd with mode=async)."
+    engine: EngineName = Field(
+        "inprocess", description="The simulation engine (`fedswarm sim --help` says what each runs): 'inprocess' "
+        "(no Ray, default), 'flower' (Flower's Simulation Engine), 'array' (decentralized algorithms on [n, d] "
+        "tensors), 'batched' (all sampled clients trained at once with torch.func.vmap) or 'clock' (asynchronous "
+        "algorithms on the virtual clock)."
     )
     memory_budget: str | None = Field(
         None, description="--engine batched: memory for one chunk of clients, e.g. '2GB' (default: a quarter "

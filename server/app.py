@@ -154,10 +154,15 @@ def build_strategy(cfg: RunConfig, layout: ParamLayout):
     bad combination fails (tolerance bounds, privacy budget, unsupported pairs) raised as
     one-line errors."""
     entry = registry.get(cfg.strategy)
-    if cfg.byzantine and entry.kind != "federated":
+    if cfg.byzantine and not entry.byzantine:
         raise ConfigError(f"--byzantine applies to federated strategies; '{cfg.strategy}' is {entry.kind}")
     if cfg.dp and entry.kind != "federated":
         raise ConfigError(f"--dp applies to federated strategies; '{cfg.strategy}' is {entry.kind}")
+    if cfg.dp and not entry.dp:
+        able = ", ".join(e.name for e in registry.entries(registered=True) if e.dp)
+        raise ConfigError(f"strategy '{cfg.strategy}' does not support --dp: its aggregate is not an average of "
+                          f"per-client vectors, so one client's influence is not bounded by the clip norm "
+                          f"(use {able})")
     if cfg.dp:
         require_accounting("--dp")
     params = registry.resolve_params(cfg.strategy, cfg.params)

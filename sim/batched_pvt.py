@@ -42,7 +42,7 @@ class PVTRounds:
         self.layout = run.trainer.layout
         self.strategy = build_strategy(run.cfg, self.layout)
         self.strategy.bind_notes(notes)
-        self.params = resolve_params("pvt", run.cfg.params)
+        self.params = resolve_params(run.cfg.strategy, run.cfg.params)
         self.model = model
         self.grid = NodeIds(run.cfg.clients)
 

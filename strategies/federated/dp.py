@@ -118,6 +118,7 @@ def attach_dp(strategy: Any, cfg: RunConfig) -> Any:
     """Give ``strategy`` the run's DP-FedAvg mechanism, or refuse clearly."""
     if not cfg.dp or isinstance(strategy, DPFedAvg):
         return strategy
+    from fedswarm.strategies import registry
     from fedswarm.strategies.federated.compressed_base import CompressedStrategy
 
     if isinstance(strategy, CompressedStrategy) and getattr(strategy, "supports_dp", False):
@@ -125,4 +126,4 @@ def attach_dp(strategy: Any, cfg: RunConfig) -> Any:
         return strategy
     raise ConfigError(f"strategy '{cfg.strategy}' does not support --dp: its aggregate is not an average of "
                       f"per-client vectors, so one client's influence is not bounded by the clip norm "
-                      f"(use fedavg, compressed_fedavg or onebit)")
+                      f"(use {', '.join(e.name for e in registry.entries(registered=True) if e.dp)})")
