@@ -222,13 +222,15 @@ def sim(
 
             for k in range(cfg.clients):
                 local_validation(cfg, k)
-        from fedswarm.sim.engines import check_config
+        from fedswarm.sim.engines import check_run
 
-        check_config(cfg)  # the engine's own check: a bad combination is one line (exit 2), not a failed run
+        # the engine's own check: a bad combination is one line (exit 2), not a failed run; the run
+        # takes the strategy it built
+        checked = check_run(cfg)
         check_run_extras(cfg)
     except ValueError as exc:  # ConfigError, or a client's LocalDataError
         fail(str(exc))
-    _run(cfg, verbose, log_file, db=db, run_id=run_id, out=out)
+    _run(cfg, verbose, log_file, db=db, run_id=run_id, out=out, checked=checked)
 
 
 def _run(cfg: RunConfig, verbose: bool, log_file: Path, **kwargs: Any) -> None:

@@ -61,6 +61,7 @@ from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.params import get_flat
 from fedswarm.policy import PolicyBook
+from fedswarm.server.app import PreparedStrategy, strategy_for
 from fedswarm.server.metered_grid import Traffic
 from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
 from fedswarm.sim.batched_memory import available_ram, default_memory_budget, parse_memory_budget
@@ -126,12 +127,7 @@ def check_supported(cfg: RunConfig) -> None:
         raise ConfigError(f"--engine batched runs --dp with {', '.join(registry.batched_names(dp=True))}; with "
                           f"'{cfg.strategy}' use --engine inprocess")
     if cfg.byzantine:
-        from fedswarm.algorithms.robust.attacks import parse_attack
-
-        try:
-            attack = parse_attack(cfg.attack or "signflip")
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        attack = cfg.attack  # parsed by the config (signflip unless given)
         own = not entry.batched.byzantine  # its replies are its own round's: no attack rewrites them here
         if own or (attack.kind == "data" and attack.name != "labelflip"):
             what = cfg.strategy if own else f"the '{attack.name}' attack (it poisons training data)"
@@ -154,11 +150,12 @@ def round_runner(entry: registry.StrategyEntry) -> Callable[..., Any]:
 
 class BatchedRun:
     """What every round runner shares: the run's config, the trainer over the partition,
-    the train config (policies included), the byte meter and the chunking knobs."""
+    the train config (policies included), the byte meter and the chunking knobs, and the
+    strategy the config check built (``prepared``: :func:`strategy` takes it)."""
 
     def __init__(self, cfg: RunConfig, trainer: BatchedTrainer, train_config: ConfigRecord, n_examples: np.ndarray,
                  meter: Meter, *, memory_budget: int | None, chunk_size: int | None,
-                 on_clients: ClientsListener | None):
+                 on_clients: ClientsListener | None, prepared: PreparedStrategy | None = None):
         self.cfg = cfg
         self.trainer = trainer
         self.train_config = train_config
@@ -167,6 +164,12 @@ class BatchedRun:
         self.memory_budget = memory_budget
         self.chunk_size = chunk_size
         self.on_clients = on_clients
+        self.prepared = prepared
+
+    def strategy(self):
+        """The run's strategy object: the one the config check built where it can be taken
+        (:func:`fedswarm.server.app.strategy_for`), else built now."""
+        return strategy_for(self.cfg, self.trainer.layout, self.prepared)
 
     def progress(self, total: int) -> Callable[[int], None]:
         """An ``on_chunk`` callback that reports clients done out of ``total``."""
@@ -196,14 +199,13 @@ class FedAvgRounds:
     """FedAvg's round: the clients' models folded into the weighted sum chunk by chunk."""
 
     def __init__(self, run: BatchedRun, model: torch.Tensor, notes=None):
-        from fedswarm.strategies.federated.dp import client_dp
-
         self.run = run
         self.model = model
         self.notes = notes  # the recorder: a diverged client's reply is rejected there
         self.counter = ByteCounter(run.train_config)
         self.all_nodes = list(range(1, run.cfg.clients + 1))
-        self.dp = client_dp(run.cfg)  # --dp: the mechanism fedavg's DPFedAvg strategy object holds
+        # --dp: the mechanism fedavg's DPFedAvg strategy object holds, calibrated once for the run
+        self.dp = run.strategy().dp if run.cfg.dp else None
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         cfg = self.run.cfg
@@ -215,11 +217,12 @@ class FedAvgRounds:
 
 def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None,
                 on_clients: ClientsListener | None = None, memory_budget: int | None = None,
-                chunk_size: int | None = None) -> str:
+                chunk_size: int | None = None, prepared: PreparedStrategy | None = None) -> str:
     """Run ``cfg`` on the batched engine, recording into ``run_id``; return the final status.
     ``cfg`` passed :func:`check_supported` (:func:`fedswarm.sim.engines.run_engine` checks it).
 
-    ``on_clients(done, total)`` is called after every chunk (the CLI's clients/s bar)."""
+    ``on_clients(done, total)`` is called after every chunk (the CLI's clients/s bar); ``prepared``:
+    the strategy the config check built."""
     from fedswarm.sim.inprocess import _run_ids
 
     TaskIdentity.run_id = next(_run_ids)  # what Flower's Message stamps on the messages it builds
@@ -263,7 +266,7 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
                              listeners=listeners, policies=policies,
                              train_config=train_config, node_kind="sim")
     run = BatchedRun(cfg, trainer, train_config, n_examples, meter, memory_budget=memory_budget,
-                     chunk_size=chunk_size, on_clients=on_clients)
+                     chunk_size=chunk_size, on_clients=on_clients, prepared=prepared)
     rounds_of = round_runner(registry.get(cfg.strategy))(run, global_vec, notes=recorder)
     recorder.min_train_nodes = getattr(getattr(rounds_of, "strategy", None), "min_train_nodes", None)
     recorder.eval_every = cfg.eval_every

@@ -30,15 +30,18 @@ if TYPE_CHECKING:
     from fedswarm.store import Store
     from fedswarm.strategies.registry import StrategyEntry
 
-__all__ = ["Engine", "ENGINES", "engine_for", "engines_for", "engine_help", "check_config", "check_resume",
-           "run_engine"]
+__all__ = ["Engine", "ENGINES", "Checked", "engine_for", "engines_for", "engine_help", "check_config", "check_run",
+           "check_resume", "run_engine"]
 
 
 @dataclass(frozen=True)
 class Engine:
     """One simulation engine.
 
-    ``help``: what it is for, in the ``--engine`` help; ``serves(entry)``: whether it runs a
+    ``check(cfg)`` raises a one-line :class:`ConfigError` for a config the engine cannot run and
+    returns what it built checking it for the run to take (a
+    :class:`~fedswarm.server.app.PreparedStrategy`, or None): ``run`` then takes it as ``prepared``
+    where ``takes_prepared``. ``help``: what it is for, in the ``--engine`` help; ``serves(entry)``: whether it runs a
     registered strategy (its kind, its capabilities), which the help and the catalog list;
     ``owns(cfg, entry)``: the run goes to this engine whatever ``--engine`` says (a strategy that
     runs nowhere else). ``threads``: torch's intra-op threads on a CPU run (at most what torch has;
@@ -46,7 +49,7 @@ class Engine:
     takes ``on_clients(done, total)``, progress within a round."""
 
     name: str
-    check: Callable[[RunConfig], None]
+    check: Callable[[RunConfig], Any]
     run: Callable[..., str]
     help: str = ""
     serves: Callable[[StrategyEntry], bool] = lambda entry: True
@@ -55,28 +58,38 @@ class Engine:
     can_resume: bool = False
     threads: int | None = 1  # tiny models: thread fan-out costs more than it gains
     reports_clients: bool = False
+    takes_prepared: bool = False
 
 
-def _check_flower_strategy(cfg: RunConfig) -> None:
-    """Build the run's Flower strategy once, so that a tolerance bound, a privacy budget or an
-    unsupported combination fails as one line before the run starts, not mid-run."""
+@dataclass
+class Checked:
+    """A config its engine checked (:func:`check_run`): the engine, and what the check built for
+    the run (the strategy, built once per run)."""
+
+    cfg: RunConfig
+    engine: Engine
+    prepared: Any = None
+
+
+def _check_flower_strategy(cfg: RunConfig) -> Any:
+    """Build the run's Flower strategy, so that a tolerance bound, a privacy budget or an
+    unsupported combination fails as one line before the run starts, not mid-run; the run takes
+    what was built (a :class:`~fedswarm.server.app.PreparedStrategy`)."""
     from fedswarm.algorithms.privacy.accountant import PrivacyBudgetExceeded
-    from fedswarm.params import ParamLayout
-    from fedswarm.server.app import build_strategy
-    from fedswarm.tasks import get_task
+    from fedswarm.server.app import prepare_strategy
 
     try:
-        build_strategy(cfg, ParamLayout.from_module(get_task(cfg.task).model(cfg.seed)))
+        return prepare_strategy(cfg)
     except PrivacyBudgetExceeded as exc:
         raise ConfigError(f"invalid value for 'dp': {exc}") from None
 
 
-def _check_batched(cfg: RunConfig) -> None:
+def _check_batched(cfg: RunConfig) -> Any:
     from fedswarm.sim.batched import check_supported, parse_memory_budget
 
     check_supported(cfg)
     parse_memory_budget(cfg.memory_budget)
-    _check_flower_strategy(cfg)  # the batched rounds drive the strategy objects
+    return _check_flower_strategy(cfg)  # the batched rounds drive the strategy objects
 
 
 def _lazy(module: str, name: str) -> Callable[..., Any]:
@@ -100,9 +113,11 @@ _FLOWER_KINDS = ("federated", "decentralized", "async")  # the router runs async
 #: against it when it is built).
 ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("inprocess", _check_flower_strategy, _lazy("inprocess", "run_inprocess"), can_resume=True,
+           takes_prepared=True,
            help="default: fedswarm's ServerApp and ClientApp in one process, no Ray",
            serves=lambda e: e.kind in _FLOWER_KINDS),
     Engine("flower", _check_flower_strategy, _lazy("flower_engine", "run_flower"), can_resume=True, threads=None,
+           takes_prepared=True,
            help="Flower's Simulation Engine on Ray", serves=lambda e: e.kind in _FLOWER_KINDS),
     Engine("array", _lazy("array_engine", "check_config"), _lazy("array_engine", "run_array"),
            help="decentralized algorithms, every node one row of an n-by-d tensor: fast, no Flower messages; "
@@ -110,7 +125,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            serves=lambda e: e.kind in ("decentralized", "array", "async"), owns=lambda cfg, e: e.kind == "array"),
     Engine("batched", _check_batched, _lazy("batched", "run_batched"), threads=2,  # its math uses a second core
            help="every sampled client trained at once with torch.func.vmap: 10,000+ clients per round",
-           serves=lambda e: e.batched is not None, lists_strategies=True, reports_clients=True),
+           serves=lambda e: e.batched is not None, lists_strategies=True, reports_clients=True, takes_prepared=True),
     Engine("clock", _lazy("async_engine", "check_config"), _lazy("async_engine", "run_async"),
            help="asynchronous algorithms on the virtual clock, --devices sets each node's speed: they run there "
                 "unless --set schedule=fixed; lsgd with --set mode=async",
@@ -159,11 +174,17 @@ def engine_for(cfg: RunConfig) -> Engine:
     return ENGINES[cfg.engine]
 
 
+def check_run(cfg: RunConfig, *, resume: bool = False) -> Checked:
+    """Raise a one-line :class:`ConfigError` unless ``cfg``'s engine can run it (``resume``: and
+    resume it); return the engine and what its check built for the run, which
+    :func:`run_engine` hands it."""
+    engine = check_resume(cfg) if resume else engine_for(cfg)
+    return Checked(cfg, engine, engine.check(cfg))
+
+
 def check_config(cfg: RunConfig) -> Engine:
     """Raise a one-line :class:`ConfigError` unless ``cfg``'s engine can run it; return the engine."""
-    engine = engine_for(cfg)
-    engine.check(cfg)
-    return engine
+    return check_run(cfg).engine
 
 
 def check_resume(cfg: RunConfig) -> Engine:
@@ -177,12 +198,15 @@ def check_resume(cfg: RunConfig) -> Engine:
 
 
 def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None,
-               on_clients: Callable[[int, int], None] | None = None, resume: Any = None) -> str:
+               on_clients: Callable[[int, int], None] | None = None, resume: Any = None,
+               checked: Checked | None = None) -> str:
     """Run ``cfg`` on its engine (:func:`engine_for`), recording into ``run_id``; return the final
     status. ``on_clients(done, total)`` hears progress within a round where the engine reports
-    it (batched); ``resume``: a checkpoint of this run to continue from (fedswarm.server.resume)."""
-    engine = check_resume(cfg) if resume is not None else engine_for(cfg)
-    engine.check(cfg)
+    it (batched); ``resume``: a checkpoint of this run to continue from (fedswarm.server.resume);
+    ``checked``: :func:`check_run` of this ``cfg`` done already (the CLI's), not done again."""
+    if checked is None or checked.cfg != cfg or (resume is not None and not checked.engine.can_resume):
+        checked = check_run(cfg, resume=resume is not None)
+    engine = checked.engine
     if cfg.device == "cpu" and engine.threads is not None:
         import torch
 
@@ -192,4 +216,6 @@ def run_engine(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
         kw["resume"] = resume
     if engine.reports_clients:
         kw["on_clients"] = on_clients
+    if engine.takes_prepared:
+        kw["prepared"] = checked.prepared
     return engine.run(cfg, **kw)

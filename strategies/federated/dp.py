@@ -26,7 +26,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
-from fedswarm.algorithms.privacy.dp_fedavg import ClientLevelDP, parse_dp
+from fedswarm.algorithms.privacy.dp_fedavg import ClientLevelDP
 from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.payload import PayloadError
@@ -42,7 +42,7 @@ def client_dp(cfg: RunConfig) -> ClientLevelDP | None:
     planned rounds would exceed ``target_epsilon``."""
     if not cfg.dp:
         return None
-    return ClientLevelDP(parse_dp(cfg.dp), rounds=cfg.rounds, sample_rate=cfg.fraction, seed=cfg.seed)
+    return ClientLevelDP(cfg.dp, rounds=cfg.rounds, sample_rate=cfg.fraction, seed=cfg.seed)
 
 
 class DPFedAvg(ReportsRounds, SamplesAfterWait, FedAvg):
