@@ -95,3 +95,22 @@ def test_the_readme_table_is_the_registry_s():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = readme.split("<!-- strategy-table: begin -->\n")[1].split("<!-- strategy-table: end -->")[0]
     assert block == strategy_table(), "README's strategy table is stale: paste `fedswarm strategies --markdown`"
+
+
+def test_the_how_to_in_docs_architecture_is_what_the_code_takes():
+    """docs/architecture.md's "How to add a strategy": every field its example sets is a
+    StrategyEntry field, its runner a batched round runner, its kinds the registry's."""
+    import dataclasses
+    from pathlib import Path
+
+    from fedswarm.sim.batched import ROUND_RUNNERS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    section = doc.split("## How to add a strategy")[1].split("\n## ")[0]
+    example = section.split("```python")[1].split("```")[0]
+    fields = {f.name for f in dataclasses.fields(StrategyEntry)}
+    used = set(re.findall(r"^\s+(\w+)=", example, flags=re.M))
+    assert used and used <= fields, used - fields
+    assert set(re.findall(r'Batched\("(\w+)"\)', example)) <= set(ROUND_RUNNERS)
+    assert re.search(r"kind=\"\w+\",\s+# " + r" \| ".join(registry.KINDS) + ":", example)
+    assert "tests/test_add_a_strategy.py" in section
