@@ -129,7 +129,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("clock", _lazy("async_engine", "check_config"), _lazy("async_engine", "run_async"),
            help="asynchronous algorithms on the virtual clock, --devices sets each node's speed: they run there "
                 "unless --set schedule=fixed; lsgd with --set mode=async",
-           serves=lambda e: e.kind in ("async", "array"), owns=_clocked),
+           serves=lambda e: e.clock is not None, owns=_clocked),
 )}
 if tuple(ENGINES) != get_args(EngineName):  # pragma: no cover - a new engine named in one place only
     raise RuntimeError(f"ENGINES {tuple(ENGINES)} and fedswarm.config.EngineName {get_args(EngineName)} differ: "

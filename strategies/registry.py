@@ -123,6 +123,9 @@ class StrategyEntry:
     #: EASGD's all-reduce needs topology 'complete'. See :func:`with_run_defaults`.
     run_defaults: Mapping[str, Any] = field(default_factory=dict, hash=False)
     batched: Batched | None = None
+    #: The virtual clock's runner (``--engine clock``), a name in
+    #: :data:`fedswarm.sim.async_engine.CLOCK_RUNNERS`; None: not run there.
+    clock: str | None = None
     dp: bool = False
     byzantine: bool | None = None
     secagg: bool = False
@@ -132,6 +135,8 @@ class StrategyEntry:
         if self.kind not in KINDS:
             raise ValueError(f"strategy {self.name!r}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
         federated = self.kind == "federated"
+        if self.clock is not None and self.kind not in ("async", "array"):
+            raise ValueError(f"strategy {self.name!r}: a clock runner is for async and array strategies")
         if not federated and (self.batched is not None or self.dp or self.byzantine or self.secagg):
             raise ValueError(f"strategy {self.name!r}: batched, dp, byzantine and secagg are for federated "
                              f"strategies; it is {self.kind}")
