@@ -42,7 +42,7 @@ def store(tmp_path):
 
 @pytest.fixture(autouse=True, scope="session")
 def _state_home(tmp_path_factory):
-    """A run without --out writes Flower's log under $XDG_STATE_HOME (fedswarm.cli_common.log_file_for):
+    """A run without --out writes Flower's log under $XDG_STATE_HOME (fedswarm.cli.common.log_file_for):
     the session's own folder, inherited by the processes tests start, not the user's home."""
     patch = pytest.MonkeyPatch()
     patch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
