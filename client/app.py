@@ -63,17 +63,28 @@ def resume(msg: Message, context: Context) -> Message:
     return answer_resume(msg, context)
 
 
-def _dispatch(entry: registry.StrategyEntry):
+def _dispatch(name: str):
     def handler(msg: Message, context: Context) -> Message:
         clock = TrainClock()
-        content = entry.client_update(msg, context)
+        content = registry.get(name).client_update(msg, context)  # the entry registered under the name now
         save_after_train(msg, context)  # the state this reply leaves, on the node's disk
         return Message(clock.attach(content), reply_to=msg)
 
-    handler.__name__ = f"train_{entry.name}"
+    handler.__name__ = f"train_{name}"
     return handler
 
 
+_SERVED: set[str] = set()  # message types train.<name> this app has a handler for
+
+
+def _serve(entry: registry.StrategyEntry) -> None:
+    """Serve ``entry``'s train messages: every registered strategy with a client update of its
+    own, the built-in ones now and any registered later (registry.on_register)."""
+    if entry.client_update is not None and entry.name not in _SERVED:
+        _SERVED.add(entry.name)
+        app.train(entry.name)(_dispatch(entry.name))
+
+
 for _entry in registry.entries():
-    if _entry.client_update is not None:
-        app.train(_entry.name)(_dispatch(_entry))
+    _serve(_entry)
+registry.on_register(_serve)

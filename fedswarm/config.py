@@ -20,11 +20,19 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, WithJsonSchema,
+                      field_validator, model_validator)
 
+from fedswarm.algorithms.privacy.dp_spec import DPSpec, parse_dp
+from fedswarm.algorithms.robust.attacks import Attack, parse_attack
 from fedswarm.errors import ConfigError
 
-__all__ = ["RunConfig", "TrainingSpec", "parse_partition", "load_config", "round_seed"]
+__all__ = ["RunConfig", "TrainingSpec", "EngineName", "parse_partition", "load_config", "round_seed"]
+
+#: The simulation engines' names, the values of :attr:`RunConfig.engine`. Each is one entry of
+#: ``fedswarm.sim.engines.ENGINES`` (what it runs, its help, its check), which refuses to load unless
+#: its names are these, in this order: the run config sits below the engines and cannot import them.
+EngineName = Literal["inprocess", "flower", "array", "batched", "clock"]
 
 
 def round_seed(seed: int, server_round: int, partition_id: int) -> int:
@@ -81,6 +89,41 @@ TorchDevice = Annotated[str, Field(description="Torch device for training: 'cpu'
                                                "or 'auto'.")]
 
 
+def _attack(v: Any) -> Attack | None:
+    if v is None or isinstance(v, Attack):
+        return v
+    return parse_attack(v)
+
+
+def _dp_spec(what: str):
+    def parse(v: Any) -> DPSpec | None:
+        if v is None or isinstance(v, DPSpec):
+            spec = v
+        else:
+            spec = parse_dp(v, what)
+        if spec is not None and what == "dp_sgd" and spec.noise_multiplier is None:
+            raise ValueError("--dp-sgd needs noise_multiplier=N (target_epsilon=E then stops the run at that budget)")
+        return spec
+
+    return parse
+
+
+_TEXT_OR_NULL = WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "null"}]})
+
+#: ``--attack``, parsed once when the config is built: an :class:`~fedswarm.algorithms.robust.attacks.Attack`
+#: in the config, its spec string (``signflip:scale=1.0``) in a dump, the store and ``result.json``.
+AttackField = Annotated[Attack | None, PlainValidator(_attack),
+                        PlainSerializer(lambda a: None if a is None else a.spec, return_type=str | None),
+                        _TEXT_OR_NULL]
+#: ``--dp`` / ``--dp-sgd``, parsed once: a :class:`~fedswarm.algorithms.privacy.dp_fedavg.DPSpec`
+#: in the config, its normalized text (``noise_multiplier=1.0,clip=1.0,...``) when dumped.
+DPField = Annotated[DPSpec | None, PlainValidator(_dp_spec("dp")),
+                    PlainSerializer(lambda s: None if s is None else s.text(), return_type=str | None), _TEXT_OR_NULL]
+DPSGDField = Annotated[DPSpec | None, PlainValidator(_dp_spec("dp_sgd")),
+                       PlainSerializer(lambda s: None if s is None else s.text(), return_type=str | None),
+                       _TEXT_OR_NULL]
+
+
 class TrainingSpec(BaseModel):
     """What every runtime's config shares: the task and its split, the seed, the rounds and
     the local SGD. :class:`RunConfig` (the simulators and Flower), the swarm's ``PeerConfig``
@@ -126,11 +169,11 @@ class RunConfig(TrainingSpec):
     )
     local_epochs: int = Field(2, ge=1, le=10_000, description="Local epochs per round.")
     momentum: float = Field(0.0, ge=0.0, lt=1.0, description="Client SGD momentum.")
-    engine: Literal["inprocess", "flower", "array", "batched", "clock"] = Field(
-        "inprocess", description="'inprocess' (no Ray, default), 'flower' (Flower's Simulation Engine), 'array' "
-        "(decentralized algorithms on [n, d] tensors, no Flower messages), 'batched' (all sampled clients "
-        "trained at once with torch.func.vmap) or 'clock' (asynchronous algorithms on the virtual clock: adpsgd, "
-        "prague, lsgd with mode=async)."
+    engine: EngineName = Field(
+        "inprocess", description="The simulation engine (`fedswarm sim --help` says what each runs): 'inprocess' "
+        "(no Ray, default), 'flower' (Flower's Simulation Engine), 'array' (decentralized algorithms on [n, d] "
+        "tensors), 'batched' (all sampled clients trained at once with torch.func.vmap) or 'clock' (asynchronous "
+        "algorithms on the virtual clock)."
     )
     memory_budget: str | None = Field(
         None, description="--engine batched: memory for one chunk of clients, e.g. '2GB' (default: a quarter "
@@ -155,13 +198,13 @@ class RunConfig(TrainingSpec):
     byzantine: int = Field(0, ge=0, le=1_000_000, description=(
         "Number of Byzantine clients (chosen with the seed); their replies are rewritten by --attack and never "
         "flagged to the aggregator."))
-    attack: str | None = Field(None, description=(
+    attack: AttackField = Field(None, description=(
         "What Byzantine clients do: NAME[:key=value,...], NAME one of signflip, gaussian, alie, ipm, signvote, "
         "labelflip, random (default signflip when byzantine > 0)."))
-    dp: str | None = Field(None, description=(
+    dp: DPField = Field(None, description=(
         "Client-level DP-FedAvg: 'noise_multiplier=N[,clip=C,delta=D,adaptive=true]' or "
         "'target_epsilon=E[,delta=D]'."))
-    dp_sgd: str | None = Field(None, description=(
+    dp_sgd: DPSGDField = Field(None, description=(
         "Example-level DP-SGD in every client (opacus): 'noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]'."))
     client_data: str | None = Field(None, description=(
         "A folder with one dataset per client (sorted by name): each client trains on its own data instead of a "
@@ -192,27 +235,6 @@ class RunConfig(TrainingSpec):
             return PolicyBook(v).as_dict()
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
-
-    @field_validator("attack")
-    @classmethod
-    def _check_attack(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        from fedswarm.algorithms.robust.attacks import parse_attack
-
-        return parse_attack(v).spec
-
-    @field_validator("dp", "dp_sgd")
-    @classmethod
-    def _check_dp(cls, v: str | None, info) -> str | None:
-        if v is None:
-            return v
-        from fedswarm.algorithms.privacy.dp_fedavg import parse_dp
-
-        spec = parse_dp(v, info.field_name)
-        if info.field_name == "dp_sgd" and spec.noise_multiplier is None:
-            raise ValueError("--dp-sgd needs noise_multiplier=N (target_epsilon=E then stops the run at that budget)")
-        return spec.text()
 
     @model_validator(mode="before")
     @classmethod

@@ -140,9 +140,7 @@ def prepare_local(msg: Message, context: Context, vector: torch.Tensor | None = 
                   batch_size=policy.get("batch_size", cfg.batch_size), lr=policy.get("lr", cfg.lr),
                   momentum=cfg.momentum, seed=round_seed(cfg.seed, server_round(msg), pid))
     if cfg.dp_sgd:
-        from fedswarm.algorithms.privacy.dp_fedavg import parse_dp
-
-        kwargs["dp"] = parse_dp(cfg.dp_sgd, "dp_sgd")
+        kwargs["dp"] = cfg.dp_sgd  # parsed by the config
     return LocalSetup(cfg, trainer, vector, device_class, policy, kwargs)
 
 

@@ -21,8 +21,10 @@ set at all (the task's data is never loaded here). ``round_timeout`` (seconds, d
 from __future__ import annotations
 
 import random
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
@@ -49,7 +51,8 @@ from fedswarm.protocol import RUN_KEY
 from fedswarm.strategies.resumable import shift_rounds
 from fedswarm.strategies.federated.dp import attach_dp
 
-__all__ = ["app", "run_server", "split_run_config"]
+__all__ = ["app", "run_server", "split_run_config", "build_strategy", "PreparedStrategy", "prepare_strategy",
+           "strategy_for"]
 
 # Seconds a round may wait for replies before it goes on without the missing ones (run config round_timeout).
 ROUND_TIMEOUT_S = RunConfig.model_fields["round_timeout"].default
@@ -66,13 +69,15 @@ def split_run_config(run_config: dict) -> tuple[RunConfig, str | None, str | Non
 def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
                listeners: list[RoundListener] | None = None,
                sim_time: Callable[[int, Traffic], float | None] | None = None,
-               node_kind: str = "sim", resume: ServerCheckpoint | None = None) -> str:
+               node_kind: str = "sim", resume: ServerCheckpoint | None = None,
+               prepared: PreparedStrategy | None = None) -> str:
     """Run ``cfg.strategy`` for ``cfg.rounds`` rounds over ``grid``; return the final status.
 
     ``sim_time(round, traffic)``, given by a simulation engine, returns the simulated time
     the round would take on the nodes' device classes (the time model). The run is
     checkpointed after every ``cfg.checkpoint_every``-th round (:mod:`fedswarm.server.checkpoint`); ``resume``, a
-    checkpoint of this run, continues it after the checkpoint's round (:mod:`.resume`)."""
+    checkpoint of this run, continues it after the checkpoint's round (:mod:`.resume`). ``prepared``: the
+    strategy the engine's config check built for this run (:func:`strategy_for`), used instead of a second build."""
     random.seed(cfg.seed)  # Flower's node sampling uses the random module
     torch.manual_seed(cfg.seed)
     task = get_task(cfg.task)
@@ -87,17 +92,16 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
             flat = arrayrecord_to_vector(arrays, layout.d)
             return evaluate_flat(task, model, flat, data.test_x, data.test_y, device)
 
-    strategy = build_strategy(cfg, layout)
+    strategy = strategy_for(cfg, layout, prepared)
     engine_state = grid if callable(getattr(grid, "state_dict", None)) else None  # clients' state, if it has it
     nodes_grid = grid  # the nodes themselves, for the resume query (no attack, no meter)
     byzantine = None
     if cfg.byzantine:
-        from fedswarm.algorithms.robust.attacks import parse_attack
         from fedswarm.server.byzantine import ByzantineGrid
 
         # Attacks rewrite the chosen nodes' replies under the meter, so the bytes counted
         # are the ones the attackers send; the strategy is never told who they are.
-        grid = ByzantineGrid(grid, parse_attack(cfg.attack or "signflip"), cfg.byzantine, seed=cfg.seed,
+        grid = ByzantineGrid(grid, cfg.attack, cfg.byzantine, seed=cfg.seed,
                              layout=layout, on_attack=lambda nodes, spec: recorder.note(
                                  byzantine_nodes=[str(n) for n in nodes], attack=spec))
         byzantine = grid
@@ -154,15 +158,76 @@ def build_strategy(cfg: RunConfig, layout: ParamLayout):
     bad combination fails (tolerance bounds, privacy budget, unsupported pairs) raised as
     one-line errors."""
     entry = registry.get(cfg.strategy)
-    if cfg.byzantine and entry.kind != "federated":
+    if cfg.byzantine and not entry.byzantine:
         raise ConfigError(f"--byzantine applies to federated strategies; '{cfg.strategy}' is {entry.kind}")
     if cfg.dp and entry.kind != "federated":
         raise ConfigError(f"--dp applies to federated strategies; '{cfg.strategy}' is {entry.kind}")
+    if cfg.dp and not entry.dp:
+        able = ", ".join(e.name for e in registry.entries(registered=True) if e.dp)
+        raise ConfigError(f"strategy '{cfg.strategy}' does not support --dp: its aggregate is not an average of "
+                          f"per-client vectors, so one client's influence is not bounded by the clip norm "
+                          f"(use {able})")
     if cfg.dp:
         require_accounting("--dp")
     params = registry.resolve_params(cfg.strategy, cfg.params)
     strategy = entry.build(params, registry.BuildContext(cfg, layout))
     return attach_dp(strategy, cfg)
+
+
+def _rng_state() -> tuple:
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def _same_rng(a: tuple, b: tuple) -> bool:
+    return (torch.equal(a[0], b[0]) and a[1] == b[1] and a[2][0] == b[2][0] and np.array_equal(a[2][1], b[2][1])
+            and a[2][2:] == b[2][2:])
+
+
+def _set_rng(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    random.setstate(state[1])
+    np.random.set_state(state[2])
+
+
+@dataclass
+class PreparedStrategy:
+    """A run's strategy built once, by the engine's config check (:func:`prepare_strategy`), for
+    the run to use (:func:`strategy_for`): one model init for its layout, one DP calibration, one
+    build per run instead of one in the check and one in the run. The global random states before
+    and after the build let the run take it only where that changes no number: the build drew
+    nothing from them, or the run is where the build would be, in the same state."""
+
+    cfg: RunConfig
+    layout: ParamLayout
+    strategy: Any
+    rng_before: tuple = field(repr=False)
+    rng_after: tuple = field(repr=False)
+    used: bool = False
+
+
+def prepare_strategy(cfg: RunConfig) -> PreparedStrategy:
+    """Build ``cfg``'s strategy as :func:`run_server` would (the seeds, the model's layout), with
+    every check a bad combination fails (:func:`build_strategy`), for the run to take."""
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    layout = ParamLayout.from_module(get_task(cfg.task).model(cfg.seed))
+    before = _rng_state()
+    strategy = build_strategy(cfg, layout)
+    return PreparedStrategy(cfg, layout, strategy, before, _rng_state())
+
+
+def strategy_for(cfg: RunConfig, layout: ParamLayout, prepared: PreparedStrategy | None = None):
+    """The run's strategy: ``prepared`` where it was built for this config and layout and taking
+    it changes nothing (its build drew no random numbers, or the random states now are those it
+    was built from: they then move on as the build moved them), once; else a new build."""
+    if (prepared is not None and not prepared.used and prepared.cfg == cfg and prepared.layout.specs == layout.specs):
+        drew_nothing = _same_rng(prepared.rng_before, prepared.rng_after)
+        if drew_nothing or _same_rng(_rng_state(), prepared.rng_before):
+            if not drew_nothing:
+                _set_rng(prepared.rng_after)  # as if built here
+            prepared.used = True  # a strategy holds the run's state: one run takes it
+            return prepared.strategy
+    return build_strategy(cfg, layout)
 
 
 def require_accounting(option: str) -> None:
@@ -179,10 +244,9 @@ def example_level_privacy(cfg: RunConfig):
     """An observer of each round's replies that accounts every client's DP-SGD steps and
     returns the round's ``epsilon_example`` (the worst client's ε at the spec's delta)."""
     from fedswarm.algorithms.privacy.accountant import PrivacyAccountant
-    from fedswarm.algorithms.privacy.dp_fedavg import parse_dp
 
     require_accounting("--dp-sgd")
-    spec = parse_dp(cfg.dp_sgd, "dp_sgd")
+    spec = cfg.dp_sgd
     accountants: dict[int, PrivacyAccountant] = {}
 
     def observe(traffic) -> dict:

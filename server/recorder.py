@@ -213,7 +213,7 @@ class RoundRecorder(RoundNotes):
                    f"{len(node_rows) - failed} others (strategy minimum {self.min_train_nodes})")
         self.store.add_event(self.run_id, "nodes_failed", message,
                              data={"round": rnd, "failed": failed, "min_train_nodes": self.min_train_nodes})
-        log.warning("run %s: %s", self.run_id, message)  # the console's warning (fedswarm.cli_common.route_logs)
+        log.warning("run %s: %s", self.run_id, message)  # the console's warning (fedswarm.cli.common.route_logs)
         return {"nodes_failed": failed, "min_train_nodes": self.min_train_nodes}
 
     def _replies(self, traffic, rejections: dict[str, str]) -> tuple[float | None, int, list[dict]]:

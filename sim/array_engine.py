@@ -51,12 +51,18 @@ from fedswarm.tasks import get_task
 from fedswarm.train import evaluate_flat, resolve_device, task_data, trainer_for
 from fedswarm.wire import arrayrecord_to_vector, payload_to_records, recorddict_nbytes, vector_to_arrayrecord
 
-__all__ = ["ARRAY_ALGORITHMS", "ArraySimulation", "check_config", "payload_nbytes", "run_array"]
+__all__ = ["ARRAY_KINDS", "array_algorithms", "ArraySimulation", "check_config", "payload_nbytes", "run_array"]
 
-#: What the array engine runs (AD-PSGD and Prague with ``schedule="fixed"`` only: timed by
-#: a clock they need the virtual-clock engine).
-ARRAY_ALGORITHMS = ("dpsgd", "d2", "dsgdm", "qgm", "squarm", "easgd", "dasgd", "lsgd", "adpsgd", "prague")
-SCHEDULED = ("adpsgd", "prague")
+#: The strategy kinds the array engine runs (those of kind ``async``, AD-PSGD and Prague, with
+#: ``schedule="fixed"`` only: timed by a clock they need the virtual-clock engine).
+ARRAY_KINDS = ("decentralized", "array", "async")
+
+
+def array_algorithms() -> list[str]:
+    """What the array engine runs: every registered strategy of the :data:`ARRAY_KINDS`."""
+    from fedswarm.strategies import registry
+
+    return [e.name for e in registry.entries(registered=True) if e.kind in ARRAY_KINDS]
 
 _SIZES: dict[tuple, int] = {}
 
@@ -81,22 +87,28 @@ def _algorithm_params(cfg: RunConfig) -> dict[str, Any]:
 def check_config(cfg: RunConfig) -> None:
     """Raise :class:`~fedswarm.errors.ConfigError` (one line) unless the array engine can
     run ``cfg``: a supported algorithm, valid hyperparameters, a topology it accepts."""
-    if cfg.strategy not in ARRAY_ALGORITHMS:
-        raise ConfigError(f"invalid value for 'engine': the array engine runs {', '.join(ARRAY_ALGORITHMS)}, "
+    if cfg.strategy not in (served := array_algorithms()):
+        raise ConfigError(f"invalid value for 'engine': the array engine runs {', '.join(served)}, "
                           f"not '{cfg.strategy}'")
     try:
         algo = make_algorithm(cfg.strategy, **_algorithm_params(cfg))
         _check_scheduled(algo)
-        if cfg.strategy != "lsgd":
+        if _kind(cfg.strategy) != "array":  # needs every worker's loss, no gossip graph
             algo.check_topology(_graph(algo, cfg))
     except ValueError as exc:
         raise ConfigError(f"invalid value for 'topology' or 'params': {exc}") from None
 
 
 def _check_scheduled(algo: DecentralizedAlgorithm) -> None:
-    if algo.name in SCHEDULED and not uses_fixed_schedule(algo):
+    if _kind(algo.name) == "async" and not uses_fixed_schedule(algo):
         raise ValueError(f"{algo.name} timed by a clock runs on the virtual-clock engine (fedswarm sim --strategy "
                          f"{algo.name}); the array engine replays a fixed schedule: --set schedule=fixed")
+
+
+def _kind(name: str) -> str:
+    from fedswarm.strategies import registry
+
+    return registry.get(name).kind
 
 
 def _graph(algo: DecentralizedAlgorithm, cfg: RunConfig):
@@ -113,8 +125,8 @@ class ArraySimulation:
     against the catalog)."""
 
     def __init__(self, cfg: RunConfig, algorithm: DecentralizedAlgorithm | None = None):
-        if cfg.strategy not in ARRAY_ALGORITHMS:
-            raise ValueError(f"the array engine runs {', '.join(ARRAY_ALGORITHMS)}, not '{cfg.strategy}'"
+        if cfg.strategy not in (served := array_algorithms()):
+            raise ValueError(f"the array engine runs {', '.join(served)}, not '{cfg.strategy}'"
                              + (" (asynchronous: it runs on the virtual-clock engine)"
                                 if cfg.strategy in ALGORITHMS else ""))
         self.cfg, n = cfg, cfg.clients
@@ -122,7 +134,7 @@ class ArraySimulation:
         self.algo = algorithm or make_algorithm(cfg.strategy, **_algorithm_params(cfg))
         _check_scheduled(self.algo)
         self.topology = _graph(self.algo, cfg)
-        self.uses_losses = cfg.strategy == "lsgd"
+        self.uses_losses = _kind(cfg.strategy) == "array"
         if not self.uses_losses:
             self.algo.check_topology(self.topology)
         self.task = get_task(cfg.task)

@@ -262,21 +262,44 @@ def own_models_eval(cfg: RunConfig, models: Callable[[], torch.Tensor]
     return fed_eval
 
 
+#: The virtual clock's runners, which a strategy's registry entry names (its ``clock``): name ->
+#: (module of fedswarm.sim, run function, check function). ``gossip``: AD-PSGD's pairwise gossip
+#: here; ``groups``: Prague's group averaging (:mod:`fedswarm.sim.async_groups`); ``leaders``:
+#: LSGD's asynchronous mode (:mod:`fedswarm.sim.async_leaders`). Imported when a run needs them
+#: (they import this module).
+CLOCK_RUNNERS: dict[str, tuple[str, str, str]] = {
+    "gossip": ("async_engine", "run_adpsgd", "check_gossip"),
+    "groups": ("async_groups", "run_prague", "check_config"),
+    "leaders": ("async_leaders", "run_lsgd_async", "check_config"),
+}
+
+
+def _clock_runner(cfg: RunConfig, part: int) -> Callable:
+    import importlib
+
+    from fedswarm.errors import ConfigError
+
+    entry = registry.get(cfg.strategy)
+    if entry.clock is None:
+        served = [e for e in registry.entries(registered=True) if e.clock is not None]
+        names = [e.name for e in served if e.kind == "async"] + [e.name for e in served if e.kind != "async"]
+        modes = ", ".join(e.name for e in served if e.kind != "async")
+        raise ConfigError(f"invalid value for 'engine': the virtual clock runs {', '.join(names[:-1])} and "
+                          f"{names[-1]}" + (f" ({modes}: --set mode=async)" if modes else "")
+                          + f", not '{cfg.strategy}'")
+    spec = CLOCK_RUNNERS[entry.clock]
+    return getattr(importlib.import_module(f"fedswarm.sim.{spec[0]}"), spec[part])
+
+
 def run_async(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
-    """Run ``cfg`` (strategy ``adpsgd``; ``prague`` goes to
-    :func:`fedswarm.sim.async_groups.run_prague`, ``lsgd`` to
-    :func:`fedswarm.sim.async_leaders.run_lsgd_async`) on the virtual clock, recording
-    ``cfg.rounds`` rounds of ``cfg.clients`` local steps each into ``store``; return the final status."""
-    if cfg.strategy == "prague":
-        from fedswarm.sim.async_groups import run_prague  # it imports this module
+    """Run ``cfg`` on the virtual clock with its strategy's runner (:data:`CLOCK_RUNNERS`),
+    recording ``cfg.rounds`` rounds of ``cfg.clients`` local steps each into ``store``; return the
+    final status."""
+    return _clock_runner(cfg, 1)(cfg, store=store, run_id=run_id, listeners=listeners)
 
-        return run_prague(cfg, store=store, run_id=run_id, listeners=listeners)
-    if cfg.strategy == "lsgd":
-        from fedswarm.sim.async_leaders import run_lsgd_async  # it imports this module
 
-        return run_lsgd_async(cfg, store=store, run_id=run_id, listeners=listeners)
-    if registry.get(cfg.strategy).kind != "async" or cfg.strategy != "adpsgd":
-        raise ValueError(f"the virtual-clock engine runs 'adpsgd' and 'prague', not '{cfg.strategy}'")
+def run_adpsgd(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
+    """Run ``cfg`` (AD-PSGD's pairwise gossip) on the virtual clock; return the final status."""
     params = registry.resolve_params(cfg.strategy, cfg.params)
     check_clocked(cfg.strategy, params)
 
@@ -298,23 +321,21 @@ def check_clocked(name: str, params: dict) -> None:
 
 def check_config(cfg: RunConfig) -> None:
     """Raise :class:`~fedswarm.errors.ConfigError` (one line) unless the virtual clock can run
-    ``cfg``: adpsgd or prague timed by the clock (adpsgd on a bipartite graph), or lsgd with
-    ``mode=async``."""
+    ``cfg``: a strategy with a clock runner (its registry entry's ``clock``), checked by it."""
+    _clock_runner(cfg, 2)(cfg)
+
+
+def check_gossip(cfg: RunConfig, *, topology: bool = True) -> None:
+    """The gossip runners' check: timed by the clock, valid parameters, and (``topology``) a
+    topology the algorithm accepts (AD-PSGD: a bipartite graph)."""
     from fedswarm.algorithms.decentralized import make_algorithm
     from fedswarm.errors import ConfigError
 
-    if cfg.strategy == "lsgd":
-        from fedswarm.sim.async_leaders import check_config as check_lsgd
-
-        return check_lsgd(cfg)
-    if cfg.strategy not in ("adpsgd", "prague"):
-        raise ConfigError(f"invalid value for 'engine': the virtual clock runs adpsgd, prague and lsgd "
-                          f"(mode=async), not '{cfg.strategy}'")
     try:
         params = registry.resolve_params(cfg.strategy, cfg.params)
         check_clocked(cfg.strategy, params)
         algo = make_algorithm(cfg.strategy, **{k: v for k, v in params.items() if k != "report_every"})
-        if cfg.strategy == "adpsgd":
+        if topology:
             algo.check_topology(make_topology(cfg.topology, cfg.clients, cfg.seed))
     except ValueError as exc:
         raise ConfigError(f"invalid value for 'topology' or 'params': {exc}") from None

@@ -28,7 +28,7 @@ import torch
 
 from fedswarm.config import RunConfig
 from fedswarm.server.recorder import RoundListener
-from fedswarm.sim.async_engine import ClockedNodes, check_clocked, run_clocked
+from fedswarm.sim.async_engine import ClockedNodes, check_clocked, check_gossip, run_clocked
 from fedswarm.sim.simtime import model_message_nbytes
 from fedswarm.store import Store
 from fedswarm.strategies import registry
@@ -125,11 +125,15 @@ class PragueSimulation(ClockedNodes):
             raise ValueError(f"unknown event {event!r}")
 
 
+def check_config(cfg: RunConfig) -> None:
+    """Prague on the virtual clock: timed by the clock, valid parameters (its groups are drawn
+    each averaging: no gossip topology to check)."""
+    check_gossip(cfg, topology=False)
+
+
 def run_prague(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
     """Run ``cfg`` (strategy ``prague``) on the virtual clock, recording ``cfg.rounds``
     rounds of ``cfg.clients`` local steps each into ``store``; return the final status."""
-    if cfg.strategy != "prague":
-        raise ValueError(f"run_prague runs 'prague', not '{cfg.strategy}'")
     params = registry.resolve_params(cfg.strategy, cfg.params)
     check_clocked(cfg.strategy, params)
 

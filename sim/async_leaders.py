@@ -157,9 +157,9 @@ class LSGDSimulation(ClockedNodes):
 
 
 def _algorithm(cfg: RunConfig) -> LSGD:
-    if cfg.strategy != "lsgd":
-        raise ValueError(f"the virtual clock runs lsgd (and adpsgd, prague), not '{cfg.strategy}' here")
-    algo = make_algorithm("lsgd", **registry.resolve_params("lsgd", cfg.params))
+    algo = make_algorithm(cfg.strategy, **registry.resolve_params(cfg.strategy, cfg.params))
+    if not isinstance(algo, LSGD):
+        raise ValueError(f"the virtual clock's leaders runner runs LSGD, not '{cfg.strategy}'")
     if algo.mode != "async":
         raise ValueError(f"the virtual clock runs LSGD's asynchronous mode (--set mode=async), not '{algo.mode}': "
                          f"'multi' and 'single' run on the array engine (--engine array)")

@@ -36,19 +36,21 @@ Tests hold the two engines to 1e-5 (tests/test_batched*.py).
 Bytes are measured, not computed: real train messages and real replies are built and
 serialized (:mod:`fedswarm.sim.batched_round`), once per size class of the round.
 
-What it does not do: the strategies not in :data:`SUPPORTED_STRATEGIES` (they run on
-``--engine inprocess``; :func:`check_supported` says so in one line), ``--dp`` but with
-``fedavg``, ``compressed_fedavg`` and ``onebit``, ``--dp-sgd``, ``--byzantine`` with FedAvg, PVT,
-ProgFed or the sketch strategies (``labelflip`` runs with the others: the chosen clients train on
-flipped labels), models with buffers (batch-norm statistics), and the ``--devices`` time
-model's simulated seconds (rows carry ``sim_time_s = null``).
+Which strategies it serves, and with which options, each strategy's registry entry says
+(:class:`fedswarm.strategies.registry.Batched`: its round runner, a name in
+:data:`ROUND_RUNNERS`, and whether it takes ``--dp`` and ``--byzantine`` here; ``labelflip`` is the
+one data attack served: the chosen clients train on flipped labels). What it does not do: the
+strategies without a runner (they run on ``--engine inprocess``; :func:`check_supported` says so
+in one line), ``--dp-sgd``, models with buffers (batch-norm statistics), and the ``--devices``
+time model's simulated seconds (rows carry ``sim_time_s = null``).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -59,12 +61,14 @@ from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.params import get_flat
 from fedswarm.policy import PolicyBook
+from fedswarm.server.app import PreparedStrategy, strategy_for
 from fedswarm.server.metered_grid import Traffic
 from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
 from fedswarm.sim.batched_memory import available_ram, default_memory_budget, parse_memory_budget
 from fedswarm.sim.batched_round import ByteCounter, Meter, reject_diverged, round_schedule
 from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
 from fedswarm.store import Store
+from fedswarm.strategies import registry
 from fedswarm.tasks import get_task
 from fedswarm.tasks.partition import partition_offsets
 import fedswarm.train as _train  # the nodes' scoring, as their ClientApp calls it (not the server's evaluate_flat)
@@ -73,21 +77,26 @@ from fedswarm.train import evaluate_flat, node_validation, pooled_client_data, r
 from fedswarm.wire import vector_to_arrayrecord
 
 __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budget", "default_memory_budget",
-           "available_ram", "round_schedule", "check_supported", "SUPPORTED_STRATEGIES", "BatchedRun",
-           "add_client"]
+           "available_ram", "round_schedule", "check_supported", "BatchedRun",
+           "add_client", "ROUND_RUNNERS", "round_runner"]
 
-#: Strategies this engine serves: FedAvg, and the strategies whose client half is
-#: :func:`fedswarm.strategies.federated.compressed_fedavg.client_update` (the compressed
-#: ones and the Byzantine-robust rules), and gTop-k; see :mod:`fedswarm.sim.batched_compressed`;
-#: PVT (:mod:`fedswarm.sim.batched_pvt`), ProgFed (:mod:`fedswarm.sim.batched_progfed`) and the
-#: Count-Sketch strategies (:mod:`fedswarm.sim.batched_sketched`).
-SUPPORTED_STRATEGIES = ("fedavg", "compressed_fedavg", "onebit", "gtopk", "median", "trimmed_mean", "krum",
-                        "multikrum", "bulyan", "signum", "pvt", "progfed", "sketched_sgd", "fetchsgd", "gs_sgd")
-_OWN_REPLIES = ("fedavg", "pvt", "progfed", "sketched_sgd", "fetchsgd", "gs_sgd")  # no --byzantine here
-# --dp: DP-FedAvg. fedavg: each client's change clipped as it leaves the chunk, noised once per
-# round (ClientLevelDP, the strategy's own object); the compressed ones: the clients clip, the
-# strategy object noises
-_DP = ("fedavg", "compressed_fedavg", "onebit")
+#: The round runners a strategy's :class:`~fedswarm.strategies.registry.Batched` entry names:
+#: name -> (module of fedswarm.sim, class), imported when a run needs it. ``weighted_mean``:
+#: FedAvg's round here (with ``--dp``: each client's change clipped as it leaves the chunk, noised
+#: once per round by the strategy's own mechanism); ``codec``: the strategies whose client half is
+#: :func:`fedswarm.strategies.federated.compressed_fedavg.client_update` (the compressed ones and the
+#: Byzantine-robust rules; with ``--dp`` the clients clip, the strategy object noises) and
+#: ``global_topk`` (:mod:`fedswarm.sim.batched_compressed`); ``variable_subsets``: PVT's
+#: (:mod:`fedswarm.sim.batched_pvt`); ``stages``: ProgFed's (:mod:`fedswarm.sim.batched_progfed`);
+#: ``sketch``: the Count-Sketch strategies' (:mod:`fedswarm.sim.batched_sketched`).
+ROUND_RUNNERS: dict[str, tuple[str, str]] = {
+    "weighted_mean": ("batched", "FedAvgRounds"),
+    "codec": ("batched_compressed", "CompressedRounds"),
+    "global_topk": ("batched_compressed", "GTopKRounds"),
+    "variable_subsets": ("batched_pvt", "PVTRounds"),
+    "stages": ("batched_progfed", "ProgFedRounds"),
+    "sketch": ("batched_sketched", "SketchRounds"),
+}
 
 # Rounds with more clients than this record the round's totals but no per-node rows:
 # 10,000 rows a round would cost the store more than the training does.
@@ -96,41 +105,57 @@ NODE_ROWS_MAX = 2000
 ClientsListener = Callable[[int, int], None]  # (clients done this round, clients this round)
 
 
+def __getattr__(name: str) -> Any:
+    """``SUPPORTED_STRATEGIES``: the strategies this engine serves (:func:`registry.batched_names`)."""
+    if name == "SUPPORTED_STRATEGIES":  # read from the registry each time: a strategy registered later is in it
+        return tuple(registry.batched_names())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # -- which runs it serves ----------------------------------------------------------------------
 
 def check_supported(cfg: RunConfig) -> None:
     """Raise a one-line :class:`ConfigError` for a run the batched engine cannot serve,
     naming the engine that can."""
-    if cfg.strategy not in SUPPORTED_STRATEGIES:
-        raise ConfigError(f"--engine batched serves {', '.join(SUPPORTED_STRATEGIES)}; strategy '{cfg.strategy}' "
-                          "runs on --engine inprocess (or flower)")
+    entry = registry.get(cfg.strategy)
+    if entry.batched is None:
+        raise ConfigError(f"--engine batched serves {', '.join(registry.batched_names())}; strategy "
+                          f"'{cfg.strategy}' runs on --engine inprocess (or flower)")
     if cfg.dp_sgd:
         raise ConfigError("--engine batched does not run --dp-sgd; use --engine inprocess")
-    if cfg.dp and cfg.strategy not in _DP:
-        raise ConfigError(f"--engine batched runs --dp with {', '.join(_DP)}; with '{cfg.strategy}' use "
-                          "--engine inprocess")
+    if cfg.dp and not entry.batched.dp:
+        raise ConfigError(f"--engine batched runs --dp with {', '.join(registry.batched_names(dp=True))}; with "
+                          f"'{cfg.strategy}' use --engine inprocess")
     if cfg.byzantine:
-        from fedswarm.algorithms.robust.attacks import parse_attack
-
-        try:
-            attack = parse_attack(cfg.attack or "signflip")
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if cfg.strategy in _OWN_REPLIES or (attack.kind == "data" and attack.name != "labelflip"):
-            what = (cfg.strategy if cfg.strategy in _OWN_REPLIES
-                    else f"the '{attack.name}' attack (it poisons training data)")
+        attack = cfg.attack  # parsed by the config (signflip unless given)
+        own = not entry.batched.byzantine  # its replies are its own round's: no attack rewrites them here
+        if own or (attack.kind == "data" and attack.name != "labelflip"):
+            what = cfg.strategy if own else f"the '{attack.name}' attack (it poisons training data)"
             raise ConfigError(f"--engine batched does not run --byzantine with {what}; use --engine inprocess")
+
+
+def round_runner(entry: registry.StrategyEntry) -> Callable[..., Any]:
+    """The round runner class of ``entry``'s :class:`~fedswarm.strategies.registry.Batched`."""
+    runner = entry.batched.runner if entry.batched is not None else None
+    if callable(runner):
+        return runner
+    if runner not in ROUND_RUNNERS:
+        raise ConfigError(f"strategy '{entry.name}': no batched round runner '{runner}' (the runners: "
+                          f"{', '.join(ROUND_RUNNERS)})")
+    module, name = ROUND_RUNNERS[runner]
+    return getattr(importlib.import_module(f"fedswarm.sim.{module}"), name)
 
 
 # -- the engine --------------------------------------------------------------------------------
 
 class BatchedRun:
     """What every round runner shares: the run's config, the trainer over the partition,
-    the train config (policies included), the byte meter and the chunking knobs."""
+    the train config (policies included), the byte meter and the chunking knobs, and the
+    strategy the config check built (``prepared``: :func:`strategy` takes it)."""
 
     def __init__(self, cfg: RunConfig, trainer: BatchedTrainer, train_config: ConfigRecord, n_examples: np.ndarray,
                  meter: Meter, *, memory_budget: int | None, chunk_size: int | None,
-                 on_clients: ClientsListener | None):
+                 on_clients: ClientsListener | None, prepared: PreparedStrategy | None = None):
         self.cfg = cfg
         self.trainer = trainer
         self.train_config = train_config
@@ -139,6 +164,12 @@ class BatchedRun:
         self.memory_budget = memory_budget
         self.chunk_size = chunk_size
         self.on_clients = on_clients
+        self.prepared = prepared
+
+    def strategy(self):
+        """The run's strategy object: the one the config check built where it can be taken
+        (:func:`fedswarm.server.app.strategy_for`), else built now."""
+        return strategy_for(self.cfg, self.trainer.layout, self.prepared)
 
     def progress(self, total: int) -> Callable[[int], None]:
         """An ``on_chunk`` callback that reports clients done out of ``total``."""
@@ -168,14 +199,13 @@ class FedAvgRounds:
     """FedAvg's round: the clients' models folded into the weighted sum chunk by chunk."""
 
     def __init__(self, run: BatchedRun, model: torch.Tensor, notes=None):
-        from fedswarm.strategies.federated.dp import client_dp
-
         self.run = run
         self.model = model
         self.notes = notes  # the recorder: a diverged client's reply is rejected there
         self.counter = ByteCounter(run.train_config)
         self.all_nodes = list(range(1, run.cfg.clients + 1))
-        self.dp = client_dp(run.cfg)  # --dp: the mechanism fedavg's DPFedAvg strategy object holds
+        # --dp: the mechanism fedavg's DPFedAvg strategy object holds, calibrated once for the run
+        self.dp = run.strategy().dp if run.cfg.dp else None
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         cfg = self.run.cfg
@@ -187,11 +217,12 @@ class FedAvgRounds:
 
 def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None,
                 on_clients: ClientsListener | None = None, memory_budget: int | None = None,
-                chunk_size: int | None = None) -> str:
+                chunk_size: int | None = None, prepared: PreparedStrategy | None = None) -> str:
     """Run ``cfg`` on the batched engine, recording into ``run_id``; return the final status.
     ``cfg`` passed :func:`check_supported` (:func:`fedswarm.sim.engines.run_engine` checks it).
 
-    ``on_clients(done, total)`` is called after every chunk (the CLI's clients/s bar)."""
+    ``on_clients(done, total)`` is called after every chunk (the CLI's clients/s bar); ``prepared``:
+    the strategy the config check built."""
     from fedswarm.sim.inprocess import _run_ids
 
     TaskIdentity.run_id = next(_run_ids)  # what Flower's Message stamps on the messages it builds
@@ -235,19 +266,9 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
                              listeners=listeners, policies=policies,
                              train_config=train_config, node_kind="sim")
     run = BatchedRun(cfg, trainer, train_config, n_examples, meter, memory_budget=memory_budget,
-                     chunk_size=chunk_size, on_clients=on_clients)
-    if cfg.strategy == "fedavg":
-        rounds_of = FedAvgRounds(run, global_vec, notes=recorder)
-    else:
-        from fedswarm.sim.batched_compressed import CompressedRounds, GTopKRounds
-        from fedswarm.sim.batched_progfed import ProgFedRounds
-        from fedswarm.sim.batched_pvt import PVTRounds
-        from fedswarm.sim.batched_sketched import SketchRounds
-
-        runner = {"gtopk": GTopKRounds, "pvt": PVTRounds, "progfed": ProgFedRounds, "sketched_sgd": SketchRounds,
-                  "fetchsgd": SketchRounds, "gs_sgd": SketchRounds}.get(cfg.strategy, CompressedRounds)
-        rounds_of = runner(run, global_vec, notes=recorder)
-        recorder.min_train_nodes = getattr(getattr(rounds_of, "strategy", None), "min_train_nodes", None)
+                     chunk_size=chunk_size, on_clients=on_clients, prepared=prepared)
+    rounds_of = round_runner(registry.get(cfg.strategy))(run, global_vec, notes=recorder)
+    recorder.min_train_nodes = getattr(getattr(rounds_of, "strategy", None), "min_train_nodes", None)
     recorder.eval_every = cfg.eval_every
 
     def loop() -> None:

@@ -105,12 +105,10 @@ class CompressedRounds:
     """Rounds of a compressed strategy; ``model`` is the strategy's public model."""
 
     def __init__(self, run, model: torch.Tensor, notes=None):
-        from fedswarm.server.app import build_strategy
-
         self.run = run
         cfg = run.cfg
         self.layout = run.trainer.layout
-        self.strategy = build_strategy(cfg, self.layout)
+        self.strategy = run.strategy()
         self.strategy.bind_notes(notes)
         self.initial = model
         self.arrays = vector_to_arrayrecord(model)
@@ -118,10 +116,9 @@ class CompressedRounds:
         self._inner = NodeIds(cfg.clients)
         self.byzantine = None
         if cfg.byzantine:
-            from fedswarm.algorithms.robust.attacks import parse_attack
             from fedswarm.server.byzantine import ByzantineGrid
 
-            self.byzantine = ByzantineGrid(self._inner, parse_attack(cfg.attack or "signflip"), cfg.byzantine,
+            self.byzantine = ByzantineGrid(self._inner, cfg.attack, cfg.byzantine,
                                            seed=cfg.seed, layout=self.layout, on_attack=lambda nodes, spec: notes.note(
                                                byzantine_nodes=[str(n) for n in nodes], attack=spec))
         self.residuals: dict[int, torch.Tensor] = {}  # partition id -> the client's error-feedback residual

@@ -51,10 +51,8 @@ class ProgFedRounds:
     """Rounds of ``progfed``; ``model`` is the global (full) model."""
 
     def __init__(self, run, model: torch.Tensor, notes=None):
-        from fedswarm.server.app import build_strategy
-
         self.run = run
-        self.strategy = build_strategy(run.cfg, run.trainer.layout)
+        self.strategy = run.strategy()
         self.strategy.bind_notes(notes)
         self.model = model
         self.grid = NodeIds(run.cfg.clients)

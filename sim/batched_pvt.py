@@ -36,13 +36,11 @@ class PVTRounds:
     """Rounds of ``pvt``; ``model`` is the global model."""
 
     def __init__(self, run, model: torch.Tensor, notes=None):
-        from fedswarm.server.app import build_strategy
-
         self.run = run
         self.layout = run.trainer.layout
-        self.strategy = build_strategy(run.cfg, self.layout)
+        self.strategy = run.strategy()
         self.strategy.bind_notes(notes)
-        self.params = resolve_params("pvt", run.cfg.params)
+        self.params = resolve_params(run.cfg.strategy, run.cfg.params)
         self.model = model
         self.grid = NodeIds(run.cfg.clients)
 

@@ -17,7 +17,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
-from fedswarm.server.app import run_server
+from fedswarm.server.app import PreparedStrategy, run_server
 from fedswarm.server.checkpoint import ServerCheckpoint
 from fedswarm.server.recorder import RoundListener
 from fedswarm.sim.simtime import make_round_timer
@@ -89,8 +89,9 @@ def _stop_ray() -> None:
 
 def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None,
                num_cpus_per_client: float = 1.0, num_gpus_per_client: float = 0.0,
-               resume: ServerCheckpoint | None = None) -> str:
+               resume: ServerCheckpoint | None = None, prepared: PreparedStrategy | None = None) -> str:
     """Run one simulation on Flower's Simulation Engine; returns the final run status.
+    ``prepared``: the strategy the config check built (the ServerApp runs in this process).
 
     With ``cfg.ray_address`` the engine attaches to that running Ray cluster (``ray start
     --head`` on one machine, ``ray start --address HEAD`` on the others) instead of starting
@@ -110,7 +111,8 @@ def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
-        run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners, sim_time=sim_time, resume=resume)
+        run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners, sim_time=sim_time, resume=resume,
+                   prepared=prepared)
 
     init_args: dict = {"log_to_driver": False, "include_dashboard": False}
     if cfg.ray_address:  # attach to a running cluster: its resources are what the cluster has

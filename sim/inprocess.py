@@ -25,7 +25,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
-from fedswarm.server.app import run_server
+from fedswarm.server.app import PreparedStrategy, run_server
 from fedswarm.server.checkpoint import ServerCheckpoint
 from fedswarm.server.recorder import RoundListener
 from fedswarm.sim.simtime import make_round_timer
@@ -128,9 +128,11 @@ class InProcessGrid(Grid):
 
 
 def run_inprocess(cfg: RunConfig, *, store: Store, run_id: str,
-                  listeners: list[RoundListener] | None = None, resume: ServerCheckpoint | None = None) -> str:
+                  listeners: list[RoundListener] | None = None, resume: ServerCheckpoint | None = None,
+                  prepared: PreparedStrategy | None = None) -> str:
     """Run one simulation on the in-process engine; returns the final run status.
-    ``resume``: continue the run from this checkpoint (the nodes' state included)."""
+    ``resume``: continue the run from this checkpoint (the nodes' state included); ``prepared``: the
+    strategy the config check built."""
     from fedswarm.client.app import app as client_app
 
     grid = InProcessGrid(client_app, cfg.clients, run_config=cfg.to_flat())
@@ -138,4 +140,4 @@ def run_inprocess(cfg: RunConfig, *, store: Store, run_id: str,
     TaskIdentity.task_id = 1
     TaskIdentity.node_id = 0
     return run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners,
-                      sim_time=make_round_timer(cfg), resume=resume)
+                      sim_time=make_round_timer(cfg), resume=resume, prepared=prepared)

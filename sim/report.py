@@ -11,7 +11,7 @@ from fedswarm.config import RunConfig
 from fedswarm.store import Store
 from fedswarm.store_liveness import live_status
 
-__all__ = ["summary_table", "runs_table", "catalog", "catalog_tables", "plot_run", "policy_keys"]
+__all__ = ["summary_table", "runs_table", "catalog", "catalog_tables", "plot_run", "policy_keys", "strategy_table"]
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -88,26 +88,43 @@ def runs_table(store: Store, results: list[dict]) -> Table:
     return t
 
 
-LOCAL_POLICY_KEYS = ("local_steps", "local_epochs", "batch_size", "lr")
-
-
 def policy_keys(entry) -> list[str]:
-    """The device-class policy keys (fedswarm/policy.py) a strategy's clients honour: the
-    dashboard refuses a policy that sets any other. Federated clients train through
-    ``fedswarm.local`` (local-work keys); a codec hyperparameter means clients may pick their
-    class's codec; PVT and ProgFed read their own key. Decentralized and asynchronous
-    strategies take no per-class policy."""
-    if entry.kind != "federated":
-        return []
-    keys = list(LOCAL_POLICY_KEYS)
-    names = {h.name for h in entry.hyperparams}
-    if "codec" in names:
-        keys += ["codec", "codec_params"]
-    if entry.name == "pvt":
-        keys.append("pvt_fraction")
-    if entry.name == "progfed":
-        keys.append("progfed_max_stage")
-    return keys
+    """The device-class policy keys (fedswarm/policy.py) a strategy's clients honour, from its
+    registry entry (:attr:`~fedswarm.strategies.registry.StrategyEntry.policy_keys`): the
+    dashboard refuses a policy that sets any other."""
+    return list(entry.policy_keys)
+
+
+def capabilities(entry) -> dict[str, Any]:
+    """What strategy ``entry`` can do, from its registry entry: the engines that run it, its
+    batched round runner and the options it takes there, ``--dp``, ``--byzantine``, ``secagg``."""
+    from fedswarm.sim.engines import engines_for
+
+    b = entry.batched
+    return {"engines": engines_for(entry), "dp": entry.dp, "byzantine": entry.byzantine, "secagg": entry.secagg,
+            "batched": None if b is None else {"runner": b.runner if isinstance(b.runner, str) else
+                                               getattr(b.runner, "__qualname__", repr(b.runner)),
+                                               "dp": b.dp, "byzantine": b.byzantine}}
+
+
+def strategy_table() -> str:
+    """The README's table of every strategy and what it can do (Markdown), from the registry:
+    ``fedswarm strategies --markdown`` prints it, and a test holds the README to it."""
+    from fedswarm.strategies import registry
+
+    def yes(flag: bool, where: str = "") -> str:
+        return ("yes" + (f" ({where})" if where else "")) if flag else "-"
+
+    lines = ["| strategy | kind | engines | `--dp` | `--byzantine` | device-class policy keys |",
+             "|---|---|---|---|---|---|"]
+    for e in registry.entries():
+        cap = capabilities(e)
+        b = e.batched
+        dp = yes(e.dp, "not batched" if e.dp and not (b and b.dp) else "")
+        byz = yes(bool(e.byzantine), "not batched" if e.byzantine and b and not b.byzantine else "")
+        keys = ", ".join(f"`{k}`" for k in e.policy_keys) or "-"
+        lines.append(f"| `{e.name}` | {e.kind} | {', '.join(cap['engines'])} | {dp} | {byz} | {keys} |")
+    return "\n".join(lines) + "\n"
 
 
 def catalog() -> dict:
@@ -126,7 +143,7 @@ def catalog() -> dict:
         "strategies": [
             {"name": e.name, "description": e.description, "kind": e.kind, "paper": e.paper,
              "message_type": e.message_type, "hyperparams": [hp(h) for h in e.hyperparams],
-             "policy_keys": policy_keys(e), "run_defaults": dict(e.run_defaults)}
+             "policy_keys": policy_keys(e), "run_defaults": dict(e.run_defaults), **capabilities(e)}
             for e in registry.entries()
         ],
         "codecs": [],
@@ -155,7 +172,10 @@ def catalog_tables(cat: dict) -> list[Table]:
     for s in cat["strategies"]:
         hps = "\n".join(f"{h['name']}={h['default']!r} ({h['allowed']}): {h['help']}" for h in s["hyperparams"]) or "-"
         runs = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in s.get("run_defaults", {}).items())
-        t.add_row(s["name"], s["kind"], s["description"] + (f"\n(default: {runs})" if runs else ""), hps)
+        takes = [opt for opt, key in (("--dp", "dp"), ("--byzantine", "byzantine")) if s.get(key)]
+        runs_on = "engines: " + ", ".join(s.get("engines") or []) + (f"; takes {', '.join(takes)}" if takes else "")
+        t.add_row(s["name"], s["kind"], s["description"] + (f"\n(default: {runs})" if runs else "") + f"\n{runs_on}",
+                  hps)
     tables.append(t)
     if cat["codecs"]:
         c = Table(title="codecs (for compressed strategies: --set codec=NAME)")

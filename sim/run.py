@@ -13,15 +13,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
 from fedswarm.store_liveness import Heartbeat, owner_fields
-from fedswarm.sim.engines import engine_for, run_engine
+from fedswarm.sim.engines import Checked, engine_for, run_engine
 from fedswarm.sim.report import plot_run, summary_table
 
 __all__ = ["run_engine", "run_simulation_cli"]  # run_engine is fedswarm.sim.engines', here for its callers
 
 
 def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, out: Path | None,
-                       console: Console, resume: Any = None) -> str:
-    """``resume``: a checkpoint of run ``run_id`` to continue from (``fedswarm resume``)."""
+                       console: Console, resume: Any = None, checked: Checked | None = None) -> str:
+    """``resume``: a checkpoint of run ``run_id`` to continue from (``fedswarm resume``); ``checked``:
+    :func:`fedswarm.sim.engines.check_run` of ``cfg`` (the run takes the strategy it built)."""
     engine = engine_for(cfg)
     if engine.name == "array" and cfg.engine != "array":
         cfg = cfg.model_copy(update={"engine": "array"})  # it runs nowhere else: record what runs it
@@ -81,7 +82,7 @@ def run_simulation_cli(cfg: RunConfig, *, db: str | None, run_id: str | None, ou
 
         try:
             status = run_engine(cfg, store=store, run_id=run_id, listeners=[on_round], on_clients=on_clients,
-                                resume=resume)
+                                resume=resume, checked=checked)
         except KeyboardInterrupt:  # recorded by the run's lifecycle once the run started
             if store.get_run(run_id).status not in ("failed", "stopped"):
                 store.set_status(run_id, "stopped", error="interrupted from the keyboard")

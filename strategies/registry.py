@@ -17,20 +17,34 @@ Flower's own ``train`` message type and need no client update of their own.
 An entry's ``run_defaults`` are the run options the strategy needs where the user gives none
 (EASGD's all-reduce: topology ``complete``); every front end (the CLI, the dashboard) completes a
 raw config with :func:`with_run_defaults` before building the ``RunConfig``.
+
+An entry also says what the strategy can do, and everything that lists strategies reads it
+there: its ``kind`` (which engines run it, :data:`fedswarm.sim.engines.ENGINES`), its
+:class:`Batched` round runner on ``--engine batched`` (None: not served there) and the options
+it takes there, whether it takes ``--dp`` and ``--byzantine``, a ``secagg``-style wrapper, and
+the device-class policy keys its clients honour. The batched engine's served set, the CLI's
+``--engine`` help, ``fedswarm strategies`` (and the dashboard's catalog) and the README's
+strategy table are generated from these fields (docs/architecture.md, "How to add a strategy").
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping, get_args
 
 from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.hyperparams import HyperParam
 
 __all__ = [
+    "Kind",
+    "KINDS",
+    "Batched",
+    "LOCAL_POLICY_KEYS",
     "StrategyEntry",
+    "unregister",
+    "on_register",
     "register",
     "get",
     "names",
@@ -39,6 +53,7 @@ __all__ = [
     "with_run_defaults",
     "load_builtin",
     "message_type_of",
+    "batched_names",
 ]
 
 
@@ -49,13 +64,52 @@ def message_type_of(name: str) -> str:
     return f"train.{name}"
 
 
+#: What a strategy is, which decides the engines that run it:
+#: ``federated`` (a global model, a Flower strategy: inprocess, flower, batched when it has a
+#: :class:`Batched` runner); ``decentralized`` (no global model, synchronous gossip: the router on
+#: inprocess/flower, and the array engine); ``array`` (needs every worker at once: the array engine
+#: only, the virtual clock with ``--engine clock``); ``async`` (asynchronous: the virtual clock, or a
+#: fixed replayed schedule with ``--set schedule=fixed``).
+Kind = Literal["federated", "decentralized", "array", "async"]
+KINDS: tuple[str, ...] = get_args(Kind)
+
+#: The device-class policy keys (fedswarm/policy.py) of local work, which every federated client
+#: honours (it trains through ``fedswarm.local``).
+LOCAL_POLICY_KEYS = ("local_steps", "local_epochs", "batch_size", "lr")
+
+
+@dataclass(frozen=True)
+class Batched:
+    """How ``--engine batched`` runs a strategy.
+
+    ``runner``: the round runner, a name in :data:`fedswarm.sim.batched.ROUND_RUNNERS` (the
+    built-in ones: ``weighted_mean`` FedAvg's own round, ``codec`` the strategies whose client half
+    is compressed_fedavg's, ``global_topk``, ``sketch``, ``variable_subsets``, ``stages``), or a
+    runner class of your own (``runner(run, global_vec, notes=recorder)``, with ``.model`` and
+    ``.round(server_round) -> (row, node_rows)``). ``dp``: it takes ``--dp`` there; ``byzantine``:
+    it takes ``--byzantine`` there (update attacks, ``random`` and ``labelflip``)."""
+
+    runner: str | Callable[..., Any]
+    dp: bool = False
+    byzantine: bool = False
+
+
 @dataclass(frozen=True)
 class StrategyEntry:
-    """A registered algorithm.
+    """A registered algorithm and what it can do.
 
     ``build(params, ctx)`` returns a Flower ``Strategy``; ``params`` are the resolved
     hyperparameters and ``ctx`` a :class:`BuildContext` with the run config and the model
     layout. ``client_update`` is None when clients use Flower's plain ``train`` message.
+
+    Capabilities: ``kind`` (:data:`Kind`); ``batched``, how ``--engine batched`` runs it (None: it
+    does not); ``dp``, it takes ``--dp`` (client-level DP-FedAvg: its aggregate is an average of
+    per-client vectors); ``byzantine``, it takes ``--byzantine`` (None: every federated strategy
+    does); ``secagg``, its aggregate may be wrapped by a secure-aggregation-style wrapper (no
+    strategy sets it yet: future wrappers read it); ``policy_keys``, the device-class policy keys
+    its clients honour (None: the local-work keys for a federated strategy, plus ``codec`` and
+    ``codec_params`` where it has a ``codec`` hyperparameter; none for the others);
+    ``run_defaults``, see :func:`with_run_defaults`.
     """
 
     name: str
@@ -63,11 +117,41 @@ class StrategyEntry:
     build: Callable[..., Any]
     hyperparams: tuple[HyperParam, ...] = ()
     client_update: Callable[..., Any] | None = None
-    kind: str = "federated"  # "federated" | "decentralized"
+    kind: Kind = "federated"
     paper: str = ""
     #: Run options (RunConfig fields) the strategy needs to run, used where the user gave none:
     #: EASGD's all-reduce needs topology 'complete'. See :func:`with_run_defaults`.
     run_defaults: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    batched: Batched | None = None
+    #: The virtual clock's runner (``--engine clock``), a name in
+    #: :data:`fedswarm.sim.async_engine.CLOCK_RUNNERS`; None: not run there.
+    clock: str | None = None
+    dp: bool = False
+    byzantine: bool | None = None
+    secagg: bool = False
+    policy_keys: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"strategy {self.name!r}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        federated = self.kind == "federated"
+        if self.clock is not None and self.kind not in ("async", "array"):
+            raise ValueError(f"strategy {self.name!r}: a clock runner is for async and array strategies")
+        if not federated and (self.batched is not None or self.dp or self.byzantine or self.secagg):
+            raise ValueError(f"strategy {self.name!r}: batched, dp, byzantine and secagg are for federated "
+                             f"strategies; it is {self.kind}")
+        if self.batched is not None and (self.batched.dp and not self.dp):
+            raise ValueError(f"strategy {self.name!r}: batched.dp needs dp=True")
+        if self.byzantine is None:
+            object.__setattr__(self, "byzantine", federated)
+        if self.policy_keys is None:
+            keys: tuple[str, ...] = ()
+            if federated:
+                keys = LOCAL_POLICY_KEYS
+                if any(h.name == "codec" for h in self.hyperparams):
+                    keys += ("codec", "codec_params")
+            object.__setattr__(self, "policy_keys", keys)
+        object.__setattr__(self, "policy_keys", tuple(self.policy_keys))
 
     @property
     def message_type(self) -> str:
@@ -104,11 +188,27 @@ _BUILTIN_MODULES = (
 )
 
 
+_LISTENERS: list[Callable[[StrategyEntry], None]] = []
+
+
 def register(entry: StrategyEntry) -> StrategyEntry:
     if entry.name in _REGISTRY and _REGISTRY[entry.name] is not entry:
         raise ValueError(f"strategy {entry.name!r} is already registered")
     _REGISTRY[entry.name] = entry
+    for listener in _LISTENERS:
+        listener(entry)
     return entry
+
+
+def on_register(listener: Callable[[StrategyEntry], None]) -> None:
+    """Call ``listener(entry)`` for every strategy registered from now on (fedswarm's ClientApp
+    serves a strategy registered after it was imported)."""
+    _LISTENERS.append(listener)
+
+
+def unregister(name: str) -> None:
+    """Forget strategy ``name`` (a test's own strategy, once the test is done with it)."""
+    _REGISTRY.pop(name, None)
 
 
 def load_builtin() -> None:
@@ -121,9 +221,26 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def entries() -> list[StrategyEntry]:
+def entries(*, registered: bool = False) -> list[StrategyEntry]:
+    """Every strategy, by name (``registered``: in the order they were registered, the built-in
+    ones first, FedAvg first of all: the order lists of what an engine serves are written in)."""
     load_builtin()
-    return [_REGISTRY[n] for n in sorted(_REGISTRY)]
+    if not registered:
+        return [_REGISTRY[n] for n in sorted(_REGISTRY)]
+    order = {name: i for i, name in enumerate(_REGISTRY)}
+
+    def rank(e: StrategyEntry) -> tuple[int, int]:  # the built-in modules' order, whatever imported them first
+        mod = getattr(e.build, "__module__", "")
+        return (_BUILTIN_MODULES.index(mod) if mod in _BUILTIN_MODULES else len(_BUILTIN_MODULES), order[e.name])
+
+    return sorted(_REGISTRY.values(), key=rank)
+
+
+def batched_names(**need: bool) -> list[str]:
+    """The strategies ``--engine batched`` serves, in registration order; ``dp=True`` or
+    ``byzantine=True``: those it serves with that option."""
+    return [e.name for e in entries(registered=True) if e.batched is not None
+            and all(getattr(e.batched, k) for k, v in need.items() if v)]
 
 
 def get(name: str) -> StrategyEntry:

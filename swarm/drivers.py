@@ -30,6 +30,7 @@ comparisons (``fedswarm peer --algorithm adpsgd --set schedule=fixed``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -264,9 +265,44 @@ SWARM_ONLY = {"swarm_merge": "Swarm Learning: each round an elected leader merge
                              "redistributes (Warnat-Herresthal et al., Nature 2021; docs/algorithms.md §16)"}
 
 
+def _adpsgd(peer: Peer) -> Driver:
+    from fedswarm.swarm.adpsgd import ADPSGDDriver
+
+    return ADPSGDDriver(peer)
+
+
+def _prague(peer: Peer) -> Driver:
+    raise ValueError("prague on the swarm replays a fixed schedule only: --set schedule=fixed")
+
+
+def _leader(peer: Peer) -> Driver:
+    from fedswarm.swarm.leader import LeaderDriver
+
+    return LeaderDriver(peer)
+
+
+def _squarm(peer: Peer) -> Driver:
+    from fedswarm.swarm.squarm import SquarmDriver
+
+    return SquarmDriver(peer)
+
+
+#: Every algorithm ``fedswarm peer --algorithm`` runs -> its driver (a class or a function of the
+#: peer); those of :data:`SCHEDULED` replay a fixed schedule (``ScheduledDriver``) with
+#: ``--set schedule=fixed`` instead. A new swarm algorithm is one entry here.
+DRIVERS: dict[str, Callable[[Peer], Driver]] = {
+    **{name: GossipDriver for name in GOSSIP_OBJECTS},
+    "adpsgd": _adpsgd,
+    "prague": _prague,
+    "lsgd": _leader,
+    "squarm": _squarm,
+    **{name: SwarmMergeDriver for name in SWARM_ONLY},
+}
+
+
 def algorithm_names() -> list[str]:
     """What ``fedswarm peer --algorithm`` accepts."""
-    return [*GOSSIP_OBJECTS, "adpsgd", "prague", "lsgd", "squarm", *SWARM_ONLY]
+    return list(DRIVERS)
 
 
 def algorithm_description(name: str) -> str:
@@ -275,24 +311,8 @@ def algorithm_description(name: str) -> str:
 
 def make_driver(peer: Peer) -> Driver:
     name = peer.cfg.algorithm
-    if name == "swarm_merge":
-        return SwarmMergeDriver(peer)
-    if name == "lsgd":
-        from fedswarm.swarm.leader import LeaderDriver
-
-        return LeaderDriver(peer)
-    if name == "squarm":
-        from fedswarm.swarm.squarm import SquarmDriver
-
-        return SquarmDriver(peer)
     if name in SCHEDULED and peer.cfg.params.get("schedule") == "fixed":
         return ScheduledDriver(peer)
-    if name == "adpsgd":
-        from fedswarm.swarm.adpsgd import ADPSGDDriver
-
-        return ADPSGDDriver(peer)
-    if name == "prague":
-        raise ValueError("prague on the swarm replays a fixed schedule only: --set schedule=fixed")
-    if name in GOSSIP_OBJECTS:
-        return GossipDriver(peer)
-    raise ValueError(f"unknown swarm algorithm '{name}' (available: {', '.join(algorithm_names())})")
+    if name not in DRIVERS:
+        raise ValueError(f"unknown swarm algorithm '{name}' (available: {', '.join(algorithm_names())})")
+    return DRIVERS[name](peer)

@@ -42,7 +42,7 @@ def store(tmp_path):
 
 @pytest.fixture(autouse=True, scope="session")
 def _state_home(tmp_path_factory):
-    """A run without --out writes Flower's log under $XDG_STATE_HOME (fedswarm.cli_common.log_file_for),
+    """A run without --out writes Flower's log under $XDG_STATE_HOME (fedswarm.cli.common.log_file_for),
     and a dashboard makes its secret key file under $XDG_CONFIG_HOME (fedswarm.web.secret_box): the
     session's own folders, inherited by the processes tests start, not the user's home."""
     patch = pytest.MonkeyPatch()

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from fedswarm.cli_common import log_file_for, route_logs
+from fedswarm.cli.common import log_file_for, route_logs
 
 # A line of Flower's console format ("INFO :      ..." with or without colour codes) or Ray's
 # ("2026-01-01 00:00:00,000\tINFO worker.py:1 -- ...").

@@ -238,7 +238,8 @@ def test_batched_gives_the_inprocess_models_with_client_data(tmp_path, monkeypat
 def test_sim_clients_default_to_the_datasets_and_a_mismatch_is_one_line(tmp_path):
     from typer.testing import CliRunner
 
-    from fedswarm.cli import _client_data_clients, app
+    from fedswarm.cli import app
+    from fedswarm.cli.simulation import _client_data_clients
     from fedswarm.errors import ConfigError
 
     root, _ = _client_dir(tmp_path)

@@ -20,6 +20,10 @@ __all__ = ["Catalog", "CatalogData", "FieldSpec", "config_fields"]
 
 @dataclass
 class CatalogData:
+    """The catalog as ``fedswarm strategies --json`` prints it. Each strategy carries what its
+    registry entry says it can do (``engines``, ``batched``, ``dp``, ``byzantine``, ``secagg``,
+    ``policy_keys``, ``run_defaults``): the form offers and checks only those."""
+
     strategies: list[dict] = field(default_factory=list)
     codecs: list[dict] = field(default_factory=list)
     tasks: list[dict] = field(default_factory=list)

@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fedswarm.kv import parse_pairs
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Attack", "ATTACKS", "parse_attack", "alie_z"]
 
@@ -62,6 +63,8 @@ def alie_z(n: int, b: int) -> float:
 
 
 def _erfinv(y: float) -> float:
+    import torch  # a spec parses without torch (the run config holds it parsed)
+
     return float(torch.erfinv(torch.tensor(y, dtype=torch.float64)))
 
 
@@ -89,6 +92,8 @@ class Attack:
         the Byzantine clients' own honest vectors in its place."""
         if self.kind != "update":
             return own
+        import torch  # a spec parses without torch (the run config holds it parsed)
+
         own = own.to(torch.float32)
         ref = honest.to(torch.float32) if honest.numel() else own
         b = own.shape[0]

@@ -384,6 +384,7 @@ register(StrategyEntry(
     build=_build_array,
     hyperparams=ALGORITHMS["lsgd"].hyperparams,
     kind="array",
+    clock="leaders",  # its asynchronous mode (--set mode=async)
     paper=ALGORITHMS["lsgd"].paper,
 ))
 
@@ -395,6 +396,7 @@ register(StrategyEntry(
     hyperparams=ALGORITHMS["adpsgd"].hyperparams + (REPORT_EVERY,),
     client_update=make_client_update("adpsgd"),
     kind="async",
+    clock="gossip",
     paper=ALGORITHMS["adpsgd"].paper,
 ))
 
@@ -406,5 +408,6 @@ register(StrategyEntry(
     hyperparams=ALGORITHMS["prague"].hyperparams + (REPORT_EVERY,),
     client_update=make_client_update("prague"),
     kind="async",
+    clock="groups",
     paper=ALGORITHMS["prague"].paper,
 ))

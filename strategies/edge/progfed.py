@@ -55,7 +55,8 @@ from fedswarm.algorithms.selection.progfed import default_stage_rounds, samples_
 from fedswarm.params import ParamLayout, get_flat
 from fedswarm.local import prepare_local
 from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
-from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register
+from fedswarm.strategies.registry import (LOCAL_POLICY_KEYS, Batched, BuildContext, StrategyEntry, message_type_of,
+                                          register)
 from fedswarm.strategies.resumable import capture, restore
 from fedswarm.tasks.staged import StagedModel, StageModel, step_flops
 from fedswarm.payload import PayloadError
@@ -399,4 +400,6 @@ ENTRY = register(StrategyEntry(
     client_update=client_update,
     paper="Wang, Stich, He, Fritz, ICML 2022 (arXiv 2110.05323)",
     run_defaults={"task": "digits-cnn4"},  # the smallest staged task
+    batched=Batched("stages"),
+    policy_keys=(*LOCAL_POLICY_KEYS, "progfed_max_stage"),
 ))

@@ -49,7 +49,8 @@ from fedswarm.local import prepare_local, server_round
 from fedswarm.algorithms.selection.pvt import num_selected, select_variables, selection_seed
 from fedswarm.params import ParamLayout, set_flat
 from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
-from fedswarm.strategies.registry import BuildContext, StrategyEntry, message_type_of, register, resolve_params
+from fedswarm.strategies.registry import (LOCAL_POLICY_KEYS, Batched, BuildContext, StrategyEntry, message_type_of,
+                                          register, resolve_params)
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.strategy_utils import ReportsRounds, sample_train_nodes
 from fedswarm.wire import arrayrecord_to_vector, read_array, vector_to_arrayrecord
@@ -297,4 +298,6 @@ ENTRY = register(StrategyEntry(
     hyperparams=HYPERPARAMS,
     client_update=client_update,
     paper="Yang, Guliani, Beaufays, Motta, ICASSP 2022 (arXiv 2110.05607)",
+    batched=Batched("variable_subsets"),
+    policy_keys=(*LOCAL_POLICY_KEYS, "pvt_fraction"),
 ))

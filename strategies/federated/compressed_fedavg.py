@@ -25,7 +25,7 @@ from fedswarm.strategies.federated.compressed_base import (Accepted, CompressedS
 from fedswarm.strategies.strategy_utils import load_error_feedback, save_error_feedback
 from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState, error_feedback_step
 from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
-from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
+from fedswarm.strategies.registry import Batched, BuildContext, StrategyEntry, register
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import payload_to_records
 
@@ -322,6 +322,8 @@ register(StrategyEntry(
     ), kept=("codec_params", "downlink_codec_params")),
     client_update=client_update,
     paper="McMahan et al. 2017; Karimireddy et al., ICML 2019",
+    batched=Batched("codec", dp=True, byzantine=True),
+    dp=True,
 ))
 
 register(StrategyEntry(
@@ -336,4 +338,6 @@ register(StrategyEntry(
         *_COMMON)),
     client_update=client_update,
     paper="Seide et al., Interspeech 2014",
+    batched=Batched("codec", dp=True, byzantine=True),
+    dp=True,
 ))

@@ -26,7 +26,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
-from fedswarm.algorithms.privacy.dp_fedavg import ClientLevelDP, parse_dp
+from fedswarm.algorithms.privacy.dp_fedavg import ClientLevelDP
 from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.payload import PayloadError
@@ -42,7 +42,7 @@ def client_dp(cfg: RunConfig) -> ClientLevelDP | None:
     planned rounds would exceed ``target_epsilon``."""
     if not cfg.dp:
         return None
-    return ClientLevelDP(parse_dp(cfg.dp), rounds=cfg.rounds, sample_rate=cfg.fraction, seed=cfg.seed)
+    return ClientLevelDP(cfg.dp, rounds=cfg.rounds, sample_rate=cfg.fraction, seed=cfg.seed)
 
 
 class DPFedAvg(ReportsRounds, SamplesAfterWait, FedAvg):
@@ -118,6 +118,7 @@ def attach_dp(strategy: Any, cfg: RunConfig) -> Any:
     """Give ``strategy`` the run's DP-FedAvg mechanism, or refuse clearly."""
     if not cfg.dp or isinstance(strategy, DPFedAvg):
         return strategy
+    from fedswarm.strategies import registry
     from fedswarm.strategies.federated.compressed_base import CompressedStrategy
 
     if isinstance(strategy, CompressedStrategy) and getattr(strategy, "supports_dp", False):
@@ -125,4 +126,4 @@ def attach_dp(strategy: Any, cfg: RunConfig) -> Any:
         return strategy
     raise ConfigError(f"strategy '{cfg.strategy}' does not support --dp: its aggregate is not an average of "
                       f"per-client vectors, so one client's influence is not bounded by the clip norm "
-                      f"(use fedavg, compressed_fedavg or onebit)")
+                      f"(use {', '.join(e.name for e in registry.entries(registered=True) if e.dp)})")

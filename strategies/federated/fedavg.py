@@ -9,7 +9,7 @@ from __future__ import annotations
 from flwr.serverapp.strategy import FedAvg
 
 from fedswarm.payload import PayloadError
-from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
+from fedswarm.strategies.registry import Batched, BuildContext, StrategyEntry, register
 from fedswarm.strategies.strategy_utils import ReportsRounds, SamplesAfterWait, check_model_reply
 from fedswarm.wire import arrayrecord_to_vector
 
@@ -75,4 +75,7 @@ ENTRY = register(StrategyEntry(
     description="FedAvg: average of client models weighted by examples (Flower's own strategy).",
     build=build,
     paper="McMahan et al., AISTATS 2017",
+    # its own batched round (chunks folded into the weighted sum); no --byzantine there: its replies are its own
+    batched=Batched("weighted_mean", dp=True),
+    dp=True,
 ))

@@ -22,7 +22,7 @@ from fedswarm.strategies.federated.compressed_base import (Accepted, ClientRound
 from fedswarm.strategies.federated.compressed_client import SELECT, selected_indices, sent_of
 from fedswarm.strategies.strategy_utils import load_vector, save_vector
 from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
-from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
+from fedswarm.strategies.registry import Batched, BuildContext, StrategyEntry, register
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import payload_to_records
 
@@ -219,4 +219,5 @@ register(StrategyEntry(
     )),
     client_update=client_update,
     paper="Shi et al., ICDCS 2019",
+    batched=Batched("global_topk", byzantine=True),
 ))

@@ -30,7 +30,7 @@ from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
 from fedswarm.params import ParamLayout
 from fedswarm.strategies.federated.compressed_base import Accepted, Step
 from fedswarm.strategies.federated.compressed_fedavg import CompressedFedAvg, client_update
-from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
+from fedswarm.strategies.registry import Batched, BuildContext, StrategyEntry, register
 
 __all__ = ["RobustAggregation", "Signum", "check_tolerance"]
 
@@ -145,7 +145,8 @@ for _name, _desc, _extra in (
 ):
     register(StrategyEntry(name=_name, description=_desc, build=_builder(_name),
                            hyperparams=defaults_from(RobustAggregation, (_F, *_extra, _LR)),
-                           client_update=client_update, paper=RULES[_name].paper))
+                           client_update=client_update, paper=RULES[_name].paper,
+                           batched=Batched("codec", byzantine=True)))
 
 register(StrategyEntry(
     name="signum",
@@ -155,4 +156,5 @@ register(StrategyEntry(
                                                       "server_lr * vote", gt=0.0, le=100.0)), kept=("f",)),
     client_update=client_update,
     paper=MajorityVote.paper,
+    batched=Batched("codec", byzantine=True),
 ))

@@ -26,7 +26,7 @@ from fedswarm.strategies.federated.compressed_base import (KNOBS, Accepted, Clie
 from fedswarm.strategies.strategy_utils import load_vector, save_vector
 from fedswarm.algorithms.compression.countsketch import CountSketch
 from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
-from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
+from fedswarm.strategies.registry import Batched, BuildContext, StrategyEntry, register
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import payload_to_records
 
@@ -437,6 +437,7 @@ register(StrategyEntry(
         HyperParam("candidates", SIGNATURE, "p2: the server asks for p2·k exact values", ge=1, le=1000))),
     client_update=sketched_client_update,
     paper="Ivkin et al., NeurIPS 2019",
+    batched=Batched("sketch"),  # one sketch of all the clients' vectors; no --byzantine there
 ))
 
 register(StrategyEntry(
@@ -447,6 +448,7 @@ register(StrategyEntry(
         *_SKETCH_PARAMS, HyperParam("momentum", SIGNATURE, "server momentum ρ (in sketch space)", ge=0.0, lt=1.0))),
     client_update=fetchsgd_client_update,
     paper="Rothchild et al., ICML 2020",
+    batched=Batched("sketch"),  # one sketch of all the clients' vectors; no --byzantine there
 ))
 
 register(StrategyEntry(
@@ -458,4 +460,5 @@ register(StrategyEntry(
         HyperParam("exact_values", SIGNATURE, "a second exchange for the exact values at the selected coordinates"))),
     client_update=gs_client_update,
     paper="arXiv 2108.06004 (2021); reconstructed from the abstract",
+    batched=Batched("sketch"),  # one sketch of all the clients' vectors; no --byzantine there
 ))

@@ -1,8 +1,5 @@
-"""The ``fedswarm`` command line.
-
-Every command explains itself with ``--help``. Bad config keys or values print one line
-naming the key and what is allowed, and exit with code 2.
-"""
+"""``fedswarm sim`` and ``fedswarm resume``: a simulation from options or a TOML file, checked
+by its engine before it is recorded, and a stopped run continued."""
 
 from __future__ import annotations
 
@@ -11,23 +8,18 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+import click
 import typer
+from typer.core import TyperCommand
 
-from fedswarm.cli_common import DB_HELP, VERBOSE_HELP, console, fail, log_file_for, route_logs, say_log_file
-from fedswarm.cli_serve import client, dashboard, rekey
+from fedswarm.cli.common import DB_HELP, VERBOSE_HELP, console, fail, log_file_for, route_logs, say_log_file
 from fedswarm.config import RunConfig, load_config
 from fedswarm.errors import ConfigError
 from fedswarm.extras import check_run_extras
 from fedswarm.kv import parse_items
+from fedswarm.sim.engines import engine_help
 
-app = typer.Typer(
-    name="fedswarm",
-    help="Federated and decentralized learning on Flower: simulate, deploy, watch.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
-)
+__all__ = ["SimCommand", "sim", "resume", "parse_policies", "on_off"]
 
 
 def on_off(value: str | None, option: str) -> bool | None:
@@ -56,11 +48,27 @@ def parse_policies(items: list[str] | None) -> dict[str, dict[str, Any]]:
 # --------------------------------------------------------------------------------------
 # sim
 # --------------------------------------------------------------------------------------
-@app.command(no_args_is_help=False)
+STRATEGY_HELP = "Strategy name (see `fedswarm strategies`). Default: fedavg."
+
+
+class SimCommand(TyperCommand):
+    """``fedswarm sim``: its ``--strategy`` and ``--engine`` help list the registered strategies,
+    read from the registry when the help is shown (loading every strategy module is not for every
+    command line)."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from fedswarm.strategies import registry
+
+        for param in self.params:
+            if param.name == "strategy":
+                param.help = STRATEGY_HELP.replace(")", f": {', '.join(registry.names())})", 1)
+            elif param.name == "engine":
+                param.help = engine_help()
+        super().format_help(ctx, formatter)
+
+
 def sim(
-    strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help=(
-        "Strategy name (see `fedswarm strategies`). Default: fedavg."
-    )),
+    strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help=STRATEGY_HELP),
     task: Optional[str] = typer.Option(None, "--task", "-t", help=(
         "Task: digits-mlp (default; progfed: digits-cnn4), digits-cnn, digits-cnn4, synthetic-logreg, mnist, cifar10, "
         "femnist (and their -resnet variants), or module:function."
@@ -82,15 +90,7 @@ def sim(
     lr: Optional[float] = typer.Option(None, "--lr", help="Client learning rate (default 0.3)."),
     momentum: Optional[float] = typer.Option(None, "--momentum", help="Client SGD momentum in [0, 1) (default 0)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for init, split and sampling (default 0)."),
-    engine: Optional[str] = typer.Option(None, "--engine", "-e", help=(
-        "inprocess (default, no Ray), flower (Flower's Simulation Engine on Ray), array (decentralized algorithms, "
-        "every node one row of an n-by-d tensor: fast, no Flower messages) or batched (every sampled client trained at"
-        " once with torch.func.vmap: 10,000+ clients per round; fedavg, compressed_fedavg, onebit, gtopk, pvt,"
-        " sketched_sgd, fetchsgd, gs_sgd, progfed and the robust rules median, trimmed_mean, krum, multikrum, bulyan,"
-        " signum) or clock (asynchronous algorithms on the virtual clock, --devices sets each node's speed: adpsgd"
-        " and prague always run there unless --set schedule=fixed, lsgd with --set mode=async)."
-        " See README 'Which engine when'."
-    )),
+    engine: Optional[str] = typer.Option(None, "--engine", "-e", help=engine_help(strategies=False)),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help=(
         "--engine batched: memory one chunk of clients may use, e.g. 2GB (default: a quarter of free RAM up to 8 GB, "
         "or half the free GPU memory)."
@@ -210,13 +210,15 @@ def sim(
 
             for k in range(cfg.clients):
                 local_validation(cfg, k)
-        from fedswarm.sim.engines import check_config
+        from fedswarm.sim.engines import check_run
 
-        check_config(cfg)  # the engine's own check: a bad combination is one line (exit 2), not a failed run
+        # the engine's own check: a bad combination is one line (exit 2), not a failed run; the run
+        # takes the strategy it built
+        checked = check_run(cfg)
         check_run_extras(cfg)
     except ValueError as exc:  # ConfigError, or a client's LocalDataError
         fail(str(exc))
-    _run(cfg, verbose, log_file, db=db, run_id=run_id, out=out)
+    _run(cfg, verbose, log_file, db=db, run_id=run_id, out=out, checked=checked)
 
 
 def _run(cfg: RunConfig, verbose: bool, log_file: Path, **kwargs: Any) -> None:
@@ -230,7 +232,6 @@ def _run(cfg: RunConfig, verbose: bool, log_file: Path, **kwargs: Any) -> None:
         raise typer.Exit(1)
 
 
-@app.command()
 def resume(
     run_id: str = typer.Argument(..., help="The run to continue (see `fedswarm runs`)."),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
@@ -291,7 +292,7 @@ def _resume_deployment(run_id: str, db_url: str, federation: str, app_dir: Path 
 
     from fedswarm.server.resume import ACCEPT_LOSS_KEY, RESUME_KEY
 
-    app_dir = app_dir or Path(__file__).resolve().parents[1]
+    app_dir = app_dir or Path(__file__).resolve().parents[2]
     if not (app_dir / "pyproject.toml").is_file():
         fail(f"no Flower App in {app_dir} (no pyproject.toml): give --app DIR")
     flwr = shutil.which("flwr") or str(Path(sys.executable).parent / "flwr")
@@ -325,161 +326,3 @@ def _client_data_clients(values: dict[str, Any]) -> None:
     elif int(values["clients"]) != len(paths):
         raise ConfigError(f"invalid value for 'clients': {values['clients']} clients but --client-data "
                           f"{values['client_data']} holds {len(paths)} datasets (one per client)")
-
-
-# --------------------------------------------------------------------------------------
-# runs, strategies
-# --------------------------------------------------------------------------------------
-runs_app = typer.Typer(no_args_is_help=False, rich_markup_mode="rich")
-app.add_typer(runs_app, name="runs")
-
-
-@runs_app.callback(invoke_without_command=True)
-def runs(
-    ctx: typer.Context,
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
-    limit: int = typer.Option(50, "--limit", min=1, help="How many runs, newest first."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-) -> None:
-    """List the runs in the store: status, strategy, progress, accuracy, bytes.
-
-    A run the store calls live whose process is gone (killed, crashed) shows as lost; so does one
-    whose process runs on another host sharing the store once its heartbeat (every 30 s) is over
-    2 minutes old. `fedswarm resume RUN_ID` continues it from its last checkpoint.
-
-    `fedswarm runs export RUN_ID` writes one run's rounds (or per-node rounds) as CSV or JSON Lines."""
-    if ctx.invoked_subcommand is not None:
-        return
-    from fedswarm.sim.report import runs_table
-    from fedswarm.store import Store
-
-    store = Store(db)
-    runs = store.list_runs(limit)
-    rows = [store.export_result(r.id) for r in runs]
-    if as_json:
-        from fedswarm.store_liveness import lost_reason
-
-        why = [lost_reason(r) for r in runs]  # read once: status and reason agree
-        print(json.dumps([{"run_id": r["run_id"], "status": "lost" if w else run.status, "lost_reason": w,
-                           "config": r["config"], "summary": r["summary"]} for r, run, w in zip(rows, runs, why)],
-                         indent=2, default=str))
-        return
-    if not rows:
-        console.print(f"No runs in {store.url}. Start one with [bold]fedswarm sim[/].")
-        return
-    console.print(runs_table(store, rows))
-
-
-@runs_app.command("export")
-def runs_export(
-    run_id: str = typer.Argument(..., help="The run to export (see `fedswarm runs`)."),
-    fmt: str = typer.Option("csv", "--format", "-f", help="csv or jsonl (JSON Lines)."),
-    nodes: bool = typer.Option(False, "--nodes", help="Per-node rounds (one row per node and round) instead of "
-                                                      "rounds."),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write to this file (default: standard output)."),
-) -> None:
-    """Write one run's rounds as CSV or JSON Lines, the same bytes as the dashboard's download
-    (GET /api/runs/RUN_ID/rounds.csv). JSON columns such as metrics become metrics.<key>
-    columns in CSV; see the dashboard's /docs for every column."""
-    from fedswarm.export import export
-    from fedswarm.store import Store
-
-    try:
-        chunks = export(Store(db), run_id, "nodes" if nodes else "rounds", fmt)
-    except (KeyError, ValueError) as exc:
-        fail(str(exc.args[0]))
-    if out is None:
-        for chunk in chunks:
-            sys.stdout.buffer.write(chunk)
-        sys.stdout.buffer.flush()
-        return
-    with open(out, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-    console.print(f"wrote {out}", highlight=False)
-
-
-@app.command()
-def strategies(
-    as_json: bool = typer.Option(False, "--json", help=(
-        "Print the catalog as JSON (the dashboard's form is built from it)."
-    )),
-) -> None:
-    """Every registered strategy, codec and task, with hyperparameters and defaults."""
-    from fedswarm.sim.report import catalog, catalog_tables
-
-    cat = catalog()
-    if as_json:
-        print(json.dumps(cat, indent=2, default=str))
-        return
-    for table in catalog_tables(cat):
-        console.print(table)
-
-
-app.command()(client)
-
-
-# --------------------------------------------------------------------------------------
-# bench, dashboard
-# --------------------------------------------------------------------------------------
-@app.command()
-def bench(
-    name: str = typer.Argument(..., help=(
-        "Benchmark name: engines, codecs, compression, decentralized, edge, swarm, dashboard, ingest, robust, privacy, "
-        "footprint (install size, import time and a SuperNode's memory, beside Flower alone), papers "
-        "(every seed paper's claim in miniature; also writes DIR/reproductions.md; --quick about 2 min, full mode "
-        "about 30 min on 2 quiet cores; FEDSWARM_PAPERS_ONLY=id1,id2 runs a subset)."
-    )),
-    out: Path = typer.Option(Path("bench"), "--out", "-o", help="Writes DIR/NAME.json, NAME.png, flower.log."),
-    quick: bool = typer.Option(False, "--quick", help=(
-        "A smaller run that finishes in under two minutes on 2 cores.")),
-    device: str = typer.Option("cpu", "--device", help=(
-        "Torch device for benchmarks that take one (codecs, engines): cpu, cuda or cuda:N; a GPU's rows are printed "
-        "beside the CPU's. A device this machine lacks is refused in one line (exit 2)."
-    )),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
-) -> None:
-    """Run a benchmark: prints a table, writes JSON and a PNG, compares side by side in one run."""
-    from fedswarm.bench.registry import BENCHMARKS, run_benchmark
-
-    if name not in BENCHMARKS:
-        fail(f"unknown benchmark '{name}' (available: {', '.join(BENCHMARKS)})")
-    log_file = log_file_for(out)
-    route_logs(verbose, log_file)
-    run_benchmark(name, out, quick=quick, console=console, device=device)
-    say_log_file(log_file, verbose)
-
-
-app.command()(dashboard)
-app.command()(rekey)
-
-
-def _mount_swarm() -> None:
-    """``fedswarm peer``, ``fedswarm swarm`` and ``fedswarm keys`` come from the swarm runtime."""
-    from fedswarm.swarm.cli import keys, peer, swarm
-
-    app.command()(peer)
-    app.command()(swarm)
-    app.command()(keys)
-
-
-_mount_swarm()
-
-
-def _mount_certs() -> None:
-    """``fedswarm certs``: the CA, TLS certificates and node keys of a secure deployment."""
-    from fedswarm.certs import certs_app
-
-    app.add_typer(certs_app(), name="certs")
-
-
-_mount_certs()
-
-
-def main() -> None:
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from fedswarm.cli_common import DB_HELP, fail
+from fedswarm.cli.common import DB_HELP, fail
 
 __all__ = ["client", "dashboard", "rekey"]
 
