@@ -28,7 +28,7 @@ from collections import defaultdict
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord
+from fedswarm.local import node_report
 
 from fedswarm.algorithms.selection.progfed import samples_processed
 from fedswarm.server.metered_grid import Traffic, serialized_size
@@ -118,7 +118,7 @@ class ProgFedRounds:
                 steps_list, bs_list = sub_sched.steps[rows].tolist(), sub_sched.batch_size[rows].tolist()
                 for j, i in enumerate(range(rows.start, rows.stop)):
                     k = members[i]
-                    node = ConfigRecord({"device_class": classes[k], "policy": policy_json[classes[k]]})
+                    node = node_report(classes[k], policy_json[classes[k]])
                     flops = self._flops(trains, n_list[j], bs_list[j], steps_list[j])
                     content = reply_content(np.ascontiguousarray(delta[j]), n_list[j], loss_list[j], steps_list[j],
                                             trains, flops, node)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 
 import torch
-from flwr.app import ConfigRecord
+from fedswarm.local import node_report
 
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
@@ -48,12 +48,12 @@ class PVTRounds:
 
     def _selection(self, node_ids: list[int], pols: list[dict], server_round: int) -> tuple[list, torch.Tensor]:
         """Each client's variable ids (as its ``client_update`` draws them) and the ``[K, d]`` mask of them."""
-        specs, n_vars = self.layout.specs, len(self.layout)
+        n_vars = len(self.layout)
         ids, mask = [], torch.zeros(len(node_ids), self.layout.d, dtype=torch.bool)
         for i, (nid, pol) in enumerate(zip(node_ids, pols)):
             chosen = client_variables(n_vars, pol, self.params, self.run.cfg.seed, server_round, nid)
-            for v in chosen.tolist():
-                mask[i, specs[v].offset:specs[v].end] = True
+            for sl in self.layout.coords(chosen):
+                mask[i, sl] = True
             ids.append(chosen)
         return ids, mask
 
@@ -77,9 +77,8 @@ class PVTRounds:
             new = new.cpu()
             n_list, loss_list, steps_list = n.tolist(), loss.tolist(), sched.steps[rows].tolist()
             for j, k in enumerate(range(rows.start, rows.stop)):
-                m = mask[k]
-                delta = new[j][m] - x[m]  # the trained tensors' slices, in layout order
-                node = ConfigRecord({"device_class": classes[k], "policy": json.dumps(pols[k], sort_keys=True)})
+                delta = self.layout.take(new[j], ids[k]) - self.layout.take(x, ids[k])  # as client_update's
+                node = node_report(classes[k], json.dumps(pols[k], sort_keys=True))
                 content = reply_content(delta, ids[k], self.params["send_ids"], n_list[j], loss_list[j],
                                         steps_list[j], node)
                 ins = messages[k]

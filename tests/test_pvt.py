@@ -202,3 +202,16 @@ def test_all_variables_is_fedavg():
         models.append(torch.from_numpy(np.concatenate([arrays[k].numpy().ravel() for k in arrays.keys()])))
     assert torch.allclose(models[0], models[1], atol=1e-6)
     assert not torch.equal(models[0], flat)
+
+
+def test_layout_coords_are_the_trained_tensors_slices():
+    """PVT's trained coordinates: one slice per chosen tensor, in layout order; take() of them
+    is what the masked [d] vector holds (the oracle: the names' boolean mask)."""
+    layout = ParamLayout.from_shapes([("a", (2, 3)), ("b", (4,)), ("c", (1,)), ("d", (3, 2))])
+    ids = torch.tensor([0, 2, 3])
+    assert layout.coords(ids) == [slice(0, 6), slice(10, 11), slice(11, 17)]
+    x = torch.arange(float(layout.d))
+    mask = layout.mask(["a", "c", "d"])
+    assert torch.equal(layout.take(x, ids), x[mask])
+    rows = torch.stack([x, -x])
+    assert torch.equal(layout.take(rows, [1]), rows[:, 6:10])
