@@ -40,7 +40,7 @@ from fedswarm.payload import Payload, PayloadError
 from fedswarm.params import all_finite
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
-from fedswarm.sim.batched_round import ClientMemory, NodeIds, make_reply, reply_size, round_schedule, varint_len
+from fedswarm.sim.batched_round import ClientMemory, NodeIds, make_reply, reply_size, strategy_round, varint_len
 from fedswarm.sim.inprocess import client_error_reply
 from fedswarm.strategies.federated import gtopk
 from fedswarm.strategies.federated.compressed_base import KNOBS, Accepted
@@ -137,11 +137,9 @@ class CompressedRounds:
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         run, strategy = self.run, self.strategy
         cfg, trainer = run.cfg, run.trainer
-        messages = list(strategy.configure_train(server_round, self.arrays, run.train_config, self.grid))
+        messages, node_ids, sched, classes, pols = strategy_round(run, strategy, self.grid, self.arrays, server_round)
         self._down = {}  # the sync bodies are this version's
-        node_ids = [m.metadata.dst_node_id for m in messages]
         total = len(node_ids)
-        sched, classes, pols = round_schedule(cfg, node_ids, run.train_config, run.n_examples, server_round)
         if self.byzantine is not None and self.byzantine.attack.kind == "data":  # labelflip
             # the chosen nodes train on flipped labels; the record that tells them so is added
             # below the meter (as on the in-process grid), so it is not in the bytes

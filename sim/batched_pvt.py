@@ -24,7 +24,7 @@ from fedswarm.local import node_report
 
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
-from fedswarm.sim.batched_round import NodeIds, make_reply, mark_rejected, round_schedule, varint_len
+from fedswarm.sim.batched_round import NodeIds, make_reply, mark_rejected, strategy_round, varint_len
 from fedswarm.strategies.edge.pvt import client_variables, reply_content
 from fedswarm.strategies.registry import resolve_params
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
@@ -58,20 +58,16 @@ class PVTRounds:
         return ids, mask
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
-        run, strategy = self.run, self.strategy
-        cfg = run.cfg
-        messages = list(strategy.configure_train(server_round, vector_to_arrayrecord(self.model), run.train_config,
-                                                 self.grid))
-        node_ids = [m.metadata.dst_node_id for m in messages]
+        run, strategy, arrays = self.run, self.strategy, vector_to_arrayrecord(self.model)
+        messages, node_ids, sched, classes, pols = strategy_round(run, strategy, self.grid, arrays, server_round)
         total = len(node_ids)
-        sched, classes, pols = round_schedule(cfg, node_ids, run.train_config, run.n_examples, server_round)
         ids, mask = self._selection(node_ids, pols, server_round)
         x = self.model
         traffic = Traffic()
         node_rows: list[dict] | None = [] if total <= engine.NODE_ROWS_MAX else None
         down_cache: dict[int, int] = {}
         replies = []
-        for rows, new, loss, n in run.trainer.fit(x, sched, momentum=cfg.momentum, chunk_size=run.chunk_size,
+        for rows, new, loss, n in run.trainer.fit(x, sched, momentum=run.cfg.momentum, chunk_size=run.chunk_size,
                                                   memory_budget=run.memory_budget, on_chunk=run.progress(total),
                                                   trained=mask):
             new = new.cpu()

@@ -20,8 +20,8 @@ from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim.batched_trainer import ClientSchedule
 from fedswarm.wire import vector_to_arrayrecord
 
-__all__ = ["ClientMemory", "NodeIds", "Meter", "ByteCounter", "round_schedule", "varint_len", "make_reply",
-           "reply_size", "mark_rejected", "reject_diverged"]
+__all__ = ["ClientMemory", "NodeIds", "Meter", "ByteCounter", "round_schedule", "strategy_round", "varint_len",
+           "make_reply", "reply_size", "mark_rejected", "reject_diverged"]
 
 
 class ClientMemory(dict):
@@ -111,6 +111,17 @@ def round_schedule(cfg: RunConfig, node_ids: list[int], train_config: ConfigReco
     sched = ClientSchedule(torch.from_numpy(pids), torch.from_numpy(steps), torch.from_numpy(bss),
                            torch.from_numpy(lrs), torch.tensor(seeds, dtype=torch.int64))
     return sched, classes, [per_class[c] for c in classes]
+
+
+def strategy_round(run, strategy, grid: NodeIds, arrays, server_round: int
+                   ) -> tuple[list[Message], list[int], ClientSchedule, list[str], list[dict]]:
+    """A round's start on a strategy object's own sampling: its ``configure_train`` messages
+    (to ``arrays``), their node ids, and each node's :func:`round_schedule` (schedule,
+    device classes, policies). ``run`` is the engine's :class:`~fedswarm.sim.batched.BatchedRun`."""
+    messages = list(strategy.configure_train(server_round, arrays, run.train_config, grid))
+    node_ids = [m.metadata.dst_node_id for m in messages]
+    sched, classes, pols = round_schedule(run.cfg, node_ids, run.train_config, run.n_examples, server_round)
+    return messages, node_ids, sched, classes, pols
 
 
 class ByteCounter:
