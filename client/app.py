@@ -16,7 +16,7 @@ it (:mod:`fedswarm.client.persist`).
 
 from __future__ import annotations
 
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedswarm.client.evaluate import TrainClock, evaluate_on_node
@@ -37,15 +37,11 @@ def train(msg: Message, context: Context) -> Message:
     node's partition id travels in its ``node`` record, not among the metrics Flower averages)."""
     clock = TrainClock()
     fit = local_fit(msg, context)
-    res = fit.result
-    metrics = MetricRecord({"num-examples": res.num_examples, "train_loss": res.loss, "steps": res.steps})
+    metrics = {}
     if node_data(context) is not None:  # its own data: examples it could not read (an ImageFolder's bad images)
         metrics["skipped_examples"] = fit.trainer.skipped_examples
-    if res.dp_sample_rate is not None:  # DP-SGD: what the server's accountant needs
-        metrics["dp_sample_rate"] = res.dp_sample_rate
-    node = fit.report()
-    node["partition-id"] = int(context.node_config.get("partition-id", -1))
-    content = RecordDict({"arrays": vector_to_arrayrecord(res.flat), "metrics": metrics, "node": node})
+    content = fit.reply(RecordDict({"arrays": vector_to_arrayrecord(fit.result.flat)}), **metrics)
+    content["node"]["partition-id"] = int(context.node_config.get("partition-id", -1))
     save_after_train(msg, context)
     return Message(clock.attach(content), reply_to=msg)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Context, Message
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fedswarm.config import RunConfig, round_seed
 from fedswarm.errors import ConfigError
@@ -21,7 +21,7 @@ from fedswarm.train import LocalTrainer, TrainResult, trainer_for
 from fedswarm.wire import arrayrecord_to_vector
 
 __all__ = ["run_config_of", "node_partition", "node_data", "round_seed", "server_round", "local_fit", "LocalFit",
-           "prepare_local", "LocalSetup"]
+           "prepare_local", "LocalSetup", "node_report", "train_reply"]
 
 _RUN_KEYS = set(RunConfig.allowed_keys())
 
@@ -83,13 +83,40 @@ class LocalFit:
     def report(self) -> ConfigRecord:
         """The reply's ``node`` record: the class and policy this node trained under, and on
         a real device (node config ``probe=true``, set by ``fedswarm client``) what it runs on."""
-        rec = ConfigRecord({"device_class": self.device_class, "policy": json.dumps(self.policy, sort_keys=True)})
+        rec = node_report(self.device_class, json.dumps(self.policy, sort_keys=True))
         skipped = getattr(self.trainer, "skipped_examples", 0)  # a Flower user's own model (the mod) has none
         if skipped:  # a node's own data: examples it could not read
             rec["skipped_examples"] = int(skipped)
         if self.probe is not None:  # with the device it trained on (fedswarm client --device)
             rec["probe"] = json.dumps({**self.probe, "train_device": str(self.trainer.device)}, sort_keys=True)
         return rec
+
+
+    def reply(self, content: RecordDict, **metrics: float) -> RecordDict:
+        """:func:`train_reply` of this round's result, with its :meth:`report` (and DP-SGD's
+        ``dp_sample_rate``, what the server's accountant needs)."""
+        res = self.result
+        if res.dp_sample_rate is not None:
+            metrics["dp_sample_rate"] = res.dp_sample_rate
+        return train_reply(content, res.num_examples, res.loss, res.steps, self.report(), **metrics)
+
+
+def node_report(device_class: str, policy_json: str, **extra: int | str) -> ConfigRecord:
+    """A train reply's ``node`` record: the device class and the policy (JSON, sorted keys)
+    the node trained under, then ``extra`` (``partition-id``, ...). Every engine builds it
+    here, so the bytes the batched engine meters are those a ClientApp sends."""
+    return ConfigRecord({"device_class": device_class, "policy": policy_json, **extra})
+
+
+def train_reply(content: RecordDict, num_examples: int, loss: float, steps: int, node: ConfigRecord,
+                **metrics: float) -> RecordDict:
+    """Complete a train reply: ``content`` (what the algorithm sends: a model, a payload, a
+    delta) gets its ``metrics`` record (``num-examples``, ``train_loss``, ``steps``, then
+    ``metrics``) and its ``node`` record (:func:`node_report`). Every client half and every
+    engine that meters a reply it does not send builds it here."""
+    content["metrics"] = MetricRecord({"num-examples": num_examples, "train_loss": loss, "steps": steps, **metrics})
+    content["node"] = node
+    return content
 
 
 @dataclass

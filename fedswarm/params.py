@@ -116,6 +116,18 @@ class ParamLayout:
         """Every tensor of ``x`` as a view, by name."""
         return {s.name: self.view(x, s.name) for s in self.specs}
 
+    def coords(self, ids: Sequence[int] | torch.Tensor) -> list[slice]:
+        """The flat coordinates of the tensors at positions ``ids`` of the layout, one slice
+        each, in the order given (PVT's trained variables). Slices, not an index: indexing by
+        a ``[d]`` mask builds an int64 index twice the size of the values."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return [slice(self.specs[i].offset, self.specs[i].end) for i in ids]
+
+    def take(self, x: torch.Tensor, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """The :meth:`coords` of ``ids`` in ``x`` (``[d]`` or ``[K, d]``), concatenated (a copy)."""
+        return torch.cat([x[..., sl] for sl in self.coords(ids)], dim=-1)
+
     def mask(self, names: Sequence[str], device: torch.device | str = "cpu") -> torch.Tensor:
         """A boolean ``[d]`` mask selecting the given tensors."""
         m = torch.zeros(self.d, dtype=torch.bool, device=device)

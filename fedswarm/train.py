@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from fedswarm.algorithms.local_sgd import minibatch_plan, sgd_step
 from fedswarm.config import RunConfig, TrainingSpec
 from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout, get_flat, set_flat
@@ -217,8 +218,9 @@ class LocalTrainer:
         grad_hook: Callable[[torch.nn.Module], None] | None = None,
         dp=None,
     ) -> TrainResult:
-        """Run local SGD from ``flat``. Minibatches are drawn by a generator seeded with
-        ``seed``, so the same (flat, seed) gives the same result on every engine. ``dp``
+        """Run local SGD from ``flat``: :func:`~fedswarm.algorithms.local_sgd.minibatch_plan`'s
+        minibatches from ``seed`` and :func:`~fedswarm.algorithms.local_sgd.sgd_step`, as every
+        engine takes them, so the same (flat, seed) gives the same result on every engine. ``dp``
         (a :class:`~fedswarm.algorithms.privacy.dp_fedavg.DPSpec`) runs DP-SGD instead
         (:mod:`fedswarm.algorithms.privacy.dp_sgd`)."""
         if dp is not None:
@@ -230,29 +232,33 @@ class LocalTrainer:
             return TrainResult(flat_new, loss, self.num_examples, n_steps, dp_sample_rate=q)
         set_flat(self.model, flat)
         self.model.train()
-        opt = torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=lr, momentum=momentum)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        bufs: list[torch.Tensor | None] = [None] * len(params)  # momentum, per tensor as torch.optim.SGD keeps it
         n_steps = self.steps_for(epochs, batch_size, steps)
-        g = torch.Generator().manual_seed(seed)
         n = self.num_examples
-        order = torch.randperm(n, generator=g).to(self.device)
+        plan, sizes = minibatch_plan(n, n_steps, batch_size, seed)
+        plan, sizes = plan.to(self.device), sizes.tolist()
         # the loss summed on the device, read once at the end (no host sync per step); float64
         # as Python's float sum was (MPS has no float64)
-        pos, total = 0, torch.zeros((), dtype=torch.float32 if self.device.type == "mps" else torch.float64,
-                                    device=self.device)
-        for _ in range(n_steps):
-            if pos >= n:
-                order, pos = torch.randperm(n, generator=g).to(self.device), 0
-            idx = order[pos : pos + batch_size]
-            pos += batch_size
-            _count_seen(int(idx.numel()))
-            opt.zero_grad(set_to_none=True)
+        total = torch.zeros((), dtype=torch.float32 if self.device.type == "mps" else torch.float64,
+                            device=self.device)
+        for s in range(n_steps):
+            idx = plan[s, :sizes[s]]
+            _count_seen(sizes[s])
+            for p in params:
+                p.grad = None
             loss = self.task.objective(self.model, self.x[idx], self.y[idx])
             loss.backward()
             if grad_hook is not None:
                 grad_hook(self.model)
-            opt.step()
+            with torch.no_grad():
+                for i, p in enumerate(params):
+                    if p.grad is not None:  # as torch.optim.SGD: a tensor with no gradient is not stepped
+                        new, bufs[i] = sgd_step(p, p.grad, bufs[i], lr, momentum)
+                        p.copy_(new)
             total += loss.detach()
-        opt.zero_grad(set_to_none=True)  # a cached trainer holds no gradient between rounds
+        for p in params:  # a cached trainer holds no gradient between rounds
+            p.grad = None
         return TrainResult(get_flat(self.model).cpu(), float(total) / max(1, n_steps), n, n_steps)
 
     @torch.no_grad()

@@ -28,6 +28,8 @@ __all__ = [
     "recorddict_nbytes",
     "vector_to_arrayrecord",
     "arrayrecord_to_vector",
+    "array_keys",
+    "vector_to_arrays_like",
     "read_array",
 ]
 
@@ -101,6 +103,24 @@ def vector_to_arrayrecord(vec: torch.Tensor | np.ndarray, key: str = "vector") -
     """A flat float32 vector as a one-array ArrayRecord."""
     arr = vec.detach().cpu().numpy() if isinstance(vec, torch.Tensor) else np.asarray(vec)
     return ArrayRecord({key: Array(np.ascontiguousarray(arr.astype(np.float32, copy=False)))})
+
+
+def array_keys(rec: ArrayRecord) -> list[tuple[str, tuple[int, ...]]]:
+    """The (name, shape) of each array of ``rec``, in order: what :func:`vector_to_arrays_like` needs."""
+    return [(k, tuple(rec[k].shape)) for k in rec.keys()]
+
+
+def vector_to_arrays_like(vec: torch.Tensor, keys: list[tuple[str, tuple[int, ...]]] | None) -> ArrayRecord:
+    """A flat vector as an ArrayRecord shaped as :func:`array_keys` read one (a Flower-style
+    per-tensor record of a model stays one); one key (or none known: ``vector``) is one flat array."""
+    if not keys or len(keys) == 1:
+        return vector_to_arrayrecord(vec, keys[0][0] if keys else "vector")
+    rec, off = ArrayRecord(), 0
+    for key, shape in keys:
+        n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        rec[key] = Array(np.ascontiguousarray(vec[off:off + n].reshape(shape).numpy()))
+        off += n
+    return rec
 
 
 def arrayrecord_to_vector(rec: ArrayRecord, d: int | None = None) -> torch.Tensor:

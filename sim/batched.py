@@ -28,9 +28,10 @@ fails for the round (an error reply, its row ``failed`` with the reason, the rou
 ``nodes_failed``), where it sends a non-finite payload the strategy refuses it.
 
 Same numbers as ``--engine inprocess``: the same clients are sampled (Flower's
-``random.sample`` after ``random.seed(seed)``), each client's minibatches come from a
-``torch.Generator`` seeded with :func:`fedswarm.local.round_seed` exactly as
-:meth:`fedswarm.train.LocalTrainer.fit` draws them, and the aggregate is the strategy's.
+``random.sample`` after ``random.seed(seed)``), each client's minibatches and SGD steps are
+:mod:`fedswarm.algorithms.local_sgd`'s from :func:`fedswarm.local.round_seed`, as
+:meth:`fedswarm.train.LocalTrainer.fit` takes them, and the aggregate is the strategy's
+(FedAvg's :class:`~fedswarm.algorithms.averaging.WeightedSum`, the Flower strategy's too).
 Tests hold the two engines to 1e-5 (tests/test_batched*.py).
 
 Bytes are measured, not computed: real train messages and real replies are built and
@@ -57,6 +58,7 @@ import torch
 from flwr.app import ConfigRecord
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedswarm.algorithms.averaging import WeightedSum
 from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.params import get_flat
@@ -299,8 +301,8 @@ def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, 
     cfg, trainer = run.cfg, run.trainer
     sched, classes, pols = round_schedule(cfg, sample, run.train_config, run.n_examples, server_round)
     total = len(sample)
-    acc = torch.zeros(trainer.layout.d, dtype=torch.float64)
-    weight_sum, loss_sum = 0.0, 0.0
+    acc = WeightedSum(trainer.layout.d)  # FedAvg's aggregate, as the Flower strategy's; with dp, the clipped sum
+    loss_sum = 0.0
     arrays = vector_to_arrayrecord(global_vec)
     traffic = Traffic()
     record_nodes = total <= NODE_ROWS_MAX
@@ -318,8 +320,7 @@ def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, 
             global_vec, sched, weights, momentum=cfg.momentum, chunk_size=run.chunk_size,
             memory_budget=run.memory_budget, on_chunk=run.progress(total), per_client_loss=record_nodes,
             clip=None if dp is None else dp.clip, within=within):
-        acc += part_sum
-        weight_sum += float(weights[rows].sum()) - sum(float(weights[i]) for i in diverged)
+        acc.add_sum(part_sum, float(weights[rows].sum()) - sum(float(weights[i]) for i in diverged))
         kept -= len(diverged)
         loss_sum += loss_wsum
         n_list = n.tolist()
@@ -334,11 +335,11 @@ def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, 
             if i in diverged:
                 reject_diverged(notes, node_rows, node_id, diverged[i], n_list[j])
     run.meter.traffic = traffic
-    if weight_sum == 0:  # every client diverged: the model stays
+    if acc.weight == 0:  # every client diverged: the model stays
         return global_vec, {"train_loss": None, "num_clients": total}, node_rows or []
-    row = {"train_loss": loss_sum / weight_sum, "num_clients": total}
+    row = {"train_loss": loss_sum / acc.weight, "num_clients": total}
     if dp is None:
-        return (acc / weight_sum).to(torch.float32), row, node_rows or []
-    mean, metrics = dp.noised_mean(acc, within[0], kept)
+        return acc.mean(), row, node_rows or []
+    mean, metrics = dp.noised_mean(acc.total, within[0], kept)
     row.update(metrics)
     return global_vec + mean, row, node_rows or []

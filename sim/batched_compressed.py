@@ -31,15 +31,16 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Message, RecordDict
 
 from fedswarm.algorithms.compression.codecs import decode_payload
 from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState
+from fedswarm.local import node_report, train_reply
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.params import all_finite
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
-from fedswarm.sim.batched_round import NodeIds, make_reply, reply_size, round_schedule, varint_len
+from fedswarm.sim.batched_round import ClientMemory, NodeIds, make_reply, reply_size, strategy_round, varint_len
 from fedswarm.sim.inprocess import client_error_reply
 from fedswarm.strategies.federated import gtopk
 from fedswarm.strategies.federated.compressed_base import KNOBS, Accepted
@@ -72,10 +73,8 @@ class _Reply:
 
     def content(self) -> RecordDict:
         """The reply's records, as :func:`~fedswarm.strategies.federated.compressed_base.finish` writes them."""
-        content = payload_to_records(self.payload, RecordDict())
-        content["metrics"] = MetricRecord({"num-examples": self.n, "train_loss": self.loss, "steps": self.steps})
-        content["node"] = ConfigRecord({"device_class": self.device_class, "policy": self.policy_json})
-        return content
+        return train_reply(payload_to_records(self.payload, RecordDict()), self.n, self.loss, self.steps,
+                           node_report(self.device_class, self.policy_json))
 
 
 def _finite(value) -> bool:
@@ -121,7 +120,8 @@ class CompressedRounds:
             self.byzantine = ByzantineGrid(self._inner, cfg.attack, cfg.byzantine,
                                            seed=cfg.seed, layout=self.layout, on_attack=lambda nodes, spec: notes.note(
                                                byzantine_nodes=[str(n) for n in nodes], attack=spec))
-        self.residuals: dict[int, torch.Tensor] = {}  # partition id -> the client's error-feedback residual
+        # partition id -> the client's error-feedback residual [d], zeros before its first round
+        self.residuals = ClientMemory(lambda pid: torch.zeros(self.layout.d))
         self._down: dict[tuple, int] = {}
         self._up: dict[tuple, int] = {}
 
@@ -134,11 +134,9 @@ class CompressedRounds:
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         run, strategy = self.run, self.strategy
         cfg, trainer = run.cfg, run.trainer
-        messages = list(strategy.configure_train(server_round, self.arrays, run.train_config, self.grid))
+        messages, node_ids, sched, classes, pols = strategy_round(run, strategy, self.grid, self.arrays, server_round)
         self._down = {}  # the sync bodies are this version's
-        node_ids = [m.metadata.dst_node_id for m in messages]
         total = len(node_ids)
-        sched, classes, pols = round_schedule(cfg, node_ids, run.train_config, run.n_examples, server_round)
         if self.byzantine is not None and self.byzantine.attack.kind == "data":  # labelflip
             # the chosen nodes train on flipped labels; the record that tells them so is added
             # below the meter (as on the in-process grid), so it is not in the bytes
@@ -273,12 +271,10 @@ class CompressedRounds:
             idx = torch.tensor(members)
             state = ErrorFeedbackState()
             if uplink.error_feedback:
-                zero = torch.zeros(delta.shape[1])
-                state = ErrorFeedbackState(torch.stack([self.residuals.get(pids[j], zero) for j in members]))
+                state = ErrorFeedbackState(torch.stack(self.residuals.rows([pids[j] for j in members])))
             payload, state = client_step(uplink, state, delta[idx], self.layout)
             if uplink.error_feedback:
-                for i, j in enumerate(members):
-                    self.residuals[pids[j]] = state.residual[i].clone()
+                self.residuals.keep([pids[j] for j in members], [r.clone() for r in state.residual])
             self._decode(payload, members, uplink.seed, decoded)
             for j, row in zip(members, sent_rows(payload, uplink.seed)):
                 sent[j] = row
@@ -328,16 +324,15 @@ class GTopKRounds(CompressedRounds):
 
     def __init__(self, run, model: torch.Tensor, notes=None):
         super().__init__(run, model, notes)
-        self.states: dict[int, GTopKClientState] = {}  # partition id -> the client's memory
+        self.states = ClientMemory(lambda pid: GTopKClientState.empty(self.layout.d))  # partition id -> its memory
 
     def _client_step(self, delta, pids, ins, policies):
         knobs = ins[0].content.config_records[KNOBS]
-        state = GTopKClientState.concat([self.states[pid] if pid in self.states
-                                         else GTopKClientState.empty(self.layout.d) for pid in pids])
+        state = GTopKClientState.concat(self.states.rows(pids))
         selects = [m.content.config_records.get(SELECT) for m in ins]
         payload, state = gtopk.client_step(state, selects, delta, float(knobs["density"]), int(knobs["round"]),
                                            self.layout)
-        self.states.update(zip(pids, state.rows()))
+        self.states.keep(pids, state.rows())
         values = [(idx.to(torch.int64), vals.to(torch.float32))  # what GlobalTopK.parse_reply returns
                   for idx, vals in zip(payload.arrays["indices"], payload.arrays["values"])]
         return values, sent_rows(payload, int(payload.meta["seed"]))

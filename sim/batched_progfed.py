@@ -28,12 +28,12 @@ from collections import defaultdict
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord
+from fedswarm.local import node_report
 
 from fedswarm.algorithms.selection.progfed import samples_processed
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
-from fedswarm.sim.batched_round import NodeIds, make_reply, mark_rejected, round_schedule, varint_len
+from fedswarm.sim.batched_round import NodeIds, make_reply, mark_rejected, strategy_round, varint_len
 from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
 from fedswarm.strategies.edge.progfed import stage_submodel, flops_per_sample, reply_content, stage_start
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
@@ -78,13 +78,9 @@ class ProgFedRounds:
         return float(flops_per_sample(sub, t.task.objective, t.x[:1], t.y[:1]) * self._samples[key])
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
-        run, strategy = self.run, self.strategy
-        cfg = run.cfg
-        messages = list(strategy.configure_train(server_round, vector_to_arrayrecord(self.model), run.train_config,
-                                                 self.grid))
-        node_ids = [m.metadata.dst_node_id for m in messages]
+        run, strategy, arrays = self.run, self.strategy, vector_to_arrayrecord(self.model)
+        messages, node_ids, sched, classes, pols = strategy_round(run, strategy, self.grid, arrays, server_round)
         total = len(node_ids)
-        sched, classes, pols = round_schedule(cfg, node_ids, run.train_config, run.n_examples, server_round)
         start = arrayrecord_to_vector(messages[0].content.array_records["arrays"])  # every message's arrays
         # what each class trains (one reading of the message per class: they all carry the same records)
         per_class: dict[str, tuple] = {}
@@ -108,7 +104,7 @@ class ProgFedRounds:
             idx = torch.tensor(members)
             sub_sched = _rows(sched, idx)
             vec = per_class[classes[members[0]]][1]
-            for rows, new, loss, n in self._trainer(trains).fit(vec, sub_sched, momentum=cfg.momentum,
+            for rows, new, loss, n in self._trainer(trains).fit(vec, sub_sched, momentum=run.cfg.momentum,
                                                                 chunk_size=run.chunk_size,
                                                                 memory_budget=run.memory_budget, on_chunk=progress):
                 delta = (new.cpu() - vec).numpy()
@@ -116,7 +112,7 @@ class ProgFedRounds:
                 steps_list, bs_list = sub_sched.steps[rows].tolist(), sub_sched.batch_size[rows].tolist()
                 for j, i in enumerate(range(rows.start, rows.stop)):
                     k = members[i]
-                    node = ConfigRecord({"device_class": classes[k], "policy": policy_json[classes[k]]})
+                    node = node_report(classes[k], policy_json[classes[k]])
                     flops = self._flops(trains, n_list[j], bs_list[j], steps_list[j])
                     content = reply_content(np.ascontiguousarray(delta[j]), n_list[j], loss_list[j], steps_list[j],
                                             trains, flops, node)

@@ -20,11 +20,11 @@ from __future__ import annotations
 import json
 
 import torch
-from flwr.app import ConfigRecord
+from fedswarm.local import node_report
 
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim import batched as engine
-from fedswarm.sim.batched_round import NodeIds, make_reply, mark_rejected, round_schedule, varint_len
+from fedswarm.sim.batched_round import NodeIds, make_reply, mark_rejected, strategy_round, varint_len
 from fedswarm.strategies.edge.pvt import client_variables, reply_content
 from fedswarm.strategies.registry import resolve_params
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
@@ -46,38 +46,33 @@ class PVTRounds:
 
     def _selection(self, node_ids: list[int], pols: list[dict], server_round: int) -> tuple[list, torch.Tensor]:
         """Each client's variable ids (as its ``client_update`` draws them) and the ``[K, d]`` mask of them."""
-        specs, n_vars = self.layout.specs, len(self.layout)
+        n_vars = len(self.layout)
         ids, mask = [], torch.zeros(len(node_ids), self.layout.d, dtype=torch.bool)
         for i, (nid, pol) in enumerate(zip(node_ids, pols)):
             chosen = client_variables(n_vars, pol, self.params, self.run.cfg.seed, server_round, nid)
-            for v in chosen.tolist():
-                mask[i, specs[v].offset:specs[v].end] = True
+            for sl in self.layout.coords(chosen):
+                mask[i, sl] = True
             ids.append(chosen)
         return ids, mask
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
-        run, strategy = self.run, self.strategy
-        cfg = run.cfg
-        messages = list(strategy.configure_train(server_round, vector_to_arrayrecord(self.model), run.train_config,
-                                                 self.grid))
-        node_ids = [m.metadata.dst_node_id for m in messages]
+        run, strategy, arrays = self.run, self.strategy, vector_to_arrayrecord(self.model)
+        messages, node_ids, sched, classes, pols = strategy_round(run, strategy, self.grid, arrays, server_round)
         total = len(node_ids)
-        sched, classes, pols = round_schedule(cfg, node_ids, run.train_config, run.n_examples, server_round)
         ids, mask = self._selection(node_ids, pols, server_round)
         x = self.model
         traffic = Traffic()
         node_rows: list[dict] | None = [] if total <= engine.NODE_ROWS_MAX else None
         down_cache: dict[int, int] = {}
         replies = []
-        for rows, new, loss, n in run.trainer.fit(x, sched, momentum=cfg.momentum, chunk_size=run.chunk_size,
+        for rows, new, loss, n in run.trainer.fit(x, sched, momentum=run.cfg.momentum, chunk_size=run.chunk_size,
                                                   memory_budget=run.memory_budget, on_chunk=run.progress(total),
                                                   trained=mask):
             new = new.cpu()
             n_list, loss_list, steps_list = n.tolist(), loss.tolist(), sched.steps[rows].tolist()
             for j, k in enumerate(range(rows.start, rows.stop)):
-                m = mask[k]
-                delta = new[j][m] - x[m]  # the trained tensors' slices, in layout order
-                node = ConfigRecord({"device_class": classes[k], "policy": json.dumps(pols[k], sort_keys=True)})
+                delta = self.layout.take(new[j], ids[k]) - self.layout.take(x, ids[k])  # as client_update's
+                node = node_report(classes[k], json.dumps(pols[k], sort_keys=True))
                 content = reply_content(delta, ids[k], self.params["send_ids"], n_list[j], loss_list[j],
                                         steps_list[j], node)
                 ins = messages[k]

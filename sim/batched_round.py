@@ -5,6 +5,7 @@ them), and the bytes of the real messages (:class:`ByteCounter`, :class:`Meter`)
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any, Callable, Sequence
 from uuid import uuid4
 
 import numpy as np
@@ -13,14 +14,38 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedswarm.config import RunConfig
-from fedswarm.local import round_seed
+from fedswarm.local import node_report, round_seed, train_reply
 from fedswarm.policy import DEFAULT_CLASS, policy_for
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim.batched_trainer import ClientSchedule
 from fedswarm.wire import vector_to_arrayrecord
 
-__all__ = ["NodeIds", "Meter", "ByteCounter", "round_schedule", "varint_len", "make_reply", "reply_size",
-           "mark_rejected", "reject_diverged"]
+__all__ = ["ClientMemory", "NodeIds", "Meter", "ByteCounter", "round_schedule", "strategy_round", "varint_len",
+           "make_reply", "reply_size", "mark_rejected", "reject_diverged"]
+
+
+class ClientMemory(dict):
+    """What the batched engine keeps of each client between rounds, by partition id: the one
+    form of per-client state of every round runner (an error-feedback residual row, a gTop-k
+    :class:`~fedswarm.strategies.federated.gtopk.GTopKClientState` row, a sketch client's
+    Flower ``Context``). A client's first use makes its state with ``empty(pid)``, what its
+    ClientApp starts from; :meth:`rows` reads a chunk's clients, :meth:`keep` writes them back."""
+
+    def __init__(self, empty: Callable[[int], Any]):
+        super().__init__()
+        self.empty = empty
+
+    def __missing__(self, pid: int) -> Any:
+        state = self[pid] = self.empty(pid)
+        return state
+
+    def rows(self, pids: Sequence[int]) -> list:
+        """The states of clients ``pids``, in order."""
+        return [self[pid] for pid in pids]
+
+    def keep(self, pids: Sequence[int], states: Sequence) -> None:
+        """Clients ``pids``' states after their round."""
+        self.update(zip(pids, states, strict=True))
 
 
 class NodeIds:
@@ -88,6 +113,17 @@ def round_schedule(cfg: RunConfig, node_ids: list[int], train_config: ConfigReco
     return sched, classes, [per_class[c] for c in classes]
 
 
+def strategy_round(run, strategy, grid: NodeIds, arrays, server_round: int
+                   ) -> tuple[list[Message], list[int], ClientSchedule, list[str], list[dict]]:
+    """A round's start on a strategy object's own sampling: its ``configure_train`` messages
+    (to ``arrays``), their node ids, and each node's :func:`round_schedule` (schedule,
+    device classes, policies). ``run`` is the engine's :class:`~fedswarm.sim.batched.BatchedRun`."""
+    messages = list(strategy.configure_train(server_round, arrays, run.train_config, grid))
+    node_ids = [m.metadata.dst_node_id for m in messages]
+    sched, classes, pols = round_schedule(run.cfg, node_ids, run.train_config, run.n_examples, server_round)
+    return messages, node_ids, sched, classes, pols
+
+
 class ByteCounter:
     """Serialized sizes of real train messages and replies, one per size class."""
 
@@ -107,9 +143,9 @@ class ByteCounter:
         # As Flower's FedAvg builds it (no group id), measured before the grid gives it an id.
         ins = Message(RecordDict({"arrays": arrays, "config": config}), node_id, "train")
         down = serialized_size(ins)
-        metrics = MetricRecord({"num-examples": n, "train_loss": loss, "steps": steps})
-        node = ConfigRecord({"device_class": device_class, "policy": policy_json, "partition-id": pid})
-        up = reply_size(ins, RecordDict({"arrays": vector_to_arrayrecord(new_vec), "metrics": metrics, "node": node}))
+        # the ClientApp's reply (fedswarm.client.app.train), built as it builds it
+        node = node_report(device_class, policy_json, **{"partition-id": pid})
+        up = reply_size(ins, train_reply(RecordDict({"arrays": vector_to_arrayrecord(new_vec)}), n, loss, steps, node))
         out = (down, up)
         self._cache[key] = out
         return out

@@ -27,7 +27,7 @@ from flwr.app import Context, Message, RecordDict
 
 from fedswarm.server.metered_grid import serialized_size
 from fedswarm.sim.batched_compressed import CompressedRounds, client_payload
-from fedswarm.sim.batched_round import NodeIds, make_reply
+from fedswarm.sim.batched_round import ClientMemory, NodeIds, make_reply
 from fedswarm.sim.inprocess import client_error_reply
 from fedswarm.strategies.federated.compressed_base import KNOBS, ClientRound
 from fedswarm.strategies.federated.sketched import SKETCH_CLIENTS, SketchClient
@@ -38,19 +38,12 @@ __all__ = ["SketchRounds", "SKETCH_STRATEGIES"]
 SKETCH_STRATEGIES = tuple(SKETCH_CLIENTS)
 
 
-class _Contexts(dict):
+def _contexts(n: int) -> ClientMemory:
     """Each client's Flower ``Context`` by partition id, made on first use as the in-process
     grid makes them (node id = partition id + 1)."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.n = n
-
-    def __missing__(self, pid: int) -> Context:
-        ctx = Context(run_id=0, node_id=pid + 1, node_config={"partition-id": pid, "num-partitions": self.n},
-                      state=RecordDict(), run_config={})
-        self[pid] = ctx
-        return ctx
+    return ClientMemory(lambda pid: Context(run_id=0, node_id=pid + 1,
+                                            node_config={"partition-id": pid, "num-partitions": n},
+                                            state=RecordDict(), run_config={}))
 
 
 class _Exchange(NodeIds):
@@ -58,7 +51,7 @@ class _Exchange(NodeIds):
     round answered by each client's own update (:meth:`SketchClient.update`) on that
     client's Context."""
 
-    def __init__(self, n: int, contexts: _Contexts, client: SketchClient):
+    def __init__(self, n: int, contexts: ClientMemory, client: SketchClient):
         super().__init__(n)
         self.contexts = contexts
         self.client = client
@@ -85,7 +78,7 @@ class SketchRounds(CompressedRounds):
 
     def __init__(self, run, model: torch.Tensor, notes=None):
         super().__init__(run, model, notes)
-        self.contexts = _Contexts(run.cfg.clients)  # partition id -> the client's Context
+        self.contexts = _contexts(run.cfg.clients)  # partition id -> the client's Context
         self.client = SKETCH_CLIENTS[run.cfg.strategy]
         self.grid = _Exchange(run.cfg.clients, self.contexts, self.client)
 

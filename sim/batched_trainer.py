@@ -3,8 +3,8 @@
 The parameters of K clients are a ``[K, d]`` tensor and one step of all of them is
 ``vmap(grad(loss))`` over that axis (``torch.func.functional_call`` puts each client's row
 into the task's own model). Clients whose data sizes or per-class policies differ are
-padded to the longest schedule and masked. Minibatches are drawn exactly as
-:meth:`fedswarm.train.LocalTrainer.fit` draws them (see :meth:`BatchedTrainer.minibatches`).
+padded to the longest schedule and masked. Minibatches and the SGD step are those of
+:mod:`fedswarm.algorithms.local_sgd`, as :meth:`fedswarm.train.LocalTrainer.fit` takes them.
 The engine around it is :mod:`fedswarm.sim.batched`.
 """
 
@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from fedswarm.algorithms.local_sgd import minibatch_plan, sgd_step
+from fedswarm.algorithms.privacy.dp_fedavg import clip_sum
 from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout
 from fedswarm.sim.batched_memory import default_memory_budget
@@ -116,9 +118,8 @@ class BatchedTrainer:
     # the minibatches -------------------------------------------------------------------
     def minibatches(self, schedule: ClientSchedule) -> tuple[torch.Tensor, torch.Tensor]:
         """Training-row indices ``[K, S, B]`` and validity mask ``[K, S, B]`` of every
-        client's local steps, drawn exactly as :meth:`LocalTrainer.fit` draws them: a
-        generator seeded with the round seed, a fresh permutation of the client's rows
-        whenever the last one is used up, batches cut in order (the last may be short).
+        client's local steps: each client's :func:`~fedswarm.algorithms.local_sgd.minibatch_plan`
+        from its round seed, as :meth:`LocalTrainer.fit` draws it.
 
         The draws loop over clients in Python: torch's generator is the definition of
         the order, and one ``randperm`` per client costs microseconds; the training
@@ -134,7 +135,7 @@ class BatchedTrainer:
         steps = schedule.steps.tolist()
         bss = schedule.batch_size.tolist()
         seeds = schedule.seeds.tolist()
-        # one example: every step is that example, whatever the generator says (vectorized:
+        # one example: every step is that example, as minibatch_plan gives it (vectorized:
         # the many-clients-on-a-small-task case)
         single = (n_k == 1).numpy()
         if single.any():
@@ -145,23 +146,12 @@ class BatchedTrainer:
             valid[ks, :, 0] = step_ok
         for k in np.nonzero(~single)[0].tolist():
             lo, hi = int(self.offsets[parts[k]]), int(self.offsets[parts[k] + 1])
-            n, bs, s_k = hi - lo, bss[k], steps[k]
-            g = torch.Generator().manual_seed(seeds[k])
+            s_k = steps[k]
+            pos, size = minibatch_plan(hi - lo, s_k, bss[k], seeds[k])
+            ok = torch.arange(pos.shape[1])[None, :] < size[:, None]
             rows = torch.from_numpy(self.flat_idx[lo:hi])
-            order = torch.randperm(n, generator=g)
-            if s_k * bs <= n:  # the usual case: one permutation covers every step
-                take = order[: s_k * bs].view(s_k, bs)
-                idx[k, :s_k, :bs] = rows[take]
-                valid[k, :s_k, :bs] = True
-                continue
-            pos = 0
-            for s in range(s_k):
-                if pos >= n:
-                    order, pos = torch.randperm(n, generator=g), 0
-                chunk = order[pos:pos + bs]
-                pos += bs
-                idx[k, s, :chunk.numel()] = rows[chunk]
-                valid[k, s, :chunk.numel()] = True
+            idx[k, :s_k, :pos.shape[1]] = torch.where(ok, rows[pos], torch.zeros((), dtype=torch.int64))
+            valid[k, :s_k, :pos.shape[1]] = ok
         return idx, valid
 
     # training ----------------------------------------------------------------------------
@@ -220,9 +210,9 @@ class BatchedTrainer:
         no vmap at all; the round's weighted loss is exact, per-client losses are None.
 
         ``clip`` (DP-FedAvg): the sum is instead ``sum_k clip(theta_k - start)``, each change
-        scaled to norm <= ``clip`` as :func:`~fedswarm.algorithms.privacy.dp_fedavg.clip_rows`
-        does (uniform weights; the loss is still weighed by ``weights``), and ``within[0]``
-        counts the changes that were within it. Every client's model is formed (no shortcut)."""
+        scaled to norm <= ``clip`` (:func:`~fedswarm.algorithms.privacy.dp_fedavg.clip_sum`, as
+        the Flower strategies sum them; uniform weights, the loss still weighed by ``weights``),
+        and ``within[0]`` counts the changes that were within it. Every client's model is formed (no shortcut)."""
         if schedule.partitions.numel() == 0:
             return
         if schedule.flip_labels is not None:
@@ -249,11 +239,8 @@ class BatchedTrainer:
             if clip is None:
                 part = w.to(new.device) @ new
             else:
-                from fedswarm.algorithms.privacy.dp_fedavg import clip_rows
-
-                clipped, ok = clip_rows(new[~bad] - start.to(new.device, torch.float32), clip)
-                within[0] += int(ok.sum())
-                part = clipped.sum(dim=0)
+                part, ok = clip_sum(new[~bad] - start.to(new.device, torch.float32), clip)
+                within[0] += ok
             yield slice(rows.start + lo, rows.stop + lo), part.cpu().to(torch.float64), loss, n, loss_wsum, diverged
 
     def _one_step_average(self, start, schedule, weights, chunk_size, memory_budget, on_chunk, per_client_loss):
@@ -327,7 +314,7 @@ class BatchedTrainer:
         if flip is not None:
             flip = flip.to(dev)[:, None]
         params = start.expand(c, -1).clone()
-        buf = torch.zeros_like(params) if momentum else None
+        buf = None  # momentum: torch.optim.SGD's buffer, the first step's gradient
         lr = lr.to(dev, torch.float32)[:, None]
         steps = steps.to(dev)
         loss_sum = torch.zeros(c, device=dev)
@@ -346,11 +333,7 @@ class BatchedTrainer:
                 g, loss = self._masked(params, x, y, w.to(params.dtype))
             if trained is not None:
                 g = torch.where(trained, g, torch.zeros((), device=dev))
-            if buf is not None:
-                # torch.optim.SGD: the first step's buffer is the gradient itself
-                buf = torch.where(active[:, None], g if s == 0 else momentum * buf + g, buf)
-                g = buf
-            params = params - torch.where(active[:, None], lr * g, torch.zeros((), device=dev))
+            params, buf = sgd_step(params, g, buf, lr, momentum, active[:, None])
             loss_sum = loss_sum + torch.where(active, loss.detach(), torch.zeros((), device=dev))
         mean_loss = loss_sum / steps.clamp_min(1).to(loss_sum.dtype)
         return params.detach(), mean_loss

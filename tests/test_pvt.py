@@ -14,6 +14,7 @@ from fedswarm.sim.inprocess import InProcessGrid, run_inprocess
 from fedswarm.algorithms.selection import pvt as pvt_schedule
 from fedswarm.strategies.edge import pvt
 from fedswarm.tasks import get_task
+import fedswarm.train as train_mod
 from fedswarm.train import trainer_for
 from fedswarm.wire import message_nbytes, recorddict_nbytes, vector_to_arrayrecord
 
@@ -38,19 +39,15 @@ def test_frozen_variables_get_no_gradient_and_no_optimizer_state(monkeypatch):
     trainer = trainer_for(cfg, 0, 2)
     for p in trainer.model.parameters():
         p.grad = None  # the trainer is cached: earlier tests may have left gradients
-    made, grads_at_step = [], []
+    stepped: list[int] = []  # id of each tensor the trainer's SGD step moves, in order
     params = dict(trainer.model.named_parameters())
+    real_step = train_mod.sgd_step
 
-    class SpySGD(torch.optim.SGD):
-        def __init__(self, params, **kw):
-            super().__init__(params, **kw)
-            made.append(self)
+    def spy_step(p, grad, buf, lr, momentum, active=None):
+        stepped.append(id(p))
+        return real_step(p, grad, buf, lr, momentum, active)
 
-        def step(self, *args, **kwargs):  # which tensors have a gradient while training
-            grads_at_step.append({n: p.grad is not None for n, p in params.items()})
-            return super().step(*args, **kwargs)
-
-    monkeypatch.setattr(torch.optim, "SGD", SpySGD)
+    monkeypatch.setattr(train_mod, "sgd_step", spy_step)
     msg, flat = _message(cfg, node_id=7)
     content = pvt.client_update(msg, _context(cfg, 7, 0, 2))
     layout = trainer.layout
@@ -59,14 +56,11 @@ def test_frozen_variables_get_no_gradient_and_no_optimizer_state(monkeypatch):
     assert ids == pvt_schedule.select_variables(len(layout), k, pvt_schedule.selection_seed(cfg.seed, 1, 7)).tolist()
     trained = {layout.specs[i].name for i in ids}
     assert 0 < len(trained) < len(params)
-    assert len(grads_at_step) == 3
-    for step in grads_at_step:
-        assert {n for n, has in step.items() if has} == trained
+    # three steps, each of exactly the trained tensors (the frozen ones have no gradient, no momentum)
+    assert len(stepped) == 3 * len(trained)
+    assert set(stepped) == {id(params[n]) for n in trained}
     assert all(p.requires_grad for p in params.values())  # unfrozen again after the round
-    (opt,) = made
-    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
-    assert in_opt == {id(params[n]) for n in trained}
-    assert opt.state and {id(p) for p in opt.state} <= in_opt  # momentum only for trained tensors
+    assert all(p.grad is None for p in params.values())
     # The frozen tensors kept the global values; the reply carries the trained ones' deltas.
     mask = layout.mask(sorted(trained))
     after = get_flat(trainer.model)
@@ -208,3 +202,16 @@ def test_all_variables_is_fedavg():
         models.append(torch.from_numpy(np.concatenate([arrays[k].numpy().ravel() for k in arrays.keys()])))
     assert torch.allclose(models[0], models[1], atol=1e-6)
     assert not torch.equal(models[0], flat)
+
+
+def test_layout_coords_are_the_trained_tensors_slices():
+    """PVT's trained coordinates: one slice per chosen tensor, in layout order; take() of them
+    is what the masked [d] vector holds (the oracle: the names' boolean mask)."""
+    layout = ParamLayout.from_shapes([("a", (2, 3)), ("b", (4,)), ("c", (1,)), ("d", (3, 2))])
+    ids = torch.tensor([0, 2, 3])
+    assert layout.coords(ids) == [slice(0, 6), slice(10, 11), slice(11, 17)]
+    x = torch.arange(float(layout.d))
+    mask = layout.mask(["a", "c", "d"])
+    assert torch.equal(layout.take(x, ids), x[mask])
+    rows = torch.stack([x, -x])
+    assert torch.equal(layout.take(rows, [1]), rows[:, 6:10])

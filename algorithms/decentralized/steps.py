@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fedswarm.algorithms.local_sgd import minibatch_plan
 from fedswarm.params import set_flat
 
 if TYPE_CHECKING:
@@ -25,14 +26,15 @@ def minibatch_gradient(trainer: LocalTrainer, flat: torch.Tensor, batch_size: in
                        seed: int) -> tuple[torch.Tensor, float]:
     """Gradient ``[d]`` and loss of the node's objective at ``flat`` on one minibatch.
 
-    The minibatch is the first one :meth:`LocalTrainer.fit` would draw with ``seed``, so
+    The minibatch is the first of :func:`~fedswarm.algorithms.local_sgd.minibatch_plan` with
+    ``seed``, the one :meth:`LocalTrainer.fit` trains on first, so
     one gossip iteration sees exactly the data one FedAvg local step with that seed sees.
     """
     model = trainer.model
     set_flat(model, flat.to(trainer.device))
     model.train()
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randperm(trainer.num_examples, generator=g)[:batch_size].to(trainer.device)
+    pos, size = minibatch_plan(trainer.num_examples, 1, batch_size, seed)
+    idx = pos[0, :int(size[0])].to(trainer.device)
     params = [p for p in model.parameters() if p.requires_grad]
     loss = trainer.task.objective(model, trainer.x[idx], trainer.y[idx])
     grads = torch.autograd.grad(loss, params, allow_unused=True)

@@ -41,13 +41,21 @@ import torch
 from fedswarm.algorithms.privacy.accountant import PrivacyAccountant, PrivacyBudgetExceeded, calibrate_noise
 from fedswarm.algorithms.privacy.dp_spec import DPSpec, parse_dp
 
-__all__ = ["DPSpec", "parse_dp", "ClientLevelDP", "clip_rows"]
+__all__ = ["DPSpec", "parse_dp", "ClientLevelDP", "clip_rows", "clip_sum"]
 
 def clip_rows(x: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row scaled to norm <= ``clip``; also whether each row was within it."""
     norms = torch.linalg.vector_norm(x.to(torch.float64), dim=1)
     scale = torch.clamp(clip / torch.clamp(norms, min=1e-12), max=1.0).to(x.dtype)
     return x * scale[:, None], norms <= clip
+
+
+def clip_sum(x: torch.Tensor, clip: float) -> tuple[torch.Tensor, int]:
+    """DP-FedAvg's sum of ``x [K, d]`` (one update per client), each row clipped with
+    :func:`clip_rows`, and how many rows were within the clip. Every runtime sums here: the
+    Flower strategies all the round's clients at once, the batched engine a chunk at a time."""
+    clipped, within = clip_rows(x, clip)
+    return clipped.sum(dim=0), int(within.sum())
 
 
 class ClientLevelDP:
@@ -108,12 +116,11 @@ class ClientLevelDP:
     def privatize(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """``x [K, d]`` (one update per client) -> (the noised mean of clipped updates,
         the round's metrics); accounts the round."""
-        clipped, within = clip_rows(x.to(torch.float32), self.clip)
-        return self.noised_mean(clipped.sum(dim=0), int(within.sum()), x.shape[0])
+        return self.noised_mean(*clip_sum(x.to(torch.float32), self.clip), x.shape[0])
 
     def noised_mean(self, clipped_sum: torch.Tensor, within: int, k: int) -> tuple[torch.Tensor, dict[str, float]]:
         """:meth:`privatize` from the sum ``[d]`` of the k clients' updates, each clipped with
-        :func:`clip_rows` at ``self.clip`` (an engine that never holds all k at once sums them
+        :func:`clip_sum` at ``self.clip`` (an engine that never holds all k at once sums them
         chunk by chunk), and how many of them were within the clip."""
         z_update, sigma_b = self._update_noise(k)
         noise = torch.randn(clipped_sum.shape[0], generator=self.generator, dtype=torch.float32)

@@ -53,7 +53,7 @@ from flwr.serverapp.strategy import FedAvg, Result
 from fedswarm.errors import ConfigError
 from fedswarm.algorithms.selection.progfed import default_stage_rounds, samples_processed, stage_of
 from fedswarm.params import ParamLayout, get_flat
-from fedswarm.local import prepare_local
+from fedswarm.local import prepare_local, train_reply
 from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
 from fedswarm.strategies.registry import (LOCAL_POLICY_KEYS, Batched, BuildContext, StrategyEntry, message_type_of,
                                           register)
@@ -143,10 +143,8 @@ def reply_content(delta: np.ndarray, num_examples: int, loss: float, steps: int,
                   node: ConfigRecord) -> RecordDict:
     """A node's reply: the trained sub-model's delta, its metrics (``stage`` it trained,
     ``flops`` of its local training) and its ``node`` report."""
-    metrics = MetricRecord({"num-examples": num_examples, "train_loss": loss, "steps": steps,
-                            "stage": trained, "flops": float(flops)})
-    return RecordDict({UPDATE: ArrayRecord({"delta": Array(np.ascontiguousarray(delta))}), "metrics": metrics,
-                       "node": node})
+    return train_reply(RecordDict({UPDATE: ArrayRecord({"delta": Array(np.ascontiguousarray(delta))})}), num_examples,
+                       loss, steps, node, stage=trained, flops=float(flops))
 
 
 # --------------------------------------------------------------------------- server side

@@ -45,7 +45,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
-from fedswarm.local import prepare_local, server_round
+from fedswarm.local import prepare_local, server_round, train_reply
 from fedswarm.algorithms.selection.pvt import num_selected, select_variables, selection_seed
 from fedswarm.params import ParamLayout, set_flat
 from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
@@ -108,13 +108,11 @@ def client_update(msg: Message, context: Context) -> RecordDict:
     params = resolve_params("pvt", setup.cfg.params)
     trainer, layout = setup.trainer, setup.trainer.layout
     ids = client_variables(len(layout), setup.policy, params, setup.cfg.seed, server_round(msg), context.node_id)
-    specs = [layout.specs[i] for i in ids.tolist()]
-    names = [s.name for s in specs]
+    names = [layout.specs[i].name for i in ids.tolist()]
     set_flat(trainer.model, setup.start.to(trainer.device))  # frozen tensors hold the global values
-    # The trained tensors' slices, in layout order (what get_flat returns while frozen).
-    # Slices, not a boolean mask: indexing by a [d] mask builds an int64 index of the
-    # selected entries, twice the size of the values, and a client's memory is what PVT saves.
-    start = torch.cat([setup.start[s.offset : s.end] for s in specs])
+    # The trained tensors' coordinates, in layout order (what get_flat returns while frozen);
+    # slices, as a client's memory is what PVT saves.
+    start = layout.take(setup.start, ids)
     with frozen(trainer.model, names):
         res = trainer.fit(start, **setup.fit_kwargs)
     delta = res.flat.sub_(start)  # in place
@@ -129,9 +127,8 @@ def reply_content(delta: torch.Tensor, ids: torch.Tensor, send_ids: bool, num_ex
     arrays = ArrayRecord({"values": Array(np.ascontiguousarray(delta.numpy()))})
     if send_ids:
         arrays["ids"] = Array(ids.numpy().astype(np.int32))
-    metrics = MetricRecord({"num-examples": num_examples, "train_loss": loss, "steps": steps,
-                            "variables": int(ids.numel()), "trained_params": int(delta.numel())})
-    return RecordDict({UPDATE: arrays, "metrics": metrics, "node": node})
+    return train_reply(RecordDict({UPDATE: arrays}), num_examples, loss, steps, node, variables=int(ids.numel()),
+                       trained_params=int(delta.numel()))
 
 
 # --------------------------------------------------------------------------- server side

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
@@ -45,7 +45,7 @@ from fedswarm.strategies.resumable import capture, restore
 from fedswarm.strategies.strategy_utils import (ReportsRounds, layout_json, layout_of_arrays,
                                                 sample_train_nodes)
 from fedswarm.payload import Payload, PayloadError
-from fedswarm.wire import arrayrecord_to_vector, payload_from_records, vector_to_arrayrecord
+from fedswarm.wire import (array_keys, arrayrecord_to_vector, payload_from_records, vector_to_arrays_like)
 
 __all__ = ["CompressedStrategy", "Accepted", "Step", "ClientRound", "begin", "train", "finish",
            "taken_indices", "save_sent", "read_payload", "KNOBS", "UserTraining", "user_training"]
@@ -292,16 +292,7 @@ class CompressedStrategy(ReportsRounds, Strategy):
 
     def model_arrays(self) -> ArrayRecord:
         """The public model as an ArrayRecord shaped like the one ``start`` was given."""
-        x = self.sync.x
-        if self._keys is None or len(self._keys) == 1:
-            key = self._keys[0][0] if self._keys else "vector"
-            return vector_to_arrayrecord(x, key)
-        rec, off = ArrayRecord(), 0
-        for key, shape in self._keys:
-            n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-            rec[key] = Array(np.ascontiguousarray(x[off:off + n].reshape(shape).numpy()))
-            off += n
-        return rec
+        return vector_to_arrays_like(self.sync.x, self._keys)
 
     # -- checkpoint (fedswarm.strategies.resumable) --------------------------------------
     #: What changes from round to round; subclasses with more state add their attributes.
@@ -345,7 +336,7 @@ class CompressedStrategy(ReportsRounds, Strategy):
         if self.layout is None:
             self.layout = layout_of_arrays(arrays)
             self.on_layout()
-        self._keys = [(k, tuple(arrays[k].shape)) for k in arrays.keys()]
+        self._keys = array_keys(arrays)
         self.sync.reset(arrayrecord_to_vector(arrays, self.layout.d))
 
 

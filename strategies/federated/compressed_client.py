@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from fedswarm.config import RunConfig
 from fedswarm.local import LocalFit, local_fit, node_data, node_partition, run_config_of
@@ -160,12 +160,7 @@ def finish(cr: ClientRound, fit: LocalFit, reply: RecordDict, **metrics: float) 
     save_replica(state, cr.model, cr.version, cr.epoch)
     for key, value in cr.state.items():
         state[key] = value
-    reply["metrics"] = MetricRecord({"num-examples": fit.result.num_examples, "train_loss": fit.result.loss,
-                                     "steps": fit.result.steps, **metrics})
-    if fit.result.dp_sample_rate is not None:  # DP-SGD: what the server's accountant needs
-        reply["metrics"]["dp_sample_rate"] = fit.result.dp_sample_rate
-    reply["node"] = fit.report()
-    return reply
+    return fit.reply(reply, **metrics)
 
 
 def save_sent(cr: ClientRound, key: str, indices: torch.Tensor | None = None) -> None:

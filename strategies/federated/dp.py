@@ -31,7 +31,7 @@ from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.strategy_utils import ReportsRounds, SamplesAfterWait, check_model_reply
-from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
+from fedswarm.wire import array_keys, arrayrecord_to_vector, vector_to_arrays_like
 
 __all__ = ["DPFedAvg", "client_dp", "attach_dp"]
 
@@ -74,7 +74,7 @@ class DPFedAvg(ReportsRounds, SamplesAfterWait, FedAvg):
                         grid: Grid) -> Iterable[Message]:
         self.dp.before_round()
         self._global = arrayrecord_to_vector(arrays)
-        self._keys = [(k, tuple(arrays[k].shape)) for k in arrays.keys()]
+        self._keys = array_keys(arrays)
         return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round: int,
@@ -93,18 +93,7 @@ class DPFedAvg(ReportsRounds, SamplesAfterWait, FedAvg):
             return None, None
         mean, metrics = self.dp.privatize(torch.stack(deltas))
         self.note(**metrics)
-        new = self._global + mean
-        rec, off = ArrayRecord(), 0
-        if len(self._keys) == 1:
-            rec = vector_to_arrayrecord(new, self._keys[0][0])
-        else:
-            from flwr.app import Array
-            import numpy as np
-
-            for key, shape in self._keys:
-                n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-                rec[key] = Array(np.ascontiguousarray(new[off:off + n].reshape(shape).numpy()))
-                off += n
+        rec = vector_to_arrays_like(self._global + mean, self._keys)
         return rec, MetricRecord({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
 
     def state_dict(self) -> dict:

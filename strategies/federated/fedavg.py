@@ -6,12 +6,14 @@ models weighted by ``num-examples``. Wire: the full model, 4d bytes each way per
 
 from __future__ import annotations
 
+import torch
 from flwr.serverapp.strategy import FedAvg
 
+from fedswarm.algorithms.averaging import WeightedSum
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.registry import Batched, BuildContext, StrategyEntry, register
 from fedswarm.strategies.strategy_utils import ReportsRounds, SamplesAfterWait, check_model_reply
-from fedswarm.wire import arrayrecord_to_vector
+from fedswarm.wire import array_keys, arrayrecord_to_vector, vector_to_arrays_like
 
 
 class CheckedFedAvg(ReportsRounds, SamplesAfterWait, FedAvg):
@@ -20,7 +22,8 @@ class CheckedFedAvg(ReportsRounds, SamplesAfterWait, FedAvg):
     instead of averaged in: one such reply would otherwise turn the global model into NaN;
     and a round's fraction is counted on the nodes connected after the wait (:class:`SamplesAfterWait`).
     A *well-formed* lie still moves the average anywhere (that is what the robust
-    strategies are for)."""
+    strategies are for). The average is :class:`~fedswarm.algorithms.averaging.WeightedSum`'s,
+    the batched engine's, in float64."""
 
     _d: int | None = None
 
@@ -34,16 +37,25 @@ class CheckedFedAvg(ReportsRounds, SamplesAfterWait, FedAvg):
         return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round, replies):
-        kept = []
+        kept, models = [], {}
         for msg in replies:
             if not msg.has_error():
                 try:
-                    check_model_reply(msg, self._d)
+                    models[id(msg)] = check_model_reply(msg, self._d)
                 except PayloadError as exc:
                     self.reject(msg, exc)
                     continue
             kept.append(msg)
-        return super().aggregate_train(server_round, kept)
+        valid, _ = self._check_and_log_replies(kept, is_train=True)  # Flower's own checks, and its log
+        if not valid:
+            return None, None
+        # the mean: fedswarm's one FedAvg aggregate (the batched engine's), not Flower's aggregate_arrayrecords
+        acc = WeightedSum(self._d)
+        for msg in valid:
+            weight = float(next(iter(msg.content.metric_records.values()))[self.weighted_by_key])
+            acc.add(models[id(msg)][None], torch.tensor([weight], dtype=torch.float32))
+        arrays = vector_to_arrays_like(acc.mean(), array_keys(valid[0].content.array_records["arrays"]))
+        return arrays, self.train_metrics_aggr_fn([msg.content for msg in valid], self.weighted_by_key)
 
 
     # -- checkpoint (fedswarm.strategies.resumable): FedAvg keeps nothing between rounds
