@@ -27,6 +27,10 @@ It writes ``dashboard.json`` (the rows) and ``dashboard.png``. When
 code before issue 16's changes, an older run on a differently loaded machine) exists, its
 figures are printed and plotted beside the new ones. The load average is recorded with the
 rows: on a machine shared with other work, figures are a floor on what the app can do.
+
+First of all, on the 50 runs alone, the operator's ``/api/runs`` rows
+(:mod:`fedswarm.bench.dashboard_runs`): ``fedswarm dashboard`` itself, as an operator starts it,
+pinned to one core with ``wrk -t1 -c50`` and a viewer token on another.
 """
 
 from __future__ import annotations
@@ -48,9 +52,9 @@ from pathlib import Path
 
 import httpx
 
-from fedswarm.bench import dashboard_fleet
+from fedswarm.bench import dashboard_fleet, dashboard_runs
 
-__all__ = ["run", "seed_store", "wait_healthy"]
+__all__ = ["run", "seed_store", "wait_healthy", "parse_wrk"]
 
 CLIENTS = 50
 VIEWERS = 100
@@ -152,7 +156,12 @@ def _wrk(url: str, token: str, seconds: int) -> dict:
     out = subprocess.run(["wrk", "-t2", f"-c{CLIENTS}", f"-d{seconds}s", "--latency", "--timeout", "10s",
                           "-H", f"Authorization: Bearer {token}", url],
                          capture_output=True, text=True, timeout=seconds + 60).stdout
+    return parse_wrk(out)
 
+
+def parse_wrk(out: str) -> dict:
+    """p50, p99 (ms), requests/s, requests and errors (socket errors and non-2xx) from wrk's
+    ``--latency`` output."""
     def ms(label: str) -> float:
         m = re.search(rf"^\s*{label}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
         if not m:
@@ -345,19 +354,23 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def run(out_dir: Path, quick: bool = False) -> list[dict]:
-    """Run the benchmark; write ``dashboard.json`` and ``dashboard.png`` to ``out_dir``."""
+def run(out_dir: Path, quick: bool = False, profile: bool = False) -> list[dict]:
+    """Run the benchmark; write ``dashboard.json`` and ``dashboard.png`` to ``out_dir`` (and with
+    ``profile``, the operator row's server profiles, :mod:`fedswarm.bench.dashboard_runs`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     seconds, rounds, poll_s = (5, 8, 0.3) if quick else (15, 30, 0.3)
     tmp = tempfile.mkdtemp(prefix="fedswarm-bench-")
     db = os.path.join(tmp, "bench.db")
     ids, live, token = seed_store(db)
+    rows: list[dict] = dashboard_runs.operator_rows(  # first, on the 50 runs alone and no other server up
+        db, dashboard_runs.viewer_token(db), seconds=5 if quick else 8, repeats=1 if quick else 3,
+        before=os.environ.get(dashboard_runs.BEFORE_ENV) or None, profile_dir=out_dir if profile else None,
+        log_dir=Path(tmp))
     fleet_endpoints = dashboard_fleet.seed_fleet(db)  # + 10,000 simulated nodes and a fleet of 200
     server_cores, client_cores = _cores()
     own_cores = os.sched_getaffinity(0) if client_cores else None
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
-    rows: list[dict] = []
     load = os.getloadavg()[0]
     d_ms: list[float] = []
     try:
@@ -406,6 +419,7 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
     base = _baseline()
     _plot(rows, base, d_ms, out_dir / "dashboard.png")
     _print(rows, base)
+    dashboard_runs.print_rows(rows)
     return rows
 
 
@@ -417,7 +431,7 @@ def _fetch_rounds(url: str, token: str, run_id: str) -> list:
 def _print(rows: list[dict], base: list[dict]) -> None:
     if base:
         print(f"baseline: {BASELINE.name} ({json.loads(BASELINE.read_text()).get('note', '')})")
-    pin = next((r["pinning"] for r in rows if "pinning" in r), "")
+    pin = next((r["pinning"] for r in rows if r["test"] == "api"), "")
     print(f"server 'now': as shipped; 'plain': without cached reads and gc.freeze; {pin}; "
           f"1-min load at start {rows[0]['loadavg_1m_at_start'] if rows else float('nan')}")
     print(f"{'test':5} {'endpoint':24} {'store':8} {'server':6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} "
