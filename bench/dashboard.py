@@ -30,7 +30,9 @@ rows: on a machine shared with other work, figures are a floor on what the app c
 
 First of all, on the 50 runs alone, the operator's ``/api/runs`` rows
 (:mod:`fedswarm.bench.dashboard_runs`): ``fedswarm dashboard`` itself, as an operator starts it,
-pinned to one core with ``wrk -t1 -c50`` and a viewer token on another.
+pinned to one core with ``wrk -t1 -c50`` and a viewer token on another. With
+``FEDSWARM_BENCH_BEFORE=CHECKOUT`` (another clone, e.g. ``main``'s), that checkout's code runs
+beside this one in those rows and in the fleet rows, the two servers taking turns.
 """
 
 from __future__ import annotations
@@ -125,11 +127,15 @@ def _cores() -> tuple[set[int] | None, set[int] | None]:
 
 
 def _start_server(db: str, poll_s: float, variant: str = "now",
-                  cores: set[int] | None = None) -> tuple[subprocess.Popen, str]:
+                  cores: set[int] | None = None, tree: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """A server of ``variant`` (``plain`` or ``now``); ``tree``: import fedswarm from there
+    (:func:`fedswarm.bench.dashboard_runs.source_tree`), another checkout's code."""
     port = _free_port()
     pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    env = {**os.environ, "PYTHONPATH": str(tree)} if tree is not None else None
     proc = subprocess.Popen([sys.executable, "-c", _SERVE, db, str(port), str(poll_s), variant],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=pin)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=pin, env=env,
+                            cwd=str(tree) if tree is not None else None)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, 30, lambda: proc.stderr.read().decode())
     return proc, url
@@ -339,7 +345,7 @@ def _plot(rows: list[dict], base: list[dict], delays_ms: list[float], path: Path
     b.set_xlabel("round written → viewer received (ms)")
     b.set_ylabel("(viewer, round) pairs")
     b.set_title(f"SSE fan-out to {VIEWERS} viewers")
-    dashboard_fleet.plot(f, [r for r in rows if r["test"] == "fleet"])
+    dashboard_fleet.plot(f, [r for r in rows if r["test"] == "fleet" and r.get("server") == "now"])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -363,10 +369,10 @@ def run(out_dir: Path, quick: bool = False, profile: bool = False) -> list[dict]
     tmp = tempfile.mkdtemp(prefix="fedswarm-bench-")
     db = os.path.join(tmp, "bench.db")
     ids, live, token = seed_store(db)
+    before = os.environ.get(dashboard_runs.BEFORE_ENV) or None
     rows: list[dict] = dashboard_runs.operator_rows(  # first, on the 50 runs alone and no other server up
         db, dashboard_runs.viewer_token(db), seconds=5 if quick else 8, repeats=1 if quick else 3,
-        before=os.environ.get(dashboard_runs.BEFORE_ENV) or None, profile_dir=out_dir if profile else None,
-        log_dir=Path(tmp))
+        before=before, profile_dir=out_dir if profile else None, log_dir=Path(tmp))
     fleet_endpoints = dashboard_fleet.seed_fleet(db)  # + 10,000 simulated nodes and a fleet of 200
     server_cores, client_cores = _cores()
     own_cores = os.sched_getaffinity(0) if client_cores else None
@@ -404,9 +410,18 @@ def run(out_dir: Path, quick: bool = False, profile: bool = False) -> list[dict]
                      "poll_interval_s": poll_s, "median_ms": statistics.median(d_ms) if d_ms else float("nan"),
                      "p99_ms": _pct(d_ms, 99), "max_ms": max(d_ms, default=float("nan")),
                      "under_1s": sum(d < 1000 for d in d_ms) / max(1, len(d_ms))})
-        now_pid = servers["now"][0].pid
-        rows += dashboard_fleet.fleet_rows(url, token, fleet_endpoints, requests=50 if quick else 200,
-                                           server_cpu_s=lambda: (_server_clock(now_pid) or (None,))[0])
+        fleet = {"now": servers["now"]}
+        if before:  # another checkout's code beside this one, the two taking turns on each endpoint
+            fleet = {"before": _start_server(db, poll_s, "now", server_cores,
+                                             dashboard_runs.source_tree(Path(before), Path(tmp) / "before")),
+                     "now": servers["now"]}
+            servers["before"] = fleet["before"]
+        for label, path in fleet_endpoints.items():
+            for name, (proc, furl) in fleet.items():
+                for row in dashboard_fleet.fleet_rows(furl, token, {label: path}, requests=50 if quick else 200,
+                                                      server_cpu_s=lambda pid=proc.pid: (_server_clock(pid)
+                                                                                         or (None,))[0]):
+                    rows.append({**row, "server": name})
     finally:
         if own_cores:
             os.sched_setaffinity(0, own_cores)

@@ -15,7 +15,10 @@ event loop never waits on the store for a cached question. An entry in the last 
 its ``ttl_s`` (a third of it by default) is still fresh but is rebuilt in the background too, so a
 busy entry is replaced before it expires: with the rebuild begun only at expiry, every request
 of the rebuild's duration (~0.1 s each ``ttl_s`` under load) found an entry too old to serve
-(``max_stale_s`` = ``ttl_s``) and took the route's slow path, the tail of ``/api/runs``.
+(``max_stale_s`` = ``ttl_s``) and took the route's slow path, the tail of ``/api/runs``. With
+the defaults (``ttl_s`` 1.5 s, rebuilt from 1 s of age) a busy entry is rebuilt once a second,
+as when ``ttl_s`` was 1 s and the rebuild began at expiry; an unchanged store's answer is then
+at most 1.5 s old (a change to the store is seen within ``mark_s`` plus a rebuild, as before).
 ``clear()`` (after this process's own writes) drops every entry, so an actor sees its change on
 the next read.
 
@@ -70,8 +73,8 @@ class _Entry:
 
 
 class ResponseCache:
-    def __init__(self, store: Store, ttl_s: float = 1.0, mark_s: float = 0.25, max_entries: int = 512,
-                 max_stale_s: float = 1.0, ahead_s: float | None = None):
+    def __init__(self, store: Store, ttl_s: float = 1.5, mark_s: float = 0.25, max_entries: int = 512,
+                 max_stale_s: float = 1.5, ahead_s: float | None = None):
         self.store = store
         self.ttl_s = ttl_s
         self.ahead_s = ttl_s / 3 if ahead_s is None else ahead_s
