@@ -157,7 +157,6 @@ def _install_handlers(app: FastAPI, ctx: WebContext) -> None:
 
 
 LOOPBACK = ("127.0.0.1", "::1")
-SWITCH_INTERVAL_S = 0.001
 
 
 def proxy_options(behind_proxy: bool, trusted_proxies: Sequence[str] | str | None = None) -> dict[str, Any]:
@@ -197,10 +196,7 @@ def run(host: str = "127.0.0.1", port: int = 8080, db: str | None = None, *,
     X-Forwarded-For/-Proto, but only from ``trusted_proxies`` (loopback by default, see
     :func:`proxy_options`). ``access_log``: a line per request on stdout (uvicorn's access log);
     off by default, since writing it took about a fifth of the event loop's time under load
-    (errors and start-up are logged either way). The process hands the GIL between threads every
-    :data:`SWITCH_INTERVAL_S` (Python's default is 5 ms), so a background thread's Python work
-    (a cache rebuild, the webhook threads, the metrics renderer) holds the event loop up for at
-    most that long at a time."""
+    (errors and start-up are logged either way)."""
     import uvicorn
 
     from fedswarm.store import default_db_url
@@ -209,7 +205,6 @@ def run(host: str = "127.0.0.1", port: int = 8080, db: str | None = None, *,
     tls = bool(certfile and keyfile)
     app = create_app(db or default_db_url(), superlink=superlink, runs_dir=runs_dir, https=https or tls,
                      behind_proxy=behind_proxy, report_timeout_s=report_timeout_s, freeze_gc=True)
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     scheme = "https" if tls else "http"
     print(f"fedswarm dashboard on {scheme}://{host}:{port}  (store: {app.state.ctx.store.url})", file=sys.stderr)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,

@@ -12,9 +12,8 @@ seen>``, ...); a (webhook, key) pair is unique in the store, so an event is queu
 webhook across restarts, and by one of several dashboards over the same store. A sender claims
 a row before posting it (a conditional update), so two dashboards never post it at once.
 Both threads step aside for the event loop between their store queries and posts
-(:func:`fedswarm.web.cache.breathe`), and the dashboard process hands the GIL over every millisecond
-(:func:`fedswarm.web.app.run`), so their Python work never holds requests up for long; neither
-ever runs a query on the event-loop thread.
+(:func:`fedswarm.web.cache.breathe`), so their Python work holds requests up for one step at a
+time; neither ever runs a query on the event-loop thread.
 
 Delivery is at least once: a dashboard killed between the receiver's answer and recording it
 posts again after restarting; receivers deduplicate on ``X-Fedswarm-Delivery``.
