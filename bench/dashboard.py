@@ -56,7 +56,7 @@ import httpx
 
 from fedswarm.bench import dashboard_fleet, dashboard_runs
 
-__all__ = ["run", "seed_store", "wait_healthy", "parse_wrk"]
+__all__ = ["run", "seed_store", "wait_healthy", "parse_wrk", "stop_all"]
 
 CLIENTS = 50
 VIEWERS = 100
@@ -351,6 +351,16 @@ def _plot(rows: list[dict], base: list[dict], delays_ms: list[float], path: Path
     plt.close(fig)
 
 
+def stop_all(servers, own_cores: set[int] | None, tmp: str | Path) -> None:
+    """After a benchmark: this process back on ``own_cores``, each (process, url) of ``servers``
+    stopped, ``tmp`` removed."""
+    if own_cores:
+        os.sched_setaffinity(0, own_cores)
+    for proc, _ in servers:
+        _stop(proc)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _stop(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGINT)
     try:
@@ -423,11 +433,7 @@ def run(out_dir: Path, quick: bool = False, profile: bool = False) -> list[dict]
                                                                                          or (None,))[0]):
                     rows.append({**row, "server": name})
     finally:
-        if own_cores:
-            os.sched_setaffinity(0, own_cores)
-        for proc, _ in servers.values():
-            _stop(proc)
-        shutil.rmtree(tmp, ignore_errors=True)
+        stop_all(servers.values(), own_cores, tmp)
     for r in rows:
         r["loadavg_1m_at_start"] = round(load, 2)
     (out_dir / "dashboard.json").write_text(json.dumps(rows, indent=2))

@@ -104,21 +104,25 @@ _LOAD_PROCESS = ("import asyncio, json, sys; from fedswarm.bench.dashboard impor
                  "print(json.dumps(asyncio.run(_httpx_load(sys.argv[1], sys.argv[2], float(sys.argv[3])))))")
 
 
+def _load_command(url: str, token: str, seconds: int, pin: list[str]) -> list[str]:
+    """A closed-loop load of ``CLIENTS`` connections, pinned with ``pin``: wrk with one thread,
+    else an asyncio httpx client in its own process (prints its figures as JSON)."""
+    if shutil.which("wrk"):
+        return [*pin, "wrk", "-t1", f"-c{CLIENTS}", f"-d{seconds}s", "--latency", "--timeout", "10s",
+                "-H", f"Authorization: Bearer {token}", url]
+    return [*pin, sys.executable, "-c", _LOAD_PROCESS, url, token, str(seconds)]
+
+
 def _load_once(url: str, token: str, seconds: int, pin: list[str]) -> dict:
-    """One closed-loop load of ``CLIENTS`` connections: wrk with one thread, else an asyncio httpx
-    client in its own process; both pinned with ``pin``."""
     from fedswarm.bench.dashboard import parse_wrk
 
-    if shutil.which("wrk"):
-        out = subprocess.run([*pin, "wrk", "-t1", f"-c{CLIENTS}", f"-d{seconds}s", "--latency", "--timeout", "10s",
-                              "-H", f"Authorization: Bearer {token}", url],
-                             capture_output=True, text=True, timeout=seconds + 60)
+    cmd = _load_command(url, token, seconds, pin)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
+    if "wrk" in cmd:
         res = parse_wrk(out.stdout)
         if not res["requests"]:
             raise RuntimeError(f"wrk measured nothing: {(out.stderr or out.stdout)[-500:]}")
         return res
-    out = subprocess.run([*pin, sys.executable, "-c", _LOAD_PROCESS, url, token, str(seconds)],
-                         capture_output=True, text=True, timeout=seconds + 120)
     if out.returncode != 0:
         raise RuntimeError(f"the load process failed: {out.stderr[-1000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -136,16 +140,23 @@ def _measure(pid: int, url: str, token: str, seconds: int, pin: list[str]) -> di
     return res
 
 
-def _sample(pid: int, seconds: int, raw: Path) -> str | None:
-    """py-spy's raw stacks of ``pid`` for ``seconds`` (per thread), or why there are none."""
+def _profile(pid: int, url: str, token: str, seconds: int, pin: list[str], raw: Path) -> str:
+    """Load ``url`` while py-spy samples the server ``pid`` for ``seconds`` (raw stacks to ``raw``);
+    the summary (:func:`summarize_profile`), or why there is none."""
     if not shutil.which("py-spy"):
-        return "py-spy is not installed (pip install py-spy): no profile"
-    out = subprocess.run(["py-spy", "record", "-p", str(pid), "-d", str(seconds), "-r", "250", "--threads",
-                          "-f", "raw", "-o", str(raw), "--nonblocking"],
-                         capture_output=True, text=True, timeout=seconds + 60)
+        return "py-spy is not installed (pip install py-spy): no profile\n"
+    load = subprocess.Popen(_load_command(url, token, seconds + 2, pin), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(1)  # sample the steady state, not the connections opening
+        out = subprocess.run(["py-spy", "record", "-p", str(pid), "-d", str(seconds), "-r", "250", "--threads",
+                              "-f", "raw", "-o", str(raw), "--nonblocking"],
+                             capture_output=True, text=True, timeout=seconds + 60)
+    finally:
+        load.wait(seconds + 60)
     if out.returncode != 0 or not raw.exists():
-        return f"py-spy failed (exit {out.returncode}): {(out.stderr or out.stdout)[-500:]}"
-    return None
+        return f"py-spy failed (exit {out.returncode}): {(out.stderr or out.stdout)[-500:]}\n"
+    return summarize_profile(raw.read_text())
 
 
 _FRAME = re.compile(r"^(?P<fn>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
@@ -155,9 +166,7 @@ def _short(frame: str) -> str:
     m = _FRAME.match(frame)
     if not m:
         return frame
-    parts = m.group("file").split("/")
-    tail = "/".join(parts[-2:]) if "site-packages" in parts or "python3" in m.group("file") else parts[-1]
-    return f"{m.group('fn')} ({tail})"
+    return f"{m.group('fn')} ({'/'.join(m.group('file').split('/')[-2:])})"  # e.g. web/middleware.py
 
 
 def summarize_profile(raw_text: str, top: int = 40) -> str:
@@ -202,7 +211,7 @@ def operator_rows(db: str, token: str, *, seconds: int = 8, repeats: int = 3, be
                   profile_dir: Path | None = None, log_dir: Path) -> list[dict]:
     """The ``/api/runs`` rows on the store at ``db`` (seeded by the caller), ``repeats`` loads of
     ``seconds`` per server, servers taking turns; ``before``: another checkout to run beside."""
-    from fedswarm.bench.dashboard import _cores, _stop
+    from fedswarm.bench.dashboard import _cores, stop_all
 
     server_cores, load_cores = _cores()
     pin = _pin(load_cores)
@@ -223,7 +232,8 @@ def operator_rows(db: str, token: str, *, seconds: int = 8, repeats: int = 3, be
         for _, url in servers.values():  # warm-up: caches, first queries
             _load_once(url + ENDPOINT, token, 2, pin)
         for i in range(repeats):
-            for name, (proc, url) in servers.items():
+            for name in (list(servers) if i % 2 == 0 else list(reversed(servers))):  # neither always first
+                proc, url = servers[name]
                 res = _measure(proc.pid, url + ENDPOINT, token, seconds, pin)
                 rows.append({"test": "operator", "endpoint": ENDPOINT, "store": "quiet", "server": name,
                              "repeat": i + 1, "concurrency": CLIENTS, "duration_s": seconds, "token": "viewer",
@@ -232,25 +242,11 @@ def operator_rows(db: str, token: str, *, seconds: int = 8, repeats: int = 3, be
                              "loadavg_1m": round(os.getloadavg()[0], 2), **res})
         if profile_dir is not None:
             for name, (proc, url) in servers.items():
-                raw = profile_dir / f"dashboard-runs-profile-{name}.raw"
-                out = subprocess.Popen([*pin, "wrk", "-t1", f"-c{CLIENTS}", f"-d{seconds + 2}s", "-H",
-                                        f"Authorization: Bearer {token}", url + ENDPOINT],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) \
-                    if shutil.which("wrk") else None
-                time.sleep(1) if out is not None else None  # let the load reach steady state
-                why = _sample(proc.pid, seconds - 1, raw) if out is not None else "profile mode needs wrk"
-                if out is not None:
-                    out.wait(seconds + 30)
-                text = summarize_profile(raw.read_text()) if why is None else why + "\n"
-                (profile_dir / f"dashboard-runs-profile-{name}.txt").write_text(text)
-                print(f"profile of '{name}': {profile_dir / f'dashboard-runs-profile-{name}.txt'}"
-                      + (f" ({why})" if why else ""))
+                path = profile_dir / f"dashboard-runs-profile-{name}.txt"
+                path.write_text(_profile(proc.pid, url + ENDPOINT, token, seconds, pin, path.with_suffix(".raw")))
+                print(f"profile of '{name}': {path}")
     finally:
-        if own:
-            os.sched_setaffinity(0, own)
-        for proc, _ in servers.values():
-            _stop(proc)
-        shutil.rmtree(trees, ignore_errors=True)
+        stop_all(servers.values(), own, trees)
     return rows
 
 
@@ -274,11 +270,11 @@ def print_rows(rows: list[dict]) -> None:
     op = [r for r in rows if r["test"] == "operator"]
     if not op:
         return
-    print(f"/api/runs, {CLIENTS} connections ({op[0]['tool']} -t1), viewer token, `fedswarm dashboard`: "
-          f"{op[0]['pinning']}")
+    tool = "wrk -t1" if op[0]["tool"] == "wrk" else f"{op[0]['tool']} in its own process"
+    print(f"/api/runs, {CLIENTS} connections ({tool}), viewer token, `fedswarm dashboard`: {op[0]['pinning']}")
     print(f"{'server':7} {'#':>2} {'p50 ms':>7} {'p99 ms':>7} {'req/s':>7} {'cpu ms/req':>10} {'loop wait s':>11} "
           f"{'errors':>6} {'load':>5}")
-    for r in op:
+    for r in sorted(op, key=lambda r: (r["repeat"], r["server"])):
         print(f"{r['server']:7} {r['repeat']:2d} {r['median_ms']:7.2f} {r['p99_ms']:7.2f} {r['rps']:7.0f} "
               f"{r.get('server_cpu_ms_per_request', float('nan')):10.3f} "
               f"{r.get('loop_waiting_for_cpu_s', float('nan')):11.2f} {r['errors']:6d} {r['loadavg_1m']:5.1f}")

@@ -57,10 +57,13 @@ def breathe() -> None:
 
 @dataclass(frozen=True)
 class Answer:
-    """A ready JSON answer: its body and any extra headers (e.g. ``X-Total-Count``)."""
+    """A ready JSON answer: its body and any extra headers (e.g. ``X-Total-Count``). ``ready``
+    keeps what the dashboard's middleware built from it once (its ASGI messages), so that lives
+    and goes with the answer; not part of its value."""
 
     body: bytes
     headers: tuple[tuple[str, str], ...] = field(default=())
+    ready: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

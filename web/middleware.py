@@ -95,34 +95,29 @@ class Edge:
     ``templates`` (a :class:`~fedswarm.web.metrics.RouteTemplates`) time requests; ``cached``
     (a :class:`~fedswarm.web.hot_reads.CachedReads`, or None) answers repeated reads."""
 
-    PREPARED = 1024  # cached answers whose ready-made messages are kept
-
     def __init__(self, app, *, https: bool = False, session_cookie: str = "fedswarm_session",
                  metrics: Any = None, templates: Any = None, cached: Any = None):
         self.app = app
         self.https = https
         self.session_cookie = session_cookie.encode()
         self.metrics, self.templates, self.cached = metrics, templates, cached
-        # id(answer), https -> (answer, start message, body message): a cached answer's messages,
-        # security headers included, built once (the answer is kept so its id stays its own)
-        self._prepared: dict[tuple[int, bool], tuple[Any, dict, dict]] = {}
 
     def _observe(self, scope, status: int, t0: float) -> None:
         if self.metrics is not None:
             self.metrics.observe(scope["method"], self.templates(scope), status, time.perf_counter() - t0)
 
-    def _messages(self, answer, https: bool) -> tuple[dict, dict]:
-        key = (id(answer), https)
-        hit = self._prepared.get(key)
-        if hit is None or hit[0] is not answer:
+    @staticmethod
+    def _messages(answer, https: bool) -> tuple[dict, dict]:
+        """A cached answer's start and body messages, security headers included: built once and
+        kept on the answer (:attr:`fedswarm.web.cache.Answer.ready`), so they go with it."""
+        hit = answer.ready.get(https)
+        if hit is None:
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(answer.body)).encode())]
             headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers]
-            if len(self._prepared) >= self.PREPARED:
-                self._prepared.clear()
-            hit = self._prepared[key] = (answer, {"type": "http.response.start", "status": 200,
-                                                  "headers": _extra_headers(headers, https, False)},
+            hit = answer.ready[https] = ({"type": "http.response.start", "status": 200,
+                                          "headers": _extra_headers(headers, https, False)},
                                          {"type": "http.response.body", "body": answer.body})
-        return hit[1], hit[2]
+        return hit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
