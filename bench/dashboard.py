@@ -421,11 +421,12 @@ def run(out_dir: Path, quick: bool = False, profile: bool = False) -> list[dict]
                      "p99_ms": _pct(d_ms, 99), "max_ms": max(d_ms, default=float("nan")),
                      "under_1s": sum(d < 1000 for d in d_ms) / max(1, len(d_ms))})
         fleet = {"now": servers["now"]}
-        if before:  # another checkout's code beside this one, the two taking turns on each endpoint
+        if before:  # another checkout's code beside this one, the two taking turns on each endpoint, both
+            # started afresh (the 'now' above has served the loads: a bigger heap, a warmer cache)
             fleet = {"before": _start_server(db, poll_s, "now", server_cores,
                                              dashboard_runs.source_tree(Path(before), Path(tmp) / "before")),
-                     "now": servers["now"]}
-            servers["before"] = fleet["before"]
+                     "now": _start_server(db, poll_s, "now", server_cores)}
+            servers["before"], servers["fleet-now"] = fleet["before"], fleet["now"]
         for label, path in fleet_endpoints.items():
             for name, (proc, furl) in fleet.items():
                 for row in dashboard_fleet.fleet_rows(furl, token, {label: path}, requests=50 if quick else 200,
