@@ -27,6 +27,12 @@ It writes ``dashboard.json`` (the rows) and ``dashboard.png``. When
 code before issue 16's changes, an older run on a differently loaded machine) exists, its
 figures are printed and plotted beside the new ones. The load average is recorded with the
 rows: on a machine shared with other work, figures are a floor on what the app can do.
+
+First of all, on the 50 runs alone, the operator's ``/api/runs`` rows
+(:mod:`fedswarm.bench.dashboard_runs`): ``fedswarm dashboard`` itself, as an operator starts it,
+pinned to one core with ``wrk -t1 -c50`` and a viewer token on another. With
+``FEDSWARM_BENCH_BEFORE=CHECKOUT`` (another clone, e.g. ``main``'s), that checkout's code runs
+beside this one in those rows and in the fleet rows, the two servers taking turns.
 """
 
 from __future__ import annotations
@@ -48,9 +54,9 @@ from pathlib import Path
 
 import httpx
 
-from fedswarm.bench import dashboard_fleet
+from fedswarm.bench import dashboard_fleet, dashboard_runs
 
-__all__ = ["run", "seed_store", "wait_healthy"]
+__all__ = ["run", "seed_store", "wait_healthy", "parse_wrk", "stop_all"]
 
 CLIENTS = 50
 VIEWERS = 100
@@ -122,11 +128,15 @@ def _cores() -> tuple[set[int] | None, set[int] | None]:
 
 
 def _start_server(db: str, poll_s: float, variant: str = "now",
-                  cores: set[int] | None = None) -> tuple[subprocess.Popen, str]:
+                  cores: set[int] | None = None, tree: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """A server of ``variant`` (``plain`` or ``now``); ``tree``: import fedswarm from there
+    (:func:`fedswarm.bench.dashboard_runs.source_tree`), another checkout's code."""
     port = _free_port()
     pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    env = {**os.environ, "PYTHONPATH": str(tree)} if tree is not None else None
     proc = subprocess.Popen([sys.executable, "-c", _SERVE, db, str(port), str(poll_s), variant],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=pin)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=pin, env=env,
+                            cwd=str(tree) if tree is not None else None)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, 30, lambda: proc.stderr.read().decode())
     return proc, url
@@ -153,7 +163,12 @@ def _wrk(url: str, token: str, seconds: int) -> dict:
     out = subprocess.run(["wrk", "-t2", f"-c{CLIENTS}", f"-d{seconds}s", "--latency", "--timeout", "10s",
                           "-H", f"Authorization: Bearer {token}", url],
                          capture_output=True, text=True, timeout=seconds + 60).stdout
+    return parse_wrk(out)
 
+
+def parse_wrk(out: str) -> dict:
+    """p50, p99 (ms), requests/s, requests and errors (socket errors and non-2xx) from wrk's
+    ``--latency`` output."""
     def ms(label: str) -> float:
         m = re.search(rf"^\s*{label}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
         if not m:
@@ -331,10 +346,20 @@ def _plot(rows: list[dict], base: list[dict], delays_ms: list[float], path: Path
     b.set_xlabel("round written → viewer received (ms)")
     b.set_ylabel("(viewer, round) pairs")
     b.set_title(f"SSE fan-out to {VIEWERS} viewers")
-    dashboard_fleet.plot(f, [r for r in rows if r["test"] == "fleet"])
+    dashboard_fleet.plot(f, [r for r in rows if r["test"] == "fleet" and r.get("server") == "now"])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def stop_all(servers, own_cores: set[int] | None, tmp: str | Path) -> None:
+    """After a benchmark: this process back on ``own_cores``, each (process, url) of ``servers``
+    stopped, ``tmp`` removed."""
+    if own_cores:
+        os.sched_setaffinity(0, own_cores)
+    for proc, _ in servers:
+        _stop(proc)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -346,19 +371,23 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def run(out_dir: Path, quick: bool = False) -> list[dict]:
-    """Run the benchmark; write ``dashboard.json`` and ``dashboard.png`` to ``out_dir``."""
+def run(out_dir: Path, quick: bool = False, profile: bool = False) -> list[dict]:
+    """Run the benchmark; write ``dashboard.json`` and ``dashboard.png`` to ``out_dir`` (and with
+    ``profile``, the operator row's server profiles, :mod:`fedswarm.bench.dashboard_runs`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     seconds, rounds, poll_s = (5, 8, 0.3) if quick else (15, 30, 0.3)
     tmp = tempfile.mkdtemp(prefix="fedswarm-bench-")
     db = os.path.join(tmp, "bench.db")
     ids, live, token = seed_store(db)
+    before = os.environ.get(dashboard_runs.BEFORE_ENV) or None
+    rows: list[dict] = dashboard_runs.operator_rows(  # first, on the 50 runs alone and no other server up
+        db, dashboard_runs.viewer_token(db), seconds=5 if quick else 8, repeats=1 if quick else 3,
+        before=before, profile_dir=out_dir if profile else None, log_dir=Path(tmp))
     fleet_endpoints = dashboard_fleet.seed_fleet(db)  # + 10,000 simulated nodes and a fleet of 200
     server_cores, client_cores = _cores()
     own_cores = os.sched_getaffinity(0) if client_cores else None
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
-    rows: list[dict] = []
     load = os.getloadavg()[0]
     d_ms: list[float] = []
     try:
@@ -392,21 +421,28 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
                      "poll_interval_s": poll_s, "median_ms": statistics.median(d_ms) if d_ms else float("nan"),
                      "p99_ms": _pct(d_ms, 99), "max_ms": max(d_ms, default=float("nan")),
                      "under_1s": sum(d < 1000 for d in d_ms) / max(1, len(d_ms))})
-        now_pid = servers["now"][0].pid
-        rows += dashboard_fleet.fleet_rows(url, token, fleet_endpoints, requests=50 if quick else 200,
-                                           server_cpu_s=lambda: (_server_clock(now_pid) or (None,))[0])
+        fleet = {"now": servers["now"]}
+        if before:  # another checkout's code beside this one, the two taking turns on each endpoint, both
+            # started afresh (the 'now' above has served the loads: a bigger heap, a warmer cache)
+            fleet = {"before": _start_server(db, poll_s, "now", server_cores,
+                                             dashboard_runs.source_tree(Path(before), Path(tmp) / "before")),
+                     "now": _start_server(db, poll_s, "now", server_cores)}
+            servers["before"], servers["fleet-now"] = fleet["before"], fleet["now"]
+        for label, path in fleet_endpoints.items():
+            for name, (proc, furl) in fleet.items():
+                for row in dashboard_fleet.fleet_rows(furl, token, {label: path}, requests=50 if quick else 200,
+                                                      server_cpu_s=lambda pid=proc.pid: (_server_clock(pid)
+                                                                                         or (None,))[0]):
+                    rows.append({**row, "server": name})
     finally:
-        if own_cores:
-            os.sched_setaffinity(0, own_cores)
-        for proc, _ in servers.values():
-            _stop(proc)
-        shutil.rmtree(tmp, ignore_errors=True)
+        stop_all(servers.values(), own_cores, tmp)
     for r in rows:
         r["loadavg_1m_at_start"] = round(load, 2)
     (out_dir / "dashboard.json").write_text(json.dumps(rows, indent=2))
     base = _baseline()
     _plot(rows, base, d_ms, out_dir / "dashboard.png")
     _print(rows, base)
+    dashboard_runs.print_rows(rows)
     return rows
 
 
@@ -418,7 +454,7 @@ def _fetch_rounds(url: str, token: str, run_id: str) -> list:
 def _print(rows: list[dict], base: list[dict]) -> None:
     if base:
         print(f"baseline: {BASELINE.name} ({json.loads(BASELINE.read_text()).get('note', '')})")
-    pin = next((r["pinning"] for r in rows if "pinning" in r), "")
+    pin = next((r["pinning"] for r in rows if r["test"] == "api"), "")
     print(f"server 'now': as shipped; 'plain': without cached reads and gc.freeze; {pin}; "
           f"1-min load at start {rows[0]['loadavg_1m_at_start'] if rows else float('nan')}")
     print(f"{'test':5} {'endpoint':24} {'store':8} {'server':6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} "

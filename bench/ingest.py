@@ -48,12 +48,13 @@ QUICK = {"reporters": 100, "seconds": 20.0, "round_every_s": 2.0}
 
 
 def start_dashboard(db_url: str, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """``fedswarm dashboard`` on a free loopback port, its log in ``log_path``; (process, url)."""
+    """``fedswarm dashboard`` on a free loopback port, its log (with the access log, which
+    :func:`server_log` counts answers from) in ``log_path``; (process, url)."""
     port = _free_port()
     env = {**os.environ, "FEDSWARM_ADMIN_PASSWORD": ADMIN_PW}
     log = open(log_path, "wb")  # noqa: SIM115 (closed with the process)
     proc = subprocess.Popen([sys.executable, "-m", "fedswarm", "dashboard", "--db", db_url, "--port", str(port),
-                             "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT, env=env)
+                             "--host", "127.0.0.1", "--access-log"], stdout=log, stderr=subprocess.STDOUT, env=env)
     log.close()
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, 90, lambda: log_path.read_text(errors="replace"))

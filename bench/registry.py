@@ -22,6 +22,7 @@ BENCHMARKS = {
     "decentralized": "fedswarm.bench.decentralized",
     "edge": "fedswarm.bench.edge",
     "dashboard": "fedswarm.bench.dashboard",
+    "dashboard-runs": "fedswarm.bench.dashboard_runs",
     "ingest": "fedswarm.bench.ingest",
     "swarm": "fedswarm.bench.swarm",
     "robust": "fedswarm.bench.robust",
@@ -31,7 +32,8 @@ BENCHMARKS = {
 }
 
 
-def run_benchmark(name: str, out: Path, *, quick: bool, console: Console, device: str = "cpu") -> list[dict]:
+def run_benchmark(name: str, out: Path, *, quick: bool, console: Console, device: str = "cpu",
+                  profile: bool = False) -> list[dict]:
     from fedswarm.extras import MissingExtra, require
 
     try:
@@ -58,6 +60,11 @@ def run_benchmark(name: str, out: Path, *, quick: bool, console: Console, device
             console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             raise SystemExit(2) from None
         kwargs["device"] = device
+    if profile:
+        if "profile" not in inspect.signature(mod.run).parameters:
+            console.print(f"[bold red]error:[/] benchmark '{name}' has no --profile option")
+            raise SystemExit(2)
+        kwargs["profile"] = True
     rows = mod.run(out, quick=quick, **kwargs)
     console.print(f"wrote {out / (name + '.json')} and {out / (name + '.png')}")
     return rows

@@ -11,8 +11,16 @@ Stale-while-revalidate: an entry that is no longer known to be fresh (its mark i
 ``mark_s``, or the store changed, or ``ttl_s`` passed) but was built less than ``max_stale_s``
 ago is still served while one background thread re-checks the mark and, if needed, rebuilds it
 (:meth:`lookup` + :meth:`refresh_soon`). So an answer is at most ``max_stale_s`` old, and the
-event loop never waits on the store for a cached question. ``clear()`` (after this process's
-own writes) drops every entry, so an actor sees its change on the next read.
+event loop never waits on the store for a cached question. An entry in the last ``ahead_s`` of
+its ``ttl_s`` (a third of it by default) is still fresh but is rebuilt in the background too, so a
+busy entry is replaced before it expires: with the rebuild begun only at expiry, every request
+of the rebuild's duration (~0.1 s each ``ttl_s`` under load) found an entry too old to serve
+(``max_stale_s`` = ``ttl_s``) and took the route's slow path, the tail of ``/api/runs``. With
+the defaults (``ttl_s`` 1.5 s, rebuilt from 1 s of age) a busy entry is rebuilt once a second,
+as when ``ttl_s`` was 1 s and the rebuild began at expiry; an unchanged store's answer is then
+at most 1.5 s old (a change to the store is seen within ``mark_s`` plus a rebuild, as before).
+``clear()`` (after this process's own writes) drops every entry, so an actor sees its change on
+the next read.
 
 :meth:`alias` records which raw request (path and query string) a validated route answered
 with which entry, so that :class:`fedswarm.web.hot_reads.CachedReads` can answer the same raw
@@ -32,7 +40,7 @@ from sqlalchemy import text
 
 from fedswarm.store import Store
 
-__all__ = ["ResponseCache", "Answer"]
+__all__ = ["ResponseCache", "Answer", "breathe"]
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +48,22 @@ _MARK_SQL = text("SELECT (SELECT max(id) FROM rounds), (SELECT max(id) FROM even
                  "(SELECT max(id) FROM controls), (SELECT max(id) FROM node_rounds)")
 
 
+def breathe() -> None:
+    """Let the event loop run: a background thread calls this between steps of its work. A real
+    sleep, not ``sleep(0)``: on a server pinned to one core, a thread that only drops the GIL
+    takes it back before the woken event-loop thread is scheduled."""
+    time.sleep(0.0005)
+
+
 @dataclass(frozen=True)
 class Answer:
-    """A ready JSON answer: its body and any extra headers (e.g. ``X-Total-Count``)."""
+    """A ready JSON answer: its body and any extra headers (e.g. ``X-Total-Count``). ``ready``
+    keeps what the dashboard's middleware built from it once (its ASGI messages), so that lives
+    and goes with the answer; not part of its value."""
 
     body: bytes
     headers: tuple[tuple[str, str], ...] = field(default=())
+    ready: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -58,10 +76,11 @@ class _Entry:
 
 
 class ResponseCache:
-    def __init__(self, store: Store, ttl_s: float = 1.0, mark_s: float = 0.25, max_entries: int = 512,
-                 max_stale_s: float = 1.0):
+    def __init__(self, store: Store, ttl_s: float = 1.5, mark_s: float = 0.25, max_entries: int = 512,
+                 max_stale_s: float = 1.5, ahead_s: float | None = None):
         self.store = store
         self.ttl_s = ttl_s
+        self.ahead_s = ttl_s / 3 if ahead_s is None else ahead_s
         self.mark_s = mark_s
         self.max_entries = max_entries
         self.max_stale_s = max_stale_s
@@ -86,7 +105,8 @@ class ResponseCache:
     def lookup(self, key: tuple) -> tuple[object | None, bool]:
         """(answer, needs_refresh) without touching the store (safe on the event loop).
 
-        A fresh entry gives (answer, False); one that may be out of date but was built less than
+        A fresh entry gives (answer, False), or (answer, True) in its last ``ahead_s``: serve
+        it and call :meth:`refresh_soon`; one that may be out of date but was built less than
         ``max_stale_s`` ago gives (answer, True): serve it and call :meth:`refresh_soon`;
         otherwise (None, True): build it with :meth:`get` in a thread."""
         entry = self._entries.get(key)
@@ -95,7 +115,7 @@ class ResponseCache:
         now = time.monotonic()
         if now - self._mark_at <= self.mark_s and entry.expires > now and entry.mark == self._mark:
             self.hits += 1
-            return entry.value, False
+            return entry.value, entry.expires - now < self.ahead_s
         if now - entry.built_at <= self.max_stale_s:
             self.stale += 1
             return entry.value, True
@@ -114,17 +134,18 @@ class ResponseCache:
 
     def _refresh(self, key: tuple, build: Callable[[], object]) -> None:
         try:
-            self.get(key, build)
+            self.get(key, build, margin=self.ahead_s)
         except Exception as exc:  # e.g. the run is gone: forget the answer, the route will say why
             log.debug("cache refresh of %s failed: %s", key, exc)
             with self._lock:
                 self._entries.pop(key, None)
 
-    def get(self, key: tuple, build: Callable[[], object]) -> object:
-        """The cached answer for ``key``, or ``build()`` once (concurrent askers wait for it)."""
+    def get(self, key: tuple, build: Callable[[], object], margin: float = 0.0) -> object:
+        """The cached answer for ``key``, or ``build()`` once (concurrent askers wait for it);
+        ``margin``: an entry expiring within it is rebuilt (a refresh ahead of expiry)."""
         generation = self._generation
         mark = self.mark()
-        hit = self._fresh(key, mark)
+        hit = self._fresh(key, mark, margin)
         if hit is not None:
             self.hits += 1
             return hit
@@ -137,7 +158,7 @@ class ResponseCache:
                 return stale.value
             lock.acquire()
         try:
-            hit = self._fresh(key, mark)
+            hit = self._fresh(key, mark, margin)
             if hit is not None:
                 self.hits += 1
                 return hit
@@ -153,9 +174,9 @@ class ResponseCache:
         finally:
             lock.release()
 
-    def _fresh(self, key: tuple, mark: tuple) -> object | None:
+    def _fresh(self, key: tuple, mark: tuple, margin: float = 0.0) -> object | None:
         entry = self._entries.get(key)
-        if entry is not None and entry.expires > time.monotonic() and entry.mark == mark:
+        if entry is not None and entry.expires - margin > time.monotonic() and entry.mark == mark:
             return entry.value
         return None
 

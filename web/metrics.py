@@ -21,7 +21,8 @@ Counters and histograms export no ``_created`` series (``disable_created_metrics
 process: the dashboard's registries are its only ones), which would double the series for nothing.
 
 The store-derived figures are aggregate queries, recomputed at most every ``cache_s``; the
-text is rendered at most every ``render_s`` (1 s), in a thread, while scrapes get the last one.
+text is rendered at most every ``render_s`` (1 s), in a thread (never on the event loop, and
+stepping aside for it between queries), while scrapes get the last one.
 """
 
 from __future__ import annotations
@@ -45,12 +46,13 @@ from fedswarm.store import Round, Run
 from fedswarm.web import schemas
 from fedswarm.web.accounts import Principal
 from fedswarm.web.api_ingest import REJECTION_REASONS
+from fedswarm.web.cache import breathe
 from fedswarm.web.deps import require_reader
 from fedswarm.web.node_states import node_state_counts
 from fedswarm.web.queries import stats_for
 from fedswarm.web.run_state import LIVE_STATUSES, Health, lost_reason, shown_status
 
-__all__ = ["Metrics", "HttpMetrics", "router", "run_status_counts", "leaf_routes"]
+__all__ = ["Metrics", "RouteTemplates", "router", "run_status_counts", "leaf_routes"]
 
 log = logging.getLogger(__name__)
 disable_created_metrics()
@@ -90,9 +92,11 @@ class _StoreCollector:
         with self._lock:
             if time.monotonic() - self._at > self.cache_s:
                 now = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
-                with self.ctx.store.session() as s:
+                with self.ctx.store.session() as s:  # in the render thread, stepping aside between queries
                     runs = run_status_counts(s, self.ctx.settings.report_timeout_s)
+                    breathe()
                     rounds = int(s.scalar(select(func.count()).select_from(Round).where(Round.round > 0)) or 0)
+                    breathe()
                     nodes = node_state_counts(s, now)
                 self._snap, self._at = (runs, rounds, nodes), time.monotonic()
             return self._snap
@@ -143,12 +147,22 @@ class Metrics:
                                          ["reason"], registry=self.registry)
         for reason in sorted(set(REJECTION_REASONS.values()) | {"other"}):
             self.ingest_rejections.labels(reason)  # present at 0 from the start
+        self._series: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         self.store_figures = _StoreCollector(ctx, cache_s)
         self.registry.register(self.store_figures)
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
-        self.http_seconds.labels(method, route).observe(seconds)
-        self.http_requests.labels(method, route, str(status)).inc()
+        """Count one answered request (called on every request: the labelled children are looked
+        up once per (method, route, status) and kept, the label checks of ``labels()`` skipped)."""
+        key = (method, route, status)
+        series = self._series.get(key)
+        if series is None:
+            if len(self._series) >= 4096:  # routes are templates, statuses few: a bound, never reached
+                self._series.clear()
+            series = self._series[key] = (self.http_seconds.labels(method, route),
+                                          self.http_requests.labels(method, route, str(status)))
+        series[0].observe(seconds)
+        series[1].inc()
         if route.startswith("/api/ingest/"):
             self.ingest_requests.labels(route).inc()
             if status >= 400:
@@ -187,17 +201,17 @@ def leaf_routes(routes: list) -> list:
     return out
 
 
-class HttpMetrics:
-    """Plain ASGI middleware (outermost): the latency and outcome of every HTTP request,
-    labelled by the route template that answered it. A request answered before routing (a
-    cached read, a refusal of the security middleware) gets the template its path was routed
-    to before, else the first route that matches it (remembered, bounded); a path no route
-    matches is labelled ``(unmatched)``."""
+class RouteTemplates:
+    """The route template that labels a request's metrics: the one that answered it; for a
+    request answered before routing (a cached read, a refusal of the dashboard's middleware,
+    :class:`fedswarm.web.middleware.Edge`, which times every request), the template its path was
+    routed to before, else the first route that matches it (remembered, bounded); a path no
+    route matches is ``(unmatched)``."""
 
     MEMO = 4096
 
-    def __init__(self, app, metrics: Metrics, routes: Any):
-        self.app, self.metrics, self.router = app, metrics, routes
+    def __init__(self, routes: Any):
+        self.router = routes
         self._leaves: list | None = None
         self._memo: dict[tuple[str, str], str] = {}
 
@@ -206,7 +220,7 @@ class HttpMetrics:
             self._memo.clear()
         self._memo[key] = template
 
-    def _template(self, scope) -> str:
+    def __call__(self, scope) -> str:
         key = (scope["method"], scope["path"])
         route = scope.get("route")
         if route is not None and getattr(route, "path", None):
@@ -222,26 +236,6 @@ class HttpMetrics:
             if hit != UNMATCHED:
                 self._remember(key, hit)
         return hit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        t0 = time.perf_counter()
-        done = False
-
-        async def timed_send(message):
-            nonlocal done
-            if message["type"] == "http.response.start" and not done:
-                done = True
-                self.metrics.observe(scope["method"], self._template(scope), message["status"],
-                                     time.perf_counter() - t0)
-            await send(message)
-
-        try:
-            await self.app(scope, receive, timed_send)
-        finally:
-            if not done:  # no answer at all (an error, a dropped connection)
-                self.metrics.observe(scope["method"], self._template(scope), 500, time.perf_counter() - t0)
 
 
 @router.get("/metrics", response_class=Response, tags=["meta"],

@@ -11,6 +11,10 @@ An event has a key that names it (``run:ID:finished:<finished_at>``, ``node:ID:o
 seen>``, ...); a (webhook, key) pair is unique in the store, so an event is queued once per
 webhook across restarts, and by one of several dashboards over the same store. A sender claims
 a row before posting it (a conditional update), so two dashboards never post it at once.
+Both threads step aside for the event loop between their store queries and posts
+(:func:`fedswarm.web.cache.breathe`), so their Python work holds requests up for one step at a
+time; neither ever runs a query on the event-loop thread.
+
 Delivery is at least once: a dashboard killed between the receiver's answer and recording it
 posts again after restarting; receivers deduplicate on ``X-Fedswarm-Delivery``.
 
@@ -41,6 +45,7 @@ from sqlalchemy.exc import IntegrityError
 import fedswarm
 from fedswarm.store import Event, Node, Run, Store
 from fedswarm.store_schema import Webhook, WebhookDelivery
+from fedswarm.web.cache import breathe
 from fedswarm.web.node_states import DOWN_STATUSES, FLEET_KINDS, online_clause
 from fedswarm.web.fleet import ONLINE_WINDOW_S
 from fedswarm.web.queries import stats_for
@@ -165,7 +170,11 @@ class Webhooks:
         now = _now()
         oldest = min(h.created_at for h in hooks)
         lower = oldest if self._since is None else max(oldest, self._since - dt.timedelta(seconds=SLACK_S))
-        notices = self._ended_runs(lower) + self._lost_runs(now) + self._privacy(oldest) + self._offline(lower, now)
+        notices: list[Notice] = []
+        for step in (lambda: self._ended_runs(lower), lambda: self._lost_runs(now), lambda: self._privacy(oldest),
+                     lambda: self._offline(lower, now)):
+            breathe()
+            notices += step()
         self._since = now
         return self._enqueue(hooks, notices)
 
@@ -250,6 +259,7 @@ class Webhooks:
         for h, n in wanted:
             if (h.id, n.key) in have:
                 continue
+            breathe()
             try:
                 with self.store.session() as s:
                     s.add(WebhookDelivery(webhook_id=h.id, event=n.event, event_key=n.key[:200], run_id=n.run_id,
@@ -280,6 +290,7 @@ class Webhooks:
         for d, h in due:
             if self._stop.is_set():
                 break
+            breathe()
             if self._claim(d):
                 self._post(d, h)
         with self.store.session() as s:

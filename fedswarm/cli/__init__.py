@@ -39,7 +39,9 @@ app.command()(client)
 # --------------------------------------------------------------------------------------
 def bench(
     name: str = typer.Argument(..., help=(
-        "Benchmark name: engines, codecs, compression, decentralized, edge, swarm, dashboard, ingest, robust, privacy, "
+        "Benchmark name: engines, codecs, compression, decentralized, edge, swarm, dashboard, dashboard-runs "
+        "(`fedswarm dashboard` under 50 connections to /api/runs alone; FEDSWARM_BENCH_BEFORE=CHECKOUT runs another "
+        "checkout's code beside it), ingest, robust, privacy, "
         "footprint (install size, import time and a SuperNode's memory, beside Flower alone), papers "
         "(every seed paper's claim in miniature; also writes DIR/reproductions.md; --quick about 2 min, full mode "
         "about 30 min on 2 quiet cores; FEDSWARM_PAPERS_ONLY=id1,id2 runs a subset)."
@@ -51,6 +53,10 @@ def bench(
         "Torch device for benchmarks that take one (codecs, engines): cpu, cuda or cuda:N; a GPU's rows are printed "
         "beside the CPU's. A device this machine lacks is refused in one line (exit 2)."
     )),
+    profile: bool = typer.Option(False, "--profile", help=(
+        "dashboard, dashboard-runs: also sample the server under the /api/runs load with py-spy (when installed) and "
+        "write where its time goes to DIR/dashboard-runs-profile-SERVER.txt."
+    )),
     verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
 ) -> None:
     """Run a benchmark: prints a table, writes JSON and a PNG, compares side by side in one run."""
@@ -60,7 +66,7 @@ def bench(
         fail(f"unknown benchmark '{name}' (available: {', '.join(BENCHMARKS)})")
     log_file = log_file_for(out)
     route_logs(verbose, log_file)
-    run_benchmark(name, out, quick=quick, console=console, device=device)
+    run_benchmark(name, out, quick=quick, console=console, device=device, profile=profile)
     say_log_file(log_file, verbose)
 
 
