@@ -62,7 +62,12 @@ from fedswarm.policy import PolicyBook
 from fedswarm.server.metered_grid import Traffic
 from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
 from fedswarm.sim.batched_memory import available_ram, default_memory_budget, parse_memory_budget
-from fedswarm.sim.batched_round import ByteCounter, Meter, reject_diverged, round_schedule
+from fedswarm.sim.batched_compressed import CompressedRounds, GTopKRounds
+from fedswarm.sim.batched_progfed import ProgFedRounds
+from fedswarm.sim.batched_pvt import PVTRounds
+from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ByteCounter, Meter, add_client, reject_diverged,
+                                        round_schedule)
+from fedswarm.sim.batched_sketched import SketchRounds
 from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
 from fedswarm.store import Store
 from fedswarm.tasks import get_task
@@ -73,8 +78,7 @@ from fedswarm.train import evaluate_flat, node_validation, pooled_client_data, r
 from fedswarm.wire import vector_to_arrayrecord
 
 __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budget", "default_memory_budget",
-           "available_ram", "round_schedule", "check_supported", "SUPPORTED_STRATEGIES", "BatchedRun",
-           "add_client"]
+           "available_ram", "round_schedule", "check_supported", "SUPPORTED_STRATEGIES", "BatchedRun"]
 
 #: Strategies this engine serves: FedAvg, and the strategies whose client half is
 #: :func:`fedswarm.strategies.federated.compressed_fedavg.client_update` (the compressed
@@ -88,10 +92,6 @@ _OWN_REPLIES = ("fedavg", "pvt", "progfed", "sketched_sgd", "fetchsgd", "gs_sgd"
 # round (ClientLevelDP, the strategy's own object); the compressed ones: the clients clip, the
 # strategy object noises
 _DP = ("fedavg", "compressed_fedavg", "onebit")
-
-# Rounds with more clients than this record the round's totals but no per-node rows:
-# 10,000 rows a round would cost the store more than the training does.
-NODE_ROWS_MAX = 2000
 
 ClientsListener = Callable[[int, int], None]  # (clients done this round, clients this round)
 
@@ -150,18 +150,6 @@ class BatchedRun:
                 self.on_clients(done[0], total)
 
         return on_chunk
-
-
-def add_client(traffic: Traffic, node_rows: list[dict] | None, node_id: int, up: int, down: int, n: int,
-               loss: float, device_class: str, policy: dict) -> None:
-    """Count one client's message and reply, and its per-node row (if rows are kept)."""
-    traffic.bytes_down += down
-    traffic.bytes_up += up
-    traffic.node_down[node_id] += down
-    traffic.node_up[node_id] += up
-    if node_rows is not None:
-        node_rows.append({"node_id": str(node_id), "bytes_up": up, "bytes_down": down, "num_examples": n,
-                          "train_loss": loss, "device_class": device_class, "policy": policy})
 
 
 class FedAvgRounds:
@@ -239,11 +227,6 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     if cfg.strategy == "fedavg":
         rounds_of = FedAvgRounds(run, global_vec, notes=recorder)
     else:
-        from fedswarm.sim.batched_compressed import CompressedRounds, GTopKRounds
-        from fedswarm.sim.batched_progfed import ProgFedRounds
-        from fedswarm.sim.batched_pvt import PVTRounds
-        from fedswarm.sim.batched_sketched import SketchRounds
-
         runner = {"gtopk": GTopKRounds, "pvt": PVTRounds, "progfed": ProgFedRounds, "sketched_sgd": SketchRounds,
                   "fetchsgd": SketchRounds, "gs_sgd": SketchRounds}.get(cfg.strategy, CompressedRounds)
         rounds_of = runner(run, global_vec, notes=recorder)

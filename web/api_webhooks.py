@@ -1,5 +1,6 @@
-"""/api/webhooks (admin only) and the webhook forms of the admin page: register a URL with the
-events to send, change or delete it, and read its deliveries (:mod:`fedswarm.web.webhooks`)."""
+"""/api/webhooks (admin only): register a URL with the events to send, change or delete it, and
+read its deliveries (:mod:`fedswarm.web.webhooks`). The admin page's webhook forms
+(:mod:`fedswarm.web.pages_misc`) call :func:`create`, :func:`delete` and :func:`page_data`."""
 
 from __future__ import annotations
 
@@ -7,23 +8,20 @@ import datetime as dt
 import secrets
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
-from fastapi.responses import HTMLResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from fastapi import APIRouter, Depends, HTTPException, Path, Query
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import select
 
 from fedswarm.store import Store
 from fedswarm.store_schema import Webhook, WebhookDelivery
 from fedswarm.web import schemas
 from fedswarm.web.accounts import Principal
-from fedswarm.web.deps import WebContext, get_ctx, page_admin_form, require_admin
-from fedswarm.web.pages_common import redirect, render
+from fedswarm.web.deps import WebContext, get_ctx, require_admin
 from fedswarm.web.webhooks import EVENTS, check_url
 
-__all__ = ["router", "pages", "page_data"]
+__all__ = ["router", "page_data", "create", "delete", "WebhookIn", "WebhookId"]
 
 router = APIRouter(prefix="/api/webhooks", tags=["webhooks"])
-pages = APIRouter(include_in_schema=False)
 ERRORS = {401: {"model": schemas.Message}, 403: {"model": schemas.Message}, 404: {"model": schemas.Message}}
 EventName = Literal[EVENTS]  # type: ignore[valid-type]
 WebhookId = Path(ge=1, le=2**62)
@@ -190,32 +188,3 @@ def list_deliveries(webhook_id: int = WebhookId, limit: int = Query(100, ge=1, l
     """The webhook's deliveries, newest first: status, attempts, the receiver's last answer."""
     _get(ctx.store, webhook_id)
     return deliveries(ctx.store, webhook_id, limit)
-
-
-# -- the admin page's forms ------------------------------------------------------------
-@pages.post("/admin/webhooks", response_class=HTMLResponse)
-def admin_add_webhook(request: Request, pf=Depends(page_admin_form), ctx: WebContext = Depends(get_ctx)):
-    from fedswarm.web.pages_misc import admin_data
-
-    p, form = pf
-    try:
-        body = WebhookIn(url=form.get("url", ""), secret=form.get("secret") or None,
-                         events=[e for e in EVENTS if form.get(f"event_{e}")])
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = err["loc"][-1] if err["loc"] else "webhook"
-        return redirect(request, ctx, "/admin", f"invalid webhook: {where}: {err['msg']}")
-    created = create(ctx, body, p.name)
-    # The secret is shown in this answer only.
-    return render(request, ctx, p, "admin.html", **{**admin_data(ctx), "new_webhook": created})
-
-
-@pages.post("/admin/webhooks/{webhook_id}/delete")
-def admin_delete_webhook(request: Request, webhook_id: int = WebhookId, pf=Depends(page_admin_form),
-                         ctx: WebContext = Depends(get_ctx)):
-    try:
-        delete(ctx, webhook_id, pf[0].name)
-        msg = f"webhook {webhook_id} deleted"
-    except HTTPException as exc:
-        msg = str(exc.detail)
-    return redirect(request, ctx, "/admin", msg)

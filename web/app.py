@@ -127,7 +127,6 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
     for module in (api_runs, api_export, api_nodes, api_ingest, api_admin, api_webhooks, metrics, pages_runs,
                    pages_compare, pages_misc, pages_nodes, docs):
         app.include_router(module.router)
-    app.include_router(api_webhooks.pages)
     _install_handlers(app, ctx)
     return app
 

@@ -1,4 +1,4 @@
-"""HTML pages: login and logout, the Flower federation, users and API tokens."""
+"""HTML pages: login and logout, the Flower federation, users, API tokens and webhooks."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from fedswarm.web import api_admin, schemas, security
+from fedswarm.web import api_admin, api_webhooks, schemas, security, webhooks
 from fedswarm.web.accounts import Principal
 from fedswarm.web.deps import (SESSION_COOKIE, WebContext, get_ctx, page_admin_form, page_user, principal,
                                read_form)
@@ -149,10 +149,8 @@ def federation_stop(request: Request, pf=Depends(page_admin_form), ctx: WebConte
 
 def admin_data(ctx: WebContext) -> dict:
     """What the admin page shows: users, tokens, webhooks and their latest deliveries."""
-    from fedswarm.web.api_webhooks import page_data
-
     return dict(users=ctx.accounts.list_users(), tokens=ctx.accounts.list_tokens(), new_token=None,
-                **page_data(ctx.store))
+                **api_webhooks.page_data(ctx.store))
 
 
 @router.get("/admin", response_class=HTMLResponse)
@@ -202,3 +200,29 @@ def admin_revoke_token(request: Request, token_id: int = Path(ge=1, le=2**62), p
     if ok:
         ctx.store.add_event(None, "token.revoked", f"token {token_id} revoked", actor=p.name)
     return redirect(request, ctx, "/admin", "token revoked" if ok else "no such token")
+
+
+@router.post("/admin/webhooks", response_class=HTMLResponse)
+def admin_add_webhook(request: Request, pf=Depends(page_admin_form), ctx: WebContext = Depends(get_ctx)):
+    p, form = pf
+    try:
+        body = api_webhooks.WebhookIn(url=form.get("url", ""), secret=form.get("secret") or None,
+                                      events=[e for e in webhooks.EVENTS if form.get(f"event_{e}")])
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = err["loc"][-1] if err["loc"] else "webhook"
+        return redirect(request, ctx, "/admin", f"invalid webhook: {where}: {err['msg']}")
+    created = api_webhooks.create(ctx, body, p.name)
+    # The secret is shown in this answer only.
+    return render(request, ctx, p, "admin.html", **{**admin_data(ctx), "new_webhook": created})
+
+
+@router.post("/admin/webhooks/{webhook_id}/delete")
+def admin_delete_webhook(request: Request, webhook_id: int = api_webhooks.WebhookId, pf=Depends(page_admin_form),
+                         ctx: WebContext = Depends(get_ctx)):
+    try:
+        api_webhooks.delete(ctx, webhook_id, pf[0].name)
+        msg = f"webhook {webhook_id} deleted"
+    except HTTPException as exc:
+        msg = str(exc.detail)
+    return redirect(request, ctx, "/admin", msg)
