@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import select
 
 from fedswarm.store import Store
-from fedswarm.store_schema import Webhook, WebhookDelivery
+from fedswarm.store.schema import Webhook, WebhookDelivery
 from fedswarm.web import schemas
 from fedswarm.web.accounts import Principal
 from fedswarm.web.deps import WebContext, get_ctx, require_admin

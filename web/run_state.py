@@ -5,7 +5,7 @@ states on top of it:
 
 * ``lost``: the store says the run is live, but its process is gone, or a run that reports
   through ingest has sent nothing for longer than its timeout (shown on the page); the rule is
-  :func:`fedswarm.store_liveness.lost_reason`, which ``fedswarm runs`` applies too.
+  :func:`fedswarm.store.liveness.lost_reason`, which ``fedswarm runs`` applies too.
 * ``degraded``: the run finished, but in most rounds that recorded nodes, most nodes failed
   or had their update rejected; ``failed`` when every node failed in every such round. A run
   that trained on almost nobody is not a green "finished".
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedswarm.store import Run
-from fedswarm.store_liveness import LIVE_STATUSES, REPORT_TIMEOUT_S, is_remote, lost_reason, timeout_of
+from fedswarm.store.liveness import LIVE_STATUSES, REPORT_TIMEOUT_S, is_remote, lost_reason, timeout_of
 
 __all__ = ["LIVE_STATUSES", "Health", "display_status", "shown_status", "lost_reason", "allowed_actions", "ACTIONS",
            "is_remote", "timeout_of"]

@@ -20,7 +20,7 @@ from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.policy import DEFAULT_CLASS
 from fedswarm.store import Run, Store
-from fedswarm.store_liveness import owner_fields
+from fedswarm.store.liveness import owner_fields
 from fedswarm.web.catalog import Catalog
 from fedswarm.web.launcher import log_tail, spawn_run, spawn_resume, terminate
 from fedswarm.web.queries import policies, stats_for

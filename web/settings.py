@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedswarm.store import to_url
-from fedswarm.store_liveness import REPORT_TIMEOUT_S
+from fedswarm.store.liveness import REPORT_TIMEOUT_S
 
 __all__ = ["Settings"]
 

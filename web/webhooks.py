@@ -40,7 +40,7 @@ from sqlalchemy.exc import IntegrityError
 
 import fedswarm
 from fedswarm.store import Event, Node, Run, Store
-from fedswarm.store_schema import Webhook, WebhookDelivery
+from fedswarm.store.schema import Webhook, WebhookDelivery
 from fedswarm.web.node_states import DOWN_STATUSES, FLEET_KINDS, online_clause
 from fedswarm.web.fleet import ONLINE_WINDOW_S
 from fedswarm.web.queries import stats_for

@@ -78,7 +78,7 @@ def _rounds_and_controls(db, rid: str) -> tuple[list[tuple[int, object]], dict[s
     from sqlalchemy import select
 
     from fedswarm.store import Store
-    from fedswarm.store_schema import Control
+    from fedswarm.store.schema import Control
 
     store = Store(db)
     try:

@@ -229,7 +229,7 @@ def test_status_reason_and_error_read_liveness_once(app, admin, monkeypatch):
         calls.append(pid)
         return len(calls) == 1  # alive at the first read of each answer, dead after
 
-    monkeypatch.setattr("fedswarm.store_liveness.pid_alive", alive_then_dead)
+    monkeypatch.setattr("fedswarm.store.liveness.pid_alive", alive_then_dead)
     for path in (f"/api/runs/{rid}", "/api/runs"):
         app.state.ctx.cache.clear()
         calls.clear()

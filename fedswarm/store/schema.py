@@ -1,7 +1,7 @@
 """The run store's tables (SQLAlchemy 2.0 models): runs, rounds, node_rounds, rejections,
 nodes, events, checkpoints, controls (docs/architecture.md, "Where state lives"). The queries are
-:class:`fedswarm.store.Store`'s, the schema's creation and upgrades :mod:`fedswarm.store_migrations`'s;
-``from fedswarm.store import Run`` (and every other name here) keeps working.
+:class:`fedswarm.store.Store`'s, the schema's creation and upgrades :mod:`fedswarm.store.migrations`'s;
+``from fedswarm.store import Run`` (and the other tables) keeps working.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Run(Base):
     started_at: Mapped[dt.datetime | None] = mapped_column(DateTime)
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime)
     error: Mapped[str | None] = mapped_column(Text)
-    # The process that runs it (fedswarm.store_liveness): a live run whose process is gone shows as lost
+    # The process that runs it (fedswarm.store.liveness): a live run whose process is gone shows as lost
     pid: Mapped[int | None] = mapped_column(Integer)
     host: Mapped[str | None] = mapped_column(String(255))
     pid_start: Mapped[str | None] = mapped_column(String(64))  # fedswarm.procs.process_start: tells pid reuse

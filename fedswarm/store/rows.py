@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from fedswarm.store_schema import NodeRound, Rejection
+from fedswarm.store.schema import NodeRound, Rejection
 
 __all__ = ["RowConflict"]
 

@@ -23,7 +23,7 @@ import threading
 from typing import Any
 
 from fedswarm.procs import pid_alive, process_start
-from fedswarm.store_schema import Run, _now  # the store's naive-UTC clock
+from fedswarm.store.schema import Run, _now  # the store's naive-UTC clock
 
 __all__ = ["HEARTBEAT_S", "LIVE_STATUSES", "REPORT_TIMEOUT_S", "Heartbeat", "owner_fields", "owner_gone", "lost_reason",
            "live_status", "is_remote", "timeout_of"]

@@ -3,8 +3,9 @@
 SQLAlchemy 2.0; an SQLite file by default (``--db PATH_OR_URL`` or ``FEDSWARM_DB``),
 PostgreSQL by URL. Tables (docs/architecture.md, "Where state lives"): runs, rounds, node_rounds, nodes,
 events, checkpoints, controls. ``result.json`` is an export of one run
-(:meth:`Store.export_result`). The tables are in :mod:`fedswarm.store_schema`, their creation and
-upgrades in :mod:`fedswarm.store_migrations`; both are re-exported here.
+(:meth:`Store.export_result`). The tables are in :mod:`fedswarm.store.schema`, their creation and
+upgrades in :mod:`fedswarm.store.migrations`; what this module names is re-exported by
+:mod:`fedswarm.store`, where callers import it from.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer, sessionmaker
 
-from fedswarm.store_migrations import create_schema, migrate, sqlite_pragmas
-from fedswarm.store_rows import RowConflict, _add_node_rows, _add_rejections
-from fedswarm.store_schema import (
+from fedswarm.store.migrations import create_schema, migrate, sqlite_pragmas
+from fedswarm.store.rows import RowConflict, _add_node_rows, _add_rejections
+from fedswarm.store.schema import (
     CONTROL_KINDS,
     RUN_STATUSES,
     Base,

@@ -11,7 +11,7 @@ from sqlalchemy import delete, func, inspect, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from fedswarm.store_schema import NODE_ROUND_KEY, Base, NodeRound
+from fedswarm.store.schema import NODE_ROUND_KEY, Base, NodeRound
 
 log = logging.getLogger("fedswarm.store")
 
