@@ -18,12 +18,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from fedswarm.config import RunConfig
 from fedswarm.server.recorder import RoundListener
 from fedswarm.sim.engines import run_engine
 from fedswarm.store import Store
 
-__all__ = ["Arm", "run_arm", "scratch_store", "bytes_up_curve", "quiet_flower"]
+__all__ = ["Arm", "run_arm", "scratch_store", "bytes_up_curve", "quiet_flower", "start_bench"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +95,12 @@ def quiet_flower() -> None:
     import flwr  # noqa: F401
 
     logging.getLogger("flwr").setLevel(logging.ERROR)
+
+
+def start_bench(out_dir: str | Path) -> Path:
+    """What a benchmark of small models does first: torch on one thread (per-client work is small:
+    more threads only add overhead), and its output folder made; returns the folder."""
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return out

@@ -33,12 +33,11 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from fedswarm.bench.arms import bytes_up_curve, run_arm, scratch_store
+from fedswarm.bench.arms import bytes_up_curve, run_arm, scratch_store, start_bench
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
 from fedswarm.tasks import Task, get_task
@@ -111,9 +110,7 @@ def _arm(label: str, strategy: str, params: dict, rounds: int, store: Store) -> 
 def run(out_dir: Path, quick: bool = False) -> list[dict]:
     """Run every arm (quick: five arms, 8 rounds), print the table, write
     ``compression.json`` and ``compression.png`` to ``out_dir``; return the rows."""
-    torch.set_num_threads(1)  # per-client work is small: threads only add overhead
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = start_bench(out_dir)
     rounds = QUICK_ROUNDS if quick else ROUNDS
     arms = [a for a in ARMS if not quick or a[0] in QUICK_ARMS]
     console = Console(width=None if sys.stdout.isatty() else 160)

@@ -81,8 +81,8 @@ def seed_store(db: str, runs: int = RUNS, rounds: int = ROUNDS, nodes: int = NOD
     """``runs`` finished runs of ``rounds`` rounds (0..rounds-1) with ``nodes`` per-node rows
     each, one live run, and an admin token. Returns (run ids, live run id, token)."""
     from fedswarm.store import Node, NodeRound, Round, Store
-    from fedswarm.web import auth_models  # noqa: F401  (creates the token table with the store)
-    from fedswarm.web.accounts import Accounts
+    from fedswarm.web import tables  # noqa: F401  (creates the token table with the store)
+    from fedswarm.web.services.accounts import Accounts
 
     store = Store(db)
     ids = []

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from fedswarm.bench.arms import run_arm, scratch_store
+from fedswarm.bench.arms import run_arm, scratch_store, start_bench
 from fedswarm.config import RunConfig
 from fedswarm.server.recorder import RoundListener
 from fedswarm.store import Store
@@ -315,9 +315,7 @@ def _hl(store: Store, quick: bool) -> list[dict]:
 
 def run(out_dir: Path, quick: bool = False) -> list[dict]:
     """Run the three comparisons; write ``edge.json`` and ``edge.png``; print the table."""
-    torch.set_num_threads(1)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = start_bench(out_dir)
     with scratch_store("edge.db") as store:
         base_cfg = RunConfig(**FL, strategy="fedavg", rounds=16 if quick else 48, local_steps=10)
         base_rid, base = _run(base_cfg, store)

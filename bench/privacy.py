@@ -21,11 +21,10 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
-from fedswarm.bench.arms import quiet_flower, run_arm, scratch_store
+from fedswarm.bench.arms import quiet_flower, run_arm, scratch_store, start_bench
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
 
@@ -54,9 +53,7 @@ def _arm(z: float | None, rounds: int, store: Store) -> dict:
 
 def run(out_dir: Path, quick: bool = False) -> list[dict]:
     quiet_flower()
-    torch.set_num_threads(1)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = start_bench(out_dir)
     rounds = QUICK_ROUNDS if quick else ROUNDS
     console = Console(width=None if sys.stdout.isatty() else 160)
     rows = []

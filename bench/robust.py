@@ -40,11 +40,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
-from fedswarm.bench.arms import quiet_flower, run_arm, scratch_store
+from fedswarm.bench.arms import quiet_flower, run_arm, scratch_store, start_bench
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
 from fedswarm.timemodel import DeviceClass, Link, Profile, sync_round_time_s
@@ -131,9 +130,7 @@ def _factor(slow: float | None, fast: float | None) -> float | None:
 
 def run(out_dir: Path, quick: bool = False) -> list[dict]:
     quiet_flower()
-    torch.set_num_threads(1)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = start_bench(out_dir)
     rounds = QUICK_ROUNDS if quick else ROUNDS
     scenarios = [(3, None)] + [(3, a) for a in QUICK_ATTACKS] if quick else (
         [(1, None), (3, None)] + [(s, a) for s in (1, 3) for a in ATTACKS])

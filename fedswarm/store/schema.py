@@ -200,7 +200,7 @@ CONTROL_KINDS = ("pause", "resume", "stop", "add_rounds", "policy")
 
 class Webhook(Base):
     """A URL the dashboard POSTs signed JSON to when a run ends, is lost, reaches its privacy
-    budget, or a node goes offline (:mod:`fedswarm.web.webhooks`). ``secret`` is the HMAC key,
+    budget, or a node goes offline (:mod:`fedswarm.web.services.webhooks`). ``secret`` is the HMAC key,
     kept in clear because signing needs it."""
 
     __tablename__ = "webhooks"

@@ -197,7 +197,7 @@ def test_viewer_sees_no_controls(page, tmp_path):
         import httpx
 
         from fedswarm.store import Store
-        from fedswarm.web.accounts import Accounts
+        from fedswarm.web.services.accounts import Accounts
 
         Accounts(Store(server.db)).create_user("vic", "vic-password", "viewer")
         page.goto(server.url + "/login")
@@ -222,7 +222,7 @@ def _ingest(url: str, token: str, path: str, body: dict) -> int:
 
 def _reporter_token(server) -> str:
     from fedswarm.store import Store
-    from fedswarm.web.accounts import Accounts
+    from fedswarm.web.services.accounts import Accounts
 
     store = Store(server.db)
     try:

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from dashboard_helpers import ADMIN_PW, bearer, login, make_token, wait_for
 from fedswarm.store import Store
-from fedswarm.web.auth_models import ApiToken
+from fedswarm.web.tables import ApiToken
 
 
 def test_web_starts_only_registered_tasks_and_uploaded_files(app, admin):

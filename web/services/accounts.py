@@ -21,7 +21,7 @@ from sqlalchemy import delete, select
 
 from fedswarm.store import Store
 from fedswarm.web import security
-from fedswarm.web.auth_models import ROLES, TOKEN_ROLES, ApiToken, User, WebSecret, WebSession
+from fedswarm.web.tables import ROLES, TOKEN_ROLES, ApiToken, User, WebSecret, WebSession
 
 __all__ = ["Principal", "Accounts", "AccountError", "CACHE_S"]
 

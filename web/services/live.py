@@ -16,8 +16,9 @@ from typing import Any, AsyncIterator
 from sqlalchemy import func, select
 
 from fedswarm.store import Round, Run, Store
-from fedswarm.web import queries, schemas
-from fedswarm.web.run_state import display_status
+from fedswarm.web import models
+from fedswarm.web.services import queries
+from fedswarm.web.services.run_state import display_status
 
 __all__ = ["Hub", "sse", "status_event"]
 
@@ -118,7 +119,7 @@ class Hub:
         for r in rows:
             self._last_round_id = max(self._last_round_id, r.id)
             if r.run_id in keys or watch_all:
-                data = schemas.RoundOut.model_validate(r).model_dump(mode="json")
+                data = models.RoundOut.model_validate(r).model_dump(mode="json")
                 data["run_id"] = r.run_id
                 events.append((r.run_id, "round", data))
                 changed.add(r.run_id)

@@ -11,18 +11,19 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 import fedswarm
-from fedswarm.web import live, queries, schemas
-from fedswarm.web.accounts import Principal
+from fedswarm.web import models
+from fedswarm.web.services import live, queries
+from fedswarm.web.services.accounts import Principal
 from fedswarm.web.cache import Answer
 from fedswarm.web.deps import RunIdPath, WebContext, get_ctx, require_admin, require_reader
-from fedswarm.web.launcher import log_tail
-from fedswarm.web.runs_service import RunError
+from fedswarm.web.services.launcher import log_tail
+from fedswarm.web.services.runs import RunError
 
 router = APIRouter(prefix="/api")
 RunId = RunIdPath
-ERRORS = {401: {"model": schemas.Message}, 403: {"model": schemas.Message},
-          404: {"model": schemas.Message}, 409: {"model": schemas.Message}}
-Status = Literal[schemas.DISPLAY_STATUSES]  # type: ignore[valid-type]
+ERRORS = {401: {"model": models.Message}, 403: {"model": models.Message},
+          404: {"model": models.Message}, 409: {"model": models.Message}}
+Status = Literal[models.DISPLAY_STATUSES]  # type: ignore[valid-type]
 Sort = Literal["created", "name", "strategy", "status", "rounds", "accuracy"]
 
 
@@ -33,17 +34,17 @@ def _run(ctx: WebContext, run_id: str):
         raise HTTPException(exc.status_code, exc.detail) from None
 
 
-@router.get("/health", response_model=schemas.Health, tags=["meta"])
-def health(ctx: WebContext = Depends(get_ctx)) -> schemas.Health:
+@router.get("/health", response_model=models.Health, tags=["meta"])
+def health(ctx: WebContext = Depends(get_ctx)) -> models.Health:
     """Liveness: the app answers and the store is reachable. Needs no login."""
     with ctx.store.engine.connect() as conn:
         conn.exec_driver_sql("SELECT 1")
-    return schemas.Health(version=fedswarm.__version__, store=ctx.store.engine.dialect.name)
+    return models.Health(version=fedswarm.__version__, store=ctx.store.engine.dialect.name)
 
 
-@router.get("/whoami", response_model=schemas.Whoami, responses=ERRORS, tags=["meta"])
-def whoami(p: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)) -> schemas.Whoami:
-    return schemas.Whoami(name=p.name, role=p.role, csrf_token=ctx.csrf(p))
+@router.get("/whoami", response_model=models.Whoami, responses=ERRORS, tags=["meta"])
+def whoami(p: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)) -> models.Whoami:
+    return models.Whoami(name=p.name, role=p.role, csrf_token=ctx.csrf(p))
 
 
 async def _cached(ctx: WebContext, request: Request, key: tuple, build: Callable[[], Answer]) -> Response:
@@ -59,7 +60,7 @@ async def _cached(ctx: WebContext, request: Request, key: tuple, build: Callable
     return Response(content=answer.body, media_type="application/json", headers=dict(answer.headers))
 
 
-@router.get("/runs", response_model=list[schemas.RunOut], responses=ERRORS, tags=["runs"])
+@router.get("/runs", response_model=list[models.RunOut], responses=ERRORS, tags=["runs"])
 async def list_runs(request: Request,
                     q: str | None = Query(None, max_length=100, description="search id, name, strategy and task"),
               status: Status | None = Query(None, description="only runs shown with this status"),
@@ -80,10 +81,10 @@ async def list_runs(request: Request,
     return await _cached(ctx, request, ("runs", q, status, strategy, sort, order, limit, offset), build)
 
 
-@router.post("/runs", response_model=schemas.RunOut, status_code=201, tags=["runs"],
-             responses=ERRORS | {422: {"model": schemas.Message}, 503: {"model": schemas.Message}})
-def start_run(body: schemas.StartRunIn, p: Principal = Depends(require_admin),
-              ctx: WebContext = Depends(get_ctx)) -> schemas.RunOut:
+@router.post("/runs", response_model=models.RunOut, status_code=201, tags=["runs"],
+             responses=ERRORS | {422: {"model": models.Message}, 503: {"model": models.Message}})
+def start_run(body: models.StartRunIn, p: Principal = Depends(require_admin),
+              ctx: WebContext = Depends(get_ctx)) -> models.RunOut:
     """Start a simulation in its own process (it survives a dashboard restart). Tasks are
     registered names; an edge-list topology or a profiles file comes in the request."""
     try:
@@ -95,7 +96,7 @@ def start_run(body: schemas.StartRunIn, p: Principal = Depends(require_admin),
     return queries.run_summary(ctx.store, run, ctx.settings.report_timeout_s)
 
 
-@router.get("/runs/{run_id}", response_model=schemas.RunDetailOut, responses=ERRORS, tags=["runs"])
+@router.get("/runs/{run_id}", response_model=models.RunDetailOut, responses=ERRORS, tags=["runs"])
 async def get_run(request: Request, run_id: str = RunId, _: Principal = Depends(require_reader),
                   ctx: WebContext = Depends(get_ctx)) -> Response:
     """A run: config, progress, per-node table and device-class roll-up, controls (pending
@@ -107,7 +108,7 @@ async def get_run(request: Request, run_id: str = RunId, _: Principal = Depends(
     return await _cached(ctx, request, ("run", run_id), build)
 
 
-@router.get("/runs/{run_id}/rounds", response_model=list[schemas.RoundOut], responses=ERRORS, tags=["runs"])
+@router.get("/runs/{run_id}/rounds", response_model=list[models.RoundOut], responses=ERRORS, tags=["runs"])
 async def get_rounds(request: Request, run_id: str = RunId, since: int = Query(-1, ge=-1, le=2**31 - 1,
                                                       description="only rounds after this one"),
                limit: int = Query(10_000, ge=1, le=10_000, description="at most this many rounds (page with since)"),
@@ -159,27 +160,27 @@ def _sse(body) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _control(ctx: WebContext, run_id: str, kind: str, actor: str, payload: dict | None = None) -> schemas.ActionOut:
+def _control(ctx: WebContext, run_id: str, kind: str, actor: str, payload: dict | None = None) -> models.ActionOut:
     try:
         cid, detail = ctx.runs.control(run_id, kind, actor, payload)
     except RunError as exc:
         raise HTTPException(exc.status_code, exc.detail) from None
     ctx.cache.clear()
-    return schemas.ActionOut(run_id=run_id, action=kind, control_id=cid, detail=detail)
+    return models.ActionOut(run_id=run_id, action=kind, control_id=cid, detail=detail)
 
 
-@router.post("/runs/{run_id}/pause", response_model=schemas.ActionOut, responses=ERRORS, tags=["control"])
+@router.post("/runs/{run_id}/pause", response_model=models.ActionOut, responses=ERRORS, tags=["control"])
 def pause(run_id: str = RunId, p: Principal = Depends(require_admin), ctx: WebContext = Depends(get_ctx)):
     """Pause after the current round (the run waits until resumed)."""
     return _control(ctx, run_id, "pause", p.name)
 
 
-@router.post("/runs/{run_id}/resume", response_model=schemas.ActionOut, responses=ERRORS, tags=["control"])
+@router.post("/runs/{run_id}/resume", response_model=models.ActionOut, responses=ERRORS, tags=["control"])
 def resume(run_id: str = RunId, p: Principal = Depends(require_admin), ctx: WebContext = Depends(get_ctx)):
     return _control(ctx, run_id, "resume", p.name)
 
 
-@router.post("/runs/{run_id}/stop", response_model=schemas.ActionOut, responses=ERRORS, tags=["control"])
+@router.post("/runs/{run_id}/stop", response_model=models.ActionOut, responses=ERRORS, tags=["control"])
 def stop(run_id: str = RunId, force: bool = Query(False, description="terminate the process now"),
          p: Principal = Depends(require_admin), ctx: WebContext = Depends(get_ctx)):
     """Stop after the current round; with force, terminate the run's process at once."""
@@ -189,18 +190,18 @@ def stop(run_id: str = RunId, force: bool = Query(False, description="terminate 
         except RunError as exc:
             raise HTTPException(exc.status_code, exc.detail) from None
         ctx.cache.clear()
-        return schemas.ActionOut(run_id=run_id, action="kill", detail=detail)
+        return models.ActionOut(run_id=run_id, action="kill", detail=detail)
     return _control(ctx, run_id, "stop", p.name)
 
 
-@router.post("/runs/{run_id}/add_rounds", response_model=schemas.ActionOut, responses=ERRORS, tags=["control"])
-def add_rounds(body: schemas.AddRoundsIn, run_id: str = RunId, p: Principal = Depends(require_admin),
+@router.post("/runs/{run_id}/add_rounds", response_model=models.ActionOut, responses=ERRORS, tags=["control"])
+def add_rounds(body: models.AddRoundsIn, run_id: str = RunId, p: Principal = Depends(require_admin),
                ctx: WebContext = Depends(get_ctx)):
     """Raise the run's number of rounds by `rounds`."""
     return _control(ctx, run_id, "add_rounds", p.name, {"rounds": body.rounds})
 
 
-@router.post("/runs/{run_id}/restart", response_model=schemas.ActionOut, responses=ERRORS, tags=["control"])
+@router.post("/runs/{run_id}/restart", response_model=models.ActionOut, responses=ERRORS, tags=["control"])
 def restart(run_id: str = RunId, p: Principal = Depends(require_admin), ctx: WebContext = Depends(get_ctx)):
     """Resume a failed, lost or stopped run from its last checkpoint (``fedswarm resume RUN_ID``)."""
     try:
@@ -208,18 +209,18 @@ def restart(run_id: str = RunId, p: Principal = Depends(require_admin), ctx: Web
     except RunError as exc:
         raise HTTPException(exc.status_code, exc.detail) from None
     ctx.cache.clear()
-    return schemas.ActionOut(run_id=run_id, action="restart", detail=detail)
+    return models.ActionOut(run_id=run_id, action="restart", detail=detail)
 
 
-def run_detail(ctx: WebContext, run) -> schemas.RunDetailOut:
+def run_detail(ctx: WebContext, run) -> models.RunDetailOut:
     """The run as its page and ``GET /api/runs/{id}`` show it."""
     return queries.run_detail(ctx.store, run, ctx.settings.report_timeout_s, ctx.runs.can_restart(run),
                               ctx.runs.error_hint)
 
 
-@router.get("/events", response_model=list[schemas.EventOut], responses=ERRORS, tags=["meta"])
+@router.get("/events", response_model=list[models.EventOut], responses=ERRORS, tags=["meta"])
 def events(limit: int = Query(100, ge=1, le=1000),
-           run_id: str | None = Query(None, pattern=schemas.RUN_ID_PATTERN),
+           run_id: str | None = Query(None, pattern=models.RUN_ID_PATTERN),
            _: Principal = Depends(require_reader), ctx: WebContext = Depends(get_ctx)):
     """The audit trail: every action with its actor, newest first."""
-    return [schemas.EventOut.model_validate(e) for e in ctx.store.events(run_id, limit=limit)]
+    return [models.EventOut.model_validate(e) for e in ctx.store.events(run_id, limit=limit)]

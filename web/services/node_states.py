@@ -1,11 +1,11 @@
 """The rule for whether a node is online, as SQL, for counts over many nodes (``/metrics``)
 and for noticing nodes that went offline (webhooks).
 
-A fleet node (:data:`fedswarm.web.fleet.FLEET_KINDS`) is online when it was heard from
-within :data:`fedswarm.web.fleet.ONLINE_WINDOW_S` (the Nodes page's window) and did not report itself offline or
-failed; otherwise offline. A simulated node (kind ``sim``) counts only while its run is live,
-by the same rule. Both users go through :func:`online_clause`, so changing the rule here
-changes it for both.
+A fleet node (:data:`fedswarm.web.services.fleet.FLEET_KINDS`) is online when it was heard
+from within :data:`fedswarm.web.services.fleet.ONLINE_WINDOW_S` (the Nodes page's window) and
+did not report itself offline or failed; otherwise offline. A simulated node (kind ``sim``)
+counts only while its run is live, by the same rule. Both users go through
+:func:`online_clause`, so changing the rule here changes it for both.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from sqlalchemy import and_, case, func, or_, select
 from sqlalchemy.orm import Session
 
 from fedswarm.store import Node, Run
-from fedswarm.web.fleet import FLEET_KINDS, ONLINE_WINDOW_S
-from fedswarm.web.run_state import LIVE_STATUSES
+from fedswarm.web.services.fleet import FLEET_KINDS, ONLINE_WINDOW_S
+from fedswarm.web.services.run_state import LIVE_STATUSES
 
 __all__ = ["FLEET_KINDS", "online_clause", "counted_clause", "node_state_counts"]
 

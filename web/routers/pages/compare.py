@@ -9,11 +9,11 @@ import re
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse
 
-from fedswarm.web import queries
-from fedswarm.web.accounts import Principal
+from fedswarm.web.services import queries
+from fedswarm.web.services.accounts import Principal
 from fedswarm.web.deps import WebContext, get_ctx, page_user
-from fedswarm.web.pages_common import render
-from fedswarm.web.schemas import RUN_ID_PATTERN
+from fedswarm.web.routers.pages.common import render
+from fedswarm.web.models import RUN_ID_PATTERN
 
 __all__ = ["router", "MAX_COMPARE"]
 

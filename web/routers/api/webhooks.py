@@ -1,6 +1,6 @@
 """/api/webhooks (admin only): register a URL with the events to send, change or delete it, and
-read its deliveries (:mod:`fedswarm.web.webhooks`). The admin page's webhook forms
-(:mod:`fedswarm.web.pages_misc`) call :func:`create`, :func:`delete` and :func:`page_data`."""
+read its deliveries (:mod:`fedswarm.web.services.webhooks`). The admin page's webhook forms
+(:mod:`fedswarm.web.routers.pages.misc`) call :func:`create`, :func:`delete` and :func:`page_data`."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from sqlalchemy import select
 
 from fedswarm.store import Store
 from fedswarm.store.schema import Webhook, WebhookDelivery
-from fedswarm.web import schemas
-from fedswarm.web.accounts import Principal
+from fedswarm.web import models
+from fedswarm.web.services.accounts import Principal
 from fedswarm.web.deps import WebContext, get_ctx, require_admin
-from fedswarm.web.webhooks import EVENTS, check_url
+from fedswarm.web.services.webhooks import EVENTS, check_url
 
 __all__ = ["router", "page_data", "create", "delete", "WebhookIn", "WebhookId"]
 
 router = APIRouter(prefix="/api/webhooks", tags=["webhooks"])
-ERRORS = {401: {"model": schemas.Message}, 403: {"model": schemas.Message}, 404: {"model": schemas.Message}}
+ERRORS = {401: {"model": models.Message}, 403: {"model": models.Message}, 404: {"model": models.Message}}
 EventName = Literal[EVENTS]  # type: ignore[valid-type]
 WebhookId = Path(ge=1, le=2**62)
 EVENTS_DOC = ("run.finished (also a finished run shown as degraded), run.failed (also a finished run where every "
@@ -58,7 +58,7 @@ class WebhookPatch(_WebhookFields):
     enabled: bool | None = None
 
 
-class WebhookOut(schemas.Out):
+class WebhookOut(models.Out):
     id: int
     url: str
     events: list[str]
@@ -72,7 +72,7 @@ class WebhookCreated(WebhookOut):
                                     "(sha256=<hex HMAC-SHA256 of the body under this key>)")
 
 
-class DeliveryOut(schemas.Out):
+class DeliveryOut(models.Out):
     id: int
     webhook_id: int
     event: str
@@ -174,12 +174,12 @@ def change_webhook(body: WebhookPatch, webhook_id: int = WebhookId, p: Principal
     return out
 
 
-@router.delete("/{webhook_id}", response_model=schemas.Message, responses=ERRORS)
+@router.delete("/{webhook_id}", response_model=models.Message, responses=ERRORS)
 def delete_webhook(webhook_id: int = WebhookId, p: Principal = Depends(require_admin),
                    ctx: WebContext = Depends(get_ctx)):
     """Delete the webhook and its delivery log."""
     delete(ctx, webhook_id, p.name)
-    return schemas.Message(detail=f"webhook {webhook_id} deleted")
+    return models.Message(detail=f"webhook {webhook_id} deleted")
 
 
 @router.get("/{webhook_id}/deliveries", response_model=list[DeliveryOut], responses=ERRORS)

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
 from fedswarm.web import security
-from fedswarm.web.accounts import Principal
+from fedswarm.web.services.accounts import Principal
 from fedswarm.web.deps import WebContext
 
 __all__ = ["render", "redirect", "secure_cookies", "FLASH_COOKIE"]

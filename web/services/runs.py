@@ -3,7 +3,7 @@
 Every action is an event in the store with the actor's name; controls are rows the running
 ServerApp polls after each round (pause blocks until resume, stop ends the run, add_rounds
 raises its total, policy changes a device class from the next round). Whether an action is
-valid is decided once, by :func:`fedswarm.web.run_state.allowed_actions`; a policy is checked
+valid is decided once, by :func:`fedswarm.web.services.run_state.allowed_actions`; a policy is checked
 against the run's strategy and the catalog before it is queued.
 """
 
@@ -21,13 +21,13 @@ from fedswarm.errors import ConfigError
 from fedswarm.policy import DEFAULT_CLASS
 from fedswarm.store import Run, Store
 from fedswarm.store.liveness import owner_fields
-from fedswarm.web.catalog import Catalog
-from fedswarm.web.launcher import log_tail, spawn_run, spawn_resume, terminate
-from fedswarm.web.queries import policies, stats_for
-from fedswarm.web.run_state import allowed_actions, display_status
+from fedswarm.web.services.catalog import Catalog
+from fedswarm.web.services.launcher import log_tail, spawn_run, spawn_resume, terminate
+from fedswarm.web.services.queries import policies, stats_for
+from fedswarm.web.services.run_state import allowed_actions, display_status
 from fedswarm.web.settings import Settings
-from fedswarm.web.validation import (ValidationFailed, check_params, check_policy, parse_edge_list,
-                                     web_task_and_files)
+from fedswarm.web.services.validation import (ValidationFailed, check_params, check_policy, parse_edge_list,
+                                              web_task_and_files)
 
 __all__ = ["RunError", "RunService"]
 

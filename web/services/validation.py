@@ -19,7 +19,7 @@ from typing import Any
 
 from fedswarm.errors import ConfigError
 from fedswarm.hyperparams import HyperParam
-from fedswarm.web.catalog import CatalogData
+from fedswarm.web.services.catalog import CatalogData
 
 __all__ = ["ValidationFailed", "check_value", "check_params", "check_policy", "web_task_and_files",
            "parse_edge_list", "NAMED_TOPOLOGY"]

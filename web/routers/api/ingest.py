@@ -18,17 +18,17 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from fedswarm.store import RUN_STATUSES, RowConflict
-from fedswarm.web import schemas
-from fedswarm.web.accounts import Principal
+from fedswarm.web import models
+from fedswarm.web.services.accounts import Principal
 from fedswarm.store import Node, Run
 from fedswarm.web.deps import WebContext, authorize_run, get_ctx, ingest_run, require_reporter
-from fedswarm.web.node_schemas import TelemetryIn
-from fedswarm.web.run_state import LIVE_STATUSES
+from fedswarm.web.models import TelemetryIn
+from fedswarm.web.services.run_state import LIVE_STATUSES
 
 router = APIRouter(prefix="/api/ingest", tags=["ingest"])
-ERRORS = {401: {"model": schemas.Message}, 403: {"model": schemas.Message},
-          404: {"model": schemas.Message}, 409: {"model": schemas.Message},
-          413: {"model": schemas.Message}, 429: {"model": schemas.Message}}
+ERRORS = {401: {"model": models.Message}, 403: {"model": models.Message},
+          404: {"model": models.Message}, 409: {"model": models.Message},
+          413: {"model": models.Message}, 429: {"model": models.Message}}
 # Why an ingest call was refused, by its answer's status (counted in /metrics; 401 and 413
 # can also come from the body caps of fedswarm.web.middleware, before this router).
 REJECTION_REASONS = {400: "malformed", 401: "unauthenticated", 403: "forbidden", 404: "unknown_run",
@@ -43,10 +43,10 @@ class _In(BaseModel):
 
 
 class NodeIn(_In):
-    node_id: str = Field(pattern=schemas.ID_PATTERN)
+    node_id: str = Field(pattern=models.ID_PATTERN)
     kind: Literal["peer", "supernode", "sim", "serverapp"] = "peer"
-    run_id: str | None = Field(None, pattern=schemas.RUN_ID_PATTERN)
-    device_class: str | None = Field(None, pattern=schemas.ID_PATTERN)
+    run_id: str | None = Field(None, pattern=models.RUN_ID_PATTERN)
+    device_class: str | None = Field(None, pattern=models.ID_PATTERN)
     status: Literal["online", "offline", "busy", "failed"] = "online"
     info: dict[str, Any] = Field(default_factory=dict)
     rejected_updates: int | None = Field(None, ge=0, le=2**31 - 1)
@@ -55,11 +55,11 @@ class NodeIn(_In):
     @field_validator("info")
     @classmethod
     def _small(cls, v: dict) -> dict:
-        return schemas._small_json(v, MAX_NODE_INFO)
+        return models._small_json(v, MAX_NODE_INFO)
 
 
 class RunIn(_In):
-    run_id: str | None = Field(None, pattern=schemas.RUN_ID_PATTERN)
+    run_id: str | None = Field(None, pattern=models.RUN_ID_PATTERN)
     name: str | None = Field(None, max_length=200)
     config: dict[str, Any] = Field(default_factory=dict)
     status: Literal[RUN_STATUSES] = "running"  # type: ignore[valid-type]
@@ -76,16 +76,16 @@ class RunIn(_In):
         for key in ("name", "strategy", "task", "engine"):
             if key in v and v[key] is not None and (not isinstance(v[key], str) or len(v[key]) > 64):
                 raise ValueError(f"config.{key} must be a string of at most 64 characters")
-        return schemas._small_json(v)
+        return models._small_json(v)
 
 
 class NodeRoundIn(_In):
-    node_id: str = Field(pattern=schemas.ID_PATTERN)
+    node_id: str = Field(pattern=models.ID_PATTERN)
     bytes_up: int = Bytes
     bytes_down: int = Bytes
     num_examples: int | None = Field(None, ge=0, le=2**31 - 1)
     train_loss: float | None = Finite
-    device_class: str | None = Field(None, pattern=schemas.ID_PATTERN)
+    device_class: str | None = Field(None, pattern=models.ID_PATTERN)
     status: Literal["ok", "failed", "rejected"] = "ok"
     reason: str | None = Field(None, max_length=2000)
     telemetry: TelemetryIn | None = Field(None, description="what the node measured in this round")
@@ -114,7 +114,7 @@ class RoundIn(_In):
     @field_validator("metrics")
     @classmethod
     def _small(cls, v: dict) -> dict:
-        return schemas.clean(schemas._small_json(v))  # bounded (size, depth) before clean() recurses into it
+        return models.clean(models._small_json(v))  # bounded (size, depth) before clean() recurses into it
 
     @field_validator("nodes")
     @classmethod
@@ -222,10 +222,10 @@ def report_status(body: StatusIn, owned=Depends(ingest_run), ctx: WebContext = D
     return Ack(run_id=run.id, detail=f"run '{run.id}' is {body.status}")
 
 
-@router.get("/runs/{run_id}/controls", response_model=list[schemas.ControlOut], responses=ERRORS)
-def pending_controls(owned=Depends(ingest_run), ctx: WebContext = Depends(get_ctx)) -> list[schemas.ControlOut]:
+@router.get("/runs/{run_id}/controls", response_model=list[models.ControlOut], responses=ERRORS)
+def pending_controls(owned=Depends(ingest_run), ctx: WebContext = Depends(get_ctx)) -> list[models.ControlOut]:
     """Controls not yet applied, oldest first: what a remote runtime should obey."""
-    return [schemas.ControlOut.model_validate(c) for c in ctx.store.pending_controls(owned[1].id)]
+    return [models.ControlOut.model_validate(c) for c in ctx.store.pending_controls(owned[1].id)]
 
 
 @router.post("/runs/{run_id}/controls/{control_id}/applied", response_model=Ack, responses=ERRORS)

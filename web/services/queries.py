@@ -9,10 +9,10 @@ from sqlalchemy import and_, case, func, or_, select
 from sqlalchemy.orm import Session
 
 from fedswarm.store import Control, Node, NodeRound, Round, Run, Store
-from fedswarm.web import schemas
-from fedswarm.web.fleet import natural_key
-from fedswarm.web.run_state import (LIVE_STATUSES, Health, allowed_actions, is_remote,
-                                    lost_reason, shown_status, timeout_of)
+from fedswarm.web import models
+from fedswarm.web.services.fleet import natural_key
+from fedswarm.web.services.run_state import (LIVE_STATUSES, Health, allowed_actions, is_remote,
+                                             lost_reason, shown_status, timeout_of)
 
 __all__ = ["RunQuery", "list_runs", "run_summaries", "run_summary", "run_detail", "rounds",
            "policies", "node_stats", "stats_for", "summary_of", "recent_events", "device_classes", "SORTS"]
@@ -81,7 +81,7 @@ def stats_for(store: Store, run_ids: list[str], session: Session | None = None) 
     return out
 
 
-def summary_of(run: Run, stats: dict[str, Any], timeout_s: float = 120.0, can_restart: bool = False) -> schemas.RunOut:
+def summary_of(run: Run, stats: dict[str, Any], timeout_s: float = 120.0, can_restart: bool = False) -> models.RunOut:
     fields = {k: getattr(run, k) for k in ("id", "name", "status", "strategy", "task", "engine",
                                             "total_rounds", "created_at", "started_at", "finished_at",
                                             "error", "pid", "last_report_at")}
@@ -95,7 +95,7 @@ def summary_of(run: Run, stats: dict[str, Any], timeout_s: float = 120.0, can_re
     fields["remote"] = is_remote(run)
     fields["lost_after_s"] = timeout_of(run, timeout_s) if is_remote(run) else None
     fields["actions"] = allowed_actions(run, shown, set(stats.get("pending", ())), can_restart)
-    return schemas.RunOut(**{k: schemas.clean(v) for k, v in fields.items()})
+    return models.RunOut(**{k: models.clean(v) for k, v in fields.items()})
 
 
 def _filtered(query: RunQuery):
@@ -117,7 +117,7 @@ def _filtered(query: RunQuery):
     return q
 
 
-def list_runs(store: Store, query: RunQuery, timeout_s: float = 120.0) -> tuple[list[schemas.RunOut], int]:
+def list_runs(store: Store, query: RunQuery, timeout_s: float = 120.0) -> tuple[list[models.RunOut], int]:
     """One page of runs matching ``query``, and how many match in all."""
     base = _filtered(query)
     desc = query.order != "asc"
@@ -145,15 +145,15 @@ def list_runs(store: Store, query: RunQuery, timeout_s: float = 120.0) -> tuple[
     return out, total
 
 
-def run_summaries(store: Store, limit: int = 200, timeout_s: float = 120.0) -> list[schemas.RunOut]:
+def run_summaries(store: Store, limit: int = 200, timeout_s: float = 120.0) -> list[models.RunOut]:
     return list_runs(store, RunQuery(limit=limit), timeout_s)[0]
 
 
-def run_summary(store: Store, run: Run, timeout_s: float = 120.0, can_restart: bool = False) -> schemas.RunOut:
+def run_summary(store: Store, run: Run, timeout_s: float = 120.0, can_restart: bool = False) -> models.RunOut:
     return summary_of(run, stats_for(store, [run.id]).get(run.id, {}), timeout_s, can_restart)
 
 
-def node_stats(store: Store, run: Run) -> list[schemas.NodeStatsOut]:
+def node_stats(store: Store, run: Run) -> list[models.NodeStatsOut]:
     run_id = run.id
     with store.session() as s:
         rows = s.execute(
@@ -184,7 +184,7 @@ def node_stats(store: Store, run: Run) -> list[schemas.NodeStatsOut]:
     out = []
     for n, c, up, dn, rej, fail, lr, dc in rows:
         node = known.get(f"{run_id}:{n}") or known.get(n)
-        out.append(schemas.NodeStatsOut(
+        out.append(models.NodeStatsOut(
             node_id=n, rounds=c, bytes_up=int(up or 0), bytes_down=int(dn or 0), rejected=int(rej or 0),
             failed=int(fail or 0), last_round=lr,
             device_class=dc or (node.device_class if node else None) or _class_from_config(run, n),
@@ -217,12 +217,12 @@ def device_summary(tel: dict | None) -> str | None:
     return " · ".join(parts) or None
 
 
-def device_classes(store: Store, run: Run, nodes: list[schemas.NodeStatsOut]) -> list[schemas.DeviceClassOut]:
+def device_classes(store: Store, run: Run, nodes: list[models.NodeStatsOut]) -> list[models.DeviceClassOut]:
     """Per-device-class roll-up of a run's nodes: how many, rounds, failures, bytes."""
-    by: dict[str, schemas.DeviceClassOut] = {}
+    by: dict[str, models.DeviceClassOut] = {}
     for n in nodes:
         dc = n.device_class or "unknown"
-        cur = by.setdefault(dc, schemas.DeviceClassOut(device_class=dc))
+        cur = by.setdefault(dc, models.DeviceClassOut(device_class=dc))
         cur.nodes += 1
         cur.node_rounds += n.rounds
         cur.failed += n.failed
@@ -251,18 +251,18 @@ def _class_from_config(run: Run, node_id: str) -> str | None:
     return None
 
 
-def policies(store: Store, run_id: str | None = None) -> list[schemas.PolicyOut]:
+def policies(store: Store, run_id: str | None = None) -> list[models.PolicyOut]:
     """Each (run, device class)'s policy: every policy control folded in order."""
     with store.session() as s:
         q = select(Control).where(Control.kind == "policy").order_by(Control.id)
         if run_id is not None:
             q = q.where(Control.run_id == run_id)
         controls = list(s.scalars(q.limit(10_000)))
-    merged: dict[tuple[str, str], schemas.PolicyOut] = {}
+    merged: dict[tuple[str, str], models.PolicyOut] = {}
     for c in controls:
         dc = str((c.payload or {}).get("device_class", ""))
         key = (c.run_id, dc)
-        cur = merged.get(key) or schemas.PolicyOut(run_id=c.run_id, device_class=dc, policy={}, pending=False)
+        cur = merged.get(key) or models.PolicyOut(run_id=c.run_id, device_class=dc, policy={}, pending=False)
         cur.policy.update((c.payload or {}).get("policy") or {})
         cur.pending = cur.pending or c.applied_at is None
         merged[key] = cur
@@ -270,7 +270,7 @@ def policies(store: Store, run_id: str | None = None) -> list[schemas.PolicyOut]
 
 
 def run_detail(store: Store, run: Run, timeout_s: float = 120.0, can_restart: bool = False,
-               error_hint: Callable[[Run, str], str | None] | None = None) -> schemas.RunDetailOut:
+               error_hint: Callable[[Run, str], str | None] | None = None) -> models.RunDetailOut:
     """``error_hint(run, why_lost)``: the error to show for a lost run that recorded none,
     given the reason this answer's summary found (so the two never disagree)."""
     base = run_summary(store, run, timeout_s, can_restart).model_dump()
@@ -280,21 +280,21 @@ def run_detail(store: Store, run: Run, timeout_s: float = 120.0, can_restart: bo
         controls = list(s.scalars(select(Control).where(Control.run_id == run.id)
                                   .order_by(Control.id.desc()).limit(50)))
     nodes = node_stats(store, run)
-    return schemas.RunDetailOut(
+    return models.RunDetailOut(
         **base, config=run.config or {}, seed=run.seed, code_version=run.code_version or "",
         summary=run.summary or {}, nodes=nodes, device_classes=device_classes(store, run, nodes),
-        controls=[schemas.ControlOut.model_validate(c) for c in controls],
+        controls=[models.ControlOut.model_validate(c) for c in controls],
         policies={p.device_class: p.policy for p in policies(store, run.id)},
-        events=[schemas.EventOut.model_validate(e) for e in store.events(run.id, limit=50)],
-        rejections=[schemas.RejectionOut.model_validate(r) for r in store.rejections(run.id, limit=100)],
+        events=[models.EventOut.model_validate(e) for e in store.events(run.id, limit=50)],
+        rejections=[models.RejectionOut.model_validate(r) for r in store.rejections(run.id, limit=100)],
     )
 
 
-def rounds(store: Store, run_id: str, since: int = -1, limit: int = 100_000) -> list[schemas.RoundOut]:
+def rounds(store: Store, run_id: str, since: int = -1, limit: int = 100_000) -> list[models.RoundOut]:
     with store.session() as s:
         q = (select(Round).where(Round.run_id == run_id, Round.round > since).order_by(Round.round).limit(limit))
-        return [schemas.RoundOut.model_validate(r) for r in s.scalars(q)]
+        return [models.RoundOut.model_validate(r) for r in s.scalars(q)]
 
 
-def recent_events(store: Store, limit: int = 100) -> list[schemas.EventOut]:
-    return [schemas.EventOut.model_validate(e) for e in store.events(None, limit=limit)]
+def recent_events(store: Store, limit: int = 100) -> list[models.EventOut]:
+    return [models.EventOut.model_validate(e) for e in store.events(None, limit=limit)]

@@ -8,14 +8,14 @@ from fastapi import APIRouter, Depends, HTTPException
 from fastapi.responses import StreamingResponse
 
 from fedswarm import export
-from fedswarm.web import schemas
-from fedswarm.web.accounts import Principal
+from fedswarm.web import models
+from fedswarm.web.services.accounts import Principal
 from fedswarm.web.deps import RunIdPath, WebContext, get_ctx, require_reader
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/api/runs", tags=["export"])
-ERRORS = {401: {"model": schemas.Message}, 403: {"model": schemas.Message}, 404: {"model": schemas.Message}}
+ERRORS = {401: {"model": models.Message}, 403: {"model": models.Message}, 404: {"model": models.Message}}
 
 
 def _download(ctx: WebContext, run_id: str, kind: str, fmt: str) -> StreamingResponse:

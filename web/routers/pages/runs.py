@@ -11,14 +11,15 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from pydantic import ValidationError
 
 from fedswarm.errors import ConfigError
-from fedswarm.web import queries, schemas
-from fedswarm.web.accounts import Principal
-from fedswarm.web.api_runs import Sort, Status, run_detail
+from fedswarm.web import models
+from fedswarm.web.services import queries
+from fedswarm.web.services.accounts import Principal
+from fedswarm.web.routers.api.runs import Sort, Status, run_detail
 from fedswarm.web.deps import RunIdPath, WebContext, get_ctx, page_admin_form, page_user
-from fedswarm.web.forms import config_from_form, form_fields
-from fedswarm.web.launcher import log_tail
-from fedswarm.web.pages_common import redirect, render
-from fedswarm.web.runs_service import RunError
+from fedswarm.web.services.forms import config_from_form, form_fields
+from fedswarm.web.services.launcher import log_tail
+from fedswarm.web.routers.pages.common import redirect, render
+from fedswarm.web.services.runs import RunError
 
 __all__ = ["router", "render"]
 
@@ -53,7 +54,7 @@ def runs_page(request: Request, q: str | None = Query(None, max_length=100), sta
 
     pages = max(1, -(-total // PAGE_SIZE))
     return render(request, ctx, p, "runs.html", runs=runs, total=total, page=page, pages=pages, link=link,
-                  filters=filters, statuses=schemas.DISPLAY_STATUSES,
+                  filters=filters, statuses=models.DISPLAY_STATUSES,
                   strategies=sorted({s.get("name") for s in cat.strategies} | {r.strategy for r in runs}))
 
 
@@ -101,7 +102,7 @@ def run_page(request: Request, run_id: str = RunIdPath, p: Principal = Depends(p
     pending = [c for c in detail.controls if c.applied_at is None]
     return render(request, ctx, p, "run.html", run=detail, log=log_tail(ctx.runs.log_path(run_id), 6000),
                   codecs=[c.get("name") for c in cat.codecs], device_classes=classes, pending=pending,
-                  policy_keys=entry.get("policy_keys"), policy_fields=schemas.DevicePolicy.model_fields,
+                  policy_keys=entry.get("policy_keys"), policy_fields=models.DevicePolicy.model_fields,
                   decentralized=entry.get("kind") in ("decentralized", "async", "array"),
                   status_json=json.dumps({"actions": detail.actions, "pending": detail.pending}))
 
@@ -120,7 +121,7 @@ def control_form(request: Request, run_id: str = RunIdPath, pf=Depends(page_admi
             msg = ctx.runs.restart(run_id, p.name)
         elif action == "add_rounds":
             try:
-                body = schemas.AddRoundsIn(rounds=form.get("rounds", ""))
+                body = models.AddRoundsIn(rounds=form.get("rounds", ""))
             except ValidationError:
                 return _back(request, ctx, run_id, "rounds to add must be a whole number from 1 to 100000")
             msg = ctx.runs.control(run_id, "add_rounds", p.name, {"rounds": body.rounds})[1]
@@ -136,15 +137,15 @@ def control_form(request: Request, run_id: str = RunIdPath, pf=Depends(page_admi
 def policy_form(request: Request, run_id: str = RunIdPath, pf=Depends(page_admin_form),
                 ctx: WebContext = Depends(get_ctx)):
     p, form = pf
-    values: dict = {k: form[k].strip() for k in schemas.DevicePolicy.model_fields if form.get(k, "").strip()}
+    values: dict = {k: form[k].strip() for k in models.DevicePolicy.model_fields if form.get(k, "").strip()}
     if "codec_params" in values:
         try:
             values["codec_params"] = json.loads(values["codec_params"])
         except ValueError:
             return _back(request, ctx, run_id, "policy refused: 'codec_params' must be a JSON object")
     try:
-        body = schemas.PolicyIn(run_id=run_id, device_class=form.get("device_class", "").strip(),
-                                policy=schemas.DevicePolicy.model_validate(values))
+        body = models.PolicyIn(run_id=run_id, device_class=form.get("device_class", "").strip(),
+                                policy=models.DevicePolicy.model_validate(values))
     except ValidationError as exc:
         err = exc.errors()[0]
         return _back(request, ctx, run_id, f"policy refused: '{'.'.join(map(str, err['loc']))}': {err['msg']}")

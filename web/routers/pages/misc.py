@@ -15,12 +15,14 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from fedswarm.web import api_admin, api_webhooks, schemas, security, webhooks
-from fedswarm.web.accounts import Principal
+from fedswarm.web import models, security
+from fedswarm.web.routers.api import admin as api_admin, webhooks as api_webhooks
+from fedswarm.web.services import webhooks
+from fedswarm.web.services.accounts import Principal
 from fedswarm.web.deps import (SESSION_COOKIE, WebContext, get_ctx, page_admin_form, page_user, principal,
                                read_form)
-from fedswarm.web.federation import FederationError
-from fedswarm.web.pages_common import redirect, render, secure_cookies
+from fedswarm.web.services.federation import FederationError
+from fedswarm.web.routers.pages.common import redirect, render, secure_cookies
 
 router = APIRouter(include_in_schema=False)
 LOGIN_CSRF_COOKIE = "fedswarm_login_csrf"
@@ -164,7 +166,7 @@ def admin_page(request: Request, p: Principal = Depends(page_user), ctx: WebCont
 def admin_add_user(request: Request, pf=Depends(page_admin_form), ctx: WebContext = Depends(get_ctx)):
     p, form = pf
     try:
-        body = schemas.UserIn(username=form.get("username", ""), password=form.get("password", ""),
+        body = models.UserIn(username=form.get("username", ""), password=form.get("password", ""),
                               role=form.get("role", "viewer"))
         api_admin.create_user(ctx, body, p.name)
         msg = f"user '{body.username}' added"
@@ -179,7 +181,7 @@ def admin_add_user(request: Request, pf=Depends(page_admin_form), ctx: WebContex
 def admin_add_token(request: Request, pf=Depends(page_admin_form), ctx: WebContext = Depends(get_ctx)):
     p, form = pf
     try:
-        body = schemas.TokenIn(name=form.get("name", ""), role=form.get("role", "reporter"),
+        body = models.TokenIn(name=form.get("name", ""), role=form.get("role", "reporter"),
                                run_id=form.get("run_id") or None,
                                expires_in_days=form.get("expires_in_days") or None)
         created = api_admin.create_token(ctx, body, p.name)

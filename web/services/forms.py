@@ -7,7 +7,7 @@ from typing import Any
 
 from fedswarm.errors import ConfigError
 from fedswarm.kv import parse_items, parse_typed, parse_value
-from fedswarm.web.catalog import CatalogData, FieldSpec, config_fields
+from fedswarm.web.services.catalog import CatalogData, FieldSpec, config_fields
 
 __all__ = ["config_from_form", "form_fields"]
 

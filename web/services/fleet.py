@@ -28,10 +28,9 @@ from typing import Any
 from sqlalchemy import case, exists, func, select
 
 from fedswarm.store import Node, NodeRound, Round, Run, Store
-from fedswarm.web.node_schemas import (FLEET_STATES, FleetNodeOut, NodeDetailOut, NodeRoundOut, NodeRunOut,
-                                       NodesOut, telemetry_of)
-from fedswarm.web.run_state import LIVE_STATUSES, lost_reason
-from fedswarm.web.schemas import SuperNodesOut, clean
+from fedswarm.web.models import (FLEET_STATES, FleetNodeOut, NodeDetailOut, NodeRoundOut, NodeRunOut, NodesOut,
+                                 SuperNodesOut, clean, telemetry_of)
+from fedswarm.web.services.run_state import LIVE_STATUSES, lost_reason
 
 __all__ = ["FleetQuery", "fleet", "node_detail", "natural_key", "FLEET_KINDS", "FLEET_SORTS", "ONLINE_WINDOW_S"]
 

@@ -41,10 +41,10 @@ from sqlalchemy.exc import IntegrityError
 import fedswarm
 from fedswarm.store import Event, Node, Run, Store
 from fedswarm.store.schema import Webhook, WebhookDelivery
-from fedswarm.web.node_states import DOWN_STATUSES, FLEET_KINDS, online_clause
-from fedswarm.web.fleet import ONLINE_WINDOW_S
-from fedswarm.web.queries import stats_for
-from fedswarm.web.run_state import LIVE_STATUSES, is_remote, lost_reason, shown_status, timeout_of
+from fedswarm.web.services.node_states import DOWN_STATUSES, FLEET_KINDS, online_clause
+from fedswarm.web.services.fleet import ONLINE_WINDOW_S
+from fedswarm.web.services.queries import stats_for
+from fedswarm.web.services.run_state import LIVE_STATUSES, is_remote, lost_reason, shown_status, timeout_of
 
 __all__ = ["EVENTS", "Notice", "Webhooks", "sign", "check_url", "SIGNATURE_HEADER"]
 
