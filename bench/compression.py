@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 from torch import nn
 
+from fedswarm.bench.arms import bytes_up_curve, run_arm, scratch_store, start_bench
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
 from fedswarm.tasks import Task, get_task
@@ -98,50 +96,32 @@ def _config(strategy: str, params: dict, rounds: int) -> RunConfig:
 
 
 def _arm(label: str, strategy: str, params: dict, rounds: int, store: Store) -> dict:
-    from fedswarm.sim.inprocess import run_inprocess
-
-    cfg = _config(strategy, params, rounds)
-    run_id = store.create_run(cfg.model_dump(), name=f"bench-compression {label}")
-    t0 = time.perf_counter()
-    status = run_inprocess(cfg, store=store, run_id=run_id)
-    wall = time.perf_counter() - t0
-    res = store.export_result(run_id)
-    if status != "finished":
-        raise RuntimeError(f"arm '{label}' ended {status}: {store.get_run(run_id).error}")
-    rounds_ = res["rounds"]
-    up, curve = 0, []
-    for r in rounds_:
-        up += r["bytes_up"] or 0
-        curve.append([up, r["test_accuracy"]])
-    s = res["summary"]
+    arm = run_arm(_config(strategy, params, rounds), store, name=f"bench-compression {label}")
+    s = arm.summary
     return {
         "arm": label, "strategy": strategy, "params": params, "rounds": rounds,
         "final_test_accuracy": s["final_test_accuracy"], "best_test_accuracy": s["best_test_accuracy"],
         "total_bytes_up": s["total_bytes_up"], "total_bytes_down": s["total_bytes_down"],
-        "rejected": sum(int(r.get("rejected") or 0) for r in rounds_),
-        "wall_s": round(wall, 2), "curve": curve,
+        "rejected": sum(int(r.get("rejected") or 0) for r in arm.rounds),
+        "wall_s": round(arm.wall_s, 2), "curve": bytes_up_curve(arm.rounds),
     }
 
 
 def run(out_dir: Path, quick: bool = False) -> list[dict]:
     """Run every arm (quick: five arms, 8 rounds), print the table, write
     ``compression.json`` and ``compression.png`` to ``out_dir``; return the rows."""
-    torch.set_num_threads(1)  # per-client work is small: threads only add overhead
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = start_bench(out_dir)
     rounds = QUICK_ROUNDS if quick else ROUNDS
     arms = [a for a in ARMS if not quick or a[0] in QUICK_ARMS]
     console = Console(width=None if sys.stdout.isatty() else 160)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "bench.db")
+    with scratch_store() as store:
         for label, strategy, params in arms:
             row = _arm(label, strategy, params, rounds, store)
             rows.append(row)
             console.print(f"  {label:<26} acc {row['final_test_accuracy']:.4f}"
                           f"  up {row['total_bytes_up'] / 1e6:9.2f} MB"
                           f"  ({row['wall_s']:.0f} s)")
-        store.close()
     base = rows[0]
     for r in rows:
         r["delta_vs_fedavg_points"] = round(100 * (r["final_test_accuracy"] - base["final_test_accuracy"]), 2)

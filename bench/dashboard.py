@@ -40,10 +40,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,13 +52,12 @@ from pathlib import Path
 import httpx
 
 from fedswarm.bench import dashboard_fleet, dashboard_runs
+from fedswarm.bench.dashboard_load import (CLIENTS, NODES, ROUNDS, RUNS, _cores, _free_port, _httpx_load,
+                                          _pct, _server_clock, parse_wrk, seed_store, stop_all, wait_healthy)
 
 __all__ = ["run", "seed_store", "wait_healthy", "parse_wrk", "stop_all"]
 
-CLIENTS = 50
 VIEWERS = 100
-RUNS, ROUNDS, NODES = 50, 101, 10
-SIM_NODES = 10_000  # simulated nodes of the live run: what /metrics counts by state and class
 BASELINE = Path(__file__).with_name("dashboard_baseline.json")
 VARIANTS = ("plain", "now")  # measured in this order on each endpoint
 _SERVE = ("import sys, uvicorn; from fedswarm.web.app import create_app; "
@@ -71,60 +67,6 @@ _SERVE = ("import sys, uvicorn; from fedswarm.web.app import create_app; "
           "poll_interval_s=float(sys.argv[3]), freeze_gc=now, cached_reads=now); "
           "uvicorn.run(app, host='127.0.0.1', port=int(sys.argv[2]), log_level='warning', "
           "timeout_graceful_shutdown=2, proxy_headers=False)")  # as `fedswarm dashboard` without --behind-proxy
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))] if xs else float("nan")
-
-
-def seed_store(db: str, runs: int = RUNS, rounds: int = ROUNDS, nodes: int = NODES) -> tuple[list[str], str, str]:
-    """``runs`` finished runs of ``rounds`` rounds (0..rounds-1) with ``nodes`` per-node rows
-    each, one live run, and an admin token. Returns (run ids, live run id, token)."""
-    from fedswarm.store import Node, NodeRound, Round, Store
-    from fedswarm.web import auth_models  # noqa: F401  (creates the token table with the store)
-    from fedswarm.web.accounts import Accounts
-
-    store = Store(db)
-    ids = []
-    for i in range(runs):
-        strategy = ("fedavg", "topk", "onebit", "dpsgd", "qsgd")[i % 5]
-        ids.append(store.create_run({"strategy": strategy, "task": "digits-mlp", "rounds": rounds - 1,
-                                     "clients": nodes}, name=f"bench {i}", status="finished"))
-    with store.session() as s:
-        for rid in ids:
-            for r in range(rounds):
-                s.add(Round(run_id=rid, round=r, train_loss=1 / (r + 1), test_loss=1.1 / (r + 1),
-                            test_accuracy=1 - 1 / (r + 2), bytes_up=10**6, bytes_down=2 * 10**6,
-                            wall_s=0.5, sim_time_s=2.0, num_clients=nodes,
-                            metrics={"consensus_distance": 0.1 / (r + 1)}))
-                if r > 0:
-                    s.add_all([NodeRound(run_id=rid, round=r, node_id=f"n{k}", bytes_up=10**5,
-                                         bytes_down=2 * 10**5, device_class=("gpu", "edge-wifi")[k % 2])
-                               for k in range(nodes)])
-    live = store.create_run({"strategy": "fedavg", "rounds": 100_000}, name="bench live", status="running")
-    with store.session() as s:
-        s.add_all([Node(id=f"{live}:{k}", kind="sim", run_id=live, device_class=("gpu", "edge-wifi")[k % 2])
-                   for k in range(SIM_NODES)])
-    _, token = Accounts(store).create_token("bench", "admin", None, "bench")
-    store.close()
-    return ids, live, token
-
-
-def _cores() -> tuple[set[int] | None, set[int] | None]:
-    """(server cores, load-generator cores): the first usable core and the rest, or (None, None)
-    on a one-core machine or where affinity cannot be set."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None, None
-    return ({cpus[0]}, set(cpus[1:])) if len(cpus) >= 2 else (None, None)
 
 
 def _start_server(db: str, poll_s: float, variant: str = "now",
@@ -142,70 +84,11 @@ def _start_server(db: str, poll_s: float, variant: str = "now",
     return proc, url
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, output) -> None:
-    """Wait until the dashboard at ``url`` answers /api/health; RuntimeError with the tail of
-    ``output()`` if its process exits first, and (after killing it) if ``timeout_s`` pass."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("dashboard exited: " + output()[-2000:])
-        try:
-            if httpx.get(url + "/api/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    proc.wait()
-    raise RuntimeError(f"dashboard did not answer /api/health in {timeout_s:g} s")
-
-
 def _wrk(url: str, token: str, seconds: int) -> dict:
     out = subprocess.run(["wrk", "-t2", f"-c{CLIENTS}", f"-d{seconds}s", "--latency", "--timeout", "10s",
                           "-H", f"Authorization: Bearer {token}", url],
                          capture_output=True, text=True, timeout=seconds + 60).stdout
     return parse_wrk(out)
-
-
-def parse_wrk(out: str) -> dict:
-    """p50, p99 (ms), requests/s, requests and errors (socket errors and non-2xx) from wrk's
-    ``--latency`` output."""
-    def ms(label: str) -> float:
-        m = re.search(rf"^\s*{label}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
-        if not m:
-            return float("nan")
-        return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
-
-    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    total = re.search(r"(\d+) requests in", out)
-    errors = sum(int(x) for x in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
-    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return {"median_ms": ms("50"), "p99_ms": ms("99"), "rps": float(rps.group(1)) if rps else float("nan"),
-            "requests": int(total.group(1)) if total else 0,
-            "errors": errors + (int(non2xx.group(1)) if non2xx else 0), "tool": "wrk"}
-
-
-async def _httpx_load(url: str, token: str, seconds: float) -> dict:
-    lat: list[float] = []
-    errors = 0
-    end = time.monotonic() + seconds
-    limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
-    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}, limits=limits, timeout=30) as c:
-        async def worker() -> None:
-            nonlocal errors
-            while time.monotonic() < end:
-                t0 = time.perf_counter()
-                try:
-                    r = await c.get(url)
-                    ok = r.status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                lat.append((time.perf_counter() - t0) * 1e3)
-                errors += not ok
-        t0 = time.monotonic()
-        await asyncio.gather(*(worker() for _ in range(CLIENTS)))
-        wall = time.monotonic() - t0
-    return {"median_ms": statistics.median(lat), "p99_ms": _pct(lat, 99), "rps": len(lat) / wall,
-            "requests": len(lat), "errors": errors, "tool": "httpx-asyncio"}
 
 
 class _Writer:
@@ -278,18 +161,6 @@ async def _fanout(url: str, token: str, run_id: str, db: str, rounds: int, gap_s
     return [t - written[r] for r, t in received]
 
 
-def _server_clock(pid: int) -> tuple[float, float] | None:
-    """(CPU seconds of the whole server process, seconds its event-loop thread spent runnable but
-    waiting for a core), from /proc (Linux); None elsewhere."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        wait = int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[1]) / 1e9
-        return cpu, wait
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _load(url: str, token: str, seconds: int, pid: int | None = None) -> dict:
     """Load ``url``; with the server's ``pid``, also its CPU time per request and how long its
     event loop waited for a core (a loaded machine shows here, not in the app)."""
@@ -350,25 +221,6 @@ def _plot(rows: list[dict], base: list[dict], delays_ms: list[float], path: Path
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def stop_all(servers, own_cores: set[int] | None, tmp: str | Path) -> None:
-    """After a benchmark: this process back on ``own_cores``, each (process, url) of ``servers``
-    stopped, ``tmp`` removed."""
-    if own_cores:
-        os.sched_setaffinity(0, own_cores)
-    for proc, _ in servers:
-        _stop(proc)
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def run(out_dir: Path, quick: bool = False, profile: bool = False) -> list[dict]:

@@ -41,7 +41,7 @@ def viewer_token(db: str) -> str:
     """A viewer token (reads only, as a watching operator's) in the store at ``db``."""
     from fedswarm.store import Store
     from fedswarm.web import auth_models  # noqa: F401  (creates the token table with the store)
-    from fedswarm.web.accounts import Accounts
+    from fedswarm.web.services.accounts import Accounts
 
     store = Store(db)
     try:
@@ -82,7 +82,7 @@ def _pin(cores: set[int] | None) -> list[str]:
 
 
 def _start(db: str, cores: set[int] | None, log_path: Path, tree: Path | None) -> tuple[subprocess.Popen, str]:
-    from fedswarm.bench.dashboard import _free_port, wait_healthy
+    from fedswarm.bench.dashboard_load import _free_port, wait_healthy
 
     port = _free_port()
     env = {**os.environ, "FEDSWARM_ADMIN_PASSWORD": _PASSWORD}
@@ -100,7 +100,7 @@ def _start(db: str, cores: set[int] | None, log_path: Path, tree: Path | None) -
     return proc, url
 
 
-_LOAD_PROCESS = ("import asyncio, json, sys; from fedswarm.bench.dashboard import _httpx_load; "
+_LOAD_PROCESS = ("import asyncio, json, sys; from fedswarm.bench.dashboard_load import _httpx_load; "
                  "print(json.dumps(asyncio.run(_httpx_load(sys.argv[1], sys.argv[2], float(sys.argv[3])))))")
 
 
@@ -114,7 +114,7 @@ def _load_command(url: str, token: str, seconds: int, pin: list[str]) -> list[st
 
 
 def _load_once(url: str, token: str, seconds: int, pin: list[str]) -> dict:
-    from fedswarm.bench.dashboard import parse_wrk
+    from fedswarm.bench.dashboard_load import parse_wrk
 
     cmd = _load_command(url, token, seconds, pin)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
@@ -129,7 +129,7 @@ def _load_once(url: str, token: str, seconds: int, pin: list[str]) -> dict:
 
 
 def _measure(pid: int, url: str, token: str, seconds: int, pin: list[str]) -> dict:
-    from fedswarm.bench.dashboard import _server_clock
+    from fedswarm.bench.dashboard_load import _server_clock
 
     before = _server_clock(pid)
     res = _load_once(url, token, seconds, pin)
@@ -211,7 +211,7 @@ def operator_rows(db: str, token: str, *, seconds: int = 8, repeats: int = 3, be
                   profile_dir: Path | None = None, log_dir: Path) -> list[dict]:
     """The ``/api/runs`` rows on the store at ``db`` (seeded by the caller), ``repeats`` loads of
     ``seconds`` per server, servers taking turns; ``before``: another checkout to run beside."""
-    from fedswarm.bench.dashboard import _cores, stop_all
+    from fedswarm.bench.dashboard_load import _cores, stop_all
 
     server_cores, load_cores = _cores()
     pin = _pin(load_cores)
@@ -306,7 +306,7 @@ def run(out_dir: Path, quick: bool = False, profile: bool = False) -> list[dict]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fedswarm.bench.dashboard import seed_store
+    from fedswarm.bench.dashboard_load import seed_store
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

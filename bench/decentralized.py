@@ -38,14 +38,12 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 from pathlib import Path
 
 import torch
 
+from fedswarm.bench.arms import run_arm, scratch_store
 from fedswarm.config import RunConfig
-from fedswarm.sim.async_engine import run_async
-from fedswarm.sim.inprocess import run_inprocess
 from fedswarm.timemodel import BUILTIN_PROFILES, gossip_round_time_s, sync_round_time_s
 from fedswarm.store import Store
 from fedswarm.train import task_data
@@ -73,11 +71,8 @@ def _config(strategy: str, rounds: int, **kw) -> RunConfig:
 
 
 def _rounds(cfg: RunConfig, store: Store) -> list[dict]:
-    run_id = store.create_run(cfg.model_dump(), name=f"bench-decentralized-{cfg.strategy}")
-    status = (run_async if cfg.strategy == "adpsgd" else run_inprocess)(cfg, store=store, run_id=run_id)
-    if status != "finished":
-        raise RuntimeError(f"{cfg.strategy} run ended {status}")
-    return store.export_result(run_id)["rounds"]
+    """Every recorded round of ``cfg`` (AD-PSGD goes to the virtual clock: :func:`run_arm`'s engine)."""
+    return run_arm(cfg, store, name=f"bench-decentralized-{cfg.strategy}").rounds
 
 
 def _per_epoch(rows: list[dict], ipe: int) -> list[float]:
@@ -129,8 +124,7 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
     rounds, rounds_noniid = epochs * ipe, epochs_noniid * ipe
     lrs = LR_MOMENTUM if quick else LR_MOMENTUM_GRID
     best_lr = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "bench.db")
+    with scratch_store() as store:
         runs = {
             "dpsgd": _rounds(_config("dpsgd", rounds, devices=STRAGGLER_DEVICES), store),
             "cpsgd": _rounds(_config("fedavg", rounds), store),
@@ -141,7 +135,6 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
                                          params={"nesterov": True}), store) for lr in lrs}
             best_lr[key] = max(tried, key=lambda lr: max(r["test_accuracy"] for r in tried[lr]))
             runs[key] = tried[best_lr[key]]
-        store.close()
     times = _epoch_times(runs["dpsgd"], runs["cpsgd"], ipe)
     rows = []
 

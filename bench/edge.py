@@ -37,14 +37,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
+from fedswarm.bench.arms import run_arm, scratch_store, start_bench
 from fedswarm.config import RunConfig
 from fedswarm.server.recorder import RoundListener
-from fedswarm.sim.run import run_engine
 from fedswarm.store import Store
 from fedswarm.tasks import TASKS
 
@@ -68,11 +67,9 @@ def _run(cfg: RunConfig, store: Store, listeners: list[RoundListener] | None = N
          rid: str | None = None) -> tuple[str, list[dict]]:
     """(run id, rounds after round 0) of one run on ``cfg.engine`` (this bench's configs:
     the default, in-process)."""
-    rid = rid or store.create_run(cfg.model_dump(), name=f"bench-edge-{cfg.strategy}")
-    status = run_engine(cfg, store=store, run_id=rid, listeners=listeners)
-    if status not in ("finished", "stopped"):
-        raise RuntimeError(f"{cfg.strategy} run ended {status}")
-    return rid, [r for r in store.export_result(rid)["rounds"] if r["round"] > 0]
+    arm = run_arm(cfg, store, name=f"bench-edge-{cfg.strategy}", run_id=rid, listeners=listeners,
+                  ok=("finished", "stopped"))
+    return arm.run_id, arm.trained_rounds
 
 
 def _accs(rows: list[dict]) -> list[float]:
@@ -318,17 +315,11 @@ def _hl(store: Store, quick: bool) -> list[dict]:
 
 def run(out_dir: Path, quick: bool = False) -> list[dict]:
     """Run the three comparisons; write ``edge.json`` and ``edge.png``; print the table."""
-    torch.set_num_threads(1)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "edge.db")
-        try:
-            base_cfg = RunConfig(**FL, strategy="fedavg", rounds=16 if quick else 48, local_steps=10)
-            base_rid, base = _run(base_cfg, store)
-            rows = _pvt(store, quick, base_cfg, base) + _progfed(store, base_cfg, base_rid, base) + _hl(store, quick)
-        finally:
-            store.close()
+    out_dir = start_bench(out_dir)
+    with scratch_store("edge.db") as store:
+        base_cfg = RunConfig(**FL, strategy="fedavg", rounds=16 if quick else 48, local_steps=10)
+        base_rid, base = _run(base_cfg, store)
+        rows = _pvt(store, quick, base_cfg, base) + _progfed(store, base_cfg, base_rid, base) + _hl(store, quick)
     (out_dir / "edge.json").write_text(json.dumps(rows, indent=1))
     _plot(rows, out_dir / "edge.png")
     _print(rows)

@@ -81,18 +81,11 @@ def run_cell(engine: str, clients: int, rounds: int, device: str = "cpu") -> dic
 def run_in_store(cfg, t0: float) -> tuple[str, dict, float]:
     """Run ``cfg`` on its engine, recorded in a throwaway store: (status, the exported
     result, seconds from ``t0`` to the run's end)."""
-    from fedswarm.sim.run import run_engine
-    from fedswarm.store import Store
+    from fedswarm.bench.arms import run_arm, scratch_store
 
-    with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "bench.db")
-        try:
-            rid = store.create_run(cfg.model_dump())
-            status = run_engine(cfg, store=store, run_id=rid)
-            total = time.perf_counter() - t0
-            return status, store.export_result(rid), total
-        finally:
-            store.close()
+    with scratch_store() as store:
+        arm = run_arm(cfg, store, ok=None)  # the cell reports the status
+        return arm.status, arm.result, time.perf_counter() - t0
 
 
 def _round_figures(walls: list[float], total: float) -> dict:

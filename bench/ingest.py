@@ -36,7 +36,7 @@ from collections import Counter
 from pathlib import Path
 
 
-from fedswarm.bench.dashboard import _free_port, _server_clock, _stop, wait_healthy
+from fedswarm.bench.dashboard_load import _free_port, _server_clock, _stop, wait_healthy
 from fedswarm.bench.ingest_load import LoadResult, issue_tokens, login, run_load
 from fedswarm.bench.postgres import create_database, temp_postgres
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from fedswarm.bench.dashboard import _pct
+from fedswarm.bench.dashboard_load import _pct
 
 __all__ = ["LoadResult", "login", "issue_tokens", "run_load"]
 

@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
+from fedswarm.bench.arms import quiet_flower, run_arm, scratch_store, start_bench
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
 
@@ -40,46 +38,31 @@ LOCAL = dict(local_epochs=2, batch_size=16, lr=0.3)
 
 
 def _arm(z: float | None, rounds: int, store: Store) -> dict:
-    from fedswarm.sim.inprocess import run_inprocess
-
     dp = None if z is None else f"noise_multiplier={z},clip={CLIP},delta={DELTA}"
     cfg = RunConfig(task=TASK, strategy="fedavg", clients=CLIENTS, fraction=FRACTION, rounds=rounds, seed=SEED,
                     dp=dp, **LOCAL)
-    run_id = store.create_run(cfg.model_dump(), name=f"bench-privacy z={z}")
-    t0 = time.perf_counter()
-    status = run_inprocess(cfg, store=store, run_id=run_id)
-    if status != "finished":
-        raise RuntimeError(f"arm z={z} ended {status}: {store.get_run(run_id).error}")
-    res = store.export_result(run_id)
-    rows = res["rounds"]
-    return {"noise_multiplier": z, "epsilon": res["summary"].get("epsilon"), "delta": DELTA if z else None,
-            "final_test_accuracy": res["summary"]["final_test_accuracy"],
-            "best_test_accuracy": res["summary"]["best_test_accuracy"],
+    arm = run_arm(cfg, store, name=f"bench-privacy z={z}")
+    rows = arm.rounds
+    return {"noise_multiplier": z, "epsilon": arm.summary.get("epsilon"), "delta": DELTA if z else None,
+            "final_test_accuracy": arm.summary["final_test_accuracy"],
+            "best_test_accuracy": arm.summary["best_test_accuracy"],
             "accuracy": [r["test_accuracy"] for r in rows], "epsilon_per_round": [r.get("epsilon") for r in rows],
             "clipped_fraction": [r.get("dp_clipped_fraction") for r in rows[1:]],
-            "wall_s": round(time.perf_counter() - t0, 1)}
+            "wall_s": round(arm.wall_s, 1)}
 
 
 def run(out_dir: Path, quick: bool = False) -> list[dict]:
-    import logging
-
-    import fedswarm.sim.inprocess  # noqa: F401  (imports flwr, which sets its own log level)
-
-    logging.getLogger("flwr").setLevel(logging.ERROR)  # the table is the output, not Flower's round log
-    torch.set_num_threads(1)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    quiet_flower()
+    out_dir = start_bench(out_dir)
     rounds = QUICK_ROUNDS if quick else ROUNDS
     console = Console(width=None if sys.stdout.isatty() else 160)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "bench.db")
+    with scratch_store() as store:
         for z in [None, *NOISE]:
             row = _arm(z, rounds, store)
             rows.append(row)
             eps = "no DP" if row["epsilon"] is None else f"eps {row['epsilon']:.2f}"
             console.print(f"  z = {z}: acc {row['final_test_accuracy']:.4f}, {eps} ({row['wall_s']:.0f} s)")
-        store.close()
     t = Table(title=f"privacy: DP-FedAvg on digits, {CLIENTS} clients, q = {FRACTION}, clip {CLIP}, {rounds} rounds, "
                     f"delta = {DELTA:g} (RDP accountant)")
     for col in ("noise multiplier", "epsilon", "final acc", "best acc", "Δ vs no DP (points)", "clipped (last round)"):

@@ -37,14 +37,13 @@ from __future__ import annotations
 import json
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
+from fedswarm.bench.arms import quiet_flower, run_arm, scratch_store, start_bench
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
 from fedswarm.timemodel import DeviceClass, Link, Profile, sync_round_time_s
@@ -78,18 +77,11 @@ PROFILES: dict[str, Profile] = {
 
 
 def _arm(label: str, s: int, attack: str | None, rounds: int, store: Store) -> dict:
-    from fedswarm.sim.inprocess import run_inprocess
-
     strategy, params, r_of = ARMS[label]
     cfg = RunConfig(task=TASK, strategy=strategy, params=params(s), clients=CLIENTS, rounds=rounds, seed=SEED,
                     byzantine=s if attack else 0, attack=attack, **LOCAL)
-    run_id = store.create_run(cfg.model_dump(), name=f"bench-robust {label} s={s} {attack}")
-    t0 = time.perf_counter()
-    status = run_inprocess(cfg, store=store, run_id=run_id)
-    wall = time.perf_counter() - t0
-    if status != "finished":
-        raise RuntimeError(f"arm '{label}' (s={s}, {attack}) ended {status}: {store.get_run(run_id).error}")
-    res = store.export_result(run_id)
+    arm = run_arm(cfg, store, name=f"bench-robust {label} s={s} {attack}")
+    run_id, res, wall = arm.run_id, arm.result, arm.wall_s
     r = r_of(s)
     by_round: dict[int, list] = {}
     for nr in store.node_rounds(run_id):
@@ -137,22 +129,15 @@ def _factor(slow: float | None, fast: float | None) -> float | None:
 
 
 def run(out_dir: Path, quick: bool = False) -> list[dict]:
-    import logging
-
-    import fedswarm.sim.inprocess  # noqa: F401  (imports flwr, which sets its own log level)
-
-    logging.getLogger("flwr").setLevel(logging.ERROR)  # the table is the output, not Flower's round log
-    torch.set_num_threads(1)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    quiet_flower()
+    out_dir = start_bench(out_dir)
     rounds = QUICK_ROUNDS if quick else ROUNDS
     scenarios = [(3, None)] + [(3, a) for a in QUICK_ATTACKS] if quick else (
         [(1, None), (3, None)] + [(s, a) for s in (1, 3) for a in ATTACKS])
     console = Console(width=None if sys.stdout.isatty() else 180)
     rows: list[dict] = []
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "bench.db")
+    with scratch_store() as store:
         for s, attack in scenarios:
             console.print(f"[bold]s = {s}, attack: {attack or 'none'}[/]")
             for label in ARMS:
@@ -160,7 +145,6 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
                 rows.append(row)
                 console.print(f"  {label:<13} acc {row['final_test_accuracy']:.4f}  up/round "
                               f"{row['bytes_up_per_round'] / 1e3:7.1f} KB  ({row['wall_s']:.0f} s)")
-        store.close()
     base = next(r for r in rows if r["arm"] == "FedAvg" and r["attack"] == "none")
     target = 0.9 * base["final_test_accuracy"]
     for r in rows:

@@ -12,7 +12,7 @@ bases through ``**kwargs``), and one that repeats the constructor's default is r
 caller keeps it on purpose (a sentinel or a string the constructor does not take as is).
 
 Values are checked by pydantic (a ``TypeAdapter`` built from the parameter's type, bounds
-and choices): the CLI, the registry and the dashboard (``fedswarm.web.validation``, from the
+and choices): the CLI, the registry and the dashboard (``fedswarm.web.services.validation``, from the
 catalog's JSON through :meth:`HyperParam.from_spec`) share this one check.
 """
 

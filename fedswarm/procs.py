@@ -1,5 +1,5 @@
 """Processes fedswarm starts and watches: whether one still runs here and which process it is
-(the checks behind a run's liveness, :mod:`fedswarm.store_liveness`), and stopping the process
+(the checks behind a run's liveness, :mod:`fedswarm.store.liveness`), and stopping the process
 groups a benchmark or a test started (SuperLinks, SuperNodes, peers)."""
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout, get_flat
 from fedswarm.policy import PolicyBook
 from fedswarm.store import Store
-from fedswarm.store_liveness import owner_fields
+from fedswarm.store.liveness import owner_fields
 from fedswarm.strategies import registry
 from fedswarm.tasks import get_task
 from fedswarm.train import evaluate_flat, resolve_device, task_data

@@ -36,7 +36,7 @@ from flwr.app import ArrayRecord, MetricRecord
 from fedswarm.algorithms.privacy.accountant import PrivacyBudgetExceeded
 from fedswarm.policy import PolicyBook
 from fedswarm.store import Store
-from fedswarm.store_liveness import owner_fields
+from fedswarm.store.liveness import owner_fields
 from fedswarm.server.fed_eval import aggregate, merge_into_rows
 from fedswarm.protocol import TELEMETRY_RECORD
 from fedswarm.server.metered_grid import MeteredGrid
@@ -355,7 +355,7 @@ class RoundRecorder(RoundNotes):
 def run_recorded(store: Store, run_id: str, loop: Callable[[], None]) -> str:
     """Run ``loop`` as run ``run_id``: the one run lifecycle of every engine and of the ServerApp.
 
-    Records this process as the run's owner (:func:`fedswarm.store_liveness.owner_fields`: a
+    Records this process as the run's owner (:func:`fedswarm.store.liveness.owner_fields`: a
     killed process shows its run as lost) and status ``running``; then ``finished``, or
     ``stopped`` on a stop control (:class:`StopRun`) or on reaching the privacy budget
     (:class:`PrivacyBudgetExceeded`, a ``privacy_budget`` event), or ``stopped`` and re-raised

@@ -38,7 +38,7 @@ import os
 from typing import Any, Callable
 
 from fedswarm.config import RunConfig
-from fedswarm.store_liveness import owner_gone
+from fedswarm.store.liveness import owner_gone
 from fedswarm.store import Store
 from fedswarm.errors import CheckpointError
 from fedswarm.server.checkpoint import ServerCheckpoint, load_latest

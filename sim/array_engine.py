@@ -15,7 +15,7 @@ engine.
 Recording is the other engines': one round per iteration, the node-average model's test
 accuracy, ``consensus_distance``, per-node rows. Federated evaluation (every ``eval_every``-th
 iteration) gives the router's numbers: every node scores its own model, its row of
-``[n, d]``, on its validation split (:func:`~fedswarm.sim.async_engine.own_models_eval`);
+``[n, d]``, on its validation split (:func:`~fedswarm.sim.async_clock.own_models_eval`);
 with ``central_eval`` off the task's test set is not loaded. With ``client_data`` node ``i``
 trains on the train split of the ``i``-th client's own dataset
 (:func:`~fedswarm.train.trainer_for`). Bytes: each node's message is its
@@ -43,7 +43,7 @@ from fedswarm.params import get_flat
 from fedswarm.payload import Payload
 from fedswarm.server.metered_grid import Traffic
 from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
-from fedswarm.sim.async_engine import _P2PGrid, own_models_eval
+from fedswarm.sim.async_clock import _P2PGrid, own_models_eval
 from fedswarm.store import Store
 from fedswarm.config import round_seed
 from fedswarm.algorithms.decentralized.steps import local_gradient

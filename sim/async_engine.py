@@ -38,30 +38,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from flwr.app import ArrayRecord
 
+from fedswarm.algorithms.decentralized import ADPSGD, GossipState, bipartite_split
+from fedswarm.algorithms.decentralized.topology import Topology, make_topology
 from fedswarm.config import RunConfig
-from fedswarm.local import round_seed
-from fedswarm.params import get_flat
-from fedswarm.server.fed_eval import NodeEval, cohort_on_partitions
-from fedswarm.server.metered_grid import Traffic
-from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
-
-from fedswarm.sim.simtime import model_message_nbytes, node_profiles
-from fedswarm.timemodel import BUILTIN_PROFILES, Profile, VirtualClock, compute_time_s, transfer_time_s
+from fedswarm.errors import ConfigError
+from fedswarm.server.recorder import RoundListener
+from fedswarm.sim.async_clock import (DEFAULT_PROFILE, ClockedNodes, check_clocked, check_gossip, own_models_eval,
+                                      run_clocked)
+from fedswarm.sim.async_groups import check_config as check_prague
+from fedswarm.sim.async_groups import run_prague
+from fedswarm.sim.async_leaders import check_config as check_lsgd
+from fedswarm.sim.async_leaders import run_lsgd_async
+from fedswarm.sim.simtime import model_message_nbytes
 from fedswarm.store import Store
 from fedswarm.strategies import registry
-from fedswarm.strategies.decentralized.node import local_gradient
-from fedswarm.algorithms.decentralized import ADPSGD, GossipState, bipartite_split, consensus_distance
-from fedswarm.algorithms.decentralized.topology import Topology, make_topology
-from fedswarm.tasks import get_task
-from fedswarm.train import evaluate_flat, node_validation, resolve_device, task_data, trainer_for
-from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
+from fedswarm.timemodel import Profile, VirtualClock, compute_time_s, transfer_time_s
 
+# DEFAULT_PROFILE, check_clocked and own_models_eval live in fedswarm.sim.async_clock; named here too,
+# where the virtual-clock engine's callers have always found them.
 __all__ = ["ADPSGDSimulation", "run_async", "check_clocked", "check_config", "own_models_eval", "DEFAULT_PROFILE"]
-
-#: Every node's profile when the run names no devices.
-DEFAULT_PROFILE = "datacenter"
 
 #: gradient(node, x̂ [d], k) -> (gradient [d], loss), k = the node's 1-based step number.
 GradientFn = Callable[[int, torch.Tensor, int], tuple[torch.Tensor, float]]
@@ -81,55 +77,6 @@ class _Node:
     locks: list[tuple[float, float]] = field(default_factory=list)  # passive: exchange windows
     bytes_sent: int = 0
     stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "loss": 0.0})
-
-
-class ClockedNodes:
-    """What every virtual-clock simulation exposes to the recorder loop. Subclasses hold
-    ``clock``, ``state`` (a GossipState), ``averagings``, ``total_steps``, their per-node
-    records in ``members`` (each with ``steps``, ``stats`` and ``bytes_sent``) and handle
-    events in ``_dispatch(t, event)``."""
-
-    members: list
-    _averagings_seen: int = 0
-
-    @property
-    def now(self) -> float:
-        return self.clock.now
-
-    @property
-    def x(self) -> torch.Tensor:
-        """The node models ``[n, d]`` (a view: do not modify)."""
-        return self.state.x
-
-    def steps(self) -> list[int]:
-        return [m.steps for m in self.members]
-
-    def advance(self, steps: int) -> None:
-        """Process events until the nodes have taken ``steps`` more local steps (between
-        them: ``total_steps``, counted by the subclass's ``_dispatch``)."""
-        target = self.total_steps + steps
-        while self.total_steps < target:
-            self._dispatch(*self.clock.pop())
-
-    def advance_to(self, t: float) -> None:
-        """Process every event up to simulated time ``t``."""
-        while (nxt := self.clock.peek_time()) is not None and nxt <= t:
-            self._dispatch(*self.clock.pop())
-
-    def take_averagings(self) -> int:
-        """Averaging events (pairwise averagings, group reduces) completed since the last call."""
-        k, self._averagings_seen = self.averagings - self._averagings_seen, self.averagings
-        return k
-
-    def take_stats(self) -> list[dict[str, float]]:
-        """Per-node local steps, mean loss and bytes sent since the last call."""
-        out = []
-        for m in self.members:
-            st = m.stats
-            out.append({"steps": int(st["steps"]), "loss": st["loss"] / st["steps"] if st["steps"] else None,
-                        "bytes_sent": m.bytes_sent})
-            m.stats, m.bytes_sent = {"steps": 0, "loss": 0.0}, 0
-        return out
 
 
 class ADPSGDSimulation(ClockedNodes):
@@ -229,56 +176,14 @@ class ADPSGDSimulation(ClockedNodes):
 
 # --------------------------------------------------------------------------- run
 
-
-class _P2PGrid:
-    """What the recorder reads as a round's traffic: the peer-to-peer bytes."""
-
-    def __init__(self):
-        self.pending = Traffic()
-
-    def take(self) -> Traffic:
-        t, self.pending = self.pending, Traffic()
-        return t
-
-
-def own_models_eval(cfg: RunConfig, models: Callable[[], torch.Tensor]
-                    ) -> Callable[[int, object, list[int]], dict[str, NodeEval]]:
-    """Federated evaluation for engines whose nodes are the rows of ``models() [n, d]`` (array,
-    virtual clock): node ``i`` (row and partition ``i - 1``) scores its own model on its
-    validation split with its own trainer, as its ClientApp's evaluate handler does
-    (:func:`fedswarm.client.evaluate.evaluate_on_node`); a ``fed_eval`` for
-    :meth:`~fedswarm.server.recorder.RoundRecorder.federated`."""
-    n = cfg.clients
-
-    def fed_eval(rnd: int, _arrays: object, cohort: list[int]) -> dict[str, NodeEval]:
-        x = models()
-
-        def on_partition(pid: int) -> tuple[float, float, int]:
-            val_x, val_y = node_validation(cfg, pid, n)
-            return (*trainer_for(cfg, pid, n).evaluate(x[pid], val_x, val_y), int(val_x.shape[0]))
-
-        return cohort_on_partitions(cohort, on_partition)
-
-    return fed_eval
-
-
 #: The virtual clock's runners, which a strategy's registry entry names (its ``clock``): name ->
-#: (module of fedswarm.sim, run function, check function). ``gossip``: AD-PSGD's pairwise gossip
-#: here; ``groups``: Prague's group averaging (:mod:`fedswarm.sim.async_groups`); ``leaders``:
-#: LSGD's asynchronous mode (:mod:`fedswarm.sim.async_leaders`). Imported when a run needs them
-#: (they import this module).
-CLOCK_RUNNERS: dict[str, tuple[str, str, str]] = {
-    "gossip": ("async_engine", "run_adpsgd", "check_gossip"),
-    "groups": ("async_groups", "run_prague", "check_config"),
-    "leaders": ("async_leaders", "run_lsgd_async", "check_config"),
-}
+#: (run function, check function). ``gossip``: AD-PSGD's pairwise gossip here; ``groups``:
+#: Prague's group averaging (:mod:`fedswarm.sim.async_groups`); ``leaders``: LSGD's asynchronous
+#: mode (:mod:`fedswarm.sim.async_leaders`). Filled in below, once ``run_adpsgd`` is defined.
+CLOCK_RUNNERS: dict[str, tuple[Callable, Callable]] = {}
 
 
 def _clock_runner(cfg: RunConfig, part: int) -> Callable:
-    import importlib
-
-    from fedswarm.errors import ConfigError
-
     entry = registry.get(cfg.strategy)
     if entry.clock is None:
         served = [e for e in registry.entries(registered=True) if e.clock is not None]
@@ -287,15 +192,14 @@ def _clock_runner(cfg: RunConfig, part: int) -> Callable:
         raise ConfigError(f"invalid value for 'engine': the virtual clock runs {', '.join(names[:-1])} and "
                           f"{names[-1]}" + (f" ({modes}: --set mode=async)" if modes else "")
                           + f", not '{cfg.strategy}'")
-    spec = CLOCK_RUNNERS[entry.clock]
-    return getattr(importlib.import_module(f"fedswarm.sim.{spec[0]}"), spec[part])
+    return CLOCK_RUNNERS[entry.clock][part]
 
 
 def run_async(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
     """Run ``cfg`` on the virtual clock with its strategy's runner (:data:`CLOCK_RUNNERS`),
     recording ``cfg.rounds`` rounds of ``cfg.clients`` local steps each into ``store``; return the
     final status."""
-    return _clock_runner(cfg, 1)(cfg, store=store, run_id=run_id, listeners=listeners)
+    return _clock_runner(cfg, 0)(cfg, store=store, run_id=run_id, listeners=listeners)
 
 
 def run_adpsgd(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None) -> str:
@@ -312,104 +216,14 @@ def run_adpsgd(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
     return run_clocked(cfg, store, run_id, listeners, make)
 
 
-def check_clocked(name: str, params: dict) -> None:
-    """Refuse a fixed schedule: the virtual clock times the events itself."""
-    if params.get("schedule", "clock") != "clock":
-        raise ValueError(f"{name} with schedule='fixed' replays a seeded schedule: it runs on the array engine "
-                         f"(--engine array), the router (--engine inprocess) or the swarm, not on the virtual clock")
-
-
 def check_config(cfg: RunConfig) -> None:
     """Raise :class:`~fedswarm.errors.ConfigError` (one line) unless the virtual clock can run
     ``cfg``: a strategy with a clock runner (its registry entry's ``clock``), checked by it."""
-    _clock_runner(cfg, 2)(cfg)
+    _clock_runner(cfg, 1)(cfg)
 
 
-def check_gossip(cfg: RunConfig, *, topology: bool = True) -> None:
-    """The gossip runners' check: timed by the clock, valid parameters, and (``topology``) a
-    topology the algorithm accepts (AD-PSGD: a bipartite graph)."""
-    from fedswarm.algorithms.decentralized import make_algorithm
-    from fedswarm.errors import ConfigError
-
-    try:
-        params = registry.resolve_params(cfg.strategy, cfg.params)
-        check_clocked(cfg.strategy, params)
-        algo = make_algorithm(cfg.strategy, **{k: v for k, v in params.items() if k != "report_every"})
-        if topology:
-            algo.check_topology(make_topology(cfg.topology, cfg.clients, cfg.seed))
-    except ValueError as exc:
-        raise ConfigError(f"invalid value for 'topology' or 'params': {exc}") from None
-
-
-def run_clocked(cfg: RunConfig, store: Store, run_id: str, listeners: list[RoundListener] | None,
-                make_sim: Callable[[torch.Tensor, list[Profile], Callable, int], ClockedNodes]) -> str:
-    """The recording loop every virtual-clock algorithm shares: build the nodes' data,
-    gradients and profiles, let ``make_sim(x0 [n, d], profiles, gradient, steps)`` build the
-    simulation, then record ``cfg.rounds`` rounds of ``cfg.clients`` local steps each
-    (controls obeyed between rounds); return the final status."""
-    torch.manual_seed(cfg.seed)
-    n = cfg.clients
-    task = get_task(cfg.task)
-    device = resolve_device(cfg.device)
-    model = task.model(cfg.seed).to(device)
-    x0 = get_flat(model).cpu()
-    profiles = node_profiles(cfg) or [BUILTIN_PROFILES[DEFAULT_PROFILE]] * n
-    steps = cfg.local_steps or 1
-
-    def gradient(i: int, x: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
-        return local_gradient(trainer_for(cfg, i, n), x, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr,
-                              seed=round_seed(cfg.seed, k, i))
-
-    evaluate = None
-    if cfg.central_eval:  # off: no server test set, the task's data is not loaded
-        data = task_data(cfg)
-
-        def evaluate(arrays: ArrayRecord) -> tuple[float, float]:
-            return evaluate_flat(task, model, arrayrecord_to_vector(arrays), data.test_x, data.test_y, device)
-
-    grid = _P2PGrid()
-    recorder = RoundRecorder(store, run_id, grid, evaluate, listeners=listeners)  # type: ignore[arg-type]
-    recorder.eval_every = cfg.eval_every
-
-    def loop() -> None:
-        sim = make_sim(x0.repeat(n, 1), profiles, gradient, steps)
-        fed_eval = own_models_eval(cfg, lambda: sim.x)
-        recorder(0, vector_to_arrayrecord(x0))
-        rnd, total, last_t = 0, cfg.rounds, 0.0
-        while rnd < total:
-            rnd += 1
-            recorder.reset_clock()
-            sim.advance(n)
-            _record(recorder, rnd, sim, profiles, grid, last_t, samples=steps * cfg.batch_size,
-                    fed_eval=fed_eval if recorder.eval_due(rnd) else None)
-            last_t = sim.now
-            total, recorder.extra_rounds = total + recorder.extra_rounds, 0
-
-    return run_recorded(store, run_id, loop)
-
-
-def _record(recorder: RoundRecorder, rnd: int, sim: ClockedNodes,
-            profiles: list[Profile], grid: _P2PGrid, last_t: float, samples: int,
-            fed_eval: Callable[[int, object, list[int]], dict[str, NodeEval]] | None = None) -> None:
-    """Round ``rnd``'s rows; ``fed_eval``: the round's federated evaluation by every node."""
-    stats = sim.take_stats()
-    sent = sum(s["bytes_sent"] for s in stats)
-    grid.pending = Traffic(bytes_up=sent, bytes_down=sent)  # every byte sent is received once
-    losses = [(s["loss"], s["steps"]) for s in stats if s["loss"] is not None]
-    n_steps = sum(k for _, k in losses)
-    # node ids as on the in-process engine: partition id + 1
-    rows = [{"node_id": str(i + 1), "bytes_up": s["bytes_sent"], "num_examples": s["steps"] * samples,
-             "train_loss": s["loss"], "device_class": profiles[i].name} for i, s in enumerate(stats)]
-    fed = recorder.federated(rnd, None, list(range(1, len(rows) + 1)), rows, fed_eval) if fed_eval else {}
-    recorder.node_rows(rows)
-    recorder.note(
-        train_loss=sum(loss * k for loss, k in losses) / n_steps if n_steps else None,
-        sim_time_s=sim.now - last_t,
-        sim_clock_s=sim.now,
-        consensus_distance=consensus_distance(sim.x),
-        p2p_bytes=sent,
-        num_clients=len(stats),
-        averagings=sim.take_averagings(),
-        **fed,
-    )
-    recorder(rnd, vector_to_arrayrecord(sim.x.mean(dim=0)))
+CLOCK_RUNNERS.update({
+    "gossip": (run_adpsgd, check_gossip),
+    "groups": (run_prague, check_prague),
+    "leaders": (run_lsgd_async, check_lsgd),
+})

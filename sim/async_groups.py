@@ -28,7 +28,7 @@ import torch
 
 from fedswarm.config import RunConfig
 from fedswarm.server.recorder import RoundListener
-from fedswarm.sim.async_engine import ClockedNodes, check_clocked, check_gossip, run_clocked
+from fedswarm.sim.async_clock import ClockedNodes, check_clocked, check_gossip, run_clocked
 from fedswarm.sim.simtime import model_message_nbytes
 from fedswarm.store import Store
 from fedswarm.strategies import registry

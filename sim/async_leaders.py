@@ -39,7 +39,7 @@ from fedswarm.algorithms.decentralized import GossipState, leader_server_update,
 from fedswarm.algorithms.decentralized.leader import LSGD, contiguous_groups
 from fedswarm.config import RunConfig
 from fedswarm.server.recorder import RoundListener
-from fedswarm.sim.async_engine import ClockedNodes, run_clocked
+from fedswarm.sim.async_clock import ClockedNodes, run_clocked
 from fedswarm.sim.simtime import model_message_nbytes
 from fedswarm.store import Store
 from fedswarm.strategies import registry

@@ -48,7 +48,6 @@ time model's simulated seconds (rows carry ``sim_time_s = null``).
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 from typing import Any, Callable
@@ -67,7 +66,12 @@ from fedswarm.server.app import PreparedStrategy, strategy_for
 from fedswarm.server.metered_grid import Traffic
 from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
 from fedswarm.sim.batched_memory import available_ram, default_memory_budget, parse_memory_budget
-from fedswarm.sim.batched_round import ByteCounter, Meter, reject_diverged, round_schedule
+from fedswarm.sim.batched_compressed import CompressedRounds, GTopKRounds
+from fedswarm.sim.batched_progfed import ProgFedRounds
+from fedswarm.sim.batched_pvt import PVTRounds
+from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ByteCounter, Meter, add_client, reject_diverged,
+                                        round_schedule)
+from fedswarm.sim.batched_sketched import SketchRounds
 from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
 from fedswarm.store import Store
 from fedswarm.strategies import registry
@@ -83,7 +87,7 @@ __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budg
            "add_client", "ROUND_RUNNERS", "round_runner"]
 
 #: The round runners a strategy's :class:`~fedswarm.strategies.registry.Batched` entry names:
-#: name -> (module of fedswarm.sim, class), imported when a run needs it. ``weighted_mean``:
+#: name -> runner class (filled in below, once ``FedAvgRounds`` is defined). ``weighted_mean``:
 #: FedAvg's round here (with ``--dp``: each client's change clipped as it leaves the chunk, noised
 #: once per round by the strategy's own mechanism); ``codec``: the strategies whose client half is
 #: :func:`fedswarm.strategies.federated.compressed_fedavg.client_update` (the compressed ones and the
@@ -91,18 +95,7 @@ __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budg
 #: ``global_topk`` (:mod:`fedswarm.sim.batched_compressed`); ``variable_subsets``: PVT's
 #: (:mod:`fedswarm.sim.batched_pvt`); ``stages``: ProgFed's (:mod:`fedswarm.sim.batched_progfed`);
 #: ``sketch``: the Count-Sketch strategies' (:mod:`fedswarm.sim.batched_sketched`).
-ROUND_RUNNERS: dict[str, tuple[str, str]] = {
-    "weighted_mean": ("batched", "FedAvgRounds"),
-    "codec": ("batched_compressed", "CompressedRounds"),
-    "global_topk": ("batched_compressed", "GTopKRounds"),
-    "variable_subsets": ("batched_pvt", "PVTRounds"),
-    "stages": ("batched_progfed", "ProgFedRounds"),
-    "sketch": ("batched_sketched", "SketchRounds"),
-}
-
-# Rounds with more clients than this record the round's totals but no per-node rows:
-# 10,000 rows a round would cost the store more than the training does.
-NODE_ROWS_MAX = 2000
+ROUND_RUNNERS: dict[str, type] = {}
 
 ClientsListener = Callable[[int, int], None]  # (clients done this round, clients this round)
 
@@ -144,8 +137,7 @@ def round_runner(entry: registry.StrategyEntry) -> Callable[..., Any]:
     if runner not in ROUND_RUNNERS:
         raise ConfigError(f"strategy '{entry.name}': no batched round runner '{runner}' (the runners: "
                           f"{', '.join(ROUND_RUNNERS)})")
-    module, name = ROUND_RUNNERS[runner]
-    return getattr(importlib.import_module(f"fedswarm.sim.{module}"), name)
+    return ROUND_RUNNERS[runner]
 
 
 # -- the engine --------------------------------------------------------------------------------
@@ -185,18 +177,6 @@ class BatchedRun:
         return on_chunk
 
 
-def add_client(traffic: Traffic, node_rows: list[dict] | None, node_id: int, up: int, down: int, n: int,
-               loss: float, device_class: str, policy: dict) -> None:
-    """Count one client's message and reply, and its per-node row (if rows are kept)."""
-    traffic.bytes_down += down
-    traffic.bytes_up += up
-    traffic.node_down[node_id] += down
-    traffic.node_up[node_id] += up
-    if node_rows is not None:
-        node_rows.append({"node_id": str(node_id), "bytes_up": up, "bytes_down": down, "num_examples": n,
-                          "train_loss": loss, "device_class": device_class, "policy": policy})
-
-
 class FedAvgRounds:
     """FedAvg's round: the clients' models folded into the weighted sum chunk by chunk."""
 
@@ -215,6 +195,16 @@ class FedAvgRounds:
         self.model, row, node_rows = _one_round(self.run, self.counter, self.model, sample, server_round, self.notes,
                                                 dp=self.dp)
         return row, node_rows
+
+
+ROUND_RUNNERS.update({
+    "weighted_mean": FedAvgRounds,
+    "codec": CompressedRounds,
+    "global_topk": GTopKRounds,
+    "variable_subsets": PVTRounds,
+    "stages": ProgFedRounds,
+    "sketch": SketchRounds,
+})
 
 
 def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None,

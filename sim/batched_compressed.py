@@ -39,8 +39,8 @@ from fedswarm.local import node_report, train_reply
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.params import all_finite
 from fedswarm.server.metered_grid import Traffic, serialized_size
-from fedswarm.sim import batched as engine
-from fedswarm.sim.batched_round import ClientMemory, NodeIds, make_reply, reply_size, strategy_round, varint_len
+from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ClientMemory, NodeIds, add_client, make_reply, reply_size,
+                                        strategy_round, varint_len)
 from fedswarm.sim.inprocess import client_error_reply
 from fedswarm.strategies.federated import gtopk
 from fedswarm.strategies.federated.compressed_base import KNOBS, Accepted
@@ -182,14 +182,14 @@ class CompressedRounds:
         if self.byzantine is not None:
             self._attack(messages, [r for r in replies if r.error is None])
         traffic = Traffic()
-        node_rows: list[dict] | None = [] if total <= engine.NODE_ROWS_MAX else None
+        node_rows: list[dict] | None = [] if total <= NODE_ROWS_MAX else None
         accepted: list[Accepted] = []
         loss_sum = weight_sum = 0.0
         for r in replies:
             if r.error is not None:  # as the strategy's aggregate_train: a failed node, its replica maybe gone
                 self._failed(traffic, node_rows, r)
                 continue
-            engine.add_client(traffic, node_rows, r.node_id, r.up, r.down, r.n, r.loss, classes[r.k], pols[r.k])
+            add_client(traffic, node_rows, r.node_id, r.up, r.down, r.n, r.loss, classes[r.k], pols[r.k])
             strategy.sync.ack(r.node_id)  # a content reply: the client saved its replica
             strategy.pending.pop(r.node_id, None)  # ... and applied the selection it was sent
             if r.rejected is None and not _finite(r.value):

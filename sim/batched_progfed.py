@@ -32,8 +32,8 @@ from fedswarm.local import node_report
 
 from fedswarm.algorithms.selection.progfed import samples_processed
 from fedswarm.server.metered_grid import Traffic, serialized_size
-from fedswarm.sim import batched as engine
-from fedswarm.sim.batched_round import NodeIds, make_reply, mark_rejected, strategy_round, varint_len
+from fedswarm.sim.batched_round import (NODE_ROWS_MAX, NodeIds, add_client, make_reply, mark_rejected,
+                                        strategy_round, varint_len)
 from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
 from fedswarm.strategies.edge.progfed import stage_submodel, flops_per_sample, reply_content, stage_start
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
@@ -119,11 +119,11 @@ class ProgFedRounds:
                     replies[k] = make_reply(messages[k], content)
                     ups[k] = serialized_size(replies[k])  # measured before the server reads (and marks) it
         traffic = Traffic()
-        node_rows: list[dict] | None = [] if total <= engine.NODE_ROWS_MAX else None
+        node_rows: list[dict] | None = [] if total <= NODE_ROWS_MAX else None
         for k in range(total):
             metrics = replies[k].content.metric_records["metrics"]
-            engine.add_client(traffic, node_rows, node_ids[k], ups[k], downs[k], int(metrics["num-examples"]),
-                              float(metrics["train_loss"]), classes[k], pols[k])
+            add_client(traffic, node_rows, node_ids[k], ups[k], downs[k], int(metrics["num-examples"]),
+                       float(metrics["train_loss"]), classes[k], pols[k])
         arrays, metrics = strategy.aggregate_train(server_round, replies)
         mark_rejected(node_rows, replies)
         if arrays is not None:

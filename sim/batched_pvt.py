@@ -23,8 +23,8 @@ import torch
 from fedswarm.local import node_report
 
 from fedswarm.server.metered_grid import Traffic, serialized_size
-from fedswarm.sim import batched as engine
-from fedswarm.sim.batched_round import NodeIds, make_reply, mark_rejected, strategy_round, varint_len
+from fedswarm.sim.batched_round import (NODE_ROWS_MAX, NodeIds, add_client, make_reply, mark_rejected,
+                                        strategy_round, varint_len)
 from fedswarm.strategies.edge.pvt import client_variables, reply_content
 from fedswarm.strategies.registry import resolve_params
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
@@ -62,7 +62,7 @@ class PVTRounds:
         ids, mask = self._selection(node_ids, pols, server_round)
         x = self.model
         traffic = Traffic()
-        node_rows: list[dict] | None = [] if total <= engine.NODE_ROWS_MAX else None
+        node_rows: list[dict] | None = [] if total <= NODE_ROWS_MAX else None
         down_cache: dict[int, int] = {}
         replies = []
         for rows, new, loss, n in run.trainer.fit(x, sched, momentum=run.cfg.momentum, chunk_size=run.chunk_size,
@@ -81,8 +81,8 @@ class PVTRounds:
                     down_cache[key] = serialized_size(ins)
                 reply = make_reply(ins, content)
                 replies.append(reply)
-                engine.add_client(traffic, node_rows, node_ids[k], serialized_size(reply), down_cache[key],
-                                  n_list[j], loss_list[j], classes[k], pols[k])
+                add_client(traffic, node_rows, node_ids[k], serialized_size(reply), down_cache[key],
+                           n_list[j], loss_list[j], classes[k], pols[k])
         arrays, metrics = strategy.aggregate_train(server_round, replies)
         mark_rejected(node_rows, replies)  # a diverged client's non-finite reply, refused by the strategy
         if arrays is not None:

@@ -21,7 +21,8 @@ from fedswarm.sim.batched_trainer import ClientSchedule
 from fedswarm.wire import vector_to_arrayrecord
 
 __all__ = ["ClientMemory", "NodeIds", "Meter", "ByteCounter", "round_schedule", "strategy_round", "varint_len",
-           "make_reply", "reply_size", "mark_rejected", "reject_diverged"]
+           "make_reply", "reply_size", "mark_rejected", "reject_diverged", "NODE_ROWS_MAX",
+           "add_client"]
 
 
 class ClientMemory(dict):
@@ -46,6 +47,11 @@ class ClientMemory(dict):
     def keep(self, pids: Sequence[int], states: Sequence) -> None:
         """Clients ``pids``' states after their round."""
         self.update(zip(pids, states, strict=True))
+
+
+# Rounds with more clients than this record the round's totals but no per-node rows:
+# 10,000 rows a round would cost the store more than the training does.
+NODE_ROWS_MAX = 2000
 
 
 class NodeIds:
@@ -73,6 +79,18 @@ class Meter:
     def take(self) -> Traffic:
         t, self.traffic = self.traffic, Traffic()
         return t
+
+
+def add_client(traffic: Traffic, node_rows: list[dict] | None, node_id: int, up: int, down: int, n: int,
+               loss: float, device_class: str, policy: dict) -> None:
+    """Count one client's message and reply, and its per-node row (if rows are kept)."""
+    traffic.bytes_down += down
+    traffic.bytes_up += up
+    traffic.node_down[node_id] += down
+    traffic.node_up[node_id] += up
+    if node_rows is not None:
+        node_rows.append({"node_id": str(node_id), "bytes_up": up, "bytes_down": down, "num_examples": n,
+                          "train_loss": loss, "device_class": device_class, "policy": policy})
 
 
 def varint_len(n: int) -> int:

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
-from fedswarm.store_liveness import live_status
+from fedswarm.store.liveness import live_status
 
 __all__ = ["summary_table", "runs_table", "catalog", "catalog_tables", "plot_run", "policy_keys", "strategy_table"]
 

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
-from fedswarm.store_liveness import Heartbeat, owner_fields
+from fedswarm.store.liveness import Heartbeat, owner_fields
 from fedswarm.sim.engines import Checked, engine_for, run_engine
 from fedswarm.sim.report import plot_run, summary_table
 

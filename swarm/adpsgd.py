@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from fedswarm.algorithms.decentralized import exchange_roles, make_algorithm
-from fedswarm.swarm.drivers import Driver
+from fedswarm.swarm.driver_base import Driver
 from fedswarm.swarm.net.envelope import Dropped, Message
 from fedswarm.swarm.net.membership import View
 from fedswarm.swarm.net.payload import read_vector, vector_body

@@ -36,12 +36,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from fedswarm.algorithms.decentralized import (ALGORITHMS, make_algorithm, make_schedule,
                                               merge_leader, uses_fixed_schedule, weighted_merge)
-from fedswarm.config import round_seed
-from fedswarm.algorithms.decentralized.steps import local_gradient
 from fedswarm.swarm.net.envelope import Dropped, Message
 from fedswarm.swarm.net.membership import View
 from fedswarm.swarm.net.payload import payload_body, read_payload, read_vector
-from fedswarm.swarm.net.transport import Session
+from fedswarm.swarm.adpsgd import ADPSGDDriver
+from fedswarm.swarm.driver_base import Driver, renormalise
+from fedswarm.swarm.leader import LeaderDriver
+from fedswarm.swarm.squarm import SquarmDriver
 
 from fedswarm.payload import Payload, PayloadError
 
@@ -52,62 +53,6 @@ log = logging.getLogger("fedswarm.swarm")
 
 __all__ = ["Driver", "GossipDriver", "ScheduledDriver", "SwarmMergeDriver", "algorithm_description",
            "algorithm_names", "make_driver"]
-
-
-def renormalise(weights: dict[str, float], keep: set[str]) -> dict[str, float]:
-    """The mixing row restricted to ``keep`` (ourselves and who answered), rescaled to sum
-    to 1: a silent neighbour's weight is shared out, not lost."""
-    w = {j: v for j, v in weights.items() if j in keep}
-    total = sum(w.values())
-    return {j: v / total for j, v in w.items()}
-
-
-class Driver:
-    """Base class. ``push_kinds`` are the message kinds stored in the inbox after
-    :meth:`accept` validates them; anything else goes to :meth:`serve`."""
-
-    push_kinds: tuple[str, ...] = ()
-    catch_up = "neighbours"  # whose completed rounds let a lagging peer skip ahead (None: never)
-
-    def __init__(self, peer: Peer):
-        self.peer = peer
-
-    def model(self) -> torch.Tensor:
-        raise NotImplementedError
-
-    def round(self, r: int, view: View) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def accept(self, msg: Message) -> Any:
-        return read_vector(msg.meta, msg.body, self.peer.d, finite=msg.finite)
-
-    def ack_meta(self, msg: Message) -> dict:
-        return {}
-
-    def serve(self, msg: Message, s: Session) -> bool:
-        return False
-
-    def next_round(self, r: int) -> int:
-        """``r``, or a later round if the peers we depend on already finished ``r``."""
-        if self.catch_up is None:
-            return r
-        view = self.peer.view()
-        ref = view.neighbors(r) if self.catch_up == "neighbours" else [p for p in view.ids if p != self.peer.id]
-        done = max((int(self.peer.membership.info_of(p).get("round", 0) or 0) for p in ref), default=0)
-        return done + 1 if done >= r else r
-
-    def state_dict(self) -> dict:
-        return {"x": self.model()}
-
-    def load_state_dict(self, s: dict) -> None:
-        raise NotImplementedError
-
-    def gradient(self, x: torch.Tensor, r: int) -> tuple[torch.Tensor, float]:
-        """This peer's gradient for round (iteration) ``r`` at ``x``, as every runtime
-        computes it."""
-        c = self.peer.cfg
-        return local_gradient(self.peer.trainer, x, steps=c.local_steps or 1, batch_size=c.batch_size, lr=c.lr,
-                              seed=round_seed(c.seed, r, c.partition_id))
 
 
 class GossipDriver(Driver):
@@ -265,26 +210,8 @@ SWARM_ONLY = {"swarm_merge": "Swarm Learning: each round an elected leader merge
                              "redistributes (Warnat-Herresthal et al., Nature 2021; docs/algorithms.md §16)"}
 
 
-def _adpsgd(peer: Peer) -> Driver:
-    from fedswarm.swarm.adpsgd import ADPSGDDriver
-
-    return ADPSGDDriver(peer)
-
-
 def _prague(peer: Peer) -> Driver:
     raise ValueError("prague on the swarm replays a fixed schedule only: --set schedule=fixed")
-
-
-def _leader(peer: Peer) -> Driver:
-    from fedswarm.swarm.leader import LeaderDriver
-
-    return LeaderDriver(peer)
-
-
-def _squarm(peer: Peer) -> Driver:
-    from fedswarm.swarm.squarm import SquarmDriver
-
-    return SquarmDriver(peer)
 
 
 #: Every algorithm ``fedswarm peer --algorithm`` runs -> its driver (a class or a function of the
@@ -292,10 +219,10 @@ def _squarm(peer: Peer) -> Driver:
 #: ``--set schedule=fixed`` instead. A new swarm algorithm is one entry here.
 DRIVERS: dict[str, Callable[[Peer], Driver]] = {
     **{name: GossipDriver for name in GOSSIP_OBJECTS},
-    "adpsgd": _adpsgd,
+    "adpsgd": ADPSGDDriver,
     "prague": _prague,
-    "lsgd": _leader,
-    "squarm": _squarm,
+    "lsgd": LeaderDriver,
+    "squarm": SquarmDriver,
     **{name: SwarmMergeDriver for name in SWARM_ONLY},
 }
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from fedswarm.algorithms.decentralized import leader_server_update, make_algorithm
 from fedswarm.algorithms.decentralized.leader import contiguous_groups
-from fedswarm.swarm.drivers import Driver
+from fedswarm.swarm.driver_base import Driver
 from fedswarm.swarm.net.envelope import Dropped, Message
 from fedswarm.swarm.net.membership import View
 from fedswarm.swarm.net.payload import read_vector, vector_body

@@ -1,7 +1,7 @@
 """Report a peer's heartbeats and rounds to a dashboard (``--report URL --token``) and/or a
 run store (``--db``), without ever blocking training.
 
-Schema: ``fedswarm/web/api_ingest.py`` (``RunIn``, ``NodeIn``, ``RoundIn`` with
+Schema: ``web/routers/api/ingest.py`` (``RunIn``, ``NodeIn``, ``RoundIn`` with
 ``NodeRoundIn`` rows), authenticated with ``Authorization: Bearer TOKEN``. Every peer
 posts its own node heartbeat; a round row is unique per run, so only the *reporter* (the
 lowest live peer id) posts rounds, one round behind, with a node row for every peer whose

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from fedswarm.algorithms.decentralized import make_algorithm
-from fedswarm.swarm.drivers import Driver, renormalise
+from fedswarm.swarm.driver_base import Driver, renormalise
 from fedswarm.swarm.net.envelope import Dropped, Message
 from fedswarm.swarm.net.membership import View
 from fedswarm.swarm.net.payload import payload_body, read_payload, read_vector, vector_body

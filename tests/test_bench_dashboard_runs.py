@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fedswarm.bench.dashboard import parse_wrk
+from fedswarm.bench.dashboard_load import parse_wrk
 from fedswarm.bench.dashboard_runs import source_tree, summarize_profile
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -247,6 +247,7 @@ def test_clock_engine_trains_on_client_data_and_scores_own_models_every_eval_eve
     federated evaluation counts those rounds: rounds 2 and 4 only. Oracles: node i's round-1 loss
     is the loss of the initial model on the first minibatch of ITS OWN train split (drawn here
     by hand); its round-4 values are its own final model scored on its own validation split."""
+    import fedswarm.sim.async_clock as clock_loop
     import fedswarm.sim.async_engine as clock
     from fedswarm.config import round_seed
     from fedswarm.params import get_flat, set_flat
@@ -265,7 +266,7 @@ def test_clock_engine_trains_on_client_data_and_scores_own_models_every_eval_eve
             super().__init__(*a, **k)
             sims.append(self)
 
-    monkeypatch.setattr(clock, "task_data", no_data)
+    monkeypatch.setattr(clock_loop, "task_data", no_data)
     monkeypatch.setattr(clock, "ADPSGDSimulation", Kept)
     root, sizes = _client_dir(tmp_path)
     write_npz(root / "d.npz", *digits(slice(600, 700)))  # a fourth client: an even ring is bipartite

@@ -7,7 +7,7 @@ import pytest
 
 from fedswarm.errors import ConfigError
 from fedswarm.hyperparams import HyperParam
-from fedswarm.web.validation import ValidationFailed, check_value
+from fedswarm.web.services.validation import ValidationFailed, check_value
 
 RATIO = HyperParam("ratio", 0.01, "share kept", gt=0.0, le=1.0)
 K = HyperParam("k", 4, "count", ge=1, le=64)

@@ -30,7 +30,7 @@ from fedswarm.server.checkpoint import dumps, load_latest, loads
 from fedswarm.server.resume import prepare_resume
 from fedswarm.sim.run import run_engine
 from fedswarm.store import Store
-from fedswarm.store_liveness import owner_fields
+from fedswarm.store.liveness import owner_fields
 from fedswarm.strategies.resumable import StateError, load_strategy_state, restore, strategy_state
 from fedswarm.tasks import get_task
 from fedswarm.wire import arrayrecord_to_vector

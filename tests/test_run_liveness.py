@@ -1,6 +1,6 @@
 """A live run whose process is gone is ``lost``, for ``fedswarm runs`` as for the dashboard: the
 run records its process (pid, host, start) when it starts, and the one rule
-(:func:`fedswarm.store_liveness.lost_reason`) checks it."""
+(:func:`fedswarm.store.liveness.lost_reason`) checks it."""
 
 import contextlib
 import datetime as dt
@@ -17,7 +17,7 @@ import pytest
 
 from fedswarm.procs import process_start
 from fedswarm.store import Store, migrate
-from fedswarm.store_liveness import Heartbeat, lost_reason, owner_fields
+from fedswarm.store.liveness import Heartbeat, lost_reason, owner_fields
 from tests.helpers import wait_until
 from tests.resume_helpers import HOLD_ENV
 

@@ -22,7 +22,7 @@ from fedswarm.config import RunConfig
 from fedswarm.server.metered_grid import Traffic
 from fedswarm.server.recorder import RoundRecorder
 from fedswarm.store import NodeRound, RowConflict, Store
-from fedswarm.store_schema import NODE_ROUND_KEY
+from fedswarm.store.schema import NODE_ROUND_KEY
 
 
 @pytest.fixture(scope="module")

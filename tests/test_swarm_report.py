@@ -40,7 +40,7 @@ def ingest():
 
 
 def test_peers_report_in_the_ingest_schema(tmp_path, ingest):
-    import fedswarm.web.api_ingest as api
+    import fedswarm.web.routers.api.ingest as api
     url, posts = ingest
     peers = make_peers(tmp_path, 2, rounds=3, report_url=url, token="tok-123", run_id="swarm-t1")
     run_all(peers)

@@ -26,23 +26,33 @@ from starlette.templating import Jinja2Templates
 
 import fedswarm
 from fedswarm.store import Store, migrate
-from fedswarm.web import auth_models  # noqa: F401  (registers the web tables on Base)
-from fedswarm.web import api_admin, api_ingest, api_nodes, api_runs, docs, pages_compare, pages_misc, pages_runs
-from fedswarm.web import api_export, api_webhooks, metrics, openapi, pages_nodes
-from fedswarm.web.accounts import Accounts
+from fedswarm.web import metrics, openapi
+from fedswarm.web import tables  # noqa: F401  (registers the web tables on Base)
 from fedswarm.web.cache import ResponseCache
-from fedswarm.web.catalog import Catalog
 from fedswarm.web.deps import SESSION_COOKIE, LoginRequired, WebContext
-from fedswarm.web.federation import Federation
 from fedswarm.web.hot_reads import CachedReads
-from fedswarm.web.live import Hub
 from fedswarm.web.middleware import Edge
+from fedswarm.web.models import clean, json_depth_ok
 from fedswarm.web.ratelimit import IngestQuota, LoginThrottle
-from fedswarm.web.runs_service import RunService
-from fedswarm.web.schemas import clean, json_depth_ok
+from fedswarm.web.routers.api import admin as api_admin
+from fedswarm.web.routers.api import export as api_export
+from fedswarm.web.routers.api import ingest as api_ingest
+from fedswarm.web.routers.api import nodes as api_nodes
+from fedswarm.web.routers.api import runs as api_runs
+from fedswarm.web.routers.api import webhooks as api_webhooks
+from fedswarm.web.routers.pages import compare as pages_compare
+from fedswarm.web.routers.pages import docs
+from fedswarm.web.routers.pages import misc as pages_misc
+from fedswarm.web.routers.pages import nodes as pages_nodes
+from fedswarm.web.routers.pages import runs as pages_runs
+from fedswarm.web.services.accounts import Accounts
+from fedswarm.web.services.catalog import Catalog
+from fedswarm.web.services.federation import Federation
+from fedswarm.web.services.live import Hub
+from fedswarm.web.services.runs import RunService
+from fedswarm.web.services.webhooks import Webhooks
 from fedswarm.web.secret_box import load_box, seal_clear_secrets
 from fedswarm.web.settings import Settings
-from fedswarm.web.webhooks import Webhooks
 
 __all__ = ["create_app", "run", "proxy_options", "LOOPBACK"]
 
@@ -115,7 +125,7 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
             await ctx.hub.stop()
 
     app = FastAPI(title="fedswarm dashboard", version=fedswarm.__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None,  # /docs is served offline by fedswarm.web.docs
+                  docs_url=None, redoc_url=None,  # /docs is served offline by fedswarm.web.routers.pages.docs
                   description="Start, watch and steer federated and decentralized runs. "
                               "Authenticate with `Authorization: Bearer <token>` (an API token), or the "
                               "session cookie plus `X-CSRF-Token` on writes (never on GET, HEAD, OPTIONS); "
@@ -133,7 +143,6 @@ def create_app(db_url: str, *, runs_dir: str | Path | None = None, superlink: st
     for module in (api_runs, api_export, api_nodes, api_ingest, api_admin, api_webhooks, metrics, pages_runs,
                    pages_compare, pages_misc, pages_nodes, docs):
         app.include_router(module.router)
-    app.include_router(api_webhooks.pages)
     _install_handlers(app, ctx)
     return app
 

@@ -22,14 +22,14 @@ from starlette.templating import Jinja2Templates
 
 from fedswarm.store import Run, Store
 from fedswarm.web import security
-from fedswarm.web.accounts import Accounts, Principal
+from fedswarm.web.services.accounts import Accounts, Principal
 from fedswarm.web.cache import ResponseCache
-from fedswarm.web.catalog import Catalog
-from fedswarm.web.federation import Federation
-from fedswarm.web.live import Hub
+from fedswarm.web.services.catalog import Catalog
+from fedswarm.web.services.federation import Federation
+from fedswarm.web.services.live import Hub
 from fedswarm.web.ratelimit import IngestQuota, LoginThrottle, QuotaExceeded
-from fedswarm.web.runs_service import RunService
-from fedswarm.web.schemas import RUN_ID_PATTERN
+from fedswarm.web.services.runs import RunService
+from fedswarm.web.models import RUN_ID_PATTERN
 from fedswarm.web.secret_box import SecretBox
 from fedswarm.web.settings import Settings
 

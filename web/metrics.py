@@ -7,10 +7,10 @@ one process). What it exports:
 * ``fedswarm_runs{status}``: runs by the status a viewer sees (``lost``, ``degraded`` included);
 * ``fedswarm_rounds_recorded``: training rounds recorded in the store (round 0, the initial
   evaluation, is not a round);
-* ``fedswarm_nodes{state,device_class}``: nodes online/offline (:mod:`fedswarm.web.node_states`);
+* ``fedswarm_nodes{state,device_class}``: nodes online/offline (:mod:`fedswarm.web.services.node_states`);
 * ``fedswarm_ingest_requests_total{route}`` and ``fedswarm_ingest_rejections_total{reason}``:
   calls to ``/api/ingest`` and the ones refused, by reason
-  (:data:`fedswarm.web.api_ingest.REJECTION_REASONS`), counted where the refusal is answered
+  (:data:`fedswarm.web.routers.api.ingest.REJECTION_REASONS`), counted where the refusal is answered
   (also the body caps and anonymous writes refused before routing);
 * ``fedswarm_http_request_duration_seconds{method,route}``: time to the response's first byte,
   by route template (``/api/runs/{run_id}``; never a raw URL), and
@@ -43,14 +43,14 @@ from sqlalchemy import func, select
 from starlette.routing import Match
 
 from fedswarm.store import Round, Run
-from fedswarm.web import schemas
-from fedswarm.web.accounts import Principal
-from fedswarm.web.api_ingest import REJECTION_REASONS
+from fedswarm.web import models
+from fedswarm.web.services.accounts import Principal
+from fedswarm.web.routers.api.ingest import REJECTION_REASONS
 from fedswarm.web.cache import breathe
 from fedswarm.web.deps import require_reader
-from fedswarm.web.node_states import node_state_counts
-from fedswarm.web.queries import stats_for
-from fedswarm.web.run_state import LIVE_STATUSES, Health, lost_reason, shown_status
+from fedswarm.web.services.node_states import node_state_counts
+from fedswarm.web.services.queries import stats_for
+from fedswarm.web.services.run_state import LIVE_STATUSES, Health, lost_reason, shown_status
 
 __all__ = ["Metrics", "RouteTemplates", "router", "run_status_counts", "leaf_routes"]
 
@@ -63,8 +63,8 @@ router = APIRouter()
 
 def run_status_counts(s, timeout_s: float) -> dict[str, int]:
     """Runs by display status: stored counts, live runs checked for ``lost``, finished runs for
-    ``degraded``/``failed`` (the rules of :mod:`fedswarm.web.run_state`)."""
-    out = {st: 0 for st in schemas.DISPLAY_STATUSES}
+    ``degraded``/``failed`` (the rules of :mod:`fedswarm.web.services.run_state`)."""
+    out = {st: 0 for st in models.DISPLAY_STATUSES}
     for status, n in s.execute(select(Run.status, func.count()).group_by(Run.status)).all():
         if status not in LIVE_STATUSES and status != "finished":
             out[status] = out.get(status, 0) + int(n)
@@ -240,7 +240,7 @@ class RouteTemplates:
 
 @router.get("/metrics", response_class=Response, tags=["meta"],
             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"},
-                       401: {"model": schemas.Message}, 403: {"model": schemas.Message}})
+                       401: {"model": models.Message}, 403: {"model": models.Message}})
 async def metrics(request: Request, _: Principal = Depends(require_reader)) -> Response:
     """Prometheus metrics (text format 0.0.4): runs by shown status, rounds recorded, nodes by
     state and device class, ingest requests and rejections by reason, HTTP latency by route

@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from sqlalchemy import select, update
 
 from fedswarm.store import Store
-from fedswarm.store_schema import Webhook
+from fedswarm.store.schema import Webhook
 
 __all__ = ["KEY_ENV", "KEY_FILE_ENV", "SecretBox", "SecretKeyError", "SecretUnavailable", "default_key_file",
            "load_box", "reseal_all", "seal_clear_secrets"]

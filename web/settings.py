@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedswarm.store import to_url
-from fedswarm.store_liveness import REPORT_TIMEOUT_S
+from fedswarm.store.liveness import REPORT_TIMEOUT_S
 
 __all__ = ["Settings"]
 
@@ -54,7 +54,7 @@ class Settings:
     ingest_bytes_per_hour: int = 512_000_000
     nodes_per_token: int = 10_000
     token_days: float = 90.0  # default lifetime of a new API token
-    # Webhooks (fedswarm.web.webhooks): how often the store is checked for events, the wait
+    # Webhooks (fedswarm.web.services.webhooks): how often the store is checked for events, the wait
     # before the first retry (doubled each time), attempts before giving up, and the
     # receiver's time to answer.
     webhook_poll_s: float = 2.0

@@ -45,7 +45,6 @@ import datetime as dt
 import logging
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +52,7 @@ from typing import Callable
 
 import torch
 
+from fedswarm.bench.arms import scratch_store
 from fedswarm.bench.papers import decentralized as dec
 from fedswarm.bench.papers import federated as fed
 from fedswarm.bench.papers import hl as hl_claim
@@ -181,25 +181,19 @@ CLAIMS: list[Claim] = [
 def run_claims(scale: Scale, only: list[str] | None = None, progress: Callable[[str], None] = print
                ) -> list[tuple[Claim, Measured]]:
     """Measure the claims (all, or the ids in ``only``) at ``scale``."""
-    from fedswarm.store import Store
-
     known = {c.id for c in CLAIMS}
     if only and set(only) - known:
         raise ValueError(f"unknown claim id(s) {sorted(set(only) - known)} (known: {sorted(known)})")
     chosen = [c for c in CLAIMS if not only or c.id in only]
     out = []
-    with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "papers.db")
-        try:
-            fl = fed.FLRunner(store, scale)
-            for i, c in enumerate(chosen, 1):
-                t0 = time.perf_counter()
-                progress(f"[{i}/{len(chosen)}] {c.id}: {c.title} ...")
-                m = c.measure(fl) if c.kind == "fl" else c.measure(scale)
-                progress(f"    {verdict(m.checks)}: {m.ours} ({time.perf_counter() - t0:.0f} s)")
-                out.append((c, m))
-        finally:
-            store.close()
+    with scratch_store("papers.db") as store:
+        fl = fed.FLRunner(store, scale)
+        for i, c in enumerate(chosen, 1):
+            t0 = time.perf_counter()
+            progress(f"[{i}/{len(chosen)}] {c.id}: {c.title} ...")
+            m = c.measure(fl) if c.kind == "fl" else c.measure(scale)
+            progress(f"    {verdict(m.checks)}: {m.ours} ({time.perf_counter() - t0:.0f} s)")
+            out.append((c, m))
     return out
 
 

@@ -10,8 +10,6 @@ decentralized``. Gossip runs go through :func:`gossip_arm`, which runs the array
 from __future__ import annotations
 
 import math
-import tempfile
-from pathlib import Path
 
 
 from fedswarm.bench.papers.report import Check, Measured, seed_stats
@@ -116,8 +114,7 @@ def dpsgd_vs_centralized(s) -> Measured:
 def adpsgd_straggler(s) -> Measured:
     """Lian et al. 2018: with a 10x straggler AD-PSGD reaches a target accuracy sooner than
     D-PSGD, which waits for the slowest node every iteration."""
-    from fedswarm.sim.async_engine import run_async
-    from fedswarm.store import Store
+    from fedswarm.bench.arms import run_arm, scratch_store
 
     ipe = iters_per_epoch()
     iters = s.dec_epochs * ipe
@@ -125,17 +122,8 @@ def adpsgd_straggler(s) -> Measured:
     ring = gossip_arm("dpsgd", {}, iters, topology="ring", eval_every=1)
     step_s = gossip_round_time_s(profiles, [2] * NODES, 4.0 * ring["d"], BATCH, overlap=True)
     t_ring = [i * step_s for i in ring["iters"]]
-    with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "papers.db")
-        try:
-            cfg = _cfg("adpsgd", 0, rounds=iters, devices=STRAGGLER)
-            rid = store.create_run(cfg.model_dump(), name="bench-papers adpsgd")
-            status = run_async(cfg, store=store, run_id=rid)
-            if status != "finished":
-                raise RuntimeError(f"adpsgd run ended {status}")
-            rounds = store.export_result(rid)["rounds"]
-        finally:
-            store.close()
+    with scratch_store("papers.db") as store:  # AD-PSGD timed by the clock: run_arm's engine is the virtual clock
+        rounds = run_arm(_cfg("adpsgd", 0, rounds=iters, devices=STRAGGLER), store, name="bench-papers adpsgd").rounds
     t, t_a, acc_a = 0.0, [], []
     for r in rounds:
         t += r["sim_time_s"] or 0.0

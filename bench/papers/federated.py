@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from fedswarm.bench.arms import bytes_up_curve, run_arm
 from fedswarm.bench.papers.report import Check, Measured, seed_stats
 from fedswarm.config import RunConfig
 from fedswarm.store import Store
@@ -74,8 +75,6 @@ class FLRunner:
         self._cache: dict[str, dict] = {}
 
     def run(self, task: str, strategy: str, params: dict, *, seed: int, rounds: int, **kw: Any) -> dict:
-        from fedswarm.sim.run import run_engine
-
         setting = dict(task=task, clients=self.s.fl_clients, partition="iid", batch_size=16, lr=0.05,
                        momentum=0.9, local_epochs=1)
         setting.update(kw)
@@ -84,15 +83,9 @@ class FLRunner:
         key = json.dumps(cfg.model_dump(), sort_keys=True, default=str)
         if key in self._cache:
             return self._cache[key]
-        rid = self.store.create_run(cfg.model_dump(), name=f"bench-papers {strategy}")
-        status = run_engine(cfg, store=self.store, run_id=rid)
-        if status != "finished":
-            raise RuntimeError(f"{strategy} on {task} ended {status}: {self.store.get_run(rid).error}")
-        rows = [r for r in self.store.export_result(rid)["rounds"] if r["round"] > 0]
-        up, curve = 0, []
-        for r in rows:
-            up += r["bytes_up"] or 0
-            curve.append([up, r["test_accuracy"]])
+        rows = run_arm(cfg, self.store, name=f"bench-papers {strategy} on {task}").trained_rounds
+        curve = bytes_up_curve(rows)
+        up = curve[-1][0]
         out = {"strategy": strategy, "params": params, "task": task, "engine": cfg.engine, "seed": seed,
                "rounds": rounds,
                "final_acc": rows[-1]["test_accuracy"], "bytes_up": up,

@@ -40,7 +40,7 @@ def runs(
     runs = store.list_runs(limit)
     rows = [store.export_result(r.id) for r in runs]
     if as_json:
-        from fedswarm.store_liveness import lost_reason
+        from fedswarm.store.liveness import lost_reason
 
         why = [lost_reason(r) for r in runs]  # read once: status and reason agree
         print(json.dumps([{"run_id": r["run_id"], "status": "lost" if w else run.status, "lost_reason": w,

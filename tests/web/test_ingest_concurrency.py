@@ -202,7 +202,7 @@ def _real_load(db_url: str, tmp_path) -> None:
     """20 reporters x 4 s (at least 2 rounds each) through a real dashboard process; exactly
     once, no 5xx."""
     from fedswarm.bench.ingest import ADMIN_PW, check, count_stored, start_dashboard
-    from fedswarm.bench.dashboard import _stop
+    from fedswarm.bench.dashboard_load import _stop
     from fedswarm.bench.ingest_load import issue_tokens, login, run_load
 
     proc, url = start_dashboard(db_url, tmp_path / "dashboard.log")

@@ -113,7 +113,7 @@ def test_pause_resume_add_rounds_stop(app, admin, monkeypatch):
 
 
 def test_force_stop_terminates_the_process(app, admin, monkeypatch):
-    from fedswarm.web.launcher import pid_alive
+    from fedswarm.web.services.launcher import pid_alive
 
     monkeypatch.setenv("FAKE_ROUND_S", "0.5")
     rid = _start(admin, rounds=100)

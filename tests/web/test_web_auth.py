@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi.testclient import TestClient
 from sqlalchemy import select, text
 
-from fedswarm.web.auth_models import ApiToken, User
+from fedswarm.web.tables import ApiToken, User
 from dashboard_helpers import ADMIN_PW, bearer, login, make_token
 
 WRITES = [

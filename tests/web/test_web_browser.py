@@ -78,7 +78,7 @@ def _rounds_and_controls(db, rid: str) -> tuple[list[tuple[int, object]], dict[s
     from sqlalchemy import select
 
     from fedswarm.store import Store
-    from fedswarm.store_schema import Control
+    from fedswarm.store.schema import Control
 
     store = Store(db)
     try:
@@ -197,7 +197,7 @@ def test_viewer_sees_no_controls(page, tmp_path):
         import httpx
 
         from fedswarm.store import Store
-        from fedswarm.web.accounts import Accounts
+        from fedswarm.web.services.accounts import Accounts
 
         Accounts(Store(server.db)).create_user("vic", "vic-password", "viewer")
         page.goto(server.url + "/login")
@@ -222,7 +222,7 @@ def _ingest(url: str, token: str, path: str, body: dict) -> int:
 
 def _reporter_token(server) -> str:
     from fedswarm.store import Store
-    from fedswarm.web.accounts import Accounts
+    from fedswarm.web.services.accounts import Accounts
 
     store = Store(server.db)
     try:

@@ -7,7 +7,7 @@ import asyncio
 
 from dashboard_helpers import bearer, make_token
 
-from fedswarm.web import api_runs
+from fedswarm.web.routers.api import runs as api_runs
 from fedswarm.web.cache import Answer, ResponseCache
 
 

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from dashboard_helpers import ADMIN_PW, bearer, login, make_token
 from fleet_seed import DEPLOY_RUN, LIVE_NODES, SIM_RUNS, age_node, record_round, seed_fleet
 from fedswarm.store import Node, NodeRound
-from fedswarm.web.fleet import natural_key
+from fedswarm.web.services.fleet import natural_key
 
 HERE = Path(__file__).resolve().parent
 
@@ -96,7 +96,7 @@ def test_superlink_view_decides_reachability(make_app, tmp_path, monkeypatch):
         {"node-id": LIVE_NODES[0], "owner-name": "pi-1", "status": "offline", "offline-at": "2026-01-02 03:04:05Z"},
         {"node-id": 4242, "owner-name": "pi-2", "status": "online", "online-at": "2026-01-02 01:00:00Z"},
         {"node-id": 8, "status": "registered"}, {"node-id": 9, "status": "unregistered"}]))
-    monkeypatch.setattr("fedswarm.web.api_nodes.SUPERNODES_MAX_AGE_S", 3600.0)
+    monkeypatch.setattr("fedswarm.web.routers.api.nodes.SUPERNODES_MAX_AGE_S", 3600.0)
     app = make_app(superlink="lab")
     app.state.ctx.federation.flwr = [sys.executable, str(HERE / "fake_flwr.py")]
     seed_fleet(app.state.ctx.store, rounds=1)

@@ -12,7 +12,7 @@ import httpx
 
 from dashboard_helpers import ADMIN_PW, start_server, wait_for
 from fedswarm.store import Store
-from fedswarm.web.launcher import pid_alive
+from fedswarm.web.services.launcher import pid_alive
 
 
 def _login(url: str) -> httpx.Client:

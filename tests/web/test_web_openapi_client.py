@@ -16,7 +16,7 @@ from openapi_spec_validator import validate
 
 from dashboard_helpers import start_server
 from fedswarm.store import Store
-from fedswarm.web.accounts import Accounts
+from fedswarm.web.services.accounts import Accounts
 
 SAFE = {"get", "head", "options"}
 

@@ -11,7 +11,7 @@ import tomllib
 from fastapi.testclient import TestClient
 
 from dashboard_helpers import ADMIN_PW, HERE, login, wait_for
-from fedswarm.web.launcher import to_toml
+from fedswarm.web.services.launcher import to_toml
 
 
 def _csrf(client) -> str:

@@ -18,11 +18,11 @@ from sqlalchemy import select
 
 from dashboard_helpers import ADMIN_PW, bearer, login, make_token
 from fedswarm.store import Store
-from fedswarm.store_schema import Webhook, WebhookDelivery
+from fedswarm.store.schema import Webhook, WebhookDelivery
 from fedswarm.web.app import create_app
 from fedswarm.web.secret_box import SecretKeyError, SecretUnavailable, load_box
 from fedswarm.web.settings import Settings
-from fedswarm.web.webhooks import Webhooks
+from fedswarm.web.services.webhooks import Webhooks
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "a-test-secret-of-some-length"

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from dashboard_helpers import ADMIN_PW, bearer, login, make_token, wait_for
 from fedswarm.store import Store
-from fedswarm.web.auth_models import ApiToken
+from fedswarm.web.tables import ApiToken
 
 
 def test_web_starts_only_registered_tasks_and_uploaded_files(app, admin):
@@ -229,7 +229,7 @@ def test_status_reason_and_error_read_liveness_once(app, admin, monkeypatch):
         calls.append(pid)
         return len(calls) == 1  # alive at the first read of each answer, dead after
 
-    monkeypatch.setattr("fedswarm.store_liveness.pid_alive", alive_then_dead)
+    monkeypatch.setattr("fedswarm.store.liveness.pid_alive", alive_then_dead)
     for path in (f"/api/runs/{rid}", "/api/runs"):
         app.state.ctx.cache.clear()
         calls.clear()

@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from dashboard_helpers import ADMIN_PW, bearer, login, make_token, wait_for
-from fedswarm.web.webhooks import EVENTS
+from fedswarm.web.services.webhooks import EVENTS
 
 FAST = dict(webhook_poll_s=0.05, webhook_backoff_s=0.05, webhook_timeout_s=5.0)
 SECRET = "a-test-secret-of-some-length"
