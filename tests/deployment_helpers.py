@@ -61,16 +61,21 @@ class Deployment:
         self.procs.append(p)
         return p
 
-    def start(self, num_nodes: int, devices: list[str | None] | None = None) -> None:
-        """The SuperLink, then ``num_nodes`` SuperNodes; ``devices[i]``: node i's ``--device``."""
+    def superlink_command(self) -> list[str]:
+        """The ``flower-superlink`` command line of this deployment (tests/test_flower_options.py
+        holds its options to what the installed Flower accepts and does not deprecate)."""
         if self.pki is None:
             security = ["--insecure"]
         else:
             security = ["--ssl-ca-certfile", str(self.pki / "ca.pem"),
                         "--ssl-certfile", str(self.pki / "superlink" / "server.pem"),
                         "--ssl-keyfile", str(self.pki / "superlink" / "server.key"), "--enable-supernode-auth"]
-        self._spawn([str(BIN / "flower-superlink"), *security, "--host", "127.0.0.1", "--port", str(self.port),
-                     "--database", str(self.tmp / "state.db"), "--disable-runtime-dependency-installation"])
+        return [str(BIN / "flower-superlink"), *security, "--host", "127.0.0.1", "--port", str(self.port),
+                "--database", str(self.tmp / "state.db"), "--disable-runtime-dependency-installation"]
+
+    def start(self, num_nodes: int, devices: list[str | None] | None = None) -> None:
+        """The SuperLink, then ``num_nodes`` SuperNodes; ``devices[i]``: node i's ``--device``."""
+        self._spawn(self.superlink_command())
         wait_until(lambda: port_open("127.0.0.1", self.port), 60, interval=0.2, what="the SuperLink listening")
         if self.pki is not None:  # the operator registers the nodes' public keys
             for i in range(num_nodes):

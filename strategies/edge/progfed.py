@@ -274,7 +274,8 @@ class ProgFed(ReportsRounds, FedAvg):
                 if rnd > 0:
                     self.evaluate_stage(arrayrecord_to_vector(arrays, self.d))
                 return evaluate_fn(rnd, arrays)
-        result = super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, wrapped)
+        result = super().start(grid, initial_arrays, num_rounds=num_rounds, timeout=timeout, train_config=train_config,
+                               evaluate_config=evaluate_config, evaluate_fn=wrapped)
         self._done = self._base + num_rounds
         return result
 

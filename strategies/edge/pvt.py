@@ -193,7 +193,8 @@ class PartialVariableTraining(ReportsRounds, FedAvg):
         """Flower's round loop; a recorder passed as ``evaluate_fn`` gets each round's
         ``coverage`` (share of parameters some client trained) through its ``note``."""
         self.bind_notes(evaluate_fn)
-        return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
+        return super().start(grid, initial_arrays, num_rounds=num_rounds, timeout=timeout, train_config=train_config,
+                             evaluate_config=evaluate_config, evaluate_fn=evaluate_fn)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:

@@ -168,7 +168,8 @@ class CompressedStrategy(ReportsRounds, Strategy):
         self._timeout = timeout
         self.bind_notes(evaluate_fn)
         self._ensure_model(initial_arrays)
-        return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
+        return super().start(grid, initial_arrays, num_rounds=num_rounds, timeout=timeout, train_config=train_config,
+                             evaluate_config=evaluate_config, evaluate_fn=evaluate_fn)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:

@@ -68,7 +68,8 @@ class DPFedAvg(ReportsRounds, SamplesAfterWait, FedAvg):
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn=None) -> Result:
         self.bind_notes(evaluate_fn)
-        return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
+        return super().start(grid, initial_arrays, num_rounds=num_rounds, timeout=timeout, train_config=train_config,
+                             evaluate_config=evaluate_config, evaluate_fn=evaluate_fn)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:

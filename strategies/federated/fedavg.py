@@ -30,7 +30,8 @@ class CheckedFedAvg(ReportsRounds, SamplesAfterWait, FedAvg):
     def start(self, grid, initial_arrays, num_rounds=3, timeout=3600, train_config=None, evaluate_config=None,
               evaluate_fn=None):
         self.bind_notes(evaluate_fn)
-        return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn)
+        return super().start(grid, initial_arrays, num_rounds=num_rounds, timeout=timeout, train_config=train_config,
+                             evaluate_config=evaluate_config, evaluate_fn=evaluate_fn)
 
     def configure_train(self, server_round, arrays, config, grid):
         self._d = arrayrecord_to_vector(arrays).numel()
