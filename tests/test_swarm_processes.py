@@ -134,6 +134,13 @@ def test_killed_peer_costs_neighbours_an_exchange_and_restarts_from_its_checkpoi
         procs[victim].wait()
         killed_at = _round(pdirs[victim])
         survivors_at_kill = {i: _round(d) for i, d in enumerate(pdirs) if i != victim}
+        # the survivors' failure detector removes it (remove_after heartbeats of silence) before it
+        # comes back: waited for in their logs, not left to how long a restart takes
+        gone = f"peer {ids[victim][:8]} removed"
+        dead = procs.pop(victim)  # its exit is expected now: running() checks the survivors
+        wait_until(running(lambda: all(gone in (pdirs[i] / "peer.log").read_text() for i in survivors_at_kill)),
+                   60, interval=0.1, what="the survivors removing the killed peer")
+        assert dead.poll() is not None
         # restarted on a new port: the survivors learn it from its higher incarnation's gossip
         cmd = peer_command(spec, victim, 0, join, allow, pdirs[victim])
         cmd[cmd.index("--min-peers") + 1] = "1"
