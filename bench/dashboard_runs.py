@@ -40,7 +40,7 @@ _PASSWORD = "bench-password-1"
 def viewer_token(db: str) -> str:
     """A viewer token (reads only, as a watching operator's) in the store at ``db``."""
     from fedswarm.store import Store
-    from fedswarm.web import auth_models  # noqa: F401  (creates the token table with the store)
+    from fedswarm.web import tables  # noqa: F401  (creates the token table with the store)
     from fedswarm.web.services.accounts import Accounts
 
     store = Store(db)
