@@ -63,7 +63,6 @@ VARIANTS = ("plain", "now")  # measured in this order on each endpoint
 _SERVE = ("import sys, uvicorn; from fedswarm.web.app import create_app; "
           "now = sys.argv[4] == 'now'; "
           "app = create_app(sys.argv[1], admin_password='bench-password-1', catalog_cmd=['true'], "
-          "secret_key_file=sys.argv[1] + '.secret-key', "  # beside the bench's store, not the user's key file
           "poll_interval_s=float(sys.argv[3]), freeze_gc=now, cached_reads=now); "
           "uvicorn.run(app, host='127.0.0.1', port=int(sys.argv[2]), log_level='warning', "
           "timeout_graceful_shutdown=2, proxy_headers=False)")  # as `fedswarm dashboard` without --behind-proxy
@@ -75,7 +74,11 @@ def _start_server(db: str, poll_s: float, variant: str = "now",
     (:func:`fedswarm.bench.dashboard_runs.source_tree`), another checkout's code."""
     port = _free_port()
     pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
-    env = {**os.environ, "PYTHONPATH": str(tree)} if tree is not None else None
+    # the webhook key file beside the bench's store, not the user's; an environment variable, not an
+    # argument, so that a checkout from before sealed secrets (FEDSWARM_BENCH_BEFORE) starts too
+    env = {**os.environ, "FEDSWARM_SECRET_KEY_FILE": db + ".secret-key"}
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
     proc = subprocess.Popen([sys.executable, "-c", _SERVE, db, str(port), str(poll_s), variant],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=pin, env=env,
                             cwd=str(tree) if tree is not None else None)
