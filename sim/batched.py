@@ -48,7 +48,6 @@ time model's simulated seconds (rows carry ``sim_time_s = null``).
 
 from __future__ import annotations
 
-import json
 import random
 from typing import Any, Callable
 
@@ -69,8 +68,8 @@ from fedswarm.sim.batched_memory import available_ram, default_memory_budget, pa
 from fedswarm.sim.batched_compressed import CompressedRounds, GTopKRounds
 from fedswarm.sim.batched_progfed import ProgFedRounds
 from fedswarm.sim.batched_pvt import PVTRounds
-from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ByteCounter, Meter, add_client, reject_diverged,
-                                        round_schedule)
+from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ByteCounter, Meter, add_client, add_clients, cohort_rows,
+                                        cohort_schedule, reject_diverged, round_schedule)
 from fedswarm.sim.batched_sketched import SketchRounds
 from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
 from fedswarm.store import Store
@@ -185,7 +184,7 @@ class FedAvgRounds:
         self.model = model
         self.notes = notes  # the recorder: a diverged client's reply is rejected there
         self.counter = ByteCounter(run.train_config)
-        self.all_nodes = list(range(1, run.cfg.clients + 1))
+        self.all_nodes = range(1, run.cfg.clients + 1)  # random.sample draws from a range as from the list
         # --dp: the mechanism fedavg's DPFedAvg strategy object holds, calibrated once for the run
         self.dp = run.strategy().dp if run.cfg.dp else None
 
@@ -287,49 +286,54 @@ def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, 
     FedAvg, leaving out the clients that diverged: their replies are rejected), count the
     bytes of every client's message and reply. With ``dp`` (a
     :class:`~fedswarm.algorithms.privacy.dp_fedavg.ClientLevelDP`), DP-FedAvg instead: the
-    mean of the clipped changes plus its Gaussian noise, the round's DP figures in its row."""
+    mean of the clipped changes plus its Gaussian noise, the round's DP figures in its row.
+
+    The bookkeeping is arrays over the cohort (:func:`cohort_schedule`,
+    :meth:`ByteCounter.cohort_sizes`, :func:`add_clients`): no Python work per client but the
+    per-node rows, kept only up to ``NODE_ROWS_MAX`` clients."""
     cfg, trainer = run.cfg, run.trainer
-    sched, classes, pols = round_schedule(cfg, sample, run.train_config, run.n_examples, server_round)
+    cohort = cohort_schedule(cfg, sample, run.train_config, run.n_examples, server_round)
+    sched = cohort.sched
     total = len(sample)
     acc = WeightedSum(trainer.layout.d)  # FedAvg's aggregate, as the Flower strategy's; with dp, the clipped sum
     loss_sum = 0.0
-    arrays = vector_to_arrayrecord(global_vec)
-    traffic = Traffic()
     record_nodes = total <= NODE_ROWS_MAX
-    node_rows: list[dict] | None = [] if record_nodes else None
-    policy_json: dict[str, str] = {}  # one dumps per class (a class's clients share its policy), not per client
-    for c, p in zip(classes, pols):
-        if c not in policy_json:
-            policy_json[c] = json.dumps(p, sort_keys=True)
     weights = trainer.num_examples(sched.partitions).to(torch.float32)  # FedAvg weighs by num-examples
     within = [0]
     if dp is not None:
         dp.before_round()
     kept = total
-    for rows, part_sum, loss, n, loss_wsum, diverged in trainer.average(
+    losses: list[torch.Tensor] = []
+    rejected: dict[int, torch.Tensor] = {}
+    for rows, part_sum, loss, _n, loss_wsum, diverged in trainer.average(
             global_vec, sched, weights, momentum=cfg.momentum, chunk_size=run.chunk_size,
             memory_budget=run.memory_budget, on_chunk=run.progress(total), per_client_loss=record_nodes,
             clip=None if dp is None else dp.clip, within=within):
         acc.add_sum(part_sum, float(weights[rows].sum()) - sum(float(weights[i]) for i in diverged))
         kept -= len(diverged)
         loss_sum += loss_wsum
-        n_list = n.tolist()
-        loss_list = loss.tolist() if loss is not None else [0.0] * len(n_list)  # sizes: any float is 8 bytes
-        steps_list = sched.steps[rows].tolist()
-        for j, i in enumerate(range(rows.start, rows.stop)):
-            node_id = sample[i]
-            # the reply's size depends on the model's length, not its values
-            down, up = counter.sizes(arrays, global_vec, node_id, node_id - 1, n_list[j], steps_list[j],
-                                     loss_list[j], classes[i], policy_json[classes[i]], server_round)
-            add_client(traffic, node_rows, node_id, up, down, n_list[j], loss_list[j], classes[i], pols[i])
-            if i in diverged:
-                reject_diverged(notes, node_rows, node_id, diverged[i], n_list[j])
+        if loss is not None:
+            losses.append(loss)
+        rejected.update(diverged)
+    # the bytes: one measured message and reply per size key (the reply's size depends on the model's length,
+    # not its values, and any float loss is 8 bytes)
+    n_all = run.n_examples[sched.partitions.numpy()]
+    down, up = counter.cohort_sizes(vector_to_arrayrecord(global_vec), global_vec, np.asarray(sample), n_all,
+                                    sched.steps.numpy(), cohort, server_round)
+    traffic = Traffic()
+    add_clients(traffic, sample, up, down)
+    node_rows: list[dict] = []
+    if record_nodes:
+        loss_list = torch.cat(losses).tolist() if losses else [0.0] * total
+        node_rows = cohort_rows(sample, up, down, n_all.tolist(), loss_list, cohort.classes(), cohort.policies())
+    for i in sorted(rejected):
+        reject_diverged(notes, node_rows if record_nodes else None, sample[i], rejected[i], int(n_all[i]), row=i)
     run.meter.traffic = traffic
     if acc.weight == 0:  # every client diverged: the model stays
-        return global_vec, {"train_loss": None, "num_clients": total}, node_rows or []
+        return global_vec, {"train_loss": None, "num_clients": total}, node_rows
     row = {"train_loss": loss_sum / acc.weight, "num_clients": total}
     if dp is None:
-        return acc.mean(), row, node_rows or []
+        return acc.mean(), row, node_rows
     mean, metrics = dp.noised_mean(acc.total, within[0], kept)
     row.update(metrics)
-    return global_vec + mean, row, node_rows or []
+    return global_vec + mean, row, node_rows

@@ -4,7 +4,9 @@ them), and the bytes of the real messages (:class:`ByteCounter`, :class:`Meter`)
 
 from __future__ import annotations
 
-from collections import defaultdict
+import functools
+import json
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 from uuid import uuid4
 
@@ -22,7 +24,8 @@ from fedswarm.wire import vector_to_arrayrecord
 
 __all__ = ["ClientMemory", "NodeIds", "Meter", "ByteCounter", "round_schedule", "strategy_round", "varint_len",
            "make_reply", "reply_size", "mark_rejected", "reject_diverged", "NODE_ROWS_MAX",
-           "add_client"]
+           "add_client", "add_clients", "cohort_rows", "cohort_schedule", "CohortSchedule", "round_seeds",
+           "varint_lens"]
 
 
 class ClientMemory(dict):
@@ -97,27 +100,109 @@ def varint_len(n: int) -> int:
     return max(1, (int(n).bit_length() + 6) // 7)
 
 
+def varint_lens(values) -> np.ndarray:
+    """:func:`varint_len` of every entry of ``values`` (non-negative integers) at once."""
+    x = np.asarray(values, dtype=np.int64)
+    out = np.ones(x.shape, dtype=np.int64)
+    for j in range(1, 9):  # one more byte for every 7 bits past the first 7 (at most 9 bytes)
+        out += x >= (1 << (7 * j))
+    return out
+
+
+def add_clients(traffic: Traffic, node_ids: Sequence[int], up: np.ndarray, down: np.ndarray) -> None:
+    """:func:`add_client`'s bytes of a whole cohort at once (``up``/``down``: int arrays in
+    the order of ``node_ids``); the per-node rows are :func:`cohort_rows`'."""
+    traffic.bytes_down += int(down.sum())
+    traffic.bytes_up += int(up.sum())
+    ids = [int(i) for i in node_ids] if not isinstance(node_ids, list) else node_ids
+    if not traffic.node_down and not traffic.node_up and len(set(ids)) == len(ids):
+        traffic.node_down.update(zip(ids, down.tolist()))
+        traffic.node_up.update(zip(ids, up.tolist()))
+        return
+    for node, d, u in zip(ids, down.tolist(), up.tolist()):
+        traffic.node_down[node] += d
+        traffic.node_up[node] += u
+
+
+def cohort_rows(node_ids: Sequence[int], up: np.ndarray, down: np.ndarray, n: Sequence[int],
+                loss: Sequence[float], classes: Sequence[str], policies: Sequence[dict]) -> list[dict]:
+    """The cohort's per-node rows, as :func:`add_client` writes them one by one."""
+    return [{"node_id": str(i), "bytes_up": u, "bytes_down": d, "num_examples": k, "train_loss": lo,
+             "device_class": c, "policy": p}
+            for i, u, d, k, lo, c, p in zip(node_ids, up.tolist(), down.tolist(), n, loss, classes, policies)]
+
+
 def round_schedule(cfg: RunConfig, node_ids: list[int], train_config: ConfigRecord, n_examples: np.ndarray,
                    server_round: int) -> tuple[ClientSchedule, list[str], list[dict]]:
     """Each sampled node's local-SGD arguments, read from its device class's policy the
-    way :func:`fedswarm.local.prepare_local` reads them."""
-    pids = np.asarray(node_ids, dtype=np.int64) - 1
-    classes = [DEFAULT_CLASS] * len(pids)
-    if cfg.devices:  # device_class_of's reading of --devices, parsed once for all nodes
-        from fedswarm.timemodel import parse_devices
+    way :func:`fedswarm.local.prepare_local` reads them: :func:`cohort_schedule`'s, with
+    each node's device class and policy as lists."""
+    cohort = cohort_schedule(cfg, node_ids, train_config, n_examples, server_round)
+    return cohort.sched, cohort.classes(), cohort.policies()
 
-        every = parse_devices(cfg.devices, cfg.clients)
-        classes = [every[p] for p in pids.tolist()]
-    per_class: dict[str, dict] = {c: policy_for(train_config, c) for c in set(classes)}
+
+@dataclass
+class CohortSchedule:
+    """A round's schedule as arrays over the cohort: the trainer's :class:`ClientSchedule`, and
+    each node's device class as an index ``class_of [K]`` into the round's distinct classes
+    (``class_names``, their policies ``class_policies``)."""
+
+    sched: ClientSchedule
+    class_names: list[str]
+    class_of: np.ndarray
+    class_policies: list[dict]
+
+    def classes(self) -> list[str]:
+        """Each node's device class (a list over the cohort, built without a Python loop)."""
+        return _pick(self.class_names, self.class_of)
+
+    def policies(self) -> list[dict]:
+        """Each node's policy (the same dict object for the nodes of one class)."""
+        return _pick(self.class_policies, self.class_of)
+
+
+def _pick(values: list, index: np.ndarray) -> list:
+    if len(values) == 1:
+        return values * len(index)
+    table = np.empty(len(values), dtype=object)
+    table[:] = values
+    return table[index].tolist()
+
+
+@functools.lru_cache(maxsize=4)
+def _device_classes(spec: str, clients: int) -> tuple[list[str], np.ndarray]:
+    """``--devices`` read once per run as (distinct classes, each partition's index into them)."""
+    from fedswarm.timemodel import parse_devices
+
+    names, codes = np.unique(np.asarray(parse_devices(spec, clients), dtype=object).astype(str), return_inverse=True)
+    return [str(n) for n in names], codes.astype(np.int32)
+
+
+def round_seeds(seed: int, server_round: int, pids: np.ndarray) -> np.ndarray:
+    """:func:`fedswarm.local.round_seed` of every partition in ``pids`` at once (int64)."""
+    modulus = 2**31 - 1
+    base = round_seed(seed, server_round, 0)  # (seed * a + round * b) mod m, then + pid mod m: the same residue
+    return (np.int64(base) + np.asarray(pids, dtype=np.int64) % modulus) % modulus
+
+
+def cohort_schedule(cfg: RunConfig, node_ids, train_config: ConfigRecord, n_examples: np.ndarray,
+                    server_round: int) -> CohortSchedule:
+    """:func:`round_schedule` as arrays: one policy read per distinct device class, every
+    per-node value (steps, batch size, lr, round seed) computed over the cohort at once."""
+    pids = np.asarray(node_ids, dtype=np.int64) - 1
+    if cfg.devices:  # device_class_of's reading of --devices, parsed once per run
+        every_name, every_code = _device_classes(cfg.devices, cfg.clients)
+        used, class_of = np.unique(every_code[pids], return_inverse=True)
+        names = [every_name[c] for c in used.tolist()]
+    else:
+        names, class_of = [DEFAULT_CLASS], np.zeros(len(pids), dtype=np.int64)
+    class_of = class_of.astype(np.int64).reshape(-1)
+    pols = [policy_for(train_config, c) for c in names]
     steps = np.empty(len(pids), dtype=np.int64)
     bss = np.empty(len(pids), dtype=np.int64)
     lrs = np.empty(len(pids), dtype=np.float32)
-    by_class: dict[str, list[int]] = defaultdict(list)
-    for i, c in enumerate(classes):
-        by_class[c].append(i)
-    for c, members in by_class.items():
-        pol = per_class[c]
-        m = np.asarray(members)
+    for code, pol in enumerate(pols):
+        m = class_of == code if len(pols) > 1 else slice(None)
         bs = int(pol.get("batch_size", cfg.batch_size))
         fixed = pol.get("local_steps", None if "local_epochs" in pol else cfg.local_steps)
         epochs = int(pol.get("local_epochs", cfg.local_epochs))
@@ -125,10 +210,10 @@ def round_schedule(cfg: RunConfig, node_ids: list[int], train_config: ConfigReco
         steps[m] = fixed if fixed is not None else epochs * np.maximum(1, -(-n // bs))
         bss[m] = bs
         lrs[m] = float(pol.get("lr", cfg.lr))
-    seeds = [round_seed(cfg.seed, server_round, int(p)) for p in pids]
+    seeds = round_seeds(cfg.seed, server_round, pids)
     sched = ClientSchedule(torch.from_numpy(pids), torch.from_numpy(steps), torch.from_numpy(bss),
-                           torch.from_numpy(lrs), torch.tensor(seeds, dtype=torch.int64))
-    return sched, classes, [per_class[c] for c in classes]
+                           torch.from_numpy(lrs), torch.from_numpy(seeds))
+    return CohortSchedule(sched, names, class_of, pols)
 
 
 def strategy_round(run, strategy, grid: NodeIds, arrays, server_round: int
@@ -169,6 +254,34 @@ class ByteCounter:
         return out
 
 
+    def cohort_sizes(self, arrays, new_vec: torch.Tensor, node_ids: np.ndarray, n: np.ndarray, steps: np.ndarray,
+                     cohort: CohortSchedule, server_round: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`sizes` of every node of a cohort (``node_ids``, ``n`` and ``steps``: arrays over
+        it; classes and policies from ``cohort``) as ``(down, up)`` int64 arrays: one measured
+        message per distinct size key, read back for every node by the key's index."""
+        node_ids = np.asarray(node_ids, dtype=np.int64)
+        pids = node_ids - 1
+        n = np.asarray(n, dtype=np.int64)
+        steps = np.asarray(steps, dtype=np.int64)
+        lens = (varint_lens(node_ids) * 16 + varint_lens(pids)) * 16 + varint_lens(2 * pids)  # < 2**12
+        small = lens * 65536 + cohort.class_of
+        n_span, s_span = int(n.max(initial=0)) + 1, int(steps.max(initial=0)) + 1
+        if n_span * s_span < 2**34:  # small < 2**28: one int64 key
+            _, first, inverse = np.unique((small * n_span + n) * s_span + steps, return_index=True, return_inverse=True)
+        else:
+            _, first, inverse = np.unique(np.stack([small, n, steps], axis=1), axis=0, return_index=True,
+                                          return_inverse=True)
+        jsons = [json.dumps(p, sort_keys=True) for p in cohort.class_policies]
+        down_u = np.empty(len(first), dtype=np.int64)
+        up_u = np.empty(len(first), dtype=np.int64)
+        for u, i in enumerate(first.tolist()):
+            c = int(cohort.class_of[i])
+            down_u[u], up_u[u] = self.sizes(arrays, new_vec, int(node_ids[i]), int(pids[i]), int(n[i]), int(steps[i]),
+                                            0.0, cohort.class_names[c], jsons[c], server_round)
+        inverse = inverse.reshape(-1)
+        return down_u[inverse], up_u[inverse]
+
+
 def make_reply(ins: Message, content: RecordDict) -> Message:
     """The reply with ``content`` from the node ``ins`` went to, as the grid hands it to the
     server (both messages carry ids)."""
@@ -203,10 +316,12 @@ def mark_rejected(node_rows: list[dict] | None, replies: list[Message]) -> None:
             row.pop("train_loss", None)
 
 
-def reject_diverged(notes, node_rows: list[dict] | None, node_id: int, model: torch.Tensor, n: int) -> str:
+def reject_diverged(notes, node_rows: list[dict] | None, node_id: int, model: torch.Tensor, n: int,
+                    row: int = -1) -> str:
     """A client whose local SGD diverged: its reply (``model`` not finite) is refused as
     FedAvg's server refuses it (:func:`~fedswarm.strategies.strategy_utils.check_model_reply`,
-    the same reason), noted as a rejection and marked on its row (the last one); returns the reason."""
+    the same reason), noted as a rejection and marked on its row (``node_rows[row]``, the last
+    one unless told); returns the reason."""
     from fedswarm.payload import PayloadError
     from fedswarm.strategies.strategy_utils import check_model_reply, clean_reason
 
@@ -218,6 +333,6 @@ def reject_diverged(notes, node_rows: list[dict] | None, node_id: int, model: to
         reason = clean_reason(exc)
     notes.reject(node_id, reason)
     if node_rows is not None:
-        node_rows[-1].update(status="rejected", reason=reason)
-        node_rows[-1].pop("train_loss", None)
+        node_rows[row].update(status="rejected", reason=reason)
+        node_rows[row].pop("train_loss", None)
     return reason

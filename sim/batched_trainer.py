@@ -293,16 +293,20 @@ class BatchedTrainer:
         """Gradient of ``sum_i coef_i ell_i`` and ``sum_k w_k mean_loss_k``, one objective call
         per distinct coefficient (clients of a group share ``w_k / b_k`` and ``lr_k``)."""
         w_over_b = (w / per_client.clamp_min(1))[client_of]
-        keys, group_of_example = torch.unique(torch.stack([coef, w_over_b], dim=1), dim=0, return_inverse=True)
+        # the distinct (coef, w/b) pairs in lexicographic order, from two 1-D uniques (a 2-D unique sorts rows
+        # in Python-visible time: 0.12 s at 100,000 examples)
+        coefs, coef_of = torch.unique(coef, return_inverse=True)
+        wobs, wob_of = torch.unique(w_over_b, return_inverse=True)
+        pairs, group_of_example = torch.unique(coef_of * wobs.numel() + wob_of, return_inverse=True)
         total = theta.new_zeros(())
         loss_wsum = 0.0
-        for g_idx in range(keys.shape[0]):
+        for g_idx, pair in enumerate(pairs.tolist()):
             members = group_of_example == g_idx
             n_g = int(members.sum())
             mean_g = functional_call(self._objective, params, (self.x[rows[members]], self.y[rows[members]]))
-            total = total + keys[g_idx, 0] * n_g * mean_g
+            total = total + coefs[pair // wobs.numel()] * n_g * mean_g
             # the group's sum of w_k * mean_loss_k is (w_k / b_k) * (sum of its examples' losses)
-            loss_wsum += float(keys[g_idx, 1]) * n_g * float(mean_g.detach())
+            loss_wsum += float(wobs[pair % wobs.numel()]) * n_g * float(mean_g.detach())
         (g,) = torch.autograd.grad(total, theta)
         return g, loss_wsum
 
