@@ -66,6 +66,7 @@ from fedswarm.server.metered_grid import Traffic
 from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
 from fedswarm.sim.batched_memory import available_ram, default_memory_budget, parse_memory_budget
 from fedswarm.sim.batched_compressed import CompressedRounds, GTopKRounds
+from fedswarm.sim.batched_eval import CohortEvaluator
 from fedswarm.sim.batched_progfed import ProgFedRounds
 from fedswarm.sim.batched_pvt import PVTRounds
 from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ByteCounter, Meter, add_client, add_clients, cohort_rows,
@@ -77,7 +78,6 @@ from fedswarm.strategies import registry
 from fedswarm.tasks import get_task
 from fedswarm.tasks.partition import partition_offsets
 import fedswarm.train as _train  # the nodes' scoring, as their ClientApp calls it (not the server's evaluate_flat)
-from fedswarm.server.fed_eval import cohort_on_partitions
 from fedswarm.train import evaluate_flat, node_validation, pooled_client_data, resolve_device, task_data
 from fedswarm.wire import vector_to_arrayrecord
 
@@ -240,13 +240,13 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     def evaluate(vec: torch.Tensor) -> tuple[float, float]:
         return evaluate_flat(task, model, vec, data.test_x, data.test_y, device)
 
-    def fed_eval(rnd: int, vec: torch.Tensor, cohort: list[int]) -> dict[str, dict]:
-        """What each cohort node's ClientApp answers an evaluate message with (fedswarm.client.evaluate)."""
-        def on_partition(pid: int) -> tuple[float, float, int]:
-            x, y = node_validation(cfg, pid, cfg.clients)
-            return (*_train.evaluate_flat(task, model, vec, x, y, device), int(x.shape[0]))
+    def on_partition(pid: int, vec: torch.Tensor) -> tuple[float, float, int]:
+        """What node ``pid + 1``'s ClientApp answers an evaluate message with (fedswarm.client.evaluate)."""
+        x, y = node_validation(cfg, pid, cfg.clients)
+        return (*_train.evaluate_flat(task, model, vec, x, y, device), int(x.shape[0]))
 
-        return cohort_on_partitions(cohort, on_partition)
+    # the cohort's federated evaluation, one batched computation (sim/batched_eval.py)
+    evaluator = CohortEvaluator(cfg, task, model, device, data.test_x, data.test_y, on_partition)
 
     train_config = ConfigRecord({k: v for k, v in cfg.to_flat().items() if k != "policies"})
     policies = PolicyBook(cfg.policies)
@@ -270,8 +270,8 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
                 done += 1
                 row, node_rows = rounds_of.round(done)
                 if recorder.eval_due(done):  # the round's cohort: the clients it sampled
-                    row.update(recorder.federated(done, rounds_of.model, sorted(meter.traffic.node_down), node_rows,
-                                                  fed_eval))
+                    cohort = np.fromiter(meter.traffic.node_down, dtype=np.int64, count=len(meter.traffic.node_down))
+                    row.update(evaluator.round_figures(done, rounds_of.model, np.sort(cohort), node_rows))
                 recorder.node_rows(node_rows)
                 recorder.note(**row, **recorder.failed_nodes(done, node_rows))
                 recorder(done, rounds_of.model)
