@@ -20,6 +20,11 @@ round (the median round after the first, whose Ray actor start-up and warm cache
 shown apart with the start-up outside rounds), peak memory, final
 accuracy, and each engine's ratio to Flower at the same size. JSON + a log-log PNG.
 
+Then the ``scale`` section (:mod:`fedswarm.bench.engines_scale`, ``DIR/engines-scale.json`` and
+``.png``): the batched engine at 100,000 clients against its compute floor, before and after
+(``FEDSWARM_BENCH_BEFORE=CHECKOUT``), with federated evaluation, and a 1,000,000-client population;
+``FEDSWARM_BENCH_ENGINES_SECTION=scale`` runs that section alone.
+
 ``--device cuda`` (or cuda:N) adds the batched engine on that GPU (``batched@cuda``, with its
 peak ``torch.cuda.max_memory_allocated``) beside every CPU row; ``scripts/gpu-check`` measures
 more on one GPU (100,000 clients, digits-cnn4, the fraction of the GPU's peak).
@@ -42,6 +47,7 @@ from rich.table import Table
 __all__ = ["run", "run_cell", "run_in_store", "ENGINES"]
 
 ENGINES = ("flower", "pfl", "inprocess", "batched")
+SECTION_ENV = "FEDSWARM_BENCH_ENGINES_SECTION"  # "scale": only the scale section
 TASK = dict(task="digits-mlp", partition="iid", local_steps=1, batch_size=16, lr=0.3, fraction=1.0, seed=0)
 
 
@@ -241,6 +247,8 @@ def run(out_dir: Path, quick: bool = False, *, sizes: list[int] | None = None, r
     from fedswarm.train import check_node_device
 
     gpu = check_node_device(device).type != "cpu"
+    if os.environ.get(SECTION_ENV) == "scale":  # the scale section alone
+        return _scale(out_dir, quick)
     sizes = sizes or ([100, 1000] if quick else [100, 1000, 10_000])
     rounds = rounds or (2 if quick else 5)
     cap_s = cap_s or (60.0 if quick else 600.0)
@@ -284,7 +292,14 @@ def run(out_dir: Path, quick: bool = False, *, sizes: list[int] | None = None, r
     meta = {"load_average": os.getloadavg(), "cpu_count": os.cpu_count(), "task": TASK}
     (out_dir / "engines.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     _plot(rows, out_dir / "engines.png")
-    return rows
+    return rows + _scale(out_dir, quick)
+
+
+def _scale(out_dir: Path, quick: bool) -> list[dict]:
+    """The ``scale`` section (:mod:`fedswarm.bench.engines_scale`): its own JSON and PNG."""
+    from fedswarm.bench.engines_scale import run_scale
+
+    return [dict(r, engine="batched", section="scale") for r in run_scale(out_dir, quick)]
 
 
 def _ratios(rows: list[dict]) -> None:

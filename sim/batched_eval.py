@@ -22,15 +22,16 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from fedswarm.config import RunConfig
 from fedswarm.params import set_flat
 from fedswarm.server.fed_eval import aggregate, cohort_on_partitions, merge_into_rows
 from fedswarm.tasks import Task
-from fedswarm.tasks.base import accuracy_multiclass
+from fedswarm.tasks.base import accuracy_multiclass, cross_entropy
 from fedswarm.tasks.partition import partition_offsets
 
-__all__ = ["CohortEvaluator", "correct_of", "segment_gather"]
+__all__ = ["CohortEvaluator", "correct_of", "losses_of", "segment_gather"]
 
 #: examples scored in one forward pass (bounds the evaluation's memory: a few MB for small models)
 EVAL_CHUNK = 65_536
@@ -45,6 +46,23 @@ def correct_of(task: Task) -> Callable[[torch.Tensor, torch.Tensor], torch.Tenso
         return lambda out, y: out.argmax(dim=1) == y
     if task.accuracy is logreg_accuracy:
         return lambda out, y: (out.squeeze(-1) > 0).long() == y
+    return None
+
+
+def losses_of(task: Task) -> Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """Per-example objective ``(model, model output, y) -> [n]`` for the built-in objectives
+    (their mean over a batch is the objective), or None: then each example's objective is the
+    task's own on a batch of one, under ``vmap``."""
+    from fedswarm.tasks.builtin import LOGREG_L2, logreg_objective
+
+    if task.objective is cross_entropy:
+        return lambda model, out, y: F.cross_entropy(out, y, reduction="none")
+    if task.objective is logreg_objective:
+        def logreg(model, out, y):
+            reg = sum((p * p).sum() for p in model.parameters())
+            ell = F.binary_cross_entropy_with_logits(out.squeeze(-1), y.float(), reduction="none")
+            return ell + 0.5 * LOGREG_L2 * reg
+        return logreg
     return None
 
 
@@ -71,6 +89,7 @@ class CohortEvaluator:
         self.device = device
         self.on_partition = on_partition
         self.correct = correct_of(task)
+        self.losses = losses_of(task)
         self.x, self.y = test_x, test_y
         self.split: tuple[np.ndarray, np.ndarray] | None = None
         if self.correct is not None and not cfg.client_data:  # node_validation's cut of the test set
@@ -125,8 +144,10 @@ class CohortEvaluator:
             for lo in range(0, len(rows), EVAL_CHUNK):
                 r = rows_t[lo:lo + EVAL_CHUNK]
                 x, y = self.x[r].to(self.device), self.y[r].to(self.device)
-                per_example = torch.vmap(one)(x, y).reshape(-1)
-                ok = self.correct(self.model(x), y)
+                out = self.model(x)
+                per_example = torch.vmap(one)(x, y) if self.losses is None else self.losses(self.model, out, y)
+                per_example = per_example.reshape(-1)
+                ok = self.correct(out, y)
                 seg = node_of[lo:lo + EVAL_CHUNK]
                 loss_sum.index_add_(0, seg, per_example.cpu().to(torch.float64))
                 right.index_add_(0, seg, ok.cpu().to(torch.float64))

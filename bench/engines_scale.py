@@ -1,0 +1,242 @@
+"""``fedswarm bench engines``'s ``scale`` section: the batched engine against its compute floor.
+
+Rows (each run cell in a fresh interpreter, its resident memory sampled for the peak):
+
+- ``now``: the batched engine, digits-mlp, one local step (batch 16, lr 0.3), 100,000 clients
+  (``--quick``: 20,000), ``--fraction 1.0``, federated evaluation off (``eval_every`` past the
+  last round); client-rounds per second over the steady rounds (the median round after the first);
+- ``now + fed eval``: the same with federated evaluation every round (the ratio to ``now`` is
+  the cost of scoring the whole cohort);
+- ``before``: the ``now`` run on another checkout's code, with ``FEDSWARM_BENCH_BEFORE=CHECKOUT``
+  (e.g. an export of main before the change: ``git archive 8779d80 | tar -x -C /tmp/before``),
+  run side by side with ``now``, in turn, so both see the same machine load;
+- ``compute floor``: the same forward and backward pass over the same examples (the round's
+  minibatches: one example per client here) as one plain torch batch, no engine: the median of
+  several passes, measured between the engine's cells;
+- ``1M population``: 1,000,000 clients at ``--fraction 0.01`` (10,000 a round), digits-mlp and
+  synthetic-logreg: seconds per round and peak RSS.
+
+``repeats`` (2; quick 1) runs of every cell, interleaved; the table gives each cell's best
+steady round (the least disturbed by other work on the machine) and the JSON every run.
+Written to ``DIR/engines-scale.json`` and ``DIR/engines-scale.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["run_scale", "compute_floor", "BEFORE_ENV"]
+
+BEFORE_ENV = "FEDSWARM_BENCH_BEFORE"
+BASE = dict(task="digits-mlp", partition="iid", local_steps=1, batch_size=16, lr=0.3, fraction=1.0, seed=0,
+            engine="batched")
+
+# One cell, run by a fresh interpreter on whichever checkout PYTHONPATH puts first: it uses only
+# what both the code before the change and after it have (RunConfig, bench.engines.run_in_store).
+_CELL = r"""
+import json, logging, sys, time
+logging.getLogger("flwr").setLevel(logging.WARNING)
+from fedswarm.config import RunConfig
+from fedswarm.bench.engines import run_in_store
+spec = json.loads(sys.argv[1])
+t0 = time.perf_counter()
+status, res, total = run_in_store(RunConfig(**spec), t0)
+walls = [r["wall_s"] for r in res["rounds"] if r["round"] > 0]
+with open(sys.argv[2], "w") as fh:
+    json.dump({"status": status, "walls": walls, "total_s": total,
+               "final_test_accuracy": res["summary"]["final_test_accuracy"]}, fh)
+"""
+
+
+def _cell(spec: dict, pythonpath: Path | None, timeout_s: float) -> dict:
+    """Run one cell in a fresh interpreter; its figures and the peak RSS of its process tree."""
+    from fedswarm.bench.engines import _tree_rss
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cell.json"
+        env = dict(os.environ)
+        if pythonpath is not None:
+            env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        proc = subprocess.Popen([sys.executable, "-c", _CELL, json.dumps(spec), str(out)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env)
+        peak = [0]
+        done = threading.Event()
+
+        def sample():  # a measurement, not a wait: every 0.1 s until the cell exits
+            while not done.is_set():
+                peak[0] = max(peak[0], _tree_rss(proc.pid))
+                done.wait(0.1)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            log, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log, _ = proc.communicate()
+            return {"status": f"killed after {timeout_s:.0f} s", "peak_rss_mb": peak[0] / 2**20}
+        finally:
+            done.set()
+            sampler.join()
+        if proc.returncode != 0 or not out.exists():
+            last = log.strip().splitlines()[-1] if log.strip() else str(proc.returncode)
+            return {"status": f"failed: {last}", "peak_rss_mb": peak[0] / 2**20}
+        cell = json.loads(out.read_text())
+        walls = cell["walls"]
+        cell["steady_round_s"] = statistics.median(walls[1:]) if len(walls) > 1 else walls[0]
+        cell["peak_rss_mb"] = peak[0] / 2**20
+        return cell
+
+
+def compute_floor(clients: int, repeats: int = 7) -> float:
+    """Seconds of one plain-torch forward and backward pass of digits-mlp over the examples a
+    ``clients``-client round of :data:`BASE` trains on (each client's first-step minibatch, as the
+    batched trainer draws them; one batch, the mean loss): the median of ``repeats`` after a warm-up."""
+    from fedswarm.config import RunConfig
+    from fedswarm.sim.batched_round import round_schedule
+    from fedswarm.sim.batched_trainer import BatchedTrainer
+    from fedswarm.tasks import get_task
+    from fedswarm.tasks.partition import partition_offsets
+    from fedswarm.train import task_data
+
+    cfg = RunConfig(**BASE, clients=clients)
+    task = get_task(cfg.task)
+    data = task_data(cfg)
+    flat, offsets = partition_offsets(data.train_y.numpy(), cfg.partition, clients, cfg.seed)
+    trainer = BatchedTrainer(task, data.train_x, data.train_y, flat, offsets)
+    sched, _, _ = round_schedule(cfg, list(range(1, clients + 1)), _train_config(cfg), offsets[1:] - offsets[:-1], 1)
+    idx, valid = trainer.minibatches(sched)
+    rows = idx[:, 0][valid[:, 0]]
+    x, y = data.train_x[rows], data.train_y[rows]
+    model = task.model(cfg.seed)
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        task.objective(model, x, y).backward()
+        if i:  # the first pass warms up
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _train_config(cfg):
+    from flwr.app import ConfigRecord
+
+    return ConfigRecord({k: v for k, v in cfg.to_flat().items() if k != "policies"})
+
+
+def run_scale(out_dir: Path, quick: bool = False, console: Console | None = None) -> list[dict]:
+    """The section's rows (see the module's docstring); writes engines-scale.json and .png."""
+    from fedswarm.bench.dashboard_runs import source_tree
+
+    console = console or Console(width=200)
+    clients = 20_000 if quick else 100_000
+    rounds = 3 if quick else 5
+    repeats = 1 if quick else 2
+    before = os.environ.get(BEFORE_ENV) or None
+    cells: list[tuple[str, dict, bool]] = [
+        ("now", dict(BASE, clients=clients, rounds=rounds, eval_every=rounds + 1), False),
+        ("now + fed eval", dict(BASE, clients=clients, rounds=rounds, eval_every=1), False),
+    ]
+    if before:
+        cells.insert(0, ("before", dict(BASE, clients=clients, rounds=rounds, eval_every=rounds + 1), True))
+    for task in ("digits-mlp", "synthetic-logreg"):
+        cells.append((f"1M population {task}", dict(BASE, task=task, clients=1_000_000, fraction=0.01, rounds=rounds,
+                                                    eval_every=rounds + 1), False))
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in cells}
+    floors: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = source_tree(Path(before), Path(tmp) / "before") if before else None
+        for rep in range(repeats):
+            for label, spec, old in cells:
+                console.print(f"[dim]engines scale: {label} ({spec['clients']:,} clients), run {rep + 1} ...[/]")
+                runs[label].append(_cell(spec, tree if old else None, timeout_s=900))
+                if label in ("before", "now"):
+                    floors.append(compute_floor(clients))
+    rows = []
+    for label, spec, old in cells:
+        ok = [c for c in runs[label] if c.get("status") == "finished"]
+        best = min(ok, key=lambda c: c["steady_round_s"]) if ok else (runs[label][0] if runs[label] else {})
+        per_round = spec["clients"] * spec["fraction"]
+        row = {"row": label, "code": before if old else "this checkout", "task": spec["task"],
+               "clients": spec["clients"], "fraction": spec["fraction"],
+               "fed_eval_every_round": spec["eval_every"] == 1,
+               "status": best.get("status"), "s_per_round": best.get("steady_round_s"),
+               "peak_rss_mb": max((c.get("peak_rss_mb") or 0) for c in runs[label]) if runs[label] else None,
+               "final_test_accuracy": best.get("final_test_accuracy"), "runs": runs[label]}
+        if row["s_per_round"]:
+            row["client_rounds_per_s"] = per_round / row["s_per_round"]
+        rows.append(row)
+    floor = min(floors) if floors else None
+    rows.append({"row": "compute floor", "code": "plain torch", "task": "digits-mlp", "clients": clients,
+                 "fraction": 1.0, "s_per_round": floor, "client_rounds_per_s": clients / floor if floor else None,
+                 "floors": floors, "status": "measured"})
+    _ratios(rows)
+    _print(rows, console)
+    meta = {"load_average": os.getloadavg(), "cpu_count": os.cpu_count(), "base": BASE, "repeats": repeats,
+            "before": before}
+    (out_dir / "engines-scale.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    _plot(rows, out_dir / "engines-scale.png")
+    return rows
+
+
+def _ratios(rows: list[dict]) -> None:
+    by = {r["row"]: r for r in rows}
+    now, floor, before = by.get("now", {}), by.get("compute floor", {}), by.get("before", {})
+    if now.get("s_per_round") and floor.get("s_per_round"):
+        now["x_floor"] = now["s_per_round"] / floor["s_per_round"]
+    if now.get("client_rounds_per_s") and before.get("client_rounds_per_s"):
+        now["x_before"] = now["client_rounds_per_s"] / before["client_rounds_per_s"]
+    fed = by.get("now + fed eval", {})
+    if fed.get("s_per_round") and now.get("s_per_round"):
+        fed["x_without_fed_eval"] = fed["s_per_round"] / now["s_per_round"]
+
+
+def _print(rows: list[dict], console: Console) -> None:
+    load = os.getloadavg()
+    table = Table(title=f"engines scale: batched FedAvg, one local step (load {load[0]:.1f} on {os.cpu_count()} cores)")
+    for col in ("row", "task", "clients", "fraction", "client-rounds/s", "s/round", "x floor", "x before",
+                "x no fed eval", "peak MB", "note"):
+        table.add_column(col)
+
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    for r in rows:
+        table.add_row(r["row"], r["task"], f"{r['clients']:,}", f"{r['fraction']:g}",
+                      f(r.get("client_rounds_per_s"), ",.0f"), f(r.get("s_per_round"), ".3f"),
+                      f(r.get("x_floor"), ".2f"), f(r.get("x_before"), ".1f"), f(r.get("x_without_fed_eval"), ".2f"),
+                      f(r.get("peak_rss_mb"), ".0f"),
+                      "" if r.get("status") in ("finished", "measured") else str(r.get("status"))[:60])
+    console.print(table)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r.get("s_per_round")]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.barh([f"{r['row']} ({r['clients'] * r['fraction']:,.0f}/round)" for r in shown],
+            [r["s_per_round"] for r in shown], color=[f"C{i}" for i in range(len(shown))])
+    for i, r in enumerate(shown):
+        ax.text(r["s_per_round"], i, f" {r['s_per_round']:.3f} s", va="center", fontsize=8)
+    ax.set_xlabel("seconds per round (steady; floor: one plain torch forward+backward)")
+    ax.set_title("batched engine at scale: digits-mlp, one local step")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
