@@ -83,7 +83,7 @@ from fedswarm.wire import vector_to_arrayrecord
 
 __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budget", "default_memory_budget",
            "available_ram", "round_schedule", "check_supported", "BatchedRun",
-           "add_client", "ROUND_RUNNERS", "round_runner"]
+           "add_client", "ROUND_RUNNERS", "round_runner", "check_memory", "memory_estimate"]
 
 #: The round runners a strategy's :class:`~fedswarm.strategies.registry.Batched` entry names:
 #: name -> runner class (filled in below, once ``FedAvgRounds`` is defined). ``weighted_mean``:
@@ -126,6 +126,52 @@ def check_supported(cfg: RunConfig) -> None:
         if own or (attack.kind == "data" and attack.name != "labelflip"):
             what = cfg.strategy if own else f"the '{attack.name}' attack (it poisons training data)"
             raise ConfigError(f"--engine batched does not run --byzantine with {what}; use --engine inprocess")
+    check_memory(cfg)
+
+
+def memory_estimate(cfg: RunConfig, available: int | None = None):
+    """The run's peak memory (:func:`fedswarm.sim.batched_memory.estimate_peak`) from its task's
+    model and data sizes, against ``available`` (default: the available RAM)."""
+    from fedswarm.sim.batched_memory import estimate_peak
+    from fedswarm.sim.batched_trainer import _activations_per_example
+
+    task = get_task(cfg.task)
+    model = task.model(cfg.seed)
+    entry = registry.get(cfg.strategy)
+    if cfg.client_data:  # each client's own files: sized when they are read
+        n_train = n_test = 0
+        x1 = None
+    else:
+        data = task_data(cfg)
+        n_train, n_test = int(data.train_x.shape[0]), int(data.test_x.shape[0])
+        x1 = data.train_x[:1]
+    x_numel = int(np.prod(x1.shape[1:])) if x1 is not None and x1.dim() > 1 else 1
+    act = _activations_per_example(model, x1) if x1 is not None else 1
+    runner = entry.batched.runner if entry.batched is not None and isinstance(entry.batched.runner, str) else ""
+    return estimate_peak(cfg, d=sum(p.numel() for p in model.parameters()), x_numel=x_numel, act_per_example=act,
+                         n_train=n_train, n_test=n_test, runner=runner,
+                         available=available_ram() if available is None else available,
+                         memory_budget=parse_memory_budget(cfg.memory_budget))
+
+
+def check_memory(cfg: RunConfig, available: int | None = None) -> None:
+    """Refuse, before it starts, a run whose estimated peak (:func:`memory_estimate`) passes the
+    available memory, naming the flag that would fit it."""
+    from fedswarm.sim.batched_memory import fitting_fraction, human
+
+    est = memory_estimate(cfg, available)
+    if est.fits():
+        return
+    fix = []
+    if est.parts["client state"] + est.parts["cohort"] > est.parts["chunk"]:
+        f = fitting_fraction(cfg, lambda c: memory_estimate(c, est.available))
+        if f is not None:
+            fix.append(f"--fraction {f:.3g}")
+    if est.parts["chunk"] > est.parts["client state"] and cfg.memory_budget is not None:
+        fix.append(f"a smaller --memory-budget (now {cfg.memory_budget})")
+    raise ConfigError(f"--engine batched: this run needs an estimated {human(est.total)} at its peak "
+                      f"({est.describe()}), more than the {human(est.available)} available; "
+                      + (f"it fits with {' or '.join(fix)}" if fix else "use fewer --clients") + ".")
 
 
 def round_runner(entry: registry.StrategyEntry) -> Callable[..., Any]:

@@ -23,7 +23,7 @@ from fedswarm.algorithms.local_sgd import minibatch_plan, sgd_step
 from fedswarm.algorithms.privacy.dp_fedavg import clip_sum
 from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout
-from fedswarm.sim.batched_memory import default_memory_budget
+from fedswarm.sim.batched_memory import client_bytes, default_memory_budget, one_step_client_bytes
 from fedswarm.tasks import Task
 
 __all__ = ["BatchedTrainer", "ClientSchedule"]
@@ -111,9 +111,8 @@ class BatchedTrainer:
         """A conservative estimate of one client's working memory in a chunk: parameters,
         gradient, momentum and update ([d] each, a few copies under vmap), its minibatch
         indices, and the activations of one step (forward and backward)."""
-        d = self.layout.d
         x_numel = int(np.prod(self.x.shape[1:])) if self.x.dim() > 1 else 1
-        return 4 * (10 * d + 3 * max_steps * max_batch + 4 * max_batch * (x_numel + self._act_per_example))
+        return client_bytes(self.layout.d, x_numel, self._act_per_example, max_steps, max_batch)
 
     # the minibatches -------------------------------------------------------------------
     def minibatches(self, schedule: ClientSchedule) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,7 +249,7 @@ class BatchedTrainer:
         if chunk_size is None:
             budget = memory_budget if memory_budget is not None else default_memory_budget(self.device)
             x_numel = int(np.prod(self.x.shape[1:])) if self.x.dim() > 1 else 1
-            per_client = 4 * b_max * (4 + 2 * x_numel + 6 * self._act_per_example)
+            per_client = one_step_client_bytes(x_numel, self._act_per_example, b_max)
             chunk_size = max(1, min(k_total, budget // per_client))
         n_examples = self.num_examples(schedule.partitions)
         start = start.to(self.device, torch.float32)

@@ -148,3 +148,23 @@ def test_batched_federated_evaluation_is_each_nodes_own_scoring(task, clients):
     rows = [{"node_id": str(c)} for c in cohort]  # with rows: each node's values in its row
     assert ev.round_figures(1, vec, np.array(cohort), rows) == pytest.approx(figures)
     assert all(r["fed_examples"] == want[r["node_id"]][2] for r in rows)
+
+
+def test_a_run_that_cannot_fit_is_refused_before_it_starts_with_the_fraction_that_fits():
+    from fedswarm.errors import ConfigError
+    from fedswarm.sim.batched import check_memory, memory_estimate
+
+    cfg = RunConfig(engine="batched", task="digits-mlp", strategy="compressed_fedavg", clients=1_000_000,
+                    fraction=0.5, rounds=4, local_steps=1)
+    est = memory_estimate(cfg, available=10**12)
+    d = 4810  # digits-mlp: 64 -> 64 -> 10, the residual a client keeps: d floats
+    assert est.parts["client state"] == 1_000_000 * (4 * d + 16)  # every client has trained after 2 rounds
+    with pytest.raises(ConfigError, match=r"needs an estimated 2\d\.\d GB .*client state.*it fits with --fraction ") as e:
+        check_memory(cfg, available=8 * 10**9)
+    frac = float(str(e.value).split("--fraction ")[1].rstrip("."))
+    assert memory_estimate(cfg.model_copy(update={"fraction": frac}), available=8 * 10**9).fits()
+    assert not memory_estimate(cfg.model_copy(update={"fraction": 2 * frac}), available=8 * 10**9).fits()
+    check_memory(cfg.model_copy(update={"fraction": frac}), available=8 * 10**9)  # passes
+    # FedAvg keeps nothing per client: a million clients fit in a few hundred MB
+    small = RunConfig(engine="batched", task="digits-mlp", clients=1_000_000, fraction=0.01, rounds=4, local_steps=1)
+    assert memory_estimate(small, available=10**12).total < 10**9
