@@ -39,8 +39,8 @@ from fedswarm.local import node_report, train_reply
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.params import all_finite
 from fedswarm.server.metered_grid import Traffic, serialized_size
-from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ClientMemory, NodeIds, add_client, make_reply, reply_size,
-                                        strategy_round, varint_len)
+from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ClientMemory, ClientRows, NodeIds, add_client, make_reply,
+                                        reply_size, strategy_round, varint_len)
 from fedswarm.sim.inprocess import client_error_reply
 from fedswarm.strategies.federated import gtopk
 from fedswarm.strategies.federated.compressed_base import KNOBS, Accepted
@@ -121,7 +121,7 @@ class CompressedRounds:
                                            seed=cfg.seed, layout=self.layout, on_attack=lambda nodes, spec: notes.note(
                                                byzantine_nodes=[str(n) for n in nodes], attack=spec))
         # partition id -> the client's error-feedback residual [d], zeros before its first round
-        self.residuals = ClientMemory(lambda pid: torch.zeros(self.layout.d))
+        self.residuals = ClientRows(self.layout.d, cfg.clients)  # arrays: only the clients that have one
         self._down: dict[tuple, int] = {}
         self._up: dict[tuple, int] = {}
 
@@ -271,10 +271,10 @@ class CompressedRounds:
             idx = torch.tensor(members)
             state = ErrorFeedbackState()
             if uplink.error_feedback:
-                state = ErrorFeedbackState(torch.stack(self.residuals.rows([pids[j] for j in members])))
+                state = ErrorFeedbackState(self.residuals.stack([pids[j] for j in members]))
             payload, state = client_step(uplink, state, delta[idx], self.layout)
             if uplink.error_feedback:
-                self.residuals.keep([pids[j] for j in members], [r.clone() for r in state.residual])
+                self.residuals.keep_stacked([pids[j] for j in members], state.residual)
             self._decode(payload, members, uplink.seed, decoded)
             for j, row in zip(members, sent_rows(payload, uplink.seed)):
                 sent[j] = row

@@ -22,7 +22,8 @@ from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim.batched_trainer import ClientSchedule
 from fedswarm.wire import vector_to_arrayrecord
 
-__all__ = ["ClientMemory", "NodeIds", "Meter", "ByteCounter", "round_schedule", "strategy_round", "varint_len",
+__all__ = ["ClientMemory", "ClientRows", "NodeIds", "Meter", "ByteCounter", "round_schedule", "strategy_round",
+           "varint_len",
            "make_reply", "reply_size", "mark_rejected", "reject_diverged", "NODE_ROWS_MAX",
            "add_client", "add_clients", "cohort_rows", "cohort_schedule", "CohortSchedule", "round_seeds",
            "varint_lens"]
@@ -50,6 +51,68 @@ class ClientMemory(dict):
     def keep(self, pids: Sequence[int], states: Sequence) -> None:
         """Clients ``pids``' states after their round."""
         self.update(zip(pids, states, strict=True))
+
+
+class ClientRows:
+    """Per-client state that is one ``[d]`` row (an error-feedback residual), held in arrays for
+    the clients that have state only: their rows in one ``[capacity, d]`` tensor that grows by
+    doubling, and each partition's slot in it (an int32 array over the population, -1 for a
+    client with no state yet, whose row reads as zeros, what its ClientApp starts from). Its
+    memory: ``4 x population`` bytes of slots plus ``4 x d`` bytes per client that has state
+    (:data:`fedswarm.sim.batched_memory.STATE_BYTES`). :meth:`stack` reads a chunk's clients as
+    one tensor, :meth:`keep_stacked` writes them back; :meth:`rows`/:meth:`keep` are
+    :class:`ClientMemory`'s interface."""
+
+    def __init__(self, d: int, population: int, dtype: torch.dtype = torch.float32):
+        self.d = d
+        self._slot = np.full(population, -1, dtype=np.int32)
+        self._rows = torch.zeros((0, d), dtype=dtype)
+        self._used = 0
+
+    def __len__(self) -> int:
+        return self._used
+
+    def __contains__(self, pid: int) -> bool:
+        return bool(self._slot[pid] >= 0)
+
+    def __getitem__(self, pid: int) -> torch.Tensor:
+        return self.stack([pid])[0]
+
+    def nbytes(self) -> int:
+        """Bytes held: the slots and the rows' storage."""
+        return self._slot.nbytes + self._rows.numel() * self._rows.element_size()
+
+    def stack(self, pids: Sequence[int]) -> torch.Tensor:
+        """Clients ``pids``' rows as a new ``[len(pids), d]`` tensor (zeros for those with no state)."""
+        slots = torch.from_numpy(self._slot[np.asarray(pids, dtype=np.int64)].astype(np.int64))
+        out = self._rows[slots.clamp_min(0)] if self._used else torch.zeros((len(slots), self.d),
+                                                                            dtype=self._rows.dtype)
+        out[slots < 0] = 0
+        return out
+
+    def keep_stacked(self, pids: Sequence[int], rows: torch.Tensor) -> None:
+        """Clients ``pids``' rows after their round (``rows``: ``[len(pids), d]``), copied in."""
+        p = np.asarray(pids, dtype=np.int64)
+        if len(np.unique(p)) != len(p):
+            raise ValueError("ClientRows.keep_stacked: a client given twice")
+        new = p[self._slot[p] < 0]
+        if len(new):
+            need = self._used + len(new)
+            if need > self._rows.shape[0]:  # grow by doubling: amortised copies
+                grown = torch.zeros((max(need, 2 * self._rows.shape[0], 16), self.d), dtype=self._rows.dtype)
+                grown[:self._used] = self._rows[:self._used]
+                self._rows = grown
+            self._slot[new] = np.arange(self._used, need, dtype=np.int32)
+            self._used = need
+        self._rows[torch.from_numpy(self._slot[p].astype(np.int64))] = rows.to(self._rows.dtype)
+
+    def rows(self, pids: Sequence[int]) -> list:
+        """The rows of clients ``pids``, in order (:class:`ClientMemory`'s interface)."""
+        return list(self.stack(pids))
+
+    def keep(self, pids: Sequence[int], states: Sequence) -> None:
+        """Clients ``pids``' rows after their round (:class:`ClientMemory`'s interface)."""
+        self.keep_stacked(pids, torch.stack(list(states)) if len(states) else torch.zeros((0, self.d)))
 
 
 # Rounds with more clients than this record the round's totals but no per-node rows:

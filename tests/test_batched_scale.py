@@ -168,3 +168,25 @@ def test_a_run_that_cannot_fit_is_refused_before_it_starts_with_the_fraction_tha
     # FedAvg keeps nothing per client: a million clients fit in a few hundred MB
     small = RunConfig(engine="batched", task="digits-mlp", clients=1_000_000, fraction=0.01, rounds=4, local_steps=1)
     assert memory_estimate(small, available=10**12).total < 10**9
+
+
+def test_client_rows_hold_only_the_clients_with_state_and_read_back_what_was_kept():
+    from fedswarm.sim.batched_round import ClientRows, ClientMemory
+
+    d, population = 6, 1_000_000
+    rows, oracle = ClientRows(d, population), ClientMemory(lambda pid: torch.zeros(d))
+    gen = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    for _ in range(40):  # rounds of random cohorts, some clients seen again
+        pids = rng.sample(range(0, 3000), rng.randint(1, 50)) + [population - 1]
+        before = torch.stack(oracle.rows(pids))
+        assert torch.equal(rows.stack(pids), before)
+        after = before + torch.randn(len(pids), d, generator=gen)
+        rows.keep_stacked(pids, after)
+        oracle.keep(pids, list(after.clone()))
+    assert len(rows) == len(oracle)  # only the clients that have state
+    assert rows.nbytes() <= 4 * population + 2 * 4 * d * max(len(oracle), 16)
+    assert torch.equal(rows.stack([population - 1, 5_000]), torch.stack([oracle[population - 1], torch.zeros(d)]))
+    assert 5_000 not in rows and (population - 1) in rows
+    with pytest.raises(ValueError, match="twice"):
+        rows.keep_stacked([1, 1], torch.zeros(2, d))
