@@ -37,6 +37,17 @@ Tests hold the two engines to 1e-5 (tests/test_batched*.py).
 Bytes are measured, not computed: real train messages and real replies are built and
 serialized (:mod:`fedswarm.sim.batched_round`), once per size class of the round.
 
+At scale nothing runs per client in Python but what defines the numbers: FedAvg's round keeps
+its bookkeeping as arrays over the cohort (schedule, round seeds, byte sizes read back by size
+key, traffic and node rows in bulk; :func:`~fedswarm.sim.batched_round.cohort_schedule`), and
+federated evaluation scores the whole cohort in one batch (:mod:`fedswarm.sim.batched_eval`).
+What stays per client: Flower's ``random.sample`` draws (the same clients as ``inprocess``,
+about a microsecond a sampled client) and the minibatch permutations of clients holding more
+than one example (torch's generator, seeded per client, defines them). Per-client state is
+kept only for the clients that have some (:class:`~fedswarm.sim.batched_round.ClientRows`),
+and a run whose estimated peak does not fit the available memory is refused before it starts
+(:func:`check_memory`).
+
 Which strategies it serves, and with which options, each strategy's registry entry says
 (:class:`fedswarm.strategies.registry.Batched`: its round runner, a name in
 :data:`ROUND_RUNNERS`, and whether it takes ``--dp`` and ``--byzantine`` here; ``labelflip`` is the

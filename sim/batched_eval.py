@@ -131,11 +131,23 @@ class CohortEvaluator:
             raise ZeroDivisionError(f"federated evaluation: node {int(pids[counts == 0][0]) + 1} has no "
                                     "validation examples")
         node_of = torch.from_numpy(np.repeat(np.arange(len(pids)), counts))
-        loss_sum = torch.zeros(len(pids), dtype=torch.float64)
-        right = torch.zeros(len(pids), dtype=torch.float64)
+        # nodes share examples when the population passes the test set (the split cycles it): each
+        # distinct example is scored once, its values read back for every node that holds it
+        distinct, again = np.unique(rows, return_inverse=True)
+        loss_u, right_u = self._per_example(vec, distinct)
+        again_t = torch.from_numpy(again.reshape(-1))
+        loss_sum = torch.zeros(len(pids), dtype=torch.float64).index_add_(0, node_of, loss_u[again_t])
+        right = torch.zeros(len(pids), dtype=torch.float64).index_add_(0, node_of, right_u[again_t])
+        n = torch.from_numpy(counts).to(torch.float64)
+        return (loss_sum / n).numpy(), (right / n).numpy(), counts.astype(np.int64)
+
+    def _per_example(self, vec: torch.Tensor, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Test examples ``rows``' objective values and correctness (float64 [n] each), in chunks."""
         set_flat(self.model, vec)
         self.model.eval()
         rows_t = torch.from_numpy(rows)
+        loss = torch.empty(len(rows), dtype=torch.float64)
+        right = torch.empty(len(rows), dtype=torch.float64)
 
         def one(xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
             return self.task.objective(self.model, xi[None], yi[None])
@@ -146,10 +158,6 @@ class CohortEvaluator:
                 x, y = self.x[r].to(self.device), self.y[r].to(self.device)
                 out = self.model(x)
                 per_example = torch.vmap(one)(x, y) if self.losses is None else self.losses(self.model, out, y)
-                per_example = per_example.reshape(-1)
-                ok = self.correct(out, y)
-                seg = node_of[lo:lo + EVAL_CHUNK]
-                loss_sum.index_add_(0, seg, per_example.cpu().to(torch.float64))
-                right.index_add_(0, seg, ok.cpu().to(torch.float64))
-        n = torch.from_numpy(counts).to(torch.float64)
-        return (loss_sum / n).numpy(), (right / n).numpy(), counts.astype(np.int64)
+                loss[lo:lo + len(r)] = per_example.reshape(-1).cpu().to(torch.float64)
+                right[lo:lo + len(r)] = self.correct(out, y).cpu().to(torch.float64)
+        return loss, right
