@@ -44,7 +44,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["run", "run_cell", "run_in_store", "ENGINES"]
+__all__ = ["run", "run_cell", "run_in_store", "sampled_cell", "ENGINES"]
 
 ENGINES = ("flower", "pfl", "inprocess", "batched")
 SECTION_ENV = "FEDSWARM_BENCH_ENGINES_SECTION"  # "scale": only the scale section
@@ -205,19 +205,25 @@ def _tree_rss(pid: int) -> int:
 
 def _subprocess_cell(engine: str, clients: int, rounds: int, timeout_s: float, device: str = "cpu") -> dict:
     """Run a cell in a fresh interpreter, sampling its process tree's RSS for the peak."""
+    return sampled_cell(["-m", "fedswarm.bench.engines", engine, str(clients), str(rounds), "{out}", device],
+                        timeout_s, env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
+
+
+def sampled_cell(args: list[str], timeout_s: float, env: dict | None = None, every_s: float = 0.2) -> dict:
+    """Run ``python ARGS`` (``{out}`` in them: the path the cell writes its JSON figures to),
+    sampling its process tree's RSS every ``every_s`` for the peak; return its figures with
+    ``peak_rss_mb``, or a ``status`` saying why there are none."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "cell.json"
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-        proc = subprocess.Popen([sys.executable, "-m", "fedswarm.bench.engines", engine, str(clients), str(rounds),
-                                 str(out), device], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=env)
+        proc = subprocess.Popen([sys.executable, *(a.replace("{out}", str(out)) for a in args)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         peak = [0]
         done = threading.Event()
 
-        def sample():  # a measurement, not a wait: every 0.2 s until the cell exits
+        def sample():  # a measurement, not a wait: every every_s until the cell exits
             while not done.is_set():
                 peak[0] = max(peak[0], _tree_rss(proc.pid))
-                done.wait(0.2)
+                done.wait(every_s)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()

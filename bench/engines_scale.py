@@ -26,10 +26,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -60,43 +57,18 @@ with open(sys.argv[2], "w") as fh:
 
 
 def _cell(spec: dict, pythonpath: Path | None, timeout_s: float) -> dict:
-    """Run one cell in a fresh interpreter; its figures and the peak RSS of its process tree."""
-    from fedswarm.bench.engines import _tree_rss
+    """Run one cell in a fresh interpreter (``pythonpath`` first on its path: another checkout's
+    code); its figures and the peak RSS of its process tree."""
+    from fedswarm.bench.engines import sampled_cell
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "cell.json"
-        env = dict(os.environ)
-        if pythonpath is not None:
-            env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        proc = subprocess.Popen([sys.executable, "-c", _CELL, json.dumps(spec), str(out)], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=env)
-        peak = [0]
-        done = threading.Event()
-
-        def sample():  # a measurement, not a wait: every 0.1 s until the cell exits
-            while not done.is_set():
-                peak[0] = max(peak[0], _tree_rss(proc.pid))
-                done.wait(0.1)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        try:
-            log, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log, _ = proc.communicate()
-            return {"status": f"killed after {timeout_s:.0f} s", "peak_rss_mb": peak[0] / 2**20}
-        finally:
-            done.set()
-            sampler.join()
-        if proc.returncode != 0 or not out.exists():
-            last = log.strip().splitlines()[-1] if log.strip() else str(proc.returncode)
-            return {"status": f"failed: {last}", "peak_rss_mb": peak[0] / 2**20}
-        cell = json.loads(out.read_text())
-        walls = cell["walls"]
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    cell = sampled_cell(["-c", _CELL, json.dumps(spec), "{out}"], timeout_s, env=env, every_s=0.1)
+    walls = cell.get("walls")
+    if walls:
         cell["steady_round_s"] = statistics.median(walls[1:]) if len(walls) > 1 else walls[0]
-        cell["peak_rss_mb"] = peak[0] / 2**20
-        return cell
+    return cell
 
 
 def compute_floor(clients: int, repeats: int = 7) -> float:
