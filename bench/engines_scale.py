@@ -59,7 +59,7 @@ with open(sys.argv[2], "w") as fh:
 def _cell(spec: dict, pythonpath: Path | None, timeout_s: float) -> dict:
     """Run one cell in a fresh interpreter (``pythonpath`` first on its path: another checkout's
     code); its figures and the peak RSS of its process tree."""
-    from fedswarm.bench.engines import sampled_cell
+    from fedswarm.bench.cells import sampled_cell
 
     env = dict(os.environ)
     if pythonpath is not None:

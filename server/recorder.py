@@ -184,7 +184,8 @@ class RoundRecorder(RoundNotes):
                   fed_eval: Callable[[int, Any, list[int]], dict[str, dict]] | None = None) -> dict[str, Any]:
         """Round ``rnd``'s federated evaluation by ``cohort`` (through ``fed_eval``, default the
         recorder's): each node's values merged into its row of ``node_rows``, the round's
-        aggregate returned. An engine that writes its own node rows (batched) calls it itself."""
+        aggregate returned. An engine that writes its own node rows calls it itself (the batched engine
+        computes the same from arrays: :mod:`fedswarm.sim.batched_eval`)."""
         fed_eval = fed_eval if fed_eval is not None else self.fed_eval
         if not cohort or fed_eval is None:
             return {}

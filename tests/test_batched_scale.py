@@ -159,7 +159,8 @@ def test_a_run_that_cannot_fit_is_refused_before_it_starts_with_the_fraction_tha
     est = memory_estimate(cfg, available=10**12)
     d = 4810  # digits-mlp: 64 -> 64 -> 10, the residual a client keeps: d floats
     assert est.parts["client state"] == 1_000_000 * (4 * d + 16)  # every client has trained after 2 rounds
-    with pytest.raises(ConfigError, match=r"needs an estimated 2\d\.\d GB .*client state.*it fits with --fraction ") as e:
+    refusal = r"needs an estimated 2\d\.\d GB .*client state.*it fits with --fraction "
+    with pytest.raises(ConfigError, match=refusal) as e:
         check_memory(cfg, available=8 * 10**9)
     frac = float(str(e.value).split("--fraction ")[1].rstrip("."))
     assert memory_estimate(cfg.model_copy(update={"fraction": frac}), available=8 * 10**9).fits()
