@@ -17,7 +17,11 @@ Rows (each run cell in a fresh interpreter, its resident memory sampled for the 
   synthetic-logreg: seconds per round and peak RSS.
 
 ``repeats`` (2; quick 1) runs of every cell, interleaved; the table gives each cell's best
-steady round (the least disturbed by other work on the machine) and the JSON every run.
+steady round (the least disturbed by other work on the machine) and the JSON every run. Each
+round is timed twice: wall seconds (the recorder's ``wall_s``) and the process's CPU seconds
+(``time.process_time`` between rounds, all its threads; the floor's likewise, with the engine's
+torch threads): on a shared machine the CPU figures are the comparable ones, since time spent
+waiting for a core is not in them.
 Written to ``DIR/engines-scale.json`` and ``DIR/engines-scale.png``.
 """
 
@@ -45,14 +49,18 @@ _CELL = r"""
 import json, logging, sys, time
 logging.getLogger("flwr").setLevel(logging.WARNING)
 from fedswarm.config import RunConfig
-from fedswarm.bench.engines import run_in_store
+from fedswarm.bench.arms import run_arm, scratch_store
 spec = json.loads(sys.argv[1])
+marks = []  # (round, process CPU seconds) as each round is recorded
 t0 = time.perf_counter()
-status, res, total = run_in_store(RunConfig(**spec), t0)
-walls = [r["wall_s"] for r in res["rounds"] if r["round"] > 0]
+with scratch_store() as store:
+    arm = run_arm(RunConfig(**spec), store, listeners=[lambda rnd, row: marks.append((rnd, time.process_time()))],
+                  ok=None)
+cpu = [b[1] - a[1] for a, b in zip(marks, marks[1:]) if b[0] == a[0] + 1 and a[0] >= 0]
+walls = [r["wall_s"] for r in arm.result["rounds"] if r["round"] > 0]
 with open(sys.argv[2], "w") as fh:
-    json.dump({"status": status, "walls": walls, "total_s": total,
-               "final_test_accuracy": res["summary"]["final_test_accuracy"]}, fh)
+    json.dump({"status": arm.status, "walls": walls, "cpu": cpu, "total_s": time.perf_counter() - t0,
+               "final_test_accuracy": arm.result["summary"]["final_test_accuracy"]}, fh)
 """
 
 
@@ -65,16 +73,21 @@ def _cell(spec: dict, pythonpath: Path | None, timeout_s: float) -> dict:
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     cell = sampled_cell(["-c", _CELL, json.dumps(spec), "{out}"], timeout_s, env=env, every_s=0.1)
-    walls = cell.get("walls")
-    if walls:
-        cell["steady_round_s"] = statistics.median(walls[1:]) if len(walls) > 1 else walls[0]
+    for key, out in (("walls", "steady_round_s"), ("cpu", "steady_cpu_s")):
+        xs = cell.get(key)
+        if xs:
+            cell[out] = statistics.median(xs[1:]) if len(xs) > 1 else xs[0]
     return cell
 
 
-def compute_floor(clients: int, repeats: int = 7) -> float:
+def compute_floor(clients: int, repeats: int = 7) -> tuple[float, float]:
     """Seconds of one plain-torch forward and backward pass of digits-mlp over the examples a
     ``clients``-client round of :data:`BASE` trains on (each client's first-step minibatch, as the
-    batched trainer draws them; one batch, the mean loss): the median of ``repeats`` after a warm-up."""
+    batched trainer draws them; one batch, the mean loss) with the batched engine's torch threads:
+    the median wall and process CPU seconds of ``repeats`` passes after a warm-up."""
+    import torch
+
+    from fedswarm.sim.engines import ENGINES
     from fedswarm.config import RunConfig
     from fedswarm.sim.batched_round import round_schedule
     from fedswarm.sim.batched_trainer import BatchedTrainer
@@ -92,14 +105,20 @@ def compute_floor(clients: int, repeats: int = 7) -> float:
     rows = idx[:, 0][valid[:, 0]]
     x, y = data.train_x[rows], data.train_y[rows]
     model = task.model(cfg.seed)
-    times = []
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        model.zero_grad(set_to_none=True)
-        task.objective(model, x, y).backward()
-        if i:  # the first pass warms up
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(ENGINES["batched"].threads or threads, threads))  # as run_engine sets them
+    walls, cpus = [], []
+    try:
+        for i in range(repeats + 1):
+            t0, c0 = time.perf_counter(), time.process_time()
+            model.zero_grad(set_to_none=True)
+            task.objective(model, x, y).backward()
+            if i:  # the first pass warms up
+                walls.append(time.perf_counter() - t0)
+                cpus.append(time.process_time() - c0)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def _train_config(cfg):
@@ -127,7 +146,7 @@ def run_scale(out_dir: Path, quick: bool = False, console: Console | None = None
         cells.append((f"1M population {task}", dict(BASE, task=task, clients=1_000_000, fraction=0.01, rounds=rounds,
                                                     eval_every=rounds + 1), False))
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in cells}
-    floors: list[float] = []
+    floors: list[tuple[float, float]] = []  # (wall, CPU) seconds
     with tempfile.TemporaryDirectory() as tmp:
         tree = source_tree(Path(before), Path(tmp) / "before") if before else None
         for rep in range(repeats):
@@ -145,14 +164,16 @@ def run_scale(out_dir: Path, quick: bool = False, console: Console | None = None
                "clients": spec["clients"], "fraction": spec["fraction"],
                "fed_eval_every_round": spec["eval_every"] == 1,
                "status": best.get("status"), "s_per_round": best.get("steady_round_s"),
+               "cpu_s_per_round": min((c["steady_cpu_s"] for c in ok if c.get("steady_cpu_s")), default=None),
                "peak_rss_mb": max((c.get("peak_rss_mb") or 0) for c in runs[label]) if runs[label] else None,
                "final_test_accuracy": best.get("final_test_accuracy"), "runs": runs[label]}
         if row["s_per_round"]:
             row["client_rounds_per_s"] = per_round / row["s_per_round"]
         rows.append(row)
-    floor = min(floors) if floors else None
+    floor = min(w for w, _ in floors) if floors else None
     rows.append({"row": "compute floor", "code": "plain torch", "task": "digits-mlp", "clients": clients,
                  "fraction": 1.0, "s_per_round": floor, "client_rounds_per_s": clients / floor if floor else None,
+                 "cpu_s_per_round": min(c for _, c in floors) if floors else None,
                  "floors": floors, "status": "measured"})
     _ratios(rows)
     _print(rows, console)
@@ -164,22 +185,25 @@ def run_scale(out_dir: Path, quick: bool = False, console: Console | None = None
 
 
 def _ratios(rows: list[dict]) -> None:
+    """The targets' ratios, on wall seconds and on process CPU seconds (``cpu_`` prefix: what a
+    loaded machine disturbs least, since waiting for a core is not counted)."""
     by = {r["row"]: r for r in rows}
     now, floor, before = by.get("now", {}), by.get("compute floor", {}), by.get("before", {})
-    if now.get("s_per_round") and floor.get("s_per_round"):
-        now["x_floor"] = now["s_per_round"] / floor["s_per_round"]
-    if now.get("client_rounds_per_s") and before.get("client_rounds_per_s"):
-        now["x_before"] = now["client_rounds_per_s"] / before["client_rounds_per_s"]
     fed = by.get("now + fed eval", {})
-    if fed.get("s_per_round") and now.get("s_per_round"):
-        fed["x_without_fed_eval"] = fed["s_per_round"] / now["s_per_round"]
+    for key, prefix in (("s_per_round", ""), ("cpu_s_per_round", "cpu_")):
+        if now.get(key) and floor.get(key):
+            now[prefix + "x_floor"] = now[key] / floor[key]
+        if now.get(key) and before.get(key):
+            now[prefix + "x_before"] = before[key] / now[key]  # client-rounds/s now over before
+        if fed.get(key) and now.get(key):
+            fed[prefix + "x_without_fed_eval"] = fed[key] / now[key]
 
 
 def _print(rows: list[dict], console: Console) -> None:
     load = os.getloadavg()
     table = Table(title=f"engines scale: batched FedAvg, one local step (load {load[0]:.1f} on {os.cpu_count()} cores)")
     for col in ("row", "task", "clients", "fraction", "client-rounds/s", "s/round", "x floor", "x before",
-                "x no fed eval", "peak MB", "note"):
+                "x no fed eval", "CPU s/round", "CPU x floor", "CPU x before", "CPU x no fed eval", "peak MB", "note"):
         table.add_column(col)
 
     def f(v, spec):
@@ -189,6 +213,8 @@ def _print(rows: list[dict], console: Console) -> None:
         table.add_row(r["row"], r["task"], f"{r['clients']:,}", f"{r['fraction']:g}",
                       f(r.get("client_rounds_per_s"), ",.0f"), f(r.get("s_per_round"), ".3f"),
                       f(r.get("x_floor"), ".2f"), f(r.get("x_before"), ".1f"), f(r.get("x_without_fed_eval"), ".2f"),
+                      f(r.get("cpu_s_per_round"), ".3f"), f(r.get("cpu_x_floor"), ".2f"),
+                      f(r.get("cpu_x_before"), ".1f"), f(r.get("cpu_x_without_fed_eval"), ".2f"),
                       f(r.get("peak_rss_mb"), ".0f"),
                       "" if r.get("status") in ("finished", "measured") else str(r.get("status"))[:60])
     console.print(table)
