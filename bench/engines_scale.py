@@ -19,9 +19,10 @@ Rows (each run cell in a fresh interpreter, its resident memory sampled for the 
 ``repeats`` (2; quick 1) runs of every cell, interleaved; the table gives each cell's best
 steady round (the least disturbed by other work on the machine) and the JSON every run. Each
 round is timed twice: wall seconds (the recorder's ``wall_s``) and the process's CPU seconds
-(``time.process_time`` between rounds, all its threads; the floor's likewise, with the engine's
-torch threads): on a shared machine the CPU figures are the comparable ones, since time spent
-waiting for a core is not in them.
+(``time.process_time`` between rounds; the floor's likewise). Every cell and the floor run on
+one torch thread (``OMP_NUM_THREADS=1``): on a shared machine the CPU figures are then the
+comparable ones (time spent waiting for a core is not in them, and no idle thread spins in
+them); the engine's own default is two threads.
 Written to ``DIR/engines-scale.json`` and ``DIR/engines-scale.png``.
 """
 
@@ -69,7 +70,7 @@ def _cell(spec: dict, pythonpath: Path | None, timeout_s: float) -> dict:
     code); its figures and the peak RSS of its process tree."""
     from fedswarm.bench.cells import sampled_cell
 
-    env = dict(os.environ)
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # one torch thread: CPU seconds measure work, not spinning threads
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     cell = sampled_cell(["-c", _CELL, json.dumps(spec), "{out}"], timeout_s, env=env, every_s=0.1)
@@ -83,11 +84,9 @@ def _cell(spec: dict, pythonpath: Path | None, timeout_s: float) -> dict:
 def compute_floor(clients: int, repeats: int = 7) -> tuple[float, float]:
     """Seconds of one plain-torch forward and backward pass of digits-mlp over the examples a
     ``clients``-client round of :data:`BASE` trains on (each client's first-step minibatch, as the
-    batched trainer draws them; one batch, the mean loss) with the batched engine's torch threads:
+    batched trainer draws them; one batch, the mean loss) on one torch thread, as the cells run:
     the median wall and process CPU seconds of ``repeats`` passes after a warm-up."""
     import torch
-
-    from fedswarm.sim.engines import ENGINES
     from fedswarm.config import RunConfig
     from fedswarm.sim.batched_round import round_schedule
     from fedswarm.sim.batched_trainer import BatchedTrainer
@@ -106,7 +105,7 @@ def compute_floor(clients: int, repeats: int = 7) -> tuple[float, float]:
     x, y = data.train_x[rows], data.train_y[rows]
     model = task.model(cfg.seed)
     threads = torch.get_num_threads()
-    torch.set_num_threads(min(ENGINES["batched"].threads or threads, threads))  # as run_engine sets them
+    torch.set_num_threads(1)  # as in the engine's cells (OMP_NUM_THREADS=1)
     walls, cpus = [], []
     try:
         for i in range(repeats + 1):

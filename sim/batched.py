@@ -349,7 +349,8 @@ def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, 
     :meth:`ByteCounter.cohort_sizes`, :func:`add_clients`): no Python work per client but the
     per-node rows, kept only up to ``NODE_ROWS_MAX`` clients."""
     cfg, trainer = run.cfg, run.trainer
-    cohort = cohort_schedule(cfg, sample, run.train_config, run.n_examples, server_round)
+    ids = np.fromiter(sample, dtype=np.int64, count=len(sample))  # once: the cohort's arrays all read it
+    cohort = cohort_schedule(cfg, ids, run.train_config, run.n_examples, server_round)
     sched = cohort.sched
     total = len(sample)
     acc = WeightedSum(trainer.layout.d)  # FedAvg's aggregate, as the Flower strategy's; with dp, the clipped sum
@@ -375,7 +376,7 @@ def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, 
     # the bytes: one measured message and reply per size key (the reply's size depends on the model's length,
     # not its values, and any float loss is 8 bytes)
     n_all = run.n_examples[sched.partitions.numpy()]
-    down, up = counter.cohort_sizes(vector_to_arrayrecord(global_vec), global_vec, np.asarray(sample), n_all,
+    down, up = counter.cohort_sizes(vector_to_arrayrecord(global_vec), global_vec, ids, n_all,
                                     sched.steps.numpy(), cohort, server_round)
     traffic = Traffic()
     add_clients(traffic, sample, up, down)
