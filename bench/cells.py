@@ -17,11 +17,13 @@ __all__ = ["sampled_cell", "tree_rss"]
 def sampled_cell(args: list[str], timeout_s: float, env: dict | None = None, every_s: float = 0.2) -> dict:
     """Run ``python ARGS`` (``{out}`` in them: the path the cell writes its JSON figures to),
     sampling its process tree's RSS every ``every_s`` for the peak; return its figures with
-    ``peak_rss_mb``, or a ``status`` saying why there are none."""
+    ``peak_rss_mb``, or a ``status`` saying why there are none. It runs in a folder of its own:
+    from a checkout's root, ``python -c``/``-m`` would import that checkout's ``fedswarm`` first."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "cell.json"
         proc = subprocess.Popen([sys.executable, *(a.replace("{out}", str(out)) for a in args)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                cwd=tmp)  # not the caller's folder: a checkout there would shadow PYTHONPATH
         peak = [0]
         done = threading.Event()
 
