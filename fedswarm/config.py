@@ -276,6 +276,11 @@ class RunConfig(TrainingSpec):
                 raise ValueError(f"devices: {exc}") from None
         return self
 
+    @field_validator("quorum", "eligible", "availability", mode="before")
+    @classmethod
+    def _unset(cls, v: Any) -> Any:
+        return None if v in ("", 0) and not isinstance(v, bool) else v  # Flower's run_config has no null
+
     @model_validator(mode="after")
     def _check_fleet(self) -> "RunConfig":
         if self.quorum is not None and self.quorum > self.clients:

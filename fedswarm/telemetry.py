@@ -76,7 +76,7 @@ def battery(root: str | os.PathLike = "/") -> dict[str, Any]:
     try:
         supplies = sorted(p for p in base.iterdir())
     except OSError:
-        return {}
+        supplies = []
     out: dict[str, Any] = {}
     mains_seen, mains_online, has_battery = False, False, False
     for sup in supplies:

@@ -191,7 +191,7 @@ class FleetGrid(WrappingGrid):
         least = max(1, self.min_train_nodes)
         deadline = time.monotonic() + self.wait_s
         while True:
-            ask = {n for n in ids if self.trained.get(n, 0) < self.round - 1} if self._eligibility_on() else set()
+            ask = {n for n in ids if self.trained.get(n, -1) < self.round - 1} if self._eligibility_on() else set()
             if self.availability is not None:  # nodes whose partition (so availability) is not known yet
                 ask.update(n for n in ids if self._pid(n) is None)
             self.probe(sorted(ask))  # what nodes that did not train last round say now

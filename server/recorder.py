@@ -124,7 +124,8 @@ class RoundRecorder(RoundNotes):
         train_loss, num_examples, node_rows = self._replies(traffic, rejections)
         fed: dict[str, Any] = {}
         if server_round > 0 and self.fed_eval is not None and self.eval_due(rnd):
-            fed = self.federated(rnd, arrays, sorted(traffic.node_down), node_rows)
+            gone = {r["node_id"] for r in self._engine_rows}  # late or dropped (server.fleet_grid): not asked
+            fed = self.federated(rnd, arrays, [n for n in sorted(traffic.node_down) if str(n) not in gone], node_rows)
             spent = getattr(self.fed_eval, "traffic", None)  # the evaluate messages, metered apart
             if fed and spent is not None:
                 fed.update(eval_bytes_up=spent.bytes_up, eval_bytes_down=spent.bytes_down)
