@@ -304,6 +304,14 @@ class RunConfig(TrainingSpec):
                 raise ValueError(str(exc)) from None
         return self
 
+    def fleet_options(self) -> list[str]:
+        """The fleet options this run uses (quorum, over-selection, eligibility, availability:
+        ``fedswarm.server.fleet_grid``), as their flags."""
+        used = [("--quorum", self.quorum is not None), ("--over-select", self.over_select > 1.0),
+                ("--eligible", self.eligible is not None or any("eligible" in p for p in self.policies.values())),
+                ("--availability", self.availability is not None)]
+        return [flag for flag, on in used if on]
+
     @classmethod
     def build(cls, values: dict[str, Any]) -> "RunConfig":
         """Validate ``values``; raise :class:`ConfigError` with one clear line on failure."""

@@ -56,7 +56,7 @@ from fedswarm.server.metered_grid import WrappingGrid, serialized_size
 from fedswarm.server.prompt_grid import pull_replies
 from fedswarm.strategies.strategy_utils import wait_for_nodes
 
-__all__ = ["FleetGrid", "fleet_grid_for", "check_fleet", "PROBE_TIMEOUT_S", "NOT_PICKED"]
+__all__ = ["FleetGrid", "fleet_grid_for", "check_fleet", "uses_fleet", "PROBE_TIMEOUT_S", "NOT_PICKED"]
 
 PROBE_TIMEOUT_S = 10.0  # how long the eligibility probe waits for the nodes' answers
 NOT_PICKED = ("ineligible", "unavailable")  # the statuses of a node left out at sampling
@@ -65,8 +65,7 @@ NodeTime = Callable[[Message, int, int], "float | None"]
 
 def uses_fleet(cfg: RunConfig) -> bool:
     """Whether the run asks for any of quorum, over-selection, eligibility or availability."""
-    return (cfg.quorum is not None or cfg.over_select > 1.0 or cfg.eligible is not None
-            or cfg.availability is not None or any("eligible" in p for p in cfg.policies.values()))
+    return bool(cfg.fleet_options())
 
 
 def check_fleet(cfg: RunConfig, kind: str, strategy: Any) -> None:
@@ -74,8 +73,8 @@ def check_fleet(cfg: RunConfig, kind: str, strategy: Any) -> None:
     if not uses_fleet(cfg):
         return
     if kind != "federated":
-        raise ConfigError(f"--quorum, --over-select, --eligible and --availability apply to synchronous federated "
-                          f"strategies; '{cfg.strategy}' is {kind}")
+        raise ConfigError(f"{', '.join(cfg.fleet_options())}: for synchronous federated strategies; "
+                          f"'{cfg.strategy}' is {kind}")
     if cfg.over_select > 1.0 and not (hasattr(strategy, "fraction_train") and hasattr(strategy, "min_train_nodes")):
         raise ConfigError(f"--over-select: strategy '{cfg.strategy}' chooses its own nodes (it has no "
                           f"fraction_train to scale); use --quorum alone")
