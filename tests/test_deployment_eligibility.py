@@ -48,7 +48,11 @@ def test_a_node_on_5_percent_battery_is_never_sampled(tmp_path):
         trained = {n for n, rs in by_node.items() if any(r.status == "ok" for r in rs)}
         assert len(trained) == 2 and node not in trained
         assert all(sum(r.status == "ok" for r in rows if r.round == k) == 2 for k in (1, 2, 3))
-        fleet = {n.id: n for n in store.list_nodes() if n.kind == "supernode"}
-        assert fleet[node].status == "ineligible"  # the Nodes page shows why it was not picked
+        from fedswarm.web.models import SuperNodesOut
+        from fedswarm.web.services.fleet import FleetQuery, fleet
+
+        assert {n.id: n for n in store.list_nodes()}[node].status == "ineligible"
+        page = {n.id: n for n in fleet(store, SuperNodesOut(configured=False), FleetQuery()).nodes}
+        assert page[node].state_detail.startswith(f"not picked in round 3 of run {run.id}: not eligible")
     finally:
         dep.stop()

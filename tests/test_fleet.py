@@ -262,3 +262,24 @@ def test_a_run_with_a_trace_never_trains_a_node_outside_its_window(tmp_path):
     assert by[(1, "4")] == "unavailable" and any(by.get((k, "4")) == "ok" for k in (4, 5))
     assert "went offline mid-round" in [r.reason for r in rows if r.status == "dropped"][0]
     assert math.isclose(start[3], 2 * t1, rel_tol=1e-3)  # two rounds (their bytes differ by a few)
+
+
+# -- the dashboard's Nodes page ---------------------------------------------------------------
+def test_the_nodes_page_says_why_a_node_was_not_picked(tmp_path):
+    from fedswarm.web.models import SuperNodesOut
+    from fedswarm.web.services.fleet import FleetQuery, fleet, node_detail
+
+    store = Store(tmp_path / "nodes.db")
+    run_id = store.create_run(RunConfig().model_dump())
+    store.set_status(run_id, "running")
+    reason = "not eligible (battery>=40): battery 5 fails battery>=40"
+    store.add_round(run_id, 1, nodes=[{"node_id": "77", "status": "ineligible", "reason": reason},
+                                      {"node_id": "78", "status": "ok"}])
+    store.add_round(run_id, 2, nodes=[{"node_id": "77", "status": "ineligible", "reason": reason}])
+    store.upsert_nodes({"77": {"kind": "supernode", "run_id": run_id, "status": "ineligible"},
+                        "78": {"kind": "supernode", "run_id": run_id, "status": "online"}})
+    page = {n.id: n for n in fleet(store, SuperNodesOut(configured=False), FleetQuery()).nodes}
+    assert page["77"].state == "online"
+    assert page["77"].state_detail == f"not picked in round 2 of run {run_id}: {reason}"
+    assert "not picked" not in page["78"].state_detail
+    assert node_detail(store, "77", SuperNodesOut(configured=False)).node.state_detail == page["77"].state_detail
