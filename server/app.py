@@ -149,6 +149,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
         arrays, rounds = resume_into(resume, store=store, run_id=run_id, strategy=strategy, recorder=recorder,
                                      policies=policies, train_config=train_config, engine=engine_state,
                                      byzantine=byzantine, restore_clients=restore)
+        if fleet is not None:  # the fleet's round and simulated clock go on from the checkpoint's
+            fleet.resume_at(resume.round, [r.sim_time_s for r in store.rounds(run_id) if 0 < r.round <= resume.round])
 
     def loop() -> None:
         nonlocal arrays, rounds

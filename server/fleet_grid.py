@@ -221,6 +221,13 @@ class FleetGrid(WrappingGrid):
         self.round = int(server_round) + 1
         self._pool = None
 
+    def resume_at(self, server_round: int, round_times: list[float | None]) -> None:
+        """A resumed run: round ``server_round`` was the last recorded, its rounds took ``round_times``
+        simulated seconds (the clock goes on from their sum). What nodes reported before is not kept:
+        the next round probes every node again."""
+        self.end_round(server_round)
+        self.clock = float(sum(t or 0.0 for t in round_times))
+
     def timed(self, sim_time: Callable[[int, Any], float | None] | None) -> Callable[[int, Any], float | None]:
         """``sim_time`` with the simulated time the round waited for nodes added; moves the clock on."""
         def round_time(rnd: int, traffic: Any) -> float | None:
