@@ -283,3 +283,13 @@ def test_the_nodes_page_says_why_a_node_was_not_picked(tmp_path):
     assert page["77"].state_detail == f"not picked in round 2 of run {run_id}: {reason}"
     assert "not picked" not in page["78"].state_detail
     assert node_detail(store, "77", SuperNodesOut(configured=False)).node.state_detail == page["77"].state_detail
+
+
+def test_engines_and_strategies_that_do_not_run_the_fleet_options_say_so():
+    from fedswarm.sim.engines import check_config
+
+    with pytest.raises(ConfigError, match="--quorum: run on --engine inprocess or flower .*not on the batched"):
+        check_config(RunConfig(task=TASK, engine="batched", quorum=3))
+    with pytest.raises(ConfigError, match="--eligible: for synchronous federated strategies; 'dpsgd' is"):
+        check_config(RunConfig(task=TASK, strategy="dpsgd", eligible="charging"))
+    assert check_config(RunConfig(task=TASK, quorum=3)).name == "inprocess"
