@@ -31,7 +31,9 @@ when the run asks for one of these; otherwise nothing changes):
 - **Mid-round drops** (``--availability``): a node that drops (its class's ``dropout``) or
   whose session ends before its own part of the round is over loses its update: its reply is
   discarded and its row says ``dropped`` and why. Its own state (an error-feedback residual) keeps
-  what it computed: the simulated node got that far.
+  what it computed: the simulated node got that far. A round that waits for such a node (no quorum,
+  or a quorum the drops left short) takes ``round_timeout`` simulated seconds: the server waited
+  for it until it gave up.
 
 Rows for nodes that sent no usable reply go to the recorder through ``on_rows``
 (:meth:`~fedswarm.server.recorder.RoundRecorder.node_rows`).
@@ -101,6 +103,7 @@ class FleetGrid(WrappingGrid):
         self.round = 1  # the round being run (end_round moves it on)
         self.clock = 0.0  # simulated seconds at the round's start
         self.idle = 0.0  # simulated seconds the round waited for nodes to come on
+        self.stalled = False  # this round waited for a reply that never came: it took round_timeout
         self.telemetry: dict[int, dict[str, Any]] = {}
         self.classes: dict[int, str] = {}
         self.partitions: dict[int, int] = {}
@@ -232,9 +235,11 @@ class FleetGrid(WrappingGrid):
         """``sim_time`` with the simulated time the round waited for nodes added; moves the clock on."""
         def round_time(rnd: int, traffic: Any) -> float | None:
             t = sim_time(rnd, traffic) if sim_time is not None else None
+            if self.stalled and t is not None:  # the server waited for a dropped node until it gave up
+                t = max(t, self.wait_s)
             total = None if t is None and not self.idle else (t or 0.0) + self.idle
             self.clock += total or 0.0
-            self.idle = 0.0
+            self.idle, self.stalled = 0.0, False
             return total
 
         return round_time
@@ -281,6 +286,9 @@ class FleetGrid(WrappingGrid):
         if simulated:
             good.sort(key=lambda g: (g[0], g[1]))
         kept = good if k is None else good[:k]
+        # a simulated node that dropped never replies: without a quorum, or with one it left short, the
+        # server waits for it until round_timeout (the round's simulated time says so, :meth:`timed`)
+        self.stalled = simulated and any(r["status"] == "dropped" for r in rows) and (k is None or len(kept) < k)
         for t, _, node, _r in good[len(kept):]:
             when = f" (it finished at {t:.1f} s simulated)" if math.isfinite(t) else ""
             rows.append({"node_id": str(node), "status": "late", "bytes_down": down.get(node, 0),
