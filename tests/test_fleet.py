@@ -294,3 +294,19 @@ def test_engines_and_strategies_that_do_not_run_the_fleet_options_say_so():
     with pytest.raises(ConfigError, match="--eligible: for synchronous federated strategies; 'dpsgd' is"):
         check_config(RunConfig(task=TASK, strategy="dpsgd", eligible="charging"))
     assert check_config(RunConfig(task=TASK, quorum=3)).name == "inprocess"
+
+
+def test_fake_battery_is_read_by_the_probe_only_when_set(tmp_path, monkeypatch):
+    from fedswarm.telemetry import battery
+
+    supply = tmp_path / "sys/class/power_supply/BAT0"
+    supply.mkdir(parents=True)
+    (supply / "type").write_text("Battery\n")
+    (supply / "capacity").write_text("80\n")
+    assert battery(tmp_path)["battery_pct"] == 80.0
+    monkeypatch.setenv("FEDSWARM_FAKE_BATTERY", "5")
+    assert battery(tmp_path)["battery_pct"] == 5.0
+    assert battery(tmp_path / "nothing-here") == {"battery_pct": 5.0}  # no power_supply folder at all
+    monkeypatch.setenv("FEDSWARM_FAKE_BATTERY", "low")
+    with pytest.raises(ValueError, match="FEDSWARM_FAKE_BATTERY"):
+        battery(tmp_path)
