@@ -162,13 +162,15 @@ def sim(
         "the nodes the strategy needs."
     )),
     over_select: Optional[float] = typer.Option(None, "--over-select", help=(
-        "Federated strategies: sample F >= 1 times the nodes the strategy needs each round (e.g. 1.3); with "
-        "--quorum (implied) the round closes on the first replies."
+        "Federated strategies: sample F >= 1 times the nodes the strategy needs each round (e.g. 1.3, with "
+        "--fraction below 1/F); the round closes on the first replies of the nodes needed (--quorum to say how many)."
+        " --engine inprocess or flower."
     )),
     eligible: Optional[str] = typer.Option(None, "--eligible", help=(
         "Sample only nodes whose last telemetry passes these rules, e.g. 'battery>=40,charging,temp<45' (battery, "
-        "temp, rss with <, <=, >, >=, ==; charging, !charging); per class: eligible = RULES in a --config's "
-        "[policies.CLASS]. A skipped node's row says why."
+        "temp, rss with <, <=, >, >=, ==; charging, !charging); per device class: an 'eligible' key in the class's "
+        "policy of a --config file. A node is probed for its telemetry before a round it did not train in the "
+        "round before; a skipped node's row says why ('ineligible')."
     )),
     availability: Optional[str] = typer.Option(None, "--availability", help=(
         "Simulated availability (needs --devices): on=S,off=S[,diurnal=A,period=S,dropout=P] for every class, "
