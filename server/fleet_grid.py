@@ -11,7 +11,9 @@ when the run asks for one of these; otherwise nothing changes):
   start). Every node left out gets a row for the round: status ``ineligible`` or ``unavailable``
   and the reason (the dashboard's Nodes page shows it). A node's eligibility comes from the last
   telemetry it sent: each round, before sampling, the nodes that did not report in the previous
-  round (all of them in the first) get the *probe*, a ``query.fedswarm_telemetry`` message
+  round (all of them in the first; with ``--availability`` on an engine whose node ids are not
+  partition ids, every node not yet placed, waiting up to ``round_timeout``) get the *probe*, a
+  ``query.fedswarm_telemetry`` message
   answered with the node's telemetry and nothing else (no model either way, a few hundred bytes,
   not counted in the round's bytes); a node that does not answer it within ``PROBE_TIMEOUT_S``
   keeps what it said last (a node that never said anything is eligible). When too few nodes are
@@ -137,15 +139,16 @@ class FleetGrid(WrappingGrid):
     def _eligibility_on(self) -> bool:
         return self.rules is not None or any("eligible" in p for p in self.policies.as_dict().values())
 
-    def probe(self, nodes: list[int]) -> None:
-        """Ask ``nodes`` for their telemetry (the ClientApp's ``query.fedswarm_telemetry``)."""
+    def probe(self, nodes: list[int], timeout_s: float | None = None) -> None:
+        """Ask ``nodes`` for their telemetry (the ClientApp's ``query.fedswarm_telemetry``), waiting
+        ``timeout_s`` (default ``probe_timeout_s``) for the answers."""
         if not nodes:
             return
-        msgs = [self.probe_grid.create_message(RecordDict({"config": ConfigRecord({})}),
-                                               f"query.{TELEMETRY_ACTION}", n, f"probe-{self.round}")
-                for n in nodes]
+        msgs = [Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=n,
+                        message_type=f"query.{TELEMETRY_ACTION}", group_id=f"probe-{self.round}") for n in nodes]
         waiting = {mid for mid in self.probe_grid.push_messages(msgs) if mid}
-        for reply in pull_replies(self.probe_grid, waiting, timeout=self.probe_timeout_s):
+        timeout = self.probe_timeout_s if timeout_s is None else timeout_s
+        for reply in pull_replies(self.probe_grid, waiting, timeout=timeout):
             self._learn(reply)
 
     # -- sampling ---------------------------------------------------------------------------
@@ -160,7 +163,12 @@ class FleetGrid(WrappingGrid):
             why = None
             if self.availability is not None:
                 pid = self._pid(node)
-                if pid is not None and not self.availability.available(pid, self.clock):
+                if pid is None:
+                    rows.append({"node_id": str(node), "status": "unavailable",
+                                 "reason": "its partition id is not known (it did not answer the probe), so "
+                                           "neither is its availability"})
+                    continue
+                if not self.availability.available(pid, self.clock):
                     nxt = self.availability.next_on(pid, self.clock)
                     when = f"; on again at t={nxt:.0f} s" if nxt is not None else "; not on again in the trace"
                     rows.append({"node_id": str(node), "status": "unavailable",
@@ -186,17 +194,24 @@ class FleetGrid(WrappingGrid):
                     times.append(t)
         return min(times) if times else None
 
+    def _ask(self, ids: list[int]) -> None:
+        """Probe the nodes whose answer sampling needs: those not placed yet (``--availability``; they
+        must say their partition, so up to ``round_timeout``), then, with eligibility rules, those that
+        did not train in the previous round."""
+        unplaced = [n for n in ids if self._pid(n) is None] if self.availability is not None else []
+        if unplaced:
+            self.probe(unplaced, timeout_s=self.wait_s)
+        if self._eligibility_on():
+            self.probe([n for n in ids if self.trained.get(n, -1) < self.round - 1 and n not in unplaced])
+
     def get_node_ids(self) -> Iterable[int]:
         if self._pool is not None and self._pool[0] == self.round:
             return list(self._pool[1])
         ids = wait_for_nodes(self.inner, self.min_connected, self.wait_s)
         least = max(1, self.min_train_nodes)
         deadline = time.monotonic() + self.wait_s
+        self._ask(ids)
         while True:
-            ask = {n for n in ids if self.trained.get(n, -1) < self.round - 1} if self._eligibility_on() else set()
-            if self.availability is not None:  # nodes whose partition (so availability) is not known yet
-                ask.update(n for n in ids if self._pid(n) is None)
-            self.probe(sorted(ask))  # what nodes that did not train last round say now
             pool, rows = self._offer(ids)
             if len(pool) >= least:
                 break
@@ -214,6 +229,7 @@ class FleetGrid(WrappingGrid):
                                    f"for {self.wait_s:.0f} s ({reasons})")
             time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))  # the nodes' telemetry may change
             ids = sorted(int(n) for n in self.inner.get_node_ids())
+            self._ask(ids)
         self.on_rows(rows)
         self._pool = (self.round, pool)
         self.needed = max(int(len(pool) * self.fraction), self.min_train_nodes)
