@@ -1,0 +1,128 @@
+"""FedBuff: its fold against hand-computed values, the event order, staleness refusals, and whole
+runs on the in-process engine (determinism, the recorded aggregation rows)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedswarm.algorithms.fedbuff import AsyncSchedule, FedBuffer, Stale, staleness_weight
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
+from fedswarm.store import Store
+
+
+def test_staleness_weights_by_hand():
+    poly = staleness_weight("poly:0.5")
+    assert poly(0) == 1.0 and poly(3) == pytest.approx(0.5) and poly(8) == pytest.approx(1 / 3)
+    assert staleness_weight("const")(17) == 1.0
+    hinge = staleness_weight("hinge:0.5,2")  # 1 up to 2 versions, then 1 / (0.5 (tau - 2) + 1)
+    assert [hinge(t) for t in (0, 2, 4, 8)] == pytest.approx([1.0, 1.0, 0.5, 0.25])
+    for bad in ("poly:x", "hinge:1", "cubic", "poly:-1", "const:2"):
+        with pytest.raises(ConfigError, match="staleness_weight"):
+            staleness_weight(bad)
+
+
+def test_fold_matches_a_hand_oracle():
+    """K = 3 updates arrive in a fixed order with staleness 0, 3 and 8 (weights 1, 1/2, 1/3 under
+    poly:0.5): x + lr * (1*a + b/2 + c/3) / 3, worked out by hand."""
+    buf = FedBuffer(3, staleness_weight("poly:0.5"), max_staleness=None, server_lr=0.6)
+    x = torch.tensor([1.0, -1.0, 0.0])
+    assert buf.add(torch.tensor([3.0, 0.0, 0.0]), 0) == 1.0
+    assert not buf.ready
+    assert buf.add(torch.tensor([0.0, 4.0, 0.0]), 3) == pytest.approx(0.5)
+    assert buf.add(torch.tensor([0.0, 0.0, 9.0]), 8) == pytest.approx(1 / 3)
+    assert buf.ready
+    new, metrics = buf.fold(x)
+    # (3, 2, 3) / 3 = (1, 2/3, 1); times 0.6 = (0.6, 0.4, 0.6)
+    assert new.tolist() == pytest.approx([1.6, -0.6, 0.6], abs=1e-6)
+    assert metrics == {"updates": 3, "staleness_min": 0.0, "staleness_mean": pytest.approx(11 / 3),
+                       "staleness_max": 8.0}
+    assert not buf.ready and not buf.deltas  # emptied
+
+
+def test_max_staleness_refuses_with_the_reason():
+    buf = FedBuffer(2, staleness_weight("const"), max_staleness=2)
+    buf.add(torch.ones(2), 2)
+    with pytest.raises(Stale, match=r"stale: 3 versions old > max_staleness 2"):
+        buf.add(torch.ones(2), 3)
+    assert len(buf.deltas) == 1  # the refused update is not buffered
+
+
+def test_schedule_orders_arrivals_by_simulated_finish():
+    """Node 2 is 10x slower: with 3 slots every arrival comes in finish-time order and the slow
+    node's comes back only after the fast ones have come and gone several times."""
+    dur = {1: 1.0, 2: 10.0, 3: 1.5}
+    sched = AsyncSchedule([3, 1, 2], concurrency=3, duration=dur.__getitem__, seed=0)
+    assert sorted(j.node for j in sched.dispatch(0)) == [1, 2, 3]
+    arrivals = []
+    for version in range(1, 8):
+        job = sched.arrive()
+        arrivals.append((job.finish, job.node))
+        sched.dispatch(version)
+    assert [f for f, _ in arrivals] == sorted(f for f, _ in arrivals)
+    assert [n for _, n in arrivals] == [1, 3, 1, 3, 1, 1, 3]
+    assert sched.now == pytest.approx(4.5)
+    assert [(j.node, j.finish) for j in (sched.arrive(), sched.arrive())] == [(1, 5.0), (3, 6.0)]
+    assert [(j.node, j.finish, j.version) for j in sched.flying] == [(2, 10.0, 0)]  # still on version 0
+
+
+def test_schedule_equal_speeds_is_first_dispatched_first_arrived():
+    sched = AsyncSchedule(range(1, 6), concurrency=2, seed=3)
+    order = [j.node for j in sched.dispatch(0)]
+    got = []
+    for v in range(6):
+        got.append(sched.arrive().node)
+        order += [j.node for j in sched.dispatch(v + 1)]
+    assert got == order[:6]
+
+
+def _run(tmp_path, name: str, **kw):
+    from fedswarm.sim.run import run_engine
+
+    base = dict(strategy="fedbuff", task="synthetic-logreg", clients=6, rounds=4, local_steps=2, seed=3,
+                eval_every=1000)
+    cfg = RunConfig.model_validate({**base, **kw})
+    store = Store(tmp_path / f"{name}.db")
+    try:
+        rid = store.create_run(cfg.model_dump())
+        assert run_engine(cfg, store=store, run_id=rid) == "finished"
+        return store.export_result(rid), store.node_rounds(rid)
+    finally:
+        store.close()
+
+
+def test_stale_updates_are_rejected_and_recorded(tmp_path):
+    """Concurrency 6 and K = 2: the nodes dispatched with version 0 arrive 0, 0, 1, 1, 2, 2 versions
+    late (equal speeds); max_staleness 1 refuses the last two with the reason on their rows."""
+    res, nodes = _run(tmp_path, "stale", params={"buffer_size": 2, "concurrency": 6, "max_staleness": 1})
+    rows = res["rounds"][1:]
+    assert [r["model_version"] for r in rows] == [1, 2, 3, 4]
+    rejected = [n for n in nodes if n.status == "rejected"]
+    assert rejected and all(n.reason.startswith("stale: 2 versions old > max_staleness 1") for n in rejected)
+    assert sum(r.get("rejected", 0) for r in rows) == len(rejected)
+    assert all(r["staleness_max"] <= 1 for r in rows)
+
+
+def test_runs_are_deterministic_for_a_seed(tmp_path):
+    kw = dict(params={"buffer_size": 2, "concurrency": 4}, devices="edge-wifi:4,straggler:2")
+    a, _ = _run(tmp_path, "a", **kw)
+    b, _ = _run(tmp_path, "b", **kw)
+    keys = ("test_loss", "test_accuracy", "staleness_mean", "sim_time_s", "model_version")
+    assert [[r.get(k) for k in keys] for r in a["rounds"]] == [[r.get(k) for k in keys] for r in b["rounds"]]
+    c, _ = _run(tmp_path, "c", seed=4, **kw)
+    assert [r["test_loss"] for r in c["rounds"][1:]] != [r["test_loss"] for r in a["rounds"][1:]]
+
+
+def test_stragglers_arrive_stale_on_the_virtual_clock(tmp_path):
+    """With --devices, an aggregation waits for no straggler: the simulated time between
+    aggregations is the fast nodes' and the stragglers' updates carry staleness."""
+    res, _ = _run(tmp_path, "fleet", rounds=8, params={"buffer_size": 2, "concurrency": 6},
+                  devices="edge-wifi:4,straggler:2")
+    rows = res["rounds"][1:]
+    assert all(r["sim_time_s"] is not None for r in rows)
+    assert max(r["staleness_max"] for r in rows) >= 2
+    clock = [r["sim_clock_s"] for r in rows]
+    assert clock == sorted(clock) and math.isclose(sum(r["sim_time_s"] for r in rows), clock[-1])
