@@ -4,7 +4,8 @@ The server keeps up to ``concurrency`` nodes training, never waits for a round: 
 that arrives is weighted by its staleness and buffered, and every ``buffer_size`` (K) buffered
 updates fold into the model (:mod:`fedswarm.algorithms.fedbuff`, the math). A recorded round is
 one aggregation: its number is the model version it made; its row notes ``model_version``,
-``updates``, ``staleness_min/mean/max``, ``in_flight`` (nodes still training when it was made),
+``updates``, ``staleness_min/mean/max``, ``staleness_by_node`` (node id: the staleness of each of
+its updates, refused ones included), ``in_flight`` (nodes still training when it was made),
 ``lost`` (dispatches given up after ``round_timeout`` with no reply) and, on a simulated fleet,
 ``sim_time_s`` (simulated seconds since the last aggregation). An update older than
 ``max_staleness`` versions is rejected (the node's row: status ``rejected``, reason
@@ -130,6 +131,7 @@ class FedBuff(ReportsRounds, FedAvg):
         sched = AsyncSchedule(nodes, self.concurrency, self.duration, seed=self.seed)
         t_last_agg = 0.0
         counts = {"lost": 0}
+        by_node: dict[str, list[int]] = {}  # node id -> the staleness of its updates in this aggregation
 
         def push(pairs: list[tuple[int, int]]) -> None:
             msgs = []
@@ -154,8 +156,10 @@ class FedBuff(ReportsRounds, FedAvg):
             except PayloadError as exc:
                 self.reject(reply, exc)
                 return
+            staleness = self.version - sent.version
+            by_node.setdefault(str(sent.node), []).append(staleness)
             try:
-                self.buffer.add(model - sent_models[sent.version], self.version - sent.version)
+                self.buffer.add(model - sent_models[sent.version], staleness)
             except Stale as exc:
                 self.reject(reply, exc)
 
@@ -197,8 +201,10 @@ class FedBuff(ReportsRounds, FedAvg):
             in_use = {s.version for s in flying.values()}
             for v in [v for v in sent_models if v not in in_use]:
                 del sent_models[v]
-            metrics.update(model_version=self.version, in_flight=len(flying), lost=counts["lost"])
+            metrics.update(model_version=self.version, in_flight=len(flying), lost=counts["lost"],
+                           staleness_by_node=dict(by_node))
             counts["lost"] = 0
+            by_node.clear()
             if self.simulated and self.duration is not None:
                 metrics["sim_time_s"] = sched.now - t_last_agg
                 metrics["sim_clock_s"] = sched.now
@@ -206,6 +212,9 @@ class FedBuff(ReportsRounds, FedAvg):
             self.note(**metrics)
             log(INFO, "FedBuff: model version %d from %d updates (staleness %s..%s), %d in flight", self.version,
                 metrics["updates"], metrics.get("staleness_min"), metrics.get("staleness_max"), len(flying))
+            carry = getattr(grid, "carry_over", None)  # a metering grid: in-flight messages are not unanswered
+            if callable(carry):
+                carry(list(flying))
             arrays = vector_to_arrays_like(x, keys)
             result.arrays = arrays
             if evaluate_fn is not None:
