@@ -41,7 +41,7 @@ from flwr.serverapp.strategy import FedAvg, Result
 from fedswarm.algorithms.fedbuff import AsyncSchedule, FedBuffer, Stale, staleness_weight
 from fedswarm.hyperparams import HyperParam
 from fedswarm.payload import PayloadError
-from fedswarm.strategies.registry import BuildContext, StrategyEntry, register
+from fedswarm.strategies.registry import Batched, BuildContext, StrategyEntry, register
 from fedswarm.strategies.strategy_utils import ReportsRounds, check_model_reply, wait_for_nodes
 from fedswarm.wire import array_keys, arrayrecord_to_vector, vector_to_arrays_like
 
@@ -273,5 +273,6 @@ ENTRY = register(StrategyEntry(
         HyperParam("server_lr", 1.0, "server learning rate on the buffered mean update", gt=0.0),
     ),
     paper="Nguyen et al., AISTATS 2022",
+    batched=Batched("fedbuff", dp=True),  # the same events, clients trained in waves (sim/batched_fedbuff.py)
     dp=True,
 ))
