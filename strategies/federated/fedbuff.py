@@ -131,6 +131,7 @@ class FedBuff(ReportsRounds, FedAvg):
         sched = AsyncSchedule(nodes, self.concurrency, self.duration, seed=self.seed)
         t_last_agg = 0.0
         counts = {"lost": 0}
+        backlog: list[tuple[Message, _Sent]] = []  # replies pulled, not yet folded (deployment)
         by_node: dict[str, list[int]] = {}  # node id -> the staleness of its updates in this aggregation
 
         def push(pairs: list[tuple[int, int]]) -> None:
@@ -179,17 +180,21 @@ class FedBuff(ReportsRounds, FedAvg):
                 if free > 0 and idle:
                     picks = [idle.pop(sched.rng.randrange(len(idle))) for _ in range(min(free, len(idle)))]
                     push([(n, -1) for n in picks])
-                got = list(grid.pull_messages(list(flying))) if flying else []
-                for reply in got:
-                    sent = flying.pop(reply.metadata.reply_to_message_id, None)
-                    if sent is not None:
-                        take(reply, sent)
-                now = time.monotonic()
-                for mid in [m for m, s in flying.items() if now - s.pushed > timeout]:
-                    flying.pop(mid)  # a dead node: its update never arrives
-                    counts["lost"] += 1
-                if not got and not self.buffer.ready:
-                    time.sleep(self.poll_s)  # polling the grid for replies, as Flower's grid does
+                if not backlog:
+                    got = list(grid.pull_messages(list(flying))) if flying else []
+                    for reply in got:
+                        sent = flying.pop(reply.metadata.reply_to_message_id, None)
+                        if sent is not None:
+                            backlog.append((reply, sent))
+                    now = time.monotonic()
+                    for mid in [m for m, s in flying.items() if now - s.pushed > timeout]:
+                        flying.pop(mid)  # a dead node: its update never arrives
+                        counts["lost"] += 1
+                    if not got:
+                        time.sleep(self.poll_s)  # polling the grid for replies, as Flower's grid does
+                # one at a time: exactly K per aggregation, the rest folded after it (one version staler)
+                while backlog and not self.buffer.ready:
+                    take(*backlog.pop(0))
             if not self.buffer.ready:
                 continue
             privatize = None
