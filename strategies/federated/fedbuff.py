@@ -278,6 +278,7 @@ ENTRY = register(StrategyEntry(
         HyperParam("server_lr", 1.0, "server learning rate on the buffered mean update", gt=0.0),
     ),
     paper="Nguyen et al., AISTATS 2022",
+    byzantine=False,  # its replies come one at a time, not through a round the Byzantine grid rewrites
     batched=Batched("fedbuff", dp=True),  # the same events, clients trained in waves (sim/batched_fedbuff.py)
     dp=True,
 ))
