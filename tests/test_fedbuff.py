@@ -43,6 +43,23 @@ def test_fold_matches_a_hand_oracle():
     assert not buf.ready and not buf.deltas  # emptied
 
 
+def test_fold_with_dp_privatizes_the_weighted_updates():
+    """--dp: the mechanism gets each update times its staleness weight (clipped and noised there);
+    its noised mean is the step."""
+    seen = []
+
+    def privatize(x):
+        seen.append(x.clone())
+        return torch.tensor([0.5, -0.5]), {"epsilon": 1.25}
+
+    buf = FedBuffer(2, staleness_weight("poly:1"), server_lr=2.0)
+    buf.add(torch.tensor([1.0, 1.0]), 0)
+    buf.add(torch.tensor([4.0, -2.0]), 1)  # weight 1/2
+    new, metrics = buf.fold(torch.tensor([1.0, 1.0]), privatize)
+    assert seen[0].tolist() == [[1.0, 1.0], [2.0, -1.0]]
+    assert new.tolist() == [2.0, 0.0] and metrics["epsilon"] == 1.25 and metrics["updates"] == 2
+
+
 def test_max_staleness_refuses_with_the_reason():
     buf = FedBuffer(2, staleness_weight("const"), max_staleness=2)
     buf.add(torch.ones(2), 2)
