@@ -43,7 +43,8 @@ Which strategies it serves, and with which options, each strategy's registry ent
 one data attack served: the chosen clients train on flipped labels). What it does not do: the
 strategies without a runner (they run on ``--engine inprocess``; :func:`check_supported` says so
 in one line), ``--dp-sgd``, models with buffers (batch-norm statistics), and the ``--devices``
-time model's simulated seconds (rows carry ``sim_time_s = null``).
+time model's simulated seconds (rows carry ``sim_time_s = null``; FedBuff's runner carries its virtual
+clock's).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from logging import INFO
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.common import log
 from flwr.serverapp.strategy import FedAvg, Result
 
