@@ -11,7 +11,7 @@ import torch
 from fedswarm.algorithms.fedbuff import AsyncSchedule, FedBuffer, Stale, staleness_weight
 from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
-from fedswarm.store import Store
+from tests.helpers import record_run
 
 
 def test_staleness_weights_by_hand():
@@ -97,18 +97,10 @@ def test_schedule_equal_speeds_is_first_dispatched_first_arrived():
 
 
 def _run(tmp_path, name: str, **kw):
-    from fedswarm.sim.run import run_engine
-
     base = dict(strategy="fedbuff", task="synthetic-logreg", clients=6, rounds=4, local_steps=2, seed=3,
                 eval_every=1000)
-    cfg = RunConfig.model_validate({**base, **kw})
-    store = Store(tmp_path / f"{name}.db")
-    try:
-        rid = store.create_run(cfg.model_dump())
-        assert run_engine(cfg, store=store, run_id=rid) == "finished"
-        return store.export_result(rid), store.node_rounds(rid)
-    finally:
-        store.close()
+    _, result, nodes = record_run(RunConfig.model_validate({**base, **kw}), tmp_path / f"{name}.db")
+    return result, nodes
 
 
 def test_stale_updates_are_rejected_and_recorded(tmp_path):

@@ -15,18 +15,11 @@ pytestmark = pytest.mark.integration
 def _record(db, strategy: str, **kw) -> str:
     """A finished run of ``strategy`` recorded into the dashboard's store (in-process engine)."""
     from fedswarm.config import RunConfig
-    from fedswarm.sim.run import run_engine
-    from fedswarm.store import Store
+    from tests.helpers import record_run
 
     cfg = RunConfig.model_validate(dict(strategy=strategy, task="synthetic-logreg", clients=6, rounds=5,
                                         local_steps=2, eval_every=1000, **kw))
-    store = Store(db)
-    try:
-        rid = store.create_run(cfg.model_dump(), name=f"browser: {strategy}")
-        assert run_engine(cfg, store=store, run_id=rid) == "finished"
-        return rid
-    finally:
-        store.close()
+    return record_run(cfg, db, name=f"browser: {strategy}")[0]
 
 
 def test_async_run_page_shows_versions_staleness_and_in_flight(tmp_path):
