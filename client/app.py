@@ -24,10 +24,10 @@ import time
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedswarm.client.evaluate import TrainClock, evaluate_on_node
+from fedswarm.client.evaluate import TrainClock, answer_telemetry, evaluate_on_node
 from fedswarm.client.persist import answer_resume, save_after_train
 from fedswarm.local import local_fit, node_data
-from fedswarm.protocol import RESUME_ACTION
+from fedswarm.protocol import RESUME_ACTION, TELEMETRY_ACTION
 from fedswarm.strategies import registry
 from fedswarm.wire import vector_to_arrayrecord
 
@@ -69,6 +69,12 @@ def evaluate(msg: Message, context: Context) -> Message:
 def resume(msg: Message, context: Context) -> Message:
     """A resumed server asks: restore this node's state of the checkpoint's round."""
     return answer_resume(msg, context)
+
+
+@app.query(TELEMETRY_ACTION)
+def telemetry(msg: Message, context: Context) -> Message:
+    """The server's eligibility probe (``--eligible``): this node's telemetry, no training."""
+    return Message(answer_telemetry(msg, context), reply_to=msg)
 
 
 def _dispatch(name: str):

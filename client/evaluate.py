@@ -25,7 +25,7 @@ from fedswarm.telemetry import round_telemetry
 from fedswarm.train import examples_seen, node_validation, trainer_for
 from fedswarm.wire import arrayrecord_to_vector
 
-__all__ = ["evaluate_on_node", "TrainClock"]
+__all__ = ["evaluate_on_node", "TrainClock", "answer_telemetry"]
 
 
 
@@ -50,6 +50,20 @@ def evaluate_on_node(msg: Message, context: Context) -> RecordDict:
     loss, acc = trainer.evaluate(flat, x, y)
     return RecordDict({"metrics": MetricRecord({"eval_loss": float(loss), "eval_accuracy": float(acc),
                                                 "num-examples": int(x.shape[0])})})
+
+
+def answer_telemetry(msg: Message, context: Context) -> RecordDict:
+    """The eligibility probe (:mod:`fedswarm.server.fleet_grid`): this node's telemetry now (no
+    training: no ``train_s`` speed) and its device class and partition id, and nothing else."""
+    from fedswarm.policy import device_class_of
+
+    cfg = run_config_of(msg, context)
+    pid, n = node_partition(context, cfg)
+    tel = round_telemetry(0.0, 0)
+    tel.pop("train_s", None)
+    node = ConfigRecord({"device_class": device_class_of(context.node_config, cfg.devices, pid, n),
+                         "partition-id": int(pid)})
+    return RecordDict({TELEMETRY_RECORD: ConfigRecord(tel), "node": node})
 
 
 class TrainClock:

@@ -225,6 +225,18 @@ class RunConfig(TrainingSpec):
         "false: the server holds no test set and evaluates nothing itself (only federated evaluation)."))
     round_timeout: float = Field(600.0, gt=0.0, le=86_400.0, description=(
         "Seconds a round waits for the nodes' replies before it goes on without the missing ones."))
+    # Fleets of devices that sleep (fedswarm.server.fleet_grid, docs/devices.md); quiet at their defaults.
+    quorum: int | None = Field(None, ge=1, le=1_000_000, description=(
+        "Close a federated round once K replies are in; later replies are discarded and recorded as 'late' "
+        "(default with over_select: the nodes the strategy needs)."))
+    over_select: float = Field(1.0, ge=1.0, le=100.0, description=(
+        "Sample F times the nodes the strategy needs each round (with quorum: the round closes on the first K)."))
+    eligible: str | None = Field(None, description=(
+        "Eligibility rules on the nodes' telemetry, e.g. 'battery>=40,charging,temp<45' (see fedswarm/"
+        "eligibility.py); a node failing them is not sampled and its row says why."))
+    availability: str | None = Field(None, description=(
+        "Simulated availability: 'on=S,off=S[,diurnal=A,period=S,dropout=P]' (or CLASS:...;CLASS:...) or a "
+        "trace CSV 'node,start_s,end_s' (see fedswarm/availability.py); needs devices (simulated time)."))
 
     @field_validator("policies")
     @classmethod
@@ -263,6 +275,42 @@ class RunConfig(TrainingSpec):
             except (ValueError, OSError) as exc:
                 raise ValueError(f"devices: {exc}") from None
         return self
+
+    @field_validator("quorum", "eligible", "availability", mode="before")
+    @classmethod
+    def _unset(cls, v: Any) -> Any:
+        return None if v in ("", 0) and not isinstance(v, bool) else v  # Flower's run_config has no null
+
+    @model_validator(mode="after")
+    def _check_fleet(self) -> "RunConfig":
+        if self.quorum is not None and self.quorum > self.clients:
+            raise ValueError(f"quorum: {self.quorum} replies asked for, the run has {self.clients} clients")
+        if self.eligible is not None:
+            from fedswarm.eligibility import parse_rules
+
+            try:
+                parse_rules(self.eligible)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        if self.availability is not None:
+            from fedswarm.availability import is_trace, load_trace, parse_process
+
+            if self.devices is None:
+                raise ValueError("availability: simulated availability runs on simulated time: give --devices too")
+            try:
+                load_trace(self.availability, self.clients) if is_trace(self.availability) else parse_process(
+                    self.availability)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+    def fleet_options(self) -> list[str]:
+        """The fleet options this run uses (quorum, over-selection, eligibility, availability:
+        ``fedswarm.server.fleet_grid``), as their flags."""
+        used = [("--quorum", self.quorum is not None), ("--over-select", self.over_select > 1.0),
+                ("--eligible", self.eligible is not None or any("eligible" in p for p in self.policies.values())),
+                ("--availability", self.availability is not None)]
+        return [flag for flag, on in used if on]
 
     @classmethod
     def build(cls, values: dict[str, Any]) -> "RunConfig":
@@ -312,7 +360,7 @@ class RunConfig(TrainingSpec):
 
 #: Keys :meth:`RunConfig.to_flat` leaves out at these (their default) values: added after runs and
 #: byte counts were recorded, they change nothing in what an unchanged run sends.
-QUIET_DEFAULTS = {"eval_every": 1, "central_eval": True, "round_timeout": 600.0}
+QUIET_DEFAULTS = {"eval_every": 1, "central_eval": True, "round_timeout": 600.0, "over_select": 1.0}
 
 
 def describe_validation_error(exc: ValidationError) -> str:

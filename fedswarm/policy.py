@@ -39,6 +39,21 @@ class DevicePolicy(BaseModel):
     pvt_fraction: float | None = Field(None, gt=0, le=1, allow_inf_nan=False,
                                        description="share of variables trained (partial-variable training)")
     progfed_max_stage: int | None = Field(None, ge=1, le=64, description="highest ProgFed stage this class trains")
+    eligible: str | None = Field(None, max_length=500, description="eligibility rules of this class's nodes "
+                                 "(fedswarm.eligibility), instead of the run's")
+
+    @field_validator("eligible")
+    @classmethod
+    def _rules(cls, v: str | None) -> str | None:
+        if v is not None:
+            from fedswarm.eligibility import parse_rules
+            from fedswarm.errors import ConfigError
+
+            try:
+                return str(parse_rules(v))
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return v
 
     @field_validator("codec_params")
     @classmethod

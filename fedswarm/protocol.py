@@ -7,7 +7,8 @@ other (docs/architecture.md).
 
 from __future__ import annotations
 
-__all__ = ["RUN_KEY", "RESUME_ACTION", "RESUME_RECORD", "REPORT_PREFIX", "TELEMETRY_RECORD", "OWN_MODEL_KEY"]
+__all__ = ["RUN_KEY", "RESUME_ACTION", "RESUME_RECORD", "REPORT_PREFIX", "TELEMETRY_RECORD", "OWN_MODEL_KEY",
+           "TELEMETRY_ACTION"]
 
 #: Key of the train config naming the fedswarm run the nodes key their state by.
 RUN_KEY = "fedswarm-run"
@@ -22,3 +23,6 @@ REPORT_PREFIX = "report."
 TELEMETRY_RECORD = f"{REPORT_PREFIX}telemetry"
 #: Config key of an evaluate message: score the node's own model (decentralized), not the message's.
 OWN_MODEL_KEY = "fed-eval-own"
+#: The query action of the eligibility probe (message type ``query.fedswarm_telemetry``): the node
+#: replies with its telemetry record and a ``node`` record (``device_class``, ``partition-id``), no model.
+TELEMETRY_ACTION = "fedswarm_telemetry"

@@ -44,6 +44,7 @@ from fedswarm.server.metered_grid import MeteredGrid, Traffic
 from fedswarm.server.prompt_grid import PromptGrid
 from fedswarm.server.checkpoint import ServerCheckpoint, ServerCheckpointer
 from fedswarm.server.fed_eval import GridEvaluator
+from fedswarm.server.fleet_grid import NodeTime, check_fleet, fleet_grid_for
 from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
 from fedswarm.server.client_state import restore_clients
 from fedswarm.server.resume import ACCEPT_LOSS_KEY, RESUME_KEY, resume_into
@@ -70,14 +71,17 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
                listeners: list[RoundListener] | None = None,
                sim_time: Callable[[int, Traffic], float | None] | None = None,
                node_kind: str = "sim", resume: ServerCheckpoint | None = None,
-               prepared: PreparedStrategy | None = None) -> str:
+               prepared: PreparedStrategy | None = None, node_time: NodeTime | None = None,
+               partition_of: Callable[[int], int | None] | None = None) -> str:
     """Run ``cfg.strategy`` for ``cfg.rounds`` rounds over ``grid``; return the final status.
 
     ``sim_time(round, traffic)``, given by a simulation engine, returns the simulated time
     the round would take on the nodes' device classes (the time model). The run is
     checkpointed after every ``cfg.checkpoint_every``-th round (:mod:`fedswarm.server.checkpoint`); ``resume``, a
     checkpoint of this run, continues it after the checkpoint's round (:mod:`.resume`). ``prepared``: the
-    strategy the engine's config check built for this run (:func:`strategy_for`), used instead of a second build."""
+    strategy the engine's config check built for this run (:func:`strategy_for`), used instead of a second build.
+    ``node_time`` and ``partition_of``, from a simulation engine: a node's simulated seconds of a round and its
+    partition id, for quorum rounds on simulated time and ``--availability`` (:mod:`fedswarm.server.fleet_grid`)."""
     random.seed(cfg.seed)  # Flower's node sampling uses the random module
     torch.manual_seed(cfg.seed)
     task = get_task(cfg.task)
@@ -107,18 +111,26 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
                              layout=layout, on_attack=lambda nodes, spec: recorder.note(
                                  byzantine_nodes=[str(n) for n in nodes], attack=spec))
         byzantine = grid
+    policies = PolicyBook(cfg.policies)
+    fleet = fleet_grid_for(cfg, grid, strategy, policies=policies, probe_grid=nodes_grid, node_time=node_time,
+                           partition_of=partition_of)
+    if fleet is not None:  # quorum, over-selection, eligibility, availability: under the meter
+        grid = fleet
+        sim_time = fleet.timed(sim_time)
     metered = MeteredGrid(grid)
     arrays = vector_to_arrayrecord(get_flat(model))
     # Policies travel as policy.<class> keys (current, per round), not as the initial table.
     train_config = ConfigRecord({k: v for k, v in cfg.to_flat().items() if k != "policies"})
     if engine_state is None:  # nodes whose state lives with them: they save it under this run's id
         train_config[RUN_KEY] = run_id
-    policies = PolicyBook(cfg.policies)
     policies.write(train_config)
     observers = [example_level_privacy(cfg)] if cfg.dp_sgd else []
     recorder = RoundRecorder(store, run_id, metered, evaluate, listeners=listeners, sim_time=sim_time,
                              policies=policies, train_config=train_config, node_kind=node_kind,
                              observers=observers)
+    if fleet is not None:
+        fleet.on_rows = recorder.node_rows
+        recorder.listeners.append(fleet.end_round)
     recorder.checkpoint = ServerCheckpointer(
         store, run_id, strategy, cfg.strategy, policies, byzantine=byzantine,
         grid_state=engine_state.state_dict if engine_state is not None else None).save
@@ -139,6 +151,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
         arrays, rounds = resume_into(resume, store=store, run_id=run_id, strategy=strategy, recorder=recorder,
                                      policies=policies, train_config=train_config, engine=engine_state,
                                      byzantine=byzantine, restore_clients=restore)
+        if fleet is not None:  # the fleet's round and simulated clock go on from the checkpoint's
+            fleet.resume_at(resume.round, [r.sim_time_s for r in store.rounds(run_id) if 0 < r.round <= resume.round])
 
     def loop() -> None:
         nonlocal arrays, rounds
@@ -172,8 +186,9 @@ def build_strategy(cfg: RunConfig, layout: ParamLayout):
     if cfg.dp:
         require_accounting("--dp")
     params = registry.resolve_params(cfg.strategy, cfg.params)
-    strategy = entry.build(params, registry.BuildContext(cfg, layout))
-    return attach_dp(strategy, cfg)
+    strategy = attach_dp(entry.build(params, registry.BuildContext(cfg, layout)), cfg)
+    check_fleet(cfg, entry.kind, strategy)
+    return strategy
 
 
 def _rng_state() -> tuple:

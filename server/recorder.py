@@ -39,6 +39,7 @@ from fedswarm.store import Store
 from fedswarm.store.liveness import owner_fields
 from fedswarm.server.fed_eval import aggregate, merge_into_rows
 from fedswarm.protocol import TELEMETRY_RECORD
+from fedswarm.server.fleet_grid import NOT_PICKED
 from fedswarm.server.metered_grid import MeteredGrid
 from fedswarm.strategies.strategy_utils import RoundNotes
 
@@ -123,7 +124,8 @@ class RoundRecorder(RoundNotes):
         train_loss, num_examples, node_rows = self._replies(traffic, rejections)
         fed: dict[str, Any] = {}
         if server_round > 0 and self.fed_eval is not None and self.eval_due(rnd):
-            fed = self.federated(rnd, arrays, sorted(traffic.node_down), node_rows)
+            gone = {r["node_id"] for r in self._engine_rows}  # late or dropped (server.fleet_grid): not asked
+            fed = self.federated(rnd, arrays, [n for n in sorted(traffic.node_down) if str(n) not in gone], node_rows)
             spent = getattr(self.fed_eval, "traffic", None)  # the evaluate messages, metered apart
             if fed and spent is not None:
                 fed.update(eval_bytes_up=spent.bytes_up, eval_bytes_down=spent.bytes_down)
@@ -156,6 +158,9 @@ class RoundRecorder(RoundNotes):
         if node_rows:
             self._seen_nodes(node_rows)
             self.late_nodes(rnd, node_rows)
+        not_picked = [r for r in nodes if r.get("status") in NOT_PICKED]
+        if not_picked:  # the Nodes page says why they were not picked (their last round's row has the reason)
+            self._seen_nodes(not_picked)
         self.last_round = rnd
         if server_round > 0 and self.checkpoint is not None and (rnd % self.checkpoint_every == 0
                                                                   or rnd == self.final_round):
@@ -264,7 +269,9 @@ class RoundRecorder(RoundNotes):
                     n_sum -= row["num_examples"]
                     del row["train_loss"]
             rows.append(row)
-        # a node sent a message that never answered (cut off, frozen past the round's timeout): failed
+        # a node sent a message that never answered (cut off, frozen past the round's timeout): failed,
+        # unless the engine or the fleet grid said what became of it (late for a quorum, dropped)
+        seen.update(int(r["node_id"]) for r in self._engine_rows if str(r.get("node_id", "")).isdigit())
         for node in sorted(set(traffic.sent_to.values()) if getattr(traffic, "sent_to", None) else ()):
             if node not in seen:
                 seen.add(node)

@@ -179,7 +179,20 @@ def check_run(cfg: RunConfig, *, resume: bool = False) -> Checked:
     resume it); return the engine and what its check built for the run, which
     :func:`run_engine` hands it."""
     engine = check_resume(cfg) if resume else engine_for(cfg)
+    check_fleet_engine(cfg, engine.name)
     return Checked(cfg, engine, engine.check(cfg))
+
+
+FLEET_ENGINES = ("inprocess", "flower")  # the engines whose rounds go through fedswarm.server.fleet_grid
+
+
+def check_fleet_engine(cfg: RunConfig, engine: str) -> None:
+    """Refuse, in one line, quorum/over-selection/eligibility/availability on an engine that does not run them
+    (the batched engine has no per-node replies, telemetry or time model; the others no federated rounds)."""
+    used = cfg.fleet_options()
+    if used and engine not in FLEET_ENGINES:
+        raise ConfigError(f"{', '.join(used)}: run on --engine inprocess or flower (or in a deployment), not on the "
+                          f"{engine} engine")
 
 
 def check_config(cfg: RunConfig) -> Engine:

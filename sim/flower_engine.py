@@ -20,7 +20,7 @@ from fedswarm.store import Store
 from fedswarm.server.app import PreparedStrategy, run_server
 from fedswarm.server.checkpoint import ServerCheckpoint
 from fedswarm.server.recorder import RoundListener
-from fedswarm.sim.simtime import make_round_timer
+from fedswarm.sim.simtime import make_node_timer, make_round_timer
 
 __all__ = ["run_flower", "check_ray_address", "start_ray"]
 
@@ -112,7 +112,7 @@ def run_flower(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
         run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners, sim_time=sim_time, resume=resume,
-                   prepared=prepared)
+                   prepared=prepared, node_time=make_node_timer(cfg))
 
     init_args: dict = {"log_to_driver": False, "include_dashboard": False}
     if cfg.ray_address:  # attach to a running cluster: its resources are what the cluster has

@@ -28,7 +28,7 @@ from fedswarm.store import Store
 from fedswarm.server.app import PreparedStrategy, run_server
 from fedswarm.server.checkpoint import ServerCheckpoint
 from fedswarm.server.recorder import RoundListener
-from fedswarm.sim.simtime import make_round_timer
+from fedswarm.sim.simtime import make_node_timer, make_round_timer
 
 __all__ = ["InProcessGrid", "client_error_reply", "run_inprocess"]
 
@@ -140,4 +140,5 @@ def run_inprocess(cfg: RunConfig, *, store: Store, run_id: str,
     TaskIdentity.task_id = 1
     TaskIdentity.node_id = 0
     return run_server(grid, cfg, store=store, run_id=run_id, listeners=listeners,
-                      sim_time=make_round_timer(cfg), resume=resume, prepared=prepared)
+                      sim_time=make_round_timer(cfg), resume=resume, prepared=prepared,
+                      node_time=make_node_timer(cfg), partition_of=lambda node: node - 1)

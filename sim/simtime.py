@@ -42,7 +42,7 @@ from fedswarm.algorithms.decentralized.topology import make_topology
 from fedswarm.tasks import get_task
 from fedswarm.wire import PAYLOAD_ARRAYS, PAYLOAD_META, vector_to_arrayrecord
 
-__all__ = ["RoundTimer", "node_profiles", "model_message_nbytes", "make_round_timer"]
+__all__ = ["RoundTimer", "node_profiles", "model_message_nbytes", "make_round_timer", "make_node_timer"]
 
 RoundTimer = Callable[[int, Traffic], "float | None"]
 
@@ -91,6 +91,32 @@ def make_round_timer(cfg: RunConfig, *, server_link: Link | None = None) -> Roun
     return _federated_timer(cfg, profiles, server_link)
 
 
+def _samples_of(cfg: RunConfig, msg: Message) -> float:
+    """The examples a train reply's node computed on (its steps times the batch, else its epochs' examples)."""
+    metrics = next(iter(msg.content.metric_records.values()), {})
+    steps = metrics.get("steps")
+    return (float(steps) * cfg.batch_size if steps is not None
+            else float(metrics.get("num-examples", 0)) * cfg.local_epochs)
+
+
+def make_node_timer(cfg: RunConfig) -> Callable[[Message, int, int], float | None] | None:
+    """``node_time(reply, bytes_down, bytes_up)``: the simulated seconds one node's part of a federated
+    round takes (download + compute + upload on its profile), None for a reply it cannot place; None
+    without devices. A quorum round (:mod:`fedswarm.server.fleet_grid`) orders replies by it."""
+    profiles = node_profiles(cfg)
+    if profiles is None:
+        return None
+    n = len(profiles)
+
+    def node_time(msg: Message, down: int, up: int) -> float | None:
+        pid = None if msg.has_error() else _partition_of(msg, n)
+        if pid is None or not 0 <= pid < n:
+            return None
+        return sync_round_time_s([profiles[pid]], [_samples_of(cfg, msg)], [down], [up])
+
+    return node_time
+
+
 def _federated_timer(cfg: RunConfig, profiles: list[Profile], server_link: Link | None) -> RoundTimer:
     n = len(profiles)
 
@@ -102,11 +128,8 @@ def _federated_timer(cfg: RunConfig, profiles: list[Profile], server_link: Link 
             pid = _partition_of(msg, n)
             if pid is None or not 0 <= pid < n:
                 continue
-            metrics = next(iter(msg.content.metric_records.values()), {})
-            steps = metrics.get("steps")
             nodes.append(profiles[pid])
-            samples.append(float(steps) * cfg.batch_size if steps is not None
-                           else float(metrics.get("num-examples", 0)) * cfg.local_epochs)
+            samples.append(_samples_of(cfg, msg))
             nid = msg.metadata.src_node_id
             down.append(traffic.node_down.get(nid, 0))
             up.append(traffic.node_up.get(nid, 0))

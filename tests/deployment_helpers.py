@@ -56,8 +56,9 @@ class Deployment:
         self.procs: list[subprocess.Popen] = []
         self.nodes: dict[int, subprocess.Popen] = {}
 
-    def _spawn(self, cmd: list[str]) -> subprocess.Popen:
-        p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+    def _spawn(self, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**self.env, **(env or {})},
+                             start_new_session=True)
         self.procs.append(p)
         return p
 
@@ -84,9 +85,10 @@ class Deployment:
         for i in range(num_nodes):
             self.start_node(i, num_nodes, devices[i] if devices else None)
 
-    def start_node(self, i: int, n: int, device: str | None = None) -> None:
+    def start_node(self, i: int, n: int, device: str | None = None, env: dict[str, str] | None = None) -> None:
         """Start (or start again) node ``i`` of ``n``: the same partition, state folder and,
-        in a secure deployment, the same authentication key every time."""
+        in a secure deployment, the same authentication key every time; ``env``: more environment
+        for its processes (e.g. ``FEDSWARM_FAKE_BATTERY``)."""
         if self.pki is None:
             security = ["--insecure"]
         else:
@@ -97,7 +99,7 @@ class Deployment:
                                      "--num-partitions", str(n), "--device-class", "cpu",
                                      "--clientappio-port", str(free_port()),
                                      "--state-dir", str(self.tmp / f"node-state-{i}")]
-                                    + (["--device", device] if device else []))
+                                    + (["--device", device] if device else []), env=env)
 
     def wait(self, pred, timeout: float, *, what: str, interval: float = 0.5):
         """``wait_until``, failing with the end of the processes' log."""

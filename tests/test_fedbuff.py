@@ -138,3 +138,13 @@ def test_stragglers_arrive_stale_on_the_virtual_clock(tmp_path):
     assert max(r["staleness_max"] for r in rows) >= 2
     clock = [r["sim_clock_s"] for r in rows]
     assert clock == sorted(clock) and math.isclose(sum(r["sim_time_s"] for r in rows), clock[-1])
+
+
+def test_fleet_options_are_refused_in_one_line():
+    from fedswarm.server.app import prepare_strategy
+
+    for opt in ({"quorum": 2}, {"over_select": 1.5}):
+        cfg = RunConfig.model_validate(dict(strategy="fedbuff", clients=4, **opt))
+        with pytest.raises(ConfigError, match="fedbuff does not take --") as exc:
+            prepare_strategy(cfg)
+        assert "\n" not in str(exc.value)

@@ -156,6 +156,25 @@ def sim(
         "on (default) | off: off runs with no server test set; only the nodes' federated evaluation is reported "
         "(every engine)."
     )),
+    quorum: Optional[int] = typer.Option(None, "--quorum", help=(
+        "Federated strategies: close each round once K replies are in instead of waiting for every sampled node "
+        "(up to round_timeout, 600 s); later replies are discarded and recorded as 'late'. Default with --over-select: "
+        "the nodes the strategy needs."
+    )),
+    over_select: Optional[float] = typer.Option(None, "--over-select", help=(
+        "Federated strategies: sample F >= 1 times the nodes the strategy needs each round (e.g. 1.3); with "
+        "--quorum (implied) the round closes on the first replies."
+    )),
+    eligible: Optional[str] = typer.Option(None, "--eligible", help=(
+        "Sample only nodes whose last telemetry passes these rules, e.g. 'battery>=40,charging,temp<45' (battery, "
+        "temp, rss with <, <=, >, >=, ==; charging, !charging); per class: eligible = RULES in a --config's "
+        "[policies.CLASS]. A skipped node's row says why."
+    )),
+    availability: Optional[str] = typer.Option(None, "--availability", help=(
+        "Simulated availability (needs --devices): on=S,off=S[,diurnal=A,period=S,dropout=P] for every class, "
+        "CLASS:on=...;CLASS:... per class, or a trace CSV node,start_s,end_s (docs/devices.md). Offline nodes are "
+        "not sampled; a node that drops mid-round loses its update."
+    )),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Strategy hyperparameter KEY=VALUE (repeatable)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=(
         "A TOML run config; command-line options override it."
@@ -183,6 +202,7 @@ def sim(
         "client_data": str(client_data) if client_data else None, "label_column": label_column,
         "val_fraction": val_fraction,
         "eval_every": eval_every, "central_eval": on_off(central_eval, "--central-eval"),
+        "quorum": quorum, "over_select": over_select, "eligible": eligible, "availability": availability,
     }
     log_file = log_file_for(out)
     try:

@@ -248,6 +248,12 @@ class FedBuff(ReportsRounds, FedAvg):
 
 def build(params: dict, ctx: BuildContext) -> FedBuff:
     cfg = ctx.config
+    fleet = cfg.fleet_options() if callable(getattr(cfg, "fleet_options", None)) else []
+    if fleet:
+        from fedswarm.errors import ConfigError
+
+        raise ConfigError(f"fedbuff does not take {', '.join(fleet)}: it has no rounds to close early or sample, "
+                          f"and its own dispatch does not yet honour eligibility or availability")
     k = int(params["buffer_size"])
     concurrency = int(params["concurrency"]) or cfg.clients
     if concurrency > cfg.clients:

@@ -9,7 +9,9 @@ under their run only. A node's state, from the best evidence there is:
   entry, the node said so or was not heard from for :data:`ONLINE_WINDOW_S` while no live
   run holds it (since its last-seen time);
 * ``failed``: reachable, but its last round failed or its update was rejected;
-* ``training``: reachable, and the run it was last seen in is live (not ended, not lost);
+* ``training``: reachable, and the run it was last seen in is live (not ended, not lost); a node
+  its run's last round did not pick (``--eligible``, ``--availability``: its node status
+  ``ineligible`` or ``unavailable``) is ``online``, and the detail says why, from its row;
 * ``online``: reachable and idle.
 
 Filtering, sorting (node ids naturally: numbers as numbers) and paging happen here, on the
@@ -135,7 +137,25 @@ class _Row:
             info=(n.info or {}) if n is not None else {})
 
 
-def _row(node_id: str, n: Node | None, sn: dict | None, run: Run | None, run_live: bool, now: dt.datetime) -> _Row:
+NOT_PICKED = ("ineligible", "unavailable")  # fedswarm.server.fleet_grid: left out at sampling, the row says why
+
+
+def _not_picked_reasons(s, nodes: list[Node]) -> dict[str, str]:
+    """Why each node its run's sampling left out was not picked: the reason of its newest row there."""
+    out: dict[str, str] = {}
+    for n in nodes:
+        if n.status in NOT_PICKED and n.run_id:
+            local = n.id.split(":", 1)[1] if n.kind == "sim" and ":" in n.id else n.id
+            row = s.execute(select(NodeRound.round, NodeRound.reason).where(
+                NodeRound.run_id == n.run_id, NodeRound.node_id == local, NodeRound.status == n.status)
+                .order_by(NodeRound.round.desc()).limit(1)).first()
+            if row is not None:
+                out[n.id] = f"not picked in round {row.round} of run {n.run_id}: {row.reason or n.status}"
+    return out
+
+
+def _row(node_id: str, n: Node | None, sn: dict | None, run: Run | None, run_live: bool, now: dt.datetime,
+         not_picked: str | None = None) -> _Row:
     """The node's state from the best evidence (the module's docstring says which)."""
     last_seen = n.last_seen if n is not None else None
     age = (now - last_seen).total_seconds() if last_seen is not None else None
@@ -158,6 +178,8 @@ def _row(node_id: str, n: Node | None, sn: dict | None, run: Run | None, run_liv
         state, since = "failed", last_seen
         what = "failed" if status == "failed" else "had its update rejected"
         detail = f"{what} in its last round" + (f" of run {run_id}" if run_id else "")
+    elif not_picked:
+        state, detail = "online", not_picked
     elif run_live and run_id:
         state, detail = "training", f"training in run {run_id}"
     else:
@@ -182,10 +204,11 @@ def fleet_nodes(store: Store, sn: SuperNodesOut, timeout_s: float = 120.0,
         for i in range(0, len(run_ids), 500):
             runs.update((r.id, r) for r in s.scalars(select(Run).where(Run.id.in_(run_ids[i:i + 500]))))
         simulated = int(s.scalar(select(func.count()).select_from(Node).where(Node.kind == "sim")) or 0)
+        why = _not_picked_reasons(s, nodes)
     live = _runs_live(runs, timeout_s, now)
     links = _superlink_index(sn)
-    out = [_row(n.id, n, links.get(n.id), runs.get(n.run_id or ""), live.get(n.run_id or "", False), now)
-           for n in nodes]
+    out = [_row(n.id, n, links.get(n.id), runs.get(n.run_id or ""), live.get(n.run_id or "", False), now,
+                why.get(n.id)) for n in nodes]
     known = {n.id for n in nodes}
     out += [_row(nid, None, d, None, False, now) for nid, d in links.items() if nid not in known]
     return out, simulated
@@ -250,13 +273,14 @@ def node_detail(store: Store, node_id: str, sn: SuperNodesOut, timeout_s: float 
                 Round, (Round.run_id == NodeRound.run_id) & (Round.round == NodeRound.round))
             .where(cond).order_by(NodeRound.id.desc()).limit(HISTORY_ROUNDS)).all()
         run = s.get(Run, node.run_id) if node is not None and node.run_id else None
+        why = _not_picked_reasons(s, [node]) if node is not None else {}
     link = None if simulated else _superlink_index(sn).get(node_id)
     if node is None and link is None and not agg:
         return None
     entry = None
     if not simulated and (node is not None or link is not None):
         live = _runs_live({run.id: run}, timeout_s, now).get(run.id, False) if run is not None else False
-        entry = _row(node_id, node, link, run, live, now).out()
+        entry = _row(node_id, node, link, run, live, now, why.get(node_id)).out()
     runs = [NodeRunOut(run_id=rid, name=name, status=status, rounds=int(c or 0), failed=int(f or 0),
                        rejected=int(rj or 0), bytes_up=int(up or 0), bytes_down=int(dn or 0), first_round=lo,
                        last_round=hi)

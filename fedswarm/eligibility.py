@@ -1,0 +1,103 @@
+"""Eligibility rules: which nodes may be sampled, read from the telemetry they report.
+
+A rule set is a comma-separated list of clauses, all of which must hold, e.g.
+``battery>=40,charging,temp<45``:
+
+- ``battery OP N``: the battery level in percent (telemetry ``battery_pct``);
+- ``temp OP N``: the CPU temperature in °C (``cpu_temp_c``);
+- ``rss OP N``: the node process's peak resident memory in MiB (``peak_rss_mb``);
+- ``charging``: on mains or USB power (``power_source == "ac"``); ``!charging``: on battery.
+
+``OP`` is one of ``<``, ``<=``, ``>``, ``>=``, ``==``. A value the node's OS does not expose is
+absent from its telemetry (:mod:`fedswarm.telemetry`), and a clause on an absent value holds: a
+desktop with no battery passes ``battery>=40`` and ``charging`` (it runs on mains), a board with no
+thermal zone passes ``temp<45``. A node that has reported nothing yet is eligible.
+
+:func:`parse_rules` refuses a bad clause with a one-line :class:`~fedswarm.errors.ConfigError`
+naming it; :meth:`Rules.why_not` returns why a node's telemetry fails them (None: eligible).
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fedswarm.errors import ConfigError
+
+__all__ = ["Rules", "Clause", "parse_rules", "FIELDS"]
+
+#: clause name -> the telemetry key it reads (fedswarm.telemetry.TELEMETRY_KEYS)
+FIELDS = {"battery": "battery_pct", "temp": "cpu_temp_c", "rss": "peak_rss_mb"}
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    "<=": operator.le, ">=": operator.ge, "==": operator.eq, "<": operator.lt, ">": operator.gt}
+_CLAUSE = re.compile(r"^(?P<name>[a-z_]+)\s*(?P<op><=|>=|==|<|>)\s*(?P<value>[-+]?[0-9]+(\.[0-9]*)?)$")
+
+
+@dataclass(frozen=True)
+class Clause:
+    """One condition: ``name op value`` on a telemetry number, or ``charging`` (``op`` ``is``/``not``)."""
+
+    name: str
+    op: str
+    value: float | None = None
+
+    def why_not(self, telemetry: dict[str, Any]) -> str | None:
+        if self.name == "charging":
+            source = telemetry.get("power_source")
+            if source is None:
+                return None  # no battery reported, or no supply seen: on mains as far as anyone can tell
+            charging = source == "ac"
+            if charging == (self.op == "is"):
+                return None
+            return "on battery, not charging" if self.op == "is" else "charging"
+        got = telemetry.get(FIELDS[self.name])
+        if not isinstance(got, (int, float)) or isinstance(got, bool):
+            return None
+        if _OPS[self.op](float(got), float(self.value)):  # type: ignore[arg-type]
+            return None
+        return f"{self.name} {got:g} fails {self}"
+
+    def __str__(self) -> str:
+        if self.name == "charging":
+            return "charging" if self.op == "is" else "!charging"
+        return f"{self.name}{self.op}{self.value:g}"
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Every clause must hold."""
+
+    clauses: tuple[Clause, ...]
+
+    def why_not(self, telemetry: dict[str, Any] | None) -> str | None:
+        """Why a node reporting ``telemetry`` is not eligible (the failing clauses, '; '-joined),
+        or None when it is (no telemetry yet: eligible)."""
+        if not telemetry:
+            return None
+        reasons = [r for c in self.clauses if (r := c.why_not(telemetry)) is not None]
+        return "; ".join(reasons) or None
+
+    def __str__(self) -> str:
+        return ",".join(str(c) for c in self.clauses)
+
+
+def parse_rules(spec: str, *, what: str = "eligible") -> Rules:
+    """``"battery>=40,charging,temp<45"`` -> :class:`Rules`; a bad clause raises a one-line
+    ``ConfigError`` naming it and what is allowed."""
+    clauses = []
+    for raw in str(spec).split(","):
+        text = raw.strip()
+        if not text:
+            raise ConfigError(f"{what}: empty clause in '{spec}' (write clauses separated by commas, "
+                              f"e.g. battery>=40,charging,temp<45)")
+        if text in ("charging", "!charging"):
+            clauses.append(Clause("charging", "is" if text == "charging" else "not"))
+            continue
+        m = _CLAUSE.match(text)
+        if m is None or m.group("name") not in FIELDS:
+            raise ConfigError(f"{what}: bad clause '{text}': use NAME OP NUMBER with NAME one of "
+                              f"{', '.join(FIELDS)} and OP one of <, <=, >, >=, ==, or 'charging' / '!charging'")
+        clauses.append(Clause(m.group("name"), m.group("op"), float(m.group("value"))))
+    return Rules(tuple(clauses))
