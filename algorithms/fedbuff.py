@@ -135,6 +135,9 @@ class InFlight:
     node: int = field(compare=False)
     version: int = field(compare=False)
     start: float = field(compare=False, default=0.0)
+    #: its update never arrives (the node dropped or went off mid-training): the slot frees at ``finish``,
+    #: the dispatch plus the round timeout, when the server gives up on it
+    lost: bool = field(compare=False, default=False)
 
 
 class AsyncSchedule:
@@ -145,10 +148,16 @@ class AsyncSchedule:
     ``concurrency`` with idle nodes drawn by a ``seed``-ed generator (in sorted-id order, so the
     draw depends on the ids only) and returns them; ``arrive()`` pops the earliest finish and
     moves the clock (``now``) to it. Without a time model every node takes the same time, so
-    arrivals are first dispatched, first arrived."""
+    arrivals are first dispatched, first arrived.
+
+    ``availability`` (duck-typed :class:`fedswarm.availability.Availability`, indexed by ``node - 1``):
+    only nodes that are on are dispatched (when none is and nothing is in flight, the clock jumps to
+    the first that comes on; free slots are filled at the next event); a dispatch whose node drops
+    (its ``dropout``, drawn per dispatch number) or whose session ends before it finishes is ``lost``:
+    it arrives at dispatch + ``timeout`` with no update."""
 
     def __init__(self, nodes: Sequence[int], concurrency: int, duration: Callable[[int], float] | None = None,
-                 seed: int = 0):
+                 seed: int = 0, availability=None, timeout: float = 600.0):
         if concurrency < 1:
             raise ConfigError(f"concurrency must be >= 1 (got {concurrency})")
         self.idle = sorted(int(n) for n in nodes)
@@ -160,16 +169,30 @@ class AsyncSchedule:
         self.now = 0.0
         self.flying: list[InFlight] = []
         self._seq = 0
+        self.availability, self.timeout = availability, float(timeout)
 
     @property
     def in_flight(self) -> int:
         return len(self.flying)
 
     def dispatch(self, version: int) -> list[InFlight]:
+        av = self.availability
+        if av is not None and not self.flying and self.idle:
+            if not any(av.available(n - 1, self.now) for n in self.idle):  # every idle node is off: wait
+                nxt = [t for n in self.idle if (t := av.next_on(n - 1, self.now)) is not None]
+                if not nxt:
+                    raise RuntimeError("FedBuff: no node comes on again within a year of simulated time")
+                self.now = min(nxt)
         out = []
         while len(self.flying) < self.concurrency and self.idle:
-            node = self.idle.pop(self.rng.randrange(len(self.idle)))
-            job = InFlight(self.now + float(self.duration(node)), self._seq, node, version, self.now)
+            pool = self.idle if av is None else [n for n in self.idle if av.available(n - 1, self.now)]
+            if not pool:
+                break
+            node = pool[self.rng.randrange(len(pool))]
+            self.idle.remove(node)
+            finish = self.now + float(self.duration(node))
+            lost = av is not None and (av.drops(node - 1, self._seq) or av.session_end(node - 1, self.now) < finish)
+            job = InFlight(self.now + self.timeout if lost else finish, self._seq, node, version, self.now, lost)
             self._seq += 1
             heapq.heappush(self.flying, job)
             out.append(job)

@@ -148,3 +148,45 @@ def test_fleet_options_are_refused_in_one_line():
         with pytest.raises(ConfigError, match="fedbuff does not take --") as exc:
             prepare_strategy(cfg)
         assert "\n" not in str(exc.value)
+
+
+def test_availability_dispatches_only_nodes_that_are_on_and_gives_up_dropped_ones(tmp_path):
+    """--availability on the in-process engine: a dispatch whose node drops (or goes off) mid-training
+    never arrives; the aggregation that gives it up (after round_timeout, simulated) counts it as lost
+    and its node row is failed. Deterministic for a seed."""
+    kw = dict(rounds=6, devices="edge-wifi:4,straggler:2", round_timeout=5.0, clients=6,
+              availability="on=6,off=4,diurnal=0.5,period=60,dropout=0.3", params={"buffer_size": 2, "concurrency": 4})
+    res, nodes = _run(tmp_path, "av", **kw)
+    rows = res["rounds"][1:]
+    lost = sum(r["lost"] for r in rows)
+    failed = [n for n in nodes if n.status == "failed"]
+    assert lost > 0 and 0 < len(failed) <= lost  # one row per node and aggregation: a node may be lost twice
+    assert all(n.reason == "no reply before the round's timeout" for n in failed)
+    assert [r["model_version"] for r in rows] == list(range(1, 7)) and all(r["updates"] == 2 for r in rows)
+    again, _ = _run(tmp_path, "av2", **kw)
+    assert [(r["lost"], r["sim_clock_s"], r["test_loss"]) for r in again["rounds"][1:]] == \
+        [(r["lost"], r["sim_clock_s"], r["test_loss"]) for r in rows]
+
+
+def test_schedule_dispatches_only_available_nodes():
+    class Half:  # node pid is on when t is in [pid, pid + 1) and never drops
+        def available(self, pid, t):
+            return pid <= t < pid + 1
+
+        def next_on(self, pid, t):
+            return float(pid) if t <= pid else None
+
+        def session_end(self, pid, t):
+            return pid + 1.0
+
+        def drops(self, pid, seq):
+            return False
+
+    sched = AsyncSchedule([1, 2, 3], concurrency=3, duration=lambda n: 0.5, availability=Half())
+    assert [j.node for j in sched.dispatch(0)] == [1] and sched.now == 0.0  # only pid 0 is on at t = 0
+    assert sched.arrive().finish == 0.5
+    assert sched.dispatch(1)[0].node == 1  # pid 0 is still on at 0.5, the others not yet
+    sched.arrive()
+    assert [j.node for j in sched.dispatch(2)] == [2] and sched.now == 1.0  # all off at 1.0 but pid 1: on
+    job = sched.flying[0]
+    assert not job.lost and job.finish == 1.5

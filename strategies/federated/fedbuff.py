@@ -93,16 +93,18 @@ class FedBuff(ReportsRounds, FedAvg):
     (a grid that runs the ClientApp when pulled); else from the grid as they come."""
 
     builds_own_dp = True  # --dp: its own mechanism, once per aggregation (fedswarm.strategies.federated.dp.attach_dp)
+    schedules_own_fleet = True  # --availability: its schedule's (fedswarm.server.fleet_grid.fleet_grid_for)
 
     def __init__(self, *, buffer_size: int, concurrency: int, staleness_weight_spec: str = "poly:0.5",
                  max_staleness: int | None = None, server_lr: float = 1.0, min_nodes: int = 1, seed: int = 0,
-                 duration: Any = None, dp: Any = None, poll_s: float = 0.5):
+                 duration: Any = None, dp: Any = None, poll_s: float = 0.5, availability: Any = None):
         super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=1, min_evaluate_nodes=0,
                          min_available_nodes=min_nodes)
         self.buffer = FedBuffer(buffer_size, staleness_weight(staleness_weight_spec), max_staleness, server_lr)
         self.concurrency = concurrency
         self.seed = seed
         self.duration = duration
+        self.availability = availability  # the simulated fleet's (--availability), None: always on
         self.dp = dp
         self.simulated = False
         self.poll_s = poll_s
@@ -128,7 +130,8 @@ class FedBuff(ReportsRounds, FedAvg):
         sent_models: dict[int, torch.Tensor] = {self.version: x}
         flying: dict[str, _Sent] = {}
         nodes = wait_for_nodes(grid, self.min_available_nodes, timeout)
-        sched = AsyncSchedule(nodes, self.concurrency, self.duration, seed=self.seed)
+        sched = AsyncSchedule(nodes, self.concurrency, self.duration, seed=self.seed,
+                              availability=self.availability if self.simulated else None, timeout=timeout)
         t_last_agg = 0.0
         counts = {"lost": 0}
         backlog: list[tuple[Message, _Sent]] = []  # replies pulled, not yet folded (deployment)
@@ -171,6 +174,9 @@ class FedBuff(ReportsRounds, FedAvg):
                 job = sched.arrive()
                 mid = next(m for m, s in flying.items() if s.seq == job.seq)
                 sent = flying.pop(mid)
+                if job.lost:  # dropped mid-training: no update, given up after the timeout
+                    counts["lost"] += 1
+                    continue
                 for reply in self._pull_one(grid, mid, timeout):
                     take(reply, sent)
             else:
@@ -249,11 +255,22 @@ class FedBuff(ReportsRounds, FedAvg):
 def build(params: dict, ctx: BuildContext) -> FedBuff:
     cfg = ctx.config
     fleet = cfg.fleet_options() if callable(getattr(cfg, "fleet_options", None)) else []
+    fleet = [f for f in fleet if f != "--availability"]  # its schedule honours the simulated fleet's
     if fleet:
         from fedswarm.errors import ConfigError
 
         raise ConfigError(f"fedbuff does not take {', '.join(fleet)}: it has no rounds to close early or sample, "
-                          f"and its own dispatch does not yet honour eligibility or availability")
+                          f"and its own dispatch does not yet honour eligibility")
+    availability = None
+    if getattr(cfg, "availability", None) is not None:
+        from fedswarm.availability import availability_for
+        from fedswarm.errors import ConfigError
+        from fedswarm.policy import device_class_of
+
+        if cfg.devices is None:
+            raise ConfigError("fedbuff --availability runs on simulated time: give --devices")
+        classes = [device_class_of({}, cfg.devices, pid, cfg.clients) for pid in range(cfg.clients)]
+        availability = availability_for(cfg.availability, classes, cfg.seed)
     k = int(params["buffer_size"])
     concurrency = int(params["concurrency"]) or cfg.clients
     if concurrency > cfg.clients:
@@ -268,7 +285,8 @@ def build(params: dict, ctx: BuildContext) -> FedBuff:
     max_stale = int(params["max_staleness"])
     return FedBuff(buffer_size=k, concurrency=concurrency, staleness_weight_spec=str(params["staleness_weight"]),
                    max_staleness=None if max_stale < 0 else max_stale, server_lr=float(params["server_lr"]),
-                   min_nodes=cfg.clients, seed=cfg.seed, duration=fleet_durations(cfg, ctx.layout.d), dp=dp)
+                   min_nodes=cfg.clients, seed=cfg.seed, duration=fleet_durations(cfg, ctx.layout.d), dp=dp,
+                   availability=availability)
 
 
 ENTRY = register(StrategyEntry(
