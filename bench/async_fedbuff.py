@@ -9,9 +9,11 @@ keeps 20 nodes training and folds K = 10 updates into each of R aggregations. Fi
 final accuracy, per seed and their mean, and each arm's time to target as a multiple of synchronous
 FedAvg's.
 
-Arms that need the quorum rounds and simulated availability of issue 45's fleet work (RunConfig
-``quorum``/``over_select``, ``availability``) run only where this checkout has those options; the
-JSON says which were left out and why.
+A second section runs every arm again on a fleet that sleeps (:data:`AVAILABILITY`: a diurnal on/off
+process and 10% mid-training dropouts, a dropped node given up after the 600 s round timeout);
+its "client updates" are those folded in (a dropped node's is lost). The arms and sections that need
+issue 45's fleet work (RunConfig ``quorum``/``over_select``, ``availability``) run only where this
+checkout has those options; the JSON says which were left out and why.
 
     fedswarm bench async [--quick] --out DIR
 
@@ -34,28 +36,41 @@ BASE = dict(task="digits-mlp", clients=100, devices="edge-wifi:80,straggler:20",
             eval_every=1_000_000)
 PER_ROUND = 10  # client updates per round (FedAvg) and per aggregation (FedBuff's K)
 ROUNDS = 40
-QUICK = dict(clients=20, devices="edge-wifi:16,straggler:4")
+QUICK = dict(clients=8, devices="edge-wifi:6,straggler:2", local_steps=2)
+QUICK_PER_ROUND = 2
+#: The second section's fleet (fedswarm/availability.py): sessions of 30 min on and 30 min off on
+#: average, off periods up to 1.5x longer at night (a day of 86,400 s), and each dispatched node
+#: dropping mid-training with probability 0.1; a dropped node is given up after round_timeout (600 s).
+AVAILABILITY = "on=1800,off=1800,diurnal=0.5,dropout=0.1"
 
 
 def arms(quick: bool) -> tuple[dict[str, dict], list[str]]:
     """The arms' run options (name -> RunConfig fields beyond BASE and the seed) and the notes on
     the arms left out."""
     clients = QUICK["clients"] if quick else BASE["clients"]
-    fraction = PER_ROUND / clients
+    k = QUICK_PER_ROUND if quick else PER_ROUND
+    fraction = k / clients
     out = {
         "fedavg (sync)": dict(strategy="fedavg", fraction=fraction),
-        "fedbuff": dict(strategy="fedbuff", params={"buffer_size": PER_ROUND, "concurrency": 2 * PER_ROUND}),
+        "fedbuff": dict(strategy="fedbuff", params={"buffer_size": k, "concurrency": 2 * k}),
     }
     missing = []
     if "quorum" in RunConfig.model_fields:
         out["fedavg --over-select 1.3 --quorum"] = dict(strategy="fedavg", fraction=fraction, over_select=1.3,
-                                                         quorum=PER_ROUND)
+                                                         quorum=k)
     else:
         missing.append("fedavg --over-select 1.3 --quorum: this checkout has no quorum rounds (issue 45 item 2)")
-    if "availability" not in RunConfig.model_fields:
-        missing.append("the diurnal-availability section with 10% mid-round dropouts: this checkout has no "
-                       "simulated availability (issue 45 item 4)")
     return out, missing
+
+
+def sections() -> tuple[dict[str, dict], list[str]]:
+    """The fleet of each section (name -> RunConfig fields), and the notes on those left out."""
+    out: dict[str, dict] = {"always available": {}}
+    if "availability" in RunConfig.model_fields:
+        out["diurnal availability, 10% dropouts"] = {"availability": AVAILABILITY}
+        return out, []
+    return out, ["the diurnal-availability section with 10% mid-round dropouts: this checkout has no "
+                 "simulated availability (issue 45 item 4)"]
 
 
 def _curve(rows: list[dict]) -> tuple[list[float], list[float]]:
@@ -75,32 +90,52 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
     """Run every arm for every seed; write ``async.json`` and ``async.png``; print the table."""
     out_dir = start_bench(out_dir)
     options, missing = arms(quick)
+    fleets, left = sections()
+    missing += left
     seeds = [0] if quick else [0, 1, 2]
     rounds = 2 if quick else ROUNDS
     base = {**BASE, **(QUICK if quick else {})}
     rows: list[dict] = []
     with scratch_store("async.db") as store:
-        for name, opts in options.items():
-            for seed in seeds:
-                cfg = RunConfig.model_validate({**base, **opts, "seed": seed, "rounds": rounds})
-                arm = run_arm(cfg, store, name=f"bench-async {name} seed {seed}")
-                trained = arm.trained_rounds
-                times, accs = _curve(trained)
-                updates = sum(int(r.get("updates", r.get("num_clients") or 0)) for r in trained)
-                rows.append({"section": "always available", "arm": name, "seed": seed, "rounds": len(trained),
-                             "client_updates": updates, "time_to_target_s": _time_to(times, accs, TARGET),
-                             "final_acc": accs[-1], "sim_time_s": times[-1], "wall_s": arm.wall_s,
-                             "curve_t": times, "curve_acc": accs})
+        for section, fleet in fleets.items():
+            for name, opts in options.items():
+                for seed in seeds:
+                    rows.append(_arm(store, section, name, {**base, **opts, **fleet, "seed": seed, "rounds": rounds}))
     summary = _summarize(rows)
     (out_dir / "async.json").write_text(json.dumps({"target": TARGET, "config": base, "rounds": rounds,
-                                                    "seeds": seeds, "left_out": missing, "summary": summary,
+                                                    "seeds": seeds, "sections": fleets, "left_out": missing, "summary": summary,
                                                     "rows": rows}, indent=1))
     _plot(rows, out_dir / "async.png")
     _print(summary, missing)
     return rows
 
 
+def _updates(row: dict) -> int:
+    """The client updates a recorded round folded in: FedBuff's ``updates``; a synchronous round's
+    replies less those that failed or were refused."""
+    if "updates" in row:
+        return int(row["updates"])
+    return int(row.get("num_clients") or 0) - int(row.get("nodes_failed") or 0) - int(row.get("rejected") or 0)
+
+
+def _arm(store, section: str, name: str, options: dict) -> dict:
+    cfg = RunConfig.model_validate(options)
+    arm = run_arm(cfg, store, name=f"bench-async {section}: {name} seed {cfg.seed}")
+    trained = arm.trained_rounds
+    times, accs = _curve(trained)
+    return {"section": section, "arm": name, "seed": cfg.seed, "rounds": len(trained),
+            "client_updates": sum(_updates(r) for r in trained), "time_to_target_s": _time_to(times, accs, TARGET),
+            "final_acc": accs[-1], "sim_time_s": times[-1], "wall_s": arm.wall_s, "curve_t": times, "curve_acc": accs}
+
+
 def _summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    for section in dict.fromkeys(r["section"] for r in rows):
+        out += _summarize_section([r for r in rows if r["section"] == section])
+    return out
+
+
+def _summarize_section(rows: list[dict]) -> list[dict]:
     out = []
     ref = [r for r in rows if r["arm"] == "fedavg (sync)"]
     ref_t = _mean([r["time_to_target_s"] for r in ref])
@@ -153,16 +188,18 @@ def _plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    colors = {}
-    for r in rows:
-        c = colors.setdefault(r["arm"], f"C{len(colors)}")
-        ax.plot(r["curve_t"], r["curve_acc"], color=c, alpha=0.8, label=r["arm"] if r["seed"] == rows[0]["seed"]
-                else None)
-    ax.axhline(TARGET, color="grey", lw=0.8, ls="--")
-    ax.set(xscale="log", xlabel="simulated seconds (time model)", ylabel="test accuracy",
-           title="digits-mlp, 100 nodes, edge-wifi:80 + straggler:20")
-    ax.legend(fontsize=8)
+    names = list(dict.fromkeys(r["section"] for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(8 * len(names), 4.5), squeeze=False)
+    colors: dict[str, str] = {}
+    for ax, section in zip(axes[0], names):
+        for r in (r for r in rows if r["section"] == section):
+            c = colors.setdefault(r["arm"], f"C{len(colors)}")
+            ax.plot(r["curve_t"], r["curve_acc"], color=c, alpha=0.8,
+                    label=r["arm"] if r["seed"] == rows[0]["seed"] else None)
+        ax.axhline(TARGET, color="grey", lw=0.8, ls="--")
+        ax.set(xscale="log", xlabel="simulated seconds (time model)", ylabel="test accuracy",
+               title=f"digits-mlp, edge-wifi + straggler: {section}")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
