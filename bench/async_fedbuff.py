@@ -103,8 +103,8 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
                     rows.append(_arm(store, section, name, {**base, **opts, **fleet, "seed": seed, "rounds": rounds}))
     summary = _summarize(rows)
     (out_dir / "async.json").write_text(json.dumps({"target": TARGET, "config": base, "rounds": rounds,
-                                                    "seeds": seeds, "sections": fleets, "left_out": missing, "summary": summary,
-                                                    "rows": rows}, indent=1))
+                                                    "seeds": seeds, "sections": fleets, "left_out": missing,
+                                                    "summary": summary, "rows": rows}, indent=1))
     _plot(rows, out_dir / "async.png")
     _print(summary, missing)
     return rows
