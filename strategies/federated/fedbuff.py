@@ -213,7 +213,10 @@ class FedBuff(ReportsRounds, FedAvg):
             for v in [v for v in sent_models if v not in in_use]:
                 del sent_models[v]
             metrics.update(model_version=self.version, in_flight=len(flying), lost=counts["lost"],
-                           staleness_by_node=dict(by_node))
+                           staleness_by_node=dict(by_node),
+                           # federated evaluation asks the nodes that arrived (idle until the next dispatch),
+                           # never one still training: an aggregation waits for no node
+                           eval_cohort=sorted(int(n) for n in by_node))
             counts["lost"] = 0
             by_node.clear()
             if self.simulated and self.duration is not None:
