@@ -209,7 +209,7 @@ class FedBuff(ReportsRounds, FedAvg):
                 privatize = self.dp.privatize
             x, metrics = self.buffer.fold(x, privatize)
             self.version += 1
-            in_use = {s.version for s in flying.values()}
+            in_use = {s.version for s in flying.values()} | {s.version for _, s in backlog}
             for v in [v for v in sent_models if v not in in_use]:
                 del sent_models[v]
             metrics.update(model_version=self.version, in_flight=len(flying), lost=counts["lost"],
