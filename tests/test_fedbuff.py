@@ -190,3 +190,17 @@ def test_schedule_dispatches_only_available_nodes():
     assert [j.node for j in sched.dispatch(2)] == [2] and sched.now == 1.0  # all off at 1.0 but pid 1: on
     job = sched.flying[0]
     assert not job.lost and job.finish == 1.5
+
+
+def test_deployment_path_folds_replies_pulled_together_k_at_a_time(tmp_path, monkeypatch):
+    """The deployment's arrival source (no virtual clock) on the in-process grid, whose pull hands
+    back every reply in flight at once: the six pulled together make three aggregations of exactly
+    K = 2, each one version staler than the last (their start model kept until folded)."""
+    from fedswarm.strategies.federated.fedbuff import FedBuff
+
+    monkeypatch.setattr(FedBuff, "use_virtual_clock", lambda self, simulated: setattr(self, "simulated", False))
+    res, nodes = _run(tmp_path, "real", params={"buffer_size": 2, "concurrency": 6})
+    rows = res["rounds"][1:]
+    assert [r["updates"] for r in rows] == [2, 2, 2, 2]
+    assert [sorted(s for v in r["staleness_by_node"].values() for s in v) for r in rows[:3]] == [[0, 0], [1, 1], [2, 2]]
+    assert not [n for n in nodes if n.status != "ok"]
