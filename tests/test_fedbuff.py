@@ -148,6 +148,8 @@ def test_fleet_options_are_refused_in_one_line():
         with pytest.raises(ConfigError, match="fedbuff does not take --") as exc:
             prepare_strategy(cfg)
         assert "\n" not in str(exc.value)
+    with pytest.raises(ConfigError, match="fedbuff --devices: its virtual clock runs on --engine inprocess"):
+        prepare_strategy(RunConfig(strategy="fedbuff", clients=4, devices="edge-wifi:4", engine="flower"))
 
 
 def test_availability_dispatches_only_nodes_that_are_on_and_gives_up_dropped_ones(tmp_path):

@@ -264,6 +264,11 @@ def build(params: dict, ctx: BuildContext) -> FedBuff:
 
         raise ConfigError(f"fedbuff does not take {', '.join(fleet)}: it has no rounds to close early or sample, "
                           f"and its own dispatch does not yet honour eligibility")
+    if cfg.devices is not None and cfg.engine == "flower":
+        from fedswarm.errors import ConfigError
+
+        raise ConfigError("fedbuff --devices: its virtual clock runs on --engine inprocess or batched (on the flower "
+                          "engine a node's id does not tell its partition, so not its device class)")
     availability = None
     if getattr(cfg, "availability", None) is not None:
         from fedswarm.availability import availability_for
