@@ -206,3 +206,49 @@ def test_deployment_path_folds_replies_pulled_together_k_at_a_time(tmp_path, mon
     assert [r["updates"] for r in rows] == [2, 2, 2, 2]
     assert [sorted(s for v in r["staleness_by_node"].values() for s in v) for r in rows[:3]] == [[0, 0], [1, 1], [2, 2]]
     assert not [n for n in nodes if n.status != "ok"]
+
+
+def test_a_malformed_reply_is_rejected_with_its_reason_and_never_folded():
+    """Node 11 answers garbage (not finite), node 12 a model one above what it was sent: with K = 1
+    and constant weights each aggregation is node 12's model; node 11's replies are refused, named."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+
+    from fedswarm.strategies.federated.fedbuff import FedBuff
+    from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
+
+    class Grid:
+        def __init__(self):
+            self.queue = {}
+
+        def get_node_ids(self):
+            return [11, 12]
+
+        def push_messages(self, msgs):
+            ids = []
+            for m in msgs:
+                mid = f"m{len(self.queue)}-{m.metadata.dst_node_id}"
+                m.metadata.__dict__["_message_id"] = mid
+                self.queue[mid] = m
+                ids.append(mid)
+            return ids
+
+        def pull_messages(self, ids):
+            out = []
+            for mid in ids:
+                m = self.queue.pop(mid)
+                if m.metadata.dst_node_id == 11:
+                    arrays = ArrayRecord({"w": Array(np.array([np.nan, 1.0, np.inf], dtype=np.float32))})
+                else:
+                    arrays = vector_to_arrayrecord(arrayrecord_to_vector(m.content["arrays"]) + 1)
+                reply = Message(RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 5})}),
+                                reply_to=m)
+                reply.metadata.__dict__["_src_node_id"] = m.metadata.dst_node_id
+                out.append(reply)
+            return out
+
+    strategy = FedBuff(buffer_size=1, concurrency=2, staleness_weight_spec="const", min_nodes=2, poll_s=0.01)
+    result = strategy.start(Grid(), vector_to_arrayrecord(torch.zeros(3)), num_rounds=2, timeout=30)
+    assert arrayrecord_to_vector(result.arrays).tolist() == [2.0, 2.0, 2.0]  # two folds of +1
+    assert strategy.version == 2
+    assert "11" in strategy.notes.rejections and "finite" in strategy.notes.rejections["11"]
