@@ -12,9 +12,14 @@ set by the simulation engines or by ``fedswarm client``, or its own dataset (``d
 After every train reply the node's ``Context.state`` is saved to its own disk when the run and
 the node keep state there, and a resumed server's ``query.fedswarm_resume`` message restores
 it (:mod:`fedswarm.client.persist`).
+
+Test only: a node config ``test-step-delay-s = S`` makes plain training wait ``S`` seconds per
+local step (a straggler in a loopback deployment test); nothing else reads it.
 """
 
 from __future__ import annotations
+
+import time
 
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -26,7 +31,11 @@ from fedswarm.protocol import RESUME_ACTION, TELEMETRY_ACTION
 from fedswarm.strategies import registry
 from fedswarm.wire import vector_to_arrayrecord
 
-__all__ = ["app"]
+__all__ = ["app", "TEST_STEP_DELAY_KEY"]
+
+#: Node config key, for tests only: seconds the node waits per local step after plain training,
+#: a slow device on a fast machine (a real deployment's straggler). Never set it in production.
+TEST_STEP_DELAY_KEY = "test-step-delay-s"
 
 app = ClientApp()
 
@@ -42,6 +51,9 @@ def train(msg: Message, context: Context) -> Message:
         metrics["skipped_examples"] = fit.trainer.skipped_examples
     content = fit.reply(RecordDict({"arrays": vector_to_arrayrecord(fit.result.flat)}), **metrics)
     content["node"]["partition-id"] = int(context.node_config.get("partition-id", -1))
+    delay = float(context.node_config.get(TEST_STEP_DELAY_KEY, 0) or 0)
+    if delay > 0:  # test only: a node made slow (tests/test_fedbuff_deployment.py)
+        time.sleep(delay * fit.result.steps)
     save_after_train(msg, context)
     return Message(clock.attach(content), reply_to=msg)
 

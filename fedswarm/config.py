@@ -347,6 +347,8 @@ class RunConfig(TrainingSpec):
         for k, v in flat.items():
             if k == "policies" and isinstance(v, str):
                 values[k] = json.loads(v) if v else {}
+            elif k == "params" and isinstance(v, str):  # a deployment's run config: the strategy's params as JSON
+                params.update(json.loads(v) if v.strip() else {})
             elif k.startswith("params."):
                 params[k[len("params.") :]] = v
             else:

@@ -97,6 +97,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
             return evaluate_flat(task, model, flat, data.test_x, data.test_y, device)
 
     strategy = strategy_for(cfg, layout, prepared)
+    if callable(getattr(strategy, "use_virtual_clock", None)):  # asynchronous: simulated nodes run on its clock
+        strategy.use_virtual_clock(node_kind == "sim")
     engine_state = grid if callable(getattr(grid, "state_dict", None)) else None  # clients' state, if it has it
     nodes_grid = grid  # the nodes themselves, for the resume query (no attack, no meter)
     byzantine = None

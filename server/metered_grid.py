@@ -166,13 +166,24 @@ class MeteredGrid(WrappingGrid):
         super().__init__(inner)
         self._lock = threading.Lock()
         self._traffic = Traffic()
+        self._carry: set[str] = set()  # carry_over(): in flight past the next take
 
     # -- accounting --------------------------------------------------------------------
     def take(self) -> Traffic:
-        """Return the traffic so far and start counting afresh."""
+        """Return the traffic so far and start counting afresh (the messages named by
+        :meth:`carry_over` since the last take move to the new count's ``sent_to``)."""
         with self._lock:
             t, self._traffic = self._traffic, Traffic()
+            carried, self._carry = self._carry, set()
+            for mid in carried & set(t.sent_to):
+                self._traffic.sent_to[mid] = t.sent_to.pop(mid)
         return t
+
+    def carry_over(self, message_ids: Iterable[str]) -> None:
+        """Messages still in flight at the next :meth:`take`, whose replies an asynchronous
+        strategy takes in a later round: not counted as unanswered in this one."""
+        with self._lock:
+            self._carry |= set(message_ids)
 
     def _count_down(self, messages: list[Message]) -> None:
         cache: dict[int, int] = {}

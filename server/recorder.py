@@ -121,11 +121,14 @@ class RoundRecorder(RoundNotes):
         wall_s = time.perf_counter() - self._t_last
         test_loss, test_acc = self.evaluate(arrays) if self.evaluate is not None else (None, None)
         notes, rejections = self.take()
+        # eval_cohort (noted by FedBuff: the nodes whose updates arrived, idle now) is not a figure of the round
+        eval_cohort = notes.pop("eval_cohort", None)
         train_loss, num_examples, node_rows = self._replies(traffic, rejections)
         fed: dict[str, Any] = {}
         if server_round > 0 and self.fed_eval is not None and self.eval_due(rnd):
             gone = {r["node_id"] for r in self._engine_rows}  # late or dropped (server.fleet_grid): not asked
-            fed = self.federated(rnd, arrays, [n for n in sorted(traffic.node_down) if str(n) not in gone], node_rows)
+            cohort = eval_cohort if eval_cohort is not None else traffic.node_down
+            fed = self.federated(rnd, arrays, [n for n in sorted(cohort) if str(n) not in gone], node_rows)
             spent = getattr(self.fed_eval, "traffic", None)  # the evaluate messages, metered apart
             if fed and spent is not None:
                 fed.update(eval_bytes_up=spent.bytes_up, eval_bytes_down=spent.bytes_down)

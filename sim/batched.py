@@ -54,7 +54,8 @@ Which strategies it serves, and with which options, each strategy's registry ent
 one data attack served: the chosen clients train on flipped labels). What it does not do: the
 strategies without a runner (they run on ``--engine inprocess``; :func:`check_supported` says so
 in one line), ``--dp-sgd``, models with buffers (batch-norm statistics), and the ``--devices``
-time model's simulated seconds (rows carry ``sim_time_s = null``).
+time model's simulated seconds (rows carry ``sim_time_s = null``; FedBuff's runner carries its virtual
+clock's).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
 from fedswarm.sim.batched_memory import available_ram, default_memory_budget, parse_memory_budget
 from fedswarm.sim.batched_compressed import CompressedRounds, GTopKRounds
 from fedswarm.sim.batched_eval import CohortEvaluator
+from fedswarm.sim.batched_fedbuff import FedBuffRounds
 from fedswarm.sim.batched_progfed import ProgFedRounds
 from fedswarm.sim.batched_pvt import PVTRounds
 from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ByteCounter, Meter, add_client, add_clients, cohort_rows,
@@ -104,7 +106,8 @@ __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budg
 #: Byzantine-robust rules; with ``--dp`` the clients clip, the strategy object noises) and
 #: ``global_topk`` (:mod:`fedswarm.sim.batched_compressed`); ``variable_subsets``: PVT's
 #: (:mod:`fedswarm.sim.batched_pvt`); ``stages``: ProgFed's (:mod:`fedswarm.sim.batched_progfed`);
-#: ``sketch``: the Count-Sketch strategies' (:mod:`fedswarm.sim.batched_sketched`).
+#: ``sketch``: the Count-Sketch strategies' (:mod:`fedswarm.sim.batched_sketched`); ``fedbuff``: FedBuff's
+#: asynchronous aggregations, each a recorded round (:mod:`fedswarm.sim.batched_fedbuff`).
 ROUND_RUNNERS: dict[str, type] = {}
 
 ClientsListener = Callable[[int, int], None]  # (clients done this round, clients this round)
@@ -260,6 +263,7 @@ ROUND_RUNNERS.update({
     "variable_subsets": PVTRounds,
     "stages": ProgFedRounds,
     "sketch": SketchRounds,
+    "fedbuff": FedBuffRounds,
 })
 
 

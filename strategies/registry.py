@@ -185,6 +185,7 @@ _BUILTIN_MODULES = (
     "fedswarm.strategies.federated.sketched",
     "fedswarm.strategies.federated.robust",
     "fedswarm.strategies.federated.coded",
+    "fedswarm.strategies.federated.fedbuff",
 )
 
 

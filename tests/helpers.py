@@ -55,3 +55,18 @@ def runs_ended(db) -> list | None:
         return runs if runs and runs[0].status in ("finished", "failed") else None
     finally:
         store.close()
+
+
+def record_run(cfg, db, name: str | None = None) -> tuple[str, dict, list]:
+    """Run ``cfg`` (a RunConfig) on its engine into the store at ``db`` and check it finished:
+    (run id, :meth:`Store.export_result`, the run's per-node rows)."""
+    from fedswarm.sim.run import run_engine
+    from fedswarm.store import Store
+
+    store = Store(db)
+    try:
+        rid = store.create_run(cfg.model_dump(), name=name)
+        assert run_engine(cfg, store=store, run_id=rid) == "finished"
+        return rid, store.export_result(rid), store.node_rounds(rid)
+    finally:
+        store.close()

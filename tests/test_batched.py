@@ -234,7 +234,8 @@ def test_unsupported_runs_say_so_in_one_line():
     with pytest.raises(ConfigError, match="inprocess") as exc:
         check_supported(RunConfig(strategy="draco", engine="batched"))
     assert "\n" not in str(exc.value) and "draco" in str(exc.value)
-    with pytest.raises(ConfigError, match="--dp with fedavg, compressed_fedavg, onebit; with 'krum' use --engine inpr"):
+    with pytest.raises(ConfigError,
+                       match="--dp with fedavg, compressed_fedavg, onebit, fedbuff; with 'krum' use --engine inpr"):
         check_supported(RunConfig(engine="batched", strategy="krum", dp="noise_multiplier=1.0"))
     check_supported(RunConfig(engine="batched", dp="noise_multiplier=1.0"))  # fedavg
     with pytest.raises(ConfigError, match="--dp-sgd"):

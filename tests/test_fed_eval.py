@@ -22,22 +22,17 @@ from fedswarm.errors import ConfigError
 from fedswarm.store import Store
 from fedswarm.tasks import get_task
 from fedswarm.train import node_validation, task_data
+from tests.helpers import record_run
 
 TASK = "digits-mlp"
 
 
 def _run(cfg: RunConfig, tmp_path, monkeypatch, name: str) -> tuple[dict, list]:
     import fedswarm.sim.inprocess as inprocess
-    from fedswarm.sim.run import run_engine
 
     monkeypatch.setattr(inprocess, "_run_ids", itertools.repeat(1))  # the same run id on both engines
-    store = Store(tmp_path / f"{name}.db")
-    try:
-        rid = store.create_run(cfg.model_dump())
-        assert run_engine(cfg, store=store, run_id=rid) == "finished"
-        return store.export_result(rid), store.node_rounds(rid)
-    finally:
-        store.close()
+    _, result, nodes = record_run(cfg, tmp_path / f"{name}.db")
+    return result, nodes
 
 
 def test_validation_splits_partition_the_test_set_and_leave_training_data_alone():

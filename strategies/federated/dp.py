@@ -106,7 +106,7 @@ class DPFedAvg(ReportsRounds, SamplesAfterWait, FedAvg):
 
 def attach_dp(strategy: Any, cfg: RunConfig) -> Any:
     """Give ``strategy`` the run's DP-FedAvg mechanism, or refuse clearly."""
-    if not cfg.dp or isinstance(strategy, DPFedAvg):
+    if not cfg.dp or isinstance(strategy, DPFedAvg) or getattr(strategy, "builds_own_dp", False):
         return strategy
     from fedswarm.strategies import registry
     from fedswarm.strategies.federated.compressed_base import CompressedStrategy

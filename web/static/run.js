@@ -16,7 +16,24 @@
     time: C("chart-time", { format: "sec", series: [{ name: "wall", color: "#dc2626" }, { name: "simulated (time model)", color: "#16a34a", dash: [5, 3] }] }),
     consensus: C("chart-consensus", { empty: "no consensus distance recorded", series: [{ name: "consensus distance", color: "#9333ea" }] }),
     failed: C("chart-failed", { empty: "no per-node rows yet", series: [{ name: "failed or rejected", color: "#dc2626" }, { name: "nodes", color: "#94a3b8", dash: [4, 3] }] }),
+    // asynchronous runs (FedBuff): a recorded round is a model version
+    staleness: C("chart-staleness", { empty: "no staleness recorded", series: [{ name: "max", color: "#dc2626" },
+      { name: "mean", color: "#2563eb" }, { name: "min", color: "#16a34a", dash: [4, 3] }] }),
+    inflight: C("chart-inflight", { empty: "no nodes in flight recorded", series: [{ name: "nodes in flight", color: "#0d9488" }] }),
   };
+  // An asynchronous run records model versions, not rounds (metrics.model_version): the page says so.
+  let asyncRun = false;
+  function markAsync() {
+    if (asyncRun) return;
+    asyncRun = true;
+    X_AXES.round[0] = "model version";
+    const opt = document.getElementById("acc-x-round");
+    if (opt) opt.textContent = "model version";
+    for (const [k, c] of Object.entries(charts)) if (k !== "acc") c.setX("model version");
+    document.getElementById("cap-failed").textContent = "Nodes failed or rejected per model version";
+    document.getElementById("fig-staleness").classList.remove("hidden");
+    document.getElementById("fig-inflight").classList.remove("hidden");
+  }
   const note = document.getElementById("live-note");
   const progress = document.getElementById("progress-text");
   const xSel = document.getElementById("acc-x");
@@ -52,6 +69,14 @@
       if (cd !== undefined) anyConsensus = true;
       charts.consensus.push(0, r.round, cd == null ? null : cd);  // none yet: a gap, never 0
       if (r.node_rows) { charts.failed.push(0, r.round, r.failed_node_rows || 0); charts.failed.push(1, r.round, r.node_rows); }
+      const m = r.metrics || {};
+      if (m.model_version !== undefined) {
+        markAsync();
+        charts.staleness.push(0, r.round, m.staleness_max);
+        charts.staleness.push(1, r.round, m.staleness_mean);
+        charts.staleness.push(2, r.round, m.staleness_min);
+        charts.inflight.push(0, r.round, m.in_flight);
+      }
     }
     if (anyConsensus) document.getElementById("fig-consensus").classList.remove("hidden");
     for (const c of Object.values(charts)) c.redraw();
@@ -59,7 +84,8 @@
   if (xSel) xSel.addEventListener("change", rebuild);
 
   function showProgress(last) {
-    progress.textContent = last == null ? "no round yet, " + total + " planned" : "round " + last + " of " + total;
+    const unit = asyncRun ? "model version" : "round";
+    progress.textContent = last == null ? "no " + unit + " yet, " + total + " planned" : unit + " " + last + " of " + total;
   }
 
   function onRound(r) {

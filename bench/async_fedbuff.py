@@ -1,0 +1,205 @@
+"""Fleets that never wait for their slowest device: FedBuff against synchronous FedAvg.
+
+``digits-mlp``, 100 nodes, ``--devices edge-wifi:80,straggler:20`` (a straggler computes 10x
+slower, same link), 10 local steps of batch 32, seeds 0-2, on the in-process engine (its rounds
+carry the time model's simulated seconds; FedBuff runs on its virtual clock). Every arm folds the
+same number of client updates: synchronous FedAvg samples 10 nodes for each of R rounds; FedBuff
+keeps 20 nodes training and folds K = 10 updates into each of R aggregations. Figures, all on
+*simulated* time: the time to 0.90 test accuracy (the first recorded round at or above it) and the
+final accuracy, per seed and their mean, and each arm's time to target as a multiple of synchronous
+FedAvg's.
+
+A second section runs every arm again on a fleet that sleeps (:data:`AVAILABILITY`: a diurnal on/off
+process and 10% mid-training dropouts, a dropped node given up after the 600 s round timeout);
+its "client updates" are those folded in (a dropped node's is lost). The arms and sections that need
+issue 45's fleet work (RunConfig ``quorum``/``over_select``, ``availability``) run only where this
+checkout has those options; the JSON says which were left out and why.
+
+    fedswarm bench async [--quick] --out DIR
+
+Writes ``DIR/async.json`` (per-seed rows and the per-arm means) and ``DIR/async.png`` (accuracy
+against simulated time); prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fedswarm.bench.arms import run_arm, scratch_store, start_bench
+from fedswarm.config import RunConfig
+
+__all__ = ["run", "TARGET", "arms"]
+
+TARGET = 0.90
+BASE = dict(task="digits-mlp", clients=100, devices="edge-wifi:80,straggler:20", local_steps=10, batch_size=32,
+            eval_every=1_000_000)
+PER_ROUND = 10  # client updates per round (FedAvg) and per aggregation (FedBuff's K)
+ROUNDS = 40
+QUICK = dict(clients=8, devices="edge-wifi:6,straggler:2", local_steps=2)
+QUICK_PER_ROUND = 2
+#: The second section's fleet (fedswarm/availability.py): sessions of 30 min on and 30 min off on
+#: average, off periods up to 1.5x longer at night (a day of 86,400 s), and each dispatched node
+#: dropping mid-training with probability 0.1; a dropped node is given up after round_timeout (600 s).
+AVAILABILITY = "on=1800,off=1800,diurnal=0.5,dropout=0.1"
+
+
+def arms(quick: bool) -> tuple[dict[str, dict], list[str]]:
+    """The arms' run options (name -> RunConfig fields beyond BASE and the seed) and the notes on
+    the arms left out."""
+    clients = QUICK["clients"] if quick else BASE["clients"]
+    k = QUICK_PER_ROUND if quick else PER_ROUND
+    fraction = k / clients
+    out = {
+        "fedavg (sync)": dict(strategy="fedavg", fraction=fraction),
+        "fedbuff": dict(strategy="fedbuff", params={"buffer_size": k, "concurrency": 2 * k}),
+    }
+    missing = []
+    if "quorum" in RunConfig.model_fields:
+        out["fedavg --over-select 1.3 --quorum"] = dict(strategy="fedavg", fraction=fraction, over_select=1.3,
+                                                         quorum=k)
+    else:
+        missing.append("fedavg --over-select 1.3 --quorum: this checkout has no quorum rounds (issue 45 item 2)")
+    return out, missing
+
+
+def sections() -> tuple[dict[str, dict], list[str]]:
+    """The fleet of each section (name -> RunConfig fields), and the notes on those left out."""
+    out: dict[str, dict] = {"always available": {}}
+    if "availability" in RunConfig.model_fields:
+        out["diurnal availability, 10% dropouts"] = {"availability": AVAILABILITY}
+        return out, []
+    return out, ["the diurnal-availability section with 10% mid-round dropouts: this checkout has no "
+                 "simulated availability (issue 45 item 4)"]
+
+
+def _curve(rows: list[dict]) -> tuple[list[float], list[float]]:
+    t, times, accs = 0.0, [], []
+    for r in rows:
+        t += float(r.get("sim_time_s") or 0.0)
+        times.append(t)
+        accs.append(float(r["test_accuracy"]))
+    return times, accs
+
+
+def _time_to(times: list[float], accs: list[float], target: float) -> float | None:
+    return next((t for t, a in zip(times, accs) if a >= target), None)
+
+
+def run(out_dir: Path, quick: bool = False) -> list[dict]:
+    """Run every arm for every seed; write ``async.json`` and ``async.png``; print the table."""
+    out_dir = start_bench(out_dir)
+    options, missing = arms(quick)
+    fleets, left = sections()
+    missing += left
+    seeds = [0] if quick else [0, 1, 2]
+    rounds = 2 if quick else ROUNDS
+    base = {**BASE, **(QUICK if quick else {})}
+    rows: list[dict] = []
+    with scratch_store("async.db") as store:
+        for section, fleet in fleets.items():
+            for name, opts in options.items():
+                for seed in seeds:
+                    rows.append(_arm(store, section, name, {**base, **opts, **fleet, "seed": seed, "rounds": rounds}))
+    summary = _summarize(rows)
+    (out_dir / "async.json").write_text(json.dumps({"target": TARGET, "config": base, "rounds": rounds,
+                                                    "seeds": seeds, "sections": fleets, "left_out": missing,
+                                                    "summary": summary, "rows": rows}, indent=1))
+    _plot(rows, out_dir / "async.png")
+    _print(summary, missing)
+    return rows
+
+
+def _updates(row: dict) -> int:
+    """The client updates a recorded round folded in: FedBuff's ``updates``; a synchronous round's
+    replies less those that failed or were refused."""
+    if "updates" in row:
+        return int(row["updates"])
+    return int(row.get("num_clients") or 0) - int(row.get("nodes_failed") or 0) - int(row.get("rejected") or 0)
+
+
+def _arm(store, section: str, name: str, options: dict) -> dict:
+    cfg = RunConfig.model_validate(options)
+    arm = run_arm(cfg, store, name=f"bench-async {section}: {name} seed {cfg.seed}")
+    trained = arm.trained_rounds
+    times, accs = _curve(trained)
+    return {"section": section, "arm": name, "seed": cfg.seed, "rounds": len(trained),
+            "client_updates": sum(_updates(r) for r in trained), "time_to_target_s": _time_to(times, accs, TARGET),
+            "final_acc": accs[-1], "sim_time_s": times[-1], "wall_s": arm.wall_s, "curve_t": times, "curve_acc": accs}
+
+
+def _summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    for section in dict.fromkeys(r["section"] for r in rows):
+        out += _summarize_section([r for r in rows if r["section"] == section])
+    return out
+
+
+def _summarize_section(rows: list[dict]) -> list[dict]:
+    out = []
+    ref = [r for r in rows if r["arm"] == "fedavg (sync)"]
+    ref_t = _mean([r["time_to_target_s"] for r in ref])
+    ref_acc = _mean([r["final_acc"] for r in ref])
+    for name in dict.fromkeys(r["arm"] for r in rows):
+        mine = [r for r in rows if r["arm"] == name]
+        t = _mean([r["time_to_target_s"] for r in mine])
+        acc = _mean([r["final_acc"] for r in mine])
+        out.append({"section": mine[0]["section"], "arm": name, "seeds": len(mine),
+                    "reached": sum(r["time_to_target_s"] is not None for r in mine),
+                    "client_updates": _mean([r["client_updates"] for r in mine]),
+                    "time_to_target_s": t, "x_sync": None if t is None or not ref_t else t / ref_t,
+                    "final_acc": acc, "acc_points_vs_sync": None if acc is None or ref_acc is None
+                    else 100 * (acc - ref_acc), "sim_time_s": _mean([r["sim_time_s"] for r in mine])})
+    return out
+
+
+def _mean(values: list) -> float | None:
+    """The mean, None when any value is None (an arm that missed the target in a seed has no time)."""
+    if not values or any(v is None for v in values):
+        return None
+    return sum(values) / len(values)
+
+
+def _print(summary: list[dict], missing: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"async: time to {TARGET:.2f} test accuracy, simulated seconds (means over seeds)")
+    for c in ("section", "arm", "reached", "client updates", "to target (s)", "x sync", "final acc",
+              "vs sync (points)", "simulated s"):
+        table.add_column(c, justify="left" if c in ("section", "arm") else "right")
+
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    for r in summary:
+        table.add_row(r["section"], r["arm"], f"{r['reached']}/{r['seeds']}", f(r["client_updates"], ".0f"),
+                      f(r["time_to_target_s"], ".1f"), f(r["x_sync"], ".2f"), f(r["final_acc"], ".4f"),
+                      f(r["acc_points_vs_sync"], "+.2f"), f(r["sim_time_s"], ".1f"))
+    console = Console()
+    (console if console.is_terminal else Console(width=200)).print(table)
+    for m in missing:
+        console.print(f"left out: {m}")
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["section"] for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(8 * len(names), 4.5), squeeze=False)
+    colors: dict[str, str] = {}
+    for ax, section in zip(axes[0], names):
+        for r in (r for r in rows if r["section"] == section):
+            c = colors.setdefault(r["arm"], f"C{len(colors)}")
+            ax.plot(r["curve_t"], r["curve_acc"], color=c, alpha=0.8,
+                    label=r["arm"] if r["seed"] == rows[0]["seed"] else None)
+        ax.axhline(TARGET, color="grey", lw=0.8, ls="--")
+        ax.set(xscale="log", xlabel="simulated seconds (time model)", ylabel="test accuracy",
+               title=f"digits-mlp, edge-wifi + straggler: {section}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
