@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import copy
 import pickle
+import socket
+import sys
 import time
 from functools import partial
 from types import SimpleNamespace
@@ -131,18 +133,29 @@ def _worker_trainer(cfg: RunConfig):
 
 
 class ShardWorker:
-    """One worker: the trainer and the state of the clients it owns. ``trainer``: one built
-    already (the in-process pool shares the driver's; it keeps no client state)."""
+    """One worker: the trainer and the state of the clients it owns in the current run
+    (:meth:`begin` starts one: a pool's workers serve one run after another)."""
 
-    def __init__(self, cfg: RunConfig, memory_budget: int | None = None, chunk_size: int | None = None,
-                 trainer=None, threads: int | None = None):
+    def __init__(self, memory_budget: int | None = None, chunk_size: int | None = None, threads: int | None = None):
         if threads is not None:
             torch.set_num_threads(threads)
+        self.memory_budget, self.chunk_size = memory_budget, chunk_size
+        self.cfg: RunConfig | None = None
+
+    def begin(self, cfg: RunConfig) -> None:
+        """Start run ``cfg``: its trainer built here (its data, its partition), no client state yet."""
         self.cfg = cfg
-        self.trainer = trainer if trainer is not None else _worker_trainer(cfg)
-        self.run = SimpleNamespace(cfg=cfg, trainer=self.trainer, memory_budget=memory_budget, chunk_size=chunk_size,
-                                   progress=lambda total: None)
+        self.trainer = _worker_trainer(cfg)
+        self.run = SimpleNamespace(cfg=cfg, trainer=self.trainer, memory_budget=self.memory_budget,
+                                   chunk_size=self.chunk_size, progress=lambda total: None)
         self._half = None  # the strategy's client half, made on the first round
+
+    def node(self) -> str:
+        """The Ray node this worker runs on (its id), or the host's name outside Ray."""
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+        return socket.gethostname()
 
     def average(self, start: torch.Tensor, sched, weights: torch.Tensor, momentum: float,
                 per_client_loss: bool) -> dict:
@@ -267,6 +280,10 @@ class _Pool:
     def _call(self, method: str, args: list[tuple | None]) -> list[Any]:
         raise NotImplementedError
 
+    def begin(self, cfg: RunConfig) -> None:
+        """Every worker starts run ``cfg`` (:meth:`ShardWorker.begin`)."""
+        self._call("begin", [(cfg,)] * self.workers)
+
     def take(self) -> dict[str, Any]:
         """The figures since the last call: bytes to and from the workers (pickled), the
         driver's wait for them and the slowest worker's compute in each call, added up."""
@@ -284,11 +301,10 @@ class LocalPool(_Pool):
     """The workers in this process, one after another: the sharding and the reduction without
     Ray (the tests' oracle; the bytes are what a cluster would move)."""
 
-    def __init__(self, cfg: RunConfig, workers: int, *, trainer=None, memory_budget: int | None = None,
-                 chunk_size: int | None = None):
+    def __init__(self, workers: int, *, memory_budget: int | None = None, chunk_size: int | None = None):
         super().__init__()
         self.workers = workers
-        self.members = [ShardWorker(cfg, memory_budget, chunk_size, trainer=trainer) for _ in range(workers)]
+        self.members = [ShardWorker(memory_budget, chunk_size) for _ in range(workers)]
 
     def _call(self, method, args):
         return [None if a is None else getattr(w, method)(*a) for w, a in zip(self.members, args)]
@@ -296,7 +312,8 @@ class LocalPool(_Pool):
 
 class RayPool(_Pool):
     """The workers as Ray actors of the cluster at ``cfg.ray_address``, one CPU each, spread
-    over its nodes; they build their trainers from the config where they run."""
+    over its nodes (``nodes``: where each runs); they build their trainers from the config
+    where they run."""
 
     def __init__(self, cfg: RunConfig, workers: int, *, memory_budget: int | None = None,
                  chunk_size: int | None = None, log: Callable[[str], None] | None = None):
@@ -315,7 +332,8 @@ class RayPool(_Pool):
                 raise ConfigError(f"--workers {workers}: the Ray cluster at {cfg.ray_address} has {cpus:g} CPUs, one "
                                   "per worker is needed")
             actor = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(ShardWorker)
-            self.actors = [actor.remote(cfg, memory_budget, chunk_size, threads=1) for _ in range(workers)]
+            self.actors = [actor.remote(memory_budget, chunk_size, threads=1) for _ in range(workers)]
+            self.nodes = ray.get([a.node.remote() for a in self.actors])  # the actors are up
         except BaseException:
             ray.shutdown()
             raise
@@ -468,8 +486,9 @@ def sharded_runner(strategy: str, pool: _Pool) -> Callable[..., Any]:
 def run_batched_ray(cfg: RunConfig, *, store, run_id: str, listeners=None, on_clients=None, prepared=None,
                     memory_budget: int | None = None, chunk_size: int | None = None, pool: _Pool | None = None) -> str:
     """:func:`fedswarm.sim.batched.run_batched` with each round's cohort on ``cfg.workers`` Ray
-    actors of the cluster at ``cfg.ray_address`` (``pool``: workers made already, e.g. a
-    :class:`LocalPool`; the caller closes it). Returns the final status."""
+    actors of the cluster at ``cfg.ray_address`` (``pool``: workers made already, a
+    :class:`LocalPool` or a :class:`RayPool` that served other runs; the caller closes it).
+    Returns the final status."""
     from fedswarm.sim.batched import run_batched
     from fedswarm.sim.batched_memory import parse_memory_budget
 
@@ -480,6 +499,7 @@ def run_batched_ray(cfg: RunConfig, *, store, run_id: str, listeners=None, on_cl
     if own:
         pool = RayPool(cfg, cfg.workers or DEFAULT_WORKERS, memory_budget=memory_budget, chunk_size=chunk_size)
     try:
+        pool.begin(cfg)
         return run_batched(cfg, store=store, run_id=run_id, listeners=listeners, on_clients=on_clients,
                            memory_budget=memory_budget, chunk_size=chunk_size, prepared=prepared,
                            runner=sharded_runner(cfg.strategy, pool))
