@@ -62,8 +62,12 @@ def ray_cluster(nodes: int = 1, cpus: int = 2) -> Iterator[tuple[str, str]]:
 
 
 def _alive_nodes(temp_dir: str) -> int:
-    """The raylets running in the cluster's session (each node writes its raylet log there)."""
-    return len(list(Path(temp_dir).glob("session_latest/logs/raylet*.out")))
+    """The nodes the cluster's GCS registered (its log says so of each)."""
+    log = Path(temp_dir) / "session_latest" / "logs" / "gcs_server.out"
+    try:
+        return log.read_text(errors="replace").count("Registering new node")
+    except FileNotFoundError:
+        return 0
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
