@@ -7,12 +7,13 @@ The runs: digits-mlp, iid, every client every round, one local step (FedAvg, as 
 engines``) and top-k 1% with error feedback (``compressed_fedavg``), at 1,000 and 10,000
 clients (``--quick``: 1,000), federated evaluation off (it is not sharded: the driver scores
 the cohort in one process either way). One process runs twice: with the engine's own two
-threads and with one (what each worker has), so that threads and Ray are told apart. Columns: steady seconds per round (the median round
-after the first), client-rounds per second, the first round and the start-up outside rounds
-(the actors' start and their trainers' build), and per round what Ray costs: the bytes
-pickled to and from the workers, the driver's wait for them beside the slowest worker's own
-compute (their difference is Ray's overhead: scheduling, (de)serialization, the object store),
-and the ratio to one process. JSON (engines-ray.json) + PNG (engines-ray.png).
+threads and with one (what each worker has), so that threads and Ray are told apart.
+Columns: steady seconds per round (the median round after the first), client-rounds per
+second, the first round and the start-up outside rounds (the actors' start and their
+trainers' build), and per round what Ray costs: the bytes pickled to and from the workers,
+the driver's wait for them beside the slowest worker's own compute (their difference is
+Ray's overhead: scheduling, (de)serialization, the object store), and the ratio to one
+process. JSON (engines-ray.json) + PNG (engines-ray.png).
 
 On one machine the workers share its cores with the driver and each other: this measures
 Ray's cost, not the gain a second machine brings (its cores and memory for its shard).
@@ -41,17 +42,22 @@ _FIGURES = ("shard_bytes_out", "shard_bytes_in", "shard_wait_s", "shard_compute_
 
 
 def _cell(cfg, t0: float) -> dict:
-    from fedswarm.bench.engines import _round_figures, run_in_store
+    """Run ``cfg`` in a throwaway store; its figures, each round's the median over the rounds after
+    the first (the first, with the actors' warm-up, apart; ``setup_s``: the time outside rounds)."""
+    from fedswarm.bench.arms import run_arm, scratch_store
 
-    status, res, total = run_in_store(cfg, t0)
-    rounds = [r for r in res["rounds"] if r["round"] > 0]
-    row = {"status": status, **_round_figures([r["wall_s"] for r in rounds], total),
-           "final_test_accuracy": res["summary"]["final_test_accuracy"]}
+    with scratch_store() as store:
+        arm = run_arm(cfg, store, ok=None)  # the row reports the status
+    total = time.perf_counter() - t0
+    rounds = [r for r in arm.result["rounds"] if r["round"] > 0]
+    walls = [r["wall_s"] for r in rounds]
+    row = {"status": arm.status, "rounds_run": len(rounds), "first_round_s": walls[0] if walls else None,
+           "setup_s": total - sum(walls), "final_test_accuracy": arm.result["summary"]["final_test_accuracy"]}
     steady = rounds[1:] or rounds
-    for key in _FIGURES:  # the median over the steady rounds
+    for key, out in (("wall_s", "steady_round_s"), *((k, k) for k in _FIGURES)):
         values = sorted(r[key] for r in steady if r.get(key) is not None)
         if values:
-            row[key] = values[len(values) // 2]
+            row[out] = values[len(values) // 2]
     if "shard_wait_s" in row:
         row["ray_overhead_s"] = row["shard_wait_s"] - row["shard_compute_s"]
     return row

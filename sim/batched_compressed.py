@@ -133,7 +133,6 @@ class CompressedRounds:
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         run, strategy = self.run, self.strategy
-        cfg, trainer = run.cfg, run.trainer
         messages, node_ids, sched, classes, pols = strategy_round(run, strategy, self.grid, self.arrays, server_round)
         self._down = {}  # the sync bodies are this version's
         total = len(node_ids)
