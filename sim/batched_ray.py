@@ -426,8 +426,11 @@ class _ShardedReplies:
             for reply in r["replies"]:
                 j, n = reply[0], reply[1]
                 k = int(pos[j])
-                if len(reply) == 3:
-                    replies.append(self._error_reply(messages, node_ids, classes, k, n, reply[2]))
+                if len(reply) == 3:  # its code raised on the worker: the reason names it (its traceback stayed there)
+                    try:
+                        raise reply[2]
+                    except Exception as exc:  # noqa: BLE001 - any exception of a client's code, as in one process
+                        replies.append(self._error_reply(messages, node_ids, classes, k, n, exc))
                 else:
                     row, value = sent[j]
                     replies.append(self._reply(messages, node_ids, classes, policy_json, k, row, n, reply[2],

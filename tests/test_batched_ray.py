@@ -168,3 +168,36 @@ runpy.run_module("fedswarm", run_name="__main__")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "RAY-IMPORTED []" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("strategy, params, status", [
+    ("compressed_fedavg", {"codec": "topk"}, "failed"),  # its codec step raises on the worker: the node fails
+    ("fetchsgd", {}, "rejected"),
+])
+def test_diverged_clients_fail_or_are_refused_as_in_one_process(strategy, params, status, tmp_path, monkeypatch):
+    """Clients whose partitions hold inf (tests/test_batched_diverged.py's task): on the workers
+    they fail or are refused with the same reasons as in one process, and the models agree."""
+    from fedswarm.store import Store
+    from fedswarm.tasks import TASKS
+    from fedswarm.tasks.staged import STAGED_TASKS
+    from tests.test_batched_diverged import DIVERGING, POISONED, _poisoned
+
+    monkeypatch.setitem(TASKS, "digits-cnn4-inf", _poisoned(STAGED_TASKS["digits-cnn4"]))
+    local_pools(monkeypatch)
+    kw = {**DIVERGING, "strategy": strategy, "params": params, "rounds": 1}
+    seen = {}
+    for sub, extra in (("one", {}), ("sharded", {"ray_address": "127.0.0.1:1", "workers": 2})):
+        (tmp_path / sub).mkdir()
+        models, res = _models(RunConfig(engine="batched", **kw, **extra), tmp_path / sub, monkeypatch)
+        store = Store(tmp_path / sub / "batched.db")
+        try:
+            rows = {(n.round, n.node_id): (n.status, (n.reason or "").splitlines()[:1]) for n in
+                    store.node_rounds(store.list_runs()[0].id)}
+        finally:
+            store.close()
+        seen[sub] = models, rows
+    (ref, ref_rows), (got, got_rows) = seen["one"], seen["sharded"]
+    assert got_rows == ref_rows
+    assert {node for (_, node), (st, _) in ref_rows.items() if st == status} == {str(p + 1) for p in POISONED}
+    for a, b in zip(ref, got):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
