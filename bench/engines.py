@@ -237,6 +237,9 @@ def run(out_dir: Path, quick: bool = False, *, sizes: list[int] | None = None, r
     meta = {"load_average": os.getloadavg(), "cpu_count": os.cpu_count(), "task": TASK}
     (out_dir / "engines.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     _plot(rows, out_dir / "engines.png")
+    if "batched" in engines:  # its Ray section: a table, engines-ray.json and .png of its own
+        from fedswarm.bench.engines_ray import run as run_ray
+        run_ray(out_dir, quick)
     return rows + _scale(out_dir, quick)
 
 

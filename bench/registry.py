@@ -17,6 +17,7 @@ __all__ = ["BENCHMARKS", "run_benchmark"]
 
 BENCHMARKS = {
     "engines": "fedswarm.bench.engines",
+    "engines-ray": "fedswarm.bench.engines_ray",
     "codecs": "fedswarm.bench.codecs",
     "compression": "fedswarm.bench.compression",
     "decentralized": "fedswarm.bench.decentralized",

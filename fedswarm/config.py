@@ -181,7 +181,11 @@ class RunConfig(TrainingSpec):
     )
     ray_address: str | None = Field(
         None, description="--engine flower: attach to this running Ray cluster (e.g. '127.0.0.1:6379') "
-        "instead of starting one."
+        "instead of starting one; --engine batched: train each round's cohort on Ray actors of that cluster."
+    )
+    workers: int | None = Field(
+        None, ge=1, le=1024, description="--engine batched with --ray-address: the Ray actors a round's cohort "
+        "is split across, each client always on the same one (default 2)."
     )
     test_fraction: float = Field(
         0.2, gt=0.0, lt=1.0, description="Share of the task's data held out as the global test set."

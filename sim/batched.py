@@ -269,12 +269,14 @@ ROUND_RUNNERS.update({
 
 def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[RoundListener] | None = None,
                 on_clients: ClientsListener | None = None, memory_budget: int | None = None,
-                chunk_size: int | None = None, prepared: PreparedStrategy | None = None) -> str:
+                chunk_size: int | None = None, prepared: PreparedStrategy | None = None,
+                runner: Callable[..., Any] | None = None) -> str:
     """Run ``cfg`` on the batched engine, recording into ``run_id``; return the final status.
     ``cfg`` passed :func:`check_supported` (:func:`fedswarm.sim.engines.run_engine` checks it).
 
     ``on_clients(done, total)`` is called after every chunk (the CLI's clients/s bar); ``prepared``:
-    the strategy the config check built."""
+    the strategy the config check built; ``runner``: the round runner class instead of the strategy's
+    (:mod:`fedswarm.sim.batched_ray`'s sharded ones)."""
     from fedswarm.sim.inprocess import _run_ids
 
     TaskIdentity.run_id = next(_run_ids)  # what Flower's Message stamps on the messages it builds
@@ -319,7 +321,7 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
                              train_config=train_config, node_kind="sim")
     run = BatchedRun(cfg, trainer, train_config, n_examples, meter, memory_budget=memory_budget,
                      chunk_size=chunk_size, on_clients=on_clients, prepared=prepared)
-    rounds_of = round_runner(registry.get(cfg.strategy))(run, global_vec, notes=recorder)
+    rounds_of = (runner or round_runner(registry.get(cfg.strategy)))(run, global_vec, notes=recorder)
     recorder.min_train_nodes = getattr(getattr(rounds_of, "strategy", None), "min_train_nodes", None)
     recorder.eval_every = cfg.eval_every
 

@@ -133,7 +133,6 @@ class CompressedRounds:
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         run, strategy = self.run, self.strategy
-        cfg, trainer = run.cfg, run.trainer
         messages, node_ids, sched, classes, pols = strategy_round(run, strategy, self.grid, self.arrays, server_round)
         self._down = {}  # the sync bodies are this version's
         total = len(node_ids)
@@ -144,40 +143,7 @@ class CompressedRounds:
             sched.flip_labels = torch.tensor([nid in bad for nid in node_ids], dtype=torch.bool)
         policy_json = {c: json.dumps(p, sort_keys=True) for c, p in zip(classes, pols)}
         x = self.model
-        replies: list[_Reply] = []
-        for rows, new, loss, n in trainer.fit(x, sched, momentum=cfg.momentum, chunk_size=run.chunk_size,
-                                              memory_budget=run.memory_budget, on_chunk=run.progress(total)):
-            delta = new.cpu() - x
-            pids = sched.partitions[rows].tolist()
-            ks = list(range(rows.start, rows.stop))
-            n_list, loss_list, steps_list = n.tolist(), loss.tolist(), sched.steps[rows].tolist()
-            finite = torch.isfinite(new).all(dim=1).tolist()
-            # the finite rows in one batch; a client whose local SGD diverged alone: its client
-            # step may raise (the client fails) or send what the server refuses
-            batches = [[j for j, ok in enumerate(finite) if ok]] + [[j] for j, ok in enumerate(finite) if not ok]
-            for members in filter(None, batches):
-                sub = delta if len(members) == len(ks) else delta[members]
-                try:
-                    decoded, sent = self._client_step(sub, [pids[j] for j in members],
-                                                      [messages[ks[j]] for j in members],
-                                                      [pols[ks[j]] for j in members])
-                except Exception as exc:
-                    if finite[members[0]]:
-                        raise
-                    k = ks[members[0]]
-                    r = _Reply(k, node_ids[k], None, (), n_list[members[0]], float("nan"), 0, classes[k], "", None,
-                               error=client_error_reply(messages[k], exc))
-                    r.down = self._down_size(messages[k])
-                    r.up = serialized_size(r.error)
-                    replies.append(r)
-                    continue
-                for i, j in enumerate(members):
-                    k = ks[j]
-                    r = _Reply(k, node_ids[k], sent[i][0], sent[i][1], n_list[j], loss_list[j], steps_list[j],
-                               classes[k], policy_json[classes[k]], decoded[i])
-                    r.down = self._down_size(messages[k])  # first: measuring a reply gives the message its id
-                    r.up = self._up_size(messages[k], r)
-                    replies.append(r)
+        replies = self._train_replies(x, sched, messages, node_ids, classes, pols, policy_json, total)
         replies.sort(key=lambda r: r.k)
         if self.byzantine is not None:
             self._attack(messages, [r for r in replies if r.error is None])
@@ -207,6 +173,59 @@ class CompressedRounds:
         run.meter.traffic = traffic
         row = {"train_loss": loss_sum / weight_sum if weight_sum else None, "num_clients": total}
         return row, node_rows or []
+
+    def _train_replies(self, x: torch.Tensor, sched, messages: list[Message], node_ids: list[int],
+                       classes: list[str], pols: list[dict], policy_json: dict[str, str], total: int
+                       ) -> list[_Reply]:
+        """The round's clients trained from ``x`` and their client half run: each one's reply
+        (in any order), its bytes measured. The hook a sharded engine replaces
+        (:mod:`fedswarm.sim.batched_ray`: the shards trained where their clients live)."""
+        run, trainer, cfg = self.run, self.run.trainer, self.run.cfg
+        replies: list[_Reply] = []
+        for rows, new, loss, n in trainer.fit(x, sched, momentum=cfg.momentum, chunk_size=run.chunk_size,
+                                              memory_budget=run.memory_budget, on_chunk=run.progress(total)):
+            delta = new.cpu() - x
+            pids = sched.partitions[rows].tolist()
+            ks = list(range(rows.start, rows.stop))
+            n_list, loss_list, steps_list = n.tolist(), loss.tolist(), sched.steps[rows].tolist()
+            finite = torch.isfinite(new).all(dim=1).tolist()
+            # the finite rows in one batch; a client whose local SGD diverged alone: its client
+            # step may raise (the client fails) or send what the server refuses
+            batches = [[j for j, ok in enumerate(finite) if ok]] + [[j] for j, ok in enumerate(finite) if not ok]
+            for members in filter(None, batches):
+                sub = delta if len(members) == len(ks) else delta[members]
+                try:
+                    decoded, sent = self._client_step(sub, [pids[j] for j in members],
+                                                      [messages[ks[j]] for j in members],
+                                                      [pols[ks[j]] for j in members])
+                except Exception as exc:
+                    if finite[members[0]]:
+                        raise
+                    replies.append(self._error_reply(messages, node_ids, classes, ks[members[0]],
+                                                     n_list[members[0]], exc))
+                    continue
+                for i, j in enumerate(members):
+                    replies.append(self._reply(messages, node_ids, classes, policy_json, ks[j], sent[i], n_list[j],
+                                               loss_list[j], steps_list[j], decoded[i]))
+        return replies
+
+    def _reply(self, messages: list[Message], node_ids: list[int], classes: list[str], policy_json: dict[str, str],
+               k: int, sent: tuple[Payload, tuple], n: int, loss: float, steps: int, value) -> _Reply:
+        """Client ``k``'s reply: its one-row payload and size key ``sent``, what the server
+        reads of it (``value``), its bytes measured."""
+        r = _Reply(k, node_ids[k], sent[0], sent[1], n, loss, steps, classes[k], policy_json[classes[k]], value)
+        r.down = self._down_size(messages[k])  # first: measuring a reply gives the message its id
+        r.up = self._up_size(messages[k], r)
+        return r
+
+    def _error_reply(self, messages: list[Message], node_ids: list[int], classes: list[str], k: int, n: int,
+                     exc: BaseException) -> _Reply:
+        """Client ``k``'s error reply: its own code raised ``exc``."""
+        r = _Reply(k, node_ids[k], None, (), n, float("nan"), 0, classes[k], "", None,
+                   error=client_error_reply(messages[k], exc))
+        r.down = self._down_size(messages[k])
+        r.up = serialized_size(r.error)
+        return r
 
     # -- replies the server does not aggregate -----------------------------------------------
     def _failed(self, traffic: Traffic, node_rows: list[dict] | None, r: _Reply) -> None:

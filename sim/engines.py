@@ -89,7 +89,18 @@ def _check_batched(cfg: RunConfig) -> Any:
 
     check_supported(cfg)
     parse_memory_budget(cfg.memory_budget)
+    if cfg.ray_address or cfg.workers is not None:  # the cohort sharded across Ray actors (no Ray imported here)
+        from fedswarm.sim.batched_ray import check_sharded
+
+        check_sharded(cfg)
     return _check_flower_strategy(cfg)  # the batched rounds drive the strategy objects
+
+
+def _run_batched(cfg: RunConfig, **kw: Any) -> str:
+    """The batched engine's run: in this process, or with ``--ray-address`` its cohort sharded
+    across Ray actors (:mod:`fedswarm.sim.batched_ray`)."""
+    module, name = ("batched_ray", "run_batched_ray") if cfg.ray_address else ("batched", "run_batched")
+    return _lazy(module, name)(cfg, **kw)
 
 
 def _lazy(module: str, name: str) -> Callable[..., Any]:
@@ -123,7 +134,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            help="decentralized algorithms, every node one row of an n-by-d tensor: fast, no Flower messages; "
                 "asynchronous ones with --set schedule=fixed",
            serves=lambda e: e.kind in ("decentralized", "array", "async"), owns=lambda cfg, e: e.kind == "array"),
-    Engine("batched", _check_batched, _lazy("batched", "run_batched"), threads=2,  # its math uses a second core
+    Engine("batched", _check_batched, _run_batched, threads=2,  # its math uses a second core
            help="every sampled client trained at once with torch.func.vmap: 10,000+ clients per round",
            serves=lambda e: e.batched is not None, lists_strategies=True, reports_clients=True, takes_prepared=True),
     Engine("clock", _lazy("async_engine", "check_config"), _lazy("async_engine", "run_async"),
@@ -180,6 +191,9 @@ def check_run(cfg: RunConfig, *, resume: bool = False) -> Checked:
     :func:`run_engine` hands it."""
     engine = check_resume(cfg) if resume else engine_for(cfg)
     check_fleet_engine(cfg, engine.name)
+    if cfg.workers is not None and engine.name != "batched":
+        raise ConfigError(f"--workers splits the batched engine's cohort across Ray actors (--engine batched "
+                          f"--ray-address); the {engine.name} engine takes none")
     return Checked(cfg, engine, engine.check(cfg))
 
 

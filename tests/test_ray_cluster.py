@@ -2,68 +2,21 @@
 a simulation attached to it from another process, then the cluster stopped."""
 
 import json
-import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, port_open, wait_until
-
-RAY = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
+from tests.helpers import free_port
+from tests.ray_helpers import ray_cluster as _cluster
 
 
 @pytest.fixture
 def ray_cluster():
-    """A one-node Ray cluster of our own: its own session (killed as a group at the end, so
-    no other user's Ray processes are touched, as ``ray stop`` would) and temp dir."""
-    if RAY is None:
-        pytest.fail("the 'ray' command is missing: install fedswarm with the 'sim' extra")
-    port = free_port()
-    temp_dir = tempfile.mkdtemp(prefix="fsray", dir="/tmp")  # short: Ray's socket paths have a length limit
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-         "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp_dir],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    try:
-        wait_until(lambda: port_open("127.0.0.1", port) or proc.poll() is not None, timeout=180,
-                   what="Ray's GCS to listen")
-        if proc.poll() is not None:
-            pytest.fail(f"ray start --head exited: {proc.stdout.read()[-3000:]}")
-        yield f"127.0.0.1:{port}", temp_dir
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=30)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        # every process of the cluster ran in our session; none may outlive the test
-        wait_until(lambda: not _session_alive(proc.pid), timeout=60, what="the Ray cluster to stop")
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def _session_alive(sid: int) -> bool:
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            if os.getsid(int(pid)) == sid:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-                if stat.rsplit(")", 1)[1].split()[0] != "Z":
-                    return True
-        except (ProcessLookupError, FileNotFoundError, PermissionError):
-            continue
-    return False
+    """A one-node Ray cluster of our own (tests/ray_helpers.py), stopped at the end."""
+    with _cluster() as cluster:
+        yield cluster
 
 
 @pytest.mark.integration

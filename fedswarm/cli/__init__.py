@@ -39,7 +39,8 @@ app.command()(client)
 # --------------------------------------------------------------------------------------
 def bench(
     name: str = typer.Argument(..., help=(
-        "Benchmark name: engines, codecs, compression, decentralized, edge, swarm, dashboard, dashboard-runs "
+        "Benchmark name: engines, engines-ray (the batched engine on 1 and 2 Ray workers against one process), "
+        "codecs, compression, decentralized, edge, swarm, dashboard, dashboard-runs "
         "(`fedswarm dashboard` under 50 connections to /api/runs alone; FEDSWARM_BENCH_BEFORE=CHECKOUT runs another "
         "checkout's code beside it), ingest, robust, privacy, "
         "footprint (install size, import time and a SuperNode's memory, beside Flower alone), papers "

@@ -97,7 +97,11 @@ def sim(
     )),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help=(
         "--engine flower: attach to a running Ray cluster at this address (e.g. 127.0.0.1:6379) instead of starting "
-        "one."
+        "one. --engine batched: split each round's cohort across Ray actors of that cluster (--workers), each "
+        "client's state kept on its actor."
+    )),
+    workers: Optional[int] = typer.Option(None, "--workers", help=(
+        "--engine batched --ray-address: the Ray actors a round's cohort is split across (default 2)."
     )),
     device: Optional[str] = typer.Option(None, "--device", help=(
         "Torch device: cpu (default), auto, cuda, cuda:N, mps."
@@ -201,6 +205,7 @@ def sim(
         "device": device, "name": name, "devices": devices, "profiles": profiles, "topology": topology,
         "byzantine": byzantine, "attack": attack, "dp": dp, "dp_sgd": dp_sgd,
         "memory_budget": memory_budget, "ray_address": ray_address, "checkpoint_every": checkpoint_every,
+        "workers": workers,
         "client_data": str(client_data) if client_data else None, "label_column": label_column,
         "val_fraction": val_fraction,
         "eval_every": eval_every, "central_eval": on_off(central_eval, "--central-eval"),
