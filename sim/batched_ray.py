@@ -4,7 +4,7 @@ HOST:PORT [--workers N]``.
 Each round's cohort is split across N workers, each client always on the same one (client
 ``p`` on worker ``p mod N``: sticky, so what a client keeps between rounds, an error-feedback
 residual or a sketch client's ``Context``, stays on its worker in a
-:class:`~fedswarm.sim.batched_round.ClientMemory` of its own). A worker
+:class:`~fedswarm.sim.batched_round.ClientRows` of its own). A worker
 (:class:`ShardWorker`) holds the run's :class:`~fedswarm.sim.batched_trainer.BatchedTrainer`,
 built from the config on its own machine (no data is shipped), and runs the batched trainer on
 its shard; the driver keeps the strategy and reduces what it needs:

@@ -133,7 +133,7 @@ def _worker_half(strategy: str, run) -> Any:
     ``_client_step`` unchanged, with the clients' state here; each reply kept as its figures
     and each batched payload as sent (the driver measures and decodes them)."""
     from fedswarm.sim.batched import round_runner
-    from fedswarm.sim.batched_round import ClientMemory
+    from fedswarm.sim.batched_round import ClientRows
     from fedswarm.sim.batched_sketched import SketchRounds, _contexts
     from fedswarm.strategies.federated.sketched import SKETCH_CLIENTS
 
@@ -145,7 +145,7 @@ def _worker_half(strategy: str, run) -> Any:
         def __init__(self):  # no strategy object here: the driver has it
             self.run = run
             self.layout = run.trainer.layout
-            self.residuals = ClientMemory(lambda pid: torch.zeros(self.layout.d))
+            self.residuals = ClientRows(self.layout.d, run.cfg.clients)  # as CompressedRounds keeps them
             self.captured: list = []
             if issubclass(base, SketchRounds):
                 self.contexts = _contexts(run.cfg.clients)

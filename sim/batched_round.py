@@ -75,6 +75,10 @@ class ClientRows:
     def __contains__(self, pid: int) -> bool:
         return bool(self._slot[pid] >= 0)
 
+    def __iter__(self):
+        """The partition ids of the clients that have state (a dict's keys, as :class:`ClientMemory`)."""
+        return iter(np.flatnonzero(self._slot >= 0).tolist())
+
     def __getitem__(self, pid: int) -> torch.Tensor:
         return self.stack([pid])[0]
 
