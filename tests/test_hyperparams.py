@@ -130,6 +130,8 @@ NOT_THE_CONSTRUCTORS = {
     ("signum", "f"),
     # -1: the run's --byzantine; the constructor's s is required (no default)
     ("solon", "s"), ("draco", "s"),
+    # -1: no limit, the builder's spelling of the constructor's None
+    ("fedbuff", "max_staleness"),
 }
 
 
@@ -142,12 +144,13 @@ def test_the_registry_shows_the_constructors_defaults():
     from fedswarm.algorithms.decentralized.catalog import ALGORITHMS
     from fedswarm.strategies import registry
     from fedswarm.strategies.federated.fedavg import CheckedFedAvg
+    from fedswarm.strategies.federated.fedbuff import FedBuff
 
     owners = {name: e.cls for name, e in ALGORITHMS.items()} | {
         "fedavg": CheckedFedAvg, "hl": fs.HomogeneousLearning, "progfed": fs.ProgFed,
         "pvt": fs.PartialVariableTraining, "compressed_fedavg": fs.CompressedFedAvg, "onebit": fs.OneBitSGD,
         "gtopk": fs.GlobalTopK, "sketched_sgd": fs.SketchedSGD, "fetchsgd": fs.FetchSGD,
-        "gs_sgd": fs.GlobalSketchSGD, "signum": fs.Signum, "solon": fs.CodedStrategy, "draco": fs.CodedStrategy,
+        "gs_sgd": fs.GlobalSketchSGD, "fedbuff": FedBuff, "signum": fs.Signum, "solon": fs.CodedStrategy, "draco": fs.CodedStrategy,
     } | {rule: fs.RobustAggregation for rule in ("median", "trimmed_mean", "krum", "multikrum", "bulyan")}
     assert set(owners) == set(registry.names())  # a new strategy names its class here
     checked, excepted = 0, set()

@@ -95,13 +95,13 @@ class FedBuff(ReportsRounds, FedAvg):
     builds_own_dp = True  # --dp: its own mechanism, once per aggregation (fedswarm.strategies.federated.dp.attach_dp)
     schedules_own_fleet = True  # --availability: its schedule's (fedswarm.server.fleet_grid.fleet_grid_for)
 
-    def __init__(self, *, buffer_size: int, concurrency: int, staleness_weight_spec: str = "poly:0.5",
+    def __init__(self, *, buffer_size: int = 10, concurrency: int = 0, staleness_weight_spec: str = "poly:0.5",
                  max_staleness: int | None = None, server_lr: float = 1.0, min_nodes: int = 1, seed: int = 0,
                  duration: Any = None, dp: Any = None, poll_s: float = 0.5, availability: Any = None):
         super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=1, min_evaluate_nodes=0,
                          min_available_nodes=min_nodes)
         self.buffer = FedBuffer(buffer_size, staleness_weight(staleness_weight_spec), max_staleness, server_lr)
-        self.concurrency = concurrency
+        self.concurrency = concurrency  # 0: every node the grid has (resolved when the run starts)
         self.seed = seed
         self.duration = duration
         self.availability = availability  # the simulated fleet's (--availability), None: always on
@@ -130,6 +130,8 @@ class FedBuff(ReportsRounds, FedAvg):
         sent_models: dict[int, torch.Tensor] = {self.version: x}
         flying: dict[str, _Sent] = {}
         nodes = wait_for_nodes(grid, self.min_available_nodes, timeout)
+        if self.concurrency <= 0:
+            self.concurrency = len(nodes)
         sched = AsyncSchedule(nodes, self.concurrency, self.duration, seed=self.seed,
                               availability=self.availability if self.simulated else None, timeout=timeout)
         t_last_agg = 0.0
