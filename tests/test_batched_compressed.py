@@ -109,7 +109,8 @@ def test_served_strategies_share_the_compressed_client_half():
     from fedswarm.strategies.edge import progfed, pvt
     from fedswarm.strategies.federated import gtopk, sketched
 
-    own = {"fedavg": None, "fedbuff": None, "gtopk": gtopk.client_update, "pvt": pvt.client_update,  # their own round runners
+    own = {"fedavg": None, "fedbuff": None,  # the plain client step
+           "gtopk": gtopk.client_update, "pvt": pvt.client_update,  # their own round runners
            "progfed": progfed.client_update, "sketched_sgd": sketched.sketched_client_update,
            "fetchsgd": sketched.fetchsgd_client_update, "gs_sgd": sketched.gs_client_update}
     for name in SUPPORTED_STRATEGIES:
