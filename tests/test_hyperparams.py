@@ -150,7 +150,8 @@ def test_the_registry_shows_the_constructors_defaults():
         "fedavg": CheckedFedAvg, "hl": fs.HomogeneousLearning, "progfed": fs.ProgFed,
         "pvt": fs.PartialVariableTraining, "compressed_fedavg": fs.CompressedFedAvg, "onebit": fs.OneBitSGD,
         "gtopk": fs.GlobalTopK, "sketched_sgd": fs.SketchedSGD, "fetchsgd": fs.FetchSGD,
-        "gs_sgd": fs.GlobalSketchSGD, "fedbuff": FedBuff, "signum": fs.Signum, "solon": fs.CodedStrategy, "draco": fs.CodedStrategy,
+        "gs_sgd": fs.GlobalSketchSGD, "fedbuff": FedBuff,
+        "signum": fs.Signum, "solon": fs.CodedStrategy, "draco": fs.CodedStrategy,
     } | {rule: fs.RobustAggregation for rule in ("median", "trimmed_mean", "krum", "multikrum", "bulyan")}
     assert set(owners) == set(registry.names())  # a new strategy names its class here
     checked, excepted = 0, set()
