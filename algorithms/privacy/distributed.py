@@ -71,8 +71,9 @@ import numpy as np
 
 __all__ = [
     "MECHANISMS", "Mechanism", "discrete_gaussian", "discrete_gaussian_exact", "discrete_gaussian_pmf",
-    "skellam", "noise_seed", "noise_share", "integer_sensitivity", "ddg_rdp", "skellam_rdp", "RDP_ORDERS",
-    "DistributedAccountant", "DistributedDP",
+    "skellam", "noise_seed", "node_rng", "noise_share", "noise_bound_for", "NOISE_BOUND_SIGMAS",
+    "integer_sensitivity", "ddg_rdp", "skellam_rdp", "RDP_ORDERS",
+    "DistributedAccountant", "DistributedDP", "secagg_with_dp",
 ]
 
 Mechanism = Literal["dgauss", "skellam"]
@@ -166,10 +167,16 @@ def discrete_gaussian_pmf(sigma2: float, support: np.ndarray) -> np.ndarray:
     return np.exp(-(np.asarray(support, dtype=np.float64) ** 2) / (2 * sigma2)) / norm
 
 
+_POISSON_MAX = 1e18  # numpy's Poisson sampler refuses means near 2^63
+
+
 def skellam(rng: np.random.Generator, variance: float, size: int) -> np.ndarray:
     """``size`` draws of the symmetric Skellam with ``variance``: Poisson(v/2) − Poisson(v/2)."""
     if variance < 0:
         raise ValueError(f"the Skellam variance must be >= 0, got {variance}")
+    if variance / 2.0 > _POISSON_MAX:
+        raise ValueError(f"a Skellam share of variance {variance:.3g} is past numpy's Poisson sampler "
+                         f"(mean <= {_POISSON_MAX:.0e} per half): use fewer secagg bits or mechanism=dgauss")
     return rng.poisson(variance / 2.0, int(size)).astype(np.int64) - rng.poisson(variance / 2.0, int(size))
 
 
@@ -179,14 +186,34 @@ def noise_seed(seed: int, round_: int, node: int) -> np.random.SeedSequence:
     return np.random.SeedSequence([0x5ECD9, int(seed) & (2**63 - 1), int(round_), int(node) & (2**63 - 1)])
 
 
-def noise_share(mechanism: str, variance: float, size: int, seed: np.random.SeedSequence | int) -> np.ndarray:
-    """One node's integer noise: ``size`` draws of ``mechanism`` with ``variance`` (int64)."""
-    rng = np.random.default_rng(seed)
+def node_rng(seed: int, round_: int, node: int) -> np.random.Generator:
+    """Node ``node``'s generator in round ``round_``: its stochastic rounding, then its noise
+    share, drawn in that order. The protocol's node and the batched engine's direct sum both
+    draw from it, which is what makes the two agree bit for bit."""
+    return np.random.default_rng(noise_seed(seed, round_, node))
+
+
+def noise_share(mechanism: str, variance: float, size: int,
+                seed: np.random.SeedSequence | int | np.random.Generator) -> np.ndarray:
+    """One node's integer noise: ``size`` draws of ``mechanism`` with ``variance`` (int64),
+    from ``seed`` (or a generator, which it advances)."""
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     if mechanism == "dgauss":
         return discrete_gaussian(rng, variance, size)
     if mechanism == "skellam":
         return skellam(rng, variance, size)
     raise ValueError(f"unknown distributed DP mechanism {mechanism!r} (one of {', '.join(MECHANISMS)})")
+
+
+#: A node's noise share is refused past this many of its standard deviations (plus a margin of
+#: the same count, for small variances): the quantizer reserves that much room per coordinate so
+#: that the field cannot wrap; a discrete Gaussian passes it with probability < 1e-32 per value.
+NOISE_BOUND_SIGMAS = 12
+
+
+def noise_bound_for(share_variance: float) -> int:
+    """The per-coordinate bound the quantizer reserves for a noise share of ``share_variance``."""
+    return math.ceil(NOISE_BOUND_SIGMAS * math.sqrt(share_variance)) + NOISE_BOUND_SIGMAS
 
 
 # -- accounting --------------------------------------------------------------------------------------
@@ -299,6 +326,11 @@ class DistributedDP:
         return noise_share(self.mechanism, self.share_variance, self.dim if size is None else size,
                            noise_seed(self.seed, round_, node))
 
+    def noise_hook(self):
+        """The secure-aggregation quantizer's noise hook (``noise(d, rng) -> int64 [d]``): a
+        share drawn from the node's own generator, after its rounding (:func:`node_rng`)."""
+        return lambda size, rng: noise_share(self.mechanism, self.share_variance, size, rng)
+
     def round_rdp(self, survivors: int) -> np.ndarray:
         """One round's RDP curve when ``survivors`` nodes' shares reached the sum."""
         if survivors < 1:
@@ -321,3 +353,35 @@ class DistributedDP:
         """ε if ``rounds`` more rounds ran with ``survivors`` (default: all nodes)."""
         curve = self.round_rdp(self.nodes if survivors is None else survivors)
         return self.accountant.epsilon_of(self.accountant.rdp + rounds * curve)
+
+
+def secagg_with_dp(params, nodes: int, dim: int, *, mechanism: str, noise_multiplier: float, dp_clip: float,
+                   delta: float = 1e-5, seed: int = 0):
+    """Secure-aggregation parameters that leave room for distributed DP noise, and the
+    :class:`DistributedDP` that draws and accounts it.
+
+    ``params`` is a :class:`fedswarm.algorithms.secagg.SecAggParams` (its ``clip`` is the
+    quantizer's per-coordinate clip, ``bits`` the field). Under DP every node weighs 1 (DP-FedAvg's
+    uniform weights: a node's count would multiply its sensitivity), so ``weight_max = 1``;
+    the quantizer's levels ``L`` and the noise room ``B`` split the per-node range
+    ``R = floor((2^b − 1) / 2n)``: ``L + B <= R`` with ``B = noise_bound_for(σ²/n)`` and
+    ``σ = z·dp_clip·L/clip`` (the quantizer's scale is ``L/clip``)."""
+    from dataclasses import replace
+
+    per_node = ((1 << int(params.bits)) - 1) // (2 * int(nodes))
+    # L + 12 z C L / (clip sqrt(n)) + 13 <= R, then step down until the rounded bound fits
+    ratio = noise_multiplier * dp_clip / (float(params.clip) * math.sqrt(nodes))
+    levels = int((per_node - NOISE_BOUND_SIGMAS - 1) / (1 + NOISE_BOUND_SIGMAS * ratio))
+
+    def share_var(lv: int) -> float:
+        return (noise_multiplier * dp_clip * lv / float(params.clip)) ** 2 / nodes
+
+    while levels >= 1 and levels + noise_bound_for(share_var(levels)) > per_node:
+        levels -= 1
+    if levels < 1:
+        raise ValueError(f"a {params.bits}-bit field has no room for {nodes} nodes' values and DP noise "
+                         f"(noise_multiplier={noise_multiplier:g}); raise secagg bits")
+    out = replace(params, weight_max=1, noise_bound=per_node - levels)
+    dp = DistributedDP(mechanism, noise_multiplier=noise_multiplier, clip=dp_clip, scale=levels / float(params.clip),
+                       dim=dim, nodes=nodes, delta=delta, seed=seed)
+    return out, dp

@@ -31,10 +31,12 @@ class RoundResult:
 def run_round(updates: Mapping[int, np.ndarray], params: SecAggParams, *, weights: Mapping[int, int] | None = None,
               drop: Mapping[str, Collection[int]] | None = None, seed: int = 0,
               noise: NoiseHook | None = None, graph_seed: int | None = None,
-              server: SecAggServer | None = None, clients: Sequence[SecAggClient] | None = None) -> RoundResult:
+              server: SecAggServer | None = None, clients: Sequence[SecAggClient] | None = None,
+              rngs: Mapping[int, np.random.Generator] | None = None) -> RoundResult:
     """Run one round over the nodes of ``updates`` (node id -> float vector). ``drop`` maps a
     stage name (:data:`STAGES`) to the nodes that vanish instead of answering it. Raises
-    :class:`SecAggFailed` when the round cannot finish."""
+    :class:`SecAggFailed` when the round cannot finish. ``rngs``: each node's own generator for
+    its rounding and noise (default: one shared generator from ``seed``)."""
     drop = {k: set(v) for k, v in (drop or {}).items()}
     unknown = set(drop) - set(STAGES)
     if unknown:
@@ -54,7 +56,8 @@ def run_round(updates: Mapping[int, np.ndarray], params: SecAggParams, *, weight
 
     def masked(c: SecAggClient, req):
         w = 1 if weights is None else int(weights[c.node_id])
-        encoded[c.node_id] = c.quantizer().encode(updates[c.node_id], rng, weight=w, noise=noise)
+        own = rng if rngs is None else rngs[c.node_id]
+        encoded[c.node_id] = c.quantizer().encode(updates[c.node_id], own, weight=w, noise=noise)
         return c.masked_input(req, encoded[c.node_id])
 
     keys = answer("advertise", srv.setup(), lambda c, r: c.advertise(r))
