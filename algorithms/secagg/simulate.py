@@ -54,7 +54,7 @@ def run_round(updates: Mapping[int, np.ndarray], params: SecAggParams, *, weight
 
     def masked(c: SecAggClient, req):
         w = 1 if weights is None else int(weights[c.node_id])
-        encoded[c.node_id] = c.quantizer().encode(updates[c.node_id], rng, weight=w, noise=noise)
+        encoded[c.node_id] = c.quantizer().encode(updates[c.node_id], rng, weight=w, noise=noise, noise_rng=rng)
         return c.masked_input(req, encoded[c.node_id])
 
     keys = answer("advertise", srv.setup(), lambda c, r: c.advertise(r))
