@@ -125,6 +125,12 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
     recorder.checkpoint_every = cfg.checkpoint_every
     recorder.min_train_nodes = getattr(strategy, "min_train_nodes", None)
     timeout = float(cfg.round_timeout)
+    strategy_grid = metered
+    if cfg.secagg:  # every stage's messages cross the meter; the strategy sees one aggregated reply a round
+        from fedswarm.server.secagg import SecAggGrid, secagg_params
+
+        strategy_grid = SecAggGrid(metered, secagg_params(cfg), dropout=cfg.secagg_dropout, seed=cfg.seed,
+                                   on_round=recorder.note)
     recorder.fed_eval = GridEvaluator(nodes_grid, train_config, timeout=timeout,
                                       own_model=registry.get(cfg.strategy).kind != "federated")
     recorder.eval_every = cfg.eval_every
@@ -145,7 +151,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
             shift_rounds(strategy, recorder.offset)  # clients are told the run's round, not start()'s
             recorder.reset_clock()
             recorder.final_round = recorder.offset + rounds
-            result = strategy.start(metered, arrays, num_rounds=rounds, timeout=timeout,
+            result = strategy.start(strategy_grid, arrays, num_rounds=rounds, timeout=timeout,
                                     train_config=train_config, evaluate_fn=recorder)
             arrays = result.arrays if result.arrays is not None else arrays
             recorder.offset = recorder.last_round
@@ -170,6 +176,10 @@ def build_strategy(cfg: RunConfig, layout: ParamLayout):
                           f"(use {able})")
     if cfg.dp:
         require_accounting("--dp")
+    if cfg.secagg:
+        from fedswarm.server.secagg import check_secagg
+
+        check_secagg(cfg, entry)
     params = registry.resolve_params(cfg.strategy, cfg.params)
     check_secagg(cfg, params)
     strategy = entry.build(params, registry.BuildContext(cfg, layout))

@@ -109,6 +109,6 @@ def secure_sum(updates: np.ndarray, node_ids: Sequence[int], params: SecAggParam
     for i in sorted(senders):
         rng = rngs[i] if rngs is not None else node_rng(seed, round_, i)
         w = 1 if weights is None else int(weights[row[i]])
-        total += quantizer.encode(x[row[i]], rng, weight=w, noise=noise)  # uint64 wraps mod 2^64
+        total += quantizer.encode(x[row[i]], rng, weight=w, noise=noise, noise_rng=rng)  # wraps mod 2^64
     total &= quantizer.mask
     return SecureSum(total, quantizer.decode_sum(total), report)

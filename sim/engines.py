@@ -136,6 +136,10 @@ if tuple(ENGINES) != get_args(EngineName):  # pragma: no cover - a new engine na
                        "an engine is added to both (docs/architecture.md, 'How to add an engine')")
 
 
+#: The engines that run secure aggregation's real protocol (SecAggGrid over Flower messages).
+SECAGG_ENGINES = ("inprocess", "flower")
+
+
 def engines_for(entry: StrategyEntry) -> list[str]:
     """The engines that run strategy ``entry``."""
     return [e.name for e in ENGINES.values() if e.serves(entry)]
@@ -179,6 +183,9 @@ def check_run(cfg: RunConfig, *, resume: bool = False) -> Checked:
     resume it); return the engine and what its check built for the run, which
     :func:`run_engine` hands it."""
     engine = check_resume(cfg) if resume else engine_for(cfg)
+    if cfg.secagg and engine.name not in SECAGG_ENGINES:
+        raise ConfigError(f"--secagg runs on the {' and '.join(SECAGG_ENGINES)} engines and a deployment (flwr run), "
+                          f"not on '{engine.name}' ('{cfg.strategy}' runs there)")
     return Checked(cfg, engine, engine.check(cfg))
 
 

@@ -143,12 +143,14 @@ class Quantizer:
         return np.clip(q, -bound, bound).astype(np.int64)
 
     def encode(self, x: np.ndarray, rng: np.random.Generator, weight: int = 1,
-               noise: NoiseHook | None = None) -> np.ndarray:
+               noise: NoiseHook | None = None, noise_rng: np.random.Generator | None = None) -> np.ndarray:
         """``d + 1`` field elements (uint64): the quantized weight-scaled update (plus the
-        integer ``noise`` a DP hook draws, if given) and, last, the weight."""
+        integer ``noise`` a DP hook draws, if given) and, last, the weight. ``rng`` draws the
+        stochastic rounding; the noise hook draws from ``noise_rng``, by default a generator
+        seeded by the OS: DP noise must not come from a seed the server could know."""
         q = self.quantize(x, rng, weight)
         if noise is not None:
-            extra = np.asarray(noise(q.size, rng))
+            extra = np.asarray(noise(q.size, noise_rng if noise_rng is not None else np.random.default_rng()))
             if extra.shape != q.shape or not np.issubdtype(extra.dtype, np.integer):
                 raise ValueError(f"secagg noise hook must return {q.size} integers, got {extra.dtype} {extra.shape}")
             if self.noise_bound and np.abs(extra).max(initial=0) > self.noise_bound:

@@ -57,7 +57,7 @@ def run_round(updates: Mapping[int, np.ndarray], params: SecAggParams, *, weight
     def masked(c: SecAggClient, req):
         w = 1 if weights is None else int(weights[c.node_id])
         own = rng if rngs is None else rngs[c.node_id]
-        encoded[c.node_id] = c.quantizer().encode(updates[c.node_id], own, weight=w, noise=noise)
+        encoded[c.node_id] = c.quantizer().encode(updates[c.node_id], own, weight=w, noise=noise, noise_rng=own)
         return c.masked_input(req, encoded[c.node_id])
 
     keys = answer("advertise", srv.setup(), lambda c, r: c.advertise(r))

@@ -91,4 +91,5 @@ ENTRY = register(StrategyEntry(
     # its own batched round (chunks folded into the weighted sum); no --byzantine there: its replies are its own
     batched=Batched("weighted_mean", dp=True),
     dp=True,
+    secagg=True,  # its aggregate is a weighted mean of the nodes' models: SecAggGrid hands it the mean
 ))
