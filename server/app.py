@@ -49,7 +49,6 @@ from fedswarm.server.client_state import restore_clients
 from fedswarm.server.resume import ACCEPT_LOSS_KEY, RESUME_KEY, resume_into
 from fedswarm.protocol import RUN_KEY
 from fedswarm.strategies.resumable import shift_rounds
-from fedswarm.strategies.secagg_compat import check_secagg
 from fedswarm.strategies.federated.dp import attach_dp
 
 __all__ = ["app", "run_server", "split_run_config", "build_strategy", "PreparedStrategy", "prepare_strategy",
@@ -181,7 +180,10 @@ def build_strategy(cfg: RunConfig, layout: ParamLayout):
 
         check_secagg(cfg, entry)
     params = registry.resolve_params(cfg.strategy, cfg.params)
-    check_secagg(cfg, params)
+    if cfg.secagg:
+        from fedswarm.strategies.secagg_compat import check_linear_codecs
+
+        check_linear_codecs(cfg, params)
     strategy = entry.build(params, registry.BuildContext(cfg, layout))
     return attach_dp(strategy, cfg)
 

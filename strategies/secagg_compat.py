@@ -1,16 +1,17 @@
-"""Which strategies and codecs can run under secure aggregation, and the one-line refusal
-of those that cannot, read from the registry (``StrategyEntry.secagg``) and the codecs
-(``Codec.linear``).
+"""Which codecs can run under secure aggregation (``Codec.linear``), and the one-line refusal
+of those that cannot.
 
-Secure aggregation reveals only the sum of the nodes' (quantized) vectors. A strategy can
-use it when its aggregate is a function of that sum: FedAvg's weighted mean, and
-``compressed_fedavg`` / ``sketched_sgd`` / ``fetchsgd`` with a *linear* uplink codec, one
-whose payload for a sum is the sum of the payloads because every node encodes with the
-same map (the same round seed: the same random-k coordinates, the same sketch hashes) and
-no per-node scale or index set. The server then decodes (unsketches) the summed payload once.
-Robust rules (Krum, medians, trimmed means, ...) need each node's own update, and top-k,
-gTop-k, 1-bit, sign and QSGD send per-node indices or scales: they are refused before the
-run starts with one line saying why.
+Secure aggregation reveals only the sum of the nodes' (quantized) vectors. A codec can run
+under it when it is *linear*: the payload of a sum is the sum of the payloads, because every
+node encodes with the same map (the same round seed: the same random-k coordinates, the same
+sketch hashes) and no per-node scale or index set; the server then decodes (unsketches) the
+summed payload once. Top-k, 1-bit, sign and QSGD send per-node indices or scales and are
+refused before the run starts with one line saying why; whether a *strategy* can run under
+secure aggregation is its registry entry's ``secagg`` (:func:`fedswarm.server.secagg.check_secagg`).
+
+Not wired yet: ``SecAggGrid`` masks the node's model change (the reply's ``arrays``), so the
+codec strategies (``compressed_fedavg``, ``sketched_sgd``, ``fetchsgd``), whose replies are
+payloads, keep ``secagg=False`` until it masks the payload's arrays instead.
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ from typing import Any
 
 from fedswarm.algorithms.compression.codecs import CODECS
 from fedswarm.errors import ConfigError
-from fedswarm.strategies import registry
 
-__all__ = ["NONLINEAR_WHY", "linear_codecs", "secagg_refusal", "check_secagg"]
+__all__ = ["NONLINEAR_WHY", "linear_codecs", "codec_refusal", "check_linear_codecs"]
 
 #: Why each codec that is not linear cannot run under secure aggregation.
 NONLINEAR_WHY: dict[str, str] = {
@@ -47,15 +47,11 @@ def _codec_refusal(name: str, where: str) -> str | None:
     return (f"--secagg cannot run codec '{name}' ({where}): {why}; linear codecs: {', '.join(linear_codecs())}")
 
 
-def secagg_refusal(cfg: Any, params: dict[str, Any] | None = None) -> str | None:
-    """Why ``cfg`` cannot run under secure aggregation (one line), or None. ``params``: the
-    strategy's resolved hyperparameters (default: resolved from ``cfg.params``)."""
-    entry = registry.get(cfg.strategy)
-    if not entry.secagg:
-        able = ", ".join(e.name for e in registry.entries(registered=True) if e.secagg)
-        return (f"strategy '{cfg.strategy}' cannot run under --secagg: its aggregate is not a function of the sum "
-                f"of the nodes' vectors (it needs each node's own update); strategies that can: {able}")
-    params = registry.resolve_params(cfg.strategy, cfg.params) if params is None else params
+def codec_refusal(cfg: Any, params: dict[str, Any]) -> str | None:
+    """Why the codecs of ``cfg`` (the strategy's uplink codec in its resolved hyperparameters
+    ``params``, and any device-class policy's) cannot run under secure aggregation (one
+    line), or None. Whether the strategy itself can is its entry's ``secagg``
+    (:func:`fedswarm.server.secagg.check_secagg`)."""
     if "codec" in params and (why := _codec_refusal(str(params["codec"]), "the strategy's uplink codec")):
         return why
     for device_class, policy in sorted((getattr(cfg, "policies", None) or {}).items()):
@@ -64,8 +60,8 @@ def secagg_refusal(cfg: Any, params: dict[str, Any] | None = None) -> str | None
     return None
 
 
-def check_secagg(cfg: Any, params: dict[str, Any] | None = None) -> None:
+def check_linear_codecs(cfg: Any, params: dict[str, Any]) -> None:
     """Raise a one-line :class:`ConfigError` when ``cfg`` asks for secure aggregation
-    (``cfg.secagg``) on a strategy or codec that cannot run under it."""
-    if getattr(cfg, "secagg", False) and (why := secagg_refusal(cfg, params)) is not None:
+    (``cfg.secagg``) with a codec that is not linear."""
+    if getattr(cfg, "secagg", False) and (why := codec_refusal(cfg, params)) is not None:
         raise ConfigError(why)

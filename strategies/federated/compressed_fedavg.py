@@ -324,7 +324,6 @@ register(StrategyEntry(
     paper="McMahan et al. 2017; Karimireddy et al., ICML 2019",
     batched=Batched("codec", dp=True, byzantine=True),
     dp=True,
-    secagg=True,  # with a linear codec (strategies/secagg_compat.py refuses the others)
 ))
 
 register(StrategyEntry(

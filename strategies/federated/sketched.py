@@ -438,7 +438,6 @@ register(StrategyEntry(
     client_update=sketched_client_update,
     paper="Ivkin et al., NeurIPS 2019",
     batched=Batched("sketch"),  # one sketch of all the clients' vectors; no --byzantine there
-    secagg=True,  # the server needs only the sum of the sketches (and of the candidates' values)
 ))
 
 register(StrategyEntry(
@@ -450,7 +449,6 @@ register(StrategyEntry(
     client_update=fetchsgd_client_update,
     paper="Rothchild et al., ICML 2020",
     batched=Batched("sketch"),  # one sketch of all the clients' vectors; no --byzantine there
-    secagg=True,  # the server needs only the sum of the sketches (and of the candidates' values)
 ))
 
 register(StrategyEntry(
