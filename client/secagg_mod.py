@@ -31,21 +31,15 @@ import numpy as np
 from flwr.app import Context, Message
 from flwr.clientapp.typing import ClientAppCallable
 
-from fedswarm.algorithms.secagg import NoiseHook, SecAggClient, SecAggRefused
+from fedswarm.algorithms.secagg import SecAggClient, SecAggRefused
+from fedswarm.client.secagg_dp import node_dp
 from fedswarm.algorithms.secagg.messages import ADVERTISE, MASKED_INPUT, SHARE_KEYS, UNMASK
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.secagg_records import (RECORD, STATE_RECORD, decode_request, is_secagg, keys_to,
                                                 masked_to, shares_to, state_dump, state_load, unmask_to)
 from fedswarm.wire import arrayrecord_to_vector
 
-__all__ = ["noise_hook", "secagg_mod", "update_of"]
-
-
-def noise_hook(msg: Message, node: SecAggClient) -> NoiseHook | None:
-    """The integer noise a node adds to its quantized update before masking (distributed DP),
-    from the round's train message and setup; None: no noise. Its draws come from the OS
-    (``Quantizer.encode``'s ``noise_rng``), never from a seed the server knows."""
-    return None
+__all__ = ["secagg_mod", "update_of"]
 
 
 def rounding_rng(round_id: bytes, node_id: int) -> np.random.Generator:
@@ -98,8 +92,11 @@ def secagg_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
                     context.state[STATE_RECORD] = held
             update, weight = update_of(msg, reply)
             q = node.quantizer()
+            dp = node_dp(context, node.setup, msg)  # distributed DP (--dp): clip, weight 1, noise share
+            if dp is not None:
+                update, weight = dp.prepare(update)
             encoded = q.encode(update, rounding_rng(req.round_id, node.node_id), weight=weight,
-                               noise=noise_hook(msg, node))
+                               noise=None if dp is None else dp.noise, noise_rng=None if dp is None else dp.rng)
             out = masked_to(node.masked_input(req, encoded), q.bits)
         elif req.stage == UNMASK:
             out = unmask_to(node.unmask(req))

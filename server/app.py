@@ -128,8 +128,10 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
     if cfg.secagg:  # every stage's messages cross the meter; the strategy sees one aggregated reply a round
         from fedswarm.server.secagg import SecAggGrid, secagg_params
 
+        from fedswarm.server.secagg_dp import SecAggDP
+
         strategy_grid = SecAggGrid(metered, secagg_params(cfg), dropout=cfg.secagg_dropout, seed=cfg.seed,
-                                   on_round=recorder.note)
+                                   on_round=recorder.note, dp=SecAggDP(cfg.dp, cfg.seed) if cfg.dp else None)
     recorder.fed_eval = GridEvaluator(nodes_grid, train_config, timeout=timeout,
                                       own_model=registry.get(cfg.strategy).kind != "federated")
     recorder.eval_every = cfg.eval_every
@@ -185,7 +187,7 @@ def build_strategy(cfg: RunConfig, layout: ParamLayout):
 
         check_linear_codecs(cfg, params)
     strategy = entry.build(params, registry.BuildContext(cfg, layout))
-    return attach_dp(strategy, cfg)
+    return strategy if cfg.secagg else attach_dp(strategy, cfg)  # under --secagg the nodes add the noise
 
 
 def _rng_state() -> tuple:

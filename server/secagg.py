@@ -37,6 +37,7 @@ from flwr.serverapp import Grid
 
 from fedswarm.algorithms.secagg import STAGES, SecAggFailed, SecAggParams, SecAggServer
 from fedswarm.errors import ConfigError
+from fedswarm.server.secagg_dp import SecAggDP, check_distributed_dp
 from fedswarm.strategies import registry
 from fedswarm.server.metered_grid import WrappingGrid, serialized_size
 from fedswarm.strategies.secagg_records import (RECORD, encode_request, keys_from, masked_from, shares_from,
@@ -58,11 +59,12 @@ class SecAggGrid(WrappingGrid):
     ``on_round(metrics)`` receives each round's figures (fedswarm's recorder: ``note``)."""
 
     def __init__(self, inner: Grid, params: SecAggParams, *, dropout: float = 0.0, seed: int = 0,
-                 on_round: Callable[..., Any] | None = None):
+                 on_round: Callable[..., Any] | None = None, dp: SecAggDP | None = None):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"secagg dropout must be in [0, 1), got {dropout}")
         super().__init__(inner)
         self.params, self.dropout, self.seed, self.on_round = params, float(dropout), int(seed), on_round
+        self.dp = dp  # distributed DP (--dp): the round's noise room and the accountant (server/secagg_dp.py)
         self.rounds = 0
         self._rng = np.random.default_rng([self.seed, 0x5EC])
 
@@ -92,7 +94,8 @@ class SecAggGrid(WrappingGrid):
             raise RuntimeError("SecAggGrid: a train message must carry the global model as 'arrays'")
         model = arrayrecord_to_vector(first.content.array_records["arrays"]).double().numpy()
         mtype, group = first.metadata.message_type, first.metadata.group_id
-        srv = SecAggServer(sorted(by_node), model.size, self.params,
+        params = self.params if self.dp is None else self.dp.round_params(self.params, len(by_node), model.size)
+        srv = SecAggServer(sorted(by_node), model.size, params,
                            graph_seed=int(self._rng.integers(1 << 62)))
         figures: dict[str, Any] = {"bytes": {}, "nodes": {}, "refused": {}}
 
@@ -131,7 +134,7 @@ class SecAggGrid(WrappingGrid):
             self._note(srv, figures, failed=str(exc))
             return []
         decoded = srv.quantizer.decode_sum(total)
-        self._note(srv, figures)
+        self._note(srv, figures, dp=None if self.dp is None else self.dp.account(srv.report.masked))
         new = model + decoded.mean
         arrays = vector_to_arrays_like(new.astype(np.float32), array_keys(first.content.array_records["arrays"]))
         survivor = min(inputs)  # the reply goes in the name of a node that took part
@@ -139,7 +142,7 @@ class SecAggGrid(WrappingGrid):
                         reply_to=by_node[survivor])
         return [reply]
 
-    def _note(self, srv: SecAggServer, figures: dict, failed: str | None = None) -> None:
+    def _note(self, srv: SecAggServer, figures: dict, failed: str | None = None, dp: dict | None = None) -> None:
         r = srv.report
         row = {"participants": r.participants, "nodes": figures["nodes"], "bytes": figures["bytes"],
                "dropped_after_sharing": r.dropped_after_sharing, "recovered": r.recovered,
@@ -148,7 +151,7 @@ class SecAggGrid(WrappingGrid):
         if failed is not None:
             row["failed"] = failed
         if self.on_round is not None:
-            self.on_round(secagg=row, **({"secagg_failed": failed} if failed else {}))
+            self.on_round(secagg=row, **({"secagg_failed": failed} if failed else {}), **(dp or {}))
 
 
 def secagg_params(cfg) -> SecAggParams:
@@ -167,8 +170,7 @@ def check_secagg(cfg, entry) -> None:
     if cfg.byzantine:
         raise ConfigError("--secagg with --byzantine: the attacks rewrite each node's plain reply, which secure "
                           "aggregation never shows the server")
-    if cfg.dp:
-        raise ConfigError("--secagg with --dp: DP-FedAvg clips and noises each node's update on the server, which "
-                          "secure aggregation never shows it (distributed DP on the nodes is not built yet)")
+    if cfg.dp:  # distributed DP: the nodes clip and noise (server/secagg_dp.py)
+        check_distributed_dp(cfg.dp)
     if cfg.clients < 2:
         raise ConfigError("--secagg needs at least 2 clients: with one, the sum is that node's update")

@@ -301,10 +301,12 @@ class DistributedDP:
     delta : float
     seed : int
         The run's noise seed (:func:`noise_seed`).
+    accountant : DistributedAccountant, optional
+        The run's, shared by its rounds (default: a new one).
     """
 
     def __init__(self, mechanism: str, *, noise_multiplier: float, clip: float, scale: float, dim: int,
-                 nodes: int, delta: float = 1e-5, seed: int = 0):
+                 nodes: int, delta: float = 1e-5, seed: int = 0, accountant: DistributedAccountant | None = None):
         if mechanism not in MECHANISMS:
             raise ValueError(f"unknown distributed DP mechanism {mechanism!r} (one of {', '.join(MECHANISMS)})")
         for name, value in (("noise_multiplier", noise_multiplier), ("clip", clip), ("scale", scale)):
@@ -319,7 +321,7 @@ class DistributedDP:
         self.variance = (self.noise_multiplier * self.clip * self.scale) ** 2  # σ² of the whole sum
         self.share_variance = self.variance / self.nodes
         self.l2, self.l1 = integer_sensitivity(self.clip, self.scale, self.dim)
-        self.accountant = DistributedAccountant(delta)
+        self.accountant = accountant if accountant is not None else DistributedAccountant(delta)
 
     def noise(self, round_: int, node: int, size: int | None = None) -> np.ndarray:
         """Node ``node``'s noise share for round ``round_`` (int64, length ``dim``)."""
@@ -356,7 +358,7 @@ class DistributedDP:
 
 
 def secagg_with_dp(params, nodes: int, dim: int, *, mechanism: str, noise_multiplier: float, dp_clip: float,
-                   delta: float = 1e-5, seed: int = 0):
+                   delta: float = 1e-5, seed: int = 0, accountant: DistributedAccountant | None = None):
     """Secure-aggregation parameters that leave room for distributed DP noise, and the
     :class:`DistributedDP` that draws and accounts it.
 
@@ -383,5 +385,5 @@ def secagg_with_dp(params, nodes: int, dim: int, *, mechanism: str, noise_multip
                          f"(noise_multiplier={noise_multiplier:g}); raise secagg bits")
     out = replace(params, weight_max=1, noise_bound=per_node - levels)
     dp = DistributedDP(mechanism, noise_multiplier=noise_multiplier, clip=dp_clip, scale=levels / float(params.clip),
-                       dim=dim, nodes=nodes, delta=delta, seed=seed)
+                       dim=dim, nodes=nodes, delta=delta, seed=seed, accountant=accountant)
     return out, dp
