@@ -29,6 +29,7 @@ BENCHMARKS = {
     "privacy": "fedswarm.bench.privacy",
     "papers": "fedswarm.bench.papers",
     "footprint": "fedswarm.bench.footprint",
+    "secagg": "fedswarm.bench.secagg",
 }
 
 
