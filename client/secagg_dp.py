@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import Context, Message
 
-from fedswarm.algorithms.privacy.distributed import DistributedDP, node_rng, secagg_with_dp
+from fedswarm.algorithms.privacy.distributed import DistributedDP, clip_l2, node_rng, secagg_with_dp
 from fedswarm.algorithms.privacy.dp_spec import parse_dp
 from fedswarm.algorithms.secagg import NoiseHook, SecAggParams, SecAggRefused, Setup
 
@@ -43,8 +43,7 @@ class NodeDP:
 
     def prepare(self, update: np.ndarray) -> tuple[np.ndarray, int]:
         """The update clipped to L2 norm ``clip`` and its weight, 1."""
-        norm = float(np.linalg.norm(update))
-        return update * min(1.0, self.dp.clip / max(norm, 1e-300)), 1
+        return clip_l2(update, self.dp.clip), 1
 
 
 def _server_round(msg: Message) -> int:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedswarm.algorithms.privacy.distributed import node_rng
+from fedswarm.algorithms.privacy.distributed import DistributedDP, clip_l2, node_rng
 from fedswarm.algorithms.secagg import DecodedSum, NoiseHook, RoundReport, SecAggFailed, SecAggParams, SecAggServer
 
 __all__ = ["SecureSum", "secure_sum", "draw_dropouts", "DROP_STAGES"]
@@ -63,13 +63,18 @@ def draw_dropouts(node_ids: Sequence[int], rate: float, seed: int, round_: int) 
 
 def secure_sum(updates: np.ndarray, node_ids: Sequence[int], params: SecAggParams, *, seed: int, round_: int,
                graph_seed: int, weights: Sequence[int] | None = None, drop: Mapping[str, Collection[int]] | None = None,
-               noise: NoiseHook | None = None, rngs: Mapping[int, np.random.Generator] | None = None) -> SecureSum:
+               noise: NoiseHook | None = None, rngs: Mapping[int, np.random.Generator] | None = None,
+               noise_rngs: Mapping[int, np.random.Generator] | None = None,
+               dp: DistributedDP | None = None) -> SecureSum:
     """What SecAgg+ would unmask for ``updates`` (``[K, d]`` floats, row i node ``node_ids[i]``).
 
     The membership follows the protocol's server (:class:`SecAggServer`, built for its
     neighbour graph from ``graph_seed``, its threshold and its pruning of nodes with too few
-    active neighbours); ``rngs``: each node's generator (default :func:`node_rng` of ``seed``,
-    ``round_`` and the node). Raises :class:`SecAggFailed` where the protocol would."""
+    active neighbours); ``rngs``: each node's generator for its rounding (default
+    :func:`node_rng` of ``seed``, ``round_`` and the node), ``noise_rngs`` for its noise
+    (default: the same one, after the rounding). ``dp``: distributed DP as the nodes run it
+    (each update clipped to ``dp.clip``, weight 1, ``dp``'s noise share; it replaces
+    ``noise`` and ``weights``). Raises :class:`SecAggFailed` where the protocol would."""
     x = np.asarray(updates, dtype=np.float64)
     ids = [int(i) for i in node_ids]
     if x.ndim != 2 or x.shape[0] != len(ids):
@@ -106,9 +111,13 @@ def secure_sum(updates: np.ndarray, node_ids: Sequence[int], params: SecAggParam
     quantizer = server.quantizer
     total = np.zeros(x.shape[1] + 1, dtype=np.uint64)
     row = {i: r for r, i in enumerate(ids)}
+    if dp is not None:
+        noise, weights = dp.noise_hook(), None
     for i in sorted(senders):
         rng = rngs[i] if rngs is not None else node_rng(seed, round_, i)
         w = 1 if weights is None else int(weights[row[i]])
-        total += quantizer.encode(x[row[i]], rng, weight=w, noise=noise, noise_rng=rng)  # wraps mod 2^64
+        v = x[row[i]] if dp is None else clip_l2(x[row[i]], dp.clip)
+        total += quantizer.encode(v, rng, weight=w, noise=noise,  # wraps mod 2^64
+                                  noise_rng=rng if noise_rngs is None else noise_rngs[i])
     total &= quantizer.mask
     return SecureSum(total, quantizer.decode_sum(total), report)

@@ -158,3 +158,11 @@ def test_bad_parameters_are_refused_by_name():
         skellam_rdp([1.5], l2=1, l1=1, variance=1)
     with pytest.raises(ValueError, match="no surviving node"):
         DistributedDP("dgauss", noise_multiplier=1, clip=1, scale=1, dim=1, nodes=1).round_rdp(0)
+
+
+def test_clip_l2_scales_to_the_clip_and_keeps_small_updates():
+    from fedswarm.algorithms.privacy.distributed import clip_l2
+
+    v = np.array([3.0, 4.0])
+    assert np.allclose(clip_l2(v, 0.5), [0.3, 0.4])
+    assert np.array_equal(clip_l2(v, 10.0), v)

@@ -72,7 +72,7 @@ import numpy as np
 __all__ = [
     "MECHANISMS", "Mechanism", "discrete_gaussian", "discrete_gaussian_exact", "discrete_gaussian_pmf",
     "skellam", "noise_seed", "node_rng", "noise_share", "noise_bound_for", "NOISE_BOUND_SIGMAS",
-    "integer_sensitivity", "ddg_rdp", "skellam_rdp", "RDP_ORDERS",
+    "clip_l2", "integer_sensitivity", "ddg_rdp", "skellam_rdp", "RDP_ORDERS",
     "DistributedAccountant", "DistributedDP", "secagg_with_dp",
 ]
 
@@ -214,6 +214,12 @@ NOISE_BOUND_SIGMAS = 12
 def noise_bound_for(share_variance: float) -> int:
     """The per-coordinate bound the quantizer reserves for a noise share of ``share_variance``."""
     return math.ceil(NOISE_BOUND_SIGMAS * math.sqrt(share_variance)) + NOISE_BOUND_SIGMAS
+
+
+def clip_l2(update: np.ndarray, clip: float) -> np.ndarray:
+    """``update`` scaled to L2 norm <= ``clip`` (DP-FedAvg's clip, on the node)."""
+    norm = float(np.linalg.norm(update))
+    return update * min(1.0, clip / max(norm, 1e-300))
 
 
 # -- accounting --------------------------------------------------------------------------------------
