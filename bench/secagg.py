@@ -23,7 +23,8 @@ Everything shares one process and, here, two CPU cores with other work: timings 
 
 Full grid: n = 20, 50, 100 x d = 10^5, 10^6 (long: Flower's arm at n = 100, d = 10^6 takes
 minutes); ``--quick``: n = 5, 10 x d = 10^3, 10^4. ``FEDSWARM_SECAGG_GRID=n:d,n:d`` runs a
-chosen subset.
+chosen subset; ``FEDSWARM_SECAGG_ARMS=fedswarm,fedswarm-plain`` leaves Flower's arms out (where
+they would not finish: ``speedup_vs_flower`` is then null).
 
     fedswarm bench secagg [--quick] --out out/
 """
@@ -222,6 +223,8 @@ def run_case(n: int, d: int) -> list[dict]:
     rows = []
     for arm, fn, secure in (("fedswarm-plain", _fedswarm_round, False), ("fedswarm", _fedswarm_round, True),
                             ("flower-plain", _flower_round, False), ("flower", _flower_round, True)):
+        if arm not in _arms():
+            continue
         wall, grid, got = fn(n, d, secure, drop, degree, t)
         row = _row(arm, n, d, wall, grid, got, expect_secure if secure else expect_plain)
         row.update(degree=degree, threshold=t, dropped=len(drop) if secure else 0)
@@ -242,13 +245,27 @@ def run_case(n: int, d: int) -> list[dict]:
             - plain["fedswarm-plain"]["client_cpu_s"] / n)
     fs.update(mask_node_s=round(mask, 5), serialize_node_s=round(serialize, 5),
               mask_over_serialize=round(mask / serialize, 2) if serialize > 0 else None)
-    fl = next(r for r in rows if r["arm"] == "flower")
-    fs["speedup_vs_flower"] = round(fl["round_s"] / fs["round_s"], 2)
+    fl = next((r for r in rows if r["arm"] == "flower"), None)
+    fs["speedup_vs_flower"] = None if fl is None else round(fl["round_s"] / fs["round_s"], 2)
     fs["overhead_time_x"] = round(fs["round_s"] / plain["fedswarm-plain"]["round_s"], 2)
     fs["overhead_bytes_x"] = round((fs["bytes_up_per_node"] + fs["bytes_down_per_node"])
                                    / max(plain["fedswarm-plain"]["bytes_up_per_node"]
                                          + plain["fedswarm-plain"]["bytes_down_per_node"], 1), 3)
     return rows
+
+
+ARMS = ("fedswarm-plain", "fedswarm", "flower-plain", "flower")
+
+
+def _arms() -> tuple[str, ...]:
+    env = os.environ.get("FEDSWARM_SECAGG_ARMS")
+    if not env:
+        return ARMS
+    arms = tuple(a.strip() for a in env.split(","))
+    if not {"fedswarm", "fedswarm-plain"} <= set(arms) or not set(arms) <= set(ARMS):
+        raise SystemExit(f"FEDSWARM_SECAGG_ARMS must name fedswarm and fedswarm-plain and only {', '.join(ARMS)}; "
+                         f"got {env!r}")
+    return arms
 
 
 def _grid(quick: bool) -> list[tuple[int, int]]:
@@ -273,9 +290,8 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
         case = run_case(n, d)
         rows.extend(case)
         fs = next(r for r in case if r["arm"] == "fedswarm")
-        console.print(f"  n={n} d={d:g}: fedswarm {fs['round_s']:.2f} s, flower "
-                      f"{next(r for r in case if r['arm'] == 'flower')['round_s']:.2f} s "
-                      f"({fs['speedup_vs_flower']}x), masking {fs['mask_over_serialize']}x serializing")
+        console.print(f"  n={n} d={d:g}: fedswarm {fs['round_s']:.2f} s ({fs['speedup_vs_flower']}x Flower's "
+                      f"SecAgg+), masking {fs['mask_over_serialize']}x serializing")
     t = Table(title="secagg: one FedAvg round, fedswarm's SecAgg+ (Message API) beside Flower's SecAgg+ (legacy), "
                     "same n, d, threshold, dropouts; one process, timings on a shared machine")
     for col in ("n", "d", "arm", "round s", "client CPU s", "server CPU s", "up B/node", "down B/node",
@@ -284,7 +300,7 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
     for r in rows:
         t.add_row(str(r["n"]), f"{r['d']:g}", r["arm"], f"{r['round_s']:.3f}", f"{r['client_cpu_s']:.3f}",
                   f"{r['server_cpu_s']:.3f}", f"{r['bytes_up_per_node']:,}", f"{r['bytes_down_per_node']:,}",
-                  f"{r['max_error']:.1e}", f"{r.get('speedup_vs_flower', '')}", f"{r.get('mask_over_serialize', '')}")
+                  f"{r['max_error']:.1e}", f"{r.get('speedup_vs_flower') or ''}", f"{r.get('mask_over_serialize', '')}")
     console.print(t)
     meta = {"threshold": THRESHOLD, "drop_fraction": DROP_FRACTION, "clip": CLIP, "weight": WEIGHT, "quick": quick,
             "grid": _grid(quick), "targets": {"speedup_vs_flower_at_100_1e6": 5.0, "mask_over_serialize": 2.0}}
