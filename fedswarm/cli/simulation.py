@@ -128,7 +128,9 @@ def sim(
     )),
     dp: Optional[str] = typer.Option(None, "--dp", help=(
         "Client-level DP-FedAvg: noise_multiplier=N[,clip=C,delta=D,adaptive=true,target_epsilon=E] or "
-        "target_epsilon=E[,delta=D] (noise calibrated to the rounds). Epsilon is reported every round."
+        "target_epsilon=E[,delta=D] (noise calibrated to the rounds). Epsilon is reported every round. With "
+        "--secagg: distributed DP, each node clips and adds its share of integer noise before masking "
+        "(mechanism=dgauss|skellam, default dgauss; noise_multiplier=N needed; secure=true draws it from the OS)."
     )),
     dp_sgd: Optional[str] = typer.Option(None, "--dp-sgd", help=(
         "Example-level DP-SGD in every client (opacus): noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]."
