@@ -15,7 +15,7 @@ import time
 import pytest
 
 from fedswarm.store import Store
-from tests.deployment_helpers import Deployment, status_of
+from tests.deployment_helpers import ROOT, TASK, Deployment, one_run, status_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -27,8 +27,12 @@ def test_secagg_deployment_survives_a_supernode_killed_after_sharing(tmp_path, h
     dep = Deployment(tmp_path, f"{1 * 3 * n}:{hold_dir}")  # round 1 trains (3 steps a node); round 2 holds
     try:
         t0 = time.monotonic()
-        run, first = dep.run_until_round_2_holds(n, db, hold_dir, run_config=" secagg=true rounds=2")
+        dep.start(n)
+        dep.flwr("run", str(ROOT), "test", "--run-config",
+                 f"rounds=2 clients={n} local_epochs=3 batch_size=1000 seed=5 task='{TASK}' db='{db}' secagg=true")
+        dep.wait(lambda: len(list(hold_dir.glob("held-*"))) == n, 600, interval=0.1, what="round 2's training")
         t1 = time.monotonic()
+        run = one_run(db)
         store = Store(db)
         r1 = {r.round: r for r in store.rounds(run.id)}[1].metrics["secagg"]
         assert r1["participants"] == n and r1["recovered"] == 0 and "failed" not in r1
