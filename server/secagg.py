@@ -105,10 +105,10 @@ class SecAggGrid(WrappingGrid):
                 content = RecordDict(dict(extra(node).items())) if extra is not None else RecordDict()
                 content[RECORD] = encode_request(req)
                 out.append(self.inner.create_message(content, mtype, node, group))
-            replies = list(self.inner.send_and_receive(out, timeout=timeout))
             cache: dict[int, int] = {}
-            figures["bytes"][stage] = {"down": sum(serialized_size(m, cache) for m in out),
-                                       "up": sum(serialized_size(r) for r in replies)}
+            down = sum(serialized_size(m, cache) for m in out)  # as the meter counts them: before they go
+            replies = list(self.inner.send_and_receive(out, timeout=timeout))
+            figures["bytes"][stage] = {"down": down, "up": sum(serialized_size(r) for r in replies)}
             got = {}
             for r in replies:
                 node = int(r.metadata.src_node_id)

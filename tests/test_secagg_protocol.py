@@ -97,9 +97,11 @@ def test_field_bits_formula_is_tight():
     assert to_signed(np.array([top % (1 << (b - 1))], dtype=np.uint64), b - 1)[0] != top
     q = Quantizer(clip=1.0, bits=b, n_max=n, weight_max=w)
     assert q.levels >= levels
-    x = {i: np.full(50, 5.0 * (-1) ** i) for i in range(n)}  # clipped to +-1: the extremes
+    # Every node at the extremes (+clip on half the coordinates, -clip on the others), with the
+    # largest weight: the sum's coordinates are +-n*w*levels, the most the field must hold.
+    x = {i: np.concatenate([np.full(25, 5.0), np.full(25, -5.0)]) for i in range(n)}
     res = run_round(x, SecAggParams(threshold=0.6, clip=1.0, bits=b, weight_max=w), weights=dict.fromkeys(range(n), w))
-    assert np.allclose(res.decoded.mean, np.mean([np.clip(v, -1, 1) for v in x.values()], axis=0), atol=1e-3)
+    np.testing.assert_allclose(res.decoded.mean, np.clip(x[0], -1, 1), atol=1e-3)
     with pytest.raises(ConfigError, match="too small"):
         Quantizer(clip=1.0, bits=8, n_max=1000, weight_max=10)
 

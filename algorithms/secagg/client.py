@@ -60,8 +60,16 @@ def share_plaintext(src: int, dst: int, seed_share: bytes, key_share: bytes) -> 
     return struct.pack(">QQ", src, dst) + seed_share + key_share
 
 
+def reduce(acc: np.ndarray, bits: int) -> np.ndarray:
+    """Field words summed unreduced, as uint64 elements of Z_{2^bits}."""
+    out = acc.astype(np.uint64)
+    if bits < 64:
+        out &= np.uint64((1 << bits) - 1)
+    return out
+
+
 def add_signed(acc: np.ndarray, mask: np.ndarray, sign: int) -> None:
-    """``acc += sign * mask`` in uint64 (wraps mod 2^64; callers reduce mod 2^bits)."""
+    """``acc += sign * mask`` in place, in the field's word (it wraps; callers reduce mod 2^bits)."""
     if sign > 0:
         acc += mask
     else:
@@ -202,16 +210,14 @@ class SecAggClient:
             seed_sh.append(plain[16:16 + n])
             key_sh.append(plain[16 + n:])
         bits = s["bits"]
-        acc = vec.copy()
-        acc += crypto.prg_mask(s["seed"], acc.size, bits)
+        acc = vec.astype(crypto.field_dtype(bits))  # the field's word: wraps mod a multiple of 2^bits
+        acc += crypto.prg_words(s["seed"], acc.size, bits)
         for j in senders:
             pair_seed = crypto.agree(own_s, peers[j][1], mask_info(s["round_id"]))
-            add_signed(acc, crypto.prg_mask(pair_seed, acc.size, bits), pair_sign(self.node_id, j))
-        if bits < 64:
-            acc &= np.uint64((1 << bits) - 1)
+            add_signed(acc, crypto.prg_words(pair_seed, acc.size, bits), pair_sign(self.node_id, j))
         s["senders"], s["seed_shares"], s["key_shares"] = senders, seed_sh, key_sh
         s["stage"] = UNMASK
-        return acc
+        return reduce(acc, bits)
 
     # -- stage 3 -----------------------------------------------------------------------------
     def unmask(self, req: UnmaskRequest) -> UnmaskReply:

@@ -2,9 +2,9 @@
 HKDF-SHA256, AES-256-GCM for the shares a node sends another through the server, and the
 pseudo-random generator that expands a 32-byte seed into a mask over Z_{2^b}.
 
-The PRG is AES-256 in counter mode over a zero block stream: ``8*d`` keystream bytes read as
-``d`` little-endian uint64, reduced mod ``2^b`` by a bit mask (uniform, since ``2^b`` divides
-``2^64``). With AES-NI a 10^6-coordinate mask costs a few milliseconds.
+The PRG is AES-256 in counter mode over a zero block stream, read as ``d`` little-endian words
+(uint32 for ``b <= 32``, else uint64) and reduced mod ``2^b`` by a bit mask (uniform, since
+``2^b`` divides the word's range). Masks are summed in those words, reduced once at the end.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-__all__ = ["KeyPair", "agree", "decrypt", "encrypt", "new_seed", "prg_mask"]
+__all__ = ["KeyPair", "agree", "decrypt", "encrypt", "field_dtype", "new_seed", "prg_mask", "prg_words"]
 
 _RAW = serialization.Encoding.Raw
 _NONCE = 12
@@ -67,12 +67,25 @@ def decrypt(key: bytes, blob: bytes, associated: bytes) -> bytes:
     return AESGCM(key).decrypt(blob[:_NONCE], blob[_NONCE:], associated)
 
 
-def prg_mask(seed: bytes, d: int, bits: int) -> np.ndarray:
-    """``d`` pseudo-random elements of Z_{2^bits} (uint64) expanded from a 32-byte ``seed``."""
+def field_dtype(bits: int) -> type:
+    """The machine word masks are summed in: uint32 up to 32 bits, else uint64. Either wraps mod
+    a multiple of ``2^bits``, so sums are reduced mod ``2^bits`` once, at the end."""
+    return np.uint32 if bits <= 32 else np.uint64
+
+
+def prg_words(seed: bytes, d: int, bits: int) -> np.ndarray:
+    """``d`` pseudo-random words of :func:`field_dtype` (read-only), unreduced: uniform mod
+    ``2^bits`` once reduced. The keystream of AES-256-CTR under ``seed``, little-endian."""
     if len(seed) != 32:
         raise ValueError(f"secagg: a PRG seed has 32 bytes, got {len(seed)}")
+    dtype = np.dtype(field_dtype(bits)).newbyteorder("<")
     enc = Cipher(algorithms.AES(seed), modes.CTR(b"\0" * 16)).encryptor()
-    out = np.frombuffer(enc.update(bytes(8 * d)), dtype="<u8").astype(np.uint64, copy=False)
+    return np.frombuffer(enc.update(bytes(dtype.itemsize * d)), dtype=dtype)
+
+
+def prg_mask(seed: bytes, d: int, bits: int) -> np.ndarray:
+    """``d`` pseudo-random elements of Z_{2^bits} (uint64) expanded from a 32-byte ``seed``."""
+    out = prg_words(seed, d, bits).astype(np.uint64)
     if bits < 64:
-        out = out & np.uint64((1 << bits) - 1)
+        out &= np.uint64((1 << bits) - 1)
     return out

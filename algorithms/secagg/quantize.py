@@ -127,20 +127,25 @@ class Quantizer:
     def mask(self) -> np.uint64:
         return np.uint64((1 << int(self.bits)) - 1) if self.bits < MAX_BITS else np.uint64(0xFFFFFFFFFFFFFFFF)
 
-    def quantize(self, x: np.ndarray, rng: np.random.Generator, weight: int = 1) -> np.ndarray:
-        """The signed integers (int64 ``[d]``) of ``weight * clip(x) * scale``, stochastically rounded."""
+    def _scaled(self, x: np.ndarray, weight: int) -> np.ndarray:
         weight = int(weight)
         if not 1 <= weight <= self.weight_max:
             raise ValueError(f"secagg: a node's weight (its number of examples) must be in [1, {self.weight_max}] "
                              f"(secagg weight max), got {weight}")
-        x = np.asarray(x, dtype=np.float64).ravel()
-        if not np.all(np.isfinite(x)):
+        x = np.asarray(x).ravel()
+        if not np.isfinite(x).all():
             raise ValueError("secagg: the update to quantize has non-finite values")
-        v = np.clip(x, -self.clip, self.clip) * (self.scale * weight)
-        low = np.floor(v)
-        q = low + (rng.random(v.shape) < (v - low))
-        bound = weight * self.levels
-        return np.clip(q, -bound, bound).astype(np.int64)
+        v = np.clip(x, -self.clip, self.clip, dtype=np.float64)
+        v *= self.scale * weight
+        return v
+
+    def quantize(self, x: np.ndarray, rng: np.random.Generator, weight: int = 1) -> np.ndarray:
+        """The signed integers (int64 ``[d]``) of ``weight * clip(x) * scale``, stochastically
+        rounded: ``floor(v + U)``, ``U`` uniform on [0, 1), is ``ceil(v)`` with probability
+        ``v - floor(v)`` (unbiased) and stays within ``[-weight*levels, weight*levels]``."""
+        v = self._scaled(x, weight)
+        v += rng.random(v.size)
+        return np.floor(v, out=v).astype(np.int64)
 
     def encode(self, x: np.ndarray, rng: np.random.Generator, weight: int = 1,
                noise: NoiseHook | None = None, noise_rng: np.random.Generator | None = None) -> np.ndarray:
@@ -148,18 +153,21 @@ class Quantizer:
         integer ``noise`` a DP hook draws, if given) and, last, the weight. ``rng`` draws the
         stochastic rounding; the noise hook draws from ``noise_rng``, by default a generator
         seeded by the OS: DP noise must not come from a seed the server could know."""
-        q = self.quantize(x, rng, weight)
+        v = self._scaled(x, weight)
+        v += rng.random(v.size)
+        out = np.empty(v.size + 1, dtype=np.int64)
+        np.floor(v, out=out[:-1], casting="unsafe")
+        out[-1] = int(weight)
         if noise is not None:
-            extra = np.asarray(noise(q.size, noise_rng if noise_rng is not None else np.random.default_rng()))
-            if extra.shape != q.shape or not np.issubdtype(extra.dtype, np.integer):
-                raise ValueError(f"secagg noise hook must return {q.size} integers, got {extra.dtype} {extra.shape}")
+            extra = np.asarray(noise(v.size, noise_rng if noise_rng is not None else np.random.default_rng()))
+            if extra.shape != v.shape or not np.issubdtype(extra.dtype, np.integer):
+                raise ValueError(f"secagg noise hook must return {v.size} integers, got {extra.dtype} {extra.shape}")
             if self.noise_bound and np.abs(extra).max(initial=0) > self.noise_bound:
                 raise ValueError(f"secagg noise exceeds the quantizer's noise bound {self.noise_bound}")
-            q = q + extra.astype(np.int64)
-        out = np.empty(q.size + 1, dtype=np.uint64)
-        out[:-1] = q.view(np.uint64)
-        out[-1] = np.uint64(weight)
-        return out & self.mask
+            out[:-1] += extra.astype(np.int64, copy=False)
+        u = out.view(np.uint64)
+        u &= self.mask
+        return u
 
     def decode_sum(self, total: np.ndarray) -> DecodedSum:
         """The floats of an unmasked sum of ``encode`` vectors (uint64 ``[d + 1]``)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedswarm.algorithms.secagg import crypto, shamir
-from fedswarm.algorithms.secagg.client import add_signed, mask_info, pair_sign
+from fedswarm.algorithms.secagg.client import add_signed, mask_info, pair_sign, reduce
 from fedswarm.algorithms.secagg.graph import default_degree, neighbours
 from fedswarm.algorithms.secagg.messages import (Keys, MaskedInputRequest, SecAggFailed, Setup, ShareKeysRequest,
                                                  UnmaskReply, UnmaskRequest, check_vector)
@@ -180,18 +180,16 @@ class SecAggServer:
                 self._fail(f"node {owner}'s secret does not reconstruct: {err}", "unmask")
                 raise
 
-        total = np.zeros(self.dim + 1, dtype=np.uint64)
+        total = np.zeros(self.dim + 1, dtype=crypto.field_dtype(bits))
         for v in self._masked.values():
-            total += v
+            total += v.astype(total.dtype, copy=False)
         for i in sorted(alive):
-            total -= crypto.prg_mask(rebuild(i, "seed_shares"), total.size, bits)
+            total -= crypto.prg_words(rebuild(i, "seed_shares"), total.size, bits)
         for j in sorted(gone):
             sk = crypto.KeyPair(rebuild(j, "key_shares"))
             for i in sorted(alive & set(self.graph[j])):
                 pair_seed = crypto.agree(sk, self._keys[i].s_public, mask_info(self.round_id))
                 # Node i added sign(i, j) * mask; take it back out.
-                add_signed(total, crypto.prg_mask(pair_seed, total.size, bits), -pair_sign(i, j))
+                add_signed(total, crypto.prg_words(pair_seed, total.size, bits), -pair_sign(i, j))
         self.report.recovered = len(gone)
-        if bits < 64:
-            total &= np.uint64((1 << bits) - 1)
-        return total
+        return reduce(total, bits)
