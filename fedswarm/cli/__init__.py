@@ -41,7 +41,8 @@ def bench(
     name: str = typer.Argument(..., help=(
         "Benchmark name: engines, codecs, compression, decentralized, edge, swarm, dashboard, dashboard-runs "
         "(`fedswarm dashboard` under 50 connections to /api/runs alone; FEDSWARM_BENCH_BEFORE=CHECKOUT runs another "
-        "checkout's code beside it), ingest, robust, privacy, "
+        "checkout's code beside it), ingest, robust, privacy, secagg (fedswarm's SecAgg+ beside Flower's, one round; "
+        "FEDSWARM_SECAGG_GRID=n:d,... picks sizes), "
         "footprint (install size, import time and a SuperNode's memory, beside Flower alone), papers "
         "(every seed paper's claim in miniature; also writes DIR/reproductions.md; --quick about 2 min, full mode "
         "about 30 min on 2 quiet cores; FEDSWARM_PAPERS_ONLY=id1,id2 runs a subset)."
