@@ -98,6 +98,7 @@ class SecAggGrid(WrappingGrid):
         srv = SecAggServer(sorted(by_node), model.size, params,
                            graph_seed=int(self._rng.integers(1 << 62)))
         figures: dict[str, Any] = {"bytes": {}, "nodes": {}, "refused": {}}
+        inputs: dict[int, np.ndarray] = {}
 
         def exchange(stage: str, requests: dict[int, Any], extra: Callable[[int], RecordDict] | None = None):
             out = []
@@ -127,13 +128,14 @@ class SecAggGrid(WrappingGrid):
                     STAGES[2], srv.collect_shares(shares), extra=lambda n: by_node[n].content).items()}
                 answers = {n: unmask_from(c) for n, c in exchange(STAGES[3], srv.collect_masked(inputs)).items()}
                 total = srv.collect_unmask(answers)
-            except (KeyError, ValueError) as exc:  # a malformed reply: the round cannot be trusted to finish
-                raise SecAggFailed(f"a malformed reply ({type(exc).__name__}: {exc})", "?") from None
+                decoded = srv.quantizer.decode_sum(total)
+            except (KeyError, ValueError) as exc:  # a malformed reply or sum: the round cannot finish
+                raise SecAggFailed(f"{type(exc).__name__}: {exc} (answers per stage {figures['nodes']}, "
+                                   f"survivors {sorted(inputs)}, refused {figures['refused']})", "unmask") from None
         except SecAggFailed as exc:
             log.warning("secure aggregation round %d failed: %s", self.rounds, exc)
             self._note(srv, figures, failed=str(exc))
             return []
-        decoded = srv.quantizer.decode_sum(total)
         self._note(srv, figures, dp=None if self.dp is None else self.dp.account(srv.report.masked))
         new = model + decoded.mean
         arrays = vector_to_arrays_like(new.astype(np.float32), array_keys(first.content.array_records["arrays"]))

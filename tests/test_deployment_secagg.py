@@ -10,6 +10,7 @@ step past round 1's and tells the test it is holding.
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import pytest
@@ -40,8 +41,9 @@ def test_secagg_deployment_survives_a_supernode_killed_after_sharing(tmp_path, h
         (hold_dir / "release").write_text("")
         done = dep.wait(lambda: status_of(db, "finished", "failed"), 600, interval=0.5, what="the run finishing")
         print(f"secagg deployment: round 1 held after {t1 - t0:.0f} s, finished {time.monotonic() - t1:.0f} s later")
-        assert done.status == "finished", f"{done.error}\n{dep.logs()}"
         rows = {r.round: r for r in store.rounds(run.id)}
+        assert done.status == "finished", f"{done.error}\n{dep.logs()}"
+        assert "failed" not in rows[2].metrics["secagg"], rows[2].metrics
         assert sorted(rows) == [0, 1, 2]
         r2 = rows[2].metrics["secagg"]
         assert "failed" not in r2, r2
@@ -51,3 +53,4 @@ def test_secagg_deployment_survives_a_supernode_killed_after_sharing(tmp_path, h
         assert rows[2].test_accuracy > rows[0].test_accuracy + 0.2
     finally:
         dep.stop()
+        shutil.copy(dep.log_path, "/tmp/secagg_dep_processes.log")

@@ -222,3 +222,25 @@ def test_client_state_round_trips_through_a_plain_dict():
     for v in cs[11].to_state().values():
         assert isinstance(v, bytes | int | float | list)
     assert srv.collect_shares(shares)
+
+
+def test_a_stage_run_twice_on_a_node_still_gives_the_exact_sum():
+    """Flower pushes a ClientApp's reply before it saves the node's context, and a task can be run
+    again: a server may hold the shares of one run of stage 1 while the node keeps the state of
+    another. Both runs must share the same secrets the same way."""
+    ids = IDS[:5]
+    srv = SecAggServer(ids, 40, PARAMS)
+    cs = {i: SecAggClient(i) for i in ids}
+    keys = {i: cs[i].advertise(m) for i, m in srv.setup().items()}
+    reqs = srv.collect_keys(keys)
+    before = cs[35].to_state()
+    shares = {i: cs[i].share_keys(m) for i, m in reqs.items()}  # the server keeps these replies...
+    cs[35] = SecAggClient(35, before)
+    cs[35].share_keys(reqs[35])  # ...the node keeps the state of its second run
+    ups = _updates(ids, d=40)
+    rng = np.random.default_rng(0)
+    enc = {i: cs[i].quantizer().encode(ups[i], rng) for i in ids}
+    masked = {i: cs[i].masked_input(m, enc[i]) for i, m in srv.collect_shares(shares).items() if i != 11}
+    unmask = {i: cs[i].unmask(m) for i, m in srv.collect_masked(masked).items()}
+    total = srv.collect_unmask(unmask)
+    np.testing.assert_array_equal(total, _field_sum([enc[i] for i in ids if i != 11], 32))

@@ -136,12 +136,16 @@ class SecAggClient:
         if self.s.get("round_id"):
             past = (past + [self.s["round_id"]])[-16:]
         c, s = crypto.KeyPair(), crypto.KeyPair()
+        # Everything stage 1 draws comes from this secret: a stage run twice (a ClientApp task re-run
+        # on a node) shares the same self-mask seed with the same polynomials, so a server holding the
+        # shares of one run and a node holding the state of the other still agree.
+        round_secret = crypto.new_seed()
         self.s = {"stage": SHARE_KEYS, "round_id": setup.round_id, "past_rounds": past, "node_ids": ids,
                   "degree": int(setup.degree), "threshold": int(setup.threshold),
                   "graph_seed": int(setup.graph_seed), "dim": int(setup.dim), "clip": float(setup.clip),
                   "bits": int(setup.bits), "weight_max": int(setup.weight_max),
                   "noise_bound": int(setup.noise_bound), "c_sk": c.private_bytes, "s_sk": s.private_bytes,
-                  "c_pk": c.public_bytes, "s_pk": s.public_bytes}
+                  "c_pk": c.public_bytes, "s_pk": s.public_bytes, "round_secret": round_secret}
         self.quantizer()  # a setup whose field cannot hold the round's sum is refused here, not at stage 2
         return Keys(c.public_bytes, s.public_bytes)
 
@@ -161,11 +165,12 @@ class SecAggClient:
                                 f"fewer than the threshold {s['threshold']}")
         if len({k.c_public for k in req.keys.values()}) != len(req.keys):
             raise SecAggRefused(f"node {self.node_id} refuses a key list where two nodes share a public key")
-        seed = crypto.new_seed()
+        secret = s["round_secret"]
+        seed = crypto.derive(secret, b"self-mask seed")
         holders = sorted(req.keys)
         xs = [self._x(j) for j in holders]
-        seed_shares = shamir.split(seed, xs, s["threshold"])
-        key_shares = shamir.split(s["s_sk"], xs, s["threshold"])
+        seed_shares = shamir.split(seed, xs, s["threshold"], coeff_key=crypto.derive(secret, b"seed polynomial"))
+        key_shares = shamir.split(s["s_sk"], xs, s["threshold"], coeff_key=crypto.derive(secret, b"key polynomial"))
         own_c = crypto.KeyPair(s["c_sk"])
         out: dict[int, bytes] = {}
         for j, bs, ks in zip(holders, seed_shares, key_shares, strict=True):

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-__all__ = ["KeyPair", "agree", "decrypt", "encrypt", "field_dtype", "new_seed", "prg_mask", "prg_words"]
+__all__ = ["KeyPair", "agree", "decrypt", "derive", "encrypt", "field_dtype", "new_seed", "prg_mask", "prg_words"]
 
 _RAW = serialization.Encoding.Raw
 _NONCE = 12
@@ -48,6 +48,11 @@ def agree(own: KeyPair, peer_public: bytes, info: bytes) -> bytes:
     """A 32-byte key both ends derive: HKDF-SHA256 of the X25519 shared secret, bound to ``info``
     (the round and what the key is for)."""
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(own.exchange(peer_public))
+
+
+def derive(secret: bytes, label: bytes) -> bytes:
+    """32 bytes of HKDF-SHA256 from ``secret`` for the purpose ``label``: independent keys from one secret."""
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"fedswarm-secagg/" + label).derive(secret)
 
 
 def new_seed() -> bytes:

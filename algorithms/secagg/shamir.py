@@ -22,9 +22,22 @@ SHARE_BYTES = 66
 _SECRET_MAX = 64
 
 
-def split(secret: bytes, xs: Sequence[int], threshold: int) -> list[bytes]:
+def _coefficients(count: int, coeff_key: bytes | None) -> list[int]:
+    """``count`` uniform elements of the field: from the OS, or (``coeff_key``, 32 secret bytes)
+    from AES-256-CTR under that key, 80 bytes each (bias below 2^-110), so that sharing the same
+    secret again with the same key gives the same shares."""
+    if coeff_key is None:
+        return [secrets.randbelow(PRIME) for _ in range(count)]
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    stream = Cipher(algorithms.AES(coeff_key), modes.CTR(b"\0" * 16)).encryptor().update(bytes(80 * count))
+    return [int.from_bytes(stream[80 * i:80 * (i + 1)], "big") % PRIME for i in range(count)]
+
+
+def split(secret: bytes, xs: Sequence[int], threshold: int, coeff_key: bytes | None = None) -> list[bytes]:
     """Shares of ``secret`` for holders at ``xs`` (one share each, in that order): any
-    ``threshold`` of them recover it, fewer reveal nothing."""
+    ``threshold`` of them recover it, fewer reveal nothing. ``coeff_key`` (32 secret bytes)
+    makes the random polynomial a function of that key: the same call gives the same shares."""
     if not 0 < len(secret) <= _SECRET_MAX:
         raise ValueError(f"shamir: a secret has 1..{_SECRET_MAX} bytes, got {len(secret)}")
     if len(set(xs)) != len(xs) or any(not 0 < x < PRIME for x in xs):
@@ -33,7 +46,7 @@ def split(secret: bytes, xs: Sequence[int], threshold: int) -> list[bytes]:
         raise ValueError(f"shamir: threshold must be in [1, {len(xs)}] (the number of holders), got {threshold}")
     # The length travels with the secret so a secret with leading zero bytes comes back whole.
     coeffs = [int.from_bytes(bytes([len(secret)]) + secret, "big")]
-    coeffs += [secrets.randbelow(PRIME) for _ in range(threshold - 1)]
+    coeffs += _coefficients(threshold - 1, coeff_key)
     out = []
     for x in xs:
         y = 0
