@@ -35,6 +35,7 @@ from fedswarm.algorithms.secagg import SecAggClient, SecAggRefused
 from fedswarm.client.secagg_dp import node_dp
 from fedswarm.algorithms.secagg.messages import ADVERTISE, MASKED_INPUT, SHARE_KEYS, UNMASK
 from fedswarm.payload import PayloadError
+from fedswarm.strategies.secagg_payload import SPEC_RECORD, payload_of
 from fedswarm.strategies.secagg_records import (RECORD, STATE_RECORD, decode_request, is_secagg, keys_to,
                                                 masked_to, shares_to, state_dump, state_load, unmask_to)
 from fedswarm.wire import arrayrecord_to_vector
@@ -90,7 +91,10 @@ def secagg_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
             finally:
                 if held is not None:
                     context.state[STATE_RECORD] = held
-            update, weight = update_of(msg, reply)
+            if "arrays" in msg.content.array_records:  # the model's change
+                update, weight, spec = *update_of(msg, reply), None
+            else:  # a linear codec's payload (a sketch strategy: strategies/secagg_payload.py)
+                update, weight, spec = payload_of(reply)
             q = node.quantizer()
             dp = node_dp(context, node.setup, msg)  # distributed DP (--dp): clip, weight 1, noise share
             if dp is not None:
@@ -98,6 +102,8 @@ def secagg_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
             encoded = q.encode(update, rounding_rng(req.round_id, node.node_id), weight=weight,
                                noise=None if dp is None else dp.noise, noise_rng=None if dp is None else dp.rng)
             out = masked_to(node.masked_input(req, encoded), q.bits)
+            if spec is not None:
+                out[SPEC_RECORD] = spec
         elif req.stage == UNMASK:
             out = unmask_to(node.unmask(req))
         else:  # decode_request refuses unknown stages; kept for the type checker

@@ -40,6 +40,7 @@ from fedswarm.errors import ConfigError
 from fedswarm.server.secagg_dp import SecAggDP, check_distributed_dp
 from fedswarm.strategies import registry
 from fedswarm.server.metered_grid import WrappingGrid, serialized_size
+from fedswarm.strategies.secagg_payload import SPEC_RECORD, check_specs, payload_dim, payload_reply
 from fedswarm.strategies.secagg_records import (RECORD, encode_request, keys_from, masked_from, shares_from,
                                                 unmask_from)
 from fedswarm.wire import array_keys, arrayrecord_to_vector, vector_to_arrays_like
@@ -90,15 +91,21 @@ class SecAggGrid(WrappingGrid):
         self.rounds += 1
         by_node = {int(m.metadata.dst_node_id): m for m in train}
         first = train[0]
-        if "arrays" not in first.content.array_records:
-            raise RuntimeError("SecAggGrid: a train message must carry the global model as 'arrays'")
-        model = arrayrecord_to_vector(first.content.array_records["arrays"]).double().numpy()
+        if "arrays" in first.content.array_records:
+            model = arrayrecord_to_vector(first.content.array_records["arrays"]).double().numpy()
+            dim = model.size
+        elif (dim := payload_dim(first)) is not None:  # a sketch strategy: the nodes mask their tables
+            model = None
+        else:
+            raise RuntimeError("SecAggGrid: a train message must carry the global model as 'arrays' or a sketch "
+                               "strategy's knobs (rows, cols, hash_seed)")
         mtype, group = first.metadata.message_type, first.metadata.group_id
-        params = self.params if self.dp is None else self.dp.round_params(self.params, len(by_node), model.size)
-        srv = SecAggServer(sorted(by_node), model.size, params,
+        params = self.params if self.dp is None else self.dp.round_params(self.params, len(by_node), dim)
+        srv = SecAggServer(sorted(by_node), dim, params,
                            graph_seed=int(self._rng.integers(1 << 62)))
         figures: dict[str, Any] = {"bytes": {}, "nodes": {}, "refused": {}}
         inputs: dict[int, np.ndarray] = {}
+        specs: dict[int, Any] = {}
 
         def exchange(stage: str, requests: dict[int, Any], extra: Callable[[int], RecordDict] | None = None):
             out = []
@@ -124,11 +131,13 @@ class SecAggGrid(WrappingGrid):
             try:
                 keys = {n: keys_from(c) for n, c in exchange(STAGES[0], srv.setup()).items()}
                 shares = {n: shares_from(c) for n, c in exchange(STAGES[1], srv.collect_keys(keys)).items()}
-                inputs = {n: masked_from(c) for n, c in exchange(
-                    STAGES[2], srv.collect_shares(shares), extra=lambda n: by_node[n].content).items()}
+                masked = exchange(STAGES[2], srv.collect_shares(shares), extra=lambda n: by_node[n].content)
+                inputs = {n: masked_from(c) for n, c in masked.items()}
+                specs = {n: c.config_records.get(SPEC_RECORD) for n, c in masked.items()}
                 answers = {n: unmask_from(c) for n, c in exchange(STAGES[3], srv.collect_masked(inputs)).items()}
                 total = srv.collect_unmask(answers)
                 decoded = srv.quantizer.decode_sum(total)
+                spec = None if model is not None else check_specs({n: specs[n] for n in inputs}, dim)
             except (KeyError, ValueError) as exc:  # a malformed reply or sum: the round cannot finish
                 raise SecAggFailed(f"{type(exc).__name__}: {exc} (answers per stage {figures['nodes']}, "
                                    f"survivors {sorted(inputs)}, refused {figures['refused']})", "unmask") from None
@@ -137,11 +146,15 @@ class SecAggGrid(WrappingGrid):
             self._note(srv, figures, failed=str(exc))
             return []
         self._note(srv, figures, dp=None if self.dp is None else self.dp.account(srv.report.masked))
-        new = model + decoded.mean
-        arrays = vector_to_arrays_like(new.astype(np.float32), array_keys(first.content.array_records["arrays"]))
         survivor = min(inputs)  # the reply goes in the name of a node that took part
-        reply = Message(RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": decoded.total_weight})}),
-                        reply_to=by_node[survivor])
+        if model is None:  # the weighted mean payload: the strategy decodes it as it decodes a plain one
+            content = payload_reply(decoded.mean, spec)
+        else:
+            new = model + decoded.mean
+            arrays = vector_to_arrays_like(new.astype(np.float32), array_keys(first.content.array_records["arrays"]))
+            content = RecordDict({"arrays": arrays})
+        content["metrics"] = MetricRecord({"num-examples": decoded.total_weight})
+        reply = Message(content, reply_to=by_node[survivor])
         return [reply]
 
     def _note(self, srv: SecAggServer, figures: dict, failed: str | None = None, dp: dict | None = None) -> None:

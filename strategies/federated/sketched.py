@@ -448,6 +448,7 @@ register(StrategyEntry(
         *_SKETCH_PARAMS, HyperParam("momentum", SIGNATURE, "server momentum ρ (in sketch space)", ge=0.0, lt=1.0))),
     client_update=fetchsgd_client_update,
     paper="Rothchild et al., ICML 2020",
+    secagg=True,  # stateless clients, a linear sketch: SecAggGrid sums the tables (strategies/secagg_payload.py)
     batched=Batched("sketch"),  # one sketch of all the clients' vectors; no --byzantine there
 ))
 
