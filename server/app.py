@@ -170,7 +170,9 @@ def build_strategy(cfg: RunConfig, layout: ParamLayout):
         raise ConfigError(f"--byzantine applies to federated strategies; '{cfg.strategy}' is {entry.kind}")
     if cfg.dp and entry.kind != "federated":
         raise ConfigError(f"--dp applies to federated strategies; '{cfg.strategy}' is {entry.kind}")
-    if cfg.dp and not entry.dp:
+    # Under --secagg, --dp is distributed DP on the nodes: each clips the vector it masks (for a sketch
+    # strategy, its table) and adds its noise share, so any strategy secure aggregation serves takes it.
+    if cfg.dp and not entry.dp and not (cfg.secagg and entry.secagg):
         able = ", ".join(e.name for e in registry.entries(registered=True) if e.dp)
         raise ConfigError(f"strategy '{cfg.strategy}' does not support --dp: its aggregate is not an average of "
                           f"per-client vectors, so one client's influence is not bounded by the clip norm "

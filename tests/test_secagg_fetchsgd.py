@@ -61,3 +61,24 @@ def test_fetchsgd_under_secure_aggregation_on_digits_within_one_point(store):
     assert plain > 0.8  # it learned: the comparison means something
     assert abs(secure - plain) <= 0.01, (plain, secure)
     assert all("secagg_failed" not in r for r in flower._rows(store, sec_id))
+
+
+def test_fetchsgd_with_secagg_and_dp_runs_with_epsilon_every_round_and_without_secagg_is_refused(store):
+    from fedswarm.config import RunConfig
+    from fedswarm.errors import ConfigError
+    from fedswarm.params import ParamLayout
+    from fedswarm.server.app import build_strategy
+    from fedswarm.tasks import get_task
+
+    dp = "noise_multiplier=0.3,clip=1.0"
+    _, rid, status, _, _ = flower._run(store, strategy="fetchsgd", clients=4, seed=3, rounds=2, secagg=True, dp=dp,
+                                       params={"density": 0.05})
+    assert status == "finished"
+    rows = flower._rows(store, rid)[1:]
+    eps = [r.get("epsilon") for r in rows]
+    assert len(eps) == 2 and None not in eps and eps[0] < eps[1]
+    assert all("secagg_failed" not in r for r in rows)
+    # without --secagg FetchSGD's server would see each table: central DP-FedAvg cannot bound it there
+    cfg = RunConfig(**{**flower.BASE, "strategy": "fetchsgd", "dp": dp})
+    with pytest.raises(ConfigError, match="does not support --dp"):
+        build_strategy(cfg, ParamLayout.from_module(get_task(cfg.task).model(cfg.seed)))
