@@ -60,12 +60,15 @@ class SecAggGrid(WrappingGrid):
     ``on_round(metrics)`` receives each round's figures (fedswarm's recorder: ``note``)."""
 
     def __init__(self, inner: Grid, params: SecAggParams, *, dropout: float = 0.0, seed: int = 0,
-                 on_round: Callable[..., Any] | None = None, dp: SecAggDP | None = None):
+                 on_round: Callable[..., Any] | None = None, dp: SecAggDP | None = None,
+                 dim_of: Callable[[], int | None] | None = None):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"secagg dropout must be in [0, 1), got {dropout}")
         super().__init__(inner)
         self.params, self.dropout, self.seed, self.on_round = params, float(dropout), int(seed), on_round
         self.dp = dp  # distributed DP (--dp): the round's noise room and the accountant (server/secagg_dp.py)
+        # A codec strategy's payload length (its ``secagg_dim``): train messages without the model
+        self.dim_of = dim_of
         self.rounds = 0
         self._rng = np.random.default_rng([self.seed, 0x5EC])
 
@@ -94,11 +97,12 @@ class SecAggGrid(WrappingGrid):
         if "arrays" in first.content.array_records:
             model = arrayrecord_to_vector(first.content.array_records["arrays"]).double().numpy()
             dim = model.size
-        elif (dim := payload_dim(first)) is not None:  # a sketch strategy: the nodes mask their tables
+        elif (dim := (self.dim_of() if self.dim_of is not None else None) or payload_dim(first)) is not None:  # a sketch strategy: the nodes mask their tables
             model = None
         else:
-            raise RuntimeError("SecAggGrid: a train message must carry the global model as 'arrays' or a sketch "
-                               "strategy's knobs (rows, cols, hash_seed)")
+            raise RuntimeError("SecAggGrid: a train message must carry the global model as 'arrays', or the grid "
+                               "needs the payload's length (dim_of: the strategy's secagg_dim; a sketch strategy's "
+                               "knobs rows, cols, hash_seed)")
         mtype, group = first.metadata.message_type, first.metadata.group_id
         params = self.params if self.dp is None else self.dp.round_params(self.params, len(by_node), dim)
         srv = SecAggServer(sorted(by_node), dim, params,

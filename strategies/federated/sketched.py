@@ -63,6 +63,11 @@ class SketchStrategy(CompressedStrategy):
         self.rows, self.cols, self.k = self.codec._dims(self.layout.d, self.codec.params)
         self.sketch = CountSketch(self.layout.d, self.rows, self.cols, self.hash_seed)
 
+    @property
+    def secagg_dim(self) -> int | None:
+        """Under ``--secagg``, the length of the vector a node masks: its r·c table."""
+        return None if self.layout is None else self.rows * self.cols
+
     def summary_lines(self) -> list[str]:
         ratio = self.layout.d / (self.rows * self.cols)
         return [f"sketch {self.rows} x {self.cols} ({ratio:.1f}x of float32), "

@@ -1,5 +1,7 @@
-"""FetchSGD under secure aggregation on the in-process engine: the nodes mask their Count
-Sketch tables (strategies/secagg_payload.py), the server unsketches the unmasked mean table."""
+"""Linear codecs under secure aggregation on the in-process engine (strategies/secagg_payload.py):
+FetchSGD's nodes mask their Count Sketch tables and the server unsketches the unmasked mean
+table; compressed_fedavg's nodes mask their randk values or countsketch table and the server
+decodes the mean payload once."""
 
 from __future__ import annotations
 
@@ -82,3 +84,44 @@ def test_fetchsgd_with_secagg_and_dp_runs_with_epsilon_every_round_and_without_s
     cfg = RunConfig(**{**flower.BASE, "strategy": "fetchsgd", "dp": dp})
     with pytest.raises(ConfigError, match="does not support --dp"):
         build_strategy(cfg, ParamLayout.from_module(get_task(cfg.task).model(cfg.seed)))
+
+
+@pytest.mark.parametrize("codec", ["countsketch", "randk"])
+def test_compressed_fedavg_secure_round_is_the_decoded_mean_payload(store, capture, codec):
+    """The server decodes the weighted mean payload once. The oracle, from the plain run's own
+    replies: plain model - mean of the decoded payloads + decode(mean payload). For randk
+    (decoding is a scatter: linear) the two runs agree; for countsketch (sketched top-k) the
+    secure round is the top-k of the summed sketch, as in FetchSGD."""
+    from fedswarm.algorithms.compression.codecs import decode_payload
+    from fedswarm.params import ParamLayout
+    from fedswarm.payload import Payload
+    from fedswarm.tasks import get_task
+    from fedswarm.wire import payload_from_records
+
+    run = dict(strategy="compressed_fedavg", clients=4, seed=5,
+               params={"codec": codec, "codec_params": "k_ratio=0.05" if codec == "countsketch" else "ratio=0.1"})
+    cfg, plain_id, st1, plain_grid, _ = flower._run(store, **run)
+    _, sec_id, st2, _, _ = flower._run(store, **run, secagg=True)
+    assert st1 == st2 == "finished"
+    layout = ParamLayout.from_module(get_task(cfg.task).model(cfg.seed))
+    payloads = [payload_from_records(r.content) for r in plain_grid.received]
+    (key,) = payloads[0].arrays
+    counts = np.array([float(r.content.metric_records["metrics"]["num-examples"]) for r in plain_grid.received])
+    w = counts / counts.sum()
+    mean_arr = sum(wi * p.arrays[key].astype(np.float64) for wi, p in zip(w, payloads))
+    assert max(np.abs(p.arrays[key]).max() for p in payloads) < cfg.secagg_clip  # nothing clipped
+    decoded_mean = decode_payload(Payload({key: mean_arr.astype(np.float32)}, payloads[0].meta), layout)[0].double()
+    mean_decoded = sum(wi * decode_payload(p, layout)[0].double() for wi, p in zip(w, payloads))
+    plain, secure = flower._model(store, plain_id), flower._model(store, sec_id)
+    expected = plain - mean_decoded.numpy() + decoded_mean.numpy()
+    q = SecAggServer(list(range(1, cfg.clients + 1)), mean_arr.size, SecAggParams(bits=cfg.secagg_bits)).quantizer
+    cell = cfg.clients / (counts.sum() * q.scale)  # one rounding unit per node in the mean payload
+    f32 = 1e-6  # the models are float32 (|x| < 8)
+    assert np.abs(plain).max() < 8
+    gap = np.max(np.abs(secure - expected))
+    assert gap <= cell + f32, (gap, cell)
+    if codec == "countsketch":  # the decode of the sum is not the sum of decodes: the runs differ
+        assert np.max(np.abs(secure - plain)) > 100 * (cell + f32)
+    else:
+        assert np.max(np.abs(secure - plain)) <= cell + f32
+    assert "secagg_failed" not in flower._rows(store, sec_id)[1]
