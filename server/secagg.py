@@ -15,9 +15,10 @@ the total weight, never one node's update or count.
 
 A round that cannot finish (too few nodes or shares past the threshold) hands the strategy no
 reply: the model stays as it was, the round's row says why (``secagg_failed``), and the run
-goes on. ``dropout`` (run config ``secagg_dropout``) discards each node's reply to each stage
-with that probability, drawn from the run's seed: simulated dropouts that exercise recovery on
-every engine. Each round's row gets, under ``secagg``: participants, nodes at each stage,
+goes on. ``dropout`` (run config ``secagg_dropout``): each node vanishes with that probability at
+one stage (:func:`fedswarm.algorithms.secagg.dropouts.draw_dropouts`, from the run's seed and the
+round, as the batched engine draws them): its replies from that stage on are discarded, simulated
+dropouts that exercise recovery on every engine. Each round's row gets, under ``secagg``: participants, nodes at each stage,
 dropped after sharing, recovered, threshold, degree, field bits, and bytes down/up per stage.
 
 Flower users get the same with their own Message-API strategy: wrap the grid their
@@ -35,6 +36,7 @@ import numpy as np
 from flwr.app import Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
+from fedswarm.algorithms.secagg.dropouts import draw_dropouts
 from fedswarm.algorithms.secagg import STAGES, SecAggFailed, SecAggParams, SecAggServer
 from fedswarm.errors import ConfigError
 from fedswarm.server.secagg_dp import SecAggDP, check_distributed_dp
@@ -107,6 +109,8 @@ class SecAggGrid(WrappingGrid):
         params = self.params if self.dp is None else self.dp.round_params(self.params, len(by_node), dim)
         srv = SecAggServer(sorted(by_node), dim, params,
                            graph_seed=int(self._rng.integers(1 << 62)))
+        # simulated dropouts: the drawn nodes' replies are lost from their stage on (every engine draws them so)
+        gone = draw_dropouts(sorted(by_node), self.dropout, self.seed, self.rounds) if self.dropout else {}
         figures: dict[str, Any] = {"bytes": {}, "nodes": {}, "refused": {}}
         inputs: dict[int, np.ndarray] = {}
         specs: dict[int, Any] = {}
@@ -126,7 +130,7 @@ class SecAggGrid(WrappingGrid):
                 node = int(r.metadata.src_node_id)
                 if r.has_error():
                     figures["refused"][str(node)] = r.error.reason.strip().split("\n")[0][:300]
-                elif node in requests and (self.dropout == 0.0 or self._rng.random() >= self.dropout):
+                elif node in requests and node not in gone.get(stage, ()):
                     got[node] = r.content
             figures["nodes"][stage] = len(got)
             return got

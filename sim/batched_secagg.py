@@ -27,12 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedswarm.algorithms.privacy.distributed import DistributedDP, clip_l2, node_rng
+from fedswarm.algorithms.secagg.dropouts import DROP_STAGES, draw_dropouts
 from fedswarm.algorithms.secagg import DecodedSum, NoiseHook, RoundReport, SecAggFailed, SecAggParams, SecAggServer
 
 __all__ = ["SecureSum", "secure_sum", "draw_dropouts", "DROP_STAGES"]
-
-#: The stages a simulated dropout happens at, in the protocol's order.
-DROP_STAGES: tuple[str, ...] = ("advertise", "share_keys", "masked_input", "unmask")
 
 
 @dataclass(frozen=True)
@@ -43,22 +41,6 @@ class SecureSum:
     total: np.ndarray
     decoded: DecodedSum
     report: RoundReport
-
-
-def draw_dropouts(node_ids: Sequence[int], rate: float, seed: int, round_: int) -> dict[str, set[int]]:
-    """Each node vanishes with probability ``rate`` at one stage drawn uniformly among
-    :data:`DROP_STAGES` (the same draw for the same seed and round on every engine)."""
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"secagg_dropout must be in [0, 1), got {rate}")
-    rng = np.random.default_rng([0xD809, int(seed), int(round_)])
-    ids = sorted(int(i) for i in node_ids)
-    gone = rng.random(len(ids)) < rate
-    stage = rng.integers(0, len(DROP_STAGES), len(ids))
-    out: dict[str, set[int]] = {s: set() for s in DROP_STAGES}
-    for i, g, s in zip(ids, gone, stage):
-        if g:
-            out[DROP_STAGES[s]].add(i)
-    return out
 
 
 def secure_sum(updates: np.ndarray, node_ids: Sequence[int], params: SecAggParams, *, seed: int, round_: int,
