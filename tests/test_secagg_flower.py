@@ -145,7 +145,7 @@ def test_strategies_that_need_individual_updates_are_refused_in_one_line(strateg
     with pytest.raises(ConfigError, match=why) as err:
         check_run(RunConfig(**{**BASE, "strategy": strategy, "secagg": True}))
     assert "\n" not in str(err.value)
-    with pytest.raises(ConfigError, match="not on 'batched'"):
-        check_run(RunConfig(**{**BASE, "engine": "batched", "secagg": True}))
+    with pytest.raises(ConfigError, match="not on 'clock'"):
+        check_run(RunConfig(**{**BASE, "engine": "clock", "secagg": True}))
     with pytest.raises(ConfigError, match="secagg_dropout"):
         RunConfig.build({**BASE, "secagg_dropout": 0.1})
