@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedswarm.algorithms.privacy.distributed import node_rng
 from fedswarm.algorithms.secagg import SecAggFailed
 from fedswarm.algorithms.secagg.dropouts import draw_dropouts
 from fedswarm.server.metered_grid import Traffic
@@ -78,7 +79,10 @@ class SecureFedAvg:
         try:
             out = secure_sum(updates[order], ids, params, seed=cfg.seed, round_=server_round, graph_seed=graph_seed,
                              weights=[counts[i] for i in order], drop=drop,
-                             dp=None if self.dp is None else self.dp._round)
+                             dp=None if self.dp is None else self.dp._round,
+                             # the nodes' noise draws, as client/secagg_dp.py draws them (secure=false)
+                             noise_rngs=None if self.dp is None else {i: node_rng(self.dp._round.seed, server_round, i)
+                                                                      for i in ids})
         except SecAggFailed as exc:
             report = None
             row["secagg_failed"] = str(exc)

@@ -33,3 +33,11 @@ def test_batched_secagg_with_a_strategy_it_does_not_serve_is_refused_in_one_line
     with pytest.raises(ConfigError, match="runs --secagg with fedavg") as err:
         check_run(RunConfig(task="digits-mlp", strategy="fetchsgd", engine="batched", clients=4, secagg=True))
     assert "\n" not in str(err.value)
+
+
+def test_batched_secure_rounds_with_distributed_dp_equal_the_in_process_protocol(tmp_path, monkeypatch):
+    kw = dict(task="digits-mlp", clients=5, rounds=2, seed=1, local_epochs=1, secagg=True,
+              dp="noise_multiplier=0.5,clip=1.0")
+    _, _, rounds = same_models_on_both_engines(kw, tmp_path, monkeypatch)
+    for ref, got in rounds:  # the same noise reached the sum: the same accounting
+        assert ref["epsilon"] == pytest.approx(got["epsilon"]) and got["epsilon"] > 0
