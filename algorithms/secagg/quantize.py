@@ -175,4 +175,11 @@ class Quantizer:
         weight = int(signed[-1])
         if weight < 0 or weight > self.n_max * self.weight_max:
             raise ValueError(f"secagg: the unmasked total weight {weight} is out of range: the sum is corrupt")
-        return DecodedSum(signed[:-1].astype(np.float64) / self.scale, weight)
+        out = signed[:-1].astype(np.float64) / self.scale
+        # A weighted mean of updates clipped to [-clip, clip] lies there too (plus one rounding unit
+        # per node and the noise): anything past that is a corrupt sum, not an aggregate.
+        slack = self.n_max * (1 + self.noise_bound) / self.scale
+        if weight and np.abs(out).max(initial=0.0) > (self.clip * weight + slack):
+            raise ValueError(f"secagg: the unmasked sum exceeds what {weight} weight of clipped updates can add up "
+                             f"to: the sum is corrupt")
+        return DecodedSum(out, weight)
