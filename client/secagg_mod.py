@@ -59,8 +59,8 @@ def update_of(sent: Message, reply: Message) -> tuple[np.ndarray, int]:
     if "arrays" not in content.array_records or "arrays" not in sent.content.array_records:
         raise ValueError("secagg_mod: the train message and its reply must carry the model as 'arrays'")
     try:
-        new = arrayrecord_to_vector(content.array_records["arrays"]).double().numpy()
-        old = arrayrecord_to_vector(sent.content.array_records["arrays"]).double().numpy()
+        new = arrayrecord_to_vector(content.array_records["arrays"]).numpy()  # float32: widened once, below
+        old = arrayrecord_to_vector(sent.content.array_records["arrays"]).numpy()
     except PayloadError as exc:
         raise ValueError(f"secagg_mod: the train reply's model is malformed: {exc}") from None
     if new.shape != old.shape:
@@ -68,7 +68,7 @@ def update_of(sent: Message, reply: Message) -> tuple[np.ndarray, int]:
     metrics = next(iter(content.metric_records.values()), None)
     if metrics is None or "num-examples" not in metrics:
         raise ValueError("secagg_mod: the train reply needs a 'num-examples' metric (the node's weight)")
-    return new - old, int(metrics["num-examples"])
+    return np.subtract(new, old, dtype=np.float64), int(metrics["num-examples"])
 
 
 def secagg_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:

@@ -97,7 +97,7 @@ class SecAggGrid(WrappingGrid):
         by_node = {int(m.metadata.dst_node_id): m for m in train}
         first = train[0]
         if "arrays" in first.content.array_records:
-            model = arrayrecord_to_vector(first.content.array_records["arrays"]).double().numpy()
+            model = arrayrecord_to_vector(first.content.array_records["arrays"]).numpy()  # float32; + a float64 mean
             dim = model.size
         elif (dim := (self.dim_of() if self.dim_of is not None else None) or payload_dim(first)) is not None:  # a sketch strategy: the nodes mask their tables
             model = None
