@@ -9,9 +9,9 @@ summed payload once. Top-k, 1-bit, sign and QSGD send per-node indices or scales
 refused before the run starts with one line saying why; whether a *strategy* can run under
 secure aggregation is its registry entry's ``secagg`` (:func:`fedswarm.server.secagg.check_secagg`).
 
-Not wired yet: ``SecAggGrid`` masks the node's model change (the reply's ``arrays``), so the
-codec strategies (``compressed_fedavg``, ``sketched_sgd``, ``fetchsgd``), whose replies are
-payloads, keep ``secagg=False`` until it masks the payload's arrays instead.
+``SecAggGrid`` masks a codec strategy's payload (``compressed_fedavg`` with a linear codec,
+``fetchsgd``) as :mod:`fedswarm.strategies.secagg_payload` describes; ``sketched_sgd`` asks each
+node for its own exact values and keeps ``secagg=False``.
 """
 
 from __future__ import annotations
