@@ -239,8 +239,8 @@ class RunConfig(TrainingSpec):
         "SecAgg+ field bits b (arithmetic mod 2^b); the quantization levels are the most that cannot wrap "
         "(docs/secagg.md)."))
     secagg_dropout: float = Field(0.0, ge=0.0, lt=1.0, description=(
-        "SecAgg+: simulated dropout, the probability that a node's reply to each stage is lost (drawn from the "
-        "seed), on every engine."))
+        "SecAgg+: simulated dropout, the probability that a node vanishes at one stage (both drawn from the "
+        "seed and round), its replies from there on lost; the same nodes on every engine."))
 
     @field_validator("policies")
     @classmethod

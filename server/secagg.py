@@ -18,8 +18,11 @@ reply: the model stays as it was, the round's row says why (``secagg_failed``), 
 goes on. ``dropout`` (run config ``secagg_dropout``): each node vanishes with that probability at
 one stage (:func:`fedswarm.algorithms.secagg.dropouts.draw_dropouts`, from the run's seed and the
 round, as the batched engine draws them): its replies from that stage on are discarded, simulated
-dropouts that exercise recovery on every engine. Each round's row gets, under ``secagg``: participants, nodes at each stage,
-dropped after sharing, recovered, threshold, degree, field bits, and bytes down/up per stage.
+dropouts that exercise recovery on every engine. Each round's row gets, under ``secagg``:
+participants, nodes at each stage, dropped after sharing, recovered, threshold, degree, field
+bits, and bytes down/up per stage. A codec strategy's train messages carry no model: its nodes
+mask their payload (:mod:`fedswarm.strategies.secagg_payload`) and the one reply carries the
+weighted mean payload.
 
 Flower users get the same with their own Message-API strategy: wrap the grid their
 ``ServerApp`` receives, ``strategy.start(grid=SecAggGrid(grid, SecAggParams(...)), ...)``, and
@@ -99,7 +102,8 @@ class SecAggGrid(WrappingGrid):
         if "arrays" in first.content.array_records:
             model = arrayrecord_to_vector(first.content.array_records["arrays"]).numpy()  # float32; + a float64 mean
             dim = model.size
-        elif (dim := (self.dim_of() if self.dim_of is not None else None) or payload_dim(first)) is not None:  # a sketch strategy: the nodes mask their tables
+        elif (dim := (self.dim_of() if self.dim_of is not None else None) or payload_dim(first)) is not None:
+            # a codec strategy: the nodes mask their payloads
             model = None
         else:
             raise RuntimeError("SecAggGrid: a train message must carry the global model as 'arrays', or the grid "

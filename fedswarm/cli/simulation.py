@@ -150,7 +150,8 @@ def sim(
         "--secagg: field bits b, 8..64 (default 32); quantization levels are the most that cannot wrap."
     )),
     secagg_dropout: Optional[float] = typer.Option(None, "--secagg-dropout", help=(
-        "--secagg: simulated dropout, the probability a node's reply to each stage is lost (default 0)."
+        "--secagg: simulated dropout, the probability a node vanishes at one stage drawn from the seed; its "
+        "replies from there on are lost (default 0)."
     )),
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help=(
         "Checkpoint the server into the store every K rounds (default 1); `fedswarm resume` redoes at most K - 1 "
