@@ -31,6 +31,7 @@ BENCHMARKS = {
     "papers": "fedswarm.bench.papers",
     "footprint": "fedswarm.bench.footprint",
     "async": "fedswarm.bench.async_fedbuff",
+    "secagg": "fedswarm.bench.secagg",
 }
 
 

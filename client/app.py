@@ -11,7 +11,8 @@ set by the simulation engines or by ``fedswarm client``, or its own dataset (``d
 
 After every train reply the node's ``Context.state`` is saved to its own disk when the run and
 the node keep state there, and a resumed server's ``query.fedswarm_resume`` message restores
-it (:mod:`fedswarm.client.persist`).
+it (:mod:`fedswarm.client.persist`). Under secure aggregation (``secagg = true``) the
+``secagg_mod`` runs the protocol's stages around these handlers (:mod:`fedswarm.client.secagg_mod`).
 
 Test only: a node config ``test-step-delay-s = S`` makes plain training wait ``S`` seconds per
 local step (a straggler in a loopback deployment test); nothing else reads it.
@@ -26,6 +27,7 @@ from flwr.clientapp import ClientApp
 
 from fedswarm.client.evaluate import TrainClock, answer_telemetry, evaluate_on_node
 from fedswarm.client.persist import answer_resume, save_after_train
+from fedswarm.client.secagg_mod import secagg_mod
 from fedswarm.local import local_fit, node_data
 from fedswarm.protocol import RESUME_ACTION, TELEMETRY_ACTION
 from fedswarm.strategies import registry
@@ -37,7 +39,8 @@ __all__ = ["app", "TEST_STEP_DELAY_KEY"]
 #: a slow device on a fast machine (a real deployment's straggler). Never set it in production.
 TEST_STEP_DELAY_KEY = "test-step-delay-s"
 
-app = ClientApp()
+# secagg_mod answers secure-aggregation stage messages (a run with secagg = true) and passes others through.
+app = ClientApp(mods=[secagg_mod])
 
 
 @app.train()

@@ -207,7 +207,8 @@ class RunConfig(TrainingSpec):
         "labelflip, random (default signflip when byzantine > 0)."))
     dp: DPField = Field(None, description=(
         "Client-level DP-FedAvg: 'noise_multiplier=N[,clip=C,delta=D,adaptive=true]' or "
-        "'target_epsilon=E[,delta=D]'."))
+        "'target_epsilon=E[,delta=D]'. With secagg: distributed DP on the nodes, "
+        "'noise_multiplier=N[,clip=C,delta=D,mechanism=dgauss|skellam,secure=true]'."))
     dp_sgd: DPSGDField = Field(None, description=(
         "Example-level DP-SGD in every client (opacus): 'noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]'."))
     client_data: str | None = Field(None, description=(
@@ -241,6 +242,21 @@ class RunConfig(TrainingSpec):
     availability: str | None = Field(None, description=(
         "Simulated availability: 'on=S,off=S[,diurnal=A,period=S,dropout=P]' (or CLASS:...;CLASS:...) or a "
         "trace CSV 'node,start_s,end_s' (see fedswarm/availability.py); needs devices (simulated time)."))
+    secagg: bool = Field(False, description=(
+        "Secure aggregation (SecAgg+, docs/secagg.md): the server learns only the sum of the nodes' quantized "
+        "updates; for strategies whose registry entry says secagg."))
+    secagg_threshold: float = Field(0.6, gt=0.5, le=1_000_000, description=(
+        "SecAgg+ share threshold t: a fraction of a node's neighbourhood in (0.5, 1], or a count >= 2; up to "
+        "(neighbourhood - t) nodes may drop after sharing."))
+    secagg_clip: float = Field(1.0, gt=0.0, le=1e6, description=(
+        "SecAgg+: each coordinate of a node's update (its model change) is clipped to [-clip, clip] before "
+        "quantization."))
+    secagg_bits: int = Field(32, ge=8, le=64, description=(
+        "SecAgg+ field bits b (arithmetic mod 2^b); the quantization levels are the most that cannot wrap "
+        "(docs/secagg.md)."))
+    secagg_dropout: float = Field(0.0, ge=0.0, lt=1.0, description=(
+        "SecAgg+: simulated dropout, the probability that a node vanishes at one stage (both drawn from the "
+        "seed and round), its replies from there on lost; the same nodes on every engine."))
 
     @field_validator("policies")
     @classmethod
@@ -266,6 +282,14 @@ class RunConfig(TrainingSpec):
                              f"the run has {self.clients} clients")
         if self.attack is not None and self.byzantine == 0:
             raise ValueError("attack: an attack needs Byzantine clients (--byzantine K)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_secagg(self) -> "RunConfig":
+        if self.secagg_dropout and not self.secagg:
+            raise ValueError("secagg_dropout: simulated secure-aggregation dropouts need secagg = true (--secagg)")
+        if self.secagg_threshold > 1 and self.secagg_threshold != int(self.secagg_threshold):
+            raise ValueError(f"secagg_threshold: a count must be a whole number, got {self.secagg_threshold}")
         return self
 
     @model_validator(mode="after")
@@ -364,7 +388,9 @@ class RunConfig(TrainingSpec):
 
 #: Keys :meth:`RunConfig.to_flat` leaves out at these (their default) values: added after runs and
 #: byte counts were recorded, they change nothing in what an unchanged run sends.
-QUIET_DEFAULTS = {"eval_every": 1, "central_eval": True, "round_timeout": 600.0, "over_select": 1.0}
+QUIET_DEFAULTS = {"eval_every": 1, "central_eval": True, "round_timeout": 600.0, "over_select": 1.0,
+                  "secagg": False, "secagg_threshold": 0.6, "secagg_clip": 1.0, "secagg_bits": 32,
+                  "secagg_dropout": 0.0}
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -138,6 +138,15 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
     recorder.checkpoint_every = cfg.checkpoint_every
     recorder.min_train_nodes = getattr(strategy, "min_train_nodes", None)
     timeout = float(cfg.round_timeout)
+    strategy_grid = metered
+    if cfg.secagg:  # every stage's messages cross the meter; the strategy sees one aggregated reply a round
+        from fedswarm.server.secagg import SecAggGrid, secagg_params
+
+        from fedswarm.server.secagg_dp import SecAggDP
+
+        strategy_grid = SecAggGrid(metered, secagg_params(cfg), dropout=cfg.secagg_dropout, seed=cfg.seed,
+                                   on_round=recorder.note, dp=SecAggDP(cfg.dp, cfg.seed) if cfg.dp else None,
+                                   dim_of=lambda: getattr(strategy, "secagg_dim", None))
     recorder.fed_eval = GridEvaluator(nodes_grid, train_config, timeout=timeout,
                                       own_model=registry.get(cfg.strategy).kind != "federated")
     recorder.eval_every = cfg.eval_every
@@ -160,7 +169,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
             shift_rounds(strategy, recorder.offset)  # clients are told the run's round, not start()'s
             recorder.reset_clock()
             recorder.final_round = recorder.offset + rounds
-            result = strategy.start(metered, arrays, num_rounds=rounds, timeout=timeout,
+            result = strategy.start(strategy_grid, arrays, num_rounds=rounds, timeout=timeout,
                                     train_config=train_config, evaluate_fn=recorder)
             arrays = result.arrays if result.arrays is not None else arrays
             recorder.offset = recorder.last_round
@@ -178,15 +187,26 @@ def build_strategy(cfg: RunConfig, layout: ParamLayout):
         raise ConfigError(f"--byzantine applies to federated strategies; '{cfg.strategy}' is {entry.kind}")
     if cfg.dp and entry.kind != "federated":
         raise ConfigError(f"--dp applies to federated strategies; '{cfg.strategy}' is {entry.kind}")
-    if cfg.dp and not entry.dp:
+    # Under --secagg, --dp is distributed DP on the nodes: each clips the vector it masks (for a sketch
+    # strategy, its table) and adds its noise share, so any strategy secure aggregation serves takes it.
+    if cfg.dp and not entry.dp and not (cfg.secagg and entry.secagg):
         able = ", ".join(e.name for e in registry.entries(registered=True) if e.dp)
         raise ConfigError(f"strategy '{cfg.strategy}' does not support --dp: its aggregate is not an average of "
                           f"per-client vectors, so one client's influence is not bounded by the clip norm "
                           f"(use {able})")
     if cfg.dp:
         require_accounting("--dp")
+    if cfg.secagg:
+        from fedswarm.server.secagg import check_secagg
+
+        check_secagg(cfg, entry)
     params = registry.resolve_params(cfg.strategy, cfg.params)
-    strategy = attach_dp(entry.build(params, registry.BuildContext(cfg, layout)), cfg)
+    if cfg.secagg:
+        from fedswarm.strategies.secagg_compat import check_linear_codecs
+
+        check_linear_codecs(cfg, params)
+    strategy = entry.build(params, registry.BuildContext(cfg, layout))
+    strategy = strategy if cfg.secagg else attach_dp(strategy, cfg)  # under --secagg the nodes add the noise
     check_fleet(cfg, entry.kind, strategy)
     return strategy
 

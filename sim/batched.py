@@ -84,6 +84,7 @@ from fedswarm.sim.batched_progfed import ProgFedRounds
 from fedswarm.sim.batched_pvt import PVTRounds
 from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ByteCounter, Meter, add_client, add_clients, cohort_rows,
                                         cohort_schedule, reject_diverged, round_schedule)
+from fedswarm.sim.batched_secagg_round import SecureFedAvg
 from fedswarm.sim.batched_sketched import SketchRounds
 from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
 from fedswarm.store import Store
@@ -131,6 +132,8 @@ def check_supported(cfg: RunConfig) -> None:
                           f"'{cfg.strategy}' runs on --engine inprocess (or flower)")
     if cfg.dp_sgd:
         raise ConfigError("--engine batched does not run --dp-sgd; use --engine inprocess")
+    if cfg.secagg and entry.batched.runner != "weighted_mean":
+        raise ConfigError(f"--engine batched runs --secagg with fedavg; with '{cfg.strategy}' use --engine inprocess")
     if cfg.dp and not entry.batched.dp:
         raise ConfigError(f"--engine batched runs --dp with {', '.join(registry.batched_names(dp=True))}; with "
                           f"'{cfg.strategy}' use --engine inprocess")
@@ -246,11 +249,16 @@ class FedAvgRounds:
         self.counter = ByteCounter(run.train_config)
         self.all_nodes = range(1, run.cfg.clients + 1)  # random.sample draws from a range as from the list
         # --dp: the mechanism fedavg's DPFedAvg strategy object holds, calibrated once for the run
-        self.dp = run.strategy().dp if run.cfg.dp else None
+        self.dp = run.strategy().dp if run.cfg.dp and not run.cfg.secagg else None
+        # --secagg: the round's secure sum computed directly (sim/batched_secagg_round.py)
+        self.secure = SecureFedAvg(run.cfg) if run.cfg.secagg else None
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         cfg = self.run.cfg
         sample = random.sample(self.all_nodes, max(int(cfg.clients * cfg.fraction), 1))
+        if self.secure is not None:
+            self.model, row, node_rows = self.secure.round(self.run, self.counter, self.model, sample, server_round)
+            return row, node_rows
         self.model, row, node_rows = _one_round(self.run, self.counter, self.model, sample, server_round, self.notes,
                                                 dp=self.dp)
         return row, node_rows

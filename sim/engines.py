@@ -147,6 +147,10 @@ if tuple(ENGINES) != get_args(EngineName):  # pragma: no cover - a new engine na
                        "an engine is added to both (docs/architecture.md, 'How to add an engine')")
 
 
+#: The engines that run secure aggregation's real protocol (SecAggGrid over Flower messages).
+SECAGG_ENGINES = ("inprocess", "flower", "batched")  # batched: the sum computed directly (fedavg)
+
+
 def engines_for(entry: StrategyEntry) -> list[str]:
     """The engines that run strategy ``entry``."""
     return [e.name for e in ENGINES.values() if e.serves(entry)]
@@ -194,6 +198,9 @@ def check_run(cfg: RunConfig, *, resume: bool = False) -> Checked:
     if cfg.workers is not None and engine.name != "batched":
         raise ConfigError(f"--workers splits the batched engine's cohort across Ray actors (--engine batched "
                           f"--ray-address); the {engine.name} engine takes none")
+    if cfg.secagg and engine.name not in SECAGG_ENGINES:
+        raise ConfigError(f"--secagg runs on the {' and '.join(SECAGG_ENGINES)} engines and a deployment (flwr run), "
+                          f"not on '{engine.name}' ('{cfg.strategy}' runs there)")
     return Checked(cfg, engine, engine.check(cfg))
 
 

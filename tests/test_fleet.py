@@ -310,3 +310,15 @@ def test_fake_battery_is_read_by_the_probe_only_when_set(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDSWARM_FAKE_BATTERY", "low")
     with pytest.raises(ValueError, match="FEDSWARM_FAKE_BATTERY"):
         battery(tmp_path)
+
+
+@pytest.mark.parametrize("fleet", [{"quorum": 3}, {"over_select": 1.5, "fraction": 0.5}, {"eligible": "battery>=40"}])
+def test_secagg_refuses_the_fleet_options_in_one_line(fleet):
+    """Secure aggregation runs its own stages and dropout recovery: the fleet grid is not wired into them,
+    so the combination is refused before the run starts, naming the option."""
+    from fedswarm.sim.engines import check_run
+
+    cfg = RunConfig(strategy="fedavg", secagg=True, clients=5, **fleet)
+    with pytest.raises(ConfigError, match=r"^--secagg with --(quorum|over-select|eligible): not supported") as exc:
+        check_run(cfg)
+    assert "\n" not in str(exc.value)

@@ -58,6 +58,10 @@ class Codec:
     error_feedback : bool
         The codec is biased enough that it should be paired with an error-feedback
         memory (Karimireddy et al. 2019; Stich et al. 2018).
+    linear : bool
+        Every node given the same round seed encodes with the same linear map and no
+        per-node scale or index set, so the sum of the nodes' payload arrays is the payload
+        of the sum: the codec can run under secure aggregation, which only reveals the sum.
     """
 
     name: ClassVar[str] = ""
@@ -65,6 +69,7 @@ class Codec:
     paper: ClassVar[str] = ""
     unbiased: bool = False
     error_feedback: bool = True
+    linear: bool = False
 
     def __init__(self, **params: Any):
         self.params = self.resolve_params(params)

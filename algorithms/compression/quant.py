@@ -34,6 +34,7 @@ class NoneCodec(Codec):
     name = "none"
     unbiased = True
     error_feedback = False
+    linear = True
 
     def _encode(self, x, layout, seed):
         return {"values": x.clone()}

@@ -94,6 +94,7 @@ class RandKCodec(Codec):
     """
 
     name = "randk"
+    linear = True  # the coordinates come from the round's seed, the same on every node
     paper = "Stich et al., NeurIPS 2018"
     hyperparams = (
         HyperParam("ratio", 0.01, "fraction of coordinates sent, k = ceil(ratio·d)", gt=0.0, le=1.0),
@@ -155,6 +156,7 @@ class CountSketchCodec(Codec):
     """
 
     name = "countsketch"
+    linear = True  # the sketch of a sum is the sum of the sketches (same hashes from the round seed)
     paper = "Ivkin et al., NeurIPS 2019; Rothchild et al., ICML 2020"
     hyperparams = (
         HyperParam("rows", 5, "sketch rows r (independent hash functions)", ge=1, le=64),

@@ -13,6 +13,7 @@ __all__ = ["DPSpec", "parse_dp"]
 _KEYS = {
     "noise_multiplier": float, "clip": float, "delta": float, "target_epsilon": float,
     "adaptive": bool, "quantile": float, "clip_lr": float, "count_noise": float, "secure": bool,
+    "mechanism": str,
 }
 
 
@@ -29,6 +30,9 @@ class DPSpec:
     clip_lr: float = 0.2
     count_noise: float | None = None  # σ_b; None: max(K/20, z)
     secure: bool = False
+    #: Under secure aggregation (``--secagg``): the nodes' integer noise, ``dgauss`` (default) or
+    #: ``skellam`` (:mod:`fedswarm.algorithms.privacy.distributed`); None elsewhere.
+    mechanism: str | None = None
 
     def text(self) -> str:
         parts = [f"{k}={getattr(self, k)}" for k in _KEYS if getattr(self, k) is not None]
@@ -52,6 +56,9 @@ def parse_dp(spec: str, what: str = "dp") -> DPSpec:
         raise ValueError(f"--{what}: target_epsilon must be > 0 (got {out.target_epsilon})")
     if not 0 < out.quantile < 1:
         raise ValueError(f"--{what}: quantile must be in (0, 1) (got {out.quantile})")
+    if out.mechanism is not None and out.mechanism not in ("dgauss", "skellam"):
+        raise ValueError(f"--{what}: mechanism must be dgauss or skellam (distributed DP under --secagg), "
+                         f"got {out.mechanism!r}")
     if not out.clip_lr > 0:
         raise ValueError(f"--{what}: clip_lr must be > 0 (got {out.clip_lr})")
     return out

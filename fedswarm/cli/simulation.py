@@ -132,10 +132,30 @@ def sim(
     )),
     dp: Optional[str] = typer.Option(None, "--dp", help=(
         "Client-level DP-FedAvg: noise_multiplier=N[,clip=C,delta=D,adaptive=true,target_epsilon=E] or "
-        "target_epsilon=E[,delta=D] (noise calibrated to the rounds). Epsilon is reported every round."
+        "target_epsilon=E[,delta=D] (noise calibrated to the rounds). Epsilon is reported every round. With "
+        "--secagg: distributed DP, each node clips and adds its share of integer noise before masking "
+        "(mechanism=dgauss|skellam, default dgauss; noise_multiplier=N needed; secure=true draws it from the OS)."
     )),
     dp_sgd: Optional[str] = typer.Option(None, "--dp-sgd", help=(
         "Example-level DP-SGD in every client (opacus): noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]."
+    )),
+    secagg: bool = typer.Option(False, "--secagg", help=(
+        "Secure aggregation (SecAgg+): the server learns only the sum of the nodes' quantized updates "
+        "(docs/secagg.md); strategies whose entry says secagg (fedavg, ...)."
+    )),
+    secagg_threshold: Optional[float] = typer.Option(None, "--secagg-threshold", help=(
+        "--secagg: shares needed to rebuild a node's secrets, a fraction of its neighbourhood in (0.5, 1] "
+        "(default 0.6) or a count."
+    )),
+    secagg_clip: Optional[float] = typer.Option(None, "--secagg-clip", help=(
+        "--secagg: clip each coordinate of a node's model change to [-C, C] (default 1.0)."
+    )),
+    secagg_bits: Optional[int] = typer.Option(None, "--secagg-bits", help=(
+        "--secagg: field bits b, 8..64 (default 32); quantization levels are the most that cannot wrap."
+    )),
+    secagg_dropout: Optional[float] = typer.Option(None, "--secagg-dropout", help=(
+        "--secagg: simulated dropout, the probability a node vanishes at one stage drawn from the seed; its "
+        "replies from there on are lost (default 0)."
     )),
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help=(
         "Checkpoint the server into the store every K rounds (default 1); `fedswarm resume` redoes at most K - 1 "
@@ -210,6 +230,8 @@ def sim(
         "val_fraction": val_fraction,
         "eval_every": eval_every, "central_eval": on_off(central_eval, "--central-eval"),
         "quorum": quorum, "over_select": over_select, "eligible": eligible, "availability": availability,
+        "secagg": secagg or None, "secagg_threshold": secagg_threshold, "secagg_clip": secagg_clip,
+        "secagg_bits": secagg_bits, "secagg_dropout": secagg_dropout,
     }
     log_file = log_file_for(out)
     try:

@@ -9,6 +9,7 @@ engine with the cohort).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +149,18 @@ class CompressedFedAvg(CompressedStrategy):
         if self.error_feedback:
             self.server_ef = state
         return Step(dq, q, {"server_residual_norm": self.server_ef.norm})
+
+    @property
+    def secagg_dim(self) -> int | None:
+        """Under ``--secagg``, the length of the vector a node masks: its linear codec's one
+        payload array (randk's k values, countsketch's r·c table); None for other codecs."""
+        if self.layout is None or not self.codec.linear:
+            return None
+        specs = self.codec._array_specs(1, self.layout, self.codec.params)
+        if len(specs) != 1:
+            return None
+        (_, shape), = specs.values()
+        return math.prod(shape)
 
     @property
     def server_residual(self) -> torch.Tensor | None:
@@ -324,6 +337,7 @@ register(StrategyEntry(
     paper="McMahan et al. 2017; Karimireddy et al., ICML 2019",
     batched=Batched("codec", dp=True, byzantine=True),
     dp=True,
+    secagg=True,  # with a linear codec (randk, countsketch, none): SecAggGrid sums the payloads (secagg_payload.py)
 ))
 
 register(StrategyEntry(

@@ -76,7 +76,8 @@ def build(params: dict, ctx: BuildContext) -> FedAvg:
         min_evaluate_nodes=0,
         min_available_nodes=cfg.clients,
     )
-    if cfg.dp:  # DP-FedAvg: clip each client's change, Gaussian noise on the sum
+    if cfg.dp and not getattr(cfg, "secagg", False):  # DP-FedAvg: clip each change, Gaussian noise on the sum
+        # (under --secagg the nodes clip and add the noise: distributed DP, fedswarm/server/secagg_dp.py)
         from fedswarm.strategies.federated.dp import DPFedAvg, client_dp
 
         return DPFedAvg(client_dp(cfg), **kwargs)
@@ -91,4 +92,5 @@ ENTRY = register(StrategyEntry(
     # its own batched round (chunks folded into the weighted sum); no --byzantine there: its replies are its own
     batched=Batched("weighted_mean", dp=True),
     dp=True,
+    secagg=True,  # its aggregate is a weighted mean of the nodes' models: SecAggGrid hands it the mean
 ))

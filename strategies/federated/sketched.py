@@ -63,6 +63,11 @@ class SketchStrategy(CompressedStrategy):
         self.rows, self.cols, self.k = self.codec._dims(self.layout.d, self.codec.params)
         self.sketch = CountSketch(self.layout.d, self.rows, self.cols, self.hash_seed)
 
+    @property
+    def secagg_dim(self) -> int | None:
+        """Under ``--secagg``, the length of the vector a node masks: its r·c table."""
+        return None if self.layout is None else self.rows * self.cols
+
     def summary_lines(self) -> list[str]:
         ratio = self.layout.d / (self.rows * self.cols)
         return [f"sketch {self.rows} x {self.cols} ({ratio:.1f}x of float32), "
@@ -448,6 +453,7 @@ register(StrategyEntry(
         *_SKETCH_PARAMS, HyperParam("momentum", SIGNATURE, "server momentum ρ (in sketch space)", ge=0.0, lt=1.0))),
     client_update=fetchsgd_client_update,
     paper="Rothchild et al., ICML 2020",
+    secagg=True,  # stateless clients, a linear sketch: SecAggGrid sums the tables (strategies/secagg_payload.py)
     batched=Batched("sketch"),  # one sketch of all the clients' vectors; no --byzantine there
 ))
 

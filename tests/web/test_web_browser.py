@@ -412,3 +412,28 @@ def test_fleet_nodes_page_and_node_charts(page, tmp_path):
         page.screenshot(path=str(ARTIFACTS / "fleet-node.png"), full_page=True)
     finally:
         server.stop()
+
+
+def test_secure_aggregation_card(page, tmp_path):
+    """A run that reports secure rounds: the run page's card shows, per round, participants,
+    dropouts recovered and the protocol's byte overhead, and says secure aggregation was on."""
+    server = start_server(tmp_path, fake=True, poll=0.2)
+    try:
+        token = _reporter_token(server)
+        assert _ingest(server.url, token, "/api/ingest/runs",
+                       {"run_id": "secure-run", "name": "secure", "config": {"strategy": "fedavg", "rounds": 2,
+                                                                            "secagg": True}}) == 201
+        stages = {"advertise": {"down": 1000, "up": 500}, "share_keys": {"down": 2000, "up": 2500},
+                  "masked_input": {"down": 40000, "up": 40000}, "unmask": {"down": 700, "up": 1300}}
+        sa = {"participants": 10, "nodes": {"masked_input": 9}, "bytes": stages, "dropped_after_sharing": 1,
+              "recovered": 1, "threshold": 6, "field_bits": 32}
+        assert _ingest(server.url, token, "/api/ingest/runs/secure-run/rounds",
+                       {"round": 1, "test_accuracy": 0.5, "metrics": {"secagg": sa, "epsilon": 0.8}}) == 201
+        _login(page, server.url)
+        page.goto(server.url + "/runs/secure-run")
+        assert "is on" in page.text_content("#secagg-note")
+        cells = [c.strip() for c in page.locator("#secagg-table tbody tr").first.locator("td").all_text_contents()]
+        assert cells[:7] == ["1", "10", "9", "1", "1", "6", "32"] and cells[8:10] == ["10.0%", "0.800"]
+        page.screenshot(path=str(ARTIFACTS / "console-run-secagg.png"), full_page=True)
+    finally:
+        server.stop()

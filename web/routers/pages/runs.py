@@ -20,6 +20,7 @@ from fedswarm.web.services.forms import config_from_form, form_fields
 from fedswarm.web.services.launcher import log_tail
 from fedswarm.web.routers.pages.common import redirect, render
 from fedswarm.web.services.runs import RunError
+from fedswarm.web.services.secagg import secagg_on, secagg_rounds
 
 __all__ = ["router", "render"]
 
@@ -104,6 +105,7 @@ def run_page(request: Request, run_id: str = RunIdPath, p: Principal = Depends(p
                   codecs=[c.get("name") for c in cat.codecs], device_classes=classes, pending=pending,
                   policy_keys=entry.get("policy_keys"), policy_fields=models.DevicePolicy.model_fields,
                   decentralized=entry.get("kind") in ("decentralized", "async", "array"),
+                  secagg_on=secagg_on(run.config), secagg_rows=secagg_rounds(ctx.store, run.id),
                   status_json=json.dumps({"actions": detail.actions, "pending": detail.pending}))
 
 

@@ -1,0 +1,98 @@
+"""A linear codec's payload under secure aggregation: what the node masks and what the server
+hands the strategy (shared by :mod:`fedswarm.client.secagg_mod` and :mod:`fedswarm.server.secagg`).
+
+A strategy whose train messages carry the global model as ``arrays`` has its nodes mask their
+model change. A sketch strategy (FetchSGD) sends no model: its nodes reply with a Count Sketch
+table (a ``payload`` of one array), and the sketch of a weighted sum is the weighted sum of the
+sketches (every node hashes with the round's shared ``hash_seed``). So the node masks the
+table's cells, weighted by its ``num-examples``; the server unmasks the weighted mean table
+and hands the strategy one reply carrying it, which the strategy unsketches as it unsketches
+the mean of the plain tables (FetchSGD's momentum and error accumulation stay on the server).
+
+The vector's length must be known before the protocol's first stage (the nodes expand their
+masks to it): it is ``rows * cols`` of the sketch knobs in the train message
+(:func:`payload_dim`). Next to its masked input, each node sends in the clear the payload's
+*spec* (array key, shape, dtype and codec metadata: the sketch's dimensions and hash seed,
+the same for every node and known to the server); the server requires every survivor's spec
+to be identical (:func:`check_specs`). Nothing of the table's values travels in the clear.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from fedswarm.payload import Payload, PayloadError
+from fedswarm.wire import PAYLOAD_ARRAYS, payload_from_records, payload_to_records
+
+__all__ = ["SPEC_RECORD", "payload_dim", "payload_of", "check_specs", "payload_reply"]
+
+#: The ConfigRecord, next to the masked input, that names the payload the masked vector is.
+SPEC_RECORD = "secagg.payload"
+_KNOBS = "compress"  # fedswarm.strategies.federated.compressed_client.KNOBS (not imported: torch-free here)
+
+
+def payload_dim(msg: Message) -> int | None:
+    """The length of the vector a sketch strategy's node masks (``rows * cols`` of the
+    message's sketch knobs), or None when the message carries no sketch knobs."""
+    knobs = msg.content.config_records.get(_KNOBS)
+    if knobs is None or "rows" not in knobs or "cols" not in knobs or "hash_seed" not in knobs:
+        return None
+    rows, cols = int(knobs["rows"]), int(knobs["cols"])
+    if rows < 1 or cols < 1:
+        raise ValueError(f"secagg: sketch knobs rows={rows}, cols={cols} must be positive")
+    return rows * cols
+
+
+def payload_of(reply: Message) -> tuple[np.ndarray, int, ConfigRecord]:
+    """The node's payload as the vector to mask (float64, flat), its weight (the reply's
+    ``num-examples``) and its spec (:data:`SPEC_RECORD`). Raises ValueError when the reply
+    carries no single-array payload."""
+    if reply.has_error():
+        raise RuntimeError(f"secagg: the train function failed: {reply.error.reason}")
+    content = reply.content
+    if PAYLOAD_ARRAYS not in content.array_records:
+        raise ValueError("secagg_mod: a train reply without the model ('arrays') must carry a linear codec's "
+                         f"'{PAYLOAD_ARRAYS}'")
+    try:
+        p = payload_from_records(content)
+    except PayloadError as exc:
+        raise ValueError(f"secagg_mod: the train reply's payload is malformed: {exc}") from None
+    if len(p.arrays) != 1:
+        raise ValueError(f"secagg_mod: a payload under secure aggregation holds one array, got {sorted(p.arrays)}")
+    (key, arr), = p.arrays.items()
+    arr = np.asarray(arr)
+    metrics = content.metric_records.get("metrics")
+    if metrics is None or "num-examples" not in metrics:
+        raise ValueError("secagg_mod: the train reply needs a 'num-examples' metric (the node's weight)")
+    spec = ConfigRecord({"key": key, "shape": [int(s) for s in arr.shape], "dtype": str(arr.dtype),
+                         "meta": json.dumps(dict(p.meta), sort_keys=True)})
+    return arr.reshape(-1).astype(np.float64), int(metrics["num-examples"]), spec
+
+
+def check_specs(specs: Mapping[int, ConfigRecord | None], dim: int) -> ConfigRecord:
+    """The survivors' common spec; ValueError when one is missing, they differ, or its shape
+    is not ``dim`` values."""
+    if not specs:
+        raise ValueError("secagg: no survivor sent a payload spec")
+    missing = sorted(n for n, s in specs.items() if s is None)
+    if missing:
+        raise ValueError(f"secagg: nodes {missing} sent a masked input without its payload spec")
+    seen = {json.dumps(dict(s), sort_keys=True) for s in specs.values()}
+    if len(seen) != 1:
+        raise ValueError(f"secagg: the survivors' payload specs differ ({len(seen)} kinds): their sum has no meaning")
+    spec = next(iter(specs.values()))
+    if math.prod(int(s) for s in spec["shape"]) != dim:
+        raise ValueError(f"secagg: the payload's shape {list(spec['shape'])} is not the {dim} values masked")
+    return spec
+
+
+def payload_reply(mean: np.ndarray, spec: ConfigRecord) -> RecordDict:
+    """The strategy's one reply content: the payload whose array is ``mean`` (the weighted
+    mean of the survivors' arrays), shaped and typed as ``spec`` says."""
+    arr = np.asarray(mean).astype(np.dtype(str(spec["dtype"]))).reshape([int(s) for s in spec["shape"]])
+    return payload_to_records(Payload(arrays={str(spec["key"]): arr}, meta=json.loads(str(spec["meta"]))))
