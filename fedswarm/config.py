@@ -207,8 +207,9 @@ class RunConfig(TrainingSpec):
         "labelflip, random (default signflip when byzantine > 0)."))
     dp: DPField = Field(None, description=(
         "Client-level DP-FedAvg: 'noise_multiplier=N[,clip=C,delta=D,adaptive=true]' or "
-        "'target_epsilon=E[,delta=D]'. With secagg: distributed DP on the nodes, "
-        "'noise_multiplier=N[,clip=C,delta=D,mechanism=dgauss|skellam,secure=true]'."))
+        "'target_epsilon=E[,delta=D]'. With secagg: distributed DP on the nodes, 'noise_multiplier=N' "
+        "and optionally ',clip=C', ',delta=D', ',mechanism=dgauss|skellam' (the nodes' integer noise), "
+        "',secure=true' (noise from the OS, not the seed)."))
     dp_sgd: DPSGDField = Field(None, description=(
         "Example-level DP-SGD in every client (opacus): 'noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]'."))
     client_data: str | None = Field(None, description=(
