@@ -17,9 +17,12 @@ def test_batched_secure_rounds_equal_the_in_process_protocol_with_dropouts(tmp_p
     # dropped after sharing (tests/test_secagg_flower.py finds the same on the in-process engine)
     kw = dict(task="digits-mlp", clients=8, rounds=3, seed=6, local_epochs=1, secagg=True, secagg_dropout=0.3,
               secagg_threshold=0.51)
-    # ties: stochastic rounding puts a value that the two engines' training leaves ~1e-7 apart on either
-    # side of a level now and then (one level of one coordinate: 2.6e-4 seen on CI), as 1-bit's sign does
-    _, _, rounds = same_models_on_both_engines(kw, tmp_path, monkeypatch, ties=True)
+    # Not to 1e-5: stochastic rounding into ~10^6 levels puts values that the two engines' training leaves
+    # ~1e-7 apart on either side of a level, and those flips carry into the next rounds (CI saw a 2.6e-4
+    # max difference and, another time, 1.02% of the coordinates past 1e-5). 1e-3 still fails a secure sum
+    # that forgets the dropouts (0.17 off) or draws the wrong noise (0.68 off); the sum itself is held bit
+    # for bit to the protocol in tests/test_batched_secagg.py.
+    _, _, rounds = same_models_on_both_engines(kw, tmp_path, monkeypatch, atol=1e-3)
     keys = ("participants", "dropped_after_sharing", "recovered", "threshold", "degree", "field_bits")
     for ref, got in rounds:
         assert ("secagg_failed" in ref) == ("secagg_failed" in got)
@@ -40,6 +43,6 @@ def test_batched_secagg_with_a_strategy_it_does_not_serve_is_refused_in_one_line
 def test_batched_secure_rounds_with_distributed_dp_equal_the_in_process_protocol(tmp_path, monkeypatch):
     kw = dict(task="digits-mlp", clients=5, rounds=2, seed=1, local_epochs=1, secagg=True,
               dp="noise_multiplier=0.5,clip=1.0")
-    _, _, rounds = same_models_on_both_engines(kw, tmp_path, monkeypatch, ties=True)  # as above
+    _, _, rounds = same_models_on_both_engines(kw, tmp_path, monkeypatch, atol=1e-3)  # as above
     for ref, got in rounds:  # the same noise reached the sum: the same accounting
         assert ref["epsilon"] == pytest.approx(got["epsilon"]) and got["epsilon"] > 0
