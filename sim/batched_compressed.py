@@ -103,6 +103,13 @@ def sent_rows(payload: Payload, seed: int) -> list[tuple[Payload, tuple]]:
 class CompressedRounds:
     """Rounds of a compressed strategy; ``model`` is the strategy's public model."""
 
+    #: A sharded engine's worker (:mod:`fedswarm.sim.batched_ray_workers`) sets this: the runner is
+    #: then the client half of its shard only. Each batched payload its clients send goes to
+    #: ``capture.payload(payload, partition ids, seed)`` undecoded, and each client's figures to
+    #: ``capture.reply(k, n, loss, steps)`` / ``capture.error(k, n, exc)`` instead of a reply (the
+    #: driver decodes, measures and aggregates them).
+    capture = None
+
     def __init__(self, run, model: torch.Tensor, notes=None):
         self.run = run
         cfg = run.cfg
@@ -213,6 +220,8 @@ class CompressedRounds:
                k: int, sent: tuple[Payload, tuple], n: int, loss: float, steps: int, value) -> _Reply:
         """Client ``k``'s reply: its one-row payload and size key ``sent``, what the server
         reads of it (``value``), its bytes measured."""
+        if self.capture is not None:
+            return self.capture.reply(k, n, loss, steps)
         r = _Reply(k, node_ids[k], sent[0], sent[1], n, loss, steps, classes[k], policy_json[classes[k]], value)
         r.down = self._down_size(messages[k])  # first: measuring a reply gives the message its id
         r.up = self._up_size(messages[k], r)
@@ -221,6 +230,8 @@ class CompressedRounds:
     def _error_reply(self, messages: list[Message], node_ids: list[int], classes: list[str], k: int, n: int,
                      exc: BaseException) -> _Reply:
         """Client ``k``'s error reply: its own code raised ``exc``."""
+        if self.capture is not None:
+            return self.capture.error(k, n, exc)
         r = _Reply(k, node_ids[k], None, (), n, float("nan"), 0, classes[k], "", None,
                    error=client_error_reply(messages[k], exc))
         r.down = self._down_size(messages[k])
@@ -294,6 +305,9 @@ class CompressedRounds:
             payload, state = client_step(uplink, state, delta[idx], self.layout)
             if uplink.error_feedback:
                 self.residuals.keep_stacked([pids[j] for j in members], state.residual)
+            if self.capture is not None:
+                self.capture.payload(payload, [pids[j] for j in members], uplink.seed)
+                continue
             self._decode(payload, members, uplink.seed, decoded)
             for j, row in zip(members, sent_rows(payload, uplink.seed)):
                 sent[j] = row

@@ -2,7 +2,8 @@
 
 A :class:`ShardWorker` holds the run's batched trainer, built from the config where it runs,
 and the state of the clients it owns; each round it trains its shard and runs the strategy's
-client half on it (the round runner's own ``_train_replies`` and ``_client_step``). A pool
+client half on it (the strategy's round runner with its ``capture`` hook set: its own
+``_train_replies`` and ``_client_step``, their payloads and figures kept for the driver). A pool
 calls a method on every worker and meters what moves: :class:`LocalPool` in this process (the
 tests' oracle, no Ray), :class:`RayPool` as Ray actors. Ray is imported by :class:`RayPool` only.
 """
@@ -55,12 +56,24 @@ class ShardWorker:
         self.cfg: RunConfig | None = None
 
     def begin(self, cfg: RunConfig) -> None:
-        """Start run ``cfg``: its trainer built here (its data, its partition), no client state yet."""
+        """Start run ``cfg``: its trainer built here (its data, its partition), no client state yet;
+        for a strategy whose clients send payloads, its round runner as its shards' client half
+        (:attr:`~fedswarm.sim.batched_compressed.CompressedRounds.capture`)."""
+        from fedswarm.server.app import strategy_for
+
         self.cfg = cfg
         self.trainer = _worker_trainer(cfg)
         self.run = SimpleNamespace(cfg=cfg, trainer=self.trainer, memory_budget=self.memory_budget,
-                                   chunk_size=self.chunk_size, progress=lambda total: None)
-        self._half = None  # the strategy's client half, made on the first round
+                                   chunk_size=self.chunk_size, progress=lambda total: None,
+                                   strategy=lambda: strategy_for(cfg, self.trainer.layout))
+        self._half = None
+        entry = registry.get(cfg.strategy)
+        if entry.batched.runner != "weighted_mean":
+            from fedswarm.sim.batched import round_runner
+
+            # built here, not on the first round: a strategy's build may draw random numbers, and a
+            # LocalPool's workers share the driver's generators, which the run seeds after this
+            self._half = round_runner(entry)(self.run, torch.zeros(self.trainer.layout.d))
 
     def node(self) -> str:
         """The Ray node this worker runs on (its id), or the host's name outside Ray."""
@@ -95,19 +108,18 @@ class ShardWorker:
 
     def client_round(self, x: torch.Tensor, sched, knobs, policies: list[dict]) -> dict:
         """Train this shard from ``x`` and run the strategy's client half on it with the
-        clients' own state (the runner's ``_train_replies``, as in one process): ``replies``,
-        ``(shard position, examples, loss, steps)`` or ``(shard position, examples, exception)``
-        for a client whose code raised; ``groups``, ``(batched payload, shard positions, seed)``
-        of what they send; ``compute_s``."""
+        clients' own state (the round runner's ``_train_replies``, as in one process, with its
+        ``capture`` hook set): ``replies``, ``(shard position, examples, loss, steps)`` or
+        ``(shard position, examples, exception)`` for a client whose code raised; ``groups``,
+        ``(batched payload, shard positions, seed)`` of what they send; ``compute_s``."""
         t0 = time.perf_counter()
-        if self._half is None:
-            self._half = _worker_half(self.cfg.strategy, self.run)
         half = self._half
-        half.model, half.captured = x, []
-        messages = [SimpleNamespace(k=j, content=SimpleNamespace(config_records={_knobs_key(): knobs}))
-                    for j in range(sched.partitions.numel())]
+        half.initial = x  # the runner's model: its strategy here never aggregates, so the round's start
+        half.capture = _Capture(sched.partitions.tolist())
+        messages = [SimpleNamespace(content=SimpleNamespace(config_records={_knobs_key(): knobs}))
+                    for _ in range(sched.partitions.numel())]
         replies = half._train_replies(x, sched, messages, None, None, policies, None, len(messages))
-        return {"replies": replies, "groups": half.captured, "compute_s": time.perf_counter() - t0}
+        return {"replies": replies, "groups": half.capture.groups, "compute_s": time.perf_counter() - t0}
 
 
 def _knobs_key() -> str:
@@ -116,55 +128,24 @@ def _knobs_key() -> str:
     return KNOBS
 
 
-class _CapturingClient:
-    """A sketch strategy's client half that keeps each batched payload it sends."""
+class _Capture:
+    """A shard's client half's sink (the round runner's ``capture`` hook): each batched payload as
+    sent, with its clients' positions in the shard, and each client's figures as a tuple."""
 
-    def __init__(self, client, half):
-        self.client, self.half = client, half
+    def __init__(self, pids: list[int]):
+        self.position = {p: j for j, p in enumerate(pids)}
+        self.groups: list[tuple] = []
 
-    def step(self, rounds, delta):
-        payload = self.client.step(rounds, delta)
-        self.half.captured.append((payload, [cr.msg.k for cr in rounds], int(payload.meta["seed"])))
-        return payload
+    def payload(self, payload, pids: list[int], seed: int) -> None:
+        self.groups.append((payload, [self.position[p] for p in pids], seed))
 
+    @staticmethod
+    def reply(k: int, n: int, loss: float, steps: int) -> tuple:
+        return (k, n, loss, steps)
 
-def _worker_half(strategy: str, run) -> Any:
-    """The strategy's round runner as a worker runs it: its ``_train_replies`` and
-    ``_client_step`` unchanged, with the clients' state here; each reply kept as its figures
-    and each batched payload as sent (the driver measures and decodes them)."""
-    from fedswarm.sim.batched import round_runner
-    from fedswarm.sim.batched_round import ClientRows
-    from fedswarm.sim.batched_sketched import SketchRounds, _contexts
-    from fedswarm.strategies.federated.sketched import SKETCH_CLIENTS
-
-    base = round_runner(registry.get(strategy))
-
-    class Half(base):  # type: ignore[misc, valid-type]
-        model = None  # the public model of the round, set by the worker (not the strategy's)
-
-        def __init__(self):  # no strategy object here: the driver has it
-            self.run = run
-            self.layout = run.trainer.layout
-            self.residuals = ClientRows(self.layout.d, run.cfg.clients)  # as CompressedRounds keeps them
-            self.captured: list = []
-            if issubclass(base, SketchRounds):
-                self.contexts = _contexts(run.cfg.clients)
-                self.client = _CapturingClient(SKETCH_CLIENTS[strategy], self)
-
-        def _client_step(self, delta, pids, ins, policies):
-            self._ks = [m.k for m in ins]
-            return super()._client_step(delta, pids, ins, policies)
-
-        def _decode(self, payload, members, seed, out):  # the codec's payload: decoded on the driver
-            self.captured.append((payload, [self._ks[j] for j in members], seed))
-
-        def _reply(self, messages, node_ids, classes, policy_json, k, sent, n, loss, steps, value):
-            return (k, n, loss, steps)
-
-        def _error_reply(self, messages, node_ids, classes, k, n, exc):
-            return (k, n, exc)
-
-    return Half()
+    @staticmethod
+    def error(k: int, n: int, exc: BaseException) -> tuple:
+        return (k, n, exc)
 
 
 # -- pools of workers ----------------------------------------------------------------------------------

@@ -107,6 +107,9 @@ class SketchRounds(CompressedRounds):
         for cr in rounds:  # what finish() writes into the client's state
             for key, value in cr.state.items():
                 cr.context.state[key] = value
+        if self.capture is not None:  # a shard worker's client half (CompressedRounds.capture)
+            self.capture.payload(payload, pids, int(payload.meta["seed"]))
+            return [None] * len(pids), [None] * len(pids)
         table = payload.arrays["table"]
         seed = int(payload.meta["seed"])
         shapes = (("table", (1, *table.shape[1:]), str(table.dtype)),)
