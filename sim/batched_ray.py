@@ -11,13 +11,18 @@ its shard; the driver keeps the strategy and reduces what it needs:
 
 - FedAvg (runner ``weighted_mean``): each worker sends its shard's weighted sum ``[d]``
   (float64), its examples and losses; the driver adds the sums (:class:`ShardedTrainer` stands
-  in for the trainer in FedAvg's own round, :func:`fedswarm.sim.batched._one_round`).
+  in for the trainer in FedAvg's own round, :func:`fedswarm.sim.batched._one_round`). With
+  ``--dp`` each worker sums its clients' clipped changes and counts those within the norm; the
+  driver adds both and noises the total once (the strategy's mechanism, adaptive clipping too).
 - the codec strategies (``compressed_fedavg``, ``onebit``, the robust rules; runner ``codec``)
   and the one-exchange Count-Sketch one (``fetchsgd``; runner ``sketch``): each worker runs the
   strategy's own client half on its shard (the runner's ``_client_step``, with its clients'
   state) and sends the batched payloads (top-k indices and values, sketches): the driver
   gathers them, reads them as the server reads every reply and hands them to the strategy
   (its robust rule, its sketch sum, its top-k), as :class:`CompressedRounds` does in one process.
+  ``--byzantine`` is the driver's too: the gathered replies pass the attack before the rule reads
+  them (``labelflip``'s clients train on flipped labels on the workers that own them); ``--dp``'s
+  clients clip on the workers, the strategy object noises on the driver.
 
 The same seed gives the same model as one process: the same clients, schedules and seeds; only
 the order in which the float64 sums are added differs (tests hold the two to 1e-5). What a
@@ -81,9 +86,9 @@ def check_sharded(cfg: RunConfig, *, need_address: bool = True) -> None:
     if not _serves(registry.get(cfg.strategy)):
         raise ConfigError(f"--engine batched --ray-address runs {', '.join(sharded_names())}; strategy "
                           f"'{cfg.strategy}' runs on --engine batched without --ray-address")
-    for flag, given in (("--dp", cfg.dp), ("--byzantine", cfg.byzantine)):
-        if given:
-            raise ConfigError(f"--engine batched --ray-address does not run {flag}; drop --ray-address")
+    if cfg.secagg:
+        raise ConfigError("--engine batched --ray-address does not run --secagg: its masks are added per client on "
+                          "the driver, the workers send shard sums; drop --ray-address")
     if cfg.device != "cpu":
         raise ConfigError(f"--engine batched --ray-address trains on the actors' CPUs; --device '{cfg.device}' "
                           "runs without --ray-address")
@@ -106,7 +111,9 @@ def _sub_schedule(sched, pos: np.ndarray):
     from fedswarm.sim.batched_trainer import ClientSchedule
 
     idx = torch.from_numpy(pos)
-    return ClientSchedule(*(getattr(sched, f)[idx] for f in ("partitions", "steps", "batch_size", "lr", "seeds")))
+    flip = None if sched.flip_labels is None else sched.flip_labels[idx]  # --byzantine labelflip's clients
+    return ClientSchedule(*(getattr(sched, f)[idx] for f in ("partitions", "steps", "batch_size", "lr", "seeds")),
+                          flip_labels=flip)
 
 
 # -- the driver's half -----------------------------------------------------------------------------------
@@ -124,15 +131,13 @@ class ShardedTrainer:
 
     def average(self, start, schedule, weights, *, momentum=0.0, chunk_size=None, memory_budget=None, on_chunk=None,
                 per_client_loss=True, clip=None, within=None):
-        if clip is not None:  # pragma: no cover - check_sharded refuses --dp
-            raise ConfigError("--engine batched --ray-address does not run --dp")
         k = schedule.partitions.numel()
         if k == 0:
             return
         shards = shard_positions(schedule.partitions.numpy(), self.pool.workers)
         out = self.pool.call("average", [None if not len(pos) else
                                          (start, _sub_schedule(schedule, pos), weights[torch.from_numpy(pos)],
-                                          momentum, per_client_loss) for pos in shards])
+                                          momentum, per_client_loss, clip) for pos in shards])
         total = torch.zeros(self._trainer.layout.d, dtype=torch.float64)
         loss = torch.zeros(k) if per_client_loss else None
         n = torch.zeros(k, dtype=torch.int64)
@@ -147,6 +152,8 @@ class ShardedTrainer:
                 loss = torch.zeros(k) if loss is None else loss
                 loss[idx] = r["loss"]
             loss_wsum += r["loss_wsum"]
+            if within is not None:  # --dp: the changes within the clip norm, counted where they were clipped
+                within[0] += r["within"]
             diverged.update({int(pos[j]): model for j, model in r["diverged"].items()})
         yield slice(0, k), total, loss, n, loss_wsum, diverged
         if on_chunk is not None:

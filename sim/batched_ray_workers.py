@@ -83,20 +83,21 @@ class ShardWorker:
         return socket.gethostname()
 
     def average(self, start: torch.Tensor, sched, weights: torch.Tensor, momentum: float,
-                per_client_loss: bool) -> dict:
+                per_client_loss: bool, clip: float | None = None) -> dict:
         """FedAvg's numerator over this shard (:meth:`BatchedTrainer.average`'s chunks added up):
         ``sum`` [d] float64, ``loss`` [k] or None, ``n`` [k], ``loss_wsum``, ``diverged``
-        (shard position -> model), ``compute_s``."""
+        (shard position -> model), ``within`` (with ``clip``, DP-FedAvg's: the sum is of the
+        clipped changes, and this many were within the norm), ``compute_s``."""
         t0 = time.perf_counter()
         k = sched.partitions.numel()
         total = torch.zeros(self.trainer.layout.d, dtype=torch.float64)
         loss = torch.zeros(k)
         has_loss = False
         n = torch.zeros(k, dtype=torch.int64)
-        loss_wsum, diverged = 0.0, {}
+        loss_wsum, diverged, within = 0.0, {}, [0]
         for rows, part, chunk_loss, chunk_n, lw, div in self.trainer.average(
                 start, sched, weights, momentum=momentum, chunk_size=self.run.chunk_size,
-                memory_budget=self.run.memory_budget, per_client_loss=per_client_loss):
+                memory_budget=self.run.memory_budget, per_client_loss=per_client_loss, clip=clip, within=within):
             total += part
             n[rows] = chunk_n
             if chunk_loss is not None:
@@ -104,7 +105,7 @@ class ShardWorker:
             loss_wsum += lw
             diverged.update(div)
         return {"sum": total, "loss": loss if has_loss else None, "n": n, "loss_wsum": loss_wsum,
-                "diverged": diverged, "compute_s": time.perf_counter() - t0}
+                "diverged": diverged, "within": within[0], "compute_s": time.perf_counter() - t0}
 
     def client_round(self, x: torch.Tensor, sched, knobs, policies: list[dict]) -> dict:
         """Train this shard from ``x`` and run the strategy's client half on it with the

@@ -23,6 +23,15 @@ CASES = {
     "fedavg-grouped": dict(strategy="fedavg", clients=12, local_steps=1, fraction=0.5, grouped=True),
     "topk-ef": dict(strategy="compressed_fedavg", params={"codec": "topk", "codec_params": "ratio=0.1"}),
     "median": dict(strategy="median", clients=9, fraction=1.0),  # a robust rule: every vector gathered
+    # --byzantine on the driver: the gathered replies rewritten by the attack, then the robust rule
+    "median-signflip": dict(strategy="median", clients=9, fraction=1.0, byzantine=2),
+    # a data attack: the chosen clients train on flipped labels on the workers that own them
+    "krum-labelflip": dict(strategy="krum", clients=9, fraction=1.0, byzantine=2, attack="labelflip"),
+    # --dp: the workers clip and count, the driver noises the summed clipped changes (adaptive: the counts steer it)
+    "fedavg-dp-adaptive": dict(strategy="fedavg", dp="noise_multiplier=0.5,clip=0.3,adaptive=true"),
+    # the clients clip before they compress (on the workers), the strategy object noises (on the driver)
+    "topk-dp": dict(strategy="compressed_fedavg", params={"codec": "topk", "codec_params": "ratio=0.1"},
+                    dp="noise_multiplier=0.5,clip=0.02,adaptive=true"),
     "fetchsgd": dict(strategy="fetchsgd"),
     "fetchsgd-3-workers": dict(strategy="fetchsgd", workers=3, clients=11, fraction=0.8),
 }
@@ -141,8 +150,8 @@ def test_sharded_average_reduces_to_one_trainers_average():
     (dict(strategy="gtopk"), "runs fedavg, compressed_fedavg"),
     (dict(strategy="sketched_sgd"), "strategy 'sketched_sgd' runs on --engine batched without --ray-address"),
     (dict(strategy="pvt"), "strategy 'pvt' runs on --engine batched without"),
-    (dict(dp="noise_multiplier=1.0"), "does not run --dp;"),
-    (dict(strategy="median", byzantine=1), "does not run --byzantine"),
+    (dict(secagg=True), "does not run --secagg: its masks are added per client on the driver"),
+    (dict(byzantine=1), "does not run --byzantine with fedavg"),  # the batched engine's own refusal
     (dict(device="cuda"), "trains on the actors' CPUs"),
     (dict(workers=2, ray_address=None), "give --ray-address"),
     (dict(workers=2, engine="inprocess"), "the inprocess engine takes none"),
