@@ -330,6 +330,7 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     run = BatchedRun(cfg, trainer, train_config, n_examples, meter, memory_budget=memory_budget,
                      chunk_size=chunk_size, on_clients=on_clients, prepared=prepared)
     rounds_of = (runner or round_runner(registry.get(cfg.strategy)))(run, global_vec, notes=recorder)
+    evaluator.scorer = getattr(rounds_of, "score_cohort", None)  # a sharded runner's: on its workers
     recorder.min_train_nodes = getattr(getattr(rounds_of, "strategy", None), "min_train_nodes", None)
     recorder.eval_every = cfg.eval_every
 

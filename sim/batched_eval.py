@@ -92,6 +92,9 @@ class CohortEvaluator:
         self.losses = losses_of(task)
         self.x, self.y = test_x, test_y
         self.split: tuple[np.ndarray, np.ndarray] | None = None
+        # :meth:`score` done elsewhere, ``(vec, pids) -> score's arrays``: the batched engine on Ray
+        # scores each client on the worker that owns it (sim/batched_ray.py)
+        self.scorer: Callable[[torch.Tensor, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
         if self.correct is not None and not cfg.client_data:  # node_validation's cut of the test set
             self.split = partition_offsets(test_y.numpy(), "iid", cfg.clients, cfg.seed)
 
@@ -124,6 +127,8 @@ class CohortEvaluator:
 
     def score(self, vec: torch.Tensor, pids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each partition's ``(mean loss, accuracy, examples)`` (float64, float64, int64 arrays)."""
+        if self.scorer is not None:
+            return self.scorer(vec, pids)
         flat, offsets = self.split
         rows, counts = segment_gather(flat, offsets, pids)
         if (counts == 0).any():

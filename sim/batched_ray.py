@@ -24,11 +24,18 @@ its shard; the driver keeps the strategy and reduces what it needs:
   them (``labelflip``'s clients train on flipped labels on the workers that own them); ``--dp``'s
   clients clip on the workers, the strategy object noises on the driver.
 
+Federated evaluation is sharded too: each worker scores the cohort's clients it owns on their
+validation splits (:meth:`_Sharded.score_cohort`, the engine's
+:class:`~fedswarm.sim.batched_eval.CohortEvaluator` calls it) and the driver puts the arrays
+together (a task with an accuracy of its own, or ``--client-data``, is scored node by node on
+the driver, as in one process).
+
 The same seed gives the same model as one process: the same clients, schedules and seeds; only
 the order in which the float64 sums are added differs (tests hold the two to 1e-5). What a
 round moves to and from the workers is metered (the pickled size of the arguments and of the
 replies) and its time beside the workers' own compute: each round's row carries
-``shard_bytes_out``, ``shard_bytes_in``, ``shard_wait_s`` and ``shard_compute_s``.
+``shard_bytes_out``, ``shard_bytes_in``, ``shard_wait_s`` and ``shard_compute_s``, and the
+evaluation's the same four prefixed ``eval_``.
 
 The workers are a pool (:mod:`fedswarm.sim.batched_ray_workers`): :class:`LocalPool` runs
 them in this process (the tests' oracle of the sharding and reduction math, without Ray),
@@ -118,6 +125,32 @@ def _sub_schedule(sched, pos: np.ndarray):
 
 # -- the driver's half -----------------------------------------------------------------------------------
 
+class _Sharded:
+    """What the sharded round runners share: the pool's figures in the round's row, and federated
+    evaluation on the workers (the engine's evaluator calls :meth:`score_cohort`, after the round)."""
+
+    pool: _Pool
+
+    def _taken(self, row: dict) -> dict:
+        row.update(self.pool.take())
+        self._row = row  # the round's row, which the evaluation's figures join before it is recorded
+        return row
+
+    def score_cohort(self, vec: torch.Tensor, pids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`~fedswarm.sim.batched_eval.CohortEvaluator.score` of the cohort ``pids``: each
+        worker scores the clients it owns on their validation splits, the driver puts the arrays
+        back in cohort order. What it moved joins the round's row as ``eval_shard_*``."""
+        shards = shard_positions(pids, self.pool.workers)
+        out = self.pool.call("score", [(vec, pids[pos]) if len(pos) else None for pos in shards])
+        loss, acc = np.empty(len(pids)), np.empty(len(pids))
+        n = np.empty(len(pids), dtype=np.int64)
+        for pos, r in zip(shards, out):
+            if r is not None:
+                loss[pos], acc[pos], n[pos] = r["loss"], r["acc"], r["n"]
+        self._row.update({f"eval_{k}": v for k, v in self.pool.take().items()})
+        return loss, acc, n
+
+
 class ShardedTrainer:
     """The trainer FedAvg's round sees: :meth:`average` over the whole cohort as one chunk,
     its sum added up from the workers' shards; the rest is the driver's trainer."""
@@ -160,17 +193,14 @@ class ShardedTrainer:
             on_chunk(k)
 
 
-class _ShardedReplies:
+class _ShardedReplies(_Sharded):
     """A compressed runner's round with its clients trained on the workers: the hook
     ``_train_replies`` gathers the shards' payloads and makes each client's reply on the
     driver (read as the server reads it, its bytes measured), the rest of the round unchanged."""
 
-    pool: _Pool
-
     def round(self, server_round: int):
         row, node_rows = super().round(server_round)  # type: ignore[misc]
-        row.update(self.pool.take())
-        return row, node_rows
+        return self._taken(row), node_rows
 
     def _train_replies(self, x, sched, messages, node_ids, classes, pols, policy_json, total):
         from fedswarm.sim.batched_compressed import sent_rows
@@ -212,7 +242,7 @@ class _ShardedReplies:
         return list(out)
 
 
-class _ShardedFedAvg:
+class _ShardedFedAvg(_Sharded):
     """FedAvg's round with :class:`ShardedTrainer`; its row carries the pool's figures."""
 
     def __init__(self, run, model, notes=None, *, pool: _Pool):
@@ -229,8 +259,7 @@ class _ShardedFedAvg:
 
     def round(self, server_round: int):
         row, node_rows = self.inner.round(server_round)
-        row.update(self.pool.take())
-        return row, node_rows
+        return self._taken(row), node_rows
 
 
 def sharded_runner(strategy: str, pool: _Pool) -> Callable[..., Any]:

@@ -67,6 +67,7 @@ class ShardWorker:
                                    chunk_size=self.chunk_size, progress=lambda total: None,
                                    strategy=lambda: strategy_for(cfg, self.trainer.layout))
         self._half = None
+        self._evaluator = None  # made on the first federated evaluation
         entry = registry.get(cfg.strategy)
         if entry.batched.runner != "weighted_mean":
             from fedswarm.sim.batched import round_runner
@@ -106,6 +107,23 @@ class ShardWorker:
             diverged.update(div)
         return {"sum": total, "loss": loss if has_loss else None, "n": n, "loss_wsum": loss_wsum,
                 "diverged": diverged, "within": within[0], "compute_s": time.perf_counter() - t0}
+
+    def score(self, vec: torch.Tensor, pids) -> dict:
+        """Federated evaluation of this shard's clients ``pids`` (numpy partition ids), each on its own
+        validation split as in one process (:meth:`fedswarm.sim.batched_eval.CohortEvaluator.score`):
+        ``loss``, ``acc``, ``n`` arrays in the order of ``pids``, ``compute_s``."""
+        t0 = time.perf_counter()
+        if self._evaluator is None:
+            from fedswarm.sim.batched_eval import CohortEvaluator
+            from fedswarm.tasks import get_task
+            from fedswarm.train import resolve_device, task_data
+
+            cfg, data = self.cfg, task_data(self.cfg)
+            task, device = get_task(cfg.task), resolve_device(cfg.device)
+            self._evaluator = CohortEvaluator(cfg, task, task.model(cfg.seed).to(device), device, data.test_x,
+                                              data.test_y, on_partition=None)  # type: ignore[arg-type]
+        loss, acc, n = self._evaluator.score(vec, pids)
+        return {"loss": loss, "acc": acc, "n": n, "compute_s": time.perf_counter() - t0}
 
     def client_round(self, x: torch.Tensor, sched, knobs, policies: list[dict]) -> dict:
         """Train this shard from ``x`` and run the strategy's client half on it with the

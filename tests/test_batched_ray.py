@@ -81,7 +81,28 @@ def test_sharded_runs_give_the_single_process_models(case, tmp_path, monkeypatch
         # the model went out to the workers, their sums or payloads came back
         assert r_got["shard_bytes_out"] > 4 * ref[0].numel() and r_got["shard_bytes_in"] > 0
         assert r_got["shard_wait_s"] >= r_got["shard_compute_s"] > 0
+        # federated evaluation: each worker scored the clients it owns (their arrays came back)
+        assert r_ref["fed_examples"] > 0 and r_got["fed_examples"] == r_ref["fed_examples"]
+        for key in ("fed_loss", "fed_accuracy"):
+            assert r_got[key] == pytest.approx(r_ref[key], abs=1e-6), key
+        assert r_got["eval_shard_bytes_in"] > 0 and "eval_shard_bytes_in" not in r_ref
     assert len(per_client) == 1 and 10 < per_client.pop() < 60
+    ref_nodes, got_nodes = (_fed_by_node(tmp_path / sub / "batched.db") for sub in ("one", "sharded"))
+    assert got_nodes.keys() == ref_nodes.keys()
+    for key, values in ref_nodes.items():  # each node's own scores, where node rows are kept
+        assert got_nodes[key] == pytest.approx(values, abs=1e-6), key
+
+
+def _fed_by_node(db) -> dict:
+    """(round, node) -> (fed_loss, fed_accuracy) of every node row of the store's one run."""
+    from fedswarm.store import Store
+
+    store = Store(db)
+    try:
+        return {(n.round, n.node_id): (n.fed_loss, n.fed_accuracy) for n in store.node_rounds(store.list_runs()[0].id)
+                if n.fed_loss is not None}
+    finally:
+        store.close()
 
 
 def test_client_state_stays_on_the_worker_that_owns_the_client(tmp_path):
