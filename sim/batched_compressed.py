@@ -366,6 +366,9 @@ class GTopKRounds(CompressedRounds):
         payload, state = gtopk.client_step(state, selects, delta, float(knobs["density"]), int(knobs["round"]),
                                            self.layout)
         self.states.keep(pids, state.rows())
+        if self.capture is not None:  # a shard worker's client half (CompressedRounds.capture)
+            self.capture.payload(payload, pids, int(payload.meta["seed"]))
+            return [None] * len(pids), [None] * len(pids)
         values = [(idx.to(torch.int64), vals.to(torch.float32))  # what GlobalTopK.parse_reply returns
                   for idx, vals in zip(payload.arrays["indices"], payload.arrays["values"])]
         return values, sent_rows(payload, int(payload.meta["seed"]))

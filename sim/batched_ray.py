@@ -14,8 +14,10 @@ its shard; the driver keeps the strategy and reduces what it needs:
   in for the trainer in FedAvg's own round, :func:`fedswarm.sim.batched._one_round`). With
   ``--dp`` each worker sums its clients' clipped changes and counts those within the norm; the
   driver adds both and noises the total once (the strategy's mechanism, adaptive clipping too).
-- the codec strategies (``compressed_fedavg``, ``onebit``, the robust rules; runner ``codec``)
-  and the one-exchange Count-Sketch one (``fetchsgd``; runner ``sketch``): each worker runs the
+- the codec strategies (``compressed_fedavg``, ``onebit``, the robust rules; runner ``codec``),
+  ``gtopk`` (runner ``global_topk``: the ``select`` record the server sent each client, what
+  it used of that client's last top-k, goes to the worker that keeps its accumulator) and the
+  one-exchange Count-Sketch one (``fetchsgd``; runner ``sketch``): each worker runs the
   strategy's own client half on its shard (the runner's ``_client_step``, with its clients'
   state) and sends the batched payloads (top-k indices and values, sketches): the driver
   gathers them, reads them as the server reads every reply and hands them to the strategy
@@ -64,19 +66,35 @@ __all__ = ["DEFAULT_WORKERS", "SHARDED_RUNNERS", "check_sharded", "sharded_names
 #: ``--workers`` when not given.
 DEFAULT_WORKERS = 2
 #: The round runners (:data:`fedswarm.sim.batched.ROUND_RUNNERS`) the sharded path serves.
-SHARDED_RUNNERS = ("weighted_mean", "codec", "sketch")
+SHARDED_RUNNERS = ("weighted_mean", "codec", "global_topk", "sketch")
 
 
 # -- which runs -------------------------------------------------------------------------------------
 
-def _serves(entry: registry.StrategyEntry) -> bool:
-    if entry.batched is None or entry.batched.runner not in SHARDED_RUNNERS:
-        return False
-    if entry.batched.runner == "sketch":  # a second exchange in the round asks the clients again: not here
+#: Why a round runner is not sharded (the one-line refusal names it).
+_NOT_SHARDED = {
+    "variable_subsets": "its clients train sub-models of their own subsets, a round runner the workers do not run",
+    "stages": "its clients train the stage's sub-model, a round runner the workers do not run",
+    "fedbuff": "its asynchronous aggregations train clients in waves the workers do not run",
+}
+
+
+def _why_not(entry: registry.StrategyEntry) -> str | None:
+    """Why the sharded path does not run ``entry`` (None: it does)."""
+    runner = entry.batched.runner if entry.batched is not None else None
+    if runner == "sketch":
         from fedswarm.strategies.federated.sketched import SKETCH_CLIENTS
 
-        return SKETCH_CLIENTS[entry.name].prefix is None
-    return True
+        if SKETCH_CLIENTS[entry.name].prefix is not None:
+            return "it asks the round's clients a second time (their exact values), which the workers do not answer"
+        return None
+    if runner in SHARDED_RUNNERS:
+        return None
+    return _NOT_SHARDED.get(runner, "its round runner is not one the workers run")  # type: ignore[arg-type]
+
+
+def _serves(entry: registry.StrategyEntry) -> bool:
+    return entry.batched is not None and _why_not(entry) is None
 
 
 def sharded_names() -> list[str]:
@@ -90,9 +108,10 @@ def check_sharded(cfg: RunConfig, *, need_address: bool = True) -> None:
     if need_address and not cfg.ray_address:
         raise ConfigError("--workers splits the batched engine's cohort across Ray actors: give --ray-address "
                           "HOST:PORT too")
-    if not _serves(registry.get(cfg.strategy)):
+    entry = registry.get(cfg.strategy)
+    if not _serves(entry):
         raise ConfigError(f"--engine batched --ray-address runs {', '.join(sharded_names())}; strategy "
-                          f"'{cfg.strategy}' runs on --engine batched without --ray-address")
+                          f"'{cfg.strategy}' runs on --engine batched without --ray-address ({_why_not(entry)})")
     if cfg.secagg:
         raise ConfigError("--engine batched --ray-address does not run --secagg: its masks are added per client on "
                           "the driver, the workers send shard sums; drop --ray-address")
@@ -204,12 +223,13 @@ class _ShardedReplies(_Sharded):
 
     def _train_replies(self, x, sched, messages, node_ids, classes, pols, policy_json, total):
         from fedswarm.sim.batched_compressed import sent_rows
-        from fedswarm.strategies.federated.compressed_base import KNOBS
+        from fedswarm.strategies.federated.compressed_base import KNOBS, SELECT
 
         knobs = messages[0].content.config_records[KNOBS]
         shards = shard_positions(sched.partitions.numpy(), self.pool.workers)
         out = self.pool.call("client_round", [None if not len(pos) else
-                                              (x, _sub_schedule(sched, pos), knobs, [pols[int(k)] for k in pos])
+                                              (x, _sub_schedule(sched, pos), knobs, [pols[int(k)] for k in pos],
+                                               _selects([messages[int(k)] for k in pos], SELECT))
                                               for pos in shards])
         replies = []
         for pos, r in zip(shards, out):
@@ -242,6 +262,13 @@ class _ShardedReplies(_Sharded):
         return list(out)
 
 
+def _selects(messages: list, key: str) -> list | None:
+    """The ``select`` record of each train message (what the server used of a client's last
+    message: gTop-k's), None where it has none; None when none has one."""
+    out = [m.content.config_records.get(key) for m in messages]
+    return out if any(s is not None for s in out) else None
+
+
 class _ShardedFedAvg(_Sharded):
     """FedAvg's round with :class:`ShardedTrainer`; its row carries the pool's figures."""
 
@@ -266,6 +293,7 @@ def sharded_runner(strategy: str, pool: _Pool) -> Callable[..., Any]:
     """The round runner of ``strategy`` with its cohort on ``pool``'s workers: called as a
     round runner class, ``(run, model, notes=...)``."""
     from fedswarm.sim.batched import round_runner
+    from fedswarm.sim.batched_compressed import GTopKRounds
     from fedswarm.sim.batched_sketched import SketchRounds
 
     entry = registry.get(strategy)
@@ -275,6 +303,11 @@ def sharded_runner(strategy: str, pool: _Pool) -> Callable[..., Any]:
     if issubclass(base, SketchRounds):
         def values(self, payload, seed, rows):  # what SketchStrategy.parse_reply returns: the table
             return [t.to(torch.float32).clone() for t in payload.arrays["table"]]
+        extra = {"_group_values": values}
+    elif issubclass(base, GTopKRounds):
+        def values(self, payload, seed, rows):  # what GlobalTopK.parse_reply returns: indices and values
+            return [(i.to(torch.int64), v.to(torch.float32))
+                    for i, v in zip(payload.arrays["indices"], payload.arrays["values"])]
         extra = {"_group_values": values}
     else:
         extra = {}

@@ -125,26 +125,25 @@ class ShardWorker:
         loss, acc, n = self._evaluator.score(vec, pids)
         return {"loss": loss, "acc": acc, "n": n, "compute_s": time.perf_counter() - t0}
 
-    def client_round(self, x: torch.Tensor, sched, knobs, policies: list[dict]) -> dict:
+    def client_round(self, x: torch.Tensor, sched, knobs, policies: list[dict], selects: list | None = None) -> dict:
         """Train this shard from ``x`` and run the strategy's client half on it with the
         clients' own state (the round runner's ``_train_replies``, as in one process, with its
-        ``capture`` hook set): ``replies``, ``(shard position, examples, loss, steps)`` or
-        ``(shard position, examples, exception)`` for a client whose code raised; ``groups``,
-        ``(batched payload, shard positions, seed)`` of what they send; ``compute_s``."""
+        ``capture`` hook set); each client's train message stands in as its ``knobs`` and, where
+        the server sent it one, its ``select`` record (``selects``, None: none did). Returns
+        ``replies``, ``(shard position, examples, loss, steps)`` or ``(shard position, examples,
+        exception)`` for a client whose code raised; ``groups``, ``(batched payload, shard
+        positions, seed)`` of what they send; ``compute_s``."""
         t0 = time.perf_counter()
         half = self._half
         half.initial = x  # the runner's model: its strategy here never aggregates, so the round's start
         half.capture = _Capture(sched.partitions.tolist())
-        messages = [SimpleNamespace(content=SimpleNamespace(config_records={_knobs_key(): knobs}))
-                    for _ in range(sched.partitions.numel())]
+        from fedswarm.strategies.federated.compressed_base import KNOBS, SELECT
+
+        messages = [SimpleNamespace(content=SimpleNamespace(config_records={KNOBS: knobs} if sel is None else
+                                                            {KNOBS: knobs, SELECT: sel}))
+                    for sel in (selects or [None] * sched.partitions.numel())]
         replies = half._train_replies(x, sched, messages, None, None, policies, None, len(messages))
         return {"replies": replies, "groups": half.capture.groups, "compute_s": time.perf_counter() - t0}
-
-
-def _knobs_key() -> str:
-    from fedswarm.strategies.federated.compressed_base import KNOBS
-
-    return KNOBS
 
 
 class _Capture:

@@ -32,6 +32,8 @@ CASES = {
     # the clients clip before they compress (on the workers), the strategy object noises (on the driver)
     "topk-dp": dict(strategy="compressed_fedavg", params={"codec": "topk", "codec_params": "ratio=0.1"},
                     dp="noise_multiplier=0.5,clip=0.02,adaptive=true"),
+    # gTop-k: the selection the server sent each client goes to the worker that keeps its accumulator
+    "gtopk": dict(strategy="gtopk", rounds=4),
     "fetchsgd": dict(strategy="fetchsgd"),
     "fetchsgd-3-workers": dict(strategy="fetchsgd", workers=3, clients=11, fraction=0.8),
 }
@@ -168,9 +170,11 @@ def test_sharded_average_reduces_to_one_trainers_average():
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(strategy="gtopk"), "runs fedavg, compressed_fedavg"),
-    (dict(strategy="sketched_sgd"), "strategy 'sketched_sgd' runs on --engine batched without --ray-address"),
-    (dict(strategy="pvt"), "strategy 'pvt' runs on --engine batched without"),
+    (dict(strategy="progfed"), "runs fedavg, compressed_fedavg"),
+    (dict(strategy="sketched_sgd"), "strategy 'sketched_sgd' runs on --engine batched without --ray-address (it "
+                                    "asks the round's clients a second time"),
+    (dict(strategy="pvt"), "strategy 'pvt' runs on --engine batched without --ray-address (its clients train sub-"),
+    (dict(strategy="fedbuff"), "(its asynchronous aggregations"),
     (dict(secagg=True), "does not run --secagg: its masks are added per client on the driver"),
     (dict(byzantine=1), "does not run --byzantine with fedavg"),  # the batched engine's own refusal
     (dict(device="cuda"), "trains on the actors' CPUs"),
