@@ -3,10 +3,13 @@ batched engine on a Ray cluster (``--ray-address``, :mod:`fedswarm.sim.batched_r
 and 2 workers against the same run in one process, on a one-node cluster of our own on this
 machine (:func:`fedswarm.bench.ray_cluster.local_ray_cluster`, 2 CPUs).
 
-The runs: digits-mlp, iid, every client every round, one local step (FedAvg, as ``bench
+The runs: digits-mlp, iid, every client every round, one local step: FedAvg (as ``bench
 engines``) and top-k 1% with error feedback (``compressed_fedavg``), at 1,000 and 10,000
-clients (``--quick``: 1,000), federated evaluation off (it is not sharded: the driver scores
-the cohort in one process either way). One process runs twice: with the engine's own two
+clients (``--quick``: 1,000), federated evaluation off; and at 1,000 clients the cases the
+sharded engine gained since: FedAvg with federated evaluation every round (each worker scores
+its clients: the ``eval_shard_*`` figures), FedAvg with ``--dp`` (the workers clip, the driver
+noises), the median rule under a sign-flip ``--byzantine`` attack (every client's vector
+gathered to the driver) and gTop-k. One process runs twice: with the engine's own two
 threads and with one (what each worker has), so that threads and Ray are told apart.
 Columns: steady seconds per round (the median round after the first), client-rounds per
 second, the first round and the start-up outside rounds (the actors' start and their
@@ -37,8 +40,16 @@ _BASE = dict(task="digits-mlp", partition="iid", local_steps=1, batch_size=16, l
 CASES = {
     "fedavg": dict(strategy="fedavg"),
     "topk-ef": dict(strategy="compressed_fedavg", params={"codec": "topk", "codec_params": "ratio=0.01"}),
+    "fedavg-fedeval": dict(strategy="fedavg", eval_every=1),
+    "fedavg-dp": dict(strategy="fedavg", dp="noise_multiplier=1.0,clip=1.0"),
+    "median-signflip": dict(strategy="median", byzantine=10),
+    "gtopk": dict(strategy="gtopk", params={"density": 0.01}),
 }
-_FIGURES = ("shard_bytes_out", "shard_bytes_in", "shard_wait_s", "shard_compute_s")
+#: the cases run at 1,000 clients only (what they add is their reduction, not scale; the median's
+#: gathered vectors at 10,000 clients are 10,000 dense models on the driver)
+SMALL_ONLY = ("fedavg-fedeval", "fedavg-dp", "median-signflip", "gtopk")
+_FIGURES = ("shard_bytes_out", "shard_bytes_in", "shard_wait_s", "shard_compute_s",
+            "eval_shard_bytes_out", "eval_shard_bytes_in", "eval_shard_wait_s", "eval_shard_compute_s")
 
 
 def _cell(cfg, t0: float) -> dict:
@@ -59,7 +70,8 @@ def _cell(cfg, t0: float) -> dict:
         if values:
             row[out] = values[len(values) // 2]
     if "shard_wait_s" in row:
-        row["ray_overhead_s"] = row["shard_wait_s"] - row["shard_compute_s"]
+        row["ray_overhead_s"] = (row["shard_wait_s"] + row.get("eval_shard_wait_s", 0.0)
+                                 - row["shard_compute_s"] - row.get("eval_shard_compute_s", 0.0))
     return row
 
 
@@ -77,7 +89,7 @@ def run(out_dir: Path, quick: bool = False, *, sizes: list[int] | None = None, r
     default_threads = torch.get_num_threads()
     with local_ray_cluster(nodes=1, cpus=2) as (address, _):
         for case in cases:
-            for clients in sizes:
+            for clients in [n for n in sizes if case not in SMALL_ONLY or n <= 1000]:
                 # one process with the engine's own threads (2), with one (as each worker has), then the workers
                 for w, threads in ((0, None), (0, 1), *((w, None) for w in workers)):
                     kw = dict(_BASE, clients=clients, rounds=rounds, engine="batched", **CASES[case])
@@ -105,6 +117,13 @@ def run(out_dir: Path, quick: bool = False, *, sizes: list[int] | None = None, r
     return rows
 
 
+def _both(row: dict, key: str):
+    """A round's figure of the training's calls and the evaluation's together (None: not sharded)."""
+    if row.get(key) is None:
+        return None
+    return row[key] + row.get(f"eval_{key}", 0)
+
+
 def _print(rows: list[dict], console: Console) -> None:
     load = os.getloadavg()
     table = Table(title=f"batched engine on Ray (one local node) against one process, per round "
@@ -121,8 +140,8 @@ def _print(rows: list[dict], console: Console) -> None:
         table.add_row(r["case"], str(r["clients"]), r["engine"], f(r.get("steady_round_s"), ".3f"),
                       f(r.get("x_one_process"), ".2f"), f(r.get("client_rounds_per_s"), ",.0f"),
                       f(r.get("first_round_s"), ".2f"), f(r.get("setup_s"), ".1f"),
-                      f(r.get("shard_bytes_out"), ",.0f", 1e3), f(r.get("shard_bytes_in"), ",.0f", 1e3),
-                      f(r.get("shard_wait_s"), ".3f"), f(r.get("shard_compute_s"), ".3f"),
+                      f(_both(r, "shard_bytes_out"), ",.0f", 1e3), f(_both(r, "shard_bytes_in"), ",.0f", 1e3),
+                      f(_both(r, "shard_wait_s"), ".3f"), f(_both(r, "shard_compute_s"), ".3f"),
                       f(r.get("ray_overhead_s"), ".3f"), f(r.get("final_test_accuracy"), ".4f"))
     console.print(table)
 

@@ -1,7 +1,8 @@
 """--engine batched --ray-address on a real Ray cluster on loopback: a head and a second node
 (``ray start --head``, ``ray start --address``), two workers spread over them, and the same
-models as one process for fedavg, compressed_fedavg (top-k with error feedback) and fetchsgd.
-One cluster and one pool of actors serve the three runs; the cluster is stopped at the end."""
+models as one process for fedavg, compressed_fedavg (top-k with error feedback), fetchsgd and
+gtopk, and the same federated evaluation. One cluster and one pool of actors serve the runs;
+the cluster is stopped at the end."""
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ CASES = {
     "fedavg": dict(strategy="fedavg"),
     "topk-ef": dict(strategy="compressed_fedavg", params={"codec": "topk", "codec_params": "ratio=0.1"}),
     "fetchsgd": dict(strategy="fetchsgd"),
+    # the server's select records (Flower ConfigRecords) cross to the actors, top-k state stays on them
+    "gtopk": dict(strategy="gtopk", rounds=4),
 }
 
 
@@ -67,3 +70,5 @@ def test_ray_sharded_batched_gives_the_single_process_models(case, cluster_pool,
         assert r_got["bytes_up"] == r_ref["bytes_up"]
         assert r_got["train_loss"] == pytest.approx(r_ref["train_loss"], abs=1e-5)
         assert r_got["shard_bytes_out"] > 0 and r_got["shard_wait_s"] >= r_got["shard_compute_s"] > 0
+        # federated evaluation: each actor scored the clients it owns
+        assert r_got["fed_loss"] == pytest.approx(r_ref["fed_loss"], abs=1e-6) and r_got["eval_shard_bytes_in"] > 0
