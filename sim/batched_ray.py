@@ -166,7 +166,9 @@ class _Sharded:
         for pos, r in zip(shards, out):
             if r is not None:
                 loss[pos], acc[pos], n[pos] = r["loss"], r["acc"], r["n"]
-        self._row.update({f"eval_{k}": v for k, v in self.pool.take().items()})
+        row = getattr(self, "_row", None)  # the round just run (an evaluation before any round: the next one's)
+        if row is not None:
+            row.update({f"eval_{k}": v for k, v in self.pool.take().items()})
         return loss, acc, n
 
 
