@@ -316,10 +316,11 @@ class FleetGrid(WrappingGrid):
             for r in replies:
                 self._learn(r, trained=training)
             return replies
+        cache: dict[int, int] = {}
+        # as the meter above counts them: before the grid gives them ids
+        down = {int(m.metadata.dst_node_id): serialized_size(m, cache) for m in msgs}
         ids = list(self.inner.push_messages(msgs))
         to_node = {mid: int(m.metadata.dst_node_id) for m, mid in zip(msgs, ids, strict=False) if mid}
-        cache: dict[int, int] = {}
-        down = {int(m.metadata.dst_node_id): serialized_size(m, cache) for m in msgs}
         simulated = self.node_time is not None
 
         def enough(got: list[Message]) -> bool:  # real time: the first K good replies close the round
