@@ -381,10 +381,10 @@ def fleet_grid_for(cfg: RunConfig, grid, strategy: Any, *, policies: PolicyBook,
         if node_time is None:
             raise ConfigError("--availability is simulated: it runs on a simulation engine with --devices, "
                               "not in a deployment")
-        from fedswarm.policy import device_class_of
+        from fedswarm.timemodel import parse_devices
 
-        classes = [device_class_of({}, cfg.devices, pid, cfg.clients) for pid in range(cfg.clients)]
-        availability = availability_for(cfg.availability, classes, cfg.seed)
+        # each partition's class, as device_class_of reads --devices (once, not once per partition)
+        availability = availability_for(cfg.availability, parse_devices(cfg.devices, cfg.clients), cfg.seed)
     if cfg.over_select > 1.0:
         strategy.fraction_train = min(1.0, fraction * cfg.over_select)
     if hasattr(strategy, "min_available_nodes"):
