@@ -31,6 +31,9 @@ CASES = {
     # sessions and mid-round dropouts: unavailable and dropped nodes, rounds that stall on a dropped node
     "availability": dict(clients=12, rounds=4, local_steps=2, fraction=0.5, devices="edge-wifi:8,straggler:4",
                          availability="on=6,off=4,dropout=0.2", round_timeout=30.0),
+    # DP-FedAvg over the kept nodes: its noise and clipped mean calibrated on what the quorum kept
+    "dp-over-select": dict(clients=10, rounds=3, local_steps=2, fraction=0.3, over_select=1.5,
+                           devices="edge-wifi:8,straggler:2", dp="noise_multiplier=0.5,clip=0.3"),
     # all four at once, per-class processes with a diurnal pattern
     "all": dict(clients=16, rounds=4, local_steps=2, fraction=0.25, over_select=2.0, quorum=3,
                 devices="edge-wifi:4,straggler:8,cpu:4", eligible="battery>=40", round_timeout=40.0,
@@ -56,8 +59,9 @@ def test_batched_fleet_rounds_are_the_inprocess_ones(case, tmp_path, monkeypatch
     ref, got = _rows(tmp_path, "inprocess"), _rows(tmp_path, "batched")
     assert got == ref
     statuses = {status for _, _, status, _ in ref}
-    expected = {"over-select": {"late"}, "quorum-ties": {"late"}, "eligible": {"ineligible"},
-                "availability": {"unavailable", "dropped"}, "all": {"late", "ineligible", "unavailable"}}[case]
+    expected = {"over-select": {"late"}, "dp-over-select": {"late"}, "quorum-ties": {"late"},
+                "eligible": {"ineligible"}, "availability": {"unavailable", "dropped"},
+                "all": {"late", "ineligible", "unavailable"}}[case]
     assert expected <= statuses, statuses  # the case exercises what it names
     for a, b in rounds:  # the simulated clock (its reasons' times agree above) and what the round counted
         assert a["num_clients"] == b["num_clients"]
