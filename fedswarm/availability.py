@@ -37,6 +37,7 @@ from fedswarm.errors import ConfigError
 __all__ = ["OnOff", "Availability", "parse_process", "load_trace", "availability_for", "is_trace"]
 
 _KEYS = ("on", "off", "diurnal", "period", "dropout")
+NEXT_ON_STEP_S = 3600.0  # next_on draws a process's windows this far ahead first, then 4x as far each time
 _CLASS = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -209,12 +210,16 @@ class Availability:
         """The first time >= ``t`` node ``pid`` is on (None: never, within ``limit`` seconds after ``t``)."""
         if self.available(pid, t):
             return t
-        if self._horizon[pid] < t + limit:
-            self._extend(pid, t + limit)
-        i = bisect.bisect_right(self._starts[pid], t)
-        if i < len(self._starts[pid]) and self._starts[pid][i] <= t + limit:
-            return self._starts[pid][i]
-        return None
+        reach = min(limit, NEXT_ON_STEP_S)  # windows drawn only as far as the answer needs, not all of limit
+        while True:
+            if self._horizon[pid] < t + reach:
+                self._extend(pid, t + reach)
+            i = bisect.bisect_right(self._starts[pid], t)
+            if i < len(self._starts[pid]) and self._starts[pid][i] <= t + limit:
+                return self._starts[pid][i]
+            if reach >= limit:
+                return None
+            reach = min(limit, 4 * reach)
 
     def drops(self, pid: int, server_round: int) -> bool:
         """Whether node ``pid``, sampled in ``server_round``, drops mid-round (its class's ``dropout``)."""

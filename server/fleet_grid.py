@@ -27,7 +27,8 @@ when the run asks for one of these; otherwise nothing changes):
   ``max(int(fraction · offered), min_train_nodes)``): a train round returns once K replies are in.
   On real time (a deployment, or a simulation without ``--devices``) that is the first K to
   arrive; on simulated time (``--devices``) all replies are computed and the K that finish first
-  in the time model are kept, so the round's simulated time is the K-th finish. The other replies
+  in the time model are kept (equal finish times: the earlier sampled first), so the round's
+  simulated time is the K-th finish. The other replies
   are discarded, never carried into the next round (no strategy here takes a stale update; the
   ``fedbuff`` strategy is the one that does), and recorded: status ``late`` and the reason.
 - **Mid-round drops** (``--availability``): a node that drops (its class's ``dropout``) or
@@ -84,6 +85,55 @@ def check_fleet(cfg: RunConfig, kind: str, strategy: Any) -> None:
                           f"fraction_train to scale); use --quorum alone")
 
 
+# -- what a node left out of a round is told (the batched engine's rounds write the same: sim/batched_fleet.py) --
+def class_rules(policy: dict | None, rules: Rules | None) -> Rules | None:
+    """The rules a node of a class whose policy is ``policy`` is held to: its ``eligible``, else the run's."""
+    spec = (policy or {}).get("eligible")
+    return parse_rules(spec) if spec else rules
+
+
+def unavailable_row(availability: Availability, node: int, pid: int, clock: float) -> dict:
+    """The row of node ``node`` (partition ``pid``), off at simulated time ``clock``."""
+    nxt = availability.next_on(pid, clock)
+    when = f"; on again at t={nxt:.0f} s" if nxt is not None else "; not on again in the trace"
+    return {"node_id": str(node), "status": "unavailable", "reason": f"offline at t={clock:.0f} s (simulated){when}"}
+
+
+def ineligible_row(node: int, rules: Rules, why: str, telemetry: dict | None) -> dict:
+    return {"node_id": str(node), "status": "ineligible", "reason": f"not eligible ({rules}): {why}",
+            "telemetry": telemetry}
+
+
+def late_row(node: int, k: int | None, t: float, bytes_down: int) -> dict:
+    """The row of a reply left out by a quorum of ``k`` (``t``: its simulated finish, inf: not known)."""
+    when = f" (it finished at {t:.1f} s simulated)" if math.isfinite(t) else ""
+    return {"node_id": str(node), "status": "late", "bytes_down": bytes_down,
+            "reason": f"late: the round closed on a quorum of {k} replies{when}; update discarded"}
+
+
+def drop_reason(availability: Availability, pid: int, server_round: int, clock: float, t: float | None) -> str | None:
+    """Why partition ``pid``'s update of round ``server_round`` (started at simulated ``clock``, its part
+    ``t`` seconds long) is lost mid-round, or None."""
+    if availability.drops(pid, server_round):
+        return "dropped mid-round (its class's dropout probability); update lost"
+    end = availability.session_end(pid, clock)
+    if end is not None and t is not None and clock + t > end:
+        return (f"went offline mid-round at t={end:.0f} s, before its part of the round ended at "
+                f"t={clock + t:.0f} s (simulated); update lost")
+    return None
+
+
+def too_few_eligible(server_round: int, got: int, least: int, wait_s: float, rows: list[dict]) -> RuntimeError:
+    reasons = "; ".join(sorted({r["reason"] for r in rows})[:3])
+    return RuntimeError(f"round {server_round}: {got} eligible node(s), the strategy needs {least}, "
+                        f"for {wait_s:.0f} s ({reasons})")
+
+
+def none_on_again(server_round: int, least: int, clock: float) -> RuntimeError:
+    return RuntimeError(f"round {server_round}: fewer than {least} node(s) available at t={clock:.0f} s and none "
+                        f"comes on again (availability trace ended?)")
+
+
 class FleetGrid(WrappingGrid):
     """See the module's docstring. ``probe_grid``: the grid the probe goes through (the nodes
     themselves, no attack); ``node_time(reply, bytes_down, bytes_up)``: a node's simulated seconds
@@ -133,8 +183,7 @@ class FleetGrid(WrappingGrid):
 
     def rules_for(self, node: int) -> Rules | None:
         """The rules a node is held to: its device class's ``eligible`` policy, else the run's."""
-        spec = self.policies.as_dict().get(self.classes.get(node, DEFAULT_CLASS), {}).get("eligible")
-        return parse_rules(spec) if spec else self.rules
+        return class_rules(self.policies.as_dict().get(self.classes.get(node, DEFAULT_CLASS)), self.rules)
 
     def _eligibility_on(self) -> bool:
         return self.rules is not None or any("eligible" in p for p in self.policies.as_dict().values())
@@ -169,17 +218,13 @@ class FleetGrid(WrappingGrid):
                                            "neither is its availability"})
                     continue
                 if not self.availability.available(pid, self.clock):
-                    nxt = self.availability.next_on(pid, self.clock)
-                    when = f"; on again at t={nxt:.0f} s" if nxt is not None else "; not on again in the trace"
-                    rows.append({"node_id": str(node), "status": "unavailable",
-                                 "reason": f"offline at t={self.clock:.0f} s (simulated){when}"})
+                    rows.append(unavailable_row(self.availability, node, pid, self.clock))
                     continue
             rules = self.rules_for(node)
             if rules is not None:
                 why = rules.why_not(self.telemetry.get(node))
             if why is not None:
-                rows.append({"node_id": str(node), "status": "ineligible",
-                             "reason": f"not eligible ({rules}): {why}", "telemetry": self.telemetry.get(node)})
+                rows.append(ineligible_row(node, rules, why, self.telemetry.get(node)))
                 continue
             pool.append(node)
         return pool, rows
@@ -218,15 +263,12 @@ class FleetGrid(WrappingGrid):
             if self.availability is not None:  # simulated time: wait for the next node to come on
                 nxt = self._next_on(ids)
                 if nxt is None:
-                    raise RuntimeError(f"round {self.round}: fewer than {least} node(s) available at t="
-                                       f"{self.clock:.0f} s and none comes on again (availability trace ended?)")
+                    raise none_on_again(self.round, least, self.clock)
                 self.idle += nxt - self.clock
                 self.clock = nxt
                 continue
             if time.monotonic() > deadline:
-                reasons = "; ".join(sorted({r["reason"] for r in rows})[:3])
-                raise RuntimeError(f"round {self.round}: {len(pool)} eligible node(s), the strategy needs {least}, "
-                                   f"for {self.wait_s:.0f} s ({reasons})")
+                raise too_few_eligible(self.round, len(pool), least, self.wait_s, rows)
             time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))  # the nodes' telemetry may change
             ids = sorted(int(n) for n in self.inner.get_node_ids())
             self._ask(ids)
@@ -274,16 +316,18 @@ class FleetGrid(WrappingGrid):
             for r in replies:
                 self._learn(r, trained=training)
             return replies
+        cache: dict[int, int] = {}
+        # as the meter above counts them: before the grid gives them ids
+        down = {int(m.metadata.dst_node_id): serialized_size(m, cache) for m in msgs}
         ids = list(self.inner.push_messages(msgs))
         to_node = {mid: int(m.metadata.dst_node_id) for m, mid in zip(msgs, ids, strict=False) if mid}
-        cache: dict[int, int] = {}
-        down = {int(m.metadata.dst_node_id): serialized_size(m, cache) for m in msgs}
         simulated = self.node_time is not None
 
         def enough(got: list[Message]) -> bool:  # real time: the first K good replies close the round
             return not simulated and k is not None and sum(not r.has_error() for r in got) >= k
 
         replies = pull_replies(self.inner, set(to_node), timeout=timeout, enough=enough)
+        sent = {node: i for i, node in enumerate(to_node.values())}  # equal finish times: the sampling order decides
         rows: list[dict] = []
         good, out = [], []
         for r in replies:
@@ -298,7 +342,7 @@ class FleetGrid(WrappingGrid):
                 rows.append({"node_id": str(node), "status": "dropped", "reason": drop,
                              "bytes_down": down.get(node, 0)})
                 continue
-            good.append((math.inf if t is None else t, len(good), node, r))
+            good.append((math.inf if t is None else t, sent.get(node, len(sent)) if simulated else len(good), node, r))
         if simulated:
             good.sort(key=lambda g: (g[0], g[1]))
         kept = good if k is None else good[:k]
@@ -306,9 +350,7 @@ class FleetGrid(WrappingGrid):
         # server waits for it until round_timeout (the round's simulated time says so, :meth:`timed`)
         self.stalled = simulated and any(r["status"] == "dropped" for r in rows) and (k is None or len(kept) < k)
         for t, _, node, _r in good[len(kept):]:
-            when = f" (it finished at {t:.1f} s simulated)" if math.isfinite(t) else ""
-            rows.append({"node_id": str(node), "status": "late", "bytes_down": down.get(node, 0),
-                         "reason": f"late: the round closed on a quorum of {k} replies{when}; update discarded"})
+            rows.append(late_row(node, k, t, down.get(node, 0)))
         answered = {r.metadata.reply_to_message_id for r in replies}
         for mid, node in to_node.items():
             if mid not in answered:
@@ -321,15 +363,7 @@ class FleetGrid(WrappingGrid):
         if self.availability is None:
             return None
         pid = self._pid(node)
-        if pid is None:
-            return None
-        if self.availability.drops(pid, self.round):
-            return "dropped mid-round (its class's dropout probability); update lost"
-        end = self.availability.session_end(pid, self.clock)
-        if end is not None and t is not None and self.clock + t > end:
-            return (f"went offline mid-round at t={end:.0f} s, before its part of the round ended at "
-                    f"t={self.clock + t:.0f} s (simulated); update lost")
-        return None
+        return None if pid is None else drop_reason(self.availability, pid, self.round, self.clock, t)
 
 
 def fleet_grid_for(cfg: RunConfig, grid, strategy: Any, *, policies: PolicyBook, probe_grid=None,
@@ -347,10 +381,10 @@ def fleet_grid_for(cfg: RunConfig, grid, strategy: Any, *, policies: PolicyBook,
         if node_time is None:
             raise ConfigError("--availability is simulated: it runs on a simulation engine with --devices, "
                               "not in a deployment")
-        from fedswarm.policy import device_class_of
+        from fedswarm.timemodel import parse_devices
 
-        classes = [device_class_of({}, cfg.devices, pid, cfg.clients) for pid in range(cfg.clients)]
-        availability = availability_for(cfg.availability, classes, cfg.seed)
+        # each partition's class, as device_class_of reads --devices (once, not once per partition)
+        availability = availability_for(cfg.availability, parse_devices(cfg.devices, cfg.clients), cfg.seed)
     if cfg.over_select > 1.0:
         strategy.fraction_train = min(1.0, fraction * cfg.over_select)
     if hasattr(strategy, "min_available_nodes"):

@@ -47,6 +47,8 @@ class ClockedNodes:
 
     members: list
     _averagings_seen: int = 0
+    lost_steps: int = 0
+    _lost_seen: int = 0
 
     @property
     def now(self) -> float:
@@ -65,6 +67,9 @@ class ClockedNodes:
         them: ``total_steps``, counted by the subclass's ``_dispatch``)."""
         target = self.total_steps + steps
         while self.total_steps < target:
+            if not self.clock:  # (--availability: every node off for good)
+                raise RuntimeError(f"t={self.now:.0f} s (simulated): no node is on again to take the round's steps "
+                                   f"(availability trace ended?)")
             self._dispatch(*self.clock.pop())
 
     def advance_to(self, t: float) -> None:
@@ -75,6 +80,11 @@ class ClockedNodes:
     def take_averagings(self) -> int:
         """Averaging events (pairwise averagings, group reduces) completed since the last call."""
         k, self._averagings_seen = self.averagings - self._averagings_seen, self.averagings
+        return k
+
+    def take_lost_steps(self) -> int:
+        """Steps lost since the last call (``--availability``: nodes that went off or dropped mid-iteration)."""
+        k, self._lost_seen = self.lost_steps - self._lost_seen, self.lost_steps
         return k
 
     def take_stats(self) -> list[dict[str, float]]:
@@ -196,6 +206,7 @@ def _record(recorder: RoundRecorder, rnd: int, sim: ClockedNodes,
         p2p_bytes=sent,
         num_clients=len(stats),
         averagings=sim.take_averagings(),
+        **({"lost_steps": sim.take_lost_steps()} if getattr(sim, "availability", None) is not None else {}),
         **fed,
     )
     recorder(rnd, vector_to_arrayrecord(sim.x.mean(dim=0)))

@@ -25,6 +25,18 @@ recorded round has the node-average model's test accuracy, ``consensus_distance`
 ``sim_time_s`` (simulated seconds that round's work took, labeled as simulated) and the
 peer-to-peer bytes (two full models per averaging, measured on a serialized message).
 
+Availability (``--availability``: an on/off process per device class or a trace,
+:mod:`fedswarm.availability`, on this clock's simulated seconds). A node starts an iteration
+only while it is on; off, it neither computes nor gossips and starts again when it comes on. An
+active node picks its peer uniformly among its passive neighbours that are on at that instant
+(it skips the others; none on: it takes its step alone, with no averaging). A peer that cannot
+finish the exchange inside its session (it is off when the request arrives, or goes off before
+its reply would be sent), or an initiator that would go off before the exchange ends, refuses
+it: the initiator applies its gradient alone at the request's arrival. An iteration that outlasts
+its node's session, or that its class's ``dropout`` cuts (drawn per node and iteration), loses
+its step: the gradient is discarded, nothing is applied, and the node starts again when it is on.
+The rounds count the steps lost (``lost_steps``).
+
 Federated evaluation is counted in the same unit: every ``eval_every``-th recorded round,
 every node scores its own model, as it stands at that instant of simulated time, on its
 validation split (:func:`own_models_eval`, the array engine's too); with ``central_eval`` off
@@ -34,6 +46,7 @@ the ``i``-th client's own dataset (:func:`~fedswarm.train.trainer_for`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,6 +54,7 @@ import torch
 
 from fedswarm.algorithms.decentralized import ADPSGD, GossipState, bipartite_split
 from fedswarm.algorithms.decentralized.topology import Topology, make_topology
+from fedswarm.availability import Availability
 from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.server.recorder import RoundListener
@@ -77,15 +91,22 @@ class _Node:
     locks: list[tuple[float, float]] = field(default_factory=list)  # passive: exchange windows
     bytes_sent: int = 0
     stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "loss": 0.0})
+    session_end: float = math.inf  # --availability: the end of the session its iteration started in
+    attempts: int = 0  # --availability: iterations started (the dropout draw's index)
 
 
 class ADPSGDSimulation(ClockedNodes):
     """The event loop. ``x0 [n, d]`` starting models; ``profiles[i]`` node ``i``'s device
     and link; ``gradient`` computes a node's (pseudo-)gradient; ``samples_per_step`` sets
-    the compute time of one step; ``message_bytes`` is one model message's size."""
+    the compute time of one step; ``message_bytes`` is one model message's size. ``availability``:
+    when each node (by partition id) is on (the module's docstring); ``on_step(i, start, end)`` hears
+    every step applied, ``on_average(i, j, start, end)`` every exchange (both: checks, traces)."""
 
     def __init__(self, x0: torch.Tensor, topology: Topology, profiles: list[Profile], gradient: GradientFn, *,
-                 lr: float, samples_per_step: float, message_bytes: int, weight_decay: float = 0.0, seed: int = 0):
+                 lr: float, samples_per_step: float, message_bytes: int, weight_decay: float = 0.0, seed: int = 0,
+                 availability: Availability | None = None,
+                 on_step: Callable[[int, float, float], None] | None = None,
+                 on_average: Callable[[int, int, float, float], None] | None = None):
         if len(profiles) != topology.n or x0.shape[0] != topology.n:
             raise ValueError(f"need one profile and one model per node ({topology.n} nodes)")
         self.algo = ADPSGD(weight_decay=weight_decay)
@@ -107,25 +128,49 @@ class ADPSGDSimulation(ClockedNodes):
         self.total_steps = 0
         self.averagings = 0
         self._averagings_seen = 0
+        self.availability, self.on_step, self.on_average = availability, on_step, on_average
+        self.lost_steps = 0
+        self._started = [0.0] * topology.n  # each node's current iteration's start
         for i in range(topology.n):
             self._start(i, 0.0)
 
     # -- events ---------------------------------------------------------------------------
     def _start(self, i: int, t: float) -> None:
         node = self.nodes[i]
+        if self.availability is not None:
+            end = self.availability.session_end(i, t)
+            if end is None:  # off: silent until it comes on
+                nxt = self.availability.next_on(i, t)
+                if nxt is not None:
+                    self.clock.schedule(nxt, ("wake", i))
+                return
+            node.session_end, node.attempts = end, node.attempts + 1
+        self._started[i] = t
         snapshot = self.state.x[i].clone()
         node.grad, node.loss = self.gradient(i, snapshot, node.steps + 1)
         node.grad_done = False
         self.clock.schedule(t + node.compute_s, ("grad", i))
         if node.active:
-            j = self.algo.choose_peer(i, self.topology, self.active, self.generator)
+            j = self._peer(i, t)
+            if j is None:  # no passive neighbour on: a step alone
+                return
             node.averaging = True
             node.bytes_sent += self.message_bytes
             self.clock.schedule(t + node.send_s, ("arrive", i, j))
 
+    def _peer(self, i: int, t: float) -> int | None:
+        """Active node ``i``'s peer: uniformly random among its passive neighbours (that are on)."""
+        if self.availability is None:
+            return self.algo.choose_peer(i, self.topology, self.active, self.generator)
+        peers = [j for j in self.topology.neighbors(i, 0) if not bool(self.active[j])
+                 and self.availability.available(j, t)]
+        return peers[int(torch.randint(len(peers), (1,), generator=self.generator))] if peers else None
+
     def _dispatch(self, t: float, event: tuple) -> None:
         kind = event[0]
-        if kind == "grad":
+        if kind == "wake":
+            self._start(event[1], t)
+        elif kind == "grad":
             i = event[1]
             end = self._locked_until(i, t)
             if end is not None:  # x_i is locked by an exchange: apply when it is released
@@ -138,6 +183,10 @@ class ADPSGDSimulation(ClockedNodes):
             peer = self.nodes[j]
             start = max(t, peer.free_at)
             end = start + peer.send_s
+            if self.availability is not None and not self._can_exchange(i, j, start, end):
+                self.nodes[i].averaging = False  # refused: i's step alone
+                self._maybe_finish(i, t)
+                return
             peer.free_at = end
             peer.locks.append((start, end))
             peer.bytes_sent += self.message_bytes
@@ -146,6 +195,8 @@ class ADPSGDSimulation(ClockedNodes):
             i, j = event[1], event[2]
             self.algo.average_pairs(self.state, [(i, j)])  # both endpoints, one event
             self.averagings += 1
+            if self.on_average is not None:
+                self.on_average(i, j, t - self.nodes[j].send_s, t)
             self.nodes[i].averaging = False
             self._maybe_finish(i, t)
         else:  # pragma: no cover
@@ -159,10 +210,22 @@ class ADPSGDSimulation(ClockedNodes):
                 return e
         return None
 
+    def _can_exchange(self, i: int, j: int, start: float, end: float) -> bool:
+        """Whether passive ``j`` serves ``i``'s request from ``start`` to ``end``: both on throughout."""
+        j_end = self.availability.session_end(j, start)
+        return j_end is not None and end <= j_end and end <= self.nodes[i].session_end
+
     def _maybe_finish(self, i: int, t: float) -> None:
         node = self.nodes[i]
         if not node.grad_done or node.averaging:
             return
+        if self.availability is not None and (t > node.session_end or self.availability.drops(i, node.attempts)):
+            self.lost_steps += 1  # it went off (or dropped) mid-iteration: the step is lost
+            node.grad = None
+            self._start(i, t)
+            return
+        if self.on_step is not None:
+            self.on_step(i, self._started[i], t)
         one = GossipState(x=self.state.x[i : i + 1])
         self.algo.local_step(one, node.grad[None], self.lr)
         self.algo.node_mix(one, 0, {}, {0: 1.0})  # the averaging was its own event: apply the step alone
@@ -208,10 +271,15 @@ def run_adpsgd(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
     check_clocked(cfg.strategy, params)
 
     def make(x: torch.Tensor, profiles: list[Profile], gradient: Callable, steps: int) -> ADPSGDSimulation:
+        availability = None
+        if cfg.availability is not None:  # each node's class: its profile's name, as --devices names it
+            from fedswarm.availability import availability_for
+
+            availability = availability_for(cfg.availability, [p.name for p in profiles], cfg.seed)
         return ADPSGDSimulation(x, make_topology(cfg.topology, cfg.clients, cfg.seed), profiles, gradient,
                                 lr=cfg.lr, samples_per_step=steps * cfg.batch_size,
                                 message_bytes=model_message_nbytes(cfg), weight_decay=params["weight_decay"],
-                                seed=cfg.seed)
+                                seed=cfg.seed, availability=availability)
 
     return run_clocked(cfg, store, run_id, listeners, make)
 

@@ -55,7 +55,8 @@ one data attack served: the chosen clients train on flipped labels). What it doe
 strategies without a runner (they run on ``--engine inprocess``; :func:`check_supported` says so
 in one line), ``--dp-sgd``, models with buffers (batch-norm statistics), and the ``--devices``
 time model's simulated seconds (rows carry ``sim_time_s = null``; FedBuff's runner carries its virtual
-clock's).
+clock's, and FedAvg's round under ``--quorum``, ``--over-select``, ``--eligible`` or ``--availability``
+the fleet's, :mod:`fedswarm.sim.batched_fleet`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ from fedswarm.sim.batched_memory import available_ram, default_memory_budget, pa
 from fedswarm.sim.batched_compressed import CompressedRounds, GTopKRounds
 from fedswarm.sim.batched_eval import CohortEvaluator
 from fedswarm.sim.batched_fedbuff import FedBuffRounds
+from fedswarm.sim.batched_fleet import BatchedFleet
 from fedswarm.sim.batched_progfed import ProgFedRounds
 from fedswarm.sim.batched_pvt import PVTRounds
 from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ByteCounter, Meter, add_client, add_clients, cohort_rows,
@@ -252,9 +254,16 @@ class FedAvgRounds:
         self.dp = run.strategy().dp if run.cfg.dp and not run.cfg.secagg else None
         # --secagg: the round's secure sum computed directly (sim/batched_secagg_round.py)
         self.secure = SecureFedAvg(run.cfg) if run.cfg.secagg else None
+        # --quorum, --over-select, --eligible, --availability: who trains, as the fleet grid decides (batched_fleet.py)
+        self.fleet = (BatchedFleet(run.cfg, run.train_config, run.n_examples, self.counter, run.meter)
+                      if run.cfg.fleet_options() else None)
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         cfg = self.run.cfg
+        if self.fleet is not None:
+            self.model, row, node_rows = self.fleet.round(self.model, server_round, lambda kept: _one_round(
+                self.run, self.counter, self.model, kept, server_round, self.notes, dp=self.dp))
+            return row, node_rows
         sample = random.sample(self.all_nodes, max(int(cfg.clients * cfg.fraction), 1))
         if self.secure is not None:
             self.model, row, node_rows = self.secure.round(self.run, self.counter, self.model, sample, server_round)

@@ -204,16 +204,40 @@ def check_run(cfg: RunConfig, *, resume: bool = False) -> Checked:
     return Checked(cfg, engine, engine.check(cfg))
 
 
-FLEET_ENGINES = ("inprocess", "flower")  # the engines whose rounds go through fedswarm.server.fleet_grid
+#: The engines that run quorum rounds, over-selection, eligibility and availability: through
+#: fedswarm.server.fleet_grid (inprocess, flower), or the batched FedAvg round's
+#: fedswarm.sim.batched_fleet (the same nodes, rows and model on the same seed).
+FLEET_ENGINES = ("inprocess", "flower", "batched")
 
 
 def check_fleet_engine(cfg: RunConfig, engine: str) -> None:
     """Refuse, in one line, quorum/over-selection/eligibility/availability on an engine that does not run them
-    (the batched engine has no per-node replies, telemetry or time model; the others no federated rounds)."""
+    (the array and clock engines have no federated rounds to sample or close; the batched engine runs them
+    with FedAvg's round, in this process; the clock engine runs --availability with AD-PSGD)."""
     used = cfg.fleet_options()
-    if used and engine not in FLEET_ENGINES:
-        raise ConfigError(f"{', '.join(used)}: run on --engine inprocess or flower (or in a deployment), not on the "
-                          f"{engine} engine")
+    if not used:
+        return
+    if engine == "clock" and used == ["--availability"]:
+        from fedswarm.strategies import registry
+
+        runner = registry.get(cfg.strategy).clock
+        if runner != "gossip":
+            raise ConfigError(f"--availability on the clock engine: with AD-PSGD's gossip (adpsgd), not yet with "
+                              f"'{cfg.strategy}'")
+        return  # sim/async_engine.py: a node off neither computes nor gossips
+    if engine not in FLEET_ENGINES:
+        raise ConfigError(f"{', '.join(used)}: run on --engine {', '.join(FLEET_ENGINES)} (or in a deployment), not "
+                          f"on the {engine} engine: it has no federated rounds to sample or close")
+    if engine == "batched":
+        from fedswarm.sim.batched_fleet import check_batched_fleet
+        from fedswarm.strategies import registry
+
+        entry = registry.get(cfg.strategy)
+        if entry.batched is not None:  # (a strategy the engine does not serve: its own check says so)
+            check_batched_fleet(cfg, entry.batched.runner)
+        if cfg.ray_address or cfg.workers is not None:
+            raise ConfigError(f"{', '.join(used)} on the batched engine: in this process, not sharded across Ray "
+                              "actors (--ray-address/--workers)")
 
 
 def check_config(cfg: RunConfig) -> Engine:

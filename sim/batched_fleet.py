@@ -1,0 +1,278 @@
+"""Quorum rounds, over-selection, eligibility and availability on the batched engine.
+
+The batched engine's FedAvg round (``weighted_mean``) with ``--quorum``, ``--over-select``,
+``--eligible`` or ``--availability``: :class:`BatchedFleet` does what the in-process engine's
+:class:`~fedswarm.server.fleet_grid.FleetGrid` does, on the same seed to the same result, as
+arrays over the population and the cohort:
+
+- **Sampling.** A node is offered when it is *available* at the round's simulated start (its
+  on/off process or trace, :mod:`fedswarm.availability`, the same windows: they are drawn per
+  partition from the seed) and *eligible*. Under simulation every node's telemetry is this
+  machine's (the in-process engine's nodes run in this process, and the probe and the train
+  replies read its battery, power supply, temperature and memory, ``FEDSWARM_FAKE_BATTERY``
+  included): here it is read once a round, and each device class's rules (its policy's
+  ``eligible``, else ``--eligible``) are checked on it once, so a class is eligible or not as a
+  whole. The strategy then samples ``max(int(offered · fraction · F), 1)`` of them with Flower's
+  ``random.sample`` (the in-process sampling's draws); too few on: the round waits, in simulated
+  time, for the next node to come on; none eligible: it reads the telemetry again every few
+  seconds up to ``round_timeout``, then fails saying why.
+- **A round's replies.** Each sampled node's simulated seconds (download + compute + upload on
+  its profile, :func:`fedswarm.timemodel.sync_round_time_s`'s terms, from the real messages'
+  measured sizes) are known before anything trains. A node that drops (its class's ``dropout``)
+  or whose session ends before its part of the round does loses its update (``dropped``); of the
+  others, the quorum keeps the K that finish first (equal times: the earlier sampled), the rest
+  are ``late``. Only the kept nodes train (FedAvg's nodes keep no state, so what the others would
+  have computed changes nothing); the bytes sent to every sampled node are counted. The round's
+  simulated time is the slowest kept node's (``round_timeout`` when it waited for a dropped node
+  it needed), plus the time it waited for nodes to come on; it moves the clock and is recorded.
+
+Without ``--devices`` (a quorum or over-selection on real time) the quorum keeps the first K
+sampled, where the in-process engine keeps the first K its grid hands back.
+
+Rows for the nodes left out (``ineligible``, ``unavailable``, ``late``, ``dropped``) are written as
+the fleet grid writes them (its row functions) when a round leaves out at most
+:data:`~fedswarm.sim.batched_round.NODE_ROWS_MAX` nodes; past that the round's row counts them
+instead (``fleet_ineligible``, ``fleet_unavailable``, ``fleet_late``, ``fleet_dropped``).
+
+Cost: the checks are arrays over the population, but a node's availability windows are drawn
+from its own generator (seeded by the run's seed and its partition, so that every engine sees the
+same windows): the first round builds one per node, about 0.1 ms each (10 s for 100,000 nodes on
+a 2-core VM); later rounds ask again only for the nodes whose session ended since.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from fedswarm.availability import Availability, availability_for
+from fedswarm.config import RunConfig
+from fedswarm.eligibility import Rules, parse_rules
+from fedswarm.errors import ConfigError
+from fedswarm.server.fleet_grid import (class_rules, drop_reason, ineligible_row, late_row, none_on_again,
+                                        too_few_eligible, unavailable_row)
+from fedswarm.sim.batched_round import NODE_ROWS_MAX, ByteCounter, _device_classes, cohort_schedule
+from fedswarm.wire import vector_to_arrayrecord
+
+__all__ = ["BatchedFleet", "check_batched_fleet", "Presence", "machine_telemetry", "FLEET_RUNNER"]
+
+FLEET_RUNNER = "weighted_mean"  # the batched round runner the fleet options run with (FedAvg's)
+RETRY_S = 5.0  # no eligible node: how often the telemetry is read again (the fleet grid's probe interval)
+LOOKAHEAD_S = 365 * 86_400.0  # how far an off node's next session is looked for (Availability.next_on's)
+
+Train = Callable[[list[int]], "tuple[torch.Tensor, dict, list[dict]]"]
+
+
+def check_batched_fleet(cfg: RunConfig, runner: object) -> None:
+    """Refuse, in one line, fleet options the batched engine does not run with ``cfg``."""
+    used = cfg.fleet_options()
+    if not used:
+        return
+    if runner != FLEET_RUNNER:
+        raise ConfigError(f"{', '.join(used)} on the batched engine: with fedavg's round (and the strategies "
+                          f"sharing it), not '{cfg.strategy}'; use --engine inprocess")
+    if cfg.byzantine:
+        raise ConfigError(f"{', '.join(used)} with --byzantine on the batched engine: not supported; use "
+                          "--engine inprocess")
+
+
+def machine_telemetry() -> dict:
+    """What every simulated node reports under simulation: this machine's telemetry, as the
+    ClientApp's probe answer reads it (no training speed)."""
+    from fedswarm.telemetry import round_telemetry
+
+    tel = round_telemetry(0.0, 0)
+    tel.pop("train_s", None)
+    return tel
+
+
+class Presence:
+    """Which of ``n`` partitions are on at a simulated time, as a boolean array: each partition's
+    state is known on an interval ``[lo, hi)`` and asked of ``availability`` again only when the
+    time leaves it (the clock only moves on, and sessions last many rounds)."""
+
+    def __init__(self, availability: Availability, n: int):
+        self.availability = availability
+        self.lo = np.full(n, np.inf)
+        self.hi = np.full(n, -np.inf)
+        self.on = np.zeros(n, dtype=bool)
+
+    def at(self, t: float) -> np.ndarray:
+        av = self.availability
+        for pid in np.flatnonzero(~((self.lo <= t) & (t < self.hi))).tolist():
+            end = av.session_end(pid, t)
+            if end is not None:
+                self.on[pid], self.hi[pid] = True, end
+            else:
+                nxt = av.next_on(pid, t, limit=LOOKAHEAD_S)  # None: off for all that span
+                self.on[pid], self.hi[pid] = False, (t + LOOKAHEAD_S if nxt is None else nxt)
+            self.lo[pid] = t
+        return self.on
+
+
+class BatchedFleet:
+    """See the module's docstring. ``train(kept)``: the round of the kept node ids (the engine's
+    FedAvg round), returning ``(model, row, node_rows)``."""
+
+    def __init__(self, cfg: RunConfig, train_config, n_examples: np.ndarray, counter: ByteCounter, meter):
+        from fedswarm.sim.simtime import node_profiles
+
+        self.cfg, self.train_config, self.n_examples, self.counter = cfg, train_config, n_examples, counter
+        self.meter = meter  # the engine's Meter: the round's traffic, the bytes sent to the nodes not kept added
+        n = cfg.clients
+        self.rules: Rules | None = parse_rules(cfg.eligible) if cfg.eligible else None
+        if cfg.devices:
+            self.class_names, self.class_code = _device_classes(cfg.devices, n)
+        else:
+            self.class_names, self.class_code = ["default"], np.zeros(n, dtype=np.int32)
+        self.availability = None
+        if cfg.availability is not None:
+            classes = np.asarray(self.class_names, dtype=object)[self.class_code].tolist()
+            self.availability = availability_for(cfg.availability, classes, cfg.seed)
+            self.presence = Presence(self.availability, n)
+        profiles = node_profiles(cfg)
+        self.timed = profiles is not None
+        if profiles is not None:  # each partition's link and speed, for its simulated seconds
+            self.latency_s = np.array([p.link.latency_ms for p in profiles]) / 1e3
+            self.bandwidth = np.array([p.link.bandwidth_mbps for p in profiles]) * 1e6
+            self.speed = np.array([p.device.speed for p in profiles], dtype=np.float64)
+        self.wait_s = float(cfg.round_timeout)
+        self.clock = 0.0
+
+    # -- sampling ------------------------------------------------------------------------------
+    def _class_rules(self) -> list[Rules | None]:
+        """Each device class's rules, from the policies the round's messages carry."""
+        out = []
+        for name in self.class_names:
+            raw = self.train_config.get(f"policy.{name}")
+            out.append(class_rules(json.loads(raw) if raw else None, self.rules))
+        return out
+
+    def _eligible(self, offered: np.ndarray) -> tuple[np.ndarray, Callable[[np.ndarray], list[dict]]]:
+        """The offered nodes' eligibility (a mask), and the rows of the given ineligible ones."""
+        rules = self._class_rules()
+        if all(r is None for r in rules):
+            return np.ones(len(offered), dtype=bool), lambda nodes: []
+        tel = machine_telemetry()
+        why = [None if r is None else r.why_not(tel) for r in rules]
+        bad = np.array([w is not None for w in why])[self.class_code[offered - 1]]
+
+        def rows(nodes: np.ndarray) -> list[dict]:
+            codes = self.class_code[nodes - 1].tolist()
+            return [ineligible_row(node, rules[c], why[c], tel) for node, c in zip(nodes.tolist(), codes)]
+
+        return ~bad, rows
+
+    def _offer(self, server_round: int) -> tuple[list[int], Callable[[int], list[dict]], dict]:
+        """The round's pool (node ids, sorted); ``rows(limit)``, the rows of (up to ``limit`` of)
+        the nodes left out, unavailable ones first; how many of each were left out."""
+        ids = np.arange(1, self.cfg.clients + 1, dtype=np.int64)
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            offered, off = ids, ids[:0]
+            if self.availability is not None:
+                on = self.presence.at(self.clock)
+                off, offered = ids[~on], ids[on]
+            ok, ineligible_rows = self._eligible(offered)
+            bad, clock = offered[~ok], self.clock
+
+            def rows(limit: int, off=off, bad=bad, ineligible_rows=ineligible_rows, clock=clock) -> list[dict]:
+                out = [unavailable_row(self.availability, node, node - 1, clock) for node in off[:limit].tolist()]
+                return out + ineligible_rows(bad[:max(0, limit - len(out))])
+
+            pool = offered[ok]
+            if len(pool) >= 1:
+                return pool.tolist(), rows, {"fleet_unavailable": len(off), "fleet_ineligible": len(bad)}
+            if self.availability is not None:  # simulated time: wait for the next node to come on
+                after = math.nextafter(self.clock, math.inf)
+                times = [t for pid in range(self.cfg.clients)
+                         if (t := self.availability.next_on(pid, after)) is not None and t > self.clock]
+                if not times:
+                    raise none_on_again(server_round, 1, self.clock)
+                self.idle += min(times) - self.clock
+                self.clock = min(times)
+                continue
+            if time.monotonic() > deadline:
+                raise too_few_eligible(server_round, 0, 1, self.wait_s, rows(NODE_ROWS_MAX))
+            time.sleep(min(RETRY_S, max(0.0, deadline - time.monotonic())))  # the machine's telemetry may change
+
+    # -- a round --------------------------------------------------------------------------------
+    def _times(self, model: torch.Tensor, sample: list[int], server_round: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each sampled node's simulated seconds of the round (None without devices: zeros) and the
+        bytes sent to it, from the real messages' sizes (:meth:`ByteCounter.cohort_sizes`)."""
+        cfg = self.cfg
+        ids = np.asarray(sample, dtype=np.int64)
+        cohort = cohort_schedule(cfg, ids, self.train_config, self.n_examples, server_round)
+        n_all = self.n_examples[cohort.sched.partitions.numpy()]
+        steps = cohort.sched.steps.numpy()
+        down, up = self.counter.cohort_sizes(vector_to_arrayrecord(model), model, ids, n_all, steps, cohort,
+                                             server_round)
+        if not self.timed:
+            return np.zeros(len(ids)), down
+        pids = ids - 1
+        lat, bw = self.latency_s[pids], self.bandwidth[pids]
+        # transfer_time_s's terms (nothing sent: no time), then compute_time_s's, summed in its order
+        t_down = np.where(down == 0, 0.0, lat + down * 8.0 / bw)
+        t_up = np.where(up == 0, 0.0, lat + up * 8.0 / bw)
+        samples = steps.astype(np.float64) * cfg.batch_size  # what the reply's steps say it computed on
+        return t_down + samples / self.speed[pids] + t_up, down
+
+    def round(self, model: torch.Tensor, server_round: int, train: Train) -> tuple[torch.Tensor, dict, list[dict]]:
+        """One round under the fleet options: sample, decide who is kept, train them (``train``)."""
+        cfg = self.cfg
+        self.idle = 0.0
+        pool, left_out, counts = self._offer(server_round)
+        fraction = min(1.0, cfg.fraction * cfg.over_select) if cfg.over_select > 1.0 else cfg.fraction
+        sample = random.sample(pool, max(int(len(pool) * fraction), 1))  # Flower's FedAvg's draw
+        needed = max(int(len(pool) * cfg.fraction), 1)
+        k = cfg.quorum if cfg.quorum is not None else (needed if cfg.over_select > 1.0 else None)
+        k = None if k is None else min(k, len(sample))
+        t, down = self._times(model, sample, server_round)
+        dropped = np.zeros(len(sample), dtype=bool)
+        lost: list[dict] = []
+        if self.availability is not None:
+            for i, node in enumerate(sample):
+                why = drop_reason(self.availability, node - 1, server_round, self.clock,
+                                  float(t[i]) if self.timed else None)
+                if why is not None:
+                    dropped[i] = True
+                    lost.append({"node_id": str(node), "status": "dropped", "reason": why,
+                                 "bytes_down": int(down[i])})
+        good = np.flatnonzero(~dropped)
+        if self.timed:
+            good = good[np.argsort(t[good], kind="stable")]  # the first to finish; equal: the earlier sampled
+        kept = good if k is None else good[:k]
+        late = good[len(kept):]
+        lost += [late_row(sample[i], k, float(t[i]) if self.timed else math.inf, int(down[i])) for i in late.tolist()]
+        counts.update(fleet_late=len(late), fleet_dropped=int(dropped.sum()))
+        stalled = self.timed and bool(dropped.any()) and (k is None or len(kept) < k)
+        kept_ids = [sample[i] for i in sorted(kept.tolist())]  # trained in sampling order, as the engine's round
+        if kept_ids:
+            model, row, node_rows = train(kept_ids)
+        else:  # nothing to aggregate: the model stays
+            from fedswarm.server.metered_grid import Traffic
+
+            row, node_rows, self.meter.traffic = {"train_loss": None, "num_clients": 0}, [], Traffic()
+        # sent, never answered in time: their bytes down count (not their nodes: no evaluation asks them)
+        self.meter.traffic.bytes_down += int(down[late].sum() + down[dropped].sum())
+        row["sim_time_s"] = self._advance(float(t[kept].max()) if self.timed and len(kept) else None, stalled)
+        if sum(counts.values()) <= NODE_ROWS_MAX:
+            node_rows = node_rows + left_out(NODE_ROWS_MAX) + lost
+        else:  # too many for rows: the round counts them
+            row.update({key: n for key, n in counts.items() if n})
+        return model, row, node_rows
+
+    def _advance(self, t: float | None, stalled: bool) -> float | None:
+        """The round's simulated seconds (``t``: the slowest kept node's), the clock moved on by them:
+        :meth:`FleetGrid.timed`'s arithmetic."""
+        if stalled and t is not None:  # the server waited for a dropped node until it gave up
+            t = max(t, self.wait_s)
+        total = None if t is None and not self.idle else (t or 0.0) + self.idle
+        self.clock += total or 0.0
+        return total

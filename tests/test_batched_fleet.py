@@ -1,0 +1,138 @@
+"""Quorum rounds, over-selection, eligibility and availability on the batched engine
+(fedswarm/sim/batched_fleet.py): the same sampled nodes, the same nodes kept, the same rows left
+out with the same reasons, the same simulated clock and the same models as the in-process engine
+(its fleet grid, fedswarm/server/fleet_grid.py) on the same seed."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from fedswarm.availability import Availability, OnOff
+from fedswarm.config import RunConfig
+from fedswarm.errors import ConfigError
+from fedswarm.store import Store
+from tests.test_batched import same_models_on_both_engines
+
+TASK = "synthetic-logreg"
+
+#: each a run both engines must agree on (the models every round to 1e-5, the node rows exactly)
+CASES = {
+    # over-selection, the quorum the nodes needed: the straggler (sampled in round 1 and 3) is late
+    "over-select": dict(clients=10, rounds=3, local_steps=2, fraction=0.3, over_select=1.5,
+                        devices="edge-wifi:8,straggler:2"),
+    # a quorum of 3 of 5 sampled: equal finish times among the edge-wifi nodes (sampling order decides)
+    "quorum-ties": dict(clients=12, rounds=3, local_steps=2, fraction=0.5, quorum=3, devices="edge-wifi:9,cpu:3"),
+    # every class's rules on the machine's telemetry (FEDSWARM_FAKE_BATTERY=5): edge-wifi is left out
+    "eligible": dict(clients=8, rounds=2, local_steps=1, fraction=0.5, devices="edge-wifi:4,straggler:4",
+                     eligible="battery>=40", policies={"straggler": {"eligible": "battery<=10"}}),
+    # sessions and mid-round dropouts: unavailable and dropped nodes, rounds that stall on a dropped node
+    "availability": dict(clients=12, rounds=4, local_steps=2, fraction=0.5, devices="edge-wifi:8,straggler:4",
+                         availability="on=6,off=4,dropout=0.2", round_timeout=30.0),
+    # DP-FedAvg over the kept nodes: its noise and clipped mean calibrated on what the quorum kept
+    "dp-over-select": dict(clients=10, rounds=3, local_steps=2, fraction=0.3, over_select=1.5,
+                           devices="edge-wifi:8,straggler:2", dp="noise_multiplier=0.5,clip=0.3"),
+    # all four at once, per-class processes with a diurnal pattern
+    "all": dict(clients=16, rounds=4, local_steps=2, fraction=0.25, over_select=2.0, quorum=3,
+                devices="edge-wifi:4,straggler:8,cpu:4", eligible="battery>=40", round_timeout=40.0,
+                policies={"straggler": {"eligible": "battery<=10"}, "cpu": {"eligible": "battery<=10"}},
+                availability="straggler:on=60,off=20,diurnal=0.5,period=100,dropout=0.1;cpu:on=30,off=10"),
+}
+
+
+def _rows(tmp_path, engine: str) -> list[tuple]:
+    store = Store(tmp_path / f"{engine}.db")
+    try:
+        rid = store.list_runs()[0].id
+        return sorted((r.round, int(r.node_id), r.status, r.reason) for r in store.node_rounds(rid))
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_batched_fleet_rounds_are_the_inprocess_ones(case, tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDSWARM_FAKE_BATTERY", "5")
+    kw = dict(task=TASK, seed=3, lr=0.5, **CASES[case])
+    _, _, rounds = same_models_on_both_engines(kw, tmp_path, monkeypatch)
+    ref, got = _rows(tmp_path, "inprocess"), _rows(tmp_path, "batched")
+    assert got == ref
+    statuses = {status for _, _, status, _ in ref}
+    expected = {"over-select": {"late"}, "dp-over-select": {"late"}, "quorum-ties": {"late"},
+                "eligible": {"ineligible"}, "availability": {"unavailable", "dropped"},
+                "all": {"late", "ineligible", "unavailable"}}[case]
+    assert expected <= statuses, statuses  # the case exercises what it names
+    for a, b in rounds:  # the simulated clock (its reasons' times agree above) and what the round counted
+        assert a["num_clients"] == b["num_clients"]
+        assert math.isclose(a["sim_time_s"], b["sim_time_s"], rel_tol=1e-5), (a["sim_time_s"], b["sim_time_s"])
+        assert abs(a["bytes_down"] - b["bytes_down"]) <= 4 * 16  # the engines' messages differ by 2 bytes a node
+
+
+@pytest.mark.parametrize("engine", ["inprocess", "batched"])
+def test_a_node_that_never_finishes_is_late_in_every_quorum_round(engine, tmp_path):
+    """A node a million times slower than the rest: with a quorum it is late every round it is
+    sampled, and no round waits for it (simulated time)."""
+    profiles = tmp_path / "asleep.toml"
+    profiles.write_text("[straggler]\nspeed = 0.0001\n")  # a million times slower than edge-wifi
+    from fedswarm.sim.run import run_engine
+
+    cfg = RunConfig(task=TASK, engine=engine, clients=5, rounds=3, seed=0, local_steps=1, quorum=4,
+                    devices="edge-wifi:4,straggler:1", profiles=str(profiles))
+    store = Store(tmp_path / "asleep.db")
+    rid = store.create_run(cfg.model_dump())
+    assert run_engine(cfg, store=store, run_id=rid) == "finished"
+    rows = store.node_rounds(rid)
+    assert sorted((r.round, r.node_id) for r in rows if r.status == "late") == [(1, "5"), (2, "5"), (3, "5")]
+    assert all("quorum of 4" in r.reason for r in rows if r.status == "late")
+    rounds = [r for r in store.rounds(rid) if r.round > 0]
+    assert all(r.num_clients == 4 and 0 < r.sim_time_s < 10.0 for r in rounds), [r.sim_time_s for r in rounds]
+
+
+@pytest.mark.parametrize("engine", ["inprocess", "batched"])
+def test_no_eligible_node_fails_the_round_saying_why(engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDSWARM_FAKE_BATTERY", "5")
+    from fedswarm.sim.run import run_engine
+
+    cfg = RunConfig(task=TASK, engine=engine, clients=2, rounds=1, seed=0, local_steps=1, eligible="battery>=40",
+                    round_timeout=0.5)
+    store = Store(tmp_path / "none.db")
+    rid = store.create_run(cfg.model_dump())
+    with pytest.raises(RuntimeError, match="0 eligible node.*battery 5 fails battery>=40"):
+        run_engine(cfg, store=store, run_id=rid)
+
+
+def test_presence_is_availability_at_every_time():
+    """The batched engine's cached on/off array against Availability.available, node by node."""
+    from fedswarm.sim.batched_fleet import Presence
+
+    procs = [OnOff(5.0, 3.0, dropout=0.1), OnOff(50.0, 1.0, diurnal=0.5, period=40.0), None, OnOff(1.0, 20.0)] * 5
+    ref, fast = Availability(20, processes=procs, seed=4), Availability(20, processes=procs, seed=4)
+    presence = Presence(fast, 20)
+    for t in np.cumsum(np.random.default_rng(0).exponential(2.0, size=300)).tolist():
+        assert presence.at(t).tolist() == [ref.available(pid, t) for pid in range(20)], t
+
+
+def test_next_on_draws_only_as_far_as_it_needs_and_answers_the_same():
+    """next_on against the windows drawn a year ahead at once (what it did before it drew them in steps)."""
+    procs = [OnOff(100.0, 5000.0), OnOff(10.0, 200_000.0), OnOff(30.0, 30.0, diurnal=0.9)]
+    for pid in range(len(procs)):
+        for t in (0.0, 123.0, 9_999.5, 400_000.0):
+            av, full = Availability(3, processes=procs, seed=1), Availability(3, processes=procs, seed=1)
+            full._extend(pid, t + 365 * 86_400.0)
+            starts = [s for s, e in full._windows[pid] if s > t and s <= t + 365 * 86_400.0]
+            expect = t if full.available(pid, t) else (starts[0] if starts else None)
+            assert av.next_on(pid, t) == expect
+    assert Availability(1, processes=[OnOff(10.0, 1e9)], seed=0).next_on(0, 5e6, limit=10.0) is None
+
+
+def test_the_batched_engine_refuses_the_fleet_options_it_does_not_run():
+    from fedswarm.sim.engines import check_config
+
+    assert check_config(RunConfig(task=TASK, engine="batched", quorum=3)).name == "batched"
+    with pytest.raises(ConfigError, match="^--quorum on the batched engine: with fedavg.s round.*.compressed_fedavg."):
+        check_config(RunConfig(task=TASK, engine="batched", strategy="compressed_fedavg", quorum=3))
+    with pytest.raises(ConfigError, match="^--over-select with --byzantine on the batched engine"):
+        check_config(RunConfig(task=TASK, engine="batched", over_select=1.5, fraction=0.5, byzantine=1))
+    with pytest.raises(ConfigError, match="^--eligible on the batched engine: in this process, not sharded"):
+        check_config(RunConfig(task=TASK, engine="batched", eligible="charging", workers=2))
