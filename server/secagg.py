@@ -20,7 +20,8 @@ one stage (:func:`fedswarm.algorithms.secagg.dropouts.draw_dropouts`, from the r
 round, as the batched engine draws them): its replies from that stage on are discarded, simulated
 dropouts that exercise recovery on every engine. Each round's row gets, under ``secagg``:
 participants, nodes at each stage, dropped after sharing, recovered, threshold, degree, field
-bits, and bytes down/up per stage. A codec strategy's train messages carry no model: its nodes
+bits, bytes down/up per stage, and any corrupt shares the server caught and worked around
+(``bad_shares``, :mod:`fedswarm.algorithms.secagg.server`). A codec strategy's train messages carry no model: its nodes
 mask their payload (:mod:`fedswarm.strategies.secagg_payload`) and the one reply carries the
 weighted mean payload.
 
@@ -175,6 +176,9 @@ class SecAggGrid(WrappingGrid):
                "dropped_after_sharing": r.dropped_after_sharing, "recovered": r.recovered,
                "threshold": r.threshold, "degree": r.degree, "field_bits": r.field_bits,
                "refused": figures["refused"]}
+        if r.bad_shares:  # corrupt shares caught at unmasking ("holder>owner:seed|key"); the round used others
+            row["bad_shares"] = list(r.bad_shares)
+            log.warning("secure aggregation round %d: corrupt shares %s", self.rounds, ", ".join(r.bad_shares))
         if failed is not None:
             row["failed"] = failed
         if self.on_round is not None:
