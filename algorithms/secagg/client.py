@@ -114,7 +114,8 @@ class SecAggClient:
         return Quantizer(clip=st.clip, bits=st.bits, n_max=len(st.node_ids), weight_max=st.weight_max,
                          noise_bound=st.noise_bound)
 
-    def _expect(self, round_id: bytes, stage: int) -> None:
+    def expect(self, round_id: bytes, stage: int) -> None:
+        """Refuse (SecAggRefused) a ``stage`` message of ``round_id`` that is not the next of this node's round."""
         have, want = self.s["round_id"], self.s["stage"]
         if round_id != have:
             raise SecAggRefused(f"node {self.node_id} refuses a '{STAGES[stage]}' message for another round "
@@ -165,7 +166,7 @@ class SecAggClient:
 
     # -- stage 1 -----------------------------------------------------------------------------
     def share_keys(self, req: ShareKeysRequest) -> dict[int, bytes]:
-        self._expect(req.round_id, req.stage)
+        self.expect(req.round_id, req.stage)
         s = self.s
         mine = req.keys.get(self.node_id)
         if mine is None or mine.c_public != s["c_pk"] or mine.s_public != s["s_pk"]:
@@ -204,7 +205,7 @@ class SecAggClient:
     # -- stage 2 -----------------------------------------------------------------------------
     def masked_input(self, req: MaskedInputRequest, encoded: np.ndarray) -> np.ndarray:
         """``encoded`` (from :meth:`quantizer`'s ``encode``, ``dim + 1`` field elements) masked."""
-        self._expect(req.round_id, req.stage)
+        self.expect(req.round_id, req.stage)
         s = self.s
         vec = check_vector(encoded, s["dim"] + 1, s["bits"])
         peers = dict(zip(s["peer_ids"], zip(s["peer_c"], s["peer_s"], strict=True), strict=True))
@@ -240,7 +241,7 @@ class SecAggClient:
 
     # -- stage 3 -----------------------------------------------------------------------------
     def unmask(self, req: UnmaskRequest) -> UnmaskReply:
-        self._expect(req.round_id, req.stage)
+        self.expect(req.round_id, req.stage)
         s = self.s
         alive, gone = {int(j) for j in req.survivors}, {int(j) for j in req.dropped}
         both = alive & gone
