@@ -23,26 +23,31 @@ def _flip(share: bytes) -> bytes:
     return share[:-1] + bytes([share[-1] ^ 1])
 
 
-class CorruptHolder(SecAggClient):
-    """A node that answers the unmask stage with its share of ``owner``'s secret corrupted."""
+def _junk(share: bytes) -> bytes:
+    """A uniformly random field element in place of the share."""
+    return secrets.randbelow(shamir.PRIME).to_bytes(shamir.SHARE_BYTES, "big")
 
-    def __init__(self, node_id: int, owner: int):
+
+class CorruptHolder(SecAggClient):
+    """A node that answers the unmask stage with its share of ``owner``'s secret corrupted by ``how``."""
+
+    def __init__(self, node_id: int, owner: int, how=_flip):
         super().__init__(node_id)
-        self.owner = owner
+        self.owner, self.how = owner, how
 
     def unmask(self, req):
         out = super().unmask(req)
         for shares in (out.seed_shares, out.key_shares):
             if self.owner in shares:
-                shares[self.owner] = _flip(shares[self.owner])
+                shares[self.owner] = self.how(shares[self.owner])
         return out
 
 
-def _round(corrupt: dict[int, int], dropped: set[int] = frozenset()):
-    """One round over IDS where node h corrupts its share of node corrupt[h]'s secret."""
+def _round(corrupt: dict[int, int], dropped: set[int] = frozenset(), how=_flip):
+    """One round over IDS where node h corrupts (``how``) its share of node corrupt[h]'s secret."""
     rng = np.random.default_rng(0)
     ups = {i: rng.normal(0.0, 0.4, 200) for i in IDS}
-    clients = [CorruptHolder(i, corrupt[i]) if i in corrupt else SecAggClient(i) for i in IDS]
+    clients = [CorruptHolder(i, corrupt[i], how) if i in corrupt else SecAggClient(i) for i in IDS]
     return run_round(ups, PARAMS, clients=clients, drop={"masked_input": set(dropped)}, graph_seed=3)
 
 
@@ -66,8 +71,7 @@ def test_recover_names_the_corrupt_shares_and_rebuilds_the_secret():
 
 def test_recover_fails_when_no_subset_is_clean():
     secret, xs = secrets.token_bytes(32), [1, 2, 3, 4, 5]
-    junk = [secrets.randbelow(shamir.PRIME).to_bytes(shamir.SHARE_BYTES, "big") for _ in range(3)]
-    shares = list(zip(xs, junk + shamir.split(secret, xs, 3)[3:], strict=True))  # 2 clean shares, t = 3
+    shares = [(x, _junk(y) if x <= 3 else y) for x, y in zip(xs, shamir.split(secret, xs, 3), strict=True)]
     with pytest.raises(ValueError, match="none of the 10 of 10 3-subsets"):
         shamir.recover(shares, 3, lambda s: s == secret)
 
@@ -88,7 +92,7 @@ def test_too_many_corrupt_shares_fail_the_round_naming_the_owner():
     t = SecAggServer(IDS, 200, PARAMS).threshold
     holders = [i for i in IDS if i != 59][: len(IDS) - t + 1]  # fewer than t clean shares of 59's seed remain
     with pytest.raises(SecAggFailed, match="node 59's self-mask seed does not reconstruct to what it advertised") as e:
-        _round(dict.fromkeys(holders, 59))
+        _round(dict.fromkeys(holders, 59), how=_junk)  # (one-bit flips can cancel at 0: the secret comes back right)
     assert e.value.stage == "unmask"
 
 
