@@ -1,4 +1,4 @@
-"""SecAgg+ under what a real SuperNode's runtime does to a ClientApp's ``Context`` (flwr 1.41,
+"""SecAgg+ under what a real SuperNode's runtime does to a ClientApp's ``Context`` (flwr 1.42,
 read in its source): the ClientApp process pushes its reply before its context, so the next
 stage's process can start from the context before the last stage's write, and that older write
 can land last; a task whose process starts slowly (more than 30 s in STARTING) is handed to a
