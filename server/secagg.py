@@ -130,11 +130,16 @@ class SecAggGrid(WrappingGrid):
             down = sum(serialized_size(m, cache) for m in out)  # as the meter counts them: before they go
             replies = list(self.inner.send_and_receive(out, timeout=timeout))
             figures["bytes"][stage] = {"down": down, "up": sum(serialized_size(r) for r in replies)}
+            # A reply belongs to the node its message went to (the grid set the messages' ids as it pushed
+            # them): the SuperLink answers for an unreachable node from its own id (1).
+            asked = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in out}
             got = {}
             for r in replies:
-                node = int(r.metadata.src_node_id)
+                node = asked.get(r.metadata.reply_to_message_id, int(r.metadata.src_node_id))
                 if r.has_error():
                     figures["refused"][str(node)] = r.error.reason.strip().split("\n")[0][:300]
+                elif int(r.metadata.src_node_id) != node:
+                    figures["refused"][str(node)] = f"a reply from node {r.metadata.src_node_id} to its message"
                 elif node in requests and node not in gone.get(stage, ()):
                     got[node] = r.content
             figures["nodes"][stage] = len(got)

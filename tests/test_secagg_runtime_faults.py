@@ -19,6 +19,7 @@ import copy
 import numpy as np
 import pytest
 from flwr.app import Message
+from flwr.common import Error
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedswarm.algorithms.secagg import SecAggParams, SecAggServer
@@ -38,7 +39,8 @@ class RuntimeQuirks(InProcessGrid):
     (0-based, over the run): ``stale`` (it runs on the context from before its previous message,
     and that previous write lands after its own), ``twice`` (it runs twice on copies of the same
     context: the first run's reply goes to the server, the second run's context stays) or ``lost``
-    (its context write is dropped)."""
+    (its context write is dropped) or ``unreachable`` (the SuperLink answers, from its own node id
+    1, that the node is unavailable)."""
 
     def __init__(self, *args, node: int, at: int, quirk: str, **kw):
         super().__init__(*args, **kw)
@@ -79,6 +81,10 @@ class RuntimeQuirks(InProcessGrid):
             reply = super()._execute(copy.deepcopy(msg))
             self.contexts[nid] = ctx
             super()._execute(msg)  # the second process: its reply is lost, its context kept
+            return reply
+        if self.quirk == "unreachable":  # the SuperLink answers for a node it lost, from its own id (1)
+            reply = Message(Error(code=5, reason="Node Unavailable"), reply_to=msg)
+            reply.metadata.__dict__["_src_node_id"] = 1
             return reply
         if self.quirk == "lost":
             self.contexts[nid] = copy.deepcopy(ctx)
@@ -136,3 +142,12 @@ def test_runtime_quirks_never_give_a_wrong_model(store, monkeypatch, quirk, at):
         bound = len(ups) / (total * q.scale) + 1e-5  # one rounding unit per node, plus float32
         assert np.max(np.abs(end - want)) <= bound, (quirk, at, rnd, row)
     assert all("secagg_failed" not in res[r] for r in range(1, cfg.rounds + 1)), [(quirk, at, r) for r in res.values()]
+
+
+def test_a_superlink_error_reply_is_the_unreachable_nodes(store, monkeypatch):
+    """The SuperLink's error for an unreachable node comes from node id 1: the round names the node the
+    message went to, and recovers it."""
+    _, rid, grid, _ = _run(store, monkeypatch, node=2, at=2, quirk="unreachable")
+    row = {r["round"]: r for r in store.export_result(rid)["rounds"]}[1]["secagg"]
+    assert list(row["refused"]) == ["2"] and "Node Unavailable" in row["refused"]["2"], row
+    assert row["recovered"] == 1 and grid.counted[1] == {1, 3, 4}
