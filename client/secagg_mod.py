@@ -83,7 +83,7 @@ def secagg_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
         elif req.stage == SHARE_KEYS:
             out = shares_to(node.share_keys(req))
         elif req.stage == MASKED_INPUT:
-            node._expect(req.round_id, req.stage)  # refuse a replay before training, not after
+            node.expect(req.round_id, req.stage)  # refuse a replay before training, not after
             held = context.state.config_records.pop(STATE_RECORD, None)  # no secrets on disk while training
             del msg.content[RECORD]
             try:

@@ -21,14 +21,12 @@ set at all (the task's data is never loaded here). ``round_timeout`` (seconds, d
 from __future__ import annotations
 
 import random
-from logging import WARNING
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
-from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from fedswarm.algorithms.privacy.accountant import PrivacyBudgetExceeded
@@ -141,10 +139,6 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
     recorder.min_train_nodes = getattr(strategy, "min_train_nodes", None)
     timeout = float(cfg.round_timeout)
     strategy_grid = metered
-    if cfg.secagg and node_kind == "supernode":
-        log(WARNING, "secure aggregation on a real deployment is not yet reliable: its deployment test passed 3 of "
-                     "5 runs, one failure an unexplained wrong model after a recovered dropout (docs/secagg.md, "
-                     "'Known problem')")
     if cfg.secagg:  # every stage's messages cross the meter; the strategy sees one aggregated reply a round
         from fedswarm.server.secagg import SecAggGrid, secagg_params
 

@@ -20,7 +20,8 @@ one stage (:func:`fedswarm.algorithms.secagg.dropouts.draw_dropouts`, from the r
 round, as the batched engine draws them): its replies from that stage on are discarded, simulated
 dropouts that exercise recovery on every engine. Each round's row gets, under ``secagg``:
 participants, nodes at each stage, dropped after sharing, recovered, threshold, degree, field
-bits, and bytes down/up per stage. A codec strategy's train messages carry no model: its nodes
+bits, bytes down/up per stage, and any corrupt shares the server caught and worked around
+(``bad_shares``, :mod:`fedswarm.algorithms.secagg.server`). A codec strategy's train messages carry no model: its nodes
 mask their payload (:mod:`fedswarm.strategies.secagg_payload`) and the one reply carries the
 weighted mean payload.
 
@@ -129,11 +130,16 @@ class SecAggGrid(WrappingGrid):
             down = sum(serialized_size(m, cache) for m in out)  # as the meter counts them: before they go
             replies = list(self.inner.send_and_receive(out, timeout=timeout))
             figures["bytes"][stage] = {"down": down, "up": sum(serialized_size(r) for r in replies)}
+            # A reply belongs to the node its message went to (the grid set the messages' ids as it pushed
+            # them): the SuperLink answers for an unreachable node from its own id (1).
+            asked = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in out}
             got = {}
             for r in replies:
-                node = int(r.metadata.src_node_id)
+                node = asked.get(r.metadata.reply_to_message_id, int(r.metadata.src_node_id))
                 if r.has_error():
                     figures["refused"][str(node)] = r.error.reason.strip().split("\n")[0][:300]
+                elif int(r.metadata.src_node_id) != node:
+                    figures["refused"][str(node)] = f"a reply from node {r.metadata.src_node_id} to its message"
                 elif node in requests and node not in gone.get(stage, ()):
                     got[node] = r.content
             figures["nodes"][stage] = len(got)
@@ -175,6 +181,9 @@ class SecAggGrid(WrappingGrid):
                "dropped_after_sharing": r.dropped_after_sharing, "recovered": r.recovered,
                "threshold": r.threshold, "degree": r.degree, "field_bits": r.field_bits,
                "refused": figures["refused"]}
+        if r.bad_shares:  # corrupt shares caught at unmasking ("holder>owner:seed|key"); the round used others
+            row["bad_shares"] = list(r.bad_shares)
+            log.warning("secure aggregation round %d: corrupt shares %s", self.rounds, ", ".join(r.bad_shares))
         if failed is not None:
             row["failed"] = failed
         if self.on_round is not None:

@@ -121,12 +121,13 @@ def is_secagg(content: RecordDict) -> bool:
 # -- node -> server ----------------------------------------------------------------------------
 
 def keys_to(keys: Keys) -> RecordDict:
-    return RecordDict({RECORD: ConfigRecord({"c_pk": keys.c_public, "s_pk": keys.s_public})})
+    return RecordDict({RECORD: ConfigRecord({"c_pk": keys.c_public, "s_pk": keys.s_public,
+                                             "b_commit": keys.seed_commit})})
 
 
 def keys_from(content: RecordDict) -> Keys:
     rec = content.config_records[RECORD]
-    return Keys(bytes(rec["c_pk"]), bytes(rec["s_pk"]))
+    return Keys(bytes(rec["c_pk"]), bytes(rec["s_pk"]), bytes(rec["b_commit"]))
 
 
 def shares_to(cts: dict[int, bytes]) -> RecordDict:

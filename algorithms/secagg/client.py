@@ -5,9 +5,11 @@ ints and lists (:meth:`SecAggClient.to_state`), so a Flower ClientApp can keep i
 Stages (each method refuses, with :class:`SecAggRefused`, a message that is not the next
 stage of the current round):
 
-0. :meth:`advertise` on a :class:`Setup`: draws two X25519 key pairs, returns their public halves.
+0. :meth:`advertise` on a :class:`Setup`: draws two X25519 key pairs and the round's secret (its
+   self-mask seed derives from it), returns the public halves and a commitment to the seed
+   (:func:`seed_commitment`).
 1. :meth:`share_keys`: checks its own keys came back unchanged and enough neighbours
-   advertised, draws its self-mask seed ``b``, Shamir-shares ``b`` and its mask private key
+   advertised, derives its self-mask seed ``b``, Shamir-shares ``b`` and its mask private key
    among its neighbourhood (itself included, threshold ``t``) and encrypts each neighbour's
    pair of shares under the key it agrees with that neighbour (AES-GCM, the round, sender and
    receiver bound in).
@@ -21,6 +23,7 @@ stage of the current round):
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from typing import Any
 
@@ -34,7 +37,7 @@ from fedswarm.algorithms.secagg.messages import (ADVERTISE, MASKED_INPUT, SHARE_
                                                  UnmaskReply, UnmaskRequest, check_vector)
 from fedswarm.algorithms.secagg.quantize import Quantizer
 
-__all__ = ["SecAggClient", "mask_info", "pair_sign", "share_info", "share_plaintext"]
+__all__ = ["SecAggClient", "mask_info", "pair_sign", "seed_commitment", "share_info", "share_plaintext"]
 
 _DONE = UNMASK + 1
 
@@ -45,6 +48,16 @@ def share_info(round_id: bytes) -> bytes:
 
 def mask_info(round_id: bytes) -> bytes:
     return b"fedswarm-secagg/mask/" + round_id
+
+
+def _self_mask_seed(round_secret: bytes) -> bytes:
+    return crypto.derive(round_secret, b"self-mask seed")
+
+
+def seed_commitment(round_id: bytes, node: int, seed: bytes) -> bytes:
+    """What a node advertises of its self-mask seed: SHA-256 of the seed (32 random bytes), bound
+    to the round and the node. The server checks a seed rebuilt from shares against it."""
+    return hashlib.sha256(b"fedswarm-secagg/seed-commit/" + round_id + struct.pack(">Q", node) + seed).digest()
 
 
 def pair_sign(own: int, other: int) -> int:
@@ -101,7 +114,8 @@ class SecAggClient:
         return Quantizer(clip=st.clip, bits=st.bits, n_max=len(st.node_ids), weight_max=st.weight_max,
                          noise_bound=st.noise_bound)
 
-    def _expect(self, round_id: bytes, stage: int) -> None:
+    def expect(self, round_id: bytes, stage: int) -> None:
+        """Refuse (SecAggRefused) a ``stage`` message of ``round_id`` that is not the next of this node's round."""
         have, want = self.s["round_id"], self.s["stage"]
         if round_id != have:
             raise SecAggRefused(f"node {self.node_id} refuses a '{STAGES[stage]}' message for another round "
@@ -140,6 +154,7 @@ class SecAggClient:
         # on a node) shares the same self-mask seed with the same polynomials, so a server holding the
         # shares of one run and a node holding the state of the other still agree.
         round_secret = crypto.new_seed()
+        seed = _self_mask_seed(round_secret)
         self.s = {"stage": SHARE_KEYS, "round_id": setup.round_id, "past_rounds": past, "node_ids": ids,
                   "degree": int(setup.degree), "threshold": int(setup.threshold),
                   "graph_seed": int(setup.graph_seed), "dim": int(setup.dim), "clip": float(setup.clip),
@@ -147,11 +162,11 @@ class SecAggClient:
                   "noise_bound": int(setup.noise_bound), "c_sk": c.private_bytes, "s_sk": s.private_bytes,
                   "c_pk": c.public_bytes, "s_pk": s.public_bytes, "round_secret": round_secret}
         self.quantizer()  # a setup whose field cannot hold the round's sum is refused here, not at stage 2
-        return Keys(c.public_bytes, s.public_bytes)
+        return Keys(c.public_bytes, s.public_bytes, seed_commitment(setup.round_id, self.node_id, seed))
 
     # -- stage 1 -----------------------------------------------------------------------------
     def share_keys(self, req: ShareKeysRequest) -> dict[int, bytes]:
-        self._expect(req.round_id, req.stage)
+        self.expect(req.round_id, req.stage)
         s = self.s
         mine = req.keys.get(self.node_id)
         if mine is None or mine.c_public != s["c_pk"] or mine.s_public != s["s_pk"]:
@@ -166,7 +181,7 @@ class SecAggClient:
         if len({k.c_public for k in req.keys.values()}) != len(req.keys):
             raise SecAggRefused(f"node {self.node_id} refuses a key list where two nodes share a public key")
         secret = s["round_secret"]
-        seed = crypto.derive(secret, b"self-mask seed")
+        seed = _self_mask_seed(secret)
         holders = sorted(req.keys)
         xs = [self._x(j) for j in holders]
         seed_shares = shamir.split(seed, xs, s["threshold"], coeff_key=crypto.derive(secret, b"seed polynomial"))
@@ -190,7 +205,7 @@ class SecAggClient:
     # -- stage 2 -----------------------------------------------------------------------------
     def masked_input(self, req: MaskedInputRequest, encoded: np.ndarray) -> np.ndarray:
         """``encoded`` (from :meth:`quantizer`'s ``encode``, ``dim + 1`` field elements) masked."""
-        self._expect(req.round_id, req.stage)
+        self.expect(req.round_id, req.stage)
         s = self.s
         vec = check_vector(encoded, s["dim"] + 1, s["bits"])
         peers = dict(zip(s["peer_ids"], zip(s["peer_c"], s["peer_s"], strict=True), strict=True))
@@ -226,7 +241,7 @@ class SecAggClient:
 
     # -- stage 3 -----------------------------------------------------------------------------
     def unmask(self, req: UnmaskRequest) -> UnmaskReply:
-        self._expect(req.round_id, req.stage)
+        self.expect(req.round_id, req.stage)
         s = self.s
         alive, gone = {int(j) for j in req.survivors}, {int(j) for j in req.dropped}
         both = alive & gone

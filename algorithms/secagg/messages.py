@@ -60,10 +60,13 @@ class Setup:
 
 @dataclass(frozen=True)
 class Keys:
-    """Stage 0 reply: a node's two X25519 public keys (``c`` encrypts shares, ``s`` agrees masks)."""
+    """Stage 0 reply: a node's two X25519 public keys (``c`` encrypts shares, ``s`` agrees masks)
+    and ``seed_commit``, a hash of its self-mask seed (the server checks a seed rebuilt from
+    shares against it; neighbours are sent the keys only)."""
 
     c_public: bytes
     s_public: bytes
+    seed_commit: bytes = b""
 
 
 @dataclass(frozen=True)

@@ -12,18 +12,24 @@ A node that does not answer a stage (absent from that stage's replies) has dropp
 Before masks are committed (stage 2's requests) the server also leaves out any node whose
 neighbourhood among those still active is below the threshold ``t``; past stage 2, a secret
 with fewer than ``t`` returned shares fails the round (:class:`SecAggFailed`, naming it).
+
+A rebuilt secret is checked against what its owner advertised at stage 0: a mask key against
+its public key, a self-mask seed against its commitment (:func:`~.client.seed_commitment`). A
+subset of shares that rebuilds something else holds a corrupt share: the server tries other
+``t``-subsets (when more than ``t`` came back), names the shares off the right polynomial
+(``RoundReport.bad_shares``), and fails the round when no subset rebuilds the advertised secret.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from fedswarm.algorithms.secagg import crypto, shamir
-from fedswarm.algorithms.secagg.client import add_signed, mask_info, pair_sign, reduce
+from fedswarm.algorithms.secagg.client import add_signed, mask_info, pair_sign, reduce, seed_commitment
 from fedswarm.algorithms.secagg.graph import default_degree, neighbours
 from fedswarm.algorithms.secagg.messages import (Keys, MaskedInputRequest, SecAggFailed, Setup, ShareKeysRequest,
                                                  UnmaskReply, UnmaskRequest, check_vector)
@@ -68,6 +74,8 @@ class RoundReport:
     threshold: int = 0
     degree: int = 0
     field_bits: int = 0
+    #: corrupt shares caught at unmasking: "holder>owner:seed" / "holder>owner:key"
+    bad_shares: list[str] = field(default_factory=list)
 
 
 class SecAggServer:
@@ -115,7 +123,8 @@ class SecAggServer:
 
     # -- stage 1 -----------------------------------------------------------------------------
     def collect_keys(self, replies: Mapping[int, Keys]) -> dict[int, ShareKeysRequest]:
-        self._keys = {int(i): k for i, k in replies.items() if int(i) in self.graph}
+        # an advertisement without a seed commitment cannot have its seed checked at unmasking: left out
+        self._keys = {int(i): k for i, k in replies.items() if int(i) in self.graph and len(k.seed_commit) == 32}
         self.report.advertised = len(self._keys)
         active = self._prune(set(self._keys))
         if len(active) < self.threshold:
@@ -167,18 +176,30 @@ class SecAggServer:
         x = {j: self.ids.index(j) + 1 for j in self.ids}
 
         def rebuild(owner: int, kind: str) -> bytes:
-            shares = [(x[h], getattr(r, kind)[owner]) for h, r in answered.items()
-                      if owner in getattr(r, kind) and (h == owner or h in self.graph[owner])]
-            if len(shares) < self.threshold:
-                what = "self-mask seed" if kind == "seed_shares" else "mask key"
-                self._fail(f"node {owner}'s {what} has {len(shares)} shares back, fewer than the threshold "
+            what = "self-mask seed" if kind == "seed_shares" else "mask key"
+            holders = [h for h, r in answered.items()
+                       if owner in getattr(r, kind) and (h == owner or h in self.graph[owner])]
+            if len(holders) < self.threshold:
+                self._fail(f"node {owner}'s {what} has {len(holders)} shares back, fewer than the threshold "
                            f"{self.threshold} ({len(answered)} of {len(alive)} survivors answered the unmask stage)",
                            "unmask")
+            advertised = self._keys[owner]
+            if kind == "seed_shares":
+                def verify(secret: bytes) -> bool:
+                    return seed_commitment(self.round_id, owner, secret) == advertised.seed_commit
+            else:
+                def verify(secret: bytes) -> bool:
+                    return len(secret) == 32 and crypto.KeyPair(secret).public_bytes == advertised.s_public
+            holder_at = {x[h]: h for h in holders}
             try:
-                return shamir.combine(shares[: self.threshold])
+                secret, bad = shamir.recover([(x[h], getattr(answered[h], kind)[owner]) for h in holders],
+                                             self.threshold, verify)
             except ValueError as err:
-                self._fail(f"node {owner}'s secret does not reconstruct: {err}", "unmask")
+                self._fail(f"node {owner}'s {what} does not reconstruct to what it advertised from the {len(holders)} "
+                           f"shares of nodes {sorted(holders)}: {err}", "unmask")
                 raise
+            self.report.bad_shares += [f"{holder_at[b]}>{owner}:{kind.split('_')[0]}" for b in bad]
+            return secret
 
         total = np.zeros(self.dim + 1, dtype=crypto.field_dtype(bits))
         for v in self._masked.values():

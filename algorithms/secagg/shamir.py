@@ -10,10 +10,12 @@ its x-coordinate and its 66-byte y, big-endian.
 
 from __future__ import annotations
 
+import itertools
+import math
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["PRIME", "SHARE_BYTES", "combine", "split"]
+__all__ = ["PRIME", "SHARE_BYTES", "combine", "recover", "split"]
 
 #: The field's modulus: the Mersenne prime 2^521 - 1.
 PRIME = (1 << 521) - 1
@@ -56,22 +58,75 @@ def split(secret: bytes, xs: Sequence[int], threshold: int, coeff_key: bytes | N
     return out
 
 
-def combine(shares: Iterable[tuple[int, bytes]]) -> bytes:
-    """The secret from ``(x, share)`` pairs: at least the threshold many, else the result is garbage
-    (or a clear error when it does not decode)."""
-    pts = [(int(x), int.from_bytes(y, "big")) for x, y in shares]
+def _interpolate(pts: Sequence[tuple[int, int]], at: int) -> int:
+    """The value at ``at`` of the polynomial of degree ``len(pts) - 1`` through ``pts`` (Lagrange)."""
     xs = [x for x, _ in pts]
-    if not pts or len(set(xs)) != len(xs):
-        raise ValueError("shamir: combine needs shares with distinct x-coordinates")
-    secret = 0
+    value = 0
     for i, (xi, yi) in enumerate(pts):
         num, den = 1, 1
         for j, xj in enumerate(xs):
             if j != i:
-                num = num * xj % PRIME
-                den = den * (xj - xi) % PRIME
-        secret = (secret + yi * num * pow(den, -1, PRIME)) % PRIME
-    raw = secret.to_bytes(SHARE_BYTES, "big").lstrip(b"\0")
+                num = num * (at - xj) % PRIME
+                den = den * (xi - xj) % PRIME
+        value = (value + yi * num * pow(den, -1, PRIME)) % PRIME
+    return value
+
+
+def _points(shares: Iterable[tuple[int, bytes]]) -> list[tuple[int, int]]:
+    pts = [(int(x), int.from_bytes(y, "big")) for x, y in shares]
+    xs = [x for x, _ in pts]
+    if not pts or len(set(xs)) != len(xs):
+        raise ValueError("shamir: combine needs shares with distinct x-coordinates")
+    return pts
+
+
+def _decode(value: int) -> bytes:
+    raw = value.to_bytes(SHARE_BYTES, "big").lstrip(b"\0")
     if not raw or raw[0] != len(raw) - 1:
         raise ValueError("shamir: the shares do not reconstruct a secret (too few shares, or corrupt ones)")
     return raw[1:]
+
+
+def combine(shares: Iterable[tuple[int, bytes]]) -> bytes:
+    """The secret from ``(x, share)`` pairs: at least the threshold many, else the result is garbage
+    (or a clear error when it does not decode)."""
+    return _decode(_interpolate(_points(shares), 0))
+
+
+#: :func:`recover` tries at most this many ``threshold``-subsets of the shares.
+MAX_SUBSETS = 256
+
+
+def recover(shares: Sequence[tuple[int, bytes]], threshold: int, verify: Callable[[bytes], bool],
+            max_subsets: int = MAX_SUBSETS) -> tuple[bytes, list[int]]:
+    """The secret that ``verify`` accepts, rebuilt from some ``threshold`` of ``shares``, and the
+    x-coordinates of the shares that are not on its polynomial (corrupt ones). Tries the
+    ``threshold``-subsets in order, at most ``max_subsets`` of them: with ``e`` corrupt shares
+    among ``m``, some subset is clean when ``m - e >= threshold``. Corrupt shares can cancel at 0
+    (the secret comes out right from a wrong polynomial), so the shares named are those off the
+    polynomial, among the accepted subsets', that the most shares lie on; the search stops at one
+    that all shares lie on. Raises ValueError when no subset tried rebuilds a secret ``verify``
+    accepts."""
+    pts = _points(shares)
+    if len(pts) < threshold:
+        raise ValueError(f"shamir: {len(pts)} shares, fewer than the threshold {threshold}")
+    best: tuple[bytes, list[int]] | None = None
+    tried = 0
+    for subset in itertools.islice(itertools.combinations(pts, threshold), max_subsets):
+        tried += 1
+        try:
+            secret = _decode(_interpolate(subset, 0))
+        except ValueError:
+            continue
+        if (best is not None and secret != best[0]) or not verify(secret):
+            continue
+        inside = {x for x, _ in subset}
+        bad = [x for x, y in pts if x not in inside and _interpolate(subset, x) != y]
+        if best is None or len(bad) < len(best[1]):
+            best = secret, bad
+        if not bad:
+            break
+    if best is None:
+        raise ValueError(f"shamir: none of the {tried} of {math.comb(len(pts), threshold)} {threshold}-subsets of "
+                         f"the {len(pts)} shares rebuilds the secret its owner committed to (too many corrupt shares)")
+    return best
