@@ -111,6 +111,11 @@ __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budg
 #: asynchronous aggregations, each a recorded round (:mod:`fedswarm.sim.batched_fedbuff`).
 ROUND_RUNNERS: dict[str, type] = {}
 
+#: The round runners that compute a secure round's sum directly under ``--secagg``: FedAvg's
+#: (:mod:`fedswarm.sim.batched_secagg_round`) and the linear codecs'
+#: (:mod:`fedswarm.sim.batched_secagg_codec`); which strategies may ask is their entry's ``secagg``.
+SECAGG_RUNNERS = ("weighted_mean", "codec", "sketch")
+
 ClientsListener = Callable[[int, int], None]  # (clients done this round, clients this round)
 
 
@@ -132,8 +137,11 @@ def check_supported(cfg: RunConfig) -> None:
                           f"'{cfg.strategy}' runs on --engine inprocess (or flower)")
     if cfg.dp_sgd:
         raise ConfigError("--engine batched does not run --dp-sgd; use --engine inprocess")
-    if cfg.secagg and entry.batched.runner != "weighted_mean":
-        raise ConfigError(f"--engine batched runs --secagg with fedavg; with '{cfg.strategy}' use --engine inprocess")
+    if cfg.secagg and entry.batched.runner not in SECAGG_RUNNERS:  # the sum computed directly in these runners
+        able = [n for n in registry.batched_names() if registry.get(n).batched.runner in SECAGG_RUNNERS
+                and registry.get(n).secagg]
+        raise ConfigError(f"--engine batched runs --secagg with {', '.join(able)}; with '{cfg.strategy}' use "
+                          f"--engine inprocess")
     if cfg.dp and not entry.batched.dp:
         raise ConfigError(f"--engine batched runs --dp with {', '.join(registry.batched_names(dp=True))}; with "
                           f"'{cfg.strategy}' use --engine inprocess")

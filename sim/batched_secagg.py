@@ -41,6 +41,7 @@ class SecureSum:
     total: np.ndarray
     decoded: DecodedSum
     report: RoundReport
+    senders: frozenset[int] = frozenset()  # the nodes whose masked input is in the sum
 
 
 class SecureRound:
@@ -118,7 +119,7 @@ class SecureRound:
             total += quantizer.encode(v, rng, weight=w, noise=noise,  # wraps mod 2^64
                                       noise_rng=rng if noise_rngs is None else noise_rngs[i])
         total &= quantizer.mask
-        return SecureSum(total, quantizer.decode_sum(total), self.report)
+        return SecureSum(total, quantizer.decode_sum(total), self.report, frozenset(map(int, senders)))
 
 
 def secure_sum(updates: np.ndarray, node_ids: Sequence[int], params: SecAggParams, *, seed: int, round_: int,

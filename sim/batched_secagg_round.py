@@ -21,6 +21,8 @@ client whose model is not finite never sends a masked input (it drops at ``maske
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -61,17 +63,23 @@ class SecureRounds:
         drop = draw_dropouts(ids, rate, self.cfg.seed, self.rounds) if rate else {}
         return SecureRound(ids, dim, params, graph_seed=graph_seed, drop=drop)
 
-    def finish(self, rnd: SecureRound, rows, weights, server_round: int, gone=(),
-               failed: str | None = None) -> tuple[SecureSum | None, dict]:
+    def finish(self, rnd: SecureRound, rows, weights, server_round: int, gone=(), failed: str | None = None,
+               check: Callable[[set[int]], None] | None = None) -> tuple[SecureSum | None, dict]:
         """The round's unmasked sum of ``rows`` (node -> float vector, weighted by ``weights``:
         node -> examples; under DP each node's weight is 1) over the nodes that send, or None
-        where the round fails (``failed``: it failed already); and its row's figures:
-        ``secagg``, ``secagg_failed``, DP's ``epsilon``."""
+        where the round fails (``failed``: it failed already; ``check(senders)`` raises
+        ValueError: the server cannot use their sum, as ``SecAggGrid`` fails it); and its
+        row's figures: ``secagg``, ``secagg_failed``, DP's ``epsilon``."""
         row: dict = {}
         out = None
         if failed is None:
             try:
                 senders = rnd.senders(gone)
+                if check is not None:
+                    try:
+                        check(senders)
+                    except ValueError as exc:
+                        raise SecAggFailed(f"{type(exc).__name__}: {exc}", "unmask") from None
                 out = rnd.total(rows, senders, seed=self.cfg.seed, round_=server_round, weights=weights,
                                 dp=None if self.dp is None else self.dp._round,
                                 # the nodes' noise draws, as client/secagg_dp.py draws them (secure=false)
