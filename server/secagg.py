@@ -189,10 +189,13 @@ def secagg_params(cfg) -> SecAggParams:
 def check_secagg(cfg, entry) -> None:
     """Refuse, in one line, a run config that secure aggregation cannot serve."""
     if not entry.secagg:
+        from fedswarm.strategies.secagg_compat import strategy_refusal
+
         able = ", ".join(e.name for e in registry.entries(registered=True) if e.secagg)
-        raise ConfigError(f"--secagg: strategy '{cfg.strategy}' cannot run under secure aggregation: its server "
-                          f"needs each node's own update (robust rules compare updates; top-k, 1-bit and sign codecs "
-                          f"send per-node index sets or scales), and secure aggregation reveals only their sum "
+        why = strategy_refusal(entry.name) or ("its server needs each node's own update (robust rules compare "
+                                               "updates; top-k, 1-bit and sign codecs send per-node index sets or "
+                                               "scales), and secure aggregation reveals only their sum")
+        raise ConfigError(f"--secagg: strategy '{cfg.strategy}' cannot run under secure aggregation: {why} "
                           f"(strategies that can: {able})")
     if cfg.byzantine:
         raise ConfigError("--secagg with --byzantine: the attacks rewrite each node's plain reply, which secure "

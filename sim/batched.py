@@ -137,12 +137,13 @@ def check_supported(cfg: RunConfig) -> None:
                           f"'{cfg.strategy}' runs on --engine inprocess (or flower)")
     if cfg.dp_sgd:
         raise ConfigError("--engine batched does not run --dp-sgd; use --engine inprocess")
-    if cfg.secagg and entry.batched.runner not in SECAGG_RUNNERS:  # the sum computed directly in these runners
+    # the sum computed directly in these runners (a strategy whose entry says no secagg is refused by check_secagg)
+    if cfg.secagg and entry.secagg and entry.batched.runner not in SECAGG_RUNNERS:
         able = [n for n in registry.batched_names() if registry.get(n).batched.runner in SECAGG_RUNNERS
                 and registry.get(n).secagg]
         raise ConfigError(f"--engine batched runs --secagg with {', '.join(able)}; with '{cfg.strategy}' use "
                           f"--engine inprocess")
-    if cfg.dp and not entry.batched.dp:
+    if cfg.dp and not entry.batched.dp and not cfg.secagg:  # under --secagg: the nodes' distributed DP, in the sum
         raise ConfigError(f"--engine batched runs --dp with {', '.join(registry.batched_names(dp=True))}; with "
                           f"'{cfg.strategy}' use --engine inprocess")
     if cfg.byzantine:

@@ -34,9 +34,17 @@ def test_batched_secure_rounds_equal_the_in_process_protocol_with_dropouts(tmp_p
     assert "secagg_failed" in rounds[0][1] and rounds[2][1]["secagg"]["recovered"] == 1
 
 
-def test_batched_secagg_with_a_strategy_it_does_not_serve_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="runs --secagg with fedavg") as err:
-        check_run(RunConfig(task="digits-mlp", strategy="fetchsgd", engine="batched", clients=4, secagg=True))
+def test_batched_secagg_serves_the_linear_codecs_and_refuses_the_others_in_one_line():
+    for strategy in ("fedavg", "compressed_fedavg", "fetchsgd"):  # countsketch and randk: test_batched_secagg_codec
+        check_run(RunConfig(task="digits-mlp", strategy=strategy, engine="batched", clients=4, secagg=True,
+                            params={"codec": "countsketch"} if strategy == "compressed_fedavg" else {}))
+    for strategy, why in (("gtopk", "cannot run under secure aggregation"), ("sketched_sgd", "exact values")):
+        with pytest.raises(ConfigError, match=why) as err:
+            check_run(RunConfig(task="digits-mlp", strategy=strategy, engine="batched", clients=4, secagg=True))
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="cannot run codec 'topk'") as err:
+        check_run(RunConfig(task="digits-mlp", strategy="compressed_fedavg", engine="batched", clients=4, secagg=True,
+                            params={"codec": "topk"}))
     assert "\n" not in str(err.value)
 
 
