@@ -81,6 +81,10 @@ def check_sharded(cfg: RunConfig, *, need_address: bool = True) -> None:
     if not _serves(registry.get(cfg.strategy)):
         raise ConfigError(f"--engine batched --ray-address runs {', '.join(sharded_names())}; strategy "
                           f"'{cfg.strategy}' runs on --engine batched without --ray-address")
+    if cfg.secagg and registry.get(cfg.strategy).batched.runner == "weighted_mean":
+        raise ConfigError("--engine batched --ray-address --secagg runs the codec strategies (their payloads come back "
+                          "to the driver): FedAvg's shards send back only their sums, and a secure sum needs each "
+                          "node's update; drop --ray-address")
     for flag, given in (("--dp", cfg.dp), ("--byzantine", cfg.byzantine)):
         if given:
             raise ConfigError(f"--engine batched --ray-address does not run {flag}; drop --ray-address")

@@ -25,6 +25,10 @@ CASES = {
     "median": dict(strategy="median", clients=9, fraction=1.0),  # a robust rule: every vector gathered
     "fetchsgd": dict(strategy="fetchsgd"),
     "fetchsgd-3-workers": dict(strategy="fetchsgd", workers=3, clients=11, fraction=0.8),
+    # --secagg: the driver's secure sum of the payloads the shards sent back (sim/batched_secagg_codec.py)
+    "randk-secagg": dict(strategy="compressed_fedavg", secagg=True,
+                         params={"codec": "randk", "codec_params": "ratio=0.1"}),
+    "fetchsgd-secagg": dict(strategy="fetchsgd", secagg=True),
 }
 
 
