@@ -75,6 +75,7 @@ class SecAggGrid(WrappingGrid):
         # A codec strategy's payload length (its ``secagg_dim``): train messages without the model
         self.dim_of = dim_of
         self.rounds = 0
+        self.survivors: list[int] = []  # the nodes in the last secure round's sum
         self._rng = np.random.default_rng([self.seed, 0x5EC])
 
     # -- Grid: messages --------------------------------------------------------------------
@@ -97,6 +98,7 @@ class SecAggGrid(WrappingGrid):
     # -- one round -------------------------------------------------------------------------
     def _secure_round(self, train: list[Message], timeout: float | None) -> list[Message]:
         self.rounds += 1
+        self.survivors = []
         by_node = {int(m.metadata.dst_node_id): m for m in train}
         first = train[0]
         if "arrays" in first.content.array_records:
@@ -158,6 +160,7 @@ class SecAggGrid(WrappingGrid):
             self._note(srv, figures, failed=str(exc))
             return []
         self._note(srv, figures, dp=None if self.dp is None else self.dp.account(srv.report.masked))
+        self.survivors = sorted(inputs)  # who is in the sum (the server learns it): a second exchange asks them
         survivor = min(inputs)  # the reply goes in the name of a node that took part
         if model is None:  # the weighted mean payload: the strategy decodes it as it decodes a plain one
             content = payload_reply(decoded.mean, spec)

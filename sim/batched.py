@@ -143,6 +143,11 @@ def check_supported(cfg: RunConfig) -> None:
                 and registry.get(n).secagg]
         raise ConfigError(f"--engine batched runs --secagg with {', '.join(able)}; with '{cfg.strategy}' use "
                           f"--engine inprocess")
+    if cfg.secagg:
+        from fedswarm.strategies.secagg_compat import batched_refusal
+
+        if why := batched_refusal(cfg.strategy):
+            raise ConfigError(f"--engine batched --secagg does not run '{cfg.strategy}': {why}; use --engine inprocess")
     if cfg.dp and not entry.batched.dp and not cfg.secagg:  # under --secagg: the nodes' distributed DP, in the sum
         raise ConfigError(f"--engine batched runs --dp with {', '.join(registry.batched_names(dp=True))}; with "
                           f"'{cfg.strategy}' use --engine inprocess")
