@@ -40,8 +40,9 @@ NONLINEAR_WHY: dict[str, str] = {
 #: Why a strategy whose entry says no ``secagg`` cannot run under secure aggregation, where the
 #: general reason (its server needs each node's own update) does not say it.
 STRATEGY_WHY: dict[str, str] = {
-    "gs_sgd": "its second exchange asks each node for its own exact values at the selected coordinates and tells "
-              "each one which were used; SecAggGrid runs one secure sum per round (fetchsgd needs no second exchange)",
+    "gs_sgd": "its exact values (a second exchange) are not wired to a second secure sum as sketched_sgd's are, "
+              "and without them each node is told the indices the server used of its own sketch (sketched_sgd and "
+              "fetchsgd run under it)",
 }
 
 
