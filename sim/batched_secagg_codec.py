@@ -30,6 +30,7 @@ each node that trained, measured by the runner; not the protocol's four stages.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -72,13 +73,13 @@ class SecurePayloadRounds(SecureRounds):
         except SecAggFailed as exc:  # before the masked-input stage: nobody trains
             trained, failed = set(), str(exc)
         pos = [k for k, nid in enumerate(node_ids) if nid in trained]  # the nodes that train, in sample order
-        sub = {"messages": [messages[k] for k in pos], "node_ids": [node_ids[k] for k in pos],
-               "classes": [classes[k] for k in pos], "pols": [pols[k] for k in pos]}
+        sub = _Cohort([messages[k] for k in pos], [node_ids[k] for k in pos], [classes[k] for k in pos],
+                      [pols[k] for k in pos])
         replies = []
         if pos:
             policy_json = {c: json.dumps(p, sort_keys=True) for c, p in zip(classes, pols)}
-            replies = runner._train_replies(runner.model, _subset(sched, pos), sub["messages"], sub["node_ids"],
-                                            sub["classes"], sub["pols"], policy_json, len(pos))
+            replies = runner._train_replies(runner.model, _subset(sched, pos), sub.messages, sub.node_ids,
+                                            sub.classes, sub.pols, policy_json, len(pos))
             replies.sort(key=lambda r: r.k)
         rows, weights, specs, gone = {}, {}, {}, []
         for r in replies:
@@ -89,28 +90,50 @@ class SecurePayloadRounds(SecureRounds):
                 gone.append(r.node_id)
         out, row = self.finish(rnd, rows, weights, server_round, gone=gone, failed=failed,
                                check=lambda senders: check_specs({n: specs[n] for n in senders}, int(dim)))
-        accepted: list[Accepted] = []
-        if out is not None:  # the one reply SecAggGrid hands the strategy, in the smallest sender's name
-            survivor = min(out.senders)
-            content = payload_reply(out.decoded.mean, specs[survivor])
-            content["metrics"] = MetricRecord({"num-examples": out.decoded.total_weight})
-            msg = make_reply(sub["messages"][sub["node_ids"].index(survivor)], content)
-            strategy.sync.ack(survivor)
-            strategy.pending.pop(survivor, None)
-            try:
-                accepted.append(Accepted(survivor, msg, float(out.decoded.total_weight), strategy.parse_reply(msg)))
-            except (PayloadError, KeyError, TypeError, ValueError) as exc:
-                strategy.reject(msg, str(exc) or type(exc).__name__)
+        accepted = [] if out is None else _one_reply(strategy, out, specs, sub)
         strategy.apply_accepted(server_round, accepted)
         runner.arrays = strategy.model_arrays()
-        traffic = Traffic()
-        node_rows: list[dict] | None = [] if len(node_ids) <= NODE_ROWS_MAX else None
-        loss_sum = weight_sum = 0.0
-        for r in replies:  # each node that trained: its plain train message and reply
-            add_client(traffic, node_rows, r.node_id, r.up, r.down, r.n, r.loss, r.device_class, sub["pols"][r.k])
-            if r.node_id in rows:
-                loss_sum += r.n * r.loss
-                weight_sum += r.n
-        run.meter.traffic = traffic
-        row.update(num_clients=len(node_ids), train_loss=loss_sum / weight_sum if weight_sum else None)
-        return row, node_rows or []
+        run.meter.traffic, node_rows = _traffic(replies, sub, len(node_ids) <= NODE_ROWS_MAX)
+        kept = [r for r in replies if r.node_id in rows]
+        weight = sum(r.n for r in kept)
+        row.update(num_clients=len(node_ids), train_loss=sum(r.n * r.loss for r in kept) / weight if weight else None)
+        return row, node_rows
+
+
+@dataclass
+class _Cohort:
+    """The round's nodes that train (those the masked-input stage reaches), in sample order."""
+
+    messages: list
+    node_ids: list[int]
+    classes: list[str]
+    pols: list[dict]
+
+
+def _one_reply(strategy, out, specs: dict, sub: _Cohort) -> list[Accepted]:
+    """What ``SecAggGrid`` hands the strategy: one reply in the smallest sender's name carrying the
+    weighted mean payload and the total weight, acknowledged and parsed as the strategy's
+    ``aggregate_train`` would (a reply it refuses is rejected)."""
+    survivor = min(out.senders)
+    content = payload_reply(out.decoded.mean, specs[survivor])
+    content["metrics"] = MetricRecord({"num-examples": out.decoded.total_weight})
+    msg = make_reply(sub.messages[sub.node_ids.index(survivor)], content)
+    strategy.sync.ack(survivor)
+    strategy.pending.pop(survivor, None)
+    try:
+        return [Accepted(survivor, msg, float(out.decoded.total_weight), strategy.parse_reply(msg))]
+    except (PayloadError, KeyError, TypeError, ValueError) as exc:
+        strategy.reject(msg, str(exc) or type(exc).__name__)
+        return []
+
+
+def _traffic(replies, sub: _Cohort, record_nodes: bool) -> tuple[Traffic, list[dict]]:
+    """The plain train message and reply of each node that trained, and its row (a node whose
+    client half raised: ``failed``, with the reason)."""
+    traffic = Traffic()
+    node_rows: list[dict] | None = [] if record_nodes else None
+    for r in replies:
+        add_client(traffic, node_rows, r.node_id, r.up, r.down, r.n, r.loss, r.device_class, sub.pols[r.k])
+        if r.error is not None and node_rows is not None:
+            node_rows[-1].update(status="failed", reason=r.error.error.reason[:2000])
+    return traffic, node_rows or []
