@@ -76,6 +76,7 @@ class SecAggGrid(WrappingGrid):
         # A codec strategy's payload length (its ``secagg_dim``): train messages without the model
         self.dim_of = dim_of
         self.rounds = 0
+        self.survivors: list[int] = []  # the nodes in the last secure round's sum
         self._rng = np.random.default_rng([self.seed, 0x5EC])
 
     # -- Grid: messages --------------------------------------------------------------------
@@ -98,6 +99,7 @@ class SecAggGrid(WrappingGrid):
     # -- one round -------------------------------------------------------------------------
     def _secure_round(self, train: list[Message], timeout: float | None) -> list[Message]:
         self.rounds += 1
+        self.survivors = []
         by_node = {int(m.metadata.dst_node_id): m for m in train}
         first = train[0]
         if "arrays" in first.content.array_records:
@@ -164,6 +166,7 @@ class SecAggGrid(WrappingGrid):
             self._note(srv, figures, failed=str(exc))
             return []
         self._note(srv, figures, dp=None if self.dp is None else self.dp.account(srv.report.masked))
+        self.survivors = sorted(inputs)  # who is in the sum (the server learns it): a second exchange asks them
         survivor = min(inputs)  # the reply goes in the name of a node that took part
         if model is None:  # the weighted mean payload: the strategy decodes it as it decodes a plain one
             content = payload_reply(decoded.mean, spec)
@@ -198,10 +201,13 @@ def secagg_params(cfg) -> SecAggParams:
 def check_secagg(cfg, entry) -> None:
     """Refuse, in one line, a run config that secure aggregation cannot serve."""
     if not entry.secagg:
+        from fedswarm.strategies.secagg_compat import strategy_refusal
+
         able = ", ".join(e.name for e in registry.entries(registered=True) if e.secagg)
-        raise ConfigError(f"--secagg: strategy '{cfg.strategy}' cannot run under secure aggregation: its server "
-                          f"needs each node's own update (robust rules compare updates; top-k, 1-bit and sign codecs "
-                          f"send per-node index sets or scales), and secure aggregation reveals only their sum "
+        why = strategy_refusal(entry.name) or ("its server needs each node's own update (robust rules compare "
+                                               "updates; top-k, 1-bit and sign codecs send per-node index sets or "
+                                               "scales), and secure aggregation reveals only their sum")
+        raise ConfigError(f"--secagg: strategy '{cfg.strategy}' cannot run under secure aggregation: {why} "
                           f"(strategies that can: {able})")
     if cfg.byzantine:
         raise ConfigError("--secagg with --byzantine: the attacks rewrite each node's plain reply, which secure "

@@ -113,6 +113,11 @@ __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budg
 #: asynchronous aggregations, each a recorded round (:mod:`fedswarm.sim.batched_fedbuff`).
 ROUND_RUNNERS: dict[str, type] = {}
 
+#: The round runners that compute a secure round's sum directly under ``--secagg``: FedAvg's
+#: (:mod:`fedswarm.sim.batched_secagg_round`) and the linear codecs'
+#: (:mod:`fedswarm.sim.batched_secagg_codec`); which strategies may ask is their entry's ``secagg``.
+SECAGG_RUNNERS = ("weighted_mean", "codec", "sketch")
+
 ClientsListener = Callable[[int, int], None]  # (clients done this round, clients this round)
 
 
@@ -134,9 +139,18 @@ def check_supported(cfg: RunConfig) -> None:
                           f"'{cfg.strategy}' runs on --engine inprocess (or flower)")
     if cfg.dp_sgd:
         raise ConfigError("--engine batched does not run --dp-sgd; use --engine inprocess")
-    if cfg.secagg and entry.batched.runner != "weighted_mean":
-        raise ConfigError(f"--engine batched runs --secagg with fedavg; with '{cfg.strategy}' use --engine inprocess")
-    if cfg.dp and not entry.batched.dp:
+    # the sum computed directly in these runners (a strategy whose entry says no secagg is refused by check_secagg)
+    if cfg.secagg and entry.secagg and entry.batched.runner not in SECAGG_RUNNERS:
+        able = [n for n in registry.batched_names() if registry.get(n).batched.runner in SECAGG_RUNNERS
+                and registry.get(n).secagg]
+        raise ConfigError(f"--engine batched runs --secagg with {', '.join(able)}; with '{cfg.strategy}' use "
+                          f"--engine inprocess")
+    if cfg.secagg:
+        from fedswarm.strategies.secagg_compat import batched_refusal
+
+        if why := batched_refusal(cfg.strategy):
+            raise ConfigError(f"--engine batched --secagg does not run '{cfg.strategy}': {why}; use --engine inprocess")
+    if cfg.dp and not entry.batched.dp and not cfg.secagg:  # under --secagg: the nodes' distributed DP, in the sum
         raise ConfigError(f"--engine batched runs --dp with {', '.join(registry.batched_names(dp=True))}; with "
                           f"'{cfg.strategy}' use --engine inprocess")
     if cfg.byzantine:

@@ -131,6 +131,11 @@ class CompressedRounds:
         self.residuals = ClientRows(self.layout.d, cfg.clients)  # arrays: only the clients that have one
         self._down: dict[tuple, int] = {}
         self._up: dict[tuple, int] = {}
+        self.secure = None  # --secagg (a linear codec): the round's sum computed directly
+        if cfg.secagg:
+            from fedswarm.sim.batched_secagg_codec import SecurePayloadRounds
+
+            self.secure = SecurePayloadRounds(cfg)
 
     @property
     def model(self) -> torch.Tensor:
@@ -139,6 +144,8 @@ class CompressedRounds:
         return self.initial if x is None else x
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
+        if self.secure is not None:  # sim/batched_secagg_codec.py: the same steps, the protocol's outcome
+            return self.secure.round(self, server_round)
         run, strategy = self.run, self.strategy
         messages, node_ids, sched, classes, pols = strategy_round(run, strategy, self.grid, self.arrays, server_round)
         self._down = {}  # the sync bodies are this version's

@@ -112,9 +112,10 @@ def check_sharded(cfg: RunConfig, *, need_address: bool = True) -> None:
     if not _serves(entry):
         raise ConfigError(f"--engine batched --ray-address runs {', '.join(sharded_names())}; strategy "
                           f"'{cfg.strategy}' runs on --engine batched without --ray-address ({_why_not(entry)})")
-    if cfg.secagg:
-        raise ConfigError("--engine batched --ray-address does not run --secagg: its masks are added per client on "
-                          "the driver, the workers send shard sums; drop --ray-address")
+    if cfg.secagg and entry.batched.runner == "weighted_mean":
+        raise ConfigError("--engine batched --ray-address --secagg runs the codec strategies (their payloads come back "
+                          "to the driver): FedAvg's shards send back only their sums, and a secure sum needs each "
+                          "node's update; drop --ray-address")
     if cfg.device != "cpu":
         raise ConfigError(f"--engine batched --ray-address trains on the actors' CPUs; --device '{cfg.device}' "
                           "runs without --ray-address")

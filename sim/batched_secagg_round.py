@@ -21,6 +21,8 @@ client whose model is not finite never sends a masked input (it drops at ``maske
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -30,15 +32,19 @@ from fedswarm.algorithms.secagg.dropouts import draw_dropouts
 from fedswarm.server.metered_grid import Traffic
 from fedswarm.server.secagg import secagg_params
 from fedswarm.server.secagg_dp import SecAggDP
-from fedswarm.sim.batched_round import NODE_ROWS_MAX, add_client, round_schedule
-from fedswarm.sim.batched_secagg import secure_sum
+from fedswarm.sim.batched_round import NODE_ROWS_MAX, add_clients, cohort_rows, cohort_schedule
+from fedswarm.sim.batched_secagg import SecureRound, SecureSum
 from fedswarm.wire import vector_to_arrayrecord
 
-__all__ = ["SecureFedAvg"]
+__all__ = ["SecureFedAvg", "SecureRounds"]
 
 
-class SecureFedAvg:
-    """The run's secure rounds (its graph-seed sequence and distributed DP's accountant)."""
+class SecureRounds:
+    """What every batched secure round shares with ``SecAggGrid``: the protocol's parameters,
+    the run's graph-seed sequence (one draw per round from the run's seed), the simulated
+    dropouts of the run's seed and the round, and distributed DP's round parameters and
+    accountant (under ``--dp``). FedAvg's round (:class:`SecureFedAvg`) and the linear codecs'
+    (:mod:`fedswarm.sim.batched_secagg_codec`) run on it."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -47,52 +53,80 @@ class SecureFedAvg:
         self.dp = SecAggDP(cfg.dp, cfg.seed) if cfg.dp else None
         self.rounds = 0
 
+    def begin(self, ids: list[int], dim: int) -> SecureRound:
+        """The next round over the sorted node ids ``ids`` for vectors of ``dim`` values: its
+        parameters (with DP's noise room), neighbour graph and simulated dropouts."""
+        self.rounds += 1
+        params = self.params if self.dp is None else self.dp.round_params(self.params, len(ids), dim)
+        graph_seed = int(self.rng.integers(1 << 62))
+        rate = self.cfg.secagg_dropout
+        drop = draw_dropouts(ids, rate, self.cfg.seed, self.rounds) if rate else {}
+        return SecureRound(ids, dim, params, graph_seed=graph_seed, drop=drop)
+
+    def finish(self, rnd: SecureRound, rows, weights, server_round: int, gone=(), failed: str | None = None,
+               check: Callable[[set[int]], None] | None = None) -> tuple[SecureSum | None, dict]:
+        """The round's unmasked sum of ``rows`` (node -> float vector, weighted by ``weights``:
+        node -> examples; under DP each node's weight is 1) over the nodes that send, or None
+        where the round fails (``failed``: it failed already; ``check(senders)`` raises
+        ValueError: the server cannot use their sum, as ``SecAggGrid`` fails it); and its
+        row's figures: ``secagg``, ``secagg_failed``, DP's ``epsilon``."""
+        row: dict = {}
+        out = None
+        if failed is None:
+            try:
+                senders = rnd.senders(gone)
+                if check is not None:
+                    try:
+                        check(senders)
+                    except ValueError as exc:
+                        raise SecAggFailed(f"{type(exc).__name__}: {exc}", "unmask") from None
+                out = rnd.total(rows, senders, seed=self.cfg.seed, round_=server_round, weights=weights,
+                                dp=None if self.dp is None else self.dp._round,
+                                # the nodes' noise draws, as client/secagg_dp.py draws them (secure=false)
+                                noise_rngs=None if self.dp is None else
+                                {i: node_rng(self.dp._round.seed, server_round, i) for i in senders})
+            except SecAggFailed as exc:
+                failed = str(exc)
+        if failed is not None:
+            row["secagg_failed"] = failed
+        elif self.dp is not None:
+            row.update(self.dp.account(out.report.masked))
+        row["secagg"] = _secagg_row(None if out is None else out.report, len(rnd.ids), rnd.server.params, failed)
+        return out, row
+
+
+class SecureFedAvg(SecureRounds):
+    """FedAvg's secure rounds: the new model is the global one plus the decoded weighted mean."""
+
     def round(self, run, counter, global_vec: torch.Tensor, sample: list[int],
               server_round: int) -> tuple[torch.Tensor, dict, list[dict]]:
         """Train ``sample``, sum their updates securely; the new model, the round's row, node rows."""
         cfg, trainer = self.cfg, run.trainer
-        self.rounds += 1
-        ids = sorted(sample)
-        graph_seed = int(self.rng.integers(1 << 62))
-        drop = draw_dropouts(ids, cfg.secagg_dropout, cfg.seed, self.rounds) if cfg.secagg_dropout else {}
-        sched, classes, pols = round_schedule(cfg, sample, run.train_config, run.n_examples, server_round)
         total, d = len(sample), trainer.layout.d
+        sample_ids = np.fromiter(sample, dtype=np.int64, count=total)
+        rnd = self.begin(sorted(sample), d)
+        cohort = cohort_schedule(cfg, sample_ids, run.train_config, run.n_examples, server_round)
         start = global_vec.to(torch.float32).cpu()
         updates = np.empty((total, d), dtype=np.float64)
-        losses, counts = [0.0] * total, [0] * total
-        for rows, new, loss, n in trainer.fit(start, sched, momentum=cfg.momentum, chunk_size=run.chunk_size,
+        losses = np.zeros(total, dtype=np.float64)
+        counts = np.zeros(total, dtype=np.int64)
+        for rows, new, loss, n in trainer.fit(start, cohort.sched, momentum=cfg.momentum, chunk_size=run.chunk_size,
                                               memory_budget=run.memory_budget, on_chunk=run.progress(total)):
             updates[rows] = new.cpu().to(torch.float64).numpy() - start.to(torch.float64).numpy()
-            losses[rows] = [float(v) for v in loss.tolist()]
-            counts[rows] = [int(v) for v in n.tolist()]
-        diverged = {sample[i] for i in range(total) if not np.isfinite(updates[i]).all()}
-        if diverged:  # a non-finite model is never quantized: that node drops before its masked input
-            drop = {**drop, "masked_input": set(drop.get("masked_input", set())) | diverged}
-            updates[[sample.index(i) for i in diverged]] = 0.0
-        order = [sample.index(i) for i in ids]
-        params = self.params if self.dp is None else self.dp.round_params(self.params, total, d)
+            losses[rows] = loss.to(torch.float64).numpy()
+            counts[rows] = n.numpy()
+        finite = np.isfinite(updates).all(axis=1)
+        # a non-finite model is never quantized: that node drops before its masked input
         row: dict = {"num_clients": total}
-        kept = [i for i in range(total) if sample[i] not in diverged]
-        weight = sum(counts[i] for i in kept)
-        row["train_loss"] = (sum(losses[i] * counts[i] for i in kept) / weight) if weight else None
+        weight = int(counts[finite].sum())
+        row["train_loss"] = float((losses[finite] * counts[finite]).sum() / weight) if weight else None
+        out, figures = self.finish(rnd, dict(zip(sample, updates)), dict(zip(sample, counts.tolist())), server_round,
+                                   gone=sample_ids[~finite].tolist())
+        row.update(figures)
         new_vec = global_vec
-        try:
-            out = secure_sum(updates[order], ids, params, seed=cfg.seed, round_=server_round, graph_seed=graph_seed,
-                             weights=[counts[i] for i in order], drop=drop,
-                             dp=None if self.dp is None else self.dp._round,
-                             # the nodes' noise draws, as client/secagg_dp.py draws them (secure=false)
-                             noise_rngs=None if self.dp is None else {i: node_rng(self.dp._round.seed, server_round, i)
-                                                                      for i in ids})
-        except SecAggFailed as exc:
-            report = None
-            row["secagg_failed"] = str(exc)
-        else:
-            report = out.report
+        if out is not None:
             new_vec = torch.from_numpy((start.to(torch.float64).numpy() + out.decoded.mean).astype(np.float32))
-            if self.dp is not None:
-                row.update(self.dp.account(report.masked))
-        row["secagg"] = _secagg_row(report, len(ids), params, row.get("secagg_failed"))
-        run.meter.traffic, node_rows = _traffic(counter, start, sample, counts, losses, sched, classes, pols,
+        run.meter.traffic, node_rows = _traffic(counter, start, sample, sample_ids, counts, losses, cohort,
                                                 server_round)
         return new_vec, row, node_rows
 
@@ -107,16 +141,13 @@ def _secagg_row(report, participants: int, params, failed: str | None) -> dict:
             "nodes": {"advertise": report.advertised, "share_keys": report.shared, "masked_input": report.masked}}
 
 
-def _traffic(counter, start, sample, counts, losses, sched, classes, pols, server_round):
-    """The plain train message and reply of each node (the batched engine's byte count)."""
-    import json
-
-    traffic, arrays = Traffic(), vector_to_arrayrecord(start)
-    node_rows: list[dict] | None = [] if len(sample) <= NODE_ROWS_MAX else None
-    steps = sched.steps.tolist()
-    for i, node_id in enumerate(sample):
-        policy = json.dumps(pols[i], sort_keys=True)
-        down, up = counter.sizes(arrays, start, node_id, node_id - 1, counts[i], steps[i], losses[i], classes[i],
-                                 policy, server_round)
-        add_client(traffic, node_rows, node_id, up, down, counts[i], losses[i], classes[i], pols[i])
-    return traffic, node_rows or []
+def _traffic(counter, start, sample, sample_ids, counts, losses, cohort, server_round):
+    """The plain train message and reply of each node (the batched engine's byte count), as
+    FedAvg's round counts them: one measured message and reply per size key."""
+    down, up = counter.cohort_sizes(vector_to_arrayrecord(start), start, sample_ids, counts, cohort.sched.steps.numpy(),
+                                    cohort, server_round)
+    traffic = Traffic()
+    add_clients(traffic, sample, up, down)
+    node_rows = (cohort_rows(sample, up, down, counts.tolist(), losses.tolist(), cohort.classes(), cohort.policies())
+                 if len(sample) <= NODE_ROWS_MAX else [])
+    return traffic, node_rows

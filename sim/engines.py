@@ -148,7 +148,7 @@ if tuple(ENGINES) != get_args(EngineName):  # pragma: no cover - a new engine na
 
 
 #: The engines that run secure aggregation's real protocol (SecAggGrid over Flower messages).
-SECAGG_ENGINES = ("inprocess", "flower", "batched")  # batched: the sum computed directly (fedavg)
+SECAGG_ENGINES = ("inprocess", "flower", "batched")  # batched: the sum computed directly (sim/batched_secagg*.py)
 
 
 def engines_for(entry: StrategyEntry) -> list[str]:

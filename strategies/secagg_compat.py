@@ -10,8 +10,10 @@ refused before the run starts with one line saying why; whether a *strategy* can
 secure aggregation is its registry entry's ``secagg`` (:func:`fedswarm.server.secagg.check_secagg`).
 
 ``SecAggGrid`` masks a codec strategy's payload (``compressed_fedavg`` with a linear codec,
-``fetchsgd``) as :mod:`fedswarm.strategies.secagg_payload` describes; ``sketched_sgd`` asks each
-node for its own exact values and keeps ``secagg=False``.
+``fetchsgd``) as :mod:`fedswarm.strategies.secagg_payload` describes; ``sketched_sgd``'s second
+exchange (the exact values at the shared candidates) is a second secure sum in the round
+(in-process only: :data:`BATCHED_WHY`); ``gs_sgd`` keeps ``secagg=False``
+(:data:`STRATEGY_WHY`: the one-line reason).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Any
 from fedswarm.algorithms.compression.codecs import CODECS
 from fedswarm.errors import ConfigError
 
-__all__ = ["NONLINEAR_WHY", "linear_codecs", "codec_refusal", "check_linear_codecs"]
+__all__ = ["NONLINEAR_WHY", "STRATEGY_WHY", "BATCHED_WHY", "batched_refusal", "strategy_refusal",
+           "linear_codecs", "codec_refusal", "check_linear_codecs"]
 
 #: Why each codec that is not linear cannot run under secure aggregation.
 NONLINEAR_WHY: dict[str, str] = {
@@ -32,6 +35,32 @@ NONLINEAR_WHY: dict[str, str] = {
     "fp16": "it sends float16 values; secure aggregation sums integers, and its quantizer already is the "
             "shared-scale integer quantization (use codec=none)",
 }
+
+
+#: Why a strategy whose entry says no ``secagg`` cannot run under secure aggregation, where the
+#: general reason (its server needs each node's own update) does not say it.
+STRATEGY_WHY: dict[str, str] = {
+    "gs_sgd": "its exact values (a second exchange) are not wired to a second secure sum as sketched_sgd's are, "
+              "and without them each node is told the indices the server used of its own sketch (sketched_sgd and "
+              "fetchsgd run under it)",
+}
+
+
+#: Why a strategy that runs under secure aggregation in-process does not on the batched engine.
+BATCHED_WHY: dict[str, str] = {
+    "sketched_sgd": "its second exchange in the round (the exact values at the candidates) is a second secure sum, "
+                    "which runs in-process (SecAggGrid) only",
+}
+
+
+def batched_refusal(name: str) -> str | None:
+    """Why strategy ``name`` does not run under ``--secagg`` on the batched engine, or None."""
+    return BATCHED_WHY.get(name)
+
+
+def strategy_refusal(name: str) -> str | None:
+    """The specific reason strategy ``name`` cannot run under secure aggregation, or None."""
+    return STRATEGY_WHY.get(name)
 
 
 def linear_codecs() -> list[str]:

@@ -29,7 +29,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import PAYLOAD_ARRAYS, payload_from_records, payload_to_records
 
-__all__ = ["SPEC_RECORD", "payload_dim", "payload_of", "check_specs", "payload_reply"]
+__all__ = ["SPEC_RECORD", "payload_dim", "payload_of", "payload_vector", "check_specs", "payload_reply"]
 
 #: The ConfigRecord, next to the masked input, that names the payload the masked vector is.
 SPEC_RECORD = "secagg.payload"
@@ -62,16 +62,24 @@ def payload_of(reply: Message) -> tuple[np.ndarray, int, ConfigRecord]:
         p = payload_from_records(content)
     except PayloadError as exc:
         raise ValueError(f"secagg_mod: the train reply's payload is malformed: {exc}") from None
+    vector, spec = payload_vector(p)
+    metrics = content.metric_records.get("metrics")
+    if metrics is None or "num-examples" not in metrics:
+        raise ValueError("secagg_mod: the train reply needs a 'num-examples' metric (the node's weight)")
+    return vector, int(metrics["num-examples"]), spec
+
+
+def payload_vector(p: Payload) -> tuple[np.ndarray, ConfigRecord]:
+    """A linear codec's payload as the vector a node masks (its one array, flat, float64) and
+    its spec (:data:`SPEC_RECORD`): the one layout the in-process node (:func:`payload_of`) and
+    the batched engine's direct sum (:mod:`fedswarm.sim.batched_secagg_codec`) use."""
     if len(p.arrays) != 1:
         raise ValueError(f"secagg_mod: a payload under secure aggregation holds one array, got {sorted(p.arrays)}")
     (key, arr), = p.arrays.items()
     arr = np.asarray(arr)
-    metrics = content.metric_records.get("metrics")
-    if metrics is None or "num-examples" not in metrics:
-        raise ValueError("secagg_mod: the train reply needs a 'num-examples' metric (the node's weight)")
     spec = ConfigRecord({"key": key, "shape": [int(s) for s in arr.shape], "dtype": str(arr.dtype),
                          "meta": json.dumps(dict(p.meta), sort_keys=True)})
-    return arr.reshape(-1).astype(np.float64), int(metrics["num-examples"]), spec
+    return arr.reshape(-1).astype(np.float64), spec
 
 
 def check_specs(specs: Mapping[int, ConfigRecord | None], dim: int) -> ConfigRecord:

@@ -36,6 +36,10 @@ CASES = {
     "gtopk": dict(strategy="gtopk", rounds=4),
     "fetchsgd": dict(strategy="fetchsgd"),
     "fetchsgd-3-workers": dict(strategy="fetchsgd", workers=3, clients=11, fraction=0.8),
+    # --secagg: the driver's secure sum of the payloads the shards sent back (sim/batched_secagg_codec.py)
+    "randk-secagg": dict(strategy="compressed_fedavg", secagg=True,
+                         params={"codec": "randk", "codec_params": "ratio=0.1"}),
+    "fetchsgd-secagg": dict(strategy="fetchsgd", secagg=True),
 }
 
 
@@ -175,7 +179,7 @@ def test_sharded_average_reduces_to_one_trainers_average():
                                     "asks the round's clients a second time"),
     (dict(strategy="pvt"), "strategy 'pvt' runs on --engine batched without --ray-address (its clients train sub-"),
     (dict(strategy="fedbuff"), "(its asynchronous aggregations"),
-    (dict(secagg=True), "does not run --secagg: its masks are added per client on the driver"),
+    (dict(secagg=True), "FedAvg's shards send back only their sums"),
     (dict(byzantine=1), "does not run --byzantine with fedavg"),  # the batched engine's own refusal
     (dict(device="cuda"), "trains on the actors' CPUs"),
     (dict(workers=2, ray_address=None), "give --ray-address"),

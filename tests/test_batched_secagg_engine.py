@@ -12,11 +12,15 @@ from fedswarm.sim.engines import check_run
 from tests.test_batched import same_models_on_both_engines
 
 
-def test_batched_secure_rounds_equal_the_in_process_protocol_with_dropouts(tmp_path, monkeypatch):
-    # seed 6, dropout 0.3, 8 clients: round 1 fails past the threshold, round 3 recovers a node
-    # dropped after sharing (tests/test_secagg_flower.py finds the same on the in-process engine)
-    kw = dict(task="digits-mlp", clients=8, rounds=3, seed=6, local_epochs=1, secagg=True, secagg_dropout=0.3,
-              secagg_threshold=0.51)
+#: seed 6, dropout 0.3, 8 clients: round 1 fails past the threshold, round 3 recovers a node
+#: dropped after sharing (tests/test_secagg_flower.py finds the same on the in-process engine)
+DROPOUT_RUN = dict(task="digits-mlp", clients=8, rounds=3, seed=6, local_epochs=1, secagg=True, secagg_dropout=0.3,
+                   secagg_threshold=0.51)
+
+
+def same_secure_rounds(kw: dict, tmp_path, monkeypatch) -> None:
+    """``kw`` (a :data:`DROPOUT_RUN`) on both engines: the same models to 1e-3, the same failed
+    round and membership figures every round."""
     # Not to 1e-5: stochastic rounding into ~10^6 levels puts values that the two engines' training leaves
     # ~1e-7 apart on either side of a level, and those flips carry into the next rounds (CI saw a 2.6e-4
     # max difference and, another time, 1.02% of the coordinates past 1e-5). 1e-3 still fails a secure sum
@@ -34,9 +38,21 @@ def test_batched_secure_rounds_equal_the_in_process_protocol_with_dropouts(tmp_p
     assert "secagg_failed" in rounds[0][1] and rounds[2][1]["secagg"]["recovered"] == 1
 
 
-def test_batched_secagg_with_a_strategy_it_does_not_serve_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="runs --secagg with fedavg") as err:
-        check_run(RunConfig(task="digits-mlp", strategy="fetchsgd", engine="batched", clients=4, secagg=True))
+def test_batched_secure_rounds_equal_the_in_process_protocol_with_dropouts(tmp_path, monkeypatch):
+    same_secure_rounds(DROPOUT_RUN, tmp_path, monkeypatch)
+
+
+def test_batched_secagg_serves_the_linear_codecs_and_refuses_the_others_in_one_line():
+    for strategy in ("fedavg", "compressed_fedavg", "fetchsgd"):  # countsketch and randk: test_batched_secagg_codec
+        check_run(RunConfig(task="digits-mlp", strategy=strategy, engine="batched", clients=4, secagg=True,
+                            params={"codec": "countsketch"} if strategy == "compressed_fedavg" else {}))
+    for strategy, why in (("gtopk", "cannot run under secure aggregation"), ("sketched_sgd", "exact values")):
+        with pytest.raises(ConfigError, match=why) as err:
+            check_run(RunConfig(task="digits-mlp", strategy=strategy, engine="batched", clients=4, secagg=True))
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="cannot run codec 'topk'") as err:
+        check_run(RunConfig(task="digits-mlp", strategy="compressed_fedavg", engine="batched", clients=4, secagg=True,
+                            params={"codec": "topk"}))
     assert "\n" not in str(err.value)
 
 

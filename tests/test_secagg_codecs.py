@@ -125,3 +125,27 @@ def test_compressed_fedavg_secure_round_is_the_decoded_mean_payload(store, captu
     else:
         assert np.max(np.abs(secure - plain)) <= cell + f32
     assert "secagg_failed" not in flower._rows(store, sec_id)[1]
+
+
+def test_sketched_sgd_runs_its_exact_values_as_a_second_secure_sum(store, capture):
+    """Sketched-SGD's second exchange (each node's exact values at the server's shared
+    candidates) is linear: under --secagg it runs as a second secure sum, each node's values
+    weighted by its sketch's examples. One round matches the plain one within one rounding unit
+    per node (the update is the exact mean values at the top k: the same support, each value off
+    by at most a cell), and nothing of a node's table or values crosses the grid in the clear."""
+    run = dict(strategy="sketched_sgd", clients=5, seed=3, params={"density": 0.05})
+    cfg, plain_id, st1, plain_grid, _ = flower._run(store, **run)
+    _, sec_id, st2, sec_grid, _ = flower._run(store, **run, secagg=True)
+    assert st1 == st2 == "finished"
+    plain, secure = flower._model(store, plain_id), flower._model(store, sec_id)
+    weights = [int(r.content.metric_records["metrics"]["num-examples"]) for r in plain_grid.received
+               if "payload" in r.content.array_records]  # the sketches (phase 2 replies say 0)
+    assert len(weights) == cfg.clients
+    q = SecAggServer(list(range(1, cfg.clients + 1)), 1, SecAggParams(bits=cfg.secagg_bits)).quantizer
+    cell = cfg.clients / (sum(weights) * q.scale)  # one rounding unit per node in the mean values
+    gap = np.max(np.abs(secure - plain))
+    assert 0 < gap <= cell + 1e-6, (gap, cell)
+    masked = [r for r in sec_grid.received if "secagg" in r.content.array_records]
+    assert len(masked) == 2 * cfg.clients  # two secure sums in the round: the tables, then the values
+    assert not any({"payload", "values"} & set(r.content.array_records) for r in sec_grid.received)
+    assert "secagg_failed" not in flower._rows(store, sec_id)[1]

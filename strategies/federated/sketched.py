@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
+from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout
 from fedswarm.algorithms.compression.kernels import topk_abs_indices
 from fedswarm.algorithms.compression.sketched import SketchClientState, fetchsgd_step, sketch_client_step
@@ -192,6 +193,8 @@ class SketchClient:
         cr = begin(msg, context)
         fit = train(cr)
         payload = self.step([cr], (fit.result.flat - fit.start)[None])
+        if self.prefix is not None:  # its weight, for a secure second exchange (phase2)
+            cr.state[self.prefix + ".sent"]["num-examples"] = int(fit.result.num_examples)
         return finish(cr, fit, payload_to_records(payload, RecordDict()))
 
     def phase2(self, msg: Message, context: Context) -> RecordDict:
@@ -205,7 +208,14 @@ class SketchClient:
         if cand.dtype != np.int32 or cand.ndim != 1 or (cand.size and (cand.min() < 0 or cand.max() >= v.size)):
             raise PayloadError("candidates must be int32 indices in [0, d)")
         context.state[self.prefix + ".sent_idx"] = ArrayRecord({"indices": Array(cand.copy())})
-        return RecordDict({"values": ArrayRecord({"values": Array(np.ascontiguousarray(v[cand]))}),
+        values = np.ascontiguousarray(v[cand])
+        if knobs.get("secagg"):  # a second secure sum: the values as a payload, weighted as its sketch was
+            weight = int(sent.get("num-examples", 0))
+            if weight < 1:
+                raise RuntimeError(f"{self.prefix} phase 2 under secagg: this node kept no weight of its sketch")
+            return payload_to_records(Payload({"values": values}, {"codec": "values", "K": 1}),
+                                      RecordDict({"metrics": MetricRecord({"num-examples": weight, "phase": 2})}))
+        return RecordDict({"values": ArrayRecord({"values": Array(values)}),
                            "metrics": MetricRecord({"num-examples": 0, "phase": 2})})
 
 
@@ -252,16 +262,52 @@ class SketchedSGD(SketchStrategy):
 
     def __init__(self, layout: ParamLayout | None = None, momentum: float = 0.0, candidates: int = 4,
                  **kwargs: Any):
+        self._phase2_dim: int | None = None  # under --secagg, while the second exchange runs
         super().__init__(layout, **kwargs)
         self.momentum, self.candidates = float(momentum), int(candidates)
+
+    def secure_exact_values(self, server_round: int, nodes: list[int],
+                            cand: torch.Tensor) -> tuple[torch.Tensor, list[int]] | None:
+        """Phase 2 under secure aggregation (``SecAggGrid``): the exact values at the shared
+        candidates are linear, so they are asked of the nodes in the first sum (``nodes``) as a
+        second secure sum: each node masks ``n_i v_i[cand]`` with its weight ``n_i`` (its first
+        reply's examples, :meth:`SketchClient.phase2`) and the server learns only
+        ``Σ n_i v_i[cand] / Σ n_i`` and who is in it. None when that round fails."""
+        ask = RecordDict({KNOBS: ConfigRecord({"round": server_round, "phase": 2, "secagg": True}),
+                          "candidates": ArrayRecord({"indices": Array(cand.to(torch.int32).numpy())})})
+        self._phase2_dim = int(cand.numel())
+        try:
+            replies = self.send_and_receive([Message(ask, message_type=self.message_type, dst_node_id=n)
+                                             for n in nodes])
+        finally:
+            self._phase2_dim = None
+        if not replies or replies[0].has_error():
+            return None
+        msg = replies[0]
+        try:
+            p = read_payload(msg, self.layout.d)
+            v = p.arrays.get("values")
+            if set(p.arrays) != {"values"} or v.dtype != np.float32 or v.shape != (cand.numel(),):
+                raise PayloadError(f"phase 2 secure reply must hold float32 'values' [{cand.numel()}]")
+        except PayloadError as exc:
+            self.reject(msg, str(exc))
+            return None
+        return torch.from_numpy(np.array(v)), list(self._grid.survivors)
 
     def knobs(self, server_round: int) -> dict[str, Any]:
         return {**super().knobs(server_round), "momentum": self.momentum, "phase": 1}
 
+    @property
+    def secagg_dim(self) -> int | None:
+        """Under ``--secagg``: the r·c table, or in the round's second exchange the candidates' count."""
+        return self._phase2_dim or super().secagg_dim
+
     def aggregate(self, server_round: int, accepted: list[Accepted]) -> Step | None:
         est = self.sketch.estimate(self.summed(accepted))
         cand = topk_abs_indices(est[None], min(self.layout.d, self.candidates * self.k))[0]
-        got = self.exact_values(server_round, accepted, cand)
+        secure = getattr(self._grid, "survivors", None)  # SecAggGrid: one mean table from these nodes
+        got = (self.exact_values(server_round, accepted, cand) if secure is None else
+               self.secure_exact_values(server_round, list(secure), cand))
         if got is None:
             return None
         exact, nodes = got
@@ -425,6 +471,9 @@ _SKETCH_PARAMS = (
 def _builder(cls, extra: tuple[str, ...] = ()):
     def build(params: dict, ctx: BuildContext):
         cfg = ctx.config
+        if cls is SketchedSGD and getattr(cfg, "secagg", False) and cfg.dp:
+            raise ConfigError("--dp with sketched_sgd under --secagg: the nodes' noise draws are keyed by the round, "
+                              "and the round's two secure sums would draw the same noise twice; not supported")
         kw = {k: params[k] for k in ("density", "rows", "cols", "server_lr", *extra)}
         return cls(ctx.layout, fraction_train=cfg.fraction, min_available_nodes=cfg.clients, seed=cfg.seed, **kw)
 
@@ -442,6 +491,7 @@ register(StrategyEntry(
         HyperParam("candidates", SIGNATURE, "p2: the server asks for p2·k exact values", ge=1, le=1000))),
     client_update=sketched_client_update,
     paper="Ivkin et al., NeurIPS 2019",
+    secagg=True,  # the sketches, then the exact values at the shared candidates: two secure sums a round
     batched=Batched("sketch"),  # one sketch of all the clients' vectors; no --byzantine there
 ))
 
