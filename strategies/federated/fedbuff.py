@@ -271,16 +271,13 @@ def build(params: dict, ctx: BuildContext) -> FedBuff:
 
         raise ConfigError("fedbuff --devices: its virtual clock runs on --engine inprocess or batched (on the flower "
                           "engine a node's id does not tell its partition, so not its device class)")
-    availability = None
-    if getattr(cfg, "availability", None) is not None:
-        from fedswarm.availability import availability_for
+    if getattr(cfg, "availability", None) is not None and cfg.devices is None:
         from fedswarm.errors import ConfigError
-        from fedswarm.policy import device_class_of
 
-        if cfg.devices is None:
-            raise ConfigError("fedbuff --availability runs on simulated time: give --devices")
-        classes = [device_class_of({}, cfg.devices, pid, cfg.clients) for pid in range(cfg.clients)]
-        availability = availability_for(cfg.availability, classes, cfg.seed)
+        raise ConfigError("fedbuff --availability runs on simulated time: give --devices")
+    from fedswarm.availability import run_availability
+
+    availability = run_availability(cfg)
     k = int(params["buffer_size"])
     concurrency = int(params["concurrency"]) or cfg.clients
     if concurrency > cfg.clients:
