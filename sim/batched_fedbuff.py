@@ -72,8 +72,8 @@ class FedBuffRounds:
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         traffic, node_rows = Traffic(), []
+        at: dict[int, int] = {}  # node -> its row: one per node per aggregation, as the recorder keeps them
         by_node: dict[str, list[int]] = defaultdict(list)
-        loss_sum, n_sum = 0.0, 0
         while not self.buffer.ready:
             self._dispatch()
             job = self.sched.arrive()
@@ -83,22 +83,27 @@ class FedBuffRounds:
             start = self.sent[job.version]
             down, up = self.counter.sizes(vector_to_arrayrecord(start), new, job.node, job.node - 1, n, steps, loss,
                                           cls, json.dumps(pol, sort_keys=True), job.version + 1)
-            add_client(traffic, node_rows, job.node, up, down, n, loss, cls, pol)
+            if job.node in at:  # a fast node's second update in this aggregation: its bytes join its row
+                add_client(traffic, None, job.node, up, down, n, loss, cls, pol)
+                row = node_rows[at[job.node]]
+                row["bytes_up"] += up
+                row["bytes_down"] += down
+            else:
+                at[job.node] = len(node_rows)
+                add_client(traffic, node_rows, job.node, up, down, n, loss, cls, pol)
             staleness = self.version - job.version
             by_node[str(job.node)].append(staleness)
             if not bool(torch.isfinite(new).all()):
-                reject_diverged(self.notes, node_rows, job.node, new, n)
+                reject_diverged(self.notes, node_rows, job.node, new, n, row=at[job.node])
                 continue
             try:
                 self.buffer.add(new - start, staleness)
             except Stale as exc:
                 reason = str(exc)
                 self.notes.reject(job.node, reason)
-                node_rows[-1].update(status="rejected", reason=reason)
-                node_rows[-1].pop("train_loss", None)
+                node_rows[at[job.node]].update(status="rejected", reason=reason)
+                node_rows[at[job.node]].pop("train_loss", None)
                 continue
-            loss_sum += loss * n
-            n_sum += n
         privatize = None
         if self.dp is not None:
             self.dp.before_round()
@@ -109,7 +114,11 @@ class FedBuffRounds:
         for v in [v for v in self.sent if v not in in_use]:
             del self.sent[v]
         self.run.meter.traffic = traffic
-        row = {"train_loss": loss_sum / n_sum if n_sum else None, "num_clients": len(node_rows), **metrics,
+        # the round's loss as the recorder takes it: each node's first reply, the refused nodes' left out
+        kept = [r for r in node_rows if "status" not in r and r.get("train_loss") is not None]
+        n_sum = sum(r["num_examples"] for r in kept)
+        loss = sum(r["train_loss"] * r["num_examples"] for r in kept) / n_sum if n_sum else None
+        row = {"train_loss": loss, "num_clients": len(node_rows), **metrics,
                "model_version": self.version, "in_flight": self.sched.in_flight, "lost": 0,
                "staleness_by_node": dict(by_node)}
         if self.timed:
