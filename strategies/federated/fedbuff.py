@@ -111,7 +111,7 @@ class FedBuff(ReportsRounds, FedAvg):
     def __init__(self, *, buffer_size: int = 10, concurrency: int = 0, staleness_weight_spec: str = "poly:0.5",
                  max_staleness: int | None = None, server_lr: float = 1.0, min_nodes: int = 1, seed: int = 0,
                  duration: Any = None, dp: Any = None, poll_s: float = 0.5, availability: Any = None,
-                 codec: str = "none", codec_params: dict | None = None, error_feedback: bool = True,
+                 codec: str = "none", codec_params: str | dict = "", error_feedback: bool = True,
                  layout: Any = None):
         super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=1, min_evaluate_nodes=0,
                          min_available_nodes=min_nodes)
@@ -127,8 +127,9 @@ class FedBuff(ReportsRounds, FedAvg):
         self.codec = None  # the uplink codec (None: the plain model travels)
         if codec != "none":
             from fedswarm.algorithms.compression.codecs import make_codec
+            from fedswarm.strategies.federated.compressed_fedavg import parse_codec_params
 
-            self.codec = make_codec(codec, **(codec_params or {}))
+            self.codec = make_codec(codec, **parse_codec_params(codec_params))
         self.error_feedback = bool(error_feedback)
         self.layout = layout
 
@@ -360,13 +361,11 @@ def build(params: dict, ctx: BuildContext) -> FedBuff:
 
         dp = ClientLevelDP(cfg.dp, rounds=cfg.rounds, sample_rate=min(1.0, k / cfg.clients), seed=cfg.seed)
     max_stale = int(params["max_staleness"])
-    from fedswarm.strategies.federated.compressed_fedavg import parse_codec_params
-
     return FedBuff(buffer_size=k, concurrency=concurrency, staleness_weight_spec=str(params["staleness_weight"]),
                    max_staleness=None if max_stale < 0 else max_stale, server_lr=float(params["server_lr"]),
                    min_nodes=cfg.clients, seed=cfg.seed, duration=fleet_durations(cfg, ctx.layout.d), dp=dp,
                    availability=availability, codec=str(params["codec"]),
-                   codec_params=parse_codec_params(params["codec_params"]),
+                   codec_params=str(params["codec_params"]),
                    error_feedback=bool(params["error_feedback"]), layout=ctx.layout)
 
 
