@@ -150,11 +150,12 @@ class AsyncSchedule:
     moves the clock (``now``) to it. Without a time model every node takes the same time, so
     arrivals are first dispatched, first arrived.
 
-    ``availability`` (duck-typed :class:`fedswarm.availability.Availability`, indexed by ``node - 1``):
-    only nodes that are on are dispatched (when none is and nothing is in flight, the clock jumps to
-    the first that comes on; free slots are filled at the next event); a dispatch whose node drops
-    (its ``dropout``, drawn per dispatch number) or whose session ends before it finishes is ``lost``:
-    it arrives at dispatch + ``timeout`` with no update."""
+    ``availability`` (a :class:`fedswarm.availability.Availability`, indexed by ``node - 1``, the
+    fleet grid's): only nodes that are on are dispatched (when none is and nothing is in flight, the
+    clock jumps to the first that comes on; free slots are filled at the next event); a dispatch that
+    :meth:`~fedswarm.availability.Availability.lost` says loses its update (its node drops, drawn per
+    dispatch number, or its session ends before it finishes) is ``lost``: it arrives at dispatch +
+    ``timeout`` with no update."""
 
     def __init__(self, nodes: Sequence[int], concurrency: int, duration: Callable[[int], float] | None = None,
                  seed: int = 0, availability=None, timeout: float = 600.0):
@@ -178,11 +179,10 @@ class AsyncSchedule:
     def dispatch(self, version: int) -> list[InFlight]:
         av = self.availability
         if av is not None and not self.flying and self.idle:
-            if not any(av.available(n - 1, self.now) for n in self.idle):  # every idle node is off: wait
-                nxt = [t for n in self.idle if (t := av.next_on(n - 1, self.now)) is not None]
-                if not nxt:
-                    raise RuntimeError("FedBuff: no node comes on again within a year of simulated time")
-                self.now = min(nxt)
+            on = av.first_on([n - 1 for n in self.idle], self.now)  # every idle node is off: wait
+            if on is None:
+                raise RuntimeError("FedBuff: no node comes on again within a year of simulated time")
+            self.now = on
         out = []
         while len(self.flying) < self.concurrency and self.idle:
             pool = self.idle if av is None else [n for n in self.idle if av.available(n - 1, self.now)]
@@ -191,7 +191,7 @@ class AsyncSchedule:
             node = pool[self.rng.randrange(len(pool))]
             self.idle.remove(node)
             finish = self.now + float(self.duration(node))
-            lost = av is not None and (av.drops(node - 1, self._seq) or av.session_end(node - 1, self.now) < finish)
+            lost = av is not None and av.lost(node - 1, self._seq, self.now, finish) is not None
             job = InFlight(self.now + self.timeout if lost else finish, self._seq, node, version, self.now, lost)
             self._seq += 1
             heapq.heappush(self.flying, job)

@@ -2,16 +2,24 @@
 
 ``digits-mlp``, 100 nodes, ``--devices edge-wifi:80,straggler:20`` (a straggler computes 10x
 slower, same link), 10 local steps of batch 32, seeds 0-2, on the in-process engine (its rounds
-carry the time model's simulated seconds; FedBuff runs on its virtual clock). Every arm folds the
-same number of client updates: synchronous FedAvg samples 10 nodes for each of R rounds; FedBuff
-keeps 20 nodes training and folds K = 10 updates into each of R aggregations. Figures, all on
+carry the time model's simulated seconds; FedBuff runs on its virtual clock). Every arm gets the
+same budget, :data:`BUDGET` client updates *folded into the model* (one count for every arm:
+a synchronous round's replies less those failed, refused, dropped or late; a FedBuff aggregation's
+``updates``), and is stopped after the round that reaches it: synchronous FedAvg samples 10% of the
+nodes on offer each round; FedBuff keeps 20 nodes training and folds K = 10 updates per
+aggregation; a second FedBuff arm keeps 10 training (concurrency = K: half the staleness, the
+accuracy-gap diagnosis). Figures, all on
 *simulated* time: the time to 0.90 test accuracy (the first recorded round at or above it) and the
 final accuracy, per seed and their mean, and each arm's time to target as a multiple of synchronous
 FedAvg's.
 
 A second section runs every arm again on a fleet that sleeps (:data:`AVAILABILITY`: a diurnal on/off
-process and 10% mid-training dropouts, a dropped node given up after the 600 s round timeout);
-its "client updates" are those folded in (a dropped node's is lost). The arms and sections that need
+process and 10% mid-training dropouts). The same budget holds there: a dropped node's update is
+never folded, so it does not count, and the arms that sample 10% of the ~half of the fleet that is
+on run more rounds to reach it. One timeout rule for every arm (:data:`TIMEOUT_RULE`): the server
+gives up on a node that dropped after ``round_timeout`` (600 s simulated); a synchronous round that
+waits for it (no quorum, or a quorum the drops left short) takes those 600 s, a FedBuff slot whose
+node dropped stays taken for them while the other slots go on. The arms and sections that need
 issue 45's fleet work (RunConfig ``quorum``/``over_select``, ``availability``) run only where this
 checkout has those options; the JSON says which were left out and why.
 
@@ -23,6 +31,7 @@ against simulated time); prints the table.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -36,6 +45,17 @@ BASE = dict(task="digits-mlp", clients=100, devices="edge-wifi:80,straggler:20",
             eval_every=1_000_000)
 PER_ROUND = 10  # client updates per round (FedAvg) and per aggregation (FedBuff's K)
 ROUNDS = 40
+#: Every arm's budget: client updates folded into the model (FedBuff's 40 aggregations of K = 10).
+BUDGET = ROUNDS * PER_ROUND
+#: No arm runs more rounds than this to reach the budget (a synchronous round on a half-asleep
+#: fleet folds about 4 updates); an arm that stops short says so in ``client_updates``.
+MAX_ROUNDS = 4 * ROUNDS
+BUDGET_RULE = ("client updates folded into the model, counted the same way for every arm: a synchronous "
+               "round's replies less those failed, refused, dropped or late, a FedBuff aggregation's 'updates' "
+               "(never the lost or refused); every arm stops after the round that reaches the budget")
+TIMEOUT_RULE = ("a node that drops mid-training (availability dropout, or its session ends first) is given up "
+                "after round_timeout (600 s simulated) in every arm: a synchronous round waiting for it (no "
+                "quorum, or a quorum the drops left short) takes 600 s; a FedBuff slot stays taken for 600 s")
 QUICK = dict(clients=8, devices="edge-wifi:6,straggler:2", local_steps=2)
 QUICK_PER_ROUND = 2
 #: The second section's fleet (fedswarm/availability.py): sessions of 30 min on and 30 min off on
@@ -54,6 +74,9 @@ def arms(quick: bool) -> tuple[dict[str, dict], list[str]]:
         "fedavg (sync)": dict(strategy="fedavg", fraction=fraction),
         "fedbuff": dict(strategy="fedbuff", params={"buffer_size": k, "concurrency": 2 * k}),
     }
+    # the same FedBuff with as many nodes in flight as it folds (concurrency = K): about half the
+    # staleness of 2K (mean ~0.9 versions against ~1.7), the diagnosis of the 2K arm's accuracy gap
+    out["fedbuff (concurrency K)"] = dict(strategy="fedbuff", params={"buffer_size": k, "concurrency": k})
     missing = []
     if "quorum" in RunConfig.model_fields:
         out["fedavg --over-select 1.3 --quorum"] = dict(strategy="fedavg", fraction=fraction, over_select=1.3,
@@ -94,15 +117,19 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
     missing += left
     seeds = [0] if quick else [0, 1, 2]
     rounds = 2 if quick else ROUNDS
+    budget = rounds * (QUICK_PER_ROUND if quick else PER_ROUND)
     base = {**BASE, **(QUICK if quick else {})}
     rows: list[dict] = []
     with scratch_store("async.db") as store:
         for section, fleet in fleets.items():
             for name, opts in options.items():
                 for seed in seeds:
-                    rows.append(_arm(store, section, name, {**base, **opts, **fleet, "seed": seed, "rounds": rounds}))
+                    rows.append(_arm(store, section, name, budget,
+                                     {**base, **opts, **fleet, "seed": seed, "rounds": MAX_ROUNDS * rounds // ROUNDS}))
     summary = _summarize(rows)
-    (out_dir / "async.json").write_text(json.dumps({"target": TARGET, "config": base, "rounds": rounds,
+    (out_dir / "async.json").write_text(json.dumps({"target": TARGET, "config": base, "budget": budget,
+                                                    "budget_rule": BUDGET_RULE, "timeout_rule": TIMEOUT_RULE,
+                                                    "max_rounds": MAX_ROUNDS * rounds // ROUNDS,
                                                     "seeds": seeds, "sections": fleets, "left_out": missing,
                                                     "summary": summary, "rows": rows}, indent=1))
     _plot(rows, out_dir / "async.png")
@@ -118,14 +145,26 @@ def _updates(row: dict) -> int:
     return int(row.get("num_clients") or 0) - int(row.get("nodes_failed") or 0) - int(row.get("rejected") or 0)
 
 
-def _arm(store, section: str, name: str, options: dict) -> dict:
+def _arm(store, section: str, name: str, budget: int, options: dict) -> dict:
+    """One arm for one seed, stopped after the round whose folded updates reach ``budget``."""
     cfg = RunConfig.model_validate(options)
-    arm = run_arm(cfg, store, name=f"bench-async {section}: {name} seed {cfg.seed}")
+    run_id = store.create_run(cfg.model_dump(), name=f"bench-async {section}: {name} seed {cfg.seed}")
+    folded = [0]
+
+    def stop_at_budget(rnd: int, row: dict) -> None:
+        if rnd > 0:
+            folded[0] += _updates(row)
+            if folded[0] >= budget:
+                store.add_control(run_id, "stop", {})
+
+    arm = run_arm(cfg, store, run_id=run_id, listeners=[stop_at_budget], ok=("finished", "stopped"))
     trained = arm.trained_rounds
     times, accs = _curve(trained)
+    updates = list(itertools.accumulate(_updates(r) for r in trained))
     return {"section": section, "arm": name, "seed": cfg.seed, "rounds": len(trained),
-            "client_updates": sum(_updates(r) for r in trained), "time_to_target_s": _time_to(times, accs, TARGET),
-            "final_acc": accs[-1], "sim_time_s": times[-1], "wall_s": arm.wall_s, "curve_t": times, "curve_acc": accs}
+            "client_updates": updates[-1], "time_to_target_s": _time_to(times, accs, TARGET),
+            "final_acc": accs[-1], "sim_time_s": times[-1], "wall_s": arm.wall_s, "curve_t": times, "curve_acc": accs,
+            "curve_updates": updates}
 
 
 def _summarize(rows: list[dict]) -> list[dict]:

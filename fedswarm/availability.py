@@ -27,6 +27,7 @@ import bisect
 import csv
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +35,8 @@ import numpy as np
 
 from fedswarm.errors import ConfigError
 
-__all__ = ["OnOff", "Availability", "parse_process", "load_trace", "availability_for", "is_trace"]
+__all__ = ["OnOff", "Availability", "parse_process", "load_trace", "availability_for", "is_trace",
+           "run_availability"]
 
 _KEYS = ("on", "off", "diurnal", "period", "dropout")
 NEXT_ON_STEP_S = 3600.0  # next_on draws a process's windows this far ahead first, then 4x as far each time
@@ -228,6 +230,26 @@ class Availability:
             return False
         return bool(np.random.default_rng([self.seed, 0xD809, server_round, pid]).random() < proc.dropout)
 
+    def first_on(self, pids: Iterable[int], t: float) -> float | None:
+        """The first time >= ``t`` any of ``pids`` is on (None: none is, within a year after ``t``)."""
+        pids = list(pids)
+        if any(self.available(pid, t) for pid in pids):
+            return t
+        times = [on for pid in pids if (on := self.next_on(pid, t)) is not None]
+        return min(times) if times else None
+
+    def lost(self, pid: int, draw: int, start: float, finish: float | None) -> str | None:
+        """Why node ``pid``, sent work at ``start`` that it would deliver at ``finish`` (simulated seconds;
+        None: not known), loses its update: it drops (:meth:`drops` for ``draw``, the round or the
+        dispatch number) or its session ends first. None: the update arrives."""
+        if self.drops(pid, draw):
+            return "dropped mid-round (its class's dropout probability); update lost"
+        end = self.session_end(pid, start)
+        if end is not None and finish is not None and finish > end:
+            return (f"went offline mid-round at t={end:.0f} s, before its part of the round ended at "
+                    f"t={finish:.0f} s (simulated); update lost")
+        return None
+
 
 def availability_for(spec: str, classes: list[str], seed: int) -> Availability:
     """The availability of a run's nodes (``classes``: each node's device class, by partition id)."""
@@ -240,3 +262,16 @@ def availability_for(spec: str, classes: list[str], seed: int) -> Availability:
                           f"({', '.join(sorted(set(classes)))})")
     procs = [per_class.get(c, per_class.get("*")) for c in classes]
     return Availability(len(classes), processes=procs, seed=seed)
+
+
+def run_availability(cfg) -> Availability | None:
+    """The availability of ``cfg``'s simulated fleet (``--availability`` over ``--devices``'s classes),
+    None when the run has none."""
+    if getattr(cfg, "availability", None) is None:
+        return None
+    from fedswarm.policy import DEFAULT_CLASS
+    from fedswarm.timemodel import parse_devices
+
+    # each partition's class, as device_class_of reads --devices (parsed once, not once per partition)
+    classes = parse_devices(cfg.devices, cfg.clients) if cfg.devices else [DEFAULT_CLASS] * cfg.clients
+    return availability_for(cfg.availability, classes, cfg.seed)

@@ -51,7 +51,7 @@ from typing import Any
 
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from fedswarm.availability import Availability, availability_for
+from fedswarm.availability import Availability, run_availability
 from fedswarm.config import RunConfig
 from fedswarm.eligibility import Rules, parse_rules
 from fedswarm.errors import ConfigError
@@ -113,14 +113,8 @@ def late_row(node: int, k: int | None, t: float, bytes_down: int) -> dict:
 
 def drop_reason(availability: Availability, pid: int, server_round: int, clock: float, t: float | None) -> str | None:
     """Why partition ``pid``'s update of round ``server_round`` (started at simulated ``clock``, its part
-    ``t`` seconds long) is lost mid-round, or None."""
-    if availability.drops(pid, server_round):
-        return "dropped mid-round (its class's dropout probability); update lost"
-    end = availability.session_end(pid, clock)
-    if end is not None and t is not None and clock + t > end:
-        return (f"went offline mid-round at t={end:.0f} s, before its part of the round ended at "
-                f"t={clock + t:.0f} s (simulated); update lost")
-    return None
+    ``t`` seconds long) is lost mid-round, or None (:meth:`Availability.lost`)."""
+    return availability.lost(pid, server_round, clock, None if t is None else clock + t)
 
 
 def too_few_eligible(server_round: int, got: int, least: int, wait_s: float, rows: list[dict]) -> RuntimeError:
@@ -230,14 +224,8 @@ class FleetGrid(WrappingGrid):
         return pool, rows
 
     def _next_on(self, ids: list[int]) -> float | None:
-        times = []
-        for node in ids:
-            pid = self._pid(node)
-            if pid is not None:
-                t = self.availability.next_on(pid, math.nextafter(self.clock, math.inf))
-                if t is not None and t > self.clock:
-                    times.append(t)
-        return min(times) if times else None
+        pids = [pid for node in ids if (pid := self._pid(node)) is not None]
+        return self.availability.first_on(pids, math.nextafter(self.clock, math.inf))
 
     def _ask(self, ids: list[int]) -> None:
         """Probe the nodes whose answer sampling needs: those not placed yet (``--availability``; they
@@ -376,15 +364,10 @@ def fleet_grid_for(cfg: RunConfig, grid, strategy: Any, *, policies: PolicyBook,
     fraction = float(getattr(strategy, "fraction_train", cfg.fraction))
     min_train = int(getattr(strategy, "min_train_nodes", 1))
     min_connected = int(getattr(strategy, "min_available_nodes", cfg.clients))
-    availability = None
-    if cfg.availability is not None:
-        if node_time is None:
-            raise ConfigError("--availability is simulated: it runs on a simulation engine with --devices, "
-                              "not in a deployment")
-        from fedswarm.timemodel import parse_devices
-
-        # each partition's class, as device_class_of reads --devices (once, not once per partition)
-        availability = availability_for(cfg.availability, parse_devices(cfg.devices, cfg.clients), cfg.seed)
+    if cfg.availability is not None and node_time is None:
+        raise ConfigError("--availability is simulated: it runs on a simulation engine with --devices, "
+                          "not in a deployment")
+    availability = run_availability(cfg)
     if cfg.over_select > 1.0:
         strategy.fraction_train = min(1.0, fraction * cfg.over_select)
     if hasattr(strategy, "min_available_nodes"):

@@ -11,6 +11,12 @@ the strategy object's own (and its ``--dp`` mechanism). Same seed, same fleet: t
 ``--engine inprocess`` (tests/test_fedbuff_batched.py). Bytes are the real messages' sizes as
 :class:`~fedswarm.sim.batched_round.ByteCounter` builds them (Flower's plain train message: without
 the strategy's ``fedbuff-version`` key, a few bytes a message fewer than in-process).
+
+With an uplink codec, each wave's clients run ``compressed_fedavg``'s client step (the one the
+ClientApp runs with C = 1) once per uplink, with their error-feedback rows
+(:class:`~fedswarm.sim.batched_round.ClientRows`); each arrival's real ``train.fedbuff`` message and
+reply (its one-row payload) are built, metered, and the reply is read by the strategy's own
+``parse_update``, the in-process server's reading.
 """
 
 from __future__ import annotations
@@ -20,10 +26,18 @@ from collections import defaultdict
 
 import torch
 
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState
 from fedswarm.algorithms.fedbuff import AsyncSchedule, InFlight, Stale
-from fedswarm.server.metered_grid import Traffic
-from fedswarm.sim.batched_round import ByteCounter, add_client, reject_diverged, round_schedule
-from fedswarm.wire import vector_to_arrayrecord
+from fedswarm.local import node_report, train_reply
+from fedswarm.payload import PayloadError
+from fedswarm.server.metered_grid import Traffic, serialized_size
+from fedswarm.sim.batched_round import ByteCounter, ClientRows, add_client, make_reply, reject_diverged, round_schedule
+from fedswarm.strategies.federated.compressed_client import KNOBS
+from fedswarm.strategies.federated.compressed_fedavg import client_step, uplink_of
+from fedswarm.strategies.strategy_utils import clean_reason
+from fedswarm.wire import payload_to_records, vector_to_arrayrecord
 
 __all__ = ["FedBuffRounds"]
 
@@ -36,7 +50,10 @@ class FedBuffRounds:
         self.model = model
         self.notes = notes
         strategy = run.strategy()
+        self.strategy = strategy
         self.buffer, self.dp = strategy.buffer, strategy.dp
+        # with an uplink codec: partition id -> its error-feedback residual (zeros before its first update)
+        self.residuals = ClientRows(model.numel(), run.cfg.clients) if strategy.codec is not None else None
         self.timed = strategy.duration is not None
         self.sched = AsyncSchedule(range(1, run.cfg.clients + 1), strategy.concurrency, strategy.duration,
                                    seed=strategy.seed)
@@ -66,14 +83,53 @@ class FedBuffRounds:
             for rows, new, loss, n in trainer.fit(self.sent[version], sched, momentum=cfg.momentum,
                                                   chunk_size=self.run.chunk_size,
                                                   memory_budget=self.run.memory_budget):
+                sent = self._encode(version, jobs[rows.start:rows.stop], new.detach().cpu(), pols[rows.start:rows.stop])
                 for j, i in enumerate(range(rows.start, rows.stop)):
-                    self.results[jobs[i].seq] = (new[j].detach().cpu().clone(), float(loss[j]), int(n[j]),
+                    self.results[jobs[i].seq] = (sent[j], float(loss[j]), int(n[j]),
                                                  int(sched.steps[i]), classes[i], pols[i])
+
+    def _encode(self, version: int, jobs: list[InFlight], new: torch.Tensor, pols: list[dict]) -> list:
+        """What each client of a chunk sends: its new model, or with a codec its one-row payload of
+        ``compressed_fedavg``'s client step, run once per uplink with the clients' residuals."""
+        if self.residuals is None:
+            return [new[j].clone() for j in range(len(jobs))]
+        from fedswarm.sim.batched_compressed import client_payload
+
+        knobs, seed, layout = self.strategy.knobs(version), self.run.cfg.seed, self.strategy.layout
+        delta = new - self.sent[version][None]
+        groups: dict = defaultdict(list)
+        for j, (job, pol) in enumerate(zip(jobs, pols)):
+            groups[uplink_of(knobs, pol, seed, job.node - 1)].append(j)
+        out: list = [None] * len(jobs)
+        for uplink, members in groups.items():
+            pids = [jobs[j].node - 1 for j in members]
+            state = ErrorFeedbackState(self.residuals.stack(pids)) if uplink.error_feedback else ErrorFeedbackState()
+            payload, state = client_step(uplink, state, delta[torch.tensor(members)], layout)
+            if uplink.error_feedback:
+                self.residuals.keep_stacked(pids, state.residual)
+            for i, j in enumerate(members):
+                out[j] = client_payload(payload, i, uplink.seed)
+        return out
+
+    def _codec_reply(self, job: InFlight, payload, n: int, steps: int, loss: float, cls: str,
+                     pol: dict) -> tuple[int, int, Message]:
+        """(bytes down, bytes up, reply) of a codec run's arrival: its real ``train.fedbuff`` message
+        and the reply its ClientApp sends (:func:`~fedswarm.strategies.federated.fedbuff.client_update`)."""
+        from fedswarm.strategies.federated.fedbuff import MESSAGE_TYPE, VERSION_KEY
+
+        config = ConfigRecord(dict(self.run.train_config))
+        config["server-round"] = job.version + 1
+        config[VERSION_KEY] = job.version
+        ins = Message(RecordDict({"arrays": vector_to_arrayrecord(self.sent[job.version]), "config": config,
+                                  KNOBS: self.strategy.knobs(job.version)}), job.node, MESSAGE_TYPE)
+        node = node_report(cls, json.dumps(pol, sort_keys=True), **{"partition-id": job.node - 1})
+        reply = make_reply(ins, train_reply(payload_to_records(payload, RecordDict()), n, loss, steps, node))
+        return serialized_size(ins), serialized_size(reply), reply
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         traffic, node_rows = Traffic(), []
+        at: dict[int, int] = {}  # node -> its row: one per node per aggregation, as the recorder keeps them
         by_node: dict[str, list[int]] = defaultdict(list)
-        loss_sum, n_sum = 0.0, 0
         while not self.buffer.ready:
             self._dispatch()
             job = self.sched.arrive()
@@ -81,24 +137,43 @@ class FedBuffRounds:
                 self._train_waiting()
             new, loss, n, steps, cls, pol = self.results.pop(job.seq)
             start = self.sent[job.version]
-            down, up = self.counter.sizes(vector_to_arrayrecord(start), new, job.node, job.node - 1, n, steps, loss,
-                                          cls, json.dumps(pol, sort_keys=True), job.version + 1)
-            add_client(traffic, node_rows, job.node, up, down, n, loss, cls, pol)
+            reply = None
+            if self.residuals is not None:  # a codec: `new` is the client's payload
+                down, up, reply = self._codec_reply(job, new, n, steps, loss, cls, pol)
+            else:
+                down, up = self.counter.sizes(vector_to_arrayrecord(start), new, job.node, job.node - 1, n, steps,
+                                              loss, cls, json.dumps(pol, sort_keys=True), job.version + 1)
+            if job.node in at:  # a fast node's second update in this aggregation: its bytes join its row
+                add_client(traffic, None, job.node, up, down, n, loss, cls, pol)
+                row = node_rows[at[job.node]]
+                row["bytes_up"] += up
+                row["bytes_down"] += down
+            else:
+                at[job.node] = len(node_rows)
+                add_client(traffic, node_rows, job.node, up, down, n, loss, cls, pol)
             staleness = self.version - job.version
             by_node[str(job.node)].append(staleness)
-            if not bool(torch.isfinite(new).all()):
-                reject_diverged(self.notes, node_rows, job.node, new, n)
+            if reply is not None:
+                try:
+                    delta = self.strategy.parse_update(reply, start)  # the server's own reading
+                except PayloadError as exc:
+                    self.notes.reject(job.node, str(exc))
+                    node_rows[at[job.node]].update(status="rejected", reason=clean_reason(exc))
+                    node_rows[at[job.node]].pop("train_loss", None)
+                    continue
+            elif not bool(torch.isfinite(new).all()):
+                reject_diverged(self.notes, node_rows, job.node, new, n, row=at[job.node])
                 continue
+            else:
+                delta = new - start
             try:
-                self.buffer.add(new - start, staleness)
+                self.buffer.add(delta, staleness)
             except Stale as exc:
                 reason = str(exc)
                 self.notes.reject(job.node, reason)
-                node_rows[-1].update(status="rejected", reason=reason)
-                node_rows[-1].pop("train_loss", None)
+                node_rows[at[job.node]].update(status="rejected", reason=reason)
+                node_rows[at[job.node]].pop("train_loss", None)
                 continue
-            loss_sum += loss * n
-            n_sum += n
         privatize = None
         if self.dp is not None:
             self.dp.before_round()
@@ -109,7 +184,11 @@ class FedBuffRounds:
         for v in [v for v in self.sent if v not in in_use]:
             del self.sent[v]
         self.run.meter.traffic = traffic
-        row = {"train_loss": loss_sum / n_sum if n_sum else None, "num_clients": len(node_rows), **metrics,
+        # the round's loss as the recorder takes it: each node's first reply, the refused nodes' left out
+        kept = [r for r in node_rows if "status" not in r and r.get("train_loss") is not None]
+        n_sum = sum(r["num_examples"] for r in kept)
+        loss = sum(r["train_loss"] * r["num_examples"] for r in kept) / n_sum if n_sum else None
+        row = {"train_loss": loss, "num_clients": len(node_rows), **metrics,
                "model_version": self.version, "in_flight": self.sched.in_flight, "lost": 0,
                "staleness_by_node": dict(by_node)}
         if self.timed:

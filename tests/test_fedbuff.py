@@ -171,7 +171,12 @@ def test_availability_dispatches_only_nodes_that_are_on_and_gives_up_dropped_one
 
 
 def test_schedule_dispatches_only_available_nodes():
-    class Half:  # node pid is on when t is in [pid, pid + 1) and never drops
+    from fedswarm.availability import Availability
+
+    class Half(Availability):  # node pid is on when t is in [pid, pid + 1) and never drops
+        def __init__(self):
+            pass
+
         def available(self, pid, t):
             return pid <= t < pid + 1
 

@@ -23,7 +23,15 @@ CLOSE = ("fed_accuracy", "fed_loss")
     dict(clients=6, rounds=5, eval_every=1, params={"buffer_size": 2, "concurrency": 6, "max_staleness": 1}),
     # --dp: clipped, noised once per aggregation by the strategy's own mechanism, on both engines
     dict(clients=6, rounds=4, dp="noise_multiplier=0.8,clip=0.3", params={"buffer_size": 2, "concurrency": 4}),
-], ids=["stragglers", "max-staleness", "dp"])
+    # fast nodes arrive twice in one aggregation (K = 4 > concurrency 3): one row per node, bytes summed
+    dict(clients=6, rounds=4, devices="edge-wifi:4,straggler:2", params={"buffer_size": 4, "concurrency": 3}),
+    # compressed uploads with error feedback: top-k of (delta + residual), decoded by the server, stale waves
+    dict(clients=8, rounds=4, devices="edge-wifi:6,straggler:2",
+         params={"buffer_size": 3, "concurrency": 6, "codec": "topk", "codec_params": "ratio=0.1"}),
+    # a codec with per-client randomness (QSGD) under central --dp, which clips the decoded updates
+    dict(clients=6, rounds=3, dp="noise_multiplier=0.8,clip=0.3",
+         params={"buffer_size": 2, "concurrency": 4, "codec": "qsgd"}),
+], ids=["stragglers", "max-staleness", "dp", "twice", "topk-ef", "dp-qsgd"])
 def test_batched_fedbuff_equals_inprocess(kw, tmp_path, monkeypatch):
     cfg = {"strategy": "fedbuff", "task": "digits-mlp", "local_steps": 3, "batch_size": 16, "seed": 7,
            "eval_every": 1000, **kw}
@@ -38,7 +46,14 @@ def test_batched_fedbuff_equals_inprocess(kw, tmp_path, monkeypatch):
         assert all(a["dp_clip"] == 0.3 for a, _ in pairs)
     if kw.get("eval_every") == 1:  # every aggregation evaluated, by as many nodes as arrived
         assert all(a["fed_accuracy"] is not None for a, _ in pairs)
+    if kw["params"].get("codec") == "topk":  # metered on the serialized payloads: ~10% of the model's bytes
+        for a, b in pairs:  # (every message down carries the whole model)
+            for row in (a, b):
+                assert 0 < row["bytes_up"] < 0.3 * row["bytes_down"], (row["bytes_up"], row["bytes_down"])
+    if kw["params"]["buffer_size"] > kw["params"]["concurrency"]:  # the case it names happened
+        assert any(len(v) > 1 for a, _ in pairs for v in a["staleness_by_node"].values())
     if "max_staleness" in kw["params"]:
         assert sum(a.get("rejected", 0) for a, _ in pairs) > 0  # the refusals happened, on both engines
     else:
         assert max(a["staleness_max"] for a, _ in pairs) >= 2
+

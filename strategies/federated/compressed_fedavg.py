@@ -31,7 +31,7 @@ from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import payload_to_records
 
 __all__ = ["CompressedFedAvg", "OneBitSGD", "parse_codec_params", "Uplink", "uplink_of", "client_step",
-           "client_update", "client_codec", "uplink_seed"]
+           "client_update", "client_codec", "uplink_seed", "decode_reply"]
 
 
 def parse_codec_params(text: str | dict | None) -> dict[str, Any]:
@@ -126,12 +126,7 @@ class CompressedFedAvg(CompressedStrategy):
         return knobs
 
     def parse_reply(self, msg: Message) -> torch.Tensor:
-        x = decode_payload(read_payload(msg, self.layout.d), self.layout)
-        if x.shape[0] != 1:
-            raise PayloadError(f"payload holds {x.shape[0]} clients' updates, expected 1")
-        if not all_finite(x):
-            raise PayloadError("payload decodes to non-finite values")
-        return x[0]
+        return decode_reply(msg, self.layout)
 
     def aggregate(self, server_round: int, accepted: list[Accepted]) -> Step:
         w = self.weights(accepted)
@@ -208,6 +203,17 @@ class OneBitSGD(CompressedFedAvg):
                  **kwargs: Any):
         super().__init__(layout, codec="onebit", codec_params={"scale": scale}, error_feedback=error_feedback,
                          downlink_codec="onebit", downlink_codec_params={"scale": scale}, **kwargs)
+
+
+def decode_reply(msg: Message, layout: ParamLayout) -> torch.Tensor:
+    """One client's update ``[d]`` from its reply's payload, decoded with the codec its meta names;
+    PayloadError when it is malformed, holds more than one client's or decodes to non-finite values."""
+    x = decode_payload(read_payload(msg, layout.d), layout)
+    if x.shape[0] != 1:
+        raise PayloadError(f"payload holds {x.shape[0]} clients' updates, expected 1")
+    if not all_finite(x):
+        raise PayloadError("payload decodes to non-finite values")
+    return x[0]
 
 
 # -- the client half -----------------------------------------------------------------------

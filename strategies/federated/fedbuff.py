@@ -12,6 +12,15 @@ its updates, refused ones included), ``in_flight`` (nodes still training when it
 ``stale: ...``). Clients run the plain ``train`` step; ``--dp`` clips each weighted update and
 noises the sum once per aggregation (epsilon accounted per aggregation, sample rate K / clients).
 
+With an uplink codec (``--set codec=topk --set codec_params=ratio=0.05``, any of
+:data:`~fedswarm.algorithms.compression.codecs.CODECS` but ``none``) the train message is
+``train.fedbuff`` and carries the codec in its ``compress`` record; the client half
+(:func:`client_update`) is the plain local training followed by ``compressed_fedavg``'s client step
+(:func:`~fedswarm.strategies.federated.compressed_fedavg.client_step`, C = 1): it sends
+``C(delta + e)`` and keeps its error-feedback residual ``e`` in its state (``error_feedback``). The
+server decodes each arrived payload with the codec its meta names, as ``compressed_fedavg`` does,
+and buffers the decoded ``delta`` with its staleness weight (``--dp`` then clips the decoded updates).
+
 Two arrival sources:
 
 - **a simulated fleet** (the in-process engine; ``simulated`` set by the ServerApp): the virtual
@@ -39,16 +48,20 @@ from flwr.common import log
 from flwr.serverapp.strategy import FedAvg, Result
 
 from fedswarm.algorithms.fedbuff import AsyncSchedule, FedBuffer, Stale, staleness_weight
+from fedswarm.algorithms.compression.codecs import CODECS
+from fedswarm.strategies.federated.compressed_client import KNOBS
 from fedswarm.hyperparams import HyperParam
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.registry import Batched, BuildContext, StrategyEntry, register
 from fedswarm.strategies.strategy_utils import ReportsRounds, check_model_reply, wait_for_nodes
 from fedswarm.wire import array_keys, arrayrecord_to_vector, vector_to_arrays_like
 
-__all__ = ["FedBuff", "build", "ENTRY", "VERSION_KEY", "fleet_durations"]
+__all__ = ["FedBuff", "build", "ENTRY", "VERSION_KEY", "fleet_durations", "client_update", "MESSAGE_TYPE"]
 
 #: The train config key telling a node which model version it trains on.
 VERSION_KEY = "fedbuff-version"
+#: The train message type of a run with an uplink codec (answered by :func:`client_update`).
+MESSAGE_TYPE = f"{MessageType.TRAIN}.fedbuff"
 
 
 @dataclass
@@ -97,7 +110,9 @@ class FedBuff(ReportsRounds, FedAvg):
 
     def __init__(self, *, buffer_size: int = 10, concurrency: int = 0, staleness_weight_spec: str = "poly:0.5",
                  max_staleness: int | None = None, server_lr: float = 1.0, min_nodes: int = 1, seed: int = 0,
-                 duration: Any = None, dp: Any = None, poll_s: float = 0.5, availability: Any = None):
+                 duration: Any = None, dp: Any = None, poll_s: float = 0.5, availability: Any = None,
+                 codec: str = "none", codec_params: str | dict = "", error_feedback: bool = True,
+                 layout: Any = None):
         super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=1, min_evaluate_nodes=0,
                          min_available_nodes=min_nodes)
         self.buffer = FedBuffer(buffer_size, staleness_weight(staleness_weight_spec), max_staleness, server_lr)
@@ -109,6 +124,31 @@ class FedBuff(ReportsRounds, FedAvg):
         self.simulated = False
         self.poll_s = poll_s
         self.version = 0
+        self.codec = None  # the uplink codec (None: the plain model travels)
+        if codec != "none":
+            from fedswarm.algorithms.compression.codecs import make_codec
+            from fedswarm.strategies.federated.compressed_fedavg import parse_codec_params
+
+            self.codec = make_codec(codec, **parse_codec_params(codec_params))
+        self.error_feedback = bool(error_feedback)
+        self.layout = layout
+
+    def knobs(self, version: int) -> ConfigRecord:
+        """The ``compress`` record of a train message with an uplink codec, sent with model ``version``
+        (``version + 1`` is the encode's round: randk's coordinates, QSGD's noise)."""
+        import json
+
+        return ConfigRecord({"codec": self.codec.name, "codec_params": json.dumps(self.codec.params),
+                             "error_feedback": self.error_feedback, "round": version + 1})
+
+    def parse_update(self, reply: Message, sent_model: torch.Tensor) -> torch.Tensor:
+        """The client's step from its reply: the decoded payload with a codec, else its model minus
+        ``sent_model``; PayloadError when the reply is malformed or not finite."""
+        if self.codec is None:
+            return check_model_reply(reply, sent_model.numel()) - sent_model
+        from fedswarm.strategies.federated.compressed_fedavg import decode_reply
+
+        return decode_reply(reply, self.layout)
 
     # the ServerApp tells the strategy its nodes are simulated (fedswarm.server.app.run_server)
     def use_virtual_clock(self, simulated: bool) -> None:
@@ -125,7 +165,10 @@ class FedBuff(ReportsRounds, FedAvg):
                 result.evaluate_metrics_serverapp[0] = res
         keys = array_keys(initial_arrays)
         x = arrayrecord_to_vector(initial_arrays)
-        d = x.numel()
+        if self.codec is not None and self.layout is None:
+            from fedswarm.strategies.strategy_utils import layout_of_arrays
+
+            self.layout = layout_of_arrays(initial_arrays)
         start_version = self.version
         sent_models: dict[int, torch.Tensor] = {self.version: x}
         flying: dict[str, _Sent] = {}
@@ -147,7 +190,11 @@ class FedBuff(ReportsRounds, FedAvg):
                 config[VERSION_KEY] = self.version
                 record = RecordDict({self.arrayrecord_key: vector_to_arrays_like(x, keys),
                                      self.configrecord_key: config})
-                msgs.append(Message(content=record, dst_node_id=node, message_type=MessageType.TRAIN))
+                kind = MessageType.TRAIN
+                if self.codec is not None:
+                    record[KNOBS] = self.knobs(self.version)
+                    kind = MESSAGE_TYPE
+                msgs.append(Message(content=record, dst_node_id=node, message_type=kind))
             now = time.monotonic()
             for (node, seq), mid in zip(pairs, grid.push_messages(msgs)):
                 if mid:
@@ -158,14 +205,14 @@ class FedBuff(ReportsRounds, FedAvg):
             if reply.has_error():
                 return  # the recorder writes the node's row as failed
             try:
-                model = check_model_reply(reply, d)
+                delta = self.parse_update(reply, sent_models[sent.version])
             except PayloadError as exc:
                 self.reject(reply, exc)
                 return
             staleness = self.version - sent.version
             by_node.setdefault(str(sent.node), []).append(staleness)
             try:
-                self.buffer.add(model - sent_models[sent.version], staleness)
+                self.buffer.add(delta, staleness)
             except Stale as exc:
                 self.reject(reply, exc)
 
@@ -257,6 +304,30 @@ class FedBuff(ReportsRounds, FedAvg):
         self.version = int(state.get("version", 0))
 
 
+def client_update(msg: Message, context: Any) -> RecordDict:
+    """FedBuff's client half with an uplink codec (``train.fedbuff``): the plain local training of the
+    message's model, then ``compressed_fedavg``'s client step with C = 1: send ``C(delta + e)`` and
+    keep the new residual ``e`` (error feedback) in the node's state."""
+    from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState
+    from fedswarm.local import local_fit
+    from fedswarm.strategies.federated.compressed_fedavg import client_step, uplink_of
+    from fedswarm.strategies.strategy_utils import load_error_feedback, save_error_feedback
+    from fedswarm.wire import payload_to_records
+
+    fit = local_fit(msg, context)
+    pid = int(context.node_config.get("partition-id", 0))
+    uplink = uplink_of(msg.content.config_records[KNOBS], fit.policy, fit.cfg.seed, pid)
+    layout = fit.trainer.layout
+    key = f"{MESSAGE_TYPE}.residual"
+    ef = load_error_feedback(context.state, key, layout.d) if uplink.error_feedback else ErrorFeedbackState()
+    payload, ef = client_step(uplink, ef, (fit.result.flat - fit.start)[None], layout)
+    if uplink.error_feedback:
+        save_error_feedback(context.state, key, ef)
+    content = fit.reply(payload_to_records(payload, RecordDict()))
+    content["node"]["partition-id"] = pid
+    return content
+
+
 def build(params: dict, ctx: BuildContext) -> FedBuff:
     cfg = ctx.config
     fleet = cfg.fleet_options() if callable(getattr(cfg, "fleet_options", None)) else []
@@ -271,16 +342,13 @@ def build(params: dict, ctx: BuildContext) -> FedBuff:
 
         raise ConfigError("fedbuff --devices: its virtual clock runs on --engine inprocess or batched (on the flower "
                           "engine a node's id does not tell its partition, so not its device class)")
-    availability = None
-    if getattr(cfg, "availability", None) is not None:
-        from fedswarm.availability import availability_for
+    if getattr(cfg, "availability", None) is not None and cfg.devices is None:
         from fedswarm.errors import ConfigError
-        from fedswarm.policy import device_class_of
 
-        if cfg.devices is None:
-            raise ConfigError("fedbuff --availability runs on simulated time: give --devices")
-        classes = [device_class_of({}, cfg.devices, pid, cfg.clients) for pid in range(cfg.clients)]
-        availability = availability_for(cfg.availability, classes, cfg.seed)
+        raise ConfigError("fedbuff --availability runs on simulated time: give --devices")
+    from fedswarm.availability import run_availability
+
+    availability = run_availability(cfg)
     k = int(params["buffer_size"])
     concurrency = int(params["concurrency"]) or cfg.clients
     if concurrency > cfg.clients:
@@ -296,7 +364,9 @@ def build(params: dict, ctx: BuildContext) -> FedBuff:
     return FedBuff(buffer_size=k, concurrency=concurrency, staleness_weight_spec=str(params["staleness_weight"]),
                    max_staleness=None if max_stale < 0 else max_stale, server_lr=float(params["server_lr"]),
                    min_nodes=cfg.clients, seed=cfg.seed, duration=fleet_durations(cfg, ctx.layout.d), dp=dp,
-                   availability=availability)
+                   availability=availability, codec=str(params["codec"]),
+                   codec_params=str(params["codec_params"]),
+                   error_feedback=bool(params["error_feedback"]), layout=ctx.layout)
 
 
 ENTRY = register(StrategyEntry(
@@ -310,7 +380,12 @@ ENTRY = register(StrategyEntry(
                    "weight of an update tau versions old: poly:P = (1+tau)^-P, const, hinge:A,B"),
         HyperParam("max_staleness", -1, "refuse updates more than this many versions old (-1: no limit)", ge=-1),
         HyperParam("server_lr", 1.0, "server learning rate on the buffered mean update", gt=0.0),
+        HyperParam("codec", "none", "uplink codec of the clients' updates (none: the model travels)",
+                   choices=tuple(CODECS)),
+        HyperParam("codec_params", "", "codec hyperparameters: 'ratio=0.05,levels=4' or JSON"),
+        HyperParam("error_feedback", True, "with a codec: clients keep the untransmitted part (residual)"),
     ),
+    client_update=client_update,
     paper="Nguyen et al., AISTATS 2022",
     byzantine=False,  # its replies come one at a time, not through a round the Byzantine grid rewrites
     batched=Batched("fedbuff", dp=True),  # the same events, clients trained in waves (sim/batched_fedbuff.py)
