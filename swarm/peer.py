@@ -229,13 +229,13 @@ class Peer:
                     self.membership.merge(resp.meta.get("members"))
                 except (OSError, Dropped):
                     pass
+            if self.recorder is not None:
+                self.recorder.tick()  # before check(): a member it removes leaves its gossiped stats with us
             for event, pid in self.membership.check():
                 if event == "suspected" and self.membership.info_of(pid).get("done"):
                     self._done_peers.add(pid)  # it finished: its silence is no failure
                 level = logging.INFO if pid in self._done_peers else logging.WARNING
                 log.log(level, "%s: peer %s %s", self.ident.short_id, pid[:8], event)
-            if self.recorder is not None:
-                self.recorder.heartbeat()
 
     def _join(self) -> None:
         deadline = time.monotonic() + self.cfg.start_timeout_s
