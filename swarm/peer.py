@@ -310,6 +310,7 @@ class Peer:
                 self.inbox.set_round(r)
                 self._one_round(r)
             self.membership.set_info(done=True)
+            self._farewell()
             self._linger()
         finally:
             summary = self.finish(time.time() - t_start)
@@ -344,6 +345,12 @@ class Peer:
                  row.get("train_loss") or float("nan"), row["wall_s"])
         if self.cfg.min_round_s:
             self.stop.wait(max(0.0, self.cfg.min_round_s - (time.perf_counter() - t0)))
+
+    def _farewell(self) -> None:
+        """Send our entry (done, the last rounds' stats) to every member now: the last peer to
+        finish may see the others done and stop before its next beat would have carried it."""
+        others = [p for p in self.membership.ids() if p != self.id]
+        self.push(others, "gossip", self.round, meta={"members": self.membership.digest()})
 
     def _linger(self) -> None:
         """Keep serving until every member is done (or ``linger_s`` passes): a late
