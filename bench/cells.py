@@ -11,6 +11,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from fedswarm.procs import processes
+
 __all__ = ["sampled_cell", "tree_rss"]
 
 
@@ -56,14 +58,8 @@ def tree_rss(pid: int) -> int:
     """Resident bytes of ``pid`` and all its descendants (Ray's GCS, raylet and actors
     included), read from /proc."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
+    for p, fields in processes():
+        children.setdefault(int(fields[1]), []).append(p)
     total, todo = 0, [pid]
     page = os.sysconf("SC_PAGE_SIZE")
     while todo:

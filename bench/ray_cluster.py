@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from fedswarm.procs import processes
+
 __all__ = ["RAY", "local_ray_cluster", "session_alive"]
 
 RAY = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
@@ -110,14 +112,10 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def session_alive(sid: int) -> bool:
     """Whether a live (not zombie) process of session ``sid`` remains."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    for pid, fields in processes():
         try:
-            if os.getsid(int(pid)) == sid:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-                if stat.rsplit(")", 1)[1].split()[0] != "Z":
-                    return True
-        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            if fields[0] != "Z" and os.getsid(pid) == sid:
+                return True
+        except (ProcessLookupError, PermissionError):
             continue
     return False

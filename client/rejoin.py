@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import sys
 
+from fedswarm.procs import processes
+
 __all__ = ["run_supernode", "exec_supervisor"]
 
 # Flower's SuperLink keeps a node "online" for HEARTBEAT_PATIENCE (2) x the SuperNode's
@@ -95,17 +97,8 @@ def _stop_descendants(grace_s: float = 5.0) -> None:
     import time
 
     def children() -> list[int]:
-        me, out = os.getpid(), []
-        for pid in os.listdir("/proc"):
-            if pid.isdigit():
-                try:
-                    stat = open(f"/proc/{pid}/stat").read()
-                except OSError:
-                    continue
-                fields = stat.rsplit(")", 1)[-1].split()
-                if len(fields) > 1 and int(fields[1]) == me and fields[0] != "Z":
-                    out.append(int(pid))
-        return out
+        me = os.getpid()
+        return [pid for pid, fields in processes() if len(fields) > 1 and int(fields[1]) == me and fields[0] != "Z"]
 
     for sig in (signal.SIGTERM, signal.SIGKILL):
         kids = children()

@@ -9,6 +9,7 @@ by :func:`fedswarm.strategies.registry.resolve_params`.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -322,12 +323,12 @@ class RunConfig(TrainingSpec):
             except ConfigError as exc:
                 raise ValueError(str(exc)) from None
         if self.availability is not None:
-            from fedswarm.availability import is_trace, load_trace, parse_process
+            from fedswarm.availability import is_trace, parse_process
 
             if self.devices is None:
                 raise ValueError("availability: simulated availability runs on simulated time: give --devices too")
             try:
-                load_trace(self.availability, self.clients) if is_trace(self.availability) else parse_process(
+                _check_trace(self.availability, self.clients) if is_trace(self.availability) else parse_process(
                     self.availability)
             except ConfigError as exc:
                 raise ValueError(str(exc)) from None
@@ -385,6 +386,25 @@ class RunConfig(TrainingSpec):
         if params:
             values["params"] = params
         return cls.build(values)
+
+
+def _check_trace(path: str, clients: int) -> None:
+    """Check an availability trace (:func:`fedswarm.availability.load_trace`) once per version of
+    the file: every node's message validates the run config again (``run_config_of``), and a
+    trace may have tens of thousands of lines."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        st = None  # load_trace refuses it, naming the file
+    version = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size) if st is not None else None
+    _check_trace_version(path, clients, version)
+
+
+@functools.lru_cache(maxsize=16)
+def _check_trace_version(path: str, clients: int, version: tuple[int, int, int, int] | None) -> None:
+    from fedswarm.availability import load_trace
+
+    load_trace(path, clients)  # a refusal raises, and lru_cache keeps no exception
 
 
 #: Keys :meth:`RunConfig.to_flat` leaves out at these (their default) values: added after runs and

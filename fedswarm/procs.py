@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["pid_alive", "process_start", "stop_process_groups"]
+__all__ = ["pid_alive", "process_start", "processes", "stat_fields", "stop_process_groups"]
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -41,19 +42,37 @@ def process_start(pid: int) -> str | None:
     later process is not taken for the first. None where ``/proc`` cannot say (not Linux, gone)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
-    return f"{boot}:{fields[19]}"  # field 22 of proc(5), starttime
+    fields = stat_fields(pid)
+    return f"{boot}:{fields[19]}" if fields is not None else None  # field 22 of proc(5), starttime
 
 
-def _is_zombie(pid: int) -> bool:
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name, which may hold spaces and
+    parentheses: ``[state, ppid, ...]`` (proc(5)'s fields 3 on); None when the process is gone
+    or ``/proc`` cannot say."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+        return None
+    return stat.rsplit(")", 1)[-1].split()
+
+
+def processes() -> Iterator[tuple[int, list[str]]]:
+    """``(pid, stat_fields(pid))`` of every process ``/proc`` lists now (none where there is no ``/proc``)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return
+    for entry in entries:
+        if entry.isdigit() and (fields := stat_fields(int(entry))) is not None:
+            yield int(entry), fields
+
+
+def _is_zombie(pid: int) -> bool:
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] == "Z"
 
 
 def stop_process_groups(procs: list[subprocess.Popen], grace_s: float = 15.0) -> None:

@@ -37,9 +37,9 @@ from fedswarm.algorithms.privacy.accountant import PrivacyBudgetExceeded
 from fedswarm.policy import PolicyBook
 from fedswarm.store import Store
 from fedswarm.store.liveness import owner_fields
+from fedswarm.store.rows import NOT_PICKED
 from fedswarm.server.fed_eval import aggregate, merge_into_rows
 from fedswarm.protocol import TELEMETRY_RECORD
-from fedswarm.server.fleet_grid import NOT_PICKED
 from fedswarm.server.metered_grid import MeteredGrid
 from fedswarm.strategies.strategy_utils import RoundNotes
 

@@ -229,13 +229,13 @@ class Peer:
                     self.membership.merge(resp.meta.get("members"))
                 except (OSError, Dropped):
                     pass
+            if self.recorder is not None:
+                self.recorder.tick()  # before check(): a member it removes leaves its gossiped stats with us
             for event, pid in self.membership.check():
                 if event == "suspected" and self.membership.info_of(pid).get("done"):
                     self._done_peers.add(pid)  # it finished: its silence is no failure
                 level = logging.INFO if pid in self._done_peers else logging.WARNING
                 log.log(level, "%s: peer %s %s", self.ident.short_id, pid[:8], event)
-            if self.recorder is not None:
-                self.recorder.heartbeat()
 
     def _join(self) -> None:
         deadline = time.monotonic() + self.cfg.start_timeout_s
@@ -310,6 +310,7 @@ class Peer:
                 self.inbox.set_round(r)
                 self._one_round(r)
             self.membership.set_info(done=True)
+            self._farewell()
             self._linger()
         finally:
             summary = self.finish(time.time() - t_start)
@@ -344,6 +345,12 @@ class Peer:
                  row.get("train_loss") or float("nan"), row["wall_s"])
         if self.cfg.min_round_s:
             self.stop.wait(max(0.0, self.cfg.min_round_s - (time.perf_counter() - t0)))
+
+    def _farewell(self) -> None:
+        """Send our entry (done, the last rounds' stats) to every member now: the last peer to
+        finish may see the others done and stop before its next beat would have carried it."""
+        others = [p for p in self.membership.ids() if p != self.id]
+        self.push(others, "gossip", self.round, meta={"members": self.membership.digest()})
 
     def _linger(self) -> None:
         """Keep serving until every member is done (or ``linger_s`` passes): a late

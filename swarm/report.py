@@ -4,10 +4,15 @@ run store (``--db``), without ever blocking training.
 Schema: ``web/routers/api/ingest.py`` (``RunIn``, ``NodeIn``, ``RoundIn`` with
 ``NodeRoundIn`` rows), authenticated with ``Authorization: Bearer TOKEN``. Every peer
 posts its own node heartbeat; a round row is unique per run, so only the *reporter* (the
-lowest live peer id) posts rounds, one round behind, with a node row for every peer whose
-stats reached it by gossip (each peer's membership entry carries its last three rounds).
-If the reporter dies the next lowest id takes over; a round posted twice gets 409, which
-is ignored. HTTP requests go through a bounded queue and one background thread.
+lowest live peer id) posts rounds, with a node row for every peer whose stats reached it by
+gossip (each peer's membership entry carries its last three rounds). Gossip runs on its own
+clock (``--heartbeat-s``), not the rounds', so every peer keeps the stats rows it has seen
+(collected on each heartbeat tick, before failure detection can remove their sender), and
+round r is posted once every member has reported r or moved past it; a member still silent
+when the reporter is ``WAIT_ROUNDS`` rounds ahead is left out, and the peer's finish posts
+whatever is left. If the reporter dies the next lowest id takes over; a round posted twice
+gets 409, which is ignored. HTTP requests go through a bounded queue and one background
+thread.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fedswarm.swarm.peer import Peer
 
-__all__ = ["Recorder", "round_payload"]
+__all__ = ["WAIT_ROUNDS", "Recorder", "round_payload"]
 
 log = logging.getLogger("fedswarm.swarm")
+
+WAIT_ROUNDS = 3  # a round waits at most this many of the reporter's rounds for a silent member's stats
 
 
 def _num(v: Any) -> float | None:
@@ -77,7 +84,10 @@ class Recorder:
         self.store = _open_store(cfg.db) if cfg.db else None
         self.min_interval_s = min_interval_s
         self._last_beat = 0.0
-        self._posted: set[int] = set()
+        self._seen: dict[int, dict[str, dict]] = {}  # round -> {peer id: stats row}, rounds not yet settled
+        self._latest: dict[str, int] = {}  # peer id -> the latest round whose stats reached us
+        self._settled = 0  # rounds up to this one are posted (reporter) or given up
+        self._lock = threading.Lock()
         self._q: queue.Queue = queue.Queue(maxsize=256)
         self.errors = 0
         self._thread = threading.Thread(target=self._worker, name="report", daemon=True)
@@ -107,13 +117,21 @@ class Recorder:
             body["telemetry"] = dict(telemetry)
         self._submit("node", body)
 
+    def tick(self) -> None:
+        """On every heartbeat tick, before failure detection: collect the stats gossip brought,
+        post the rounds they complete, and send a (rate-limited) heartbeat."""
+        self._collect()
+        self._flush()
+        self.heartbeat()
+
     def round_done(self, row: dict) -> None:
         self.heartbeat(force=True)
-        if row["round"] > 1:
-            self._report_round(row["round"] - 1)
+        self._collect()
+        self._flush()
 
     def finish(self, summary: dict) -> None:
-        self._report_round(self.peer.round)
+        self._collect()
+        self._flush(final=True)
         self.heartbeat(force=True, status="offline")
         if self._is_reporter():
             self._submit("status", {"status": "finished"})
@@ -126,19 +144,34 @@ class Recorder:
     def _is_reporter(self) -> bool:
         return self.peer.membership.ids()[0] == self.peer.id
 
-    def _report_round(self, r: int) -> None:
-        if r < 1 or r in self._posted or not self._is_reporter():
-            return
+    def _collect(self) -> None:
+        """Keep every stats row of a round not yet settled: ours from the history, the others'
+        from their membership entries (which carry only their last three rounds)."""
         p = self.peer
-        stats = {}
-        for pid in p.membership.ids():
-            rows = p.history if pid == p.id else p.membership.info_of(pid).get("stats") or []
-            for s in rows:
-                if isinstance(s, dict) and s.get("round") == r:
-                    stats[pid] = s
-        if stats:
-            self._posted.add(r)
-            self._submit("round", round_payload(r, stats))
+        with self._lock:
+            for pid in p.membership.ids():
+                rows = p.history[-WAIT_ROUNDS:] if pid == p.id else p.membership.info_of(pid).get("stats") or []
+                for s in rows:
+                    r = s.get("round") if isinstance(s, dict) else None
+                    if isinstance(r, int) and not isinstance(r, bool) and r > self._settled:
+                        self._seen.setdefault(r, {})[pid] = s
+                        self._latest[pid] = max(r, self._latest.get(pid, 0))
+
+    def _flush(self, final: bool = False) -> None:
+        """As the reporter, post each round every live member has reported or moved past; a
+        round ``WAIT_ROUNDS`` behind us, or any round at ``final``, goes with the rows it has.
+        Other peers keep their last rounds, to post them if they become the reporter."""
+        p = self.peer
+        members, reporter = p.membership.ids(), self._is_reporter()
+        with self._lock:
+            for r in range(self._settled + 1, p.round + 1):
+                ready = reporter and all(self._latest.get(pid, 0) >= r for pid in members)
+                if not (ready or final or r <= p.round - WAIT_ROUNDS):
+                    break
+                stats = self._seen.pop(r, {})
+                self._settled = r
+                if reporter and stats:
+                    self._submit("round", round_payload(r, stats))
 
     def _submit(self, what: str, body: dict) -> None:
         try:

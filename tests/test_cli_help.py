@@ -47,3 +47,12 @@ def test_every_argument_and_option_shows_its_help():
                 words = " ".join(_flat(param.help).split()[:4])
                 assert words in shown, (path, param.name, words)
     assert arguments >= 3  # bench NAME, resume RUN_ID, export RUN_ID at least
+
+
+def test_bench_help_names_every_registered_benchmark():
+    from fedswarm.bench.registry import BENCHMARKS
+
+    out = CliRunner().invoke(app, ["bench", "--help"], terminal_width=200, env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    text = _flat(out.output)
+    assert [name for name in BENCHMARKS if not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text)] == []

@@ -23,6 +23,14 @@ def test_merge_keeps_the_newest_and_ignores_junk_and_strangers():
     assert m.merge("not a list") == 0
 
 
+def test_a_change_of_info_travels_with_the_next_digest_without_waiting_for_a_beat():
+    a, b = Membership("a", "127.0.0.1:1"), Membership("b", "127.0.0.1:2")
+    b.merge(a.digest())
+    a.set_info(round=3, done=True)  # a peer's last words before it stops, with no beat after them
+    assert b.merge(a.digest()) == 1
+    assert b.info_of("a") == {"round": 3, "done": True}
+
+
 def test_silent_member_is_suspected_then_removed_and_stale_gossip_cannot_revive_it():
     now = [100.0]  # a manual clock: silence is measured in heartbeat intervals, not in luck
     m = Membership("a", "127.0.0.1:1", interval_s=0.02, suspect_after=2, remove_after=4, clock=lambda: now[0])

@@ -10,7 +10,11 @@ from sqlalchemy.orm import Session
 
 from fedswarm.store.schema import NodeRound, Rejection
 
-__all__ = ["RowConflict"]
+__all__ = ["NOT_PICKED", "RowConflict"]
+
+#: A node row's statuses for a node its round's sampling left out, the row's reason saying why
+#: (``fedswarm.server.fleet_grid`` writes them; the dashboard's Nodes page shows the reason).
+NOT_PICKED = ("ineligible", "unavailable")
 
 
 class RowConflict(ValueError):

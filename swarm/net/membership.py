@@ -115,7 +115,11 @@ class Membership:
             self.me.info.update(info)
 
     def set_info(self, **info: Any) -> None:
+        """Change our info; a new version of our entry (the heartbeat counter moves), since a
+        merge takes an entry's info only with a newer version: the next digest we send, a
+        gossip reply included, carries it, even if we stop before our next beat."""
         with self._lock:
+            self.me.heartbeat += 1
             self.me.info.update(info)
 
     # -- gossip --------------------------------------------------------------------------

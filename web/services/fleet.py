@@ -30,6 +30,7 @@ from typing import Any
 from sqlalchemy import case, exists, func, select
 
 from fedswarm.store import Node, NodeRound, Round, Run, Store
+from fedswarm.store.rows import NOT_PICKED
 from fedswarm.web.models import (FLEET_STATES, FleetNodeOut, NodeDetailOut, NodeRoundOut, NodeRunOut, NodesOut,
                                  SuperNodesOut, clean, telemetry_of)
 from fedswarm.web.services.run_state import LIVE_STATUSES, lost_reason
@@ -135,9 +136,6 @@ class _Row:
             owner_name=self.owner_name, rejected_updates=(n.rejected_updates or 0) if n is not None else 0,
             last_seen=self.last_seen, telemetry=telemetry_of(n.telemetry if n is not None else None),
             info=(n.info or {}) if n is not None else {})
-
-
-NOT_PICKED = ("ineligible", "unavailable")  # fedswarm.server.fleet_grid: left out at sampling, the row says why
 
 
 def _not_picked_reasons(s, nodes: list[Node]) -> dict[str, str]:
