@@ -55,6 +55,7 @@ from fedswarm.availability import Availability, run_availability
 from fedswarm.config import RunConfig
 from fedswarm.eligibility import Rules, parse_rules
 from fedswarm.errors import ConfigError
+from fedswarm.store.rows import NOT_PICKED  # the statuses of a node left out at sampling
 from fedswarm.policy import DEFAULT_CLASS, PolicyBook
 from fedswarm.protocol import TELEMETRY_ACTION, TELEMETRY_RECORD
 from fedswarm.server.metered_grid import WrappingGrid, serialized_size
@@ -64,7 +65,6 @@ from fedswarm.strategies.strategy_utils import wait_for_nodes
 __all__ = ["FleetGrid", "fleet_grid_for", "check_fleet", "uses_fleet", "PROBE_TIMEOUT_S", "NOT_PICKED"]
 
 PROBE_TIMEOUT_S = 10.0  # how long the eligibility probe waits for the nodes' answers
-NOT_PICKED = ("ineligible", "unavailable")  # the statuses of a node left out at sampling
 NodeTime = Callable[[Message, int, int], "float | None"]
 
 
