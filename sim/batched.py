@@ -69,6 +69,7 @@ from flwr.app import ConfigRecord
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedswarm.algorithms.averaging import WeightedSum
+from fedswarm.algorithms.selection.cohort import sample_positions
 from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.params import get_flat
@@ -247,7 +248,6 @@ class FedAvgRounds:
         self.model = model
         self.notes = notes  # the recorder: a diverged client's reply is rejected there
         self.counter = ByteCounter(run.train_config)
-        self.all_nodes = range(1, run.cfg.clients + 1)  # random.sample draws from a range as from the list
         # --dp: the mechanism fedavg's DPFedAvg strategy object holds, calibrated once for the run
         self.dp = run.strategy().dp if run.cfg.dp and not run.cfg.secagg else None
         # --secagg: the round's secure sum computed directly (sim/batched_secagg_round.py)
@@ -255,7 +255,8 @@ class FedAvgRounds:
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         cfg = self.run.cfg
-        sample = random.sample(self.all_nodes, max(int(cfg.clients * cfg.fraction), 1))
+        # node ids 1..N, drawn as the in-process strategy draws them (sample_train_nodes' sample_positions)
+        sample = (sample_positions(cfg.clients, max(int(cfg.clients * cfg.fraction), 1)) + 1).tolist()
         if self.secure is not None:
             self.model, row, node_rows = self.secure.round(self.run, self.counter, self.model, sample, server_round)
             return row, node_rows
