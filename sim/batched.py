@@ -83,8 +83,8 @@ from fedswarm.sim.batched_eval import CohortEvaluator
 from fedswarm.sim.batched_fedbuff import FedBuffRounds
 from fedswarm.sim.batched_progfed import ProgFedRounds
 from fedswarm.sim.batched_pvt import PVTRounds
-from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ByteCounter, Meter, add_client, add_clients, cohort_rows,
-                                        cohort_schedule, reject_diverged, round_schedule)
+from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ByteCounter, Meter, add_client, add_clients, cohort_nodes,
+                                        cohort_rows, cohort_schedule, reject_diverged, round_schedule)
 from fedswarm.sim.batched_secagg_round import SecureFedAvg
 from fedswarm.sim.batched_sketched import SketchRounds
 from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
@@ -342,8 +342,8 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
                 done += 1
                 row, node_rows = rounds_of.round(done)
                 if recorder.eval_due(done):  # the round's cohort: the clients it sampled
-                    cohort = np.fromiter(meter.traffic.node_down, dtype=np.int64, count=len(meter.traffic.node_down))
-                    row.update(evaluator.round_figures(done, rounds_of.model, np.sort(cohort), node_rows))
+                    row.update(evaluator.round_figures(done, rounds_of.model, cohort_nodes(meter.traffic.node_down),
+                                                       node_rows))
                 recorder.node_rows(node_rows)
                 recorder.note(**row, **recorder.failed_nodes(done, node_rows))
                 recorder(done, rounds_of.model)

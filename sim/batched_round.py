@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import json
+from collections import defaultdict
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 from uuid import uuid4
@@ -26,7 +28,7 @@ __all__ = ["ClientMemory", "ClientRows", "NodeIds", "Meter", "ByteCounter", "rou
            "varint_len",
            "make_reply", "reply_size", "mark_rejected", "reject_diverged", "NODE_ROWS_MAX",
            "add_client", "add_clients", "cohort_rows", "cohort_schedule", "CohortSchedule", "round_seeds",
-           "varint_lens"]
+           "varint_lens", "CohortBytes", "cohort_nodes"]
 
 
 class ClientMemory(dict):
@@ -176,16 +178,68 @@ def varint_lens(values) -> np.ndarray:
     return out
 
 
+class CohortBytes(MutableMapping):
+    """A :class:`~fedswarm.server.metered_grid.Traffic`'s per-node bytes (``node_up`` or
+    ``node_down``: node id -> bytes) held as two arrays over a cohort, ``ids`` and ``values``
+    (a node given twice counts the sum). Nothing is built per node until a node is looked up
+    or the mapping changed: then it becomes the ``defaultdict(int)`` a Traffic holds, once.
+    :func:`cohort_nodes` reads the nodes as an array without that."""
+
+    def __init__(self, ids: np.ndarray, values: np.ndarray):
+        self.ids = np.asarray(ids, dtype=np.int64)
+        self.values = np.asarray(values, dtype=np.int64)
+        self._dict: defaultdict[int, int] | None = None
+
+    def _table(self) -> defaultdict[int, int]:
+        if self._dict is None:
+            table: defaultdict[int, int] = defaultdict(int)
+            for node, v in zip(self.ids.tolist(), self.values.tolist()):
+                table[node] += v
+            self._dict = table
+        return self._dict
+
+    def __getitem__(self, node: int) -> int:
+        return self._table().get(node, 0)  # a node with no bytes reads 0, as from a defaultdict(int), and is not added
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._table()
+
+    def get(self, node: int, default=None):
+        return self._table().get(node, default)
+
+    def __setitem__(self, node: int, value: int) -> None:
+        self._table()[node] = value
+
+    def __delitem__(self, node: int) -> None:
+        del self._table()[node]
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table()) if self._dict is not None else int(np.unique(self.ids).size)
+
+
+def cohort_nodes(counts) -> np.ndarray:
+    """The sorted distinct node ids of a Traffic's ``node_up``/``node_down`` (a dict or a
+    :class:`CohortBytes`) as an int64 array."""
+    if isinstance(counts, CohortBytes) and counts._dict is None:
+        return np.unique(counts.ids)
+    return np.sort(np.fromiter(counts, dtype=np.int64, count=len(counts)))
+
+
 def add_clients(traffic: Traffic, node_ids: Sequence[int], up: np.ndarray, down: np.ndarray) -> None:
     """:func:`add_client`'s bytes of a whole cohort at once (``up``/``down``: int arrays in
-    the order of ``node_ids``); the per-node rows are :func:`cohort_rows`'."""
+    the order of ``node_ids``); the per-node rows are :func:`cohort_rows`'. Into a Traffic that
+    has no per-node bytes yet they go as :class:`CohortBytes` (no Python work per node)."""
     traffic.bytes_down += int(down.sum())
     traffic.bytes_up += int(up.sum())
-    ids = [int(i) for i in node_ids] if not isinstance(node_ids, list) else node_ids
-    if not traffic.node_down and not traffic.node_up and len(set(ids)) == len(ids):
-        traffic.node_down.update(zip(ids, down.tolist()))
-        traffic.node_up.update(zip(ids, up.tolist()))
+    if not traffic.node_down and not traffic.node_up:
+        ids = np.asarray(node_ids, dtype=np.int64)
+        traffic.node_down = CohortBytes(ids, down)
+        traffic.node_up = CohortBytes(ids, up)
         return
+    ids = [int(i) for i in node_ids] if not isinstance(node_ids, list) else node_ids
     for node, d, u in zip(ids, down.tolist(), up.tolist()):
         traffic.node_down[node] += d
         traffic.node_up[node] += u
