@@ -61,7 +61,7 @@ clock's).
 from __future__ import annotations
 
 import random
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -256,9 +256,10 @@ class FedAvgRounds:
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         cfg = self.run.cfg
         # node ids 1..N, drawn as the in-process strategy draws them (sample_train_nodes' sample_positions)
-        sample = (sample_positions(cfg.clients, max(int(cfg.clients * cfg.fraction), 1)) + 1).tolist()
+        sample = sample_positions(cfg.clients, max(int(cfg.clients * cfg.fraction), 1)) + 1  # node ids, an array
         if self.secure is not None:
-            self.model, row, node_rows = self.secure.round(self.run, self.counter, self.model, sample, server_round)
+            self.model, row, node_rows = self.secure.round(self.run, self.counter, self.model, sample.tolist(),
+                                                           server_round)
             return row, node_rows
         self.model, row, node_rows = _one_round(self.run, self.counter, self.model, sample, server_round, self.notes,
                                                 dp=self.dp)
@@ -352,7 +353,7 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     return run_recorded(store, run_id, loop)
 
 
-def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, sample: list[int],
+def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, sample: Sequence[int] | np.ndarray,
                server_round: int, notes=None, dp=None) -> tuple[torch.Tensor, dict, list[dict]]:
     """Train the sampled clients, average their models weighted by examples (Flower's
     FedAvg, leaving out the clients that diverged: their replies are rejected), count the
@@ -364,7 +365,7 @@ def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, 
     :meth:`ByteCounter.cohort_sizes`, :func:`add_clients`): no Python work per client but the
     per-node rows, kept only up to ``NODE_ROWS_MAX`` clients."""
     cfg, trainer = run.cfg, run.trainer
-    ids = np.fromiter(sample, dtype=np.int64, count=len(sample))  # once: the cohort's arrays all read it
+    ids = np.asarray(sample, dtype=np.int64)  # once: the cohort's arrays all read it
     cohort = cohort_schedule(cfg, ids, run.train_config, run.n_examples, server_round)
     sched = cohort.sched
     total = len(sample)
@@ -394,13 +395,13 @@ def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, 
     down, up = counter.cohort_sizes(vector_to_arrayrecord(global_vec), global_vec, ids, n_all,
                                     sched.steps.numpy(), cohort, server_round)
     traffic = Traffic()
-    add_clients(traffic, sample, up, down)
+    add_clients(traffic, ids, up, down)
     node_rows: list[dict] = []
     if record_nodes:
         loss_list = torch.cat(losses).tolist() if losses else [0.0] * total
-        node_rows = cohort_rows(sample, up, down, n_all.tolist(), loss_list, cohort.classes(), cohort.policies())
+        node_rows = cohort_rows(ids.tolist(), up, down, n_all.tolist(), loss_list, cohort.classes(), cohort.policies())
     for i in sorted(rejected):
-        reject_diverged(notes, node_rows if record_nodes else None, sample[i], rejected[i], int(n_all[i]), row=i)
+        reject_diverged(notes, node_rows if record_nodes else None, int(ids[i]), rejected[i], int(n_all[i]), row=i)
     run.meter.traffic = traffic
     if acc.weight == 0:  # every client diverged: the model stays
         return global_vec, {"train_loss": None, "num_clients": total}, node_rows

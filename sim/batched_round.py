@@ -169,13 +169,14 @@ def varint_len(n: int) -> int:
     return max(1, (int(n).bit_length() + 6) // 7)
 
 
+_VARINT_STEPS = np.array([1 << (7 * j) for j in range(1, 9)], dtype=np.int64)
+
+
 def varint_lens(values) -> np.ndarray:
     """:func:`varint_len` of every entry of ``values`` (non-negative integers) at once."""
     x = np.asarray(values, dtype=np.int64)
-    out = np.ones(x.shape, dtype=np.int64)
-    for j in range(1, 9):  # one more byte for every 7 bits past the first 7 (at most 9 bytes)
-        out += x >= (1 << (7 * j))
-    return out
+    # one more byte for every 7 bits past the first 7 (at most 9 bytes): the thresholds 2**7, 2**14, ...
+    return np.searchsorted(_VARINT_STEPS, x, side="right").astype(np.int64) + 1
 
 
 class CohortBytes(MutableMapping):
@@ -303,7 +304,12 @@ def round_seeds(seed: int, server_round: int, pids: np.ndarray) -> np.ndarray:
     """:func:`fedswarm.local.round_seed` of every partition in ``pids`` at once (int64)."""
     modulus = 2**31 - 1
     base = round_seed(seed, server_round, 0)  # (seed * a + round * b) mod m, then + pid mod m: the same residue
-    return (np.int64(base) + np.asarray(pids, dtype=np.int64) % modulus) % modulus
+    pids = np.asarray(pids, dtype=np.int64)
+    if pids.size and (pids.min() < 0 or pids.max() >= modulus):
+        return (np.int64(base) + pids % modulus) % modulus
+    out = pids + np.int64(base)  # both in [0, m): one subtraction is the residue (no int64 division)
+    out[out >= modulus] -= modulus
+    return out
 
 
 def cohort_schedule(cfg: RunConfig, node_ids, train_config: ConfigRecord, n_examples: np.ndarray,

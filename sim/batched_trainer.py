@@ -133,15 +133,16 @@ class BatchedTrainer:
         # one example: every step is that example, as minibatch_plan gives it (vectorized:
         # the many-clients-on-a-small-task case)
         single = (n_k == 1).numpy()
-        if single.any():
-            ks = np.nonzero(single)[0]
+        every = bool(single.all())
+        if every or single.any():
+            ks = slice(None) if every else torch.from_numpy(np.nonzero(single)[0])  # all of them: no gather
             step_ok = torch.arange(s_max)[None, :] < schedule.steps[ks][:, None]  # [k1, S]
             rows1 = torch.from_numpy(self.flat_idx[self.offsets[schedule.partitions[ks].numpy()]])
             idx[ks, :, 0] = torch.where(step_ok, rows1[:, None], torch.zeros((), dtype=torch.int64))
             valid[ks, :, 0] = step_ok
         many = np.nonzero(~single)[0]
-        parts, steps, bss, seeds = (getattr(schedule, f)[torch.from_numpy(many)].tolist()  # these clients only
-                                    for f in ("partitions", "steps", "batch_size", "seeds"))
+        parts, steps, bss, seeds = ((getattr(schedule, f)[torch.from_numpy(many)].tolist() if len(many) else [])
+                                    for f in ("partitions", "steps", "batch_size", "seeds"))  # these clients only
         for j, k in enumerate(many.tolist()):
             lo, hi = int(self.offsets[parts[j]]), int(self.offsets[parts[j] + 1])
             s_k = steps[j]
