@@ -27,8 +27,9 @@ client runs its own codec step alone, as its own code would: where that raises, 
 fails for the round (an error reply, its row ``failed`` with the reason, the round's
 ``nodes_failed``), where it sends a non-finite payload the strategy refuses it.
 
-Same numbers as ``--engine inprocess``: the same clients are sampled (Flower's
-``random.sample`` after ``random.seed(seed)``), each client's minibatches and SGD steps are
+Same numbers as ``--engine inprocess``: the same clients are sampled
+(:func:`~fedswarm.algorithms.selection.cohort.sample_positions` after ``random.seed(seed)``, the
+strategies' own draw), each client's minibatches and SGD steps are
 :mod:`fedswarm.algorithms.local_sgd`'s from :func:`fedswarm.local.round_seed`, as
 :meth:`fedswarm.train.LocalTrainer.fit` takes them, and the aggregate is the strategy's
 (FedAvg's :class:`~fedswarm.algorithms.averaging.WeightedSum`, the Flower strategy's too).
@@ -38,12 +39,13 @@ Bytes are measured, not computed: real train messages and real replies are built
 serialized (:mod:`fedswarm.sim.batched_round`), once per size class of the round.
 
 At scale nothing runs per client in Python but what defines the numbers: FedAvg's round keeps
-its bookkeeping as arrays over the cohort (schedule, round seeds, byte sizes read back by size
-key, traffic and node rows in bulk; :func:`~fedswarm.sim.batched_round.cohort_schedule`), and
-federated evaluation scores the whole cohort in one batch (:mod:`fedswarm.sim.batched_eval`).
-What stays per client: Flower's ``random.sample`` draws (the same clients as ``inprocess``,
-about a microsecond a sampled client) and the minibatch permutations of clients holding more
-than one example (torch's generator, seeded per client, defines them). Per-client state is
+its bookkeeping as arrays over the cohort (the sampling draw, schedule, round seeds, byte sizes
+read back by size key, per-node bytes as arrays (:class:`~fedswarm.sim.batched_round.CohortBytes`),
+node rows in bulk; :func:`~fedswarm.sim.batched_round.cohort_schedule`), and federated evaluation
+scores the whole cohort in one batch (:mod:`fedswarm.sim.batched_eval`). What stays per client:
+the minibatch permutations of clients holding more than one example (torch's generator, seeded
+per client, defines them), and in the compressed, sketch, PVT and ProgFed runners the strategy
+object's own per-node work (its train messages, replica sync, replies). Per-client state is
 kept only for the clients that have some (:class:`~fedswarm.sim.batched_round.ClientRows`),
 and a run whose estimated peak does not fit the available memory is refused before it starts
 (:func:`check_memory`).
