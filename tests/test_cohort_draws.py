@@ -83,3 +83,26 @@ def test_cohort_bytes_are_the_dict_add_client_builds():
     assert got.node_up[3] == 61 and got.node_up[11] == 2
     assert cohort_nodes(got.node_up).tolist() == [3, 5, 9, 11]
     assert cohort_nodes(defaultdict(int, {4: 1, 2: 1})).tolist() == [2, 4]
+
+
+def test_gtopk_rows_read_back_what_was_kept_and_the_empty_state_for_the_rest():
+    import torch
+
+    from fedswarm.sim.batched_compressed import GTopKRows
+    from fedswarm.strategies.federated.gtopk import GTopKClientState
+
+    rows = GTopKRows(d=5, population=10)
+    fresh = rows.state([3, 7])
+    empty = GTopKClientState.empty(5)
+    assert torch.equal(fresh.acc, torch.cat([empty.acc, empty.acc]))
+    assert fresh.sent_round == (None, None) and fresh.sent_idx == (None, None)
+    kept = GTopKClientState(torch.arange(10, dtype=torch.float32).view(2, 5), (4, 4),
+                            (torch.tensor([0, 2]), torch.tensor([1, 3])))
+    rows.keep([7, 2], kept)
+    got = rows.state([2, 5, 7])
+    assert torch.equal(got.acc, torch.stack([kept.acc[1], torch.zeros(5), kept.acc[0]]))
+    assert got.sent_round == (4, None, 4)
+    assert got.sent_idx[0].tolist() == [1, 3] and got.sent_idx[1] is None and got.sent_idx[2].tolist() == [0, 2]
+    assert rows.nbytes() < 10 * 8 + 2 * (4 * 5 + 8 * 2) + 16 * (4 * 5 + 8 * 2)  # slots, rounds, rows (capacity 16)
+    with pytest.raises(ValueError, match="3 indices a client, the run's clients send 2"):
+        rows.keep([1], GTopKClientState(torch.zeros(1, 5), (5,), (torch.tensor([0, 1, 2]),)))
