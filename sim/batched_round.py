@@ -32,10 +32,10 @@ __all__ = ["ClientMemory", "ClientRows", "NodeIds", "Meter", "ByteCounter", "rou
 
 
 class ClientMemory(dict):
-    """What the batched engine keeps of each client between rounds, by partition id: the one
-    form of per-client state of every round runner (an error-feedback residual row, a gTop-k
-    :class:`~fedswarm.strategies.federated.gtopk.GTopKClientState` row, a sketch client's
-    Flower ``Context``). A client's first use makes its state with ``empty(pid)``, what its
+    """What the batched engine keeps of each client between rounds, by partition id, as objects
+    in a dict (a sketch client's Flower ``Context``; error-feedback residuals are
+    :class:`ClientRows`, gTop-k memories :class:`~fedswarm.sim.batched_compressed.GTopKRows`,
+    arrays). A client's first use makes its state with ``empty(pid)``, what its
     ClientApp starts from; :meth:`rows` reads a chunk's clients, :meth:`keep` writes them back."""
 
     def __init__(self, empty: Callable[[int], Any]):
