@@ -225,7 +225,12 @@ def cohort_nodes(counts) -> np.ndarray:
     """The sorted distinct node ids of a Traffic's ``node_up``/``node_down`` (a dict or a
     :class:`CohortBytes`) as an int64 array."""
     if isinstance(counts, CohortBytes) and counts._dict is None:
-        return np.unique(counts.ids)
+        ids = counts.ids
+        if ids.size and ids.min() >= 0 and ids.max() < 16 * ids.size + (1 << 20):  # node ids 1..N: a mask, no sort
+            seen = np.zeros(int(ids.max()) + 1, dtype=bool)
+            seen[ids] = True
+            return np.flatnonzero(seen)
+        return np.unique(ids)
     return np.sort(np.fromiter(counts, dtype=np.int64, count=len(counts)))
 
 
