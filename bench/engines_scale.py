@@ -14,7 +14,8 @@ Rows (each run cell in a fresh interpreter, its resident memory sampled for the 
   minibatches: one example per client here) as one plain torch batch, no engine: the median of
   several passes, measured between the engine's cells;
 - ``1M population``: 1,000,000 clients at ``--fraction 0.01`` (10,000 a round), digits-mlp and
-  synthetic-logreg: seconds per round and peak RSS.
+  synthetic-logreg: seconds per round and peak RSS; and ``compressed_fedavg`` (its default codec,
+  top-k with error feedback) on digits-mlp, 3 rounds.
 
 ``repeats`` (2; quick 1) runs of every cell, interleaved; the table gives each cell's best
 steady round (the least disturbed by other work on the machine) and the JSON every run. Each
@@ -144,6 +145,11 @@ def run_scale(out_dir: Path, quick: bool = False, console: Console | None = None
     for task in ("digits-mlp", "synthetic-logreg"):
         cells.append((f"1M population {task}", dict(BASE, task=task, clients=1_000_000, fraction=0.01, rounds=rounds,
                                                     eval_every=rounds + 1), False))
+    # the compressed family's runner at the same population (top-k with error feedback, its defaults): 3 rounds,
+    # its rounds are seconds each
+    cells.append(("1M population compressed_fedavg digits-mlp",
+                  dict(BASE, strategy="compressed_fedavg", clients=1_000_000, fraction=0.01, rounds=3, eval_every=4),
+                  False))
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in cells}
     floors: list[tuple[float, float]] = []  # (wall, CPU) seconds
     with tempfile.TemporaryDirectory() as tmp:
@@ -160,6 +166,7 @@ def run_scale(out_dir: Path, quick: bool = False, console: Console | None = None
         best = min(ok, key=lambda c: c["steady_round_s"]) if ok else (runs[label][0] if runs[label] else {})
         per_round = spec["clients"] * spec["fraction"]
         row = {"row": label, "code": before if old else "this checkout", "task": spec["task"],
+               "strategy": spec.get("strategy", "fedavg"),
                "clients": spec["clients"], "fraction": spec["fraction"],
                "fed_eval_every_round": spec["eval_every"] == 1,
                "status": best.get("status"), "s_per_round": best.get("steady_round_s"),

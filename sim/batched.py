@@ -27,8 +27,9 @@ client runs its own codec step alone, as its own code would: where that raises, 
 fails for the round (an error reply, its row ``failed`` with the reason, the round's
 ``nodes_failed``), where it sends a non-finite payload the strategy refuses it.
 
-Same numbers as ``--engine inprocess``: the same clients are sampled (Flower's
-``random.sample`` after ``random.seed(seed)``), each client's minibatches and SGD steps are
+Same numbers as ``--engine inprocess``: the same clients are sampled
+(:func:`~fedswarm.algorithms.selection.cohort.sample_positions` after ``random.seed(seed)``, the
+strategies' own draw), each client's minibatches and SGD steps are
 :mod:`fedswarm.algorithms.local_sgd`'s from :func:`fedswarm.local.round_seed`, as
 :meth:`fedswarm.train.LocalTrainer.fit` takes them, and the aggregate is the strategy's
 (FedAvg's :class:`~fedswarm.algorithms.averaging.WeightedSum`, the Flower strategy's too).
@@ -38,12 +39,13 @@ Bytes are measured, not computed: real train messages and real replies are built
 serialized (:mod:`fedswarm.sim.batched_round`), once per size class of the round.
 
 At scale nothing runs per client in Python but what defines the numbers: FedAvg's round keeps
-its bookkeeping as arrays over the cohort (schedule, round seeds, byte sizes read back by size
-key, traffic and node rows in bulk; :func:`~fedswarm.sim.batched_round.cohort_schedule`), and
-federated evaluation scores the whole cohort in one batch (:mod:`fedswarm.sim.batched_eval`).
-What stays per client: Flower's ``random.sample`` draws (the same clients as ``inprocess``,
-about a microsecond a sampled client) and the minibatch permutations of clients holding more
-than one example (torch's generator, seeded per client, defines them). Per-client state is
+its bookkeeping as arrays over the cohort (the sampling draw, schedule, round seeds, byte sizes
+read back by size key, per-node bytes as arrays (:class:`~fedswarm.sim.batched_round.CohortBytes`),
+node rows in bulk; :func:`~fedswarm.sim.batched_round.cohort_schedule`), and federated evaluation
+scores the whole cohort in one batch (:mod:`fedswarm.sim.batched_eval`). What stays per client:
+the minibatch permutations of clients holding more than one example (torch's generator, seeded
+per client, defines them), and in the compressed, sketch, PVT and ProgFed runners the strategy
+object's own per-node work (its train messages, replica sync, replies). Per-client state is
 kept only for the clients that have some (:class:`~fedswarm.sim.batched_round.ClientRows`),
 and a run whose estimated peak does not fit the available memory is refused before it starts
 (:func:`check_memory`).
@@ -62,7 +64,7 @@ the fleet's, :mod:`fedswarm.sim.batched_fleet`).
 from __future__ import annotations
 
 import random
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -70,6 +72,7 @@ from flwr.app import ConfigRecord
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedswarm.algorithms.averaging import WeightedSum
+from fedswarm.algorithms.selection.cohort import sample_positions
 from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.params import get_flat
@@ -84,8 +87,8 @@ from fedswarm.sim.batched_fedbuff import FedBuffRounds
 from fedswarm.sim.batched_fleet import BatchedFleet
 from fedswarm.sim.batched_progfed import ProgFedRounds
 from fedswarm.sim.batched_pvt import PVTRounds
-from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ByteCounter, Meter, add_client, add_clients, cohort_rows,
-                                        cohort_schedule, reject_diverged, round_schedule)
+from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ByteCounter, Meter, add_client, add_clients, cohort_nodes,
+                                        cohort_rows, cohort_schedule, reject_diverged, round_schedule)
 from fedswarm.sim.batched_secagg_round import SecureFedAvg
 from fedswarm.sim.batched_sketched import SketchRounds
 from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
@@ -263,7 +266,6 @@ class FedAvgRounds:
         self.model = model
         self.notes = notes  # the recorder: a diverged client's reply is rejected there
         self.counter = ByteCounter(run.train_config)
-        self.all_nodes = range(1, run.cfg.clients + 1)  # random.sample draws from a range as from the list
         # --dp: the mechanism fedavg's DPFedAvg strategy object holds, calibrated once for the run
         self.dp = run.strategy().dp if run.cfg.dp and not run.cfg.secagg else None
         # --secagg: the round's secure sum computed directly (sim/batched_secagg_round.py)
@@ -278,9 +280,11 @@ class FedAvgRounds:
             self.model, row, node_rows = self.fleet.round(self.model, server_round, lambda kept: _one_round(
                 self.run, self.counter, self.model, kept, server_round, self.notes, dp=self.dp))
             return row, node_rows
-        sample = random.sample(self.all_nodes, max(int(cfg.clients * cfg.fraction), 1))
+        # node ids 1..N, drawn as the in-process strategy draws them (sample_train_nodes' sample_positions)
+        sample = sample_positions(cfg.clients, max(int(cfg.clients * cfg.fraction), 1)) + 1  # node ids, an array
         if self.secure is not None:
-            self.model, row, node_rows = self.secure.round(self.run, self.counter, self.model, sample, server_round)
+            self.model, row, node_rows = self.secure.round(self.run, self.counter, self.model, sample.tolist(),
+                                                           server_round)
             return row, node_rows
         self.model, row, node_rows = _one_round(self.run, self.counter, self.model, sample, server_round, self.notes,
                                                 dp=self.dp)
@@ -365,8 +369,8 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
                 done += 1
                 row, node_rows = rounds_of.round(done)
                 if recorder.eval_due(done):  # the round's cohort: the clients it sampled
-                    cohort = np.fromiter(meter.traffic.node_down, dtype=np.int64, count=len(meter.traffic.node_down))
-                    row.update(evaluator.round_figures(done, rounds_of.model, np.sort(cohort), node_rows))
+                    row.update(evaluator.round_figures(done, rounds_of.model, cohort_nodes(meter.traffic.node_down),
+                                                       node_rows))
                 recorder.node_rows(node_rows)
                 recorder.note(**row, **recorder.failed_nodes(done, node_rows))
                 recorder(done, rounds_of.model)
@@ -375,7 +379,7 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     return run_recorded(store, run_id, loop)
 
 
-def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, sample: list[int],
+def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, sample: Sequence[int] | np.ndarray,
                server_round: int, notes=None, dp=None) -> tuple[torch.Tensor, dict, list[dict]]:
     """Train the sampled clients, average their models weighted by examples (Flower's
     FedAvg, leaving out the clients that diverged: their replies are rejected), count the
@@ -387,7 +391,7 @@ def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, 
     :meth:`ByteCounter.cohort_sizes`, :func:`add_clients`): no Python work per client but the
     per-node rows, kept only up to ``NODE_ROWS_MAX`` clients."""
     cfg, trainer = run.cfg, run.trainer
-    ids = np.fromiter(sample, dtype=np.int64, count=len(sample))  # once: the cohort's arrays all read it
+    ids = np.asarray(sample, dtype=np.int64)  # once: the cohort's arrays all read it
     cohort = cohort_schedule(cfg, ids, run.train_config, run.n_examples, server_round)
     sched = cohort.sched
     total = len(sample)
@@ -417,13 +421,13 @@ def _one_round(run: BatchedRun, counter: ByteCounter, global_vec: torch.Tensor, 
     down, up = counter.cohort_sizes(vector_to_arrayrecord(global_vec), global_vec, ids, n_all,
                                     sched.steps.numpy(), cohort, server_round)
     traffic = Traffic()
-    add_clients(traffic, sample, up, down)
+    add_clients(traffic, ids, up, down)
     node_rows: list[dict] = []
     if record_nodes:
         loss_list = torch.cat(losses).tolist() if losses else [0.0] * total
-        node_rows = cohort_rows(sample, up, down, n_all.tolist(), loss_list, cohort.classes(), cohort.policies())
+        node_rows = cohort_rows(ids.tolist(), up, down, n_all.tolist(), loss_list, cohort.classes(), cohort.policies())
     for i in sorted(rejected):
-        reject_diverged(notes, node_rows if record_nodes else None, sample[i], rejected[i], int(n_all[i]), row=i)
+        reject_diverged(notes, node_rows if record_nodes else None, int(ids[i]), rejected[i], int(n_all[i]), row=i)
     run.meter.traffic = traffic
     if acc.weight == 0:  # every client diverged: the model stays
         return global_vec, {"train_loss": None, "num_clients": total}, node_rows

@@ -30,6 +30,7 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from flwr.app import Message, RecordDict
 
@@ -39,7 +40,7 @@ from fedswarm.local import node_report, train_reply
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.params import all_finite
 from fedswarm.server.metered_grid import Traffic, serialized_size
-from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ClientMemory, ClientRows, NodeIds, add_client, make_reply,
+from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ClientRows, NodeIds, add_client, make_reply,
                                         reply_size, strategy_round, varint_len)
 from fedswarm.sim.inprocess import client_error_reply
 from fedswarm.strategies.federated import gtopk
@@ -49,7 +50,7 @@ from fedswarm.strategies.federated.compressed_fedavg import Uplink, client_step,
 from fedswarm.strategies.federated.gtopk import GTopKClientState
 from fedswarm.wire import payload_to_records, vector_to_arrayrecord
 
-__all__ = ["CompressedRounds", "GTopKRounds", "client_payload", "sent_rows"]
+__all__ = ["CompressedRounds", "GTopKRounds", "GTopKRows", "OneRow", "client_payload", "sent_rows"]
 
 
 @dataclass
@@ -58,7 +59,7 @@ class _Reply:
 
     k: int  # position in the round's sample
     node_id: int
-    payload: Payload  # its one-client payload
+    payload: Payload | OneRow  # its one-client payload (built when read: :meth:`sent`)
     size_key: tuple  # what its payload's serialized size depends on (shapes, meta)
     n: int
     loss: float
@@ -70,10 +71,15 @@ class _Reply:
     down: int = 0
     rejected: str | None = None
     error: Message | None = None  # a client whose own code raised sends this instead
+    finite: bool | None = None  # whether ``value`` is finite, when known (read for the whole chunk at once)
+
+    def sent(self) -> Payload:
+        """Its one-client payload."""
+        return self.payload.get() if isinstance(self.payload, OneRow) else self.payload
 
     def content(self) -> RecordDict:
         """The reply's records, as :func:`~fedswarm.strategies.federated.compressed_base.finish` writes them."""
-        return train_reply(payload_to_records(self.payload, RecordDict()), self.n, self.loss, self.steps,
+        return train_reply(payload_to_records(self.sent(), RecordDict()), self.n, self.loss, self.steps,
                            node_report(self.device_class, self.policy_json))
 
 
@@ -91,13 +97,28 @@ def client_payload(payload: Payload, row: int, seed: int) -> Payload:
     return Payload(arrays=arrays, meta={**payload.meta, "K": 1, "seed": int(seed)})
 
 
-def sent_rows(payload: Payload, seed: int) -> list[tuple[Payload, tuple]]:
-    """Each client's one-row payload of a batched ``payload`` (:func:`client_payload`), with
-    what its serialized size depends on (its arrays' shapes and dtypes, meta, seed)."""
+class OneRow:
+    """Row ``row`` of a batched payload, as the one-client payload :func:`client_payload`
+    makes of it when :meth:`get` is called: most clients' payloads are never read one by one
+    (their bytes are measured once per size class), so none is built for them."""
+
+    __slots__ = ("payload", "row", "seed")
+
+    def __init__(self, payload: Payload, row: int, seed: int):
+        self.payload, self.row, self.seed = payload, row, seed
+
+    def get(self) -> Payload:
+        return client_payload(self.payload, self.row, self.seed)
+
+
+def sent_rows(payload: Payload, seed: int) -> list[tuple[OneRow, tuple]]:
+    """Each client's one-row payload of a batched ``payload`` (:class:`OneRow`: built when
+    read), with what its serialized size depends on (its arrays' shapes and dtypes, meta, seed)."""
     shapes = tuple((k, (1, *v.shape[1:]), str(v.dtype)) for k, v in payload.arrays.items())
     meta = tuple(sorted((k, v) for k, v in payload.meta.items() if k not in ("K", "seed")))
+    key = (shapes, meta, seed)
     k = next(iter(payload.arrays.values())).shape[0]
-    return [(client_payload(payload, i, seed), (shapes, meta, seed)) for i in range(k)]
+    return [(OneRow(payload, i, seed), key) for i in range(k)]
 
 
 class CompressedRounds:
@@ -172,7 +193,7 @@ class CompressedRounds:
             add_client(traffic, node_rows, r.node_id, r.up, r.down, r.n, r.loss, classes[r.k], pols[r.k])
             strategy.sync.ack(r.node_id)  # a content reply: the client saved its replica
             strategy.pending.pop(r.node_id, None)  # ... and applied the selection it was sent
-            if r.rejected is None and not _finite(r.value):
+            if r.rejected is None and not (r.finite if r.finite is not None else _finite(r.value)):
                 r.rejected = self._refuse(messages[r.k], r)
             if r.rejected is not None:
                 if node_rows is not None:
@@ -218,9 +239,14 @@ class CompressedRounds:
                     replies.append(self._error_reply(messages, node_ids, classes, ks[members[0]],
                                                      n_list[members[0]], exc))
                     continue
+                # the server's finiteness check of every decoded update at once (a tensor of rows; else per reply)
+                ok = torch.isfinite(decoded).all(dim=1).tolist() if isinstance(decoded, torch.Tensor) else None
                 for i, j in enumerate(members):
-                    replies.append(self._reply(messages, node_ids, classes, policy_json, ks[j], sent[i], n_list[j],
-                                               loss_list[j], steps_list[j], decoded[i]))
+                    reply = self._reply(messages, node_ids, classes, policy_json, ks[j], sent[i], n_list[j],
+                                        loss_list[j], steps_list[j], decoded[i])
+                    if ok is not None and isinstance(reply, _Reply):  # (a Ray worker's _reply returns its own record)
+                        reply.finite = ok[i]
+                    replies.append(reply)
         return replies
 
     def _reply(self, messages: list[Message], node_ids: list[int], classes: list[str], policy_json: dict[str, str],
@@ -283,6 +309,7 @@ class CompressedRounds:
             if r.node_id not in bad:
                 continue
             r.up = serialized_size(msg)
+            r.finite = None  # its value is the attacked one's: checked again
             try:
                 r.value = self.strategy.parse_reply(msg)
             except (PayloadError, KeyError, TypeError, ValueError) as exc:
@@ -302,8 +329,13 @@ class CompressedRounds:
         decoded = torch.empty_like(delta)
         sent: list[tuple[Payload, tuple] | None] = [None] * len(pids)
         groups: dict[Uplink, list[int]] = defaultdict(list)
+        shared: dict[int, Uplink | None] = {}  # id(policy) -> its clients' one uplink (None: a seed per client)
         for j, (pid, policy) in enumerate(zip(pids, policies)):
-            groups[uplink_of(knobs, policy, seed, pid)].append(j)
+            if id(policy) not in shared:  # the clients of one device class share its policy object
+                first = uplink_of(knobs, policy, seed, 0)
+                shared[id(policy)] = first if uplink_of(knobs, policy, seed, 1) == first else None
+            uplink = shared[id(policy)]
+            groups[uplink if uplink is not None else uplink_of(knobs, policy, seed, pid)].append(j)
         for uplink, members in groups.items():
             idx = torch.tensor(members)
             state = ErrorFeedbackState()
@@ -357,6 +389,45 @@ class CompressedRounds:
         return self._up[key]
 
 
+class GTopKRows:
+    """The gTop-k clients' memories held as arrays, for the clients that have one: accumulators
+    and last sent indices as rows (:class:`~fedswarm.sim.batched_round.ClientRows`, ``[d]`` and
+    ``[k]``), the round of the last message in an int32 array over the population (-1: none
+    yet, the state :meth:`GTopKClientState.empty` a client starts from). Its memory: ``8 x
+    population`` bytes of slots and rounds, plus ``4 d + 8 k`` bytes per client that has state."""
+
+    def __init__(self, d: int, population: int):
+        self.acc = ClientRows(d, population)
+        self.sent_round = np.full(population, -1, dtype=np.int32)
+        self.sent_idx: ClientRows | None = None  # [k] int64 rows, made at the first keep (k known then)
+
+    def state(self, pids: list[int]) -> GTopKClientState:
+        """Clients ``pids``' memories as one batch."""
+        rounds = self.sent_round[np.asarray(pids, dtype=np.int64)].tolist()
+        idx = self.sent_idx.stack(pids) if self.sent_idx is not None else None
+        return GTopKClientState(self.acc.stack(pids), tuple(None if r < 0 else r for r in rounds),
+                                tuple(None if r < 0 else idx[i] for i, r in enumerate(rounds)))
+
+    def keep(self, pids: list[int], state: GTopKClientState) -> None:
+        """Clients ``pids``' memories after their round (every one sent: a round and indices each)."""
+        if any(r is None for r in state.sent_round) or any(i is None for i in state.sent_idx):
+            raise ValueError("GTopKRows.keep: a client state with no message sent")
+        idx = torch.stack(list(state.sent_idx)) if state.sent_idx else torch.zeros((0, 0), dtype=torch.int64)
+        if self.sent_idx is None:
+            self.sent_idx = ClientRows(idx.shape[1], len(self.sent_round), dtype=torch.int64)
+        if idx.shape[1] != self.sent_idx.d:
+            raise ValueError(f"GTopKRows.keep: {idx.shape[1]} indices a client, the run's clients send "
+                             f"{self.sent_idx.d}")
+        self.acc.keep_stacked(pids, state.acc)
+        self.sent_idx.keep_stacked(pids, idx)
+        self.sent_round[np.asarray(pids, dtype=np.int64)] = np.asarray(state.sent_round, dtype=np.int32)
+
+    def nbytes(self) -> int:
+        """Bytes held: slots, rounds and rows."""
+        return (self.acc.nbytes() + self.sent_round.nbytes
+                + (self.sent_idx.nbytes() if self.sent_idx is not None else 0))
+
+
 class GTopKRounds(CompressedRounds):
     """gTop-k (``gtopk``): the clients' half is
     :func:`~fedswarm.strategies.federated.gtopk.client_step` on the chunk's clients at once,
@@ -364,15 +435,15 @@ class GTopKRounds(CompressedRounds):
 
     def __init__(self, run, model: torch.Tensor, notes=None):
         super().__init__(run, model, notes)
-        self.states = ClientMemory(lambda pid: GTopKClientState.empty(self.layout.d))  # partition id -> its memory
+        self.states = GTopKRows(self.layout.d, run.cfg.clients)  # arrays: only the clients that have a memory
 
     def _client_step(self, delta, pids, ins, policies):
         knobs = ins[0].content.config_records[KNOBS]
-        state = GTopKClientState.concat(self.states.rows(pids))
+        state = self.states.state(pids)
         selects = [m.content.config_records.get(SELECT) for m in ins]
         payload, state = gtopk.client_step(state, selects, delta, float(knobs["density"]), int(knobs["round"]),
                                            self.layout)
-        self.states.keep(pids, state.rows())
+        self.states.keep(pids, state)
         if self.capture is not None:  # a shard worker's client half (CompressedRounds.capture)
             self.capture.payload(payload, pids, int(payload.meta["seed"]))
             return [None] * len(pids), [None] * len(pids)

@@ -12,10 +12,11 @@ arrays over the population and the cohort:
   replies read its battery, power supply, temperature and memory, ``FEDSWARM_FAKE_BATTERY``
   included): here it is read once a round, and each device class's rules (its policy's
   ``eligible``, else ``--eligible``) are checked on it once, so a class is eligible or not as a
-  whole. The strategy then samples ``max(int(offered · fraction · F), 1)`` of them with Flower's
-  ``random.sample`` (the in-process sampling's draws); too few on: the round waits, in simulated
-  time, for the next node to come on; none eligible: it reads the telemetry again every few
-  seconds up to ``round_timeout``, then fails saying why.
+  whole. The strategy then samples ``max(int(offered · fraction · F), 1)`` of them with
+  :func:`~fedswarm.algorithms.selection.cohort.sample_positions` (the in-process sampling's
+  draw); too few on: the round waits, in simulated time, for the next node to come on; none
+  eligible: it reads the telemetry again every few seconds up to ``round_timeout``, then fails
+  saying why.
 - **A round's replies.** Each sampled node's simulated seconds (download + compute + upload on
   its profile, :func:`fedswarm.timemodel.sync_round_time_s`'s terms, from the real messages'
   measured sizes) are known before anything trains. A node that drops (its class's ``dropout``)
@@ -44,13 +45,13 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from typing import Callable
 
 import numpy as np
 import torch
 
+from fedswarm.algorithms.selection.cohort import sample_positions
 from fedswarm.availability import Availability, availability_for
 from fedswarm.config import RunConfig
 from fedswarm.eligibility import Rules, parse_rules
@@ -229,7 +230,8 @@ class BatchedFleet:
         self.idle = 0.0
         pool, left_out, counts = self._offer(server_round)
         fraction = min(1.0, cfg.fraction * cfg.over_select) if cfg.over_select > 1.0 else cfg.fraction
-        sample = random.sample(pool, max(int(len(pool) * fraction), 1))  # Flower's FedAvg's draw
+        # the in-process strategy's draw (strategy_utils.sample_train_nodes)
+        sample = [pool[i] for i in sample_positions(len(pool), max(int(len(pool) * fraction), 1)).tolist()]
         needed = max(int(len(pool) * cfg.fraction), 1)
         k = cfg.quorum if cfg.quorum is not None else (needed if cfg.over_select > 1.0 else None)
         k = None if k is None else min(k, len(sample))

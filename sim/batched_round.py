@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import json
+from collections import defaultdict
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 from uuid import uuid4
@@ -26,14 +28,14 @@ __all__ = ["ClientMemory", "ClientRows", "NodeIds", "Meter", "ByteCounter", "rou
            "varint_len",
            "make_reply", "reply_size", "mark_rejected", "reject_diverged", "NODE_ROWS_MAX",
            "add_client", "add_clients", "cohort_rows", "cohort_schedule", "CohortSchedule", "round_seeds",
-           "varint_lens"]
+           "varint_lens", "CohortBytes", "cohort_nodes"]
 
 
 class ClientMemory(dict):
-    """What the batched engine keeps of each client between rounds, by partition id: the one
-    form of per-client state of every round runner (an error-feedback residual row, a gTop-k
-    :class:`~fedswarm.strategies.federated.gtopk.GTopKClientState` row, a sketch client's
-    Flower ``Context``). A client's first use makes its state with ``empty(pid)``, what its
+    """What the batched engine keeps of each client between rounds, by partition id, as objects
+    in a dict (a sketch client's Flower ``Context``; error-feedback residuals are
+    :class:`ClientRows`, gTop-k memories :class:`~fedswarm.sim.batched_compressed.GTopKRows`,
+    arrays). A client's first use makes its state with ``empty(pid)``, what its
     ClientApp starts from; :meth:`rows` reads a chunk's clients, :meth:`keep` writes them back."""
 
     def __init__(self, empty: Callable[[int], Any]):
@@ -167,25 +169,83 @@ def varint_len(n: int) -> int:
     return max(1, (int(n).bit_length() + 6) // 7)
 
 
+_VARINT_STEPS = np.array([1 << (7 * j) for j in range(1, 9)], dtype=np.int64)
+
+
 def varint_lens(values) -> np.ndarray:
     """:func:`varint_len` of every entry of ``values`` (non-negative integers) at once."""
     x = np.asarray(values, dtype=np.int64)
-    out = np.ones(x.shape, dtype=np.int64)
-    for j in range(1, 9):  # one more byte for every 7 bits past the first 7 (at most 9 bytes)
-        out += x >= (1 << (7 * j))
-    return out
+    # one more byte for every 7 bits past the first 7 (at most 9 bytes): the thresholds 2**7, 2**14, ...
+    return np.searchsorted(_VARINT_STEPS, x, side="right").astype(np.int64) + 1
+
+
+class CohortBytes(MutableMapping):
+    """A :class:`~fedswarm.server.metered_grid.Traffic`'s per-node bytes (``node_up`` or
+    ``node_down``: node id -> bytes) held as two arrays over a cohort, ``ids`` and ``values``
+    (a node given twice counts the sum). Nothing is built per node until a node is looked up
+    or the mapping changed: then it becomes the ``defaultdict(int)`` a Traffic holds, once.
+    :func:`cohort_nodes` reads the nodes as an array without that."""
+
+    def __init__(self, ids: np.ndarray, values: np.ndarray):
+        self.ids = np.asarray(ids, dtype=np.int64)
+        self.values = np.asarray(values, dtype=np.int64)
+        self._dict: defaultdict[int, int] | None = None
+
+    def _table(self) -> defaultdict[int, int]:
+        if self._dict is None:
+            table: defaultdict[int, int] = defaultdict(int)
+            for node, v in zip(self.ids.tolist(), self.values.tolist()):
+                table[node] += v
+            self._dict = table
+        return self._dict
+
+    def __getitem__(self, node: int) -> int:
+        return self._table().get(node, 0)  # a node with no bytes reads 0, as from a defaultdict(int), and is not added
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._table()
+
+    def get(self, node: int, default=None):
+        return self._table().get(node, default)
+
+    def __setitem__(self, node: int, value: int) -> None:
+        self._table()[node] = value
+
+    def __delitem__(self, node: int) -> None:
+        del self._table()[node]
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table()) if self._dict is not None else int(np.unique(self.ids).size)
+
+
+def cohort_nodes(counts) -> np.ndarray:
+    """The sorted distinct node ids of a Traffic's ``node_up``/``node_down`` (a dict or a
+    :class:`CohortBytes`) as an int64 array."""
+    if isinstance(counts, CohortBytes) and counts._dict is None:
+        ids = counts.ids
+        if ids.size and ids.min() >= 0 and ids.max() < 16 * ids.size + (1 << 20):  # node ids 1..N: a mask, no sort
+            seen = np.zeros(int(ids.max()) + 1, dtype=bool)
+            seen[ids] = True
+            return np.flatnonzero(seen)
+        return np.unique(ids)
+    return np.sort(np.fromiter(counts, dtype=np.int64, count=len(counts)))
 
 
 def add_clients(traffic: Traffic, node_ids: Sequence[int], up: np.ndarray, down: np.ndarray) -> None:
     """:func:`add_client`'s bytes of a whole cohort at once (``up``/``down``: int arrays in
-    the order of ``node_ids``); the per-node rows are :func:`cohort_rows`'."""
+    the order of ``node_ids``); the per-node rows are :func:`cohort_rows`'. Into a Traffic that
+    has no per-node bytes yet they go as :class:`CohortBytes` (no Python work per node)."""
     traffic.bytes_down += int(down.sum())
     traffic.bytes_up += int(up.sum())
-    ids = [int(i) for i in node_ids] if not isinstance(node_ids, list) else node_ids
-    if not traffic.node_down and not traffic.node_up and len(set(ids)) == len(ids):
-        traffic.node_down.update(zip(ids, down.tolist()))
-        traffic.node_up.update(zip(ids, up.tolist()))
+    if not traffic.node_down and not traffic.node_up:
+        ids = np.asarray(node_ids, dtype=np.int64)
+        traffic.node_down = CohortBytes(ids, down)
+        traffic.node_up = CohortBytes(ids, up)
         return
+    ids = [int(i) for i in node_ids] if not isinstance(node_ids, list) else node_ids
     for node, d, u in zip(ids, down.tolist(), up.tolist()):
         traffic.node_down[node] += d
         traffic.node_up[node] += u
@@ -249,7 +309,12 @@ def round_seeds(seed: int, server_round: int, pids: np.ndarray) -> np.ndarray:
     """:func:`fedswarm.local.round_seed` of every partition in ``pids`` at once (int64)."""
     modulus = 2**31 - 1
     base = round_seed(seed, server_round, 0)  # (seed * a + round * b) mod m, then + pid mod m: the same residue
-    return (np.int64(base) + np.asarray(pids, dtype=np.int64) % modulus) % modulus
+    pids = np.asarray(pids, dtype=np.int64)
+    if pids.size and (pids.min() < 0 or pids.max() >= modulus):
+        return (np.int64(base) + pids % modulus) % modulus
+    out = pids + np.int64(base)  # both in [0, m): one subtraction is the residue (no int64 division)
+    out[out >= modulus] -= modulus
+    return out
 
 
 def cohort_schedule(cfg: RunConfig, node_ids, train_config: ConfigRecord, n_examples: np.ndarray,

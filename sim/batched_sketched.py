@@ -26,7 +26,7 @@ import torch
 from flwr.app import Context, Message, RecordDict
 
 from fedswarm.server.metered_grid import serialized_size
-from fedswarm.sim.batched_compressed import CompressedRounds, client_payload
+from fedswarm.sim.batched_compressed import CompressedRounds, sent_rows
 from fedswarm.sim.batched_round import ClientMemory, NodeIds, make_reply
 from fedswarm.sim.inprocess import client_error_reply
 from fedswarm.strategies.federated.compressed_base import KNOBS, ClientRound
@@ -111,9 +111,5 @@ class SketchRounds(CompressedRounds):
             self.capture.payload(payload, pids, int(payload.meta["seed"]))
             return [None] * len(pids), [None] * len(pids)
         table = payload.arrays["table"]
-        seed = int(payload.meta["seed"])
-        shapes = (("table", (1, *table.shape[1:]), str(table.dtype)),)
-        meta = tuple(sorted((k, v) for k, v in payload.meta.items() if k not in ("K", "seed")))
         values = [table[j].to(torch.float32).clone() for j in range(len(pids))]  # what parse_reply returns
-        sent = [(client_payload(payload, j, seed), (shapes, meta, seed)) for j in range(len(pids))]
-        return values, sent
+        return values, sent_rows(payload, int(payload.meta["seed"]))

@@ -130,23 +130,23 @@ class BatchedTrainer:
         b_max = int(torch.minimum(schedule.batch_size, n_k).max()) if k_total else 0
         idx = torch.zeros((k_total, s_max, b_max), dtype=torch.int64)
         valid = torch.zeros((k_total, s_max, b_max), dtype=torch.bool)
-        parts = schedule.partitions.tolist()
-        steps = schedule.steps.tolist()
-        bss = schedule.batch_size.tolist()
-        seeds = schedule.seeds.tolist()
         # one example: every step is that example, as minibatch_plan gives it (vectorized:
         # the many-clients-on-a-small-task case)
         single = (n_k == 1).numpy()
-        if single.any():
-            ks = np.nonzero(single)[0]
+        every = bool(single.all())
+        if every or single.any():
+            ks = slice(None) if every else torch.from_numpy(np.nonzero(single)[0])  # all of them: no gather
             step_ok = torch.arange(s_max)[None, :] < schedule.steps[ks][:, None]  # [k1, S]
             rows1 = torch.from_numpy(self.flat_idx[self.offsets[schedule.partitions[ks].numpy()]])
             idx[ks, :, 0] = torch.where(step_ok, rows1[:, None], torch.zeros((), dtype=torch.int64))
             valid[ks, :, 0] = step_ok
-        for k in np.nonzero(~single)[0].tolist():
-            lo, hi = int(self.offsets[parts[k]]), int(self.offsets[parts[k] + 1])
-            s_k = steps[k]
-            pos, size = minibatch_plan(hi - lo, s_k, bss[k], seeds[k])
+        many = np.nonzero(~single)[0]
+        parts, steps, bss, seeds = ((getattr(schedule, f)[torch.from_numpy(many)].tolist() if len(many) else [])
+                                    for f in ("partitions", "steps", "batch_size", "seeds"))  # these clients only
+        for j, k in enumerate(many.tolist()):
+            lo, hi = int(self.offsets[parts[j]]), int(self.offsets[parts[j] + 1])
+            s_k = steps[j]
+            pos, size = minibatch_plan(hi - lo, s_k, bss[j], seeds[j])
             ok = torch.arange(pos.shape[1])[None, :] < size[:, None]
             rows = torch.from_numpy(self.flat_idx[lo:hi])
             idx[k, :s_k, :pos.shape[1]] = torch.where(ok, rows[pos], torch.zeros((), dtype=torch.int64))
@@ -292,6 +292,11 @@ class BatchedTrainer:
         """Gradient of ``sum_i coef_i ell_i`` and ``sum_k w_k mean_loss_k``, one objective call
         per distinct coefficient (clients of a group share ``w_k / b_k`` and ``lr_k``)."""
         w_over_b = (w / per_client.clamp_min(1))[client_of]
+        if rows.numel() and _constant(coef) and _constant(w_over_b):  # one group (the usual case): no unique, no mask
+            n_g = rows.numel()
+            mean_g = functional_call(self._objective, params, (self.x[rows], self.y[rows]))
+            (g,) = torch.autograd.grad(coef[0] * n_g * mean_g, theta)
+            return g, float(w_over_b[0]) * n_g * float(mean_g.detach())
         # the distinct (coef, w/b) pairs in lexicographic order, from two 1-D uniques (a 2-D unique sorts rows
         # in Python-visible time: 0.12 s at 100,000 examples)
         coefs, coef_of = torch.unique(coef, return_inverse=True)
@@ -340,6 +345,12 @@ class BatchedTrainer:
             loss_sum = loss_sum + torch.where(active, loss.detach(), torch.zeros((), device=dev))
         mean_loss = loss_sum / steps.clamp_min(1).to(loss_sum.dtype)
         return params.detach(), mean_loss
+
+
+def _constant(t: torch.Tensor) -> bool:
+    """Whether every entry of the non-empty 1-D ``t`` is the same value."""
+    lo, hi = torch.aminmax(t)
+    return bool(lo == hi)
 
 
 def _activations_per_example(model: nn.Module, x1: torch.Tensor) -> int:

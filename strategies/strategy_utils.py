@@ -31,6 +31,7 @@ from flwr.common import log
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState
+from fedswarm.algorithms.selection.cohort import sample_positions
 from fedswarm.params import ParamLayout
 from fedswarm.payload import PayloadError
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
@@ -65,10 +66,14 @@ def sample_train_nodes(grid: Any, fraction: float, min_train_nodes: int,
     Flower's strategies count the fraction on the nodes connected *before* waiting, so a
     round that starts while nodes are still registering trains on fewer than asked; here the
     count is taken after the wait. Returns the sampled node ids and all connected ones.
+
+    The draw is :func:`~fedswarm.algorithms.selection.cohort.sample_positions` (one call for the
+    whole cohort, the batched engine's too), not Flower's per-node ``random.sample``.
     """
-    _, available = sample_nodes(grid, min_available_nodes, 0)
+    _, available = sample_nodes(grid, min_available_nodes, 0)  # Flower's wait; a sample of 0 draws nothing
     num = max(int(len(available) * fraction), min_train_nodes)
-    return sample_nodes(grid, min_available_nodes, num)
+    _, available = sample_nodes(grid, max(min_available_nodes, num), 0)  # the nodes now, at least num of them
+    return [available[i] for i in sample_positions(len(available), num).tolist()], available
 
 
 class SamplesAfterWait:
