@@ -83,7 +83,7 @@ class SecurePayloadRounds(SecureRounds):
             replies.sort(key=lambda r: r.k)
         rows, weights, specs, gone = {}, {}, {}, []
         for r in replies:
-            vector, spec = (None, None) if r.error is not None else payload_vector(r.payload)
+            vector, spec = (None, None) if r.error is not None else payload_vector(r.sent())
             if vector is not None and np.isfinite(vector).all():
                 rows[r.node_id], weights[r.node_id], specs[r.node_id] = vector, int(r.n), spec
             else:  # its client half failed, or its node refuses to quantize a non-finite payload
