@@ -15,11 +15,14 @@ the same dropouts (nodes whose reply to the masked-input stage is lost). Arms:
 - ``fedswarm-plain`` and ``flower-plain``: the same rounds without secure aggregation (overhead).
 
 Figures per arm: round wall time, client CPU (all nodes, summed), server CPU (the rest of
-the round, less serialization), bytes per node (up and down), and for fedswarm the masking
-cost of a node (its masked-input stage's CPU less the plain arm's train CPU) against
-serializing its plain update. Targets (issue 44): at n = 100, d = 10^6, fedswarm >= 5x faster
-than Flower's SecAgg+ end to end, and a node's masking cost <= 2x serializing its update.
-Everything shares one process and, here, two CPU cores with other work: timings are noisy.
+the round, less serialization), bytes per node (up and down), and for fedswarm a node's masking
+cost against serializing its plain update (``mask_over_serialize``; both are defined, and
+measured in a fresh interpreter, by :mod:`fedswarm.bench.secagg_cost`, with the AES-CTR floor
+of the masks on this machine beside them; ``FEDSWARM_BENCH_BEFORE=CHECKOUT`` adds the same
+figures for another checkout's code as ``mask_before``). Targets (issue 44): at n = 100,
+d = 10^6, fedswarm >= 5x faster than Flower's SecAgg+ end to end, and a node's masking cost
+<= 2x serializing its update. The rounds share one process and, here, two CPU cores with other
+work: timings are noisy.
 
 Full grid: n = 20, 50, 100 x d = 10^5, 10^6 (long: Flower's arm at n = 100, d = 10^6 takes
 minutes); ``--quick``: n = 5, 10 x d = 10^3, 10^4. ``FEDSWARM_SECAGG_GRID=n:d,n:d`` runs a
@@ -42,6 +45,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fedswarm.bench.arms import quiet_flower, start_bench
+from fedswarm.bench.secagg_cost import before_checkout, mask_cost, mask_cost_before_after
 
 __all__ = ["run", "WireGrid", "run_case"]
 
@@ -231,20 +235,14 @@ def run_case(n: int, d: int) -> list[dict]:
         rows.append(row)
     plain = {r["arm"]: r for r in rows if not r["dropped"] and r["arm"].endswith("plain")}
     fs = next(r for r in rows if r["arm"] == "fedswarm")
-    # A node's masking: its masked-input stage (stage 2) CPU less the plain train's CPU, per node,
-    # against serializing its plain update (the plain arm's reply, one node's share of the wire CPU).
-    from flwr.app import Array, ArrayRecord, RecordDict
-    from flwr.common.serde import recorddict_to_proto
-
-    content = RecordDict({"arrays": ArrayRecord({"w": Array(_update(1, d))})})
-    t0, reps = time.process_time(), 5
-    for _ in range(reps):
-        recorddict_to_proto(content).SerializeToString()
-    serialize = (time.process_time() - t0) / reps
-    mask = (fs["stage_cpu_s"].get("2", 0.0) / max(n - fs["dropped"], 1)
-            - plain["fedswarm-plain"]["client_cpu_s"] / n)
-    fs.update(mask_node_s=round(mask, 5), serialize_node_s=round(serialize, 5),
-              mask_over_serialize=round(mask / serialize, 2) if serialize > 0 else None)
+    # A node's masking cost against serializing its plain update: bench/secagg_cost.py defines both
+    # and measures them in a fresh interpreter (on FEDSWARM_BENCH_BEFORE's code too, alternately).
+    before = before_checkout()
+    if before is None:
+        fs.update(mask_cost(n, d, weight=WEIGHT))
+    else:
+        both = mask_cost_before_after(n, d, before, weight=WEIGHT)
+        fs.update(both["now"], mask_before=both["before"])
     fl = next((r for r in rows if r["arm"] == "flower"), None)
     fs["speedup_vs_flower"] = None if fl is None else round(fl["round_s"] / fs["round_s"], 2)
     fs["overhead_time_x"] = round(fs["round_s"] / plain["fedswarm-plain"]["round_s"], 2)
