@@ -131,32 +131,15 @@ class Quantizer:
     def mask(self) -> np.uint64:
         return np.uint64((1 << int(self.bits)) - 1) if self.bits < MAX_BITS else np.uint64(0xFFFFFFFFFFFFFFFF)
 
-    def _scaled(self, x: np.ndarray, weight: int) -> np.ndarray:
-        weight = int(weight)
-        if not 1 <= weight <= self.weight_max:
-            raise ValueError(f"secagg: a node's weight (its number of examples) must be in [1, {self.weight_max}] "
-                             f"(secagg weight max), got {weight}")
-        x = np.asarray(x).ravel()
-        if not np.isfinite(x).all():
-            raise ValueError("secagg: the update to quantize has non-finite values")
-        v = np.clip(x, -self.clip, self.clip, dtype=np.float64)
-        v *= self.scale * weight
-        return v
-
-    def quantize(self, x: np.ndarray, rng: np.random.Generator, weight: int = 1) -> np.ndarray:
-        """The signed integers (int64 ``[d]``) of ``weight * clip(x) * scale``, stochastically
-        rounded: ``floor(v + U)``, ``U`` uniform on [0, 1), is ``ceil(v)`` with probability
-        ``v - floor(v)`` (unbiased) and stays within ``[-weight*levels, weight*levels]``."""
-        v = self._scaled(x, weight)
-        v += rng.random(v.size)
-        return np.floor(v, out=v).astype(np.int64)
-
     def encode(self, x: np.ndarray, rng: np.random.Generator, weight: int = 1,
                noise: NoiseHook | None = None, noise_rng: np.random.Generator | None = None) -> np.ndarray:
         """``d + 1`` field elements in the field's word (uint32 up to 32 bits, else uint64: the
         array masks are added to, ``crypto.field_dtype``): the quantized weight-scaled update
-        (plus the integer ``noise`` a DP hook draws, if given) and, last, the weight. ``rng``
-        draws the stochastic rounding (``rng.random(d)``'s stream, whatever the chunking);
+        (plus the integer ``noise`` a DP hook draws, if given) and, last, the weight. Rounding
+        is stochastic: ``v = weight * clip(x) * scale`` becomes ``floor(v + U)``, ``U`` uniform on
+        [0, 1), which is ``ceil(v)`` with probability ``v - floor(v)`` (unbiased) and stays within
+        ``[-weight*levels, weight*levels]``. ``rng`` draws the ``U`` (``rng.random(d)``'s stream,
+        whatever the chunking);
         the noise hook draws from ``noise_rng``, by default a generator seeded by the OS: DP
         noise must not come from a seed the server could know.
 
