@@ -16,7 +16,7 @@ the same dropouts (nodes whose reply to the masked-input stage is lost). Arms:
 
 Figures per arm: round wall time and process CPU time (``round_cpu_s``: steadier on a shared
 machine; ``speedup_vs_flower_cpu`` beside ``speedup_vs_flower``), client CPU (all nodes,
-summed), server CPU (the rest of the round, less serialization), bytes per node (up and
+summed), server CPU (the round's CPU less the nodes' and serialization's), bytes per node (up and
 down), and for fedswarm a node's masking cost against serializing its plain update
 (``mask_over_serialize``; both are defined, and measured in a fresh interpreter, by
 :mod:`fedswarm.bench.secagg_cost`, with the AES-CTR floor of the masks on this machine beside
@@ -208,7 +208,9 @@ def _row(arm: str, n: int, d: int, wall: float, grid, got: np.ndarray, expect: n
     client = grid.client_cpu_s
     return {"arm": arm, "n": n, "d": d, "round_s": round(wall, 4), "round_cpu_s": round(grid.round_cpu_s, 4),
             "client_cpu_s": round(client, 4),
-            "server_cpu_s": round(max(wall - client - grid.wire_cpu_s, 0.0), 4),
+            # the round's process CPU less the nodes' and the transport's: the server's (not wall time,
+            # which on a shared machine also counts the time the process waited for a core)
+            "server_cpu_s": round(max(grid.round_cpu_s - client - grid.wire_cpu_s, 0.0), 4),
             "wire_cpu_s": round(grid.wire_cpu_s, 4),
             "bytes_up_per_node": int(sum(grid.bytes_up.values()) / n),
             "bytes_down_per_node": int(sum(grid.bytes_down.values()) / n),

@@ -25,6 +25,8 @@ def test_bench_secagg_tiny(tmp_path, monkeypatch):
         assert set(r["stage_cpu_s"]) == {"0", "1", "2", "3"}
         assert r["max_error"] < 1e-4, r
         assert r["bytes_up_per_node"] > 300 * 4 * 0.5 and r["round_s"] > 0 and r["round_cpu_s"] > 0
+        # the round's CPU splits into the nodes', the transport's and the server's
+        assert r["client_cpu_s"] + r["wire_cpu_s"] + r["server_cpu_s"] == pytest.approx(r["round_cpu_s"], abs=1e-3)
     for name in ("fedswarm-plain", "flower-plain"):
         assert arms[name]["dropped"] == 0 and arms[name]["max_error"] < 1e-6
     fs = arms["fedswarm"]
