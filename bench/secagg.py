@@ -14,12 +14,16 @@ the same dropouts (nodes whose reply to the masked-input stage is lost). Arms:
   ``LegacyContext`` and ``secaggplus_mod`` on a NumPyClient;
 - ``fedswarm-plain`` and ``flower-plain``: the same rounds without secure aggregation (overhead).
 
-Figures per arm: round wall time, client CPU (all nodes, summed), server CPU (the rest of
-the round, less serialization), bytes per node (up and down), and for fedswarm the masking
-cost of a node (its masked-input stage's CPU less the plain arm's train CPU) against
-serializing its plain update. Targets (issue 44): at n = 100, d = 10^6, fedswarm >= 5x faster
-than Flower's SecAgg+ end to end, and a node's masking cost <= 2x serializing its update.
-Everything shares one process and, here, two CPU cores with other work: timings are noisy.
+Figures per arm: round wall time and process CPU time (``round_cpu_s``: steadier on a shared
+machine; ``speedup_vs_flower_cpu`` beside ``speedup_vs_flower``), client CPU (all nodes,
+summed), server CPU (the round's CPU less the nodes' and serialization's), bytes per node (up and
+down), and for fedswarm a node's masking cost against serializing its plain update
+(``mask_over_serialize``; both are defined, and measured in a fresh interpreter, by
+:mod:`fedswarm.bench.secagg_cost`, with the AES-CTR floor of the masks on this machine beside
+them; ``FEDSWARM_BENCH_BEFORE=CHECKOUT`` adds the same figures for another checkout's code as
+``mask_before``). Targets (issue 44): at n = 100, d = 10^6, fedswarm >= 5x faster than
+Flower's SecAgg+ end to end, and a node's masking cost <= 2x serializing its update. The
+rounds share one process and, here, two CPU cores with other work: timings are noisy.
 
 Full grid: n = 20, 50, 100 x d = 10^5, 10^6 (long: Flower's arm at n = 100, d = 10^6 takes
 minutes); ``--quick``: n = 5, 10 x d = 10^3, 10^4. ``FEDSWARM_SECAGG_GRID=n:d,n:d`` runs a
@@ -42,6 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fedswarm.bench.arms import quiet_flower, start_bench
+from fedswarm.bench.secagg_cost import before_checkout, mask_cost, mask_cost_before_after
 
 __all__ = ["run", "WireGrid", "run_case"]
 
@@ -153,9 +158,9 @@ def _fedswarm_round(n: int, d: int, secure: bool, drop: set[int], degree: int, t
                        seed=0) if secure else grid
     strategy = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=n, min_available_nodes=n)
     arrays = ArrayRecord({"w": Array(np.zeros(d, dtype=np.float32))})
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     result = strategy.start(grid=outer, initial_arrays=arrays, num_rounds=1, timeout=3600)
-    wall = time.perf_counter() - t0
+    wall, grid.round_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     got = result.arrays["w"].numpy()
     return wall, grid, got
 
@@ -189,9 +194,9 @@ def _flower_round(n: int, d: int, secure: bool, drop: set[int], degree: int, t: 
     fit = SecAggPlusWorkflow(num_shares=degree + 1, reconstruction_threshold=t, clipping_range=CLIP,
                              max_weight=WEIGHT) if secure else None
     workflow = DefaultWorkflow(fit_workflow=fit) if secure else DefaultWorkflow()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     workflow(grid, context)
-    wall = time.perf_counter() - t0
+    wall, grid.round_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     from flwr.common import parameters_to_ndarrays
     from flwr.compat.common.recorddict_compat import arrayrecord_to_parameters
 
@@ -201,8 +206,11 @@ def _flower_round(n: int, d: int, secure: bool, drop: set[int], degree: int, t: 
 
 def _row(arm: str, n: int, d: int, wall: float, grid, got: np.ndarray, expect: np.ndarray) -> dict:
     client = grid.client_cpu_s
-    return {"arm": arm, "n": n, "d": d, "round_s": round(wall, 4), "client_cpu_s": round(client, 4),
-            "server_cpu_s": round(max(wall - client - grid.wire_cpu_s, 0.0), 4),
+    return {"arm": arm, "n": n, "d": d, "round_s": round(wall, 4), "round_cpu_s": round(grid.round_cpu_s, 4),
+            "client_cpu_s": round(client, 4),
+            # the round's process CPU less the nodes' and the transport's: the server's (not wall time,
+            # which on a shared machine also counts the time the process waited for a core)
+            "server_cpu_s": round(max(grid.round_cpu_s - client - grid.wire_cpu_s, 0.0), 4),
             "wire_cpu_s": round(grid.wire_cpu_s, 4),
             "bytes_up_per_node": int(sum(grid.bytes_up.values()) / n),
             "bytes_down_per_node": int(sum(grid.bytes_down.values()) / n),
@@ -231,22 +239,18 @@ def run_case(n: int, d: int) -> list[dict]:
         rows.append(row)
     plain = {r["arm"]: r for r in rows if not r["dropped"] and r["arm"].endswith("plain")}
     fs = next(r for r in rows if r["arm"] == "fedswarm")
-    # A node's masking: its masked-input stage (stage 2) CPU less the plain train's CPU, per node,
-    # against serializing its plain update (the plain arm's reply, one node's share of the wire CPU).
-    from flwr.app import Array, ArrayRecord, RecordDict
-    from flwr.common.serde import recorddict_to_proto
-
-    content = RecordDict({"arrays": ArrayRecord({"w": Array(_update(1, d))})})
-    t0, reps = time.process_time(), 5
-    for _ in range(reps):
-        recorddict_to_proto(content).SerializeToString()
-    serialize = (time.process_time() - t0) / reps
-    mask = (fs["stage_cpu_s"].get("2", 0.0) / max(n - fs["dropped"], 1)
-            - plain["fedswarm-plain"]["client_cpu_s"] / n)
-    fs.update(mask_node_s=round(mask, 5), serialize_node_s=round(serialize, 5),
-              mask_over_serialize=round(mask / serialize, 2) if serialize > 0 else None)
+    # A node's masking cost against serializing its plain update: bench/secagg_cost.py defines both
+    # and measures them in a fresh interpreter (on FEDSWARM_BENCH_BEFORE's code too, alternately).
+    before = before_checkout()
+    if before is None:
+        fs.update(mask_cost(n, d, weight=WEIGHT))
+    else:
+        both = mask_cost_before_after(n, d, before, weight=WEIGHT)
+        fs.update(both["now"], mask_before=both["before"])
     fl = next((r for r in rows if r["arm"] == "flower"), None)
     fs["speedup_vs_flower"] = None if fl is None else round(fl["round_s"] / fs["round_s"], 2)
+    # the same in process CPU seconds (every thread of the round): steadier than wall time on a shared machine
+    fs["speedup_vs_flower_cpu"] = None if fl is None else round(fl["round_cpu_s"] / fs["round_cpu_s"], 2)
     fs["overhead_time_x"] = round(fs["round_s"] / plain["fedswarm-plain"]["round_s"], 2)
     fs["overhead_bytes_x"] = round((fs["bytes_up_per_node"] + fs["bytes_down_per_node"])
                                    / max(plain["fedswarm-plain"]["bytes_up_per_node"]

@@ -145,7 +145,7 @@ def shares_from(content: RecordDict) -> dict[int, bytes]:
 
 def masked_to(vec: np.ndarray, bits: int) -> RecordDict:
     """The masked input, as uint32 where the field fits (the wire size of a float32 update)."""
-    arr = vec.astype(np.uint32) if bits <= 32 else vec
+    arr = vec.astype(np.uint32, copy=False) if bits <= 32 else vec
     return RecordDict({RECORD: ArrayRecord({"masked": Array(np.ascontiguousarray(arr))})})
 
 
@@ -153,7 +153,7 @@ def masked_from(content: RecordDict) -> np.ndarray:
     arr = content.array_records[RECORD]["masked"].numpy()
     if arr.dtype not in (np.uint32, np.uint64) or arr.ndim != 1:
         raise ValueError(f"secagg: a masked input must be a flat uint32/uint64 array, got {arr.dtype} {arr.shape}")
-    return arr.astype(np.uint64)
+    return arr
 
 
 def unmask_to(reply: UnmaskReply) -> RecordDict:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from cryptography.exceptions import InvalidTag
 
-from fedswarm.algorithms.secagg import crypto, shamir
+from fedswarm.algorithms.secagg import crypto, masking, shamir
 from fedswarm.algorithms.secagg.graph import neighbours
 from fedswarm.algorithms.secagg.messages import (ADVERTISE, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, Keys,
                                                  MaskedInputRequest, SecAggRefused, Setup, ShareKeysRequest,
@@ -79,14 +79,6 @@ def reduce(acc: np.ndarray, bits: int) -> np.ndarray:
     if bits < 64:
         out &= np.uint64((1 << bits) - 1)
     return out
-
-
-def add_signed(acc: np.ndarray, mask: np.ndarray, sign: int) -> None:
-    """``acc += sign * mask`` in place, in the field's word (it wraps; callers reduce mod 2^bits)."""
-    if sign > 0:
-        acc += mask
-    else:
-        acc -= mask
 
 
 class SecAggClient:
@@ -204,7 +196,8 @@ class SecAggClient:
 
     # -- stage 2 -----------------------------------------------------------------------------
     def masked_input(self, req: MaskedInputRequest, encoded: np.ndarray) -> np.ndarray:
-        """``encoded`` (from :meth:`quantizer`'s ``encode``, ``dim + 1`` field elements) masked."""
+        """``encoded`` (from :meth:`quantizer`'s ``encode``, ``dim + 1`` field elements) masked,
+        in the field's word (``crypto.field_dtype``: uint32 up to 32 bits)."""
         self.expect(req.round_id, req.stage)
         s = self.s
         vec = check_vector(encoded, s["dim"] + 1, s["bits"])
@@ -229,15 +222,12 @@ class SecAggClient:
                 raise SecAggRefused(f"node {self.node_id}: the share from node {j} is malformed")
             seed_sh.append(plain[16:16 + n])
             key_sh.append(plain[16 + n:])
-        bits = s["bits"]
-        acc = vec.astype(crypto.field_dtype(bits))  # the field's word: wraps mod a multiple of 2^bits
-        acc += crypto.prg_words(s["seed"], acc.size, bits)
-        for j in senders:
-            pair_seed = crypto.agree(own_s, peers[j][1], mask_info(s["round_id"]))
-            add_signed(acc, crypto.prg_words(pair_seed, acc.size, bits), pair_sign(self.node_id, j))
+        masks = [(s["seed"], 1)] + [(crypto.agree(own_s, peers[j][1], mask_info(s["round_id"])),
+                                     pair_sign(self.node_id, j)) for j in senders]
+        out = masking.reduce_words(masking.apply_masks(masking.field_words(vec, s["bits"]), masks), s["bits"])
         s["senders"], s["seed_shares"], s["key_shares"] = senders, seed_sh, key_sh
         s["stage"] = UNMASK
-        return reduce(acc, bits)
+        return out
 
     # -- stage 3 -----------------------------------------------------------------------------
     def unmask(self, req: UnmaskRequest) -> UnmaskReply:

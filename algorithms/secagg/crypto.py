@@ -18,7 +18,8 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-__all__ = ["KeyPair", "agree", "decrypt", "derive", "encrypt", "field_dtype", "new_seed", "prg_mask", "prg_words"]
+__all__ = ["KeyPair", "agree", "decrypt", "derive", "encrypt", "field_dtype", "keystream", "new_seed", "prg_mask",
+           "prg_words"]
 
 _RAW = serialization.Encoding.Raw
 _NONCE = 12
@@ -78,14 +79,20 @@ def field_dtype(bits: int) -> type:
     return np.uint32 if bits <= 32 else np.uint64
 
 
-def prg_words(seed: bytes, d: int, bits: int) -> np.ndarray:
-    """``d`` pseudo-random words of :func:`field_dtype` (read-only), unreduced: uniform mod
-    ``2^bits`` once reduced. The keystream of AES-256-CTR under ``seed``, little-endian."""
+def keystream(seed: bytes):
+    """The PRG of ``seed`` as a cipher context: AES-256-CTR from a zero counter, whose output on
+    zero bytes (``update`` or ``update_into``) is the keystream, continued across calls."""
     if len(seed) != 32:
         raise ValueError(f"secagg: a PRG seed has 32 bytes, got {len(seed)}")
+    return Cipher(algorithms.AES(seed), modes.CTR(b"\0" * 16)).encryptor()
+
+
+def prg_words(seed: bytes, d: int, bits: int) -> np.ndarray:
+    """``d`` pseudo-random words of :func:`field_dtype` (read-only), unreduced: uniform mod
+    ``2^bits`` once reduced. The keystream of :func:`keystream`, little-endian. (Masks are
+    applied in place, chunk by chunk, by ``masking.apply_masks``; this is the whole-vector form.)"""
     dtype = np.dtype(field_dtype(bits)).newbyteorder("<")
-    enc = Cipher(algorithms.AES(seed), modes.CTR(b"\0" * 16)).encryptor()
-    return np.frombuffer(enc.update(bytes(dtype.itemsize * d)), dtype=dtype)
+    return np.frombuffer(keystream(seed).update(bytes(dtype.itemsize * d)), dtype=dtype)
 
 
 def prg_mask(seed: bytes, d: int, bits: int) -> np.ndarray:

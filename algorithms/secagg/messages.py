@@ -108,10 +108,10 @@ class UnmaskReply:
 
 
 def check_vector(v: np.ndarray, dim: int, bits: int) -> np.ndarray:
-    """``v`` as uint64 ``[dim]`` in Z_{2^bits}, or a ValueError naming what is wrong."""
+    """``v`` as uint32 or uint64 ``[dim]`` in Z_{2^bits}, or a ValueError naming what is wrong."""
     v = np.asarray(v)
-    if v.dtype != np.uint64 or v.shape != (dim,):
-        raise ValueError(f"secagg: a masked input must be uint64 of shape ({dim},), got {v.dtype} {v.shape}")
-    if bits < 64 and int(v.max(initial=0)) >> bits:
+    if v.dtype not in (np.uint32, np.uint64) or v.shape != (dim,):
+        raise ValueError(f"secagg: a masked input must be uint32 or uint64 of shape ({dim},), got {v.dtype} {v.shape}")
+    if bits < v.itemsize * 8 and int(v.max(initial=0)) >> bits:
         raise ValueError(f"secagg: a masked input has values outside Z_2^{bits}")
     return v

@@ -32,12 +32,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedswarm.algorithms.secagg.crypto import field_dtype
 from fedswarm.errors import ConfigError
 
 __all__ = ["DecodedSum", "NoiseHook", "Quantizer", "field_bits", "to_signed"]
 
 #: The largest field: arithmetic is done in numpy uint64, which wraps mod 2^64.
 MAX_BITS = 64
+#: Coordinates :meth:`Quantizer.encode` works on at a time (three float64/int64 buffers of this size).
+CHUNK = 1 << 14
 
 #: ``noise(d, rng) -> int64 array [d]``: integer noise a node adds to its quantized vector
 #: before masking (distributed DP). Its values must stay within the quantizer's ``noise_bound``.
@@ -88,7 +91,8 @@ class DecodedSum:
 @dataclass(frozen=True)
 class Quantizer:
     """Maps float updates into ``Z_{2^bits}`` so that ``n_max`` nodes' sum cannot wrap (the
-    module docstring has the formula). ``encode`` gives ``d + 1`` field elements (uint64),
+    module docstring has the formula). ``encode`` gives ``d + 1`` field elements (uint32 up to
+    32 bits, else uint64),
     the last one the weight; ``decode_sum`` turns a sum of such vectors back into floats."""
 
     clip: float
@@ -127,50 +131,55 @@ class Quantizer:
     def mask(self) -> np.uint64:
         return np.uint64((1 << int(self.bits)) - 1) if self.bits < MAX_BITS else np.uint64(0xFFFFFFFFFFFFFFFF)
 
-    def _scaled(self, x: np.ndarray, weight: int) -> np.ndarray:
+    def encode(self, x: np.ndarray, rng: np.random.Generator, weight: int = 1,
+               noise: NoiseHook | None = None, noise_rng: np.random.Generator | None = None) -> np.ndarray:
+        """``d + 1`` field elements in the field's word (uint32 up to 32 bits, else uint64: the
+        array masks are added to, ``crypto.field_dtype``): the quantized weight-scaled update
+        (plus the integer ``noise`` a DP hook draws, if given) and, last, the weight. Rounding
+        is stochastic: ``v = weight * clip(x) * scale`` becomes ``floor(v + U)``, ``U`` uniform on
+        [0, 1), which is ``ceil(v)`` with probability ``v - floor(v)`` (unbiased) and stays within
+        ``[-weight*levels, weight*levels]``. ``rng`` draws the ``U`` (``rng.random(d)``'s stream,
+        whatever the chunking);
+        the noise hook draws from ``noise_rng``, by default a generator seeded by the OS: DP
+        noise must not come from a seed the server could know.
+
+        Works in chunks of ``CHUNK`` coordinates (clip, scale, round, wrap into the word), so
+        no d-long float64 temporaries are made and the update crosses memory once."""
         weight = int(weight)
         if not 1 <= weight <= self.weight_max:
             raise ValueError(f"secagg: a node's weight (its number of examples) must be in [1, {self.weight_max}] "
                              f"(secagg weight max), got {weight}")
         x = np.asarray(x).ravel()
-        if not np.isfinite(x).all():
-            raise ValueError("secagg: the update to quantize has non-finite values")
-        v = np.clip(x, -self.clip, self.clip, dtype=np.float64)
-        v *= self.scale * weight
-        return v
-
-    def quantize(self, x: np.ndarray, rng: np.random.Generator, weight: int = 1) -> np.ndarray:
-        """The signed integers (int64 ``[d]``) of ``weight * clip(x) * scale``, stochastically
-        rounded: ``floor(v + U)``, ``U`` uniform on [0, 1), is ``ceil(v)`` with probability
-        ``v - floor(v)`` (unbiased) and stays within ``[-weight*levels, weight*levels]``."""
-        v = self._scaled(x, weight)
-        v += rng.random(v.size)
-        return np.floor(v, out=v).astype(np.int64)
-
-    def encode(self, x: np.ndarray, rng: np.random.Generator, weight: int = 1,
-               noise: NoiseHook | None = None, noise_rng: np.random.Generator | None = None) -> np.ndarray:
-        """``d + 1`` field elements (uint64): the quantized weight-scaled update (plus the
-        integer ``noise`` a DP hook draws, if given) and, last, the weight. ``rng`` draws the
-        stochastic rounding; the noise hook draws from ``noise_rng``, by default a generator
-        seeded by the OS: DP noise must not come from a seed the server could know."""
-        v = self._scaled(x, weight)
-        v += rng.random(v.size)
-        out = np.empty(v.size + 1, dtype=np.int64)
-        np.floor(v, out=out[:-1], casting="unsafe")
-        out[-1] = int(weight)
-        if noise is not None:
-            extra = np.asarray(noise(v.size, noise_rng if noise_rng is not None else np.random.default_rng()))
-            if extra.shape != v.shape or not np.issubdtype(extra.dtype, np.integer):
-                raise ValueError(f"secagg noise hook must return {v.size} integers, got {extra.dtype} {extra.shape}")
+        d = x.size
+        out = np.empty(d + 1, dtype=field_dtype(self.bits))
+        factor = self.scale * weight
+        step = max(1, min(CHUNK, d))
+        f, u, ints = np.empty(step), np.empty(step), np.empty(step, dtype=np.int64)
+        for lo in range(0, d, step):
+            k = min(step, d - lo)
+            fk, uk, ik = f[:k], u[:k], ints[:k]
+            xk = x[lo:lo + k]
+            if not np.isfinite(xk).all():
+                raise ValueError("secagg: the update to quantize has non-finite values")
+            np.clip(xk, -self.clip, self.clip, out=fk, dtype=np.float64)
+            fk *= factor
+            fk += rng.random(out=uk)
+            np.floor(fk, out=ik, casting="unsafe")
+            np.copyto(out[lo:lo + k], ik, casting="unsafe")  # two's complement, wrapped into the word
+        out[-1] = weight
+        if noise is not None:  # drawn after the rounding, so a hook may share ``rng``
+            extra = np.asarray(noise(d, noise_rng if noise_rng is not None else np.random.default_rng()))
+            if extra.shape != (d,) or not np.issubdtype(extra.dtype, np.integer):
+                raise ValueError(f"secagg noise hook must return {d} integers, got {extra.dtype} {extra.shape}")
             if self.noise_bound and np.abs(extra).max(initial=0) > self.noise_bound:
                 raise ValueError(f"secagg noise exceeds the quantizer's noise bound {self.noise_bound}")
-            out[:-1] += extra.astype(np.int64, copy=False)
-        u = out.view(np.uint64)
-        u &= self.mask
-        return u
+            out[:-1] += extra.astype(np.int64, copy=False).astype(out.dtype)  # two's complement, wrapped
+        if self.bits < out.itemsize * 8:
+            out &= out.dtype.type((1 << self.bits) - 1)
+        return out
 
     def decode_sum(self, total: np.ndarray) -> DecodedSum:
-        """The floats of an unmasked sum of ``encode`` vectors (uint64 ``[d + 1]``)."""
+        """The floats of an unmasked sum of ``encode`` vectors (``[d + 1]`` field elements, any unsigned word)."""
         signed = to_signed(np.asarray(total, dtype=np.uint64) & self.mask, int(self.bits))
         weight = int(signed[-1])
         if weight < 0 or weight > self.n_max * self.weight_max:

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fedswarm.algorithms.secagg import crypto, shamir
-from fedswarm.algorithms.secagg.client import add_signed, mask_info, pair_sign, reduce, seed_commitment
+from fedswarm.algorithms.secagg.client import mask_info, pair_sign, reduce, seed_commitment
+from fedswarm.algorithms.secagg.masking import apply_masks
 from fedswarm.algorithms.secagg.graph import default_degree, neighbours
 from fedswarm.algorithms.secagg.messages import (Keys, MaskedInputRequest, SecAggFailed, Setup, ShareKeysRequest,
                                                  UnmaskReply, UnmaskRequest, check_vector)
@@ -168,7 +169,7 @@ class SecAggServer:
 
     # -- the end -----------------------------------------------------------------------------
     def collect_unmask(self, replies: Mapping[int, UnmaskReply]) -> np.ndarray:
-        """The unmasked sum (uint64 ``[dim + 1]``, in Z_{2^bits}) of the survivors' encoded inputs."""
+        """The unmasked sum (``[dim + 1]`` in the field's word, in Z_{2^bits}) of the survivors' encoded inputs."""
         bits = self.params.bits
         answered = {int(i): r for i, r in replies.items() if int(i) in self._masked}
         alive = set(self._masked)
@@ -204,13 +205,12 @@ class SecAggServer:
         total = np.zeros(self.dim + 1, dtype=crypto.field_dtype(bits))
         for v in self._masked.values():
             total += v.astype(total.dtype, copy=False)
-        for i in sorted(alive):
-            total -= crypto.prg_words(rebuild(i, "seed_shares"), total.size, bits)
+        masks = [(rebuild(i, "seed_shares"), -1) for i in sorted(alive)]
         for j in sorted(gone):
             sk = crypto.KeyPair(rebuild(j, "key_shares"))
-            for i in sorted(alive & set(self.graph[j])):
-                pair_seed = crypto.agree(sk, self._keys[i].s_public, mask_info(self.round_id))
-                # Node i added sign(i, j) * mask; take it back out.
-                add_signed(total, crypto.prg_words(pair_seed, total.size, bits), -pair_sign(i, j))
+            # Node i added sign(i, j) * mask; take it back out.
+            masks += [(crypto.agree(sk, self._keys[i].s_public, mask_info(self.round_id)), -pair_sign(i, j))
+                      for i in sorted(alive & set(self.graph[j]))]
+        apply_masks(total, masks)
         self.report.recovered = len(gone)
         return reduce(total, bits)
