@@ -114,8 +114,14 @@ def test_shamir_threshold():
     assert shamir.combine(list(zip(xs, sh, strict=True))) == secret
     lead0 = b"\0\0" + secret[2:]
     assert shamir.combine(list(zip(xs, shamir.split(lead0, xs, 3), strict=True))[:3]) == lead0
-    with pytest.raises(ValueError, match="do not reconstruct"):
-        shamir.combine([(1, sh[0]), (2, sh[1])])
+    # below the threshold the shares say nothing of the secret: mostly they do not decode at all, but
+    # about 1 draw in 570 decodes to some other value that passes the length prefix
+    try:
+        below = shamir.combine([(1, sh[0]), (2, sh[1])])
+    except ValueError as err:
+        assert "do not reconstruct" in str(err)
+    else:
+        assert below != secret
 
 
 def test_graph_is_regular_symmetric_and_seeded():
