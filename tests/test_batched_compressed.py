@@ -107,9 +107,10 @@ def test_served_strategies_share_the_compressed_client_half():
     from fedswarm.strategies.federated.compressed_fedavg import client_update
 
     from fedswarm.strategies.edge import progfed, pvt
-    from fedswarm.strategies.federated import gtopk, sketched
+    from fedswarm.strategies.federated import fedbuff, gtopk, sketched
 
-    own = {"fedavg": None, "fedbuff": None,  # the plain client step
+    own = {"fedavg": None,  # the plain client step
+           "fedbuff": fedbuff.client_update,  # its own runner (sim/batched_fedbuff.py): the plain step, or a codec's
            "gtopk": gtopk.client_update, "pvt": pvt.client_update,  # their own round runners
            "progfed": progfed.client_update, "sketched_sgd": sketched.sketched_client_update,
            "fetchsgd": sketched.fetchsgd_client_update, "gs_sgd": sketched.gs_client_update}
