@@ -145,6 +145,9 @@ class BatchedFleet:
             self.speed = np.array([p.device.speed for p in profiles], dtype=np.float64)
         self.wait_s = float(cfg.round_timeout)
         self.clock = 0.0
+        self.idle = 0.0  # simulated seconds this round waited for nodes to come on
+        self._pool: list[int] = []  # this round's pool (start)
+        self._stalled, self._slowest = False, None  # this round's (keep)
 
     # -- sampling ------------------------------------------------------------------------------
     def _class_rules(self) -> list[Rules | None]:
@@ -214,28 +217,44 @@ class BatchedFleet:
         steps = cohort.sched.steps.numpy()
         down, up = self.counter.cohort_sizes(vector_to_arrayrecord(model), model, ids, n_all, steps, cohort,
                                              server_round)
+        return self.seconds(ids, down, up, steps), down
+
+    def seconds(self, ids: np.ndarray, down: np.ndarray, up: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """Nodes ``ids``' simulated seconds of the round (zeros without devices): ``down`` and ``up``
+        bytes on their links, ``steps`` batches on their devices (the time model's node time)."""
         if not self.timed:
-            return np.zeros(len(ids)), down
-        pids = ids - 1
+            return np.zeros(len(ids))
+        pids = np.asarray(ids, dtype=np.int64) - 1
+        down, up = np.asarray(down, dtype=np.float64), np.asarray(up, dtype=np.float64)
         lat, bw = self.latency_s[pids], self.bandwidth[pids]
         # transfer_time_s's terms (nothing sent: no time), then compute_time_s's, summed in its order
         t_down = np.where(down == 0, 0.0, lat + down * 8.0 / bw)
         t_up = np.where(up == 0, 0.0, lat + up * 8.0 / bw)
-        samples = steps.astype(np.float64) * cfg.batch_size  # what the reply's steps say it computed on
-        return t_down + samples / self.speed[pids] + t_up, down
+        samples = np.asarray(steps, dtype=np.float64) * self.cfg.batch_size  # what the reply's steps say it computed on
+        return t_down + samples / self.speed[pids] + t_up
 
-    def round(self, model: torch.Tensor, server_round: int, train: Train) -> tuple[torch.Tensor, dict, list[dict]]:
-        """One round under the fleet options: sample, decide who is kept, train them (``train``)."""
-        cfg = self.cfg
+    def start(self, server_round: int) -> tuple[list[int], Callable[[int], list[dict]], dict]:
+        """A round's start: the pool the strategy samples from (:meth:`get_node_ids` hands it out
+        until the next start), the rows of the nodes left out, how many of each."""
         self.idle = 0.0
         pool, left_out, counts = self._offer(server_round)
-        fraction = min(1.0, cfg.fraction * cfg.over_select) if cfg.over_select > 1.0 else cfg.fraction
-        # the in-process strategy's draw (strategy_utils.sample_train_nodes)
-        sample = [pool[i] for i in sample_positions(len(pool), max(int(len(pool) * fraction), 1)).tolist()]
-        needed = max(int(len(pool) * cfg.fraction), 1)
+        self._pool = pool
+        return pool, left_out, counts
+
+    def get_node_ids(self) -> list[int]:
+        """The round's pool, as the fleet grid hands it to a strategy that samples itself."""
+        return list(self._pool)
+
+    def keep(self, sample: list[int], t: np.ndarray, down: np.ndarray, server_round: int, needed: int,
+             counts: dict, sent: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict]]:
+        """Of the sampled nodes that replied (``sample``; ``t`` their simulated seconds, ``down`` the
+        bytes sent to them; ``sent``: the messages sent, ``len(sample)`` by default), those dropped
+        mid-round and, of the others, those the quorum keeps (the first ``K`` to finish; equal times:
+        the earlier sampled) and those late: (kept positions in sampling order, late positions,
+        dropped mask, the left-out rows); ``counts`` gets how many were late and dropped."""
+        cfg = self.cfg
         k = cfg.quorum if cfg.quorum is not None else (needed if cfg.over_select > 1.0 else None)
-        k = None if k is None else min(k, len(sample))
-        t, down = self._times(model, sample, server_round)
+        k = None if k is None else min(k, len(sample) if sent is None else sent)
         dropped = np.zeros(len(sample), dtype=bool)
         lost: list[dict] = []
         if self.availability is not None:
@@ -253,8 +272,31 @@ class BatchedFleet:
         late = good[len(kept):]
         lost += [late_row(sample[i], k, float(t[i]) if self.timed else math.inf, int(down[i])) for i in late.tolist()]
         counts.update(fleet_late=len(late), fleet_dropped=int(dropped.sum()))
-        stalled = self.timed and bool(dropped.any()) and (k is None or len(kept) < k)
-        kept_ids = [sample[i] for i in sorted(kept.tolist())]  # trained in sampling order, as the engine's round
+        self._stalled = self.timed and bool(dropped.any()) and (k is None or len(kept) < k)
+        self._slowest = float(t[kept].max()) if self.timed and len(kept) else None
+        return np.sort(kept), late, dropped, lost
+
+    def close(self, row: dict, node_rows: list[dict], left_out: Callable[[int], list[dict]], counts: dict,
+              lost: list[dict]) -> list[dict]:
+        """The round's end: its simulated seconds on ``row`` (the clock moved on by them), the rows of
+        the nodes left out added to ``node_rows`` (or, past ``NODE_ROWS_MAX``, counted on ``row``)."""
+        row["sim_time_s"] = self._advance(self._slowest, self._stalled)
+        if sum(counts.values()) <= NODE_ROWS_MAX:
+            return node_rows + left_out(NODE_ROWS_MAX) + lost
+        row.update({key: n for key, n in counts.items() if n})  # too many for rows: the round counts them
+        return node_rows
+
+    def round(self, model: torch.Tensor, server_round: int, train: Train) -> tuple[torch.Tensor, dict, list[dict]]:
+        """One round under the fleet options: sample, decide who is kept, train them (``train``)."""
+        cfg = self.cfg
+        pool, left_out, counts = self.start(server_round)
+        fraction = min(1.0, cfg.fraction * cfg.over_select) if cfg.over_select > 1.0 else cfg.fraction
+        # the in-process strategy's draw (strategy_utils.sample_train_nodes)
+        sample = [pool[i] for i in sample_positions(len(pool), max(int(len(pool) * fraction), 1)).tolist()]
+        t, down = self._times(model, sample, server_round)
+        kept, late, dropped, lost = self.keep(sample, t, down, server_round, max(int(len(pool) * cfg.fraction), 1),
+                                              counts)
+        kept_ids = [sample[i] for i in kept.tolist()]  # trained in sampling order, as the engine's round
         if kept_ids:
             model, row, node_rows = train(kept_ids)
         else:  # nothing to aggregate: the model stays
@@ -263,12 +305,7 @@ class BatchedFleet:
             row, node_rows, self.meter.traffic = {"train_loss": None, "num_clients": 0}, [], Traffic()
         # sent, never answered in time: their bytes down count (not their nodes: no evaluation asks them)
         self.meter.traffic.bytes_down += int(down[late].sum() + down[dropped].sum())
-        row["sim_time_s"] = self._advance(float(t[kept].max()) if self.timed and len(kept) else None, stalled)
-        if sum(counts.values()) <= NODE_ROWS_MAX:
-            node_rows = node_rows + left_out(NODE_ROWS_MAX) + lost
-        else:  # too many for rows: the round counts them
-            row.update({key: n for key, n in counts.items() if n})
-        return model, row, node_rows
+        return model, row, self.close(row, node_rows, left_out, counts, lost)
 
     def _advance(self, t: float | None, stalled: bool) -> float | None:
         """The round's simulated seconds (``t``: the slowest kept node's), the clock moved on by them:
