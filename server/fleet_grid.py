@@ -62,7 +62,7 @@ from fedswarm.server.metered_grid import WrappingGrid, serialized_size
 from fedswarm.server.prompt_grid import pull_replies
 from fedswarm.strategies.strategy_utils import wait_for_nodes
 
-__all__ = ["FleetGrid", "fleet_grid_for", "check_fleet", "uses_fleet", "PROBE_TIMEOUT_S", "NOT_PICKED"]
+__all__ = ["FleetGrid", "fleet_grid_for", "take_sampling", "check_fleet", "uses_fleet", "PROBE_TIMEOUT_S", "NOT_PICKED"]
 
 PROBE_TIMEOUT_S = 10.0  # how long the eligibility probe waits for the nodes' answers
 NodeTime = Callable[[Message, int, int], "float | None"]
@@ -354,6 +354,20 @@ class FleetGrid(WrappingGrid):
         return None if pid is None else drop_reason(self.availability, pid, self.round, self.clock, t)
 
 
+def take_sampling(cfg: RunConfig, strategy: Any) -> tuple[float, int, int]:
+    """Take over ``strategy``'s sampling for the fleet options: its ``fraction_train`` scaled by
+    ``--over-select``, its wait for nodes left to the fleet (it then samples from the eligible ones it
+    is offered). Returns what it asked before: (fraction, min train nodes, min connected nodes)."""
+    fraction = float(getattr(strategy, "fraction_train", cfg.fraction))
+    min_train = int(getattr(strategy, "min_train_nodes", 1))
+    min_connected = int(getattr(strategy, "min_available_nodes", cfg.clients))
+    if cfg.over_select > 1.0:
+        strategy.fraction_train = min(1.0, fraction * cfg.over_select)
+    if hasattr(strategy, "min_available_nodes"):
+        strategy.min_available_nodes = 1  # the fleet grid waits for them, then offers the eligible ones
+    return fraction, min_train, min_connected
+
+
 def fleet_grid_for(cfg: RunConfig, grid, strategy: Any, *, policies: PolicyBook, probe_grid=None,
                    node_time: NodeTime | None = None, partition_of: Callable[[int], int | None] | None = None
                    ) -> FleetGrid | None:
@@ -361,17 +375,11 @@ def fleet_grid_for(cfg: RunConfig, grid, strategy: Any, *, policies: PolicyBook,
     ``strategy``'s sampling scaled for ``--over-select`` and its wait for nodes taken over."""
     if not uses_fleet(cfg) or getattr(strategy, "schedules_own_fleet", False):
         return None  # (FedBuff dispatches on the simulated fleet's availability itself)
-    fraction = float(getattr(strategy, "fraction_train", cfg.fraction))
-    min_train = int(getattr(strategy, "min_train_nodes", 1))
-    min_connected = int(getattr(strategy, "min_available_nodes", cfg.clients))
     if cfg.availability is not None and node_time is None:
         raise ConfigError("--availability is simulated: it runs on a simulation engine with --devices, "
                           "not in a deployment")
     availability = run_availability(cfg)
-    if cfg.over_select > 1.0:
-        strategy.fraction_train = min(1.0, fraction * cfg.over_select)
-    if hasattr(strategy, "min_available_nodes"):
-        strategy.min_available_nodes = 1  # the fleet grid waits for them, then offers the eligible ones
+    fraction, min_train, min_connected = take_sampling(cfg, strategy)
     return FleetGrid(grid, quorum=cfg.quorum, over_select=cfg.over_select, fraction=fraction,
                      min_train_nodes=min_train, min_connected=min_connected, wait_s=float(cfg.round_timeout),
                      rules=parse_rules(cfg.eligible) if cfg.eligible else None, policies=policies,

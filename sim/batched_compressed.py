@@ -39,9 +39,11 @@ from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState
 from fedswarm.local import node_report, train_reply
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.params import all_finite
+from fedswarm.server.fleet_grid import take_sampling
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ClientRows, NodeIds, add_client, make_reply,
                                         reply_size, strategy_round, varint_len)
+from fedswarm.sim.batched_fleet import BatchedFleet
 from fedswarm.sim.inprocess import client_error_reply
 from fedswarm.strategies.federated import gtopk
 from fedswarm.strategies.federated.compressed_base import KNOBS, Accepted
@@ -157,6 +159,10 @@ class CompressedRounds:
             from fedswarm.sim.batched_secagg_codec import SecurePayloadRounds
 
             self.secure = SecurePayloadRounds(cfg)
+        self.fleet = None  # --quorum, --over-select, --eligible, --availability: sim/batched_fleet.py
+        if cfg.fleet_options():
+            self.fleet = BatchedFleet(cfg, run.train_config, run.n_examples, None, run.meter)
+            self.fleet_sampling = take_sampling(cfg, self.strategy)  # (fraction, min train nodes, _)
 
     @property
     def model(self) -> torch.Tensor:
@@ -168,7 +174,10 @@ class CompressedRounds:
         if self.secure is not None:  # sim/batched_secagg_codec.py: the same steps, the protocol's outcome
             return self.secure.round(self, server_round)
         run, strategy = self.run, self.strategy
-        messages, node_ids, sched, classes, pols = strategy_round(run, strategy, self.grid, self.arrays, server_round)
+        # under the fleet options the strategy samples from the round's pool, as from the fleet grid
+        fleet = self.fleet.start(server_round) if self.fleet is not None else None
+        grid = self.grid if fleet is None else self.fleet
+        messages, node_ids, sched, classes, pols = strategy_round(run, strategy, grid, self.arrays, server_round)
         self._down = {}  # the sync bodies are this version's
         total = len(node_ids)
         if self.byzantine is not None and self.byzantine.attack.kind == "data":  # labelflip
@@ -180,6 +189,10 @@ class CompressedRounds:
         x = self.model
         replies = self._train_replies(x, sched, messages, node_ids, classes, pols, policy_json, total)
         replies.sort(key=lambda r: r.k)
+        if fleet is not None:  # every sampled client trained; the strategy gets the replies the fleet keeps
+            fraction, min_train, _ = self.fleet_sampling
+            replies, lost, lost_down = self.fleet.kept_replies(replies, max(int(len(fleet[0]) * fraction), min_train),
+                                                               server_round, fleet[2])
         if self.byzantine is not None:
             self._attack(messages, [r for r in replies if r.error is None])
         traffic = Traffic()
@@ -207,6 +220,10 @@ class CompressedRounds:
         self.arrays = strategy.model_arrays()
         run.meter.traffic = traffic
         row = {"train_loss": loss_sum / weight_sum if weight_sum else None, "num_clients": total}
+        if fleet is not None:  # sent, never answered in time: their bytes down count
+            traffic.bytes_down += lost_down
+            row["num_clients"] = len(replies)
+            node_rows = self.fleet.close(row, node_rows or [], fleet[1], fleet[2], lost)
         return row, node_rows or []
 
     def _train_replies(self, x: torch.Tensor, sched, messages: list[Message], node_ids: list[int],

@@ -1,7 +1,8 @@
 """Quorum rounds, over-selection, eligibility and availability on the batched engine.
 
-The batched engine's FedAvg round (``weighted_mean``) with ``--quorum``, ``--over-select``,
-``--eligible`` or ``--availability``: :class:`BatchedFleet` does what the in-process engine's
+The batched engine's FedAvg round (``weighted_mean``) and compressed_fedavg's (the ``codec`` runner,
+every codec) with ``--quorum``, ``--over-select``, ``--eligible`` or ``--availability``:
+:class:`BatchedFleet` does what the in-process engine's
 :class:`~fedswarm.server.fleet_grid.FleetGrid` does, on the same seed to the same result, as
 arrays over the population and the cohort:
 
@@ -22,8 +23,12 @@ arrays over the population and the cohort:
   measured sizes) are known before anything trains. A node that drops (its class's ``dropout``)
   or whose session ends before its part of the round does loses its update (``dropped``); of the
   others, the quorum keeps the K that finish first (equal times: the earlier sampled), the rest
-  are ``late``. Only the kept nodes train (FedAvg's nodes keep no state, so what the others would
-  have computed changes nothing); the bytes sent to every sampled node are counted. The round's
+  are ``late``. Under FedAvg only the kept nodes train (its nodes keep no state, so what the others
+  would have computed changes nothing); under compressed_fedavg every sampled node trains and runs
+  its client step, since a late or dropped in-process node did, and its error-feedback residual moved
+  (:meth:`BatchedFleet.kept_replies` then hands the strategy the kept replies, the strategy sampling
+  from the round's pool, :meth:`BatchedFleet.get_node_ids`, with ``fraction_train`` scaled as the
+  fleet grid scales it). The bytes sent to every sampled node are counted. The round's
   simulated time is the slowest kept node's (``round_timeout`` when it waited for a dropped node
   it needed), plus the time it waited for nodes to come on; it moves the clock and is recorded.
 
@@ -63,7 +68,8 @@ from fedswarm.wire import vector_to_arrayrecord
 
 __all__ = ["BatchedFleet", "check_batched_fleet", "Presence", "machine_telemetry", "FLEET_RUNNER"]
 
-FLEET_RUNNER = "weighted_mean"  # the batched round runner the fleet options run with (FedAvg's)
+FLEET_RUNNER = "weighted_mean"  # the batched round runner the fleet options run with (FedAvg's) ...
+FLEET_CODEC = ("codec", "compressed_fedavg")  # ... and the codec runner's, with compressed_fedavg (every codec)
 RETRY_S = 5.0  # no eligible node: how often the telemetry is read again (the fleet grid's probe interval)
 LOOKAHEAD_S = 365 * 86_400.0  # how far an off node's next session is looked for (Availability.next_on's)
 
@@ -75,9 +81,9 @@ def check_batched_fleet(cfg: RunConfig, runner: object) -> None:
     used = cfg.fleet_options()
     if not used:
         return
-    if runner != FLEET_RUNNER:
+    if runner != FLEET_RUNNER and (runner, cfg.strategy) != FLEET_CODEC:
         raise ConfigError(f"{', '.join(used)} on the batched engine: with fedavg's round (and the strategies "
-                          f"sharing it), not '{cfg.strategy}'; use --engine inprocess")
+                          f"sharing it) and compressed_fedavg's, not '{cfg.strategy}'; use --engine inprocess")
     if cfg.byzantine:
         raise ConfigError(f"{', '.join(used)} with --byzantine on the batched engine: not supported; use "
                           "--engine inprocess")
@@ -275,6 +281,20 @@ class BatchedFleet:
         self._stalled = self.timed and bool(dropped.any()) and (k is None or len(kept) < k)
         self._slowest = float(t[kept].max()) if self.timed and len(kept) else None
         return np.sort(kept), late, dropped, lost
+
+    def kept_replies(self, replies: list, needed: int, server_round: int, counts: dict) -> tuple[list, list[dict], int]:
+        """:meth:`keep` on a codec round's replies (:mod:`fedswarm.sim.batched_compressed`'s, each with
+        ``k``, ``node_id``, ``down``, ``up``, ``steps``, ``error``), all of whose clients trained (their
+        error-feedback residuals moved, as the in-process nodes' whose replies the fleet grid discards):
+        the replies the strategy gets (the kept ones and the error replies, in sampling order), the rows
+        of those left out, and the bytes sent to them."""
+        good = [r for r in replies if r.error is None]
+        ids = np.array([r.node_id for r in good], dtype=np.int64)
+        down = np.array([r.down for r in good], dtype=np.int64)
+        t = self.seconds(ids, down, np.array([r.up for r in good]), np.array([r.steps for r in good]))
+        kept, late, dropped, lost = self.keep(ids.tolist(), t, down, server_round, needed, counts, sent=len(replies))
+        out = [good[i] for i in kept.tolist()] + [r for r in replies if r.error is not None]
+        return sorted(out, key=lambda r: r.k), lost, int(down[late].sum() + down[dropped].sum())
 
     def close(self, row: dict, node_rows: list[dict], left_out: Callable[[int], list[dict]], counts: dict,
               lost: list[dict]) -> list[dict]:

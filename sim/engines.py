@@ -213,7 +213,8 @@ FLEET_ENGINES = ("inprocess", "flower", "batched")
 def check_fleet_engine(cfg: RunConfig, engine: str) -> None:
     """Refuse, in one line, quorum/over-selection/eligibility/availability on an engine that does not run them
     (the array and clock engines have no federated rounds to sample or close; the batched engine runs them
-    with FedAvg's round, in this process; the clock engine runs --availability with AD-PSGD)."""
+    with FedAvg's and compressed_fedavg's rounds, in this process; the clock engine runs --availability with
+    AD-PSGD)."""
     used = cfg.fleet_options()
     if not used:
         return

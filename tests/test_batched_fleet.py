@@ -18,6 +18,8 @@ from tests.test_batched import same_models_on_both_engines
 
 TASK = "synthetic-logreg"
 
+TOPK = dict(strategy="compressed_fedavg", params={"codec": "topk", "codec_params": "ratio=0.1"})
+
 #: each a run both engines must agree on (the models every round to 1e-5, the node rows exactly)
 CASES = {
     # over-selection, the quorum the nodes needed: the straggler (sampled in round 1 and 3) is late
@@ -39,6 +41,13 @@ CASES = {
                 devices="edge-wifi:4,straggler:8,cpu:4", eligible="battery>=40", round_timeout=40.0,
                 policies={"straggler": {"eligible": "battery<=10"}, "cpu": {"eligible": "battery<=10"}},
                 availability="straggler:on=60,off=20,diurnal=0.5,period=100,dropout=0.1;cpu:on=30,off=10"),
+    # compressed_fedavg (the codec runner), top-k with error feedback: every sampled node trains and its
+    # residual moves, the late and dropped ones' too (their replies discarded), as the in-process nodes'
+    "topk-quorum": dict(clients=12, rounds=4, local_steps=2, fraction=0.5, quorum=3, devices="edge-wifi:9,cpu:3",
+                        **TOPK),
+    "topk-over-select-availability": dict(clients=12, rounds=4, local_steps=2, fraction=0.3, over_select=1.5,
+                                          devices="edge-wifi:8,straggler:4", round_timeout=30.0,
+                                          availability="on=6,off=4,dropout=0.2", **TOPK),
 }
 
 
@@ -61,8 +70,12 @@ def test_batched_fleet_rounds_are_the_inprocess_ones(case, tmp_path, monkeypatch
     statuses = {status for _, _, status, _ in ref}
     expected = {"over-select": {"late"}, "dp-over-select": {"late"}, "quorum-ties": {"late"},
                 "eligible": {"ineligible"}, "availability": {"unavailable", "dropped"},
-                "all": {"late", "ineligible", "unavailable"}}[case]
+                "all": {"late", "ineligible", "unavailable"}, "topk-quorum": {"late"},
+                "topk-over-select-availability": {"late", "unavailable", "dropped"}}[case]
     assert expected <= statuses, statuses  # the case exercises what it names
+    if "strategy" in CASES[case]:  # a node left out (it trained, its residual moved) is kept in a later round
+        left = {(node, rnd) for rnd, node, status, _ in ref if status in ("late", "dropped")}
+        assert any(status == "ok" and any(n == node and r < rnd for n, r in left) for rnd, node, status, _ in ref)
     for a, b in rounds:  # the simulated clock (its reasons' times agree above) and what the round counted
         assert a["num_clients"] == b["num_clients"]
         assert math.isclose(a["sim_time_s"], b["sim_time_s"], rel_tol=1e-5), (a["sim_time_s"], b["sim_time_s"])
@@ -130,8 +143,10 @@ def test_the_batched_engine_refuses_the_fleet_options_it_does_not_run():
     from fedswarm.sim.engines import check_config
 
     assert check_config(RunConfig(task=TASK, engine="batched", quorum=3)).name == "batched"
-    with pytest.raises(ConfigError, match="^--quorum on the batched engine: with fedavg.s round.*.compressed_fedavg."):
-        check_config(RunConfig(task=TASK, engine="batched", strategy="compressed_fedavg", quorum=3))
+    codec = RunConfig(task=TASK, engine="batched", strategy="compressed_fedavg", quorum=3)
+    assert check_config(codec).name == "batched"
+    with pytest.raises(ConfigError, match="^--quorum on the batched engine: with fedavg.s round.*.onebit."):
+        check_config(RunConfig(task=TASK, engine="batched", strategy="onebit", quorum=3))
     with pytest.raises(ConfigError, match="^--over-select with --byzantine on the batched engine"):
         check_config(RunConfig(task=TASK, engine="batched", over_select=1.5, fraction=0.5, byzantine=1))
     with pytest.raises(ConfigError, match="^--eligible on the batched engine: in this process, not sharded"):
