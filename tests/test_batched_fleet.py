@@ -48,6 +48,8 @@ CASES = {
     "topk-over-select-availability": dict(clients=12, rounds=4, local_steps=2, fraction=0.3, over_select=1.5,
                                           devices="edge-wifi:8,straggler:4", round_timeout=30.0,
                                           availability="on=6,off=4,dropout=0.2", **TOPK),
+    "topk-eligible": dict(clients=12, rounds=4, local_steps=2, fraction=0.5, quorum=2, devices="edge-wifi:6,cpu:6",
+                          eligible="battery>=40", policies={"cpu": {"eligible": "battery<=10"}}, **TOPK),
 }
 
 
@@ -71,7 +73,8 @@ def test_batched_fleet_rounds_are_the_inprocess_ones(case, tmp_path, monkeypatch
     expected = {"over-select": {"late"}, "dp-over-select": {"late"}, "quorum-ties": {"late"},
                 "eligible": {"ineligible"}, "availability": {"unavailable", "dropped"},
                 "all": {"late", "ineligible", "unavailable"}, "topk-quorum": {"late"},
-                "topk-over-select-availability": {"late", "unavailable", "dropped"}}[case]
+                "topk-over-select-availability": {"late", "unavailable", "dropped"},
+                "topk-eligible": {"late", "ineligible"}}[case]
     assert expected <= statuses, statuses  # the case exercises what it names
     if "strategy" in CASES[case]:  # a node left out (it trained, its residual moved) is kept in a later round
         left = {(node, rnd) for rnd, node, status, _ in ref if status in ("late", "dropped")}
