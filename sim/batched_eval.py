@@ -69,10 +69,10 @@ def losses_of(task: Task) -> Callable[[torch.nn.Module, torch.Tensor, torch.Tens
 def segment_gather(flat: np.ndarray, offsets: np.ndarray, parts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The rows of partitions ``parts``, one after another: ``(flat rows, count per partition)``,
     without a Python loop over the partitions."""
-    starts = offsets[parts]
-    counts = offsets[parts + 1] - starts
+    starts = offsets.take(parts)
+    counts = offsets.take(parts + 1) - starts
     if (counts == 1).all():  # one row each (a cohort larger than the split's rows): no shift to build
-        return flat[starts], counts
+        return flat.take(starts), counts
     total = int(counts.sum())
     shift = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
     return flat[np.arange(total, dtype=np.int64) + shift], counts
@@ -146,7 +146,7 @@ class CohortEvaluator:
         loss_u, right_u = self._per_example(vec, distinct)
         at = np.empty((2, len(self.y)), dtype=np.float64)  # each test example's (loss, correct), where scored
         at[0, distinct], at[1, distinct] = loss_u.numpy(), right_u.numpy()
-        per_row = at[:, rows]
+        per_row = np.take(at, rows, axis=1)  # (take: several times a fancy index's speed on 2-D)
         if len(rows) == len(pids):  # one example per node (no node without one): its values are the node's
             sums = per_row
         else:  # each node's examples are consecutive in rows: summed in order, segment by segment
