@@ -6,7 +6,9 @@ Rows (each run cell in a fresh interpreter, its resident memory sampled for the 
   (``--quick``: 20,000), ``--fraction 1.0``, federated evaluation off (``eval_every`` past the
   last round); client-rounds per second over the steady rounds (the median round after the first);
 - ``now + fed eval``: the same with federated evaluation every round (the ratio to ``now`` is
-  the cost of scoring the whole cohort);
+  the cost of scoring the whole cohort; "in run": the same ratio within the evaluated run, each
+  steady round's CPU seconds over those less its evaluation's, ``CohortEvaluator.round_figures``
+  timed in the cell, the median over rounds and runs: no second run's different load in it);
 - ``before``: the ``now`` run on another checkout's code, with ``FEDSWARM_BENCH_BEFORE=CHECKOUT``
   (e.g. an export of main before the change: ``git archive 8779d80 | tar -x -C /tmp/before``),
   run side by side with ``now``, in turn, so both see the same machine load;
@@ -54,6 +56,20 @@ from fedswarm.config import RunConfig
 from fedswarm.bench.arms import run_arm, scratch_store
 spec = json.loads(sys.argv[1])
 marks = []  # (round, process CPU seconds) as each round is recorded
+evals = []  # process CPU seconds of each round's federated evaluation (code that has a CohortEvaluator)
+try:
+    from fedswarm.sim.batched_eval import CohortEvaluator
+    def timed(figures):
+        def round_figures(*args):
+            c0 = time.process_time()
+            try:
+                return figures(*args)
+            finally:
+                evals.append(time.process_time() - c0)
+        return round_figures
+    CohortEvaluator.round_figures = timed(CohortEvaluator.round_figures)
+except (ImportError, AttributeError):  # code without it (a checkout from before)
+    pass
 t0 = time.perf_counter()
 with scratch_store() as store:
     arm = run_arm(RunConfig(**spec), store, listeners=[lambda rnd, row: marks.append((rnd, time.process_time()))],
@@ -61,7 +77,7 @@ with scratch_store() as store:
 cpu = [b[1] - a[1] for a, b in zip(marks, marks[1:]) if b[0] == a[0] + 1 and a[0] >= 0]
 walls = [r["wall_s"] for r in arm.result["rounds"] if r["round"] > 0]
 with open(sys.argv[2], "w") as fh:
-    json.dump({"status": arm.status, "walls": walls, "cpu": cpu, "total_s": time.perf_counter() - t0,
+    json.dump({"status": arm.status, "walls": walls, "cpu": cpu, "eval_cpu": evals, "total_s": time.perf_counter() - t0,
                "final_test_accuracy": arm.result["summary"]["final_test_accuracy"]}, fh)
 """
 
@@ -74,11 +90,21 @@ def _cell(spec: dict, pythonpath: Path | None, timeout_s: float) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")  # one torch thread: CPU seconds measure work, not spinning threads
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    cell = sampled_cell(["-c", _CELL, json.dumps(spec), "{out}"], timeout_s, env=env, every_s=0.1)
+    return _steady(sampled_cell(["-c", _CELL, json.dumps(spec), "{out}"], timeout_s, env=env, every_s=0.1))
+
+
+def _steady(cell: dict) -> dict:
+    """``cell`` with its steady figures (the median round after the first): ``steady_round_s``,
+    ``steady_cpu_s`` and, for a run with federated evaluation every round, ``steady_x_without_fed_eval``
+    (each round's CPU seconds over those less its evaluation's)."""
     for key, out in (("walls", "steady_round_s"), ("cpu", "steady_cpu_s")):
         xs = cell.get(key)
         if xs:
             cell[out] = statistics.median(xs[1:]) if len(xs) > 1 else xs[0]
+    cpu, evals = cell.get("cpu") or [], cell.get("eval_cpu") or []
+    if evals and len(evals) == len(cpu):
+        steady = list(zip(cpu, evals))[1:] or list(zip(cpu, evals))
+        cell["steady_x_without_fed_eval"] = statistics.median(c / (c - e) for c, e in steady)
     return cell
 
 
@@ -203,13 +229,19 @@ def _ratios(rows: list[dict]) -> None:
             now[prefix + "x_before"] = before[key] / now[key]  # client-rounds/s now over before
         if fed.get(key) and now.get(key):
             fed[prefix + "x_without_fed_eval"] = fed[key] / now[key]
+    # the same ratio within each evaluated run (its rounds' CPU seconds over those less the evaluation's):
+    # no second cell, so no load that differs between two runs
+    within = [c["steady_x_without_fed_eval"] for c in fed.get("runs", []) if c.get("steady_x_without_fed_eval")]
+    if within:
+        fed["cpu_x_without_fed_eval_in_run"] = statistics.median(within)
 
 
 def _print(rows: list[dict], console: Console) -> None:
     load = os.getloadavg()
     table = Table(title=f"engines scale: batched FedAvg, one local step (load {load[0]:.1f} on {os.cpu_count()} cores)")
     for col in ("row", "task", "clients", "fraction", "client-rounds/s", "s/round", "x floor", "x before",
-                "x no fed eval", "CPU s/round", "CPU x floor", "CPU x before", "CPU x no fed eval", "peak MB", "note"):
+                "x no fed eval", "CPU s/round", "CPU x floor", "CPU x before", "CPU x no fed eval",
+                "CPU x no fed eval (in run)", "peak MB", "note"):
         table.add_column(col)
 
     def f(v, spec):
@@ -221,6 +253,7 @@ def _print(rows: list[dict], console: Console) -> None:
                       f(r.get("x_floor"), ".2f"), f(r.get("x_before"), ".1f"), f(r.get("x_without_fed_eval"), ".2f"),
                       f(r.get("cpu_s_per_round"), ".3f"), f(r.get("cpu_x_floor"), ".2f"),
                       f(r.get("cpu_x_before"), ".1f"), f(r.get("cpu_x_without_fed_eval"), ".2f"),
+                      f(r.get("cpu_x_without_fed_eval_in_run"), ".3f"),
                       f(r.get("peak_rss_mb"), ".0f"),
                       "" if r.get("status") in ("finished", "measured") else str(r.get("status"))[:60])
     console.print(table)

@@ -69,8 +69,10 @@ def losses_of(task: Task) -> Callable[[torch.nn.Module, torch.Tensor, torch.Tens
 def segment_gather(flat: np.ndarray, offsets: np.ndarray, parts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The rows of partitions ``parts``, one after another: ``(flat rows, count per partition)``,
     without a Python loop over the partitions."""
-    starts = offsets[parts]
-    counts = offsets[parts + 1] - starts
+    starts = offsets.take(parts)
+    counts = offsets.take(parts + 1) - starts
+    if (counts == 1).all():  # one row each (a cohort larger than the split's rows): no shift to build
+        return flat.take(starts), counts
     total = int(counts.sum())
     shift = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
     return flat[np.arange(total, dtype=np.int64) + shift], counts
@@ -135,16 +137,21 @@ class CohortEvaluator:
             # evaluate_flat on no examples fails on the node: let it fail the same way
             raise ZeroDivisionError(f"federated evaluation: node {int(pids[counts == 0][0]) + 1} has no "
                                     "validation examples")
-        node_of = torch.from_numpy(np.repeat(np.arange(len(pids)), counts))
         # nodes share examples when the population passes the test set (the split cycles it): each
-        # distinct example is scored once, its values read back for every node that holds it
-        distinct, again = np.unique(rows, return_inverse=True)
+        # distinct example is scored once (a mask over the test set: the sorted distinct rows, no
+        # sort of the cohort's rows), its values read back for every node that holds it
+        seen = np.zeros(len(self.y), dtype=bool)
+        seen[rows] = True
+        distinct = np.flatnonzero(seen)
         loss_u, right_u = self._per_example(vec, distinct)
-        again_t = torch.from_numpy(again.reshape(-1))
-        loss_sum = torch.zeros(len(pids), dtype=torch.float64).index_add_(0, node_of, loss_u[again_t])
-        right = torch.zeros(len(pids), dtype=torch.float64).index_add_(0, node_of, right_u[again_t])
-        n = torch.from_numpy(counts).to(torch.float64)
-        return (loss_sum / n).numpy(), (right / n).numpy(), counts.astype(np.int64)
+        at = np.empty((2, len(self.y)), dtype=np.float64)  # each test example's (loss, correct), where scored
+        at[0, distinct], at[1, distinct] = loss_u.numpy(), right_u.numpy()
+        per_row = np.take(at, rows, axis=1)  # (take: several times a fancy index's speed on 2-D)
+        if len(rows) == len(pids):  # one example per node (no node without one): its values are the node's
+            sums = per_row
+        else:  # each node's examples are consecutive in rows: summed in order, segment by segment
+            sums = np.add.reduceat(per_row, np.cumsum(counts) - counts, axis=1)
+        return sums[0] / counts, sums[1] / counts, counts.astype(np.int64)
 
     def _per_example(self, vec: torch.Tensor, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Test examples ``rows``' objective values and correctness (float64 [n] each), in chunks."""
