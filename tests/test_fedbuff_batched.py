@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.test_batched import same_models_on_both_engines
+from tests.test_batched_fleet import _rows as _node_rows  # (round, node, status, reason) of a run's nodes
 
 SAME = ("model_version", "updates", "staleness_min", "staleness_mean", "staleness_max", "staleness_by_node",
         "in_flight", "sim_time_s", "sim_clock_s", "rejected", "num_clients", "epsilon", "fed_examples")
@@ -59,17 +60,6 @@ def test_batched_fedbuff_equals_inprocess(kw, tmp_path, monkeypatch):
 
 
 
-def _node_rows(tmp_path, engine: str) -> list[tuple]:
-    from fedswarm.store import Store
-
-    store = Store(tmp_path / f"{engine}.db")
-    try:
-        rid = store.list_runs()[0].id
-        return sorted((r.round, int(r.node_id), r.status, r.reason) for r in store.node_rounds(rid))
-    finally:
-        store.close()
-
-
 def test_batched_fedbuff_eligible_equals_inprocess(tmp_path, monkeypatch):
     """--eligible under FedBuff: on the machine's telemetry (a 5 % battery) the straggler class fails
     --eligible, edge-wifi's own policy passes; only edge-wifi nodes are dispatched, the stragglers get an
@@ -112,7 +102,7 @@ def test_fedbuff_with_no_eligible_node_fails_saying_why(engine, tmp_path, monkey
 
 
 def test_fedbuff_eligible_refused_where_it_cannot_run():
-    """A deployment (nodes not simulated), the flower engine, and the fleet options FedBuff has no use for."""
+    """In a deployment (nodes not simulated) and on the flower engine (node ids are not partitions)."""
     from fedswarm.config import RunConfig
     from fedswarm.errors import ConfigError
     from fedswarm.strategies.federated.fedbuff_eligibility import dispatch_rules_for
@@ -129,5 +119,3 @@ def test_fedbuff_eligible_refused_where_it_cannot_run():
 
     with pytest.raises(ConfigError, match="fedbuff --eligible: on --engine inprocess or batched"):
         check_config(RunConfig(strategy="fedbuff", engine="flower", clients=2, eligible="battery>=40"))
-    with pytest.raises(ConfigError, match="fedbuff does not take --quorum"):
-        check_config(RunConfig(strategy="fedbuff", clients=2, quorum=1))
