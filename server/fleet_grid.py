@@ -350,7 +350,7 @@ def fleet_grid_for(cfg: RunConfig, grid, strategy: Any, *, policies: PolicyBook,
     """The run's :class:`FleetGrid` over ``grid`` (None when the run uses none of its options), with
     ``strategy``'s sampling scaled for ``--over-select`` and its wait for nodes taken over."""
     if not uses_fleet(cfg) or getattr(strategy, "schedules_own_fleet", False):
-        return None  # (FedBuff dispatches on the simulated fleet's availability itself)
+        return None  # (FedBuff dispatches on the simulated fleet's availability and eligibility itself)
     fraction = float(getattr(strategy, "fraction_train", cfg.fraction))
     min_train = int(getattr(strategy, "min_train_nodes", 1))
     min_connected = int(getattr(strategy, "min_available_nodes", cfg.clients))
