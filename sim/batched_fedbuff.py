@@ -165,9 +165,7 @@ class FedBuffRounds:
                 try:
                     delta = self.strategy.parse_update(reply, start)  # the server's own reading
                 except PayloadError as exc:
-                    self.notes.reject(job.node, str(exc))
-                    node_rows[at[job.node]].update(status="rejected", reason=clean_reason(exc))
-                    node_rows[at[job.node]].pop("train_loss", None)
+                    _reject(self.notes, node_rows[at[job.node]], job.node, str(exc), clean_reason(exc))
                     continue
             elif not bool(torch.isfinite(new).all()):
                 reject_diverged(self.notes, node_rows, job.node, new, n, row=at[job.node])
@@ -177,10 +175,7 @@ class FedBuffRounds:
             try:
                 self.buffer.add(delta, staleness)
             except Stale as exc:
-                reason = str(exc)
-                self.notes.reject(job.node, reason)
-                node_rows[at[job.node]].update(status="rejected", reason=reason)
-                node_rows[at[job.node]].pop("train_loss", None)
+                _reject(self.notes, node_rows[at[job.node]], job.node, str(exc), str(exc))
                 continue
         privatize = None
         if self.dp is not None:
@@ -205,3 +200,10 @@ class FedBuffRounds:
         if self.rules is not None:  # the nodes passed over (not counted in num_clients, as in-process)
             node_rows += self.rules.rows(lambda n: str(n) in by_node)
         return row, node_rows
+
+
+def _reject(notes, row: dict, node: int, note: str, reason: str) -> None:
+    """Refuse ``node``'s update: ``note`` to the recorder's rejections, ``reason`` on its row (no loss)."""
+    notes.reject(node, note)
+    row.update(status="rejected", reason=reason)
+    row.pop("train_loss", None)

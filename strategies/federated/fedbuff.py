@@ -55,6 +55,7 @@ from fedswarm.algorithms.fedbuff import AsyncSchedule, FedBuffer, Stale, stalene
 from fedswarm.algorithms.compression.codecs import CODECS
 from fedswarm.strategies.federated.compressed_client import KNOBS
 from fedswarm.strategies.federated.fedbuff_eligibility import dispatch_rules_for
+from fedswarm.errors import ConfigError
 from fedswarm.hyperparams import HyperParam
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.registry import Batched, BuildContext, StrategyEntry, register
@@ -347,22 +348,14 @@ def build(params: dict, ctx: BuildContext) -> FedBuff:
     # its schedule honours the simulated fleet's availability, its dispatch the eligibility rules
     fleet = [f for f in used if f not in ("--availability", "--eligible")]
     if fleet:
-        from fedswarm.errors import ConfigError
-
         raise ConfigError(f"fedbuff does not take {', '.join(fleet)}: it has no rounds to close early or sample")
     if "--eligible" in used and cfg.engine == "flower":
-        from fedswarm.errors import ConfigError
-
         raise ConfigError("fedbuff --eligible: on --engine inprocess or batched (on the flower engine a node's id "
                           "does not tell its partition, so not its device class)")
     if cfg.devices is not None and cfg.engine == "flower":
-        from fedswarm.errors import ConfigError
-
         raise ConfigError("fedbuff --devices: its virtual clock runs on --engine inprocess or batched (on the flower "
                           "engine a node's id does not tell its partition, so not its device class)")
     if getattr(cfg, "availability", None) is not None and cfg.devices is None:
-        from fedswarm.errors import ConfigError
-
         raise ConfigError("fedbuff --availability runs on simulated time: give --devices")
     from fedswarm.availability import run_availability
 
@@ -370,8 +363,6 @@ def build(params: dict, ctx: BuildContext) -> FedBuff:
     k = int(params["buffer_size"])
     concurrency = int(params["concurrency"]) or cfg.clients
     if concurrency > cfg.clients:
-        from fedswarm.errors import ConfigError
-
         raise ConfigError(f"fedbuff: concurrency {concurrency} is more than the {cfg.clients} clients")
     dp = None
     if cfg.dp:
