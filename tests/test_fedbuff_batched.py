@@ -119,3 +119,26 @@ def test_fedbuff_eligible_refused_where_it_cannot_run():
 
     with pytest.raises(ConfigError, match="fedbuff --eligible: on --engine inprocess or batched"):
         check_config(RunConfig(strategy="fedbuff", engine="flower", clients=2, eligible="battery>=40"))
+
+
+def test_fedbuff_eligible_with_availability_inprocess(tmp_path, monkeypatch):
+    """--eligible and --availability together (in-process; the batched engine refuses --availability under
+    fedbuff): the ineligible class (fast gpu nodes: a dispatch would arrive) is never dispatched."""
+    monkeypatch.setenv("FEDSWARM_FAKE_BATTERY", "5")
+    from fedswarm.config import RunConfig
+    from fedswarm.sim.run import run_engine
+    from fedswarm.store import Store
+
+    cfg = RunConfig(task="digits-mlp", strategy="fedbuff", clients=6, rounds=8, seed=1, local_steps=1,
+                    devices="edge-wifi:4,gpu:2", availability="on=6,off=4,dropout=0.1", round_timeout=5.0,
+                    eligible="battery>=40", policies={"edge-wifi": {"eligible": "battery<=10"}},
+                    params={"buffer_size": 2, "concurrency": 3})
+    store = Store(tmp_path / "av.db")
+    try:
+        rid = store.create_run(cfg.model_dump())
+        assert run_engine(cfg, store=store, run_id=rid) == "finished"
+        rows = store.node_rounds(rid)
+        assert {r.node_id for r in rows if r.status == "ineligible"} == {"5", "6"}
+        assert {r.node_id for r in rows if r.status != "ineligible"} <= {"1", "2", "3", "4"}
+    finally:
+        store.close()
