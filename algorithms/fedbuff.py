@@ -176,20 +176,24 @@ class AsyncSchedule:
     def in_flight(self) -> int:
         return len(self.flying)
 
-    def dispatch(self, version: int) -> list[InFlight]:
+    def dispatch(self, version: int, eligible: Callable[[int], bool] | None = None) -> list[InFlight]:
+        """Fill the free slots (see the class); ``eligible(node)``: only such idle nodes are drawn."""
         av = self.availability
-        if av is not None and not self.flying and self.idle:
-            on = av.first_on([n - 1 for n in self.idle], self.now)  # every idle node is off: wait
+        idle = self.idle if eligible is None else [n for n in self.idle if eligible(n)]
+        if av is not None and not self.flying and idle:
+            on = av.first_on([n - 1 for n in idle], self.now)  # every idle node is off: wait
             if on is None:
                 raise RuntimeError("FedBuff: no node comes on again within a year of simulated time")
             self.now = on
         out = []
-        while len(self.flying) < self.concurrency and self.idle:
-            pool = self.idle if av is None else [n for n in self.idle if av.available(n - 1, self.now)]
+        while len(self.flying) < self.concurrency and idle:
+            pool = idle if av is None else [n for n in idle if av.available(n - 1, self.now)]
             if not pool:
                 break
             node = pool[self.rng.randrange(len(pool))]
             self.idle.remove(node)
+            if idle is not self.idle:
+                idle.remove(node)
             finish = self.now + float(self.duration(node))
             lost = av is not None and av.lost(node - 1, self._seq, self.now, finish) is not None
             job = InFlight(self.now + self.timeout if lost else finish, self._seq, node, version, self.now, lost)

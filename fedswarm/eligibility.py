@@ -15,6 +15,9 @@ thermal zone passes ``temp<45``. A node that has reported nothing yet is eligibl
 
 :func:`parse_rules` refuses a bad clause with a one-line :class:`~fedswarm.errors.ConfigError`
 naming it; :meth:`Rules.why_not` returns why a node's telemetry fails them (None: eligible).
+:func:`class_rules` (a device class's rules), :func:`ineligible_row` (the row of a node left out)
+and :func:`machine_telemetry` (what a simulated node reports) are shared by every place that applies
+the rules: the fleet grid, the batched engine's fleet, and FedBuff's dispatch.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from typing import Any, Callable
 
 from fedswarm.errors import ConfigError
 
-__all__ = ["Rules", "Clause", "parse_rules", "FIELDS"]
+__all__ = ["Rules", "Clause", "parse_rules", "FIELDS", "class_rules", "rules_by_class", "ineligible_row",
+           "machine_telemetry"]
 
 #: clause name -> the telemetry key it reads (fedswarm.telemetry.TELEMETRY_KEYS)
 FIELDS = {"battery": "battery_pct", "temp": "cpu_temp_c", "rss": "peak_rss_mb"}
@@ -101,3 +105,37 @@ def parse_rules(spec: str, *, what: str = "eligible") -> Rules:
                               f"{', '.join(FIELDS)} and OP one of <, <=, >, >=, ==, or 'charging' / '!charging'")
         clauses.append(Clause(m.group("name"), m.group("op"), float(m.group("value"))))
     return Rules(tuple(clauses))
+
+
+def class_rules(policy: dict | None, rules: Rules | None) -> Rules | None:
+    """The rules a node of a class whose policy is ``policy`` is held to: its ``eligible``, else the run's."""
+    spec = (policy or {}).get("eligible")
+    return parse_rules(spec) if spec else rules
+
+
+def rules_by_class(train_config: Any, class_names: list[str], rules: Rules | None) -> list[Rules | None]:
+    """Each of ``class_names``' rules, from the ``policy.<class>`` keys of the round's train config
+    (the policies as they are now, :meth:`fedswarm.policy.PolicyBook.write`), else the run's ``rules``."""
+    import json
+
+    out = []
+    for name in class_names:
+        raw = train_config.get(f"policy.{name}")
+        out.append(class_rules(json.loads(raw) if raw else None, rules))
+    return out
+
+
+def ineligible_row(node: int, rules: Rules, why: str, telemetry: dict | None) -> dict:
+    """The row of node ``node``, left out because its ``telemetry`` fails ``rules`` (``why``)."""
+    return {"node_id": str(node), "status": "ineligible", "reason": f"not eligible ({rules}): {why}",
+            "telemetry": telemetry}
+
+
+def machine_telemetry() -> dict:
+    """What every simulated node reports under simulation: this machine's telemetry, as the
+    ClientApp's probe answer reads it (no training speed)."""
+    from fedswarm.telemetry import round_telemetry
+
+    tel = round_telemetry(0.0, 0)
+    tel.pop("train_s", None)
+    return tel

@@ -53,7 +53,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from fedswarm.availability import Availability, run_availability
 from fedswarm.config import RunConfig
-from fedswarm.eligibility import Rules, parse_rules
+from fedswarm.eligibility import Rules, class_rules, ineligible_row, parse_rules
 from fedswarm.errors import ConfigError
 from fedswarm.store.rows import NOT_PICKED  # the statuses of a node left out at sampling
 from fedswarm.policy import DEFAULT_CLASS, PolicyBook
@@ -85,23 +85,13 @@ def check_fleet(cfg: RunConfig, kind: str, strategy: Any) -> None:
                           f"fraction_train to scale); use --quorum alone")
 
 
-# -- what a node left out of a round is told (the batched engine's rounds write the same: sim/batched_fleet.py) --
-def class_rules(policy: dict | None, rules: Rules | None) -> Rules | None:
-    """The rules a node of a class whose policy is ``policy`` is held to: its ``eligible``, else the run's."""
-    spec = (policy or {}).get("eligible")
-    return parse_rules(spec) if spec else rules
-
-
+# -- what a node left out of a round is told (the batched engine's rounds write the same: sim/batched_fleet.py;
+#    a class's rules and the ineligible row: fedswarm.eligibility) --
 def unavailable_row(availability: Availability, node: int, pid: int, clock: float) -> dict:
     """The row of node ``node`` (partition ``pid``), off at simulated time ``clock``."""
     nxt = availability.next_on(pid, clock)
     when = f"; on again at t={nxt:.0f} s" if nxt is not None else "; not on again in the trace"
     return {"node_id": str(node), "status": "unavailable", "reason": f"offline at t={clock:.0f} s (simulated){when}"}
-
-
-def ineligible_row(node: int, rules: Rules, why: str, telemetry: dict | None) -> dict:
-    return {"node_id": str(node), "status": "ineligible", "reason": f"not eligible ({rules}): {why}",
-            "telemetry": telemetry}
 
 
 def late_row(node: int, k: int | None, t: float, bytes_down: int) -> dict:
@@ -374,7 +364,7 @@ def fleet_grid_for(cfg: RunConfig, grid, strategy: Any, *, policies: PolicyBook,
     """The run's :class:`FleetGrid` over ``grid`` (None when the run uses none of its options), with
     ``strategy``'s sampling scaled for ``--over-select`` and its wait for nodes taken over."""
     if not uses_fleet(cfg) or getattr(strategy, "schedules_own_fleet", False):
-        return None  # (FedBuff dispatches on the simulated fleet's availability itself)
+        return None  # (FedBuff dispatches on the simulated fleet's availability and eligibility itself)
     if cfg.availability is not None and node_time is None:
         raise ConfigError("--availability is simulated: it runs on a simulation engine with --devices, "
                           "not in a deployment")

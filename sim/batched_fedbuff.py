@@ -17,6 +17,10 @@ ClientApp runs with C = 1) once per uplink, with their error-feedback rows
 (:class:`~fedswarm.sim.batched_round.ClientRows`); each arrival's real ``train.fedbuff`` message and
 reply (its one-row payload) are built, metered, and the reply is read by the strategy's own
 ``parse_update``, the in-process server's reading.
+
+``--eligible`` (or a class's ``eligible`` policy): the dispatch goes through the strategy's own
+:class:`~fedswarm.strategies.federated.fedbuff_eligibility.DispatchRules`, as in-process: the same
+nodes drawn, the same ``ineligible`` rows.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class FedBuffRounds:
         strategy = run.strategy()
         self.strategy = strategy
         self.buffer, self.dp = strategy.buffer, strategy.dp
+        self.rules = strategy.eligibility  # --eligible: which idle nodes may be dispatched (None: all)
         # with an uplink codec: partition id -> its error-feedback residual (zeros before its first update)
         self.residuals = ClientRows(model.numel(), run.cfg.clients) if strategy.codec is not None else None
         self.timed = strategy.duration is not None
@@ -65,7 +70,10 @@ class FedBuffRounds:
         self.t_last = 0.0
 
     def _dispatch(self) -> None:
-        jobs = self.sched.dispatch(self.version)
+        if self.rules is None:
+            jobs = self.sched.dispatch(self.version)
+        else:
+            jobs = self.rules.dispatch(self.sched, self.version, self.run.train_config)
         if jobs:
             self.sent[self.version] = self.model
             self.untrained.extend(jobs)
@@ -157,9 +165,7 @@ class FedBuffRounds:
                 try:
                     delta = self.strategy.parse_update(reply, start)  # the server's own reading
                 except PayloadError as exc:
-                    self.notes.reject(job.node, str(exc))
-                    node_rows[at[job.node]].update(status="rejected", reason=clean_reason(exc))
-                    node_rows[at[job.node]].pop("train_loss", None)
+                    _reject(self.notes, node_rows[at[job.node]], job.node, str(exc), clean_reason(exc))
                     continue
             elif not bool(torch.isfinite(new).all()):
                 reject_diverged(self.notes, node_rows, job.node, new, n, row=at[job.node])
@@ -169,10 +175,7 @@ class FedBuffRounds:
             try:
                 self.buffer.add(delta, staleness)
             except Stale as exc:
-                reason = str(exc)
-                self.notes.reject(job.node, reason)
-                node_rows[at[job.node]].update(status="rejected", reason=reason)
-                node_rows[at[job.node]].pop("train_loss", None)
+                _reject(self.notes, node_rows[at[job.node]], job.node, str(exc), str(exc))
                 continue
         privatize = None
         if self.dp is not None:
@@ -194,4 +197,13 @@ class FedBuffRounds:
         if self.timed:
             row.update(sim_time_s=self.sched.now - self.t_last, sim_clock_s=self.sched.now)
             self.t_last = self.sched.now
+        if self.rules is not None:  # the nodes passed over (not counted in num_clients, as in-process)
+            node_rows += self.rules.rows(lambda n: str(n) in by_node)
         return row, node_rows
+
+
+def _reject(notes, row: dict, node: int, note: str, reason: str) -> None:
+    """Refuse ``node``'s update: ``note`` to the recorder's rejections, ``reason`` on its row (no loss)."""
+    notes.reject(node, note)
+    row.update(status="rejected", reason=reason)
+    row.pop("train_loss", None)

@@ -48,7 +48,6 @@ a 2-core VM); later rounds ask again only for the nodes whose session ended sinc
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Callable
@@ -59,10 +58,9 @@ import torch
 from fedswarm.algorithms.selection.cohort import sample_positions
 from fedswarm.availability import Availability, availability_for
 from fedswarm.config import RunConfig
-from fedswarm.eligibility import Rules, parse_rules
+from fedswarm.eligibility import Rules, ineligible_row, machine_telemetry, parse_rules, rules_by_class
 from fedswarm.errors import ConfigError
-from fedswarm.server.fleet_grid import (class_rules, drop_reason, ineligible_row, late_row, none_on_again,
-                                        too_few_eligible, unavailable_row)
+from fedswarm.server.fleet_grid import drop_reason, late_row, none_on_again, too_few_eligible, unavailable_row
 from fedswarm.sim.batched_round import NODE_ROWS_MAX, ByteCounter, _device_classes, cohort_schedule
 from fedswarm.wire import vector_to_arrayrecord
 
@@ -79,7 +77,7 @@ Train = Callable[[list[int]], "tuple[torch.Tensor, dict, list[dict]]"]
 def check_batched_fleet(cfg: RunConfig, runner: object) -> None:
     """Refuse, in one line, fleet options the batched engine does not run with ``cfg``."""
     used = cfg.fleet_options()
-    if not used:
+    if not used or (runner == "fedbuff" and used == ["--eligible"]):  # fedbuff's dispatch: batched_fedbuff.py
         return
     if runner != FLEET_RUNNER and (runner, cfg.strategy) != FLEET_CODEC:
         raise ConfigError(f"{', '.join(used)} on the batched engine: with fedavg's round (and the strategies "
@@ -87,16 +85,6 @@ def check_batched_fleet(cfg: RunConfig, runner: object) -> None:
     if cfg.byzantine:
         raise ConfigError(f"{', '.join(used)} with --byzantine on the batched engine: not supported; use "
                           "--engine inprocess")
-
-
-def machine_telemetry() -> dict:
-    """What every simulated node reports under simulation: this machine's telemetry, as the
-    ClientApp's probe answer reads it (no training speed)."""
-    from fedswarm.telemetry import round_telemetry
-
-    tel = round_telemetry(0.0, 0)
-    tel.pop("train_s", None)
-    return tel
 
 
 class Presence:
@@ -158,11 +146,7 @@ class BatchedFleet:
     # -- sampling ------------------------------------------------------------------------------
     def _class_rules(self) -> list[Rules | None]:
         """Each device class's rules, from the policies the round's messages carry."""
-        out = []
-        for name in self.class_names:
-            raw = self.train_config.get(f"policy.{name}")
-            out.append(class_rules(json.loads(raw) if raw else None, self.rules))
-        return out
+        return rules_by_class(self.train_config, self.class_names, self.rules)
 
     def _eligible(self, offered: np.ndarray) -> tuple[np.ndarray, Callable[[np.ndarray], list[dict]]]:
         """The offered nodes' eligibility (a mask), and the rows of the given ineligible ones."""

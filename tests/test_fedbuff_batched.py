@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.test_batched import same_models_on_both_engines
+from tests.test_batched_fleet import _rows as _node_rows  # (round, node, status, reason) of a run's nodes
 
 SAME = ("model_version", "updates", "staleness_min", "staleness_mean", "staleness_max", "staleness_by_node",
         "in_flight", "sim_time_s", "sim_clock_s", "rejected", "num_clients", "epsilon", "fed_examples")
@@ -57,3 +58,87 @@ def test_batched_fedbuff_equals_inprocess(kw, tmp_path, monkeypatch):
     else:
         assert max(a["staleness_max"] for a, _ in pairs) >= 2
 
+
+
+def test_batched_fedbuff_eligible_equals_inprocess(tmp_path, monkeypatch):
+    """--eligible under FedBuff: on the machine's telemetry (a 5 % battery) the straggler class fails
+    --eligible, edge-wifi's own policy passes; only edge-wifi nodes are dispatched, the stragglers get an
+    ``ineligible`` row in every aggregation, and both engines agree on models, figures and rows."""
+    monkeypatch.setenv("FEDSWARM_FAKE_BATTERY", "5")
+    cfg = {"strategy": "fedbuff", "task": "digits-mlp", "local_steps": 3, "batch_size": 16, "seed": 7,
+           "eval_every": 1000, "clients": 8, "rounds": 4, "devices": "edge-wifi:6,straggler:2",
+           "eligible": "battery>=40", "policies": {"edge-wifi": {"eligible": "battery<=10"}},
+           "params": {"buffer_size": 3, "concurrency": 4}}
+    ref, got, pairs = same_models_on_both_engines(cfg, tmp_path, monkeypatch)
+    for a, b in pairs:
+        assert {k: a.get(k) for k in SAME} == {k: b.get(k) for k in SAME}
+    rows_ref, rows_got = _node_rows(tmp_path, "inprocess"), _node_rows(tmp_path, "batched")
+    assert rows_got == rows_ref
+    ineligible = [(rnd, node) for rnd, node, status, _ in rows_ref if status == "ineligible"]
+    assert ineligible == [(rnd, node) for rnd in range(1, 5) for node in (7, 8)]
+    assert all(reason == "not eligible (battery>=40): battery 5 fails battery>=40"
+               for _, _, status, reason in rows_ref if status == "ineligible")
+    trained = {node for _, node, status, _ in rows_ref if status != "ineligible"}
+    assert trained and trained <= set(range(1, 7))  # never a straggler
+    assert all(str(n) not in a["staleness_by_node"] for a, _ in pairs for n in (7, 8))
+
+
+@pytest.mark.parametrize("engine", ["inprocess", "batched"])
+def test_fedbuff_with_no_eligible_node_fails_saying_why(engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDSWARM_FAKE_BATTERY", "5")
+    from fedswarm.config import RunConfig
+    from fedswarm.sim.run import run_engine
+    from fedswarm.store import Store
+
+    cfg = RunConfig(task="digits-mlp", strategy="fedbuff", engine=engine, clients=3, rounds=2, seed=0,
+                    local_steps=1, eligible="battery>=40", params={"buffer_size": 2})
+    store = Store(tmp_path / "none.db")
+    try:
+        rid = store.create_run(cfg.model_dump())
+        with pytest.raises(RuntimeError, match="no node is eligible.*default: battery 5 fails battery>=40"):
+            run_engine(cfg, store=store, run_id=rid)
+    finally:
+        store.close()
+
+
+def test_fedbuff_eligible_refused_where_it_cannot_run():
+    """In a deployment (nodes not simulated) and on the flower engine (node ids are not partitions)."""
+    from fedswarm.config import RunConfig
+    from fedswarm.errors import ConfigError
+    from fedswarm.strategies.federated.fedbuff_eligibility import dispatch_rules_for
+
+    rules = dispatch_rules_for(RunConfig(strategy="fedbuff", clients=2, eligible="battery>=40"))
+    with pytest.raises(ConfigError, match="in a deployment its dispatch does not probe"):
+        rules.check_simulated(False, {})
+    rules.check_simulated(True, {})
+    by_policy = dispatch_rules_for(RunConfig(strategy="fedbuff", clients=2))
+    by_policy.check_simulated(False, {})  # no rule at all: a deployment runs
+    with pytest.raises(ConfigError, match="in a deployment"):
+        by_policy.check_simulated(False, {"policy.default": '{"eligible": "charging"}'})
+    from fedswarm.sim.engines import check_config
+
+    with pytest.raises(ConfigError, match="fedbuff --eligible: on --engine inprocess or batched"):
+        check_config(RunConfig(strategy="fedbuff", engine="flower", clients=2, eligible="battery>=40"))
+
+
+def test_fedbuff_eligible_with_availability_inprocess(tmp_path, monkeypatch):
+    """--eligible and --availability together (in-process; the batched engine refuses --availability under
+    fedbuff): the ineligible class (fast gpu nodes: a dispatch would arrive) is never dispatched."""
+    monkeypatch.setenv("FEDSWARM_FAKE_BATTERY", "5")
+    from fedswarm.config import RunConfig
+    from fedswarm.sim.run import run_engine
+    from fedswarm.store import Store
+
+    cfg = RunConfig(task="digits-mlp", strategy="fedbuff", clients=6, rounds=8, seed=1, local_steps=1,
+                    devices="edge-wifi:4,gpu:2", availability="on=6,off=4,dropout=0.1", round_timeout=5.0,
+                    eligible="battery>=40", policies={"edge-wifi": {"eligible": "battery<=10"}},
+                    params={"buffer_size": 2, "concurrency": 3})
+    store = Store(tmp_path / "av.db")
+    try:
+        rid = store.create_run(cfg.model_dump())
+        assert run_engine(cfg, store=store, run_id=rid) == "finished"
+        rows = store.node_rounds(rid)
+        assert {r.node_id for r in rows if r.status == "ineligible"} == {"5", "6"}
+        assert {r.node_id for r in rows if r.status != "ineligible"} <= {"1", "2", "3", "4"}
+    finally:
+        store.close()

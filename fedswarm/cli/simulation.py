@@ -195,7 +195,7 @@ def sim(
         "temp, rss with <, <=, >, >=, ==; charging, !charging); per device class: an 'eligible' key in the class's "
         "policy of a --config file. A node is probed for its telemetry before a round it did not train in the "
         "round before; a skipped node's row says why ('ineligible'). --engine inprocess or flower; batched with "
-        "fedavg."
+        "fedavg; fedbuff dispatches only eligible nodes on --engine inprocess or batched."
     )),
     availability: Optional[str] = typer.Option(None, "--availability", help=(
         "Simulated availability (needs --devices): on=S,off=S[,diurnal=A,period=S,dropout=P] for every class, "

@@ -33,6 +33,10 @@ Two arrival sources:
 - **a real deployment**: messages are pushed and pulled through the Grid with no round barrier;
   whatever reply comes back is folded in, a late node's update arrives stale, a dead node's never
   arrives and is counted as ``lost`` after ``round_timeout`` seconds.
+
+``--eligible`` (or a device class's ``eligible`` policy): on a simulated fleet the dispatch draws
+only eligible idle nodes, and the nodes passed over get an ``ineligible`` row
+(:mod:`fedswarm.strategies.federated.fedbuff_eligibility`); refused in a deployment.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ from flwr.serverapp.strategy import FedAvg, Result
 from fedswarm.algorithms.fedbuff import AsyncSchedule, FedBuffer, Stale, staleness_weight
 from fedswarm.algorithms.compression.codecs import CODECS
 from fedswarm.strategies.federated.compressed_client import KNOBS
+from fedswarm.strategies.federated.fedbuff_eligibility import dispatch_rules_for
+from fedswarm.errors import ConfigError
 from fedswarm.hyperparams import HyperParam
 from fedswarm.payload import PayloadError
 from fedswarm.strategies.registry import Batched, BuildContext, StrategyEntry, register
@@ -112,7 +118,7 @@ class FedBuff(ReportsRounds, FedAvg):
                  max_staleness: int | None = None, server_lr: float = 1.0, min_nodes: int = 1, seed: int = 0,
                  duration: Any = None, dp: Any = None, poll_s: float = 0.5, availability: Any = None,
                  codec: str = "none", codec_params: str | dict = "", error_feedback: bool = True,
-                 layout: Any = None):
+                 layout: Any = None, eligibility: Any = None):
         super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=1, min_evaluate_nodes=0,
                          min_available_nodes=min_nodes)
         self.buffer = FedBuffer(buffer_size, staleness_weight(staleness_weight_spec), max_staleness, server_lr)
@@ -132,6 +138,7 @@ class FedBuff(ReportsRounds, FedAvg):
             self.codec = make_codec(codec, **parse_codec_params(codec_params))
         self.error_feedback = bool(error_feedback)
         self.layout = layout
+        self.eligibility = eligibility  # a DispatchRules (fedbuff_eligibility.py), None: every node may train
 
     def knobs(self, version: int) -> ConfigRecord:
         """The ``compress`` record of a train message with an uplink codec, sent with model ``version``
@@ -170,6 +177,10 @@ class FedBuff(ReportsRounds, FedAvg):
 
             self.layout = layout_of_arrays(initial_arrays)
         start_version = self.version
+        rules = self.eligibility
+        if rules is not None:
+            rules.check_simulated(self.simulated, train_config)
+        add_rows = getattr(evaluate_fn, "node_rows", None)  # the recorder's: rows of nodes that sent nothing
         sent_models: dict[int, torch.Tensor] = {self.version: x}
         flying: dict[str, _Sent] = {}
         nodes = wait_for_nodes(grid, self.min_available_nodes, timeout)
@@ -218,7 +229,8 @@ class FedBuff(ReportsRounds, FedAvg):
 
         while self.version < start_version + num_rounds:
             if self.simulated:
-                jobs = sched.dispatch(self.version)
+                jobs = (sched.dispatch(self.version) if rules is None
+                        else rules.dispatch(sched, self.version, train_config))
                 push([(j.node, j.seq) for j in jobs])
                 job = sched.arrive()
                 mid = next(m for m, s in flying.items() if s.seq == job.seq)
@@ -267,6 +279,8 @@ class FedBuff(ReportsRounds, FedAvg):
                            # never one still training: an aggregation waits for no node
                            eval_cohort=sorted(int(n) for n in by_node))
             counts["lost"] = 0
+            if rules is not None and callable(add_rows):
+                add_rows(rules.rows(lambda n: str(n) in by_node))
             by_node.clear()
             if self.simulated and self.duration is not None:
                 metrics["sim_time_s"] = sched.now - t_last_agg
@@ -330,21 +344,18 @@ def client_update(msg: Message, context: Any) -> RecordDict:
 
 def build(params: dict, ctx: BuildContext) -> FedBuff:
     cfg = ctx.config
-    fleet = cfg.fleet_options() if callable(getattr(cfg, "fleet_options", None)) else []
-    fleet = [f for f in fleet if f != "--availability"]  # its schedule honours the simulated fleet's
+    used = cfg.fleet_options() if callable(getattr(cfg, "fleet_options", None)) else []
+    # its schedule honours the simulated fleet's availability, its dispatch the eligibility rules
+    fleet = [f for f in used if f not in ("--availability", "--eligible")]
     if fleet:
-        from fedswarm.errors import ConfigError
-
-        raise ConfigError(f"fedbuff does not take {', '.join(fleet)}: it has no rounds to close early or sample, "
-                          f"and its own dispatch does not yet honour eligibility")
+        raise ConfigError(f"fedbuff does not take {', '.join(fleet)}: it has no rounds to close early or sample")
+    if "--eligible" in used and cfg.engine == "flower":
+        raise ConfigError("fedbuff --eligible: on --engine inprocess or batched (on the flower engine a node's id "
+                          "does not tell its partition, so not its device class)")
     if cfg.devices is not None and cfg.engine == "flower":
-        from fedswarm.errors import ConfigError
-
         raise ConfigError("fedbuff --devices: its virtual clock runs on --engine inprocess or batched (on the flower "
                           "engine a node's id does not tell its partition, so not its device class)")
     if getattr(cfg, "availability", None) is not None and cfg.devices is None:
-        from fedswarm.errors import ConfigError
-
         raise ConfigError("fedbuff --availability runs on simulated time: give --devices")
     from fedswarm.availability import run_availability
 
@@ -352,8 +363,6 @@ def build(params: dict, ctx: BuildContext) -> FedBuff:
     k = int(params["buffer_size"])
     concurrency = int(params["concurrency"]) or cfg.clients
     if concurrency > cfg.clients:
-        from fedswarm.errors import ConfigError
-
         raise ConfigError(f"fedbuff: concurrency {concurrency} is more than the {cfg.clients} clients")
     dp = None
     if cfg.dp:
@@ -366,7 +375,8 @@ def build(params: dict, ctx: BuildContext) -> FedBuff:
                    min_nodes=cfg.clients, seed=cfg.seed, duration=fleet_durations(cfg, ctx.layout.d), dp=dp,
                    availability=availability, codec=str(params["codec"]),
                    codec_params=str(params["codec_params"]),
-                   error_feedback=bool(params["error_feedback"]), layout=ctx.layout)
+                   error_feedback=bool(params["error_feedback"]), layout=ctx.layout,
+                   eligibility=dispatch_rules_for(cfg))
 
 
 ENTRY = register(StrategyEntry(
