@@ -29,7 +29,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import PAYLOAD_ARRAYS, payload_from_records, payload_to_records
 
-__all__ = ["SPEC_RECORD", "payload_dim", "payload_of", "payload_vector", "check_specs", "payload_reply"]
+__all__ = ["SPEC_RECORD", "payload_dim", "payload_of", "payload_vector", "check_specs", "payload_reply", "reply_loss"]
 
 #: The ConfigRecord, next to the masked input, that names the payload the masked vector is.
 SPEC_RECORD = "secagg.payload"
@@ -67,6 +67,16 @@ def payload_of(reply: Message) -> tuple[np.ndarray, int, ConfigRecord]:
     if metrics is None or "num-examples" not in metrics:
         raise ValueError("secagg_mod: the train reply needs a 'num-examples' metric (the node's weight)")
     return vector, int(metrics["num-examples"]), spec
+
+
+def reply_loss(reply: Message) -> float:
+    """The train loss of a node's plain train reply (its ``train_loss`` metric), which the node
+    adds to its masked vector when the server asks for it (``algorithms.secagg.quantize.with_loss``)."""
+    metrics = next(iter(reply.content.metric_records.values()), None)
+    if metrics is None or "train_loss" not in metrics:
+        raise ValueError("secagg_mod: the server asks for the train loss, and the train reply has no 'train_loss' "
+                         "metric")
+    return float(metrics["train_loss"])
 
 
 def payload_vector(p: Payload) -> tuple[np.ndarray, ConfigRecord]:
