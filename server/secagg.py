@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
-from flwr.app import Message, MetricRecord, RecordDict
+from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedswarm.algorithms.secagg.dropouts import draw_dropouts
@@ -51,7 +51,7 @@ from fedswarm.errors import ConfigError
 from fedswarm.server.secagg_dp import SecAggDP, check_distributed_dp
 from fedswarm.strategies import registry
 from fedswarm.server.metered_grid import WrappingGrid, serialized_size
-from fedswarm.strategies.secagg_payload import SPEC_RECORD, check_specs, payload_dim, payload_reply
+from fedswarm.strategies.secagg_payload import SPEC_RECORD, check_specs, payload_dim, payload_reply, sum_metrics
 from fedswarm.strategies.secagg_records import (RECORD, encode_request, keys_from, masked_from, shares_from,
                                                 unmask_from)
 from fedswarm.wire import array_keys, arrayrecord_to_vector, vector_to_arrays_like
@@ -184,8 +184,7 @@ class SecAggGrid(WrappingGrid):
             new = model + mean
             arrays = vector_to_arrays_like(new.astype(np.float32), array_keys(first.content.array_records["arrays"]))
             content = RecordDict({"arrays": arrays})
-        content["metrics"] = MetricRecord({"num-examples": decoded.total_weight,
-                                           **({} if loss is None else {"train_loss": loss})})
+        content["metrics"] = sum_metrics(decoded.total_weight, loss)
         reply = Message(content, reply_to=by_node[survivor])
         return [reply]
 

@@ -13,12 +13,14 @@ step, with the protocol's stages replaced by their outcome
    train message: only those nodes train and run their client half (error-feedback residuals
    move for them alone), through the runner's own ``_train_replies``;
 3. each node's one-row payload becomes the vector it masks (:func:`payload_vector`, the
-   in-process node's layout); a node whose client half failed or whose payload is not finite
-   drops at ``masked_input``, as the in-process node that refuses to quantize it;
+   in-process node's layout, its train loss appended without DP: ``quantize.with_loss``); a
+   node whose client half failed or whose payload is not finite drops at ``masked_input``, as
+   the in-process node that refuses to quantize it;
 4. the senders' vectors are encoded with the protocol's quantizer, rounding, DP noise and
    dropouts and added in the field (:meth:`SecureRounds.finish`);
 5. the strategy reads ONE reply, in the name of the smallest sender, carrying the weighted
-   mean payload (:func:`payload_reply`) and the total weight, as ``SecAggGrid`` hands it: its
+   mean payload (:func:`payload_reply`), the total weight and the mean train loss (the row's
+   ``train_loss``), as ``SecAggGrid`` hands it: its
    ``parse_reply`` decodes it (countsketch: the top-k of the unsketched mean table; FetchSGD
    unsketches it into its momentum and error sketches) and ``apply_accepted`` commits it.
 
@@ -34,7 +36,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.app import MetricRecord
 
 from fedswarm.algorithms.secagg import SecAggFailed
 from fedswarm.algorithms.secagg.quantize import with_loss
@@ -44,7 +45,7 @@ from fedswarm.sim.batched_round import NODE_ROWS_MAX, add_client, make_reply, st
 from fedswarm.sim.batched_secagg_round import SecureRounds
 from fedswarm.sim.batched_trainer import ClientSchedule
 from fedswarm.strategies.federated.compressed_base import Accepted
-from fedswarm.strategies.secagg_payload import check_specs, payload_reply, payload_vector
+from fedswarm.strategies.secagg_payload import check_specs, payload_reply, payload_vector, sum_metrics
 
 __all__ = ["SecurePayloadRounds"]
 
@@ -118,8 +119,7 @@ def _one_reply(strategy, out, mean, train_loss, specs: dict, sub: _Cohort) -> li
     acknowledged and parsed as the strategy's ``aggregate_train`` would (a reply it refuses is rejected)."""
     survivor = min(out.senders)
     content = payload_reply(mean, specs[survivor])
-    content["metrics"] = MetricRecord({"num-examples": out.decoded.total_weight,
-                                       **({} if train_loss is None else {"train_loss": train_loss})})
+    content["metrics"] = sum_metrics(out.decoded.total_weight, train_loss)
     msg = make_reply(sub.messages[sub.node_ids.index(survivor)], content)
     strategy.sync.ack(survivor)
     strategy.pending.pop(survivor, None)
