@@ -13,8 +13,11 @@ through untouched. On a secagg stage message (:mod:`fedswarm.strategies.secagg_r
 - ``masked_input``: the message, less its ``secagg`` record, goes to the train function
   (an ordinary Flower ``train`` message with the global model in ``arrays``); its update (the
   returned ``arrays`` minus the ones received, weighted by its ``num-examples`` metric) is
-  quantized, masked and sent back instead of the plain reply. Nothing else of that reply (its
-  metrics, losses, example count) leaves the node: the server learns sums only.
+  quantized, masked and sent back instead of the plain reply. Where the round's vector is one
+  value longer than the update, the server asks for the train loss: the node appends its
+  ``train_loss`` metric (clipped, :func:`~fedswarm.algorithms.secagg.quantize.with_loss`), so the
+  server learns the survivors' weighted mean loss. Nothing else of that reply (its metrics, own
+  loss, example count) leaves the node: the server learns sums only.
 
 The protocol state lives in ``context.state`` (record ``secagg.state``) between the stages,
 kept out of it while the train function runs (fedswarm saves ``context.state`` to the node's
@@ -35,7 +38,8 @@ from fedswarm.algorithms.secagg import SecAggClient, SecAggRefused
 from fedswarm.client.secagg_dp import node_dp
 from fedswarm.algorithms.secagg.messages import ADVERTISE, MASKED_INPUT, SHARE_KEYS, UNMASK
 from fedswarm.payload import PayloadError
-from fedswarm.strategies.secagg_payload import SPEC_RECORD, payload_of
+from fedswarm.algorithms.secagg.quantize import with_loss
+from fedswarm.strategies.secagg_payload import SPEC_RECORD, payload_of, reply_loss
 from fedswarm.strategies.secagg_records import (RECORD, STATE_RECORD, decode_request, is_secagg, keys_to,
                                                 masked_to, shares_to, state_dump, state_load, unmask_to)
 from fedswarm.wire import arrayrecord_to_vector
@@ -96,6 +100,8 @@ def secagg_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
             else:  # a linear codec's payload (a sketch strategy: strategies/secagg_payload.py)
                 update, weight, spec = payload_of(reply)
             q = node.quantizer()
+            if node.setup.dim == update.size + 1:  # the server asks for the loss (SecAggGrid's loss=True)
+                update = with_loss(update, reply_loss(reply), q.clip)
             dp = node_dp(context, node.setup, msg)  # distributed DP (--dp): clip, weight 1, noise share
             if dp is not None:
                 update, weight = dp.prepare(update)

@@ -146,7 +146,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
 
         strategy_grid = SecAggGrid(metered, secagg_params(cfg), dropout=cfg.secagg_dropout, seed=cfg.seed,
                                    on_round=recorder.note, dp=SecAggDP(cfg.dp, cfg.seed) if cfg.dp else None,
-                                   dim_of=lambda: getattr(strategy, "secagg_dim", None))
+                                   dim_of=lambda: getattr(strategy, "secagg_dim", None), loss=not cfg.dp)
     recorder.fed_eval = GridEvaluator(nodes_grid, train_config, timeout=timeout,
                                       own_model=registry.get(cfg.strategy).kind != "federated")
     recorder.eval_every = cfg.eval_every

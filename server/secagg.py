@@ -12,6 +12,10 @@ the name of the round's first node: ``arrays`` = the global model plus the weigh
 nodes' (clipped, quantized) updates, ``num-examples`` = the nodes' total weight. A weighted mean
 of that one reply (FedAvg's) is the round's true weighted mean. The server learns the sum and
 the total weight, never one node's update or count.
+``loss=True`` (fedswarm's ServerApp, unless ``--dp``): the round's vector is one value longer and
+each node puts its train loss there (:func:`~fedswarm.algorithms.secagg.quantize.with_loss`), so
+the server learns the survivors' weighted mean train loss (within quantization error), never
+one node's: the one reply's ``train_loss`` metric, and ``on_round(train_loss=...)``.
 
 A round that cannot finish (too few nodes or shares past the threshold) hands the strategy no
 reply: the model stays as it was, the round's row says why (``secagg_failed``), and the run
@@ -37,16 +41,17 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
-from flwr.app import Message, MetricRecord, RecordDict
+from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedswarm.algorithms.secagg.dropouts import draw_dropouts
 from fedswarm.algorithms.secagg import STAGES, SecAggFailed, SecAggParams, SecAggServer
+from fedswarm.algorithms.secagg.quantize import split_loss
 from fedswarm.errors import ConfigError
 from fedswarm.server.secagg_dp import SecAggDP, check_distributed_dp
 from fedswarm.strategies import registry
 from fedswarm.server.metered_grid import WrappingGrid, serialized_size
-from fedswarm.strategies.secagg_payload import SPEC_RECORD, check_specs, payload_dim, payload_reply
+from fedswarm.strategies.secagg_payload import SPEC_RECORD, check_specs, payload_dim, payload_reply, sum_metrics
 from fedswarm.strategies.secagg_records import (RECORD, encode_request, keys_from, masked_from, shares_from,
                                                 unmask_from)
 from fedswarm.wire import array_keys, arrayrecord_to_vector, vector_to_arrays_like
@@ -67,14 +72,17 @@ class SecAggGrid(WrappingGrid):
 
     def __init__(self, inner: Grid, params: SecAggParams, *, dropout: float = 0.0, seed: int = 0,
                  on_round: Callable[..., Any] | None = None, dp: SecAggDP | None = None,
-                 dim_of: Callable[[], int | None] | None = None):
+                 dim_of: Callable[[], int | None] | None = None, loss: bool = False):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"secagg dropout must be in [0, 1), got {dropout}")
+        if loss and dp is not None:
+            raise ValueError("SecAggGrid: loss=True under distributed DP: the noise covers the update, not the loss")
         super().__init__(inner)
         self.params, self.dropout, self.seed, self.on_round = params, float(dropout), int(seed), on_round
         self.dp = dp  # distributed DP (--dp): the round's noise room and the accountant (server/secagg_dp.py)
         # A codec strategy's payload length (its ``secagg_dim``): train messages without the model
         self.dim_of = dim_of
+        self.loss = bool(loss)  # the nodes append their train loss to the masked vector
         self.rounds = 0
         self.survivors: list[int] = []  # the nodes in the last secure round's sum
         self._rng = np.random.default_rng([self.seed, 0x5EC])
@@ -114,7 +122,7 @@ class SecAggGrid(WrappingGrid):
                                "knobs rows, cols, hash_seed)")
         mtype, group = first.metadata.message_type, first.metadata.group_id
         params = self.params if self.dp is None else self.dp.round_params(self.params, len(by_node), dim)
-        srv = SecAggServer(sorted(by_node), dim, params,
+        srv = SecAggServer(sorted(by_node), dim + (1 if self.loss else 0), params,
                            graph_seed=int(self._rng.integers(1 << 62)))
         # simulated dropouts: the drawn nodes' replies are lost from their stage on (every engine draws them so)
         gone = draw_dropouts(sorted(by_node), self.dropout, self.seed, self.rounds) if self.dropout else {}
@@ -165,20 +173,23 @@ class SecAggGrid(WrappingGrid):
             log.warning("secure aggregation round %d failed: %s", self.rounds, exc)
             self._note(srv, figures, failed=str(exc))
             return []
-        self._note(srv, figures, dp=None if self.dp is None else self.dp.account(srv.report.masked))
+        mean, loss = split_loss(decoded.mean, params.clip) if self.loss else (decoded.mean, None)
+        self._note(srv, figures, dp=None if self.dp is None else self.dp.account(srv.report.masked),
+                   train_loss=loss)
         self.survivors = sorted(inputs)  # who is in the sum (the server learns it): a second exchange asks them
         survivor = min(inputs)  # the reply goes in the name of a node that took part
         if model is None:  # the weighted mean payload: the strategy decodes it as it decodes a plain one
-            content = payload_reply(decoded.mean, spec)
+            content = payload_reply(mean, spec)
         else:
-            new = model + decoded.mean
+            new = model + mean
             arrays = vector_to_arrays_like(new.astype(np.float32), array_keys(first.content.array_records["arrays"]))
             content = RecordDict({"arrays": arrays})
-        content["metrics"] = MetricRecord({"num-examples": decoded.total_weight})
+        content["metrics"] = sum_metrics(decoded.total_weight, loss)
         reply = Message(content, reply_to=by_node[survivor])
         return [reply]
 
-    def _note(self, srv: SecAggServer, figures: dict, failed: str | None = None, dp: dict | None = None) -> None:
+    def _note(self, srv: SecAggServer, figures: dict, failed: str | None = None, dp: dict | None = None,
+              train_loss: float | None = None) -> None:
         r = srv.report
         row = {"participants": r.participants, "nodes": figures["nodes"], "bytes": figures["bytes"],
                "dropped_after_sharing": r.dropped_after_sharing, "recovered": r.recovered,
@@ -190,7 +201,8 @@ class SecAggGrid(WrappingGrid):
         if failed is not None:
             row["failed"] = failed
         if self.on_round is not None:
-            self.on_round(secagg=row, **({"secagg_failed": failed} if failed else {}), **(dp or {}))
+            self.on_round(secagg=row, **({"secagg_failed": failed} if failed else {}), **(dp or {}),
+                          **({} if train_loss is None else {"train_loss": train_loss}))
 
 
 def secagg_params(cfg) -> SecAggParams:

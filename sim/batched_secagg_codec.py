@@ -13,12 +13,14 @@ step, with the protocol's stages replaced by their outcome
    train message: only those nodes train and run their client half (error-feedback residuals
    move for them alone), through the runner's own ``_train_replies``;
 3. each node's one-row payload becomes the vector it masks (:func:`payload_vector`, the
-   in-process node's layout); a node whose client half failed or whose payload is not finite
-   drops at ``masked_input``, as the in-process node that refuses to quantize it;
+   in-process node's layout, its train loss appended without DP: ``quantize.with_loss``); a
+   node whose client half failed or whose payload is not finite drops at ``masked_input``, as
+   the in-process node that refuses to quantize it;
 4. the senders' vectors are encoded with the protocol's quantizer, rounding, DP noise and
    dropouts and added in the field (:meth:`SecureRounds.finish`);
 5. the strategy reads ONE reply, in the name of the smallest sender, carrying the weighted
-   mean payload (:func:`payload_reply`) and the total weight, as ``SecAggGrid`` hands it: its
+   mean payload (:func:`payload_reply`), the total weight and the mean train loss (the row's
+   ``train_loss``), as ``SecAggGrid`` hands it: its
    ``parse_reply`` decodes it (countsketch: the top-k of the unsketched mean table; FetchSGD
    unsketches it into its momentum and error sketches) and ``apply_accepted`` commits it.
 
@@ -34,16 +36,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.app import MetricRecord
 
 from fedswarm.algorithms.secagg import SecAggFailed
+from fedswarm.algorithms.secagg.quantize import with_loss
 from fedswarm.payload import PayloadError
 from fedswarm.server.metered_grid import Traffic
 from fedswarm.sim.batched_round import NODE_ROWS_MAX, add_client, make_reply, strategy_round
 from fedswarm.sim.batched_secagg_round import SecureRounds
 from fedswarm.sim.batched_trainer import ClientSchedule
 from fedswarm.strategies.federated.compressed_base import Accepted
-from fedswarm.strategies.secagg_payload import check_specs, payload_reply, payload_vector
+from fedswarm.strategies.secagg_payload import check_specs, payload_reply, payload_vector, sum_metrics
 
 __all__ = ["SecurePayloadRounds"]
 
@@ -66,7 +68,7 @@ class SecurePayloadRounds(SecureRounds):
         dim = strategy.secagg_dim
         if not dim:
             raise RuntimeError(f"--secagg: strategy '{strategy.name}' has no linear payload to sum (secagg_dim)")
-        rnd = self.begin(sorted(node_ids), int(dim))
+        rnd = self.begin(sorted(node_ids), int(dim) + (1 if self.loss else 0))
         failed = None
         try:
             trained = rnd.trained()
@@ -85,18 +87,19 @@ class SecurePayloadRounds(SecureRounds):
         for r in replies:
             vector, spec = (None, None) if r.error is not None else payload_vector(r.sent())
             if vector is not None and np.isfinite(vector).all():
+                if self.loss:  # the node's train loss, last (the in-process node's layout)
+                    vector = with_loss(vector, r.loss, self.params.clip)
                 rows[r.node_id], weights[r.node_id], specs[r.node_id] = vector, int(r.n), spec
             else:  # its client half failed, or its node refuses to quantize a non-finite payload
                 gone.append(r.node_id)
         out, row = self.finish(rnd, rows, weights, server_round, gone=gone, failed=failed,
                                check=lambda senders: check_specs({n: specs[n] for n in senders}, int(dim)))
-        accepted = [] if out is None else _one_reply(strategy, out, specs, sub)
+        mean, train_loss = self.split(out)
+        accepted = [] if out is None else _one_reply(strategy, out, mean, train_loss, specs, sub)
         strategy.apply_accepted(server_round, accepted)
         runner.arrays = strategy.model_arrays()
         run.meter.traffic, node_rows = _traffic(replies, sub, len(node_ids) <= NODE_ROWS_MAX)
-        kept = [r for r in replies if r.node_id in rows]
-        weight = sum(r.n for r in kept)
-        row.update(num_clients=len(node_ids), train_loss=sum(r.n * r.loss for r in kept) / weight if weight else None)
+        row.update(num_clients=len(node_ids), train_loss=train_loss)
         return row, node_rows
 
 
@@ -110,13 +113,13 @@ class _Cohort:
     pols: list[dict]
 
 
-def _one_reply(strategy, out, specs: dict, sub: _Cohort) -> list[Accepted]:
+def _one_reply(strategy, out, mean, train_loss, specs: dict, sub: _Cohort) -> list[Accepted]:
     """What ``SecAggGrid`` hands the strategy: one reply in the smallest sender's name carrying the
-    weighted mean payload and the total weight, acknowledged and parsed as the strategy's
-    ``aggregate_train`` would (a reply it refuses is rejected)."""
+    weighted mean payload ``mean``, the total weight and the mean ``train_loss`` (if carried),
+    acknowledged and parsed as the strategy's ``aggregate_train`` would (a reply it refuses is rejected)."""
     survivor = min(out.senders)
-    content = payload_reply(out.decoded.mean, specs[survivor])
-    content["metrics"] = MetricRecord({"num-examples": out.decoded.total_weight})
+    content = payload_reply(mean, specs[survivor])
+    content["metrics"] = sum_metrics(out.decoded.total_weight, train_loss)
     msg = make_reply(sub.messages[sub.node_ids.index(survivor)], content)
     strategy.sync.ack(survivor)
     strategy.pending.pop(survivor, None)

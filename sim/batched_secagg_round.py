@@ -5,7 +5,9 @@ computation, then the round's unmasked sum computed directly
 What follows the in-process server (``SecAggGrid`` and the nodes' ``secagg_mod``): each node's
 update is its new model minus the global one (float64), weighted by its number of examples
 (under ``--dp``: clipped, weight 1, its distributed-DP noise share, the round's field room from
-:class:`~fedswarm.server.secagg_dp.SecAggDP`); the neighbour graph's seed is the run's
+:class:`~fedswarm.server.secagg_dp.SecAggDP`), its train loss appended as the nodes append it
+without DP (:func:`~fedswarm.algorithms.secagg.quantize.with_loss`: the row's ``train_loss`` is the
+decoded weighted mean, as ``SecAggGrid``'s); the neighbour graph's seed is the run's
 ``SecAggGrid`` sequence (one draw per round from the run's seed); ``secagg_dropout`` is
 :func:`~fedswarm.algorithms.secagg.dropouts.draw_dropouts` of the run's seed and the round, as
 ``SecAggGrid`` draws it; the new model is the global one plus the decoded weighted mean; a round
@@ -29,6 +31,7 @@ import torch
 from fedswarm.algorithms.privacy.distributed import node_rng
 from fedswarm.algorithms.secagg import SecAggFailed
 from fedswarm.algorithms.secagg.dropouts import draw_dropouts
+from fedswarm.algorithms.secagg.quantize import loss_coordinate, split_loss
 from fedswarm.server.metered_grid import Traffic
 from fedswarm.server.secagg import secagg_params
 from fedswarm.server.secagg_dp import SecAggDP
@@ -52,6 +55,14 @@ class SecureRounds:
         self.rng = np.random.default_rng([int(cfg.seed), 0x5EC])  # SecAggGrid's: one graph seed per round
         self.dp = SecAggDP(cfg.dp, cfg.seed) if cfg.dp else None
         self.rounds = 0
+        self.loss = self.dp is None  # the nodes' train loss travels in the masked vector (SecAggGrid's loss)
+
+    def split(self, out: SecureSum | None) -> tuple[np.ndarray | None, float | None]:
+        """The decoded weighted mean payload and the survivors' weighted mean train loss (None
+        under DP, or where the round failed), as ``SecAggGrid`` splits them."""
+        if out is None:
+            return None, None
+        return split_loss(out.decoded.mean, self.params.clip) if self.loss else (out.decoded.mean, None)
 
     def begin(self, ids: list[int], dim: int) -> SecureRound:
         """The next round over the sorted node ids ``ids`` for vectors of ``dim`` values: its
@@ -104,28 +115,29 @@ class SecureFedAvg(SecureRounds):
         cfg, trainer = self.cfg, run.trainer
         total, d = len(sample), trainer.layout.d
         sample_ids = np.fromiter(sample, dtype=np.int64, count=total)
-        rnd = self.begin(sorted(sample), d)
+        rnd = self.begin(sorted(sample), d + (1 if self.loss else 0))
         cohort = cohort_schedule(cfg, sample_ids, run.train_config, run.n_examples, server_round)
         start = global_vec.to(torch.float32).cpu()
-        updates = np.empty((total, d), dtype=np.float64)
+        updates = np.empty((total, rnd.server.dim), dtype=np.float64)  # the loss last, as the nodes append it
         losses = np.zeros(total, dtype=np.float64)
         counts = np.zeros(total, dtype=np.int64)
         for rows, new, loss, n in trainer.fit(start, cohort.sched, momentum=cfg.momentum, chunk_size=run.chunk_size,
                                               memory_budget=run.memory_budget, on_chunk=run.progress(total)):
-            updates[rows] = new.cpu().to(torch.float64).numpy() - start.to(torch.float64).numpy()
+            updates[rows, :d] = new.cpu().to(torch.float64).numpy() - start.to(torch.float64).numpy()
             losses[rows] = loss.to(torch.float64).numpy()
             counts[rows] = n.numpy()
+        if self.loss:
+            updates[:, d] = [loss_coordinate(v, self.params.clip) for v in losses]
         finite = np.isfinite(updates).all(axis=1)
         # a non-finite model is never quantized: that node drops before its masked input
         row: dict = {"num_clients": total}
-        weight = int(counts[finite].sum())
-        row["train_loss"] = float((losses[finite] * counts[finite]).sum() / weight) if weight else None
         out, figures = self.finish(rnd, dict(zip(sample, updates)), dict(zip(sample, counts.tolist())), server_round,
                                    gone=sample_ids[~finite].tolist())
         row.update(figures)
+        mean, row["train_loss"] = self.split(out)
         new_vec = global_vec
         if out is not None:
-            new_vec = torch.from_numpy((start.to(torch.float64).numpy() + out.decoded.mean).astype(np.float32))
+            new_vec = torch.from_numpy((start.to(torch.float64).numpy() + mean).astype(np.float32))
         run.meter.traffic, node_rows = _traffic(counter, start, sample, sample_ids, counts, losses, cohort,
                                                 server_round)
         return new_vec, row, node_rows

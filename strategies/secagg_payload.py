@@ -24,12 +24,13 @@ import math
 from collections.abc import Mapping
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import PAYLOAD_ARRAYS, payload_from_records, payload_to_records
 
-__all__ = ["SPEC_RECORD", "payload_dim", "payload_of", "payload_vector", "check_specs", "payload_reply"]
+__all__ = ["SPEC_RECORD", "payload_dim", "payload_of", "payload_vector", "check_specs", "payload_reply", "reply_loss",
+           "sum_metrics"]
 
 #: The ConfigRecord, next to the masked input, that names the payload the masked vector is.
 SPEC_RECORD = "secagg.payload"
@@ -67,6 +68,22 @@ def payload_of(reply: Message) -> tuple[np.ndarray, int, ConfigRecord]:
     if metrics is None or "num-examples" not in metrics:
         raise ValueError("secagg_mod: the train reply needs a 'num-examples' metric (the node's weight)")
     return vector, int(metrics["num-examples"]), spec
+
+
+def reply_loss(reply: Message) -> float:
+    """The train loss of a node's plain train reply (its ``train_loss`` metric), which the node
+    adds to its masked vector when the server asks for it (``algorithms.secagg.quantize.with_loss``)."""
+    metrics = next(iter(reply.content.metric_records.values()), None)
+    if metrics is None or "train_loss" not in metrics:
+        raise ValueError("secagg_mod: the server asks for the train loss, and the train reply has no 'train_loss' "
+                         "metric")
+    return float(metrics["train_loss"])
+
+
+def sum_metrics(total_weight: int, loss: float | None) -> MetricRecord:
+    """The one reply's metrics under secure aggregation: the survivors' total weight
+    (``num-examples``) and, where the nodes sent it, their weighted mean ``train_loss``."""
+    return MetricRecord({"num-examples": int(total_weight), **({} if loss is None else {"train_loss": float(loss)})})
 
 
 def payload_vector(p: Payload) -> tuple[np.ndarray, ConfigRecord]:

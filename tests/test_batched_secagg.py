@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from fedswarm.algorithms.privacy.distributed import node_rng, secagg_with_dp
-from fedswarm.algorithms.secagg import SecAggFailed, SecAggParams, run_round
+from fedswarm.algorithms.secagg import SecAggFailed, SecAggParams, SecAggServer, run_round
+from fedswarm.algorithms.secagg.quantize import LOSS_MAX, split_loss, with_loss
 from fedswarm.sim.batched_secagg import DROP_STAGES, draw_dropouts, secure_sum
 
 SEED, ROUND, GRAPH = 5, 3, 1234
@@ -40,6 +41,32 @@ def test_same_sum_bit_for_bit_with_weights():
     assert np.array_equal(protocol.total, direct.total)
     assert direct.decoded.total_weight == sum(weights)
     assert np.array_equal(protocol.decoded.weighted_sum, direct.decoded.weighted_sum)
+
+
+def test_the_loss_coordinate_gives_the_survivors_weighted_mean_loss_bit_for_bit_on_both():
+    """Each node appends its train loss (with_loss); the protocol and the direct sum unmask the
+    same integers, and the decoded last coordinate is the survivors' weighted mean loss (losses
+    clipped to [0, LOSS_MAX], a non-finite one counted as LOSS_MAX) within the rounding bound."""
+    updates = _updates(8, 300)
+    ids = sorted(updates)
+    weights = [3, 1, 7, 2, 2, 9, 4, 1]
+    losses = [0.31, 2.5, 0.02, 1e4, 0.7, float("nan"), -1.0, 1.9]
+    params = SecAggParams(clip=0.2, bits=32, weight_max=16)
+    rows = {i: with_loss(updates[i], loss, params.clip) for i, loss in zip(ids, losses)}
+    drop = {"masked_input": {ids[2]}}
+    protocol, direct = _both(rows, params, weights=weights, drop=drop)
+    assert np.array_equal(protocol.total, direct.total)
+    mean, loss = split_loss(direct.decoded.mean, params.clip)
+    assert mean.shape == (300,)
+    kept = [k for k, i in enumerate(ids) if i != ids[2]]
+    clipped = [LOSS_MAX if not math.isfinite(v) else min(max(v, 0.0), LOSS_MAX) for v in losses]
+    oracle = sum(weights[k] * clipped[k] for k in kept) / sum(weights[k] for k in kept)
+    scale = direct.report.masked * LOSS_MAX / (direct.decoded.total_weight * protocol_levels(params, len(ids)))
+    assert abs(loss - oracle) <= scale, (loss, oracle, scale)
+
+
+def protocol_levels(params: SecAggParams, n: int) -> int:
+    return SecAggServer(list(range(1, n + 1)), 1, params).quantizer.levels
 
 
 def test_same_sum_with_dp_noise_and_dropouts_at_every_stage():

@@ -38,6 +38,7 @@ def test_batched_codec_secure_rounds_with_distributed_dp_equal_the_in_process_pr
     _, _, rounds = same_models_on_both_engines(kw, tmp_path, monkeypatch, atol=1e-3)  # as above
     for ref, got in rounds:  # the same noise reached the sum: the same accounting
         assert ref["epsilon"] == pytest.approx(got["epsilon"]) and got["epsilon"] > 0
+        assert ref["train_loss"] is None and got["train_loss"] is None  # the DP noise covers the payload only
 
 
 @pytest.mark.parametrize("codec,params", [("countsketch", {"k_ratio": 0.05}), ("randk", {"ratio": 0.1})])

@@ -34,6 +34,8 @@ def same_secure_rounds(kw: dict, tmp_path, monkeypatch) -> None:
             assert ref["secagg_failed"] == got["secagg_failed"]
             continue
         assert {k: ref["secagg"][k] for k in keys} == {k: got["secagg"][k] for k in keys}
+        # the survivors' weighted mean loss, from the masked loss coordinate on both (rounded apart)
+        assert got["train_loss"] == pytest.approx(ref["train_loss"], abs=1e-3)
         assert ref["secagg"]["nodes"]["masked_input"] == got["secagg"]["nodes"]["masked_input"]
     assert "secagg_failed" in rounds[0][1] and rounds[2][1]["secagg"]["recovered"] == 1
 
@@ -62,3 +64,4 @@ def test_batched_secure_rounds_with_distributed_dp_equal_the_in_process_protocol
     _, _, rounds = same_models_on_both_engines(kw, tmp_path, monkeypatch, atol=1e-3)  # as above
     for ref, got in rounds:  # the same noise reached the sum: the same accounting
         assert ref["epsilon"] == pytest.approx(got["epsilon"]) and got["epsilon"] > 0
+        assert ref["train_loss"] is None and got["train_loss"] is None  # the DP noise covers the update only

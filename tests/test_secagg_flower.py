@@ -9,6 +9,7 @@ from flwr.app import Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedswarm.algorithms.secagg import SecAggParams, SecAggServer, to_signed
+from fedswarm.algorithms.secagg.quantize import LOSS_MAX
 from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.server.app import run_server
@@ -77,6 +78,13 @@ def test_secure_round_matches_plain_fedavg_within_quantization_error(store):
     bound = cfg.clients / (sum(weights) * q.scale) + 1e-6  # one rounding unit per node, plus float32
     gap = np.max(np.abs(secure - plain))
     assert 0 < gap <= bound, (gap, bound)
+    # The train loss: one more masked coordinate (weight x loss), so the row carries the nodes' weighted mean
+    # loss; the oracle is the plain round's replies (the same training), the bound one rounding unit per node.
+    losses = [float(next(iter(r.content.metric_records.values()))["train_loss"]) for r in plain_grid.received]
+    oracle = sum(w * v for w, v in zip(weights, losses)) / sum(weights)
+    loss_bound = cfg.clients * LOSS_MAX / (sum(weights) * q.levels) + 1e-6
+    assert _rows(store, plain_id)[1]["train_loss"] == pytest.approx(oracle)
+    assert abs(_rows(store, sec_id)[1]["train_loss"] - oracle) <= loss_bound, (_rows(store, sec_id)[1], oracle)
     row = _rows(store, sec_id)[1]["secagg"]
     assert row["participants"] == 4 and row["nodes"]["unmask"] == 4 and row["field_bits"] == 32
     assert set(row["bytes"]) == {"advertise", "share_keys", "masked_input", "unmask"}
@@ -102,7 +110,8 @@ def test_everything_the_server_receives_is_uncorrelated_with_each_update(store):
         assert not r.has_error()
         assert "arrays" not in r.content.array_records and not r.content.metric_records  # no model, no count
         for name in r.content.array_records:
-            seen[r.metadata.src_node_id].append(to_signed(masked_from(r.content), 32)[:-1].astype(np.float64))
+            # less its last two values: the weighted loss and the weight, which the server learns summed only
+            seen[r.metadata.src_node_id].append(to_signed(masked_from(r.content), 32)[:-2].astype(np.float64))
             assert name == RECORD
     for node, u in updates.items():
         assert len(seen[node]) == 1  # its masked input: all of its numbers the server got

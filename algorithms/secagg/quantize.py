@@ -22,6 +22,14 @@ so, given ``b``, the quantizer takes the largest ``levels`` with
 The decoded weighted mean is off from the clipped weighted mean by at most
 ``n / (W * scale)`` per coordinate (``W`` the total weight; one rounding unit per node), and
 in expectation by nothing.
+
+**The train loss** (:func:`with_loss`, :func:`split_loss`): where the server asks for it, a
+node appends its train loss, clipped to ``[0, LOSS_MAX]`` and scaled to ``[0, clip]``
+(``loss * clip / LOSS_MAX``), as one more coordinate of the vector it encodes. The quantizer
+weights it as any coordinate, so the server unmasks ``sum(w_i * loss_i)`` only and learns the
+survivors' weighted mean loss, never one node's; the coordinate stays in ``[-clip, clip]``, so
+the formula above holds unchanged. The mean loss is off by at most ``n * LOSS_MAX / (W * levels)``
+(plus the clipping: a node whose loss is past ``LOSS_MAX``, or not finite, counts as ``LOSS_MAX``).
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ import numpy as np
 from fedswarm.algorithms.secagg.crypto import field_dtype
 from fedswarm.errors import ConfigError
 
-__all__ = ["DecodedSum", "NoiseHook", "Quantizer", "field_bits", "to_signed"]
+__all__ = ["LOSS_MAX", "DecodedSum", "NoiseHook", "Quantizer", "field_bits", "loss_coordinate", "split_loss",
+           "to_signed", "with_loss"]
 
 #: The largest field: arithmetic is done in numpy uint64, which wraps mod 2^64.
 MAX_BITS = 64
@@ -45,6 +54,27 @@ CHUNK = 1 << 14
 #: ``noise(d, rng) -> int64 array [d]``: integer noise a node adds to its quantized vector
 #: before masking (distributed DP). Its values must stay within the quantizer's ``noise_bound``.
 NoiseHook = Callable[[int, np.random.Generator], np.ndarray]
+#: The range ``[0, LOSS_MAX]`` a node's train loss is clipped to before it joins the masked vector.
+LOSS_MAX = 100.0
+
+
+def loss_coordinate(loss: float, clip: float) -> float:
+    """The coordinate a node's train ``loss`` becomes: clipped to ``[0, LOSS_MAX]`` (not finite:
+    ``LOSS_MAX``), scaled to ``[0, clip]`` (module docstring)."""
+    loss = float(loss)
+    loss = min(max(loss, 0.0), LOSS_MAX) if math.isfinite(loss) else LOSS_MAX
+    return loss * float(clip) / LOSS_MAX
+
+
+def with_loss(update: np.ndarray, loss: float, clip: float) -> np.ndarray:
+    """``update`` (flat, float64) with :func:`loss_coordinate` appended."""
+    return np.append(np.asarray(update, dtype=np.float64).ravel(), loss_coordinate(loss, clip))
+
+
+def split_loss(mean: np.ndarray, clip: float) -> tuple[np.ndarray, float]:
+    """A decoded weighted mean of :func:`with_loss` vectors: the mean update and the weighted
+    mean train loss."""
+    return mean[:-1], float(mean[-1]) * LOSS_MAX / float(clip)
 
 
 def field_bits(n: int, levels: int, weight_max: int = 1, noise_bound: int = 0) -> int:

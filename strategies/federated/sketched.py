@@ -276,11 +276,12 @@ class SketchedSGD(SketchStrategy):
         ask = RecordDict({KNOBS: ConfigRecord({"round": server_round, "phase": 2, "secagg": True}),
                           "candidates": ArrayRecord({"indices": Array(cand.to(torch.int32).numpy())})})
         self._phase2_dim = int(cand.numel())
+        loss, self._grid.loss = getattr(self._grid, "loss", False), False  # the values carry no train loss
         try:
             replies = self.send_and_receive([Message(ask, message_type=self.message_type, dst_node_id=n)
                                              for n in nodes])
         finally:
-            self._phase2_dim = None
+            self._phase2_dim, self._grid.loss = None, loss
         if not replies or replies[0].has_error():
             return None
         msg = replies[0]
