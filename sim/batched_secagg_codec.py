@@ -136,7 +136,8 @@ def _traffic(replies, sub: _Cohort, record_nodes: bool) -> tuple[Traffic, list[d
     traffic = Traffic()
     node_rows: list[dict] | None = [] if record_nodes else None
     for r in replies:
-        add_client(traffic, node_rows, r.node_id, r.up, r.down, r.n, r.loss, r.device_class, sub.pols[r.k])
+        # its example count and loss travel inside its masked vector: not on its row, as in-process
+        add_client(traffic, node_rows, r.node_id, r.up, r.down, None, None, r.device_class, sub.pols[r.k])
         if r.error is not None and node_rows is not None:
             node_rows[-1].update(status="failed", reason=r.error.error.reason[:2000])
     return traffic, node_rows or []

@@ -160,6 +160,7 @@ def _traffic(counter, start, sample, sample_ids, counts, losses, cohort, server_
                                     cohort, server_round)
     traffic = Traffic()
     add_clients(traffic, sample, up, down)
-    node_rows = (cohort_rows(sample, up, down, counts.tolist(), losses.tolist(), cohort.classes(), cohort.policies())
+    hidden = [None] * len(sample)  # a node's example count and loss travel inside its masked vector, as in-process
+    node_rows = (cohort_rows(sample, up, down, hidden, hidden, cohort.classes(), cohort.policies())
                  if len(sample) <= NODE_ROWS_MAX else [])
     return traffic, node_rows
