@@ -305,7 +305,7 @@ def _corrupt(kind: str):
     ("compressed_fedavg", "compressed_fedavg", "shape", "shape"),
     ("onebit", "compressed_fedavg", "codec", "codec"),
     ("gtopk", "gtopk", "examples", "num-examples"),
-    ("fetchsgd", "sketched", "shape", "sketch table"),
+    ("fetchsgd", "sketch_base", "shape", "sketch table"),  # its client step (SketchClient) lives there
 ])
 def test_a_bad_payload_is_rejected_and_leaves_the_model_untouched(store, monkeypatch, strategy, module, kind,
                                                                   needle):
