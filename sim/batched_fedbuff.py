@@ -37,7 +37,8 @@ from fedswarm.algorithms.fedbuff import AsyncSchedule, InFlight, Stale
 from fedswarm.local import node_report, train_reply
 from fedswarm.payload import PayloadError
 from fedswarm.server.metered_grid import Traffic, serialized_size
-from fedswarm.sim.batched_round import ByteCounter, ClientRows, add_client, make_reply, reject_diverged, round_schedule
+from fedswarm.sim.batched_round import (ByteCounter, ClientRows, add_client, as_pushed, make_reply, reject_diverged,
+                                        round_schedule)
 from fedswarm.strategies.federated.compressed_client import KNOBS
 from fedswarm.strategies.federated.compressed_fedavg import client_step, uplink_of
 from fedswarm.strategies.strategy_utils import clean_reason
@@ -60,8 +61,11 @@ class FedBuffRounds:
         # with an uplink codec: partition id -> its error-feedback residual (zeros before its first update)
         self.residuals = ClientRows(model.numel(), run.cfg.clients) if strategy.codec is not None else None
         self.timed = strategy.duration is not None
+        # --availability: only nodes that are on are dispatched, a dispatch that drops is given up after
+        # round_timeout (simulated), as the in-process strategy's schedule does
         self.sched = AsyncSchedule(range(1, run.cfg.clients + 1), strategy.concurrency, strategy.duration,
-                                   seed=strategy.seed)
+                                   seed=strategy.seed, availability=strategy.availability,
+                                   timeout=float(run.cfg.round_timeout))
         self.counter = ByteCounter(run.train_config)
         self.version = 0
         self.sent: dict[int, torch.Tensor] = {}  # version -> the model its clients start from
@@ -76,7 +80,9 @@ class FedBuffRounds:
             jobs = self.rules.dispatch(self.sched, self.version, self.run.train_config)
         if jobs:
             self.sent[self.version] = self.model
-            self.untrained.extend(jobs)
+            # a lost dispatch never trains: in-process its message is never pulled, so its ClientApp
+            # never runs (with a codec, its residual does not move)
+            self.untrained.extend(j for j in jobs if not j.lost)
 
     def _train_waiting(self) -> None:
         """Train every dispatched, untrained client: one batch per start version."""
@@ -119,17 +125,27 @@ class FedBuffRounds:
                 out[j] = client_payload(payload, i, uplink.seed)
         return out
 
-    def _codec_reply(self, job: InFlight, payload, n: int, steps: int, loss: float, cls: str,
-                     pol: dict) -> tuple[int, int, Message]:
-        """(bytes down, bytes up, reply) of a codec run's arrival: its real ``train.fedbuff`` message
-        and the reply its ClientApp sends (:func:`~fedswarm.strategies.federated.fedbuff.client_update`)."""
+    def _train_message(self, job: InFlight) -> Message:
+        """The message the in-process strategy pushes for dispatch ``job`` (``train.fedbuff`` with the
+        codec's knobs, else a plain train message), its version key included."""
+        from flwr.app import MessageType
+
         from fedswarm.strategies.federated.fedbuff import MESSAGE_TYPE, VERSION_KEY
 
         config = ConfigRecord(dict(self.run.train_config))
         config["server-round"] = job.version + 1
         config[VERSION_KEY] = job.version
-        ins = Message(RecordDict({"arrays": vector_to_arrayrecord(self.sent[job.version]), "config": config,
-                                  KNOBS: self.strategy.knobs(job.version)}), job.node, MESSAGE_TYPE)
+        record = RecordDict({"arrays": vector_to_arrayrecord(self.sent[job.version]), "config": config})
+        if self.residuals is None:
+            return Message(record, job.node, MessageType.TRAIN)
+        record[KNOBS] = self.strategy.knobs(job.version)
+        return Message(record, job.node, MESSAGE_TYPE)
+
+    def _codec_reply(self, job: InFlight, payload, n: int, steps: int, loss: float, cls: str,
+                     pol: dict) -> tuple[int, int, Message]:
+        """(bytes down, bytes up, reply) of a codec run's arrival: its real ``train.fedbuff`` message
+        and the reply its ClientApp sends (:func:`~fedswarm.strategies.federated.fedbuff.client_update`)."""
+        ins = self._train_message(job)
         node = node_report(cls, json.dumps(pol, sort_keys=True), **{"partition-id": job.node - 1})
         reply = make_reply(ins, train_reply(payload_to_records(payload, RecordDict()), n, loss, steps, node))
         return serialized_size(ins), serialized_size(reply), reply
@@ -138,9 +154,18 @@ class FedBuffRounds:
         traffic, node_rows = Traffic(), []
         at: dict[int, int] = {}  # node -> its row: one per node per aggregation, as the recorder keeps them
         by_node: dict[str, list[int]] = defaultdict(list)
+        lost: list[int] = []  # nodes whose dispatch was given up in this aggregation (--availability)
+        lost_down: dict[int, int] = {}  # their messages' bytes
         while not self.buffer.ready:
             self._dispatch()
             job = self.sched.arrive()
+            if job.lost:  # dropped mid-training: no update, given up after the timeout; its message went down
+                lost.append(job.node)
+                down = serialized_size(as_pushed(self._train_message(job)))
+                traffic.bytes_down += down
+                traffic.node_down[job.node] += down
+                lost_down[job.node] = lost_down.get(job.node, 0) + down
+                continue
             if job.seq not in self.results:
                 self._train_waiting()
             new, loss, n, steps, cls, pol = self.results.pop(job.seq)
@@ -192,11 +217,19 @@ class FedBuffRounds:
         n_sum = sum(r["num_examples"] for r in kept)
         loss = sum(r["train_loss"] * r["num_examples"] for r in kept) / n_sum if n_sum else None
         row = {"train_loss": loss, "num_clients": len(node_rows), **metrics,
-               "model_version": self.version, "in_flight": self.sched.in_flight, "lost": 0,
+               "model_version": self.version, "in_flight": self.sched.in_flight, "lost": len(lost),
                "staleness_by_node": dict(by_node)}
         if self.timed:
             row.update(sim_time_s=self.sched.now - self.t_last, sim_clock_s=self.sched.now)
             self.t_last = self.sched.now
+        # a given-up node with no update in this aggregation: failed, as the recorder writes a node that
+        # was sent a message and never answered (counted in num_clients, as the recorder counts it)
+        for node in sorted(set(lost) & set(at)):  # ... or one that arrived again: its row has the bytes
+            node_rows[at[node]]["bytes_down"] += lost_down[node]
+        for node in sorted(set(lost) - set(at)):
+            node_rows.append({"node_id": str(node), "bytes_up": 0, "bytes_down": lost_down[node], "status": "failed",
+                              "reason": "no reply before the round's timeout"})
+            row["num_clients"] += 1
         if self.rules is not None:  # the nodes passed over (not counted in num_clients, as in-process)
             node_rows += self.rules.rows(lambda n: str(n) in by_node)
         return row, node_rows

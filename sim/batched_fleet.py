@@ -77,7 +77,8 @@ Train = Callable[[list[int]], "tuple[torch.Tensor, dict, list[dict]]"]
 def check_batched_fleet(cfg: RunConfig, runner: object) -> None:
     """Refuse, in one line, fleet options the batched engine does not run with ``cfg``."""
     used = cfg.fleet_options()
-    if not used or (runner == "fedbuff" and used == ["--eligible"]):  # fedbuff's dispatch: batched_fedbuff.py
+    if not used or (runner == "fedbuff" and set(used) <= {"--eligible", "--availability"}):
+        # fedbuff's dispatch and schedule honour these two itself (batched_fedbuff.py)
         return
     if runner != FLEET_RUNNER and (runner, cfg.strategy) != FLEET_CODEC:
         raise ConfigError(f"{', '.join(used)} on the batched engine: with fedavg's round (and the strategies "

@@ -414,11 +414,17 @@ class ByteCounter:
         return down_u[inverse], up_u[inverse]
 
 
+def as_pushed(msg: Message) -> Message:
+    """``msg`` with the id the grid gives a message on push (it counts in its serialized size)."""
+    if not msg.metadata.message_id:
+        msg.metadata.__dict__["_message_id"] = str(uuid4())
+    return msg
+
+
 def make_reply(ins: Message, content: RecordDict) -> Message:
     """The reply with ``content`` from the node ``ins`` went to, as the grid hands it to the
     server (both messages carry ids)."""
-    if not ins.metadata.message_id:
-        ins.metadata.__dict__["_message_id"] = str(uuid4())  # what the grid gives it on push
+    as_pushed(ins)
     TaskIdentity.node_id = ins.metadata.dst_node_id  # the reply's source, as on a SuperNode
     try:
         reply = Message(content, reply_to=ins)

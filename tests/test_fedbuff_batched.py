@@ -60,6 +60,47 @@ def test_batched_fedbuff_equals_inprocess(kw, tmp_path, monkeypatch):
 
 
 
+@pytest.mark.parametrize("codec", [None, "topk"])
+def test_batched_fedbuff_availability_equals_inprocess(codec, tmp_path, monkeypatch):
+    """--availability under FedBuff on the batched engine: only nodes that are on are dispatched, a dispatch
+    that drops (or outlasts its session) never trains and is given up after round_timeout (simulated) with a
+    ``failed`` row; the same models, aggregations, lost counts and node rows as in-process.
+    With a codec a lost dispatch's error-feedback residual does not move (its ClientApp never ran)."""
+    params = {"buffer_size": 2, "concurrency": 4}
+    if codec:
+        params.update(codec=codec, codec_params="ratio=0.1")
+    cfg = {"strategy": "fedbuff", "task": "digits-mlp", "local_steps": 2, "batch_size": 16, "seed": 3,
+           "eval_every": 1000, "clients": 6, "rounds": 6, "devices": "edge-wifi:4,straggler:2",
+           "round_timeout": 5.0, "availability": "on=6,off=4,diurnal=0.5,period=60,dropout=0.3", "params": params}
+    ref, got, pairs = same_models_on_both_engines(cfg, tmp_path, monkeypatch)
+    for a, b in pairs:
+        assert {k: a.get(k) for k in SAME + ("lost",)} == {k: b.get(k) for k in SAME + ("lost",)}
+    assert sum(a["lost"] for a, _ in pairs) > 0  # the case it names happened
+    rows_ref, rows_got = _node_rows(tmp_path, "inprocess"), _node_rows(tmp_path, "batched")
+    assert rows_got == rows_ref
+    assert any(status == "failed" and reason == "no reply before the round's timeout"
+               for _, _, status, reason in rows_ref)
+    # a lost dispatch's message went down: the batched engine counts a message when its node arrives or is
+    # given up (in-process counts it when pushed, on the aggregation it was pushed in), so each failed row
+    # carries at least its one lost message, as large as the others
+    bytes_got = _node_bytes(tmp_path, "batched")
+    per_message = min(down for status, up, down in bytes_got.values() if status != "failed" and up > 0)
+    assert per_message > 0
+    assert all(down >= per_message for status, _, down in bytes_got.values() if status == "failed"), bytes_got
+
+
+def _node_bytes(tmp_path, engine: str) -> dict:
+    """(round, node) -> (status, bytes up, bytes down) of the run on ``engine``."""
+    from fedswarm.store import Store
+
+    store = Store(tmp_path / f"{engine}.db")
+    try:
+        rid = store.list_runs()[0].id
+        return {(r.round, int(r.node_id)): (r.status, r.bytes_up, r.bytes_down) for r in store.node_rounds(rid)}
+    finally:
+        store.close()
+
+
 def test_batched_fedbuff_eligible_equals_inprocess(tmp_path, monkeypatch):
     """--eligible under FedBuff: on the machine's telemetry (a 5 % battery) the straggler class fails
     --eligible, edge-wifi's own policy passes; only edge-wifi nodes are dispatched, the stragglers get an
@@ -122,8 +163,8 @@ def test_fedbuff_eligible_refused_where_it_cannot_run():
 
 
 def test_fedbuff_eligible_with_availability_inprocess(tmp_path, monkeypatch):
-    """--eligible and --availability together (in-process; the batched engine refuses --availability under
-    fedbuff): the ineligible class (fast gpu nodes: a dispatch would arrive) is never dispatched."""
+    """--eligible and --availability together (in-process): the ineligible class (fast gpu nodes: a dispatch
+    would arrive) is never dispatched."""
     monkeypatch.setenv("FEDSWARM_FAKE_BATTERY", "5")
     from fedswarm.config import RunConfig
     from fedswarm.sim.run import run_engine
