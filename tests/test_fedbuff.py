@@ -257,3 +257,25 @@ def test_a_malformed_reply_is_rejected_with_its_reason_and_never_folded():
     assert arrayrecord_to_vector(result.arrays).tolist() == [2.0, 2.0, 2.0]  # two folds of +1
     assert strategy.version == 2
     assert "11" in strategy.notes.rejections and "finite" in strategy.notes.rejections["11"]
+
+
+def test_a_codec_upload_is_timed_at_its_payload_size_on_the_virtual_clock():
+    """With --devices and an uplink codec, a node's simulated time is the model down, its local steps and the
+    codec's payload up (top-k at 5 %: 8 bytes a kept coordinate), not the whole model up; the same formula
+    from the time model's own pieces."""
+    from fedswarm.server.app import prepare_strategy
+    from fedswarm.timemodel import BUILTIN_PROFILES, compute_time_s, transfer_time_s
+
+    base = dict(strategy="fedbuff", task="digits-mlp", clients=4, local_steps=2, batch_size=16,
+                devices="edge-lte:4")
+    plain = prepare_strategy(RunConfig.model_validate(base)).strategy
+    topk = prepare_strategy(RunConfig.model_validate(
+        {**base, "params": {"codec": "topk", "codec_params": "ratio=0.05"}})).strategy
+    d = topk.layout.d
+    up = topk.codec.wire_bytes(topk.layout)
+    assert 0 < up < 0.2 * 4 * d
+    p = BUILTIN_PROFILES["edge-lte"]
+    down_and_compute = transfer_time_s(p, 4.0 * d) + compute_time_s(p, samples=32.0)
+    assert math.isclose(topk.duration(1), down_and_compute + transfer_time_s(p, float(up)), rel_tol=1e-12)
+    assert math.isclose(plain.duration(1), down_and_compute + transfer_time_s(p, 4.0 * d), rel_tol=1e-12)
+    assert topk.duration(1) < plain.duration(1)

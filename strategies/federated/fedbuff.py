@@ -78,9 +78,11 @@ class _Sent:
     seq: int = -1  # the schedule's dispatch number (simulated)
 
 
-def fleet_durations(cfg: Any, d: int) -> Any:
+def fleet_durations(cfg: Any, d: int, up_nbytes: float | None = None) -> Any:
     """``duration(node_id)`` in simulated seconds for ``cfg``'s devices (node id = partition id + 1),
-    or None without ``--devices`` (every node equally fast)."""
+    or None without ``--devices`` (every node equally fast): the model down (``4·d`` bytes), the
+    local steps, and the update up (``up_nbytes``, the codec's payload; the model's ``4·d`` without
+    one)."""
     if cfg.devices is None:
         return None
     from fedswarm.timemodel import BUILTIN_PROFILES, compute_time_s, load_profiles, parse_devices, transfer_time_s
@@ -88,6 +90,7 @@ def fleet_durations(cfg: Any, d: int) -> Any:
     profiles = load_profiles(cfg.profiles) if cfg.profiles else BUILTIN_PROFILES
     names = parse_devices(cfg.devices, cfg.clients, profiles)
     nbytes = 4.0 * d
+    up = nbytes if up_nbytes is None else float(up_nbytes)
     samples: dict[int, float] = {}
 
     def node_samples(pid: int) -> float:
@@ -102,7 +105,7 @@ def fleet_durations(cfg: Any, d: int) -> Any:
     def duration(node: int) -> float:
         pid = node - 1
         p = profiles[names[pid]]
-        return transfer_time_s(p, nbytes) + compute_time_s(p, samples=node_samples(pid)) + transfer_time_s(p, nbytes)
+        return transfer_time_s(p, nbytes) + compute_time_s(p, samples=node_samples(pid)) + transfer_time_s(p, up)
 
     return duration
 
@@ -139,6 +142,17 @@ class FedBuff(ReportsRounds, FedAvg):
         self.error_feedback = bool(error_feedback)
         self.layout = layout
         self.eligibility = eligibility  # a DispatchRules (fedbuff_eligibility.py), None: every node may train
+
+    def upload_nbytes(self) -> float | None:
+        """A node's upload in bytes for the simulated clock: the codec's payload arrays
+        (``wire_bytes``, what its reply mostly carries), None without a codec (the model) or when
+        the codec does not say."""
+        if self.codec is None or self.layout is None:
+            return None
+        try:
+            return float(self.codec.wire_bytes(self.layout))
+        except NotImplementedError:
+            return None
 
     def knobs(self, version: int) -> ConfigRecord:
         """The ``compress`` record of a train message with an uplink codec, sent with model ``version``
@@ -370,13 +384,15 @@ def build(params: dict, ctx: BuildContext) -> FedBuff:
 
         dp = ClientLevelDP(cfg.dp, rounds=cfg.rounds, sample_rate=min(1.0, k / cfg.clients), seed=cfg.seed)
     max_stale = int(params["max_staleness"])
-    return FedBuff(buffer_size=k, concurrency=concurrency, staleness_weight_spec=str(params["staleness_weight"]),
-                   max_staleness=None if max_stale < 0 else max_stale, server_lr=float(params["server_lr"]),
-                   min_nodes=cfg.clients, seed=cfg.seed, duration=fleet_durations(cfg, ctx.layout.d), dp=dp,
-                   availability=availability, codec=str(params["codec"]),
-                   codec_params=str(params["codec_params"]),
-                   error_feedback=bool(params["error_feedback"]), layout=ctx.layout,
-                   eligibility=dispatch_rules_for(cfg))
+    strategy = FedBuff(buffer_size=k, concurrency=concurrency, staleness_weight_spec=str(params["staleness_weight"]),
+                       max_staleness=None if max_stale < 0 else max_stale, server_lr=float(params["server_lr"]),
+                       min_nodes=cfg.clients, seed=cfg.seed, dp=dp, availability=availability,
+                       codec=str(params["codec"]), codec_params=str(params["codec_params"]),
+                       error_feedback=bool(params["error_feedback"]), layout=ctx.layout,
+                       eligibility=dispatch_rules_for(cfg))
+    # the simulated clock's upload: the codec's payload when there is one
+    strategy.duration = fleet_durations(cfg, ctx.layout.d, strategy.upload_nbytes())
+    return strategy
 
 
 ENTRY = register(StrategyEntry(
