@@ -29,8 +29,8 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import PAYLOAD_ARRAYS, payload_from_records, payload_to_records
 
-__all__ = ["SPEC_RECORD", "SUM_KEY", "payload_dim", "payload_of", "payload_vector", "check_specs", "payload_reply", "reply_loss",
-           "sum_metrics"]
+__all__ = ["SPEC_RECORD", "SUM_KEY", "payload_dim", "payload_of", "payload_vector", "check_specs", "payload_reply",
+           "reply_loss", "sum_metrics"]
 
 #: The ConfigRecord, next to the masked input, that names the payload the masked vector is.
 SPEC_RECORD = "secagg.payload"

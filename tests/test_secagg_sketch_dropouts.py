@@ -56,7 +56,9 @@ def test_sketched_sgd_secure_sums_with_dropouts_after_sharing(store, monkeypatch
         s = sums[k - 1]
         survivors = sorted(set(s["nodes"]) - LOST[k])
         assert sorted(s["sent"]) == s["nodes"]  # every node masked (the lost ones' inputs never arrived)
-        w = np.array([s["sent"][i][1] for i in survivors], dtype=np.float64)
+        # a node's values are weighted by its sketch's examples: the weight its table was sent with
+        tables = sums[0] if k == 2 else s
+        w = np.array([tables["sent"][i][1] for i in survivors], dtype=np.float64)
         clip = s["params"].clip
         x = np.stack([np.clip(s["sent"][i][0], -clip, clip) for i in survivors])
         oracle = (w[:, None] * x).sum(0) / w.sum()
