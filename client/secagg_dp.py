@@ -11,9 +11,12 @@ server sends; a setup that does not leave the room this node's noise needs
 update with less noise than the run asked for.
 
 The noise draws come from :func:`~fedswarm.algorithms.privacy.distributed.node_rng` of the
-run's seed, the server round and the node (so a simulation is reproducible and the batched
-engine can compute the same sum), or from the OS with ``secure=true`` in ``--dp``: a
-deployment whose server must not know the noise sets it.
+run's seed, the server round, the node and the round's secure sum (``stream``: the
+:data:`~fedswarm.strategies.secagg_payload.SUM_KEY` of the message's config, 0 when absent;
+Sketched-SGD's exact values are sum 1, so the round's two sums draw independent noise), so a
+simulation is reproducible and the batched engine can compute the same sum; or from the OS with
+``secure=true`` in ``--dp``: a deployment whose server must not know the noise sets it (a
+server that knows the run's seed knows the seeded noise, whatever the stream).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from flwr.app import Context, Message
 from fedswarm.algorithms.privacy.distributed import DistributedDP, clip_l2, node_rng, secagg_with_dp
 from fedswarm.algorithms.privacy.dp_spec import parse_dp
 from fedswarm.algorithms.secagg import NoiseHook, SecAggParams, SecAggRefused, Setup
+from fedswarm.strategies.secagg_payload import SUM_KEY
 
 __all__ = ["NodeDP", "node_dp"]
 
@@ -46,10 +50,11 @@ class NodeDP:
         return clip_l2(update, self.dp.clip), 1
 
 
-def _server_round(msg: Message) -> int:
+def _config_int(msg: Message, key: str) -> int:
+    """``key`` of the first config record of ``msg`` that has it, else 0."""
     for record in msg.content.config_records.values():
-        if "server-round" in record:
-            return int(record["server-round"])
+        if key in record:
+            return int(record[key])
     return 0
 
 
@@ -68,5 +73,8 @@ def node_dp(context: Context, setup: Setup, msg: Message) -> NodeDP | None:
         raise SecAggRefused(f"secagg: the setup's weight_max={setup.weight_max}, noise_bound={setup.noise_bound} "
                             f"do not leave this node's DP noise its room (weight_max={params.weight_max}, "
                             f"noise_bound={params.noise_bound}): refused")
-    rng = None if spec.secure else node_rng(dp.seed, _server_round(msg), int(context.node_id))
+    stream = _config_int(msg, SUM_KEY)  # which of the round's secure sums: its own noise stream
+    if stream < 0:
+        raise SecAggRefused(f"secagg: the message's {SUM_KEY}={stream} is not a secure sum's index (>= 0)")
+    rng = None if spec.secure else node_rng(dp.seed, _config_int(msg, "server-round"), int(context.node_id), stream)
     return NodeDP(dp, rng)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -85,6 +86,7 @@ class SecAggGrid(WrappingGrid):
         self.loss = bool(loss)  # the nodes append their train loss to the masked vector
         self.rounds = 0
         self.survivors: list[int] = []  # the nodes in the last secure round's sum
+        self.note_key = "secagg"  # the round row's key for this sum's figures (second_sum changes it)
         self._rng = np.random.default_rng([self.seed, 0x5EC])
 
     # -- Grid: messages --------------------------------------------------------------------
@@ -103,6 +105,18 @@ class SecAggGrid(WrappingGrid):
         if len(train) != len(msgs):
             raise RuntimeError("SecAggGrid: a round mixes train and other messages; send them apart")
         return self._secure_round(train, timeout)
+
+    @contextmanager
+    def second_sum(self, name: str):
+        """A strategy's second secure sum in its round (Sketched-SGD's exact values): no train
+        loss in its vector, and its figures on the round's row as ``secagg_<name>``, next to the
+        first sum's ``secagg`` (the epsilon recorded is the run's after both releases)."""
+        saved = self.loss, self.note_key
+        self.loss, self.note_key = False, f"secagg_{name}"
+        try:
+            yield self
+        finally:
+            self.loss, self.note_key = saved
 
     # -- one round -------------------------------------------------------------------------
     def _secure_round(self, train: list[Message], timeout: float | None) -> list[Message]:
@@ -201,7 +215,7 @@ class SecAggGrid(WrappingGrid):
         if failed is not None:
             row["failed"] = failed
         if self.on_round is not None:
-            self.on_round(secagg=row, **({"secagg_failed": failed} if failed else {}), **(dp or {}),
+            self.on_round(**{self.note_key: row}, **({"secagg_failed": failed} if failed else {}), **(dp or {}),
                           **({} if train_loss is None else {"train_loss": train_loss}))
 
 

@@ -56,6 +56,8 @@ class SecureRounds:
         self.dp = SecAggDP(cfg.dp, cfg.seed) if cfg.dp else None
         self.rounds = 0
         self.loss = self.dp is None  # the nodes' train loss travels in the masked vector (SecAggGrid's loss)
+        self.survivors: list[int] = []  # the last sum's senders (SecAggGrid's survivors)
+        self.weights: dict[int, int] = {}  # the last sum's senders' weights
 
     def split(self, out: SecureSum | None) -> tuple[np.ndarray | None, float | None]:
         """The decoded weighted mean payload and the survivors' weighted mean train loss (None
@@ -75,14 +77,17 @@ class SecureRounds:
         return SecureRound(ids, dim, params, graph_seed=graph_seed, drop=drop)
 
     def finish(self, rnd: SecureRound, rows, weights, server_round: int, gone=(), failed: str | None = None,
-               check: Callable[[set[int]], None] | None = None) -> tuple[SecureSum | None, dict]:
+               check: Callable[[set[int]], None] | None = None, stream: int = 0) -> tuple[SecureSum | None, dict]:
         """The round's unmasked sum of ``rows`` (node -> float vector, weighted by ``weights``:
         node -> examples; under DP each node's weight is 1) over the nodes that send, or None
         where the round fails (``failed``: it failed already; ``check(senders)`` raises
         ValueError: the server cannot use their sum, as ``SecAggGrid`` fails it); and its
-        row's figures: ``secagg``, ``secagg_failed``, DP's ``epsilon``."""
+        row's figures: ``secagg``, ``secagg_failed``, DP's ``epsilon``. ``stream``: the round's
+        secure sum (1: Sketched-SGD's exact values), whose rounding and noise draw from their own
+        stream of :func:`node_rng`, as the nodes draw that sum's noise."""
         row: dict = {}
         out = None
+        self.survivors, self.weights = [], {}
         if failed is None:
             try:
                 senders = rnd.senders(gone)
@@ -93,15 +98,19 @@ class SecureRounds:
                         raise SecAggFailed(f"{type(exc).__name__}: {exc}", "unmask") from None
                 out = rnd.total(rows, senders, seed=self.cfg.seed, round_=server_round, weights=weights,
                                 dp=None if self.dp is None else self.dp._round,
+                                rngs=None if not stream else {i: node_rng(self.cfg.seed, server_round, i, stream)
+                                                              for i in senders},
                                 # the nodes' noise draws, as client/secagg_dp.py draws them (secure=false)
                                 noise_rngs=None if self.dp is None else
-                                {i: node_rng(self.dp._round.seed, server_round, i) for i in senders})
+                                {i: node_rng(self.dp._round.seed, server_round, i, stream) for i in senders})
             except SecAggFailed as exc:
                 failed = str(exc)
         if failed is not None:
             row["secagg_failed"] = failed
-        elif self.dp is not None:
-            row.update(self.dp.account(out.report.masked))
+        else:
+            self.survivors, self.weights = sorted(out.senders), {i: int(weights[i]) for i in out.senders}
+            if self.dp is not None:
+                row.update(self.dp.account(out.report.masked))
         row["secagg"] = _secagg_row(None if out is None else out.report, len(rnd.ids), rnd.server.params, failed)
         return out, row
 

@@ -56,6 +56,8 @@ class _Exchange(NodeIds):
         self.contexts = contexts
         self.client = client
         self.bytes: dict[int, list[int]] = {}  # node id -> [down, up] of this round's further exchanges
+        self.notes: dict = {}  # the round row's figures of a second secure sum (--secagg)
+        self.secure = None  # --secagg: the runner's secure rounds
 
     def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
         replies, cache = [], {}
@@ -73,6 +75,13 @@ class _Exchange(NodeIds):
         return replies
 
 
+def _secure_exchange() -> type:
+    """:class:`_Exchange` with Sketched-SGD's second secure sum (:mod:`fedswarm.sim.batched_secagg_sketch`)."""
+    from fedswarm.sim.batched_secagg_sketch import SecureSketchExchange
+
+    return type("SecureExchange", (SecureSketchExchange, _Exchange), {})
+
+
 class SketchRounds(CompressedRounds):
     """Rounds of a Count-Sketch strategy; ``model`` is the strategy's public model."""
 
@@ -80,12 +89,15 @@ class SketchRounds(CompressedRounds):
         super().__init__(run, model, notes)
         self.contexts = _contexts(run.cfg.clients)  # partition id -> the client's Context
         self.client = SKETCH_CLIENTS[run.cfg.strategy]
-        self.grid = _Exchange(run.cfg.clients, self.contexts, self.client)
+        self.grid = (_Exchange if self.secure is None else _secure_exchange())(run.cfg.clients, self.contexts,
+                                                                              self.client)
+        self.grid.secure = self.secure  # --secagg: Sketched-SGD's second secure sum (sim/batched_secagg_sketch.py)
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         """The round of :class:`CompressedRounds`, plus the second exchange's bytes, per node too."""
-        self.grid.bytes = {}
+        self.grid.bytes, self.grid.notes = {}, {}
         row, node_rows = super().round(server_round)
+        row.update(self.grid.notes)  # a second secure sum's figures, as SecAggGrid notes them
         traffic = self.run.meter.traffic
         by_node = {r["node_id"]: r for r in node_rows}
         for nid, (down, up) in self.grid.bytes.items():

@@ -11,8 +11,8 @@ secure aggregation is its registry entry's ``secagg`` (:func:`fedswarm.server.se
 
 ``SecAggGrid`` masks a codec strategy's payload (``compressed_fedavg`` with a linear codec,
 ``fetchsgd``) as :mod:`fedswarm.strategies.secagg_payload` describes; ``sketched_sgd``'s second
-exchange (the exact values at the shared candidates) is a second secure sum in the round
-(in-process only: :data:`BATCHED_WHY`); ``gs_sgd`` keeps ``secagg=False``
+exchange (the exact values at the shared candidates) is a second secure sum in the round (on
+the batched engine too: :mod:`fedswarm.sim.batched_secagg_sketch`); ``gs_sgd`` keeps ``secagg=False``
 (:data:`STRATEGY_WHY`: the one-line reason).
 """
 
@@ -47,10 +47,7 @@ STRATEGY_WHY: dict[str, str] = {
 
 
 #: Why a strategy that runs under secure aggregation in-process does not on the batched engine.
-BATCHED_WHY: dict[str, str] = {
-    "sketched_sgd": "its second exchange in the round (the exact values at the candidates) is a second secure sum, "
-                    "which runs in-process (SecAggGrid) only",
-}
+BATCHED_WHY: dict[str, str] = {}
 
 
 def batched_refusal(name: str) -> str | None:

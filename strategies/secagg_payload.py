@@ -29,11 +29,15 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import PAYLOAD_ARRAYS, payload_from_records, payload_to_records
 
-__all__ = ["SPEC_RECORD", "payload_dim", "payload_of", "payload_vector", "check_specs", "payload_reply", "reply_loss",
-           "sum_metrics"]
+__all__ = ["SPEC_RECORD", "SUM_KEY", "payload_dim", "payload_of", "payload_vector", "check_specs", "payload_reply",
+           "reply_loss", "sum_metrics"]
 
 #: The ConfigRecord, next to the masked input, that names the payload the masked vector is.
 SPEC_RECORD = "secagg.payload"
+#: A train message's config key: which of the round's secure sums it asks for (0, the default:
+#: the first; Sketched-SGD's exact values: 1). Distributed DP draws each sum's noise from its own
+#: stream (``fedswarm.client.secagg_dp``).
+SUM_KEY = "secagg-sum"
 _KNOBS = "compress"  # fedswarm.strategies.federated.compressed_client.KNOBS (not imported: torch-free here)
 
 

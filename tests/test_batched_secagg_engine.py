@@ -48,10 +48,11 @@ def test_batched_secure_rounds_equal_the_in_process_protocol_with_dropouts(tmp_p
 
 
 def test_batched_secagg_serves_the_linear_codecs_and_refuses_the_others_in_one_line():
-    for strategy in ("fedavg", "compressed_fedavg", "fetchsgd"):  # countsketch and randk: test_batched_secagg_codec
+    # countsketch and randk: test_batched_secagg_codec; sketched_sgd: test_batched_secagg_sketch
+    for strategy in ("fedavg", "compressed_fedavg", "fetchsgd", "sketched_sgd"):
         check_run(RunConfig(task="digits-mlp", strategy=strategy, engine="batched", clients=4, secagg=True,
                             params={"codec": "countsketch"} if strategy == "compressed_fedavg" else {}))
-    for strategy, why in (("gtopk", "cannot run under secure aggregation"), ("sketched_sgd", "exact values")):
+    for strategy, why in (("gtopk", "cannot run under secure aggregation"), ("gs_sgd", "exact values")):
         with pytest.raises(ConfigError, match=why) as err:
             check_run(RunConfig(task="digits-mlp", strategy=strategy, engine="batched", clients=4, secagg=True))
         assert "\n" not in str(err.value)

@@ -180,17 +180,22 @@ def skellam(rng: np.random.Generator, variance: float, size: int) -> np.ndarray:
     return rng.poisson(variance / 2.0, int(size)).astype(np.int64) - rng.poisson(variance / 2.0, int(size))
 
 
-def noise_seed(seed: int, round_: int, node: int) -> np.random.SeedSequence:
+def noise_seed(seed: int, round_: int, node: int, stream: int = 0) -> np.random.SeedSequence:
     """The seed of node ``node``'s noise in round ``round_`` of a run seeded ``seed``: what the
-    protocol's node and the batched engine's simulation of it both draw from."""
-    return np.random.SeedSequence([0x5ECD9, int(seed) & (2**63 - 1), int(round_), int(node) & (2**63 - 1)])
+    protocol's node and the batched engine's simulation of it both draw from. ``stream``: the
+    round's secure sum (0 the first; Sketched-SGD's exact values are 1), each an independent
+    stream, so two sums of one round never carry the same noise."""
+    if stream < 0:
+        raise ValueError(f"noise_seed: stream must be >= 0, got {stream}")
+    extra = [int(stream)] if stream else []  # stream 0 keeps the one-sum rounds' draws
+    return np.random.SeedSequence([0x5ECD9, int(seed) & (2**63 - 1), int(round_), int(node) & (2**63 - 1), *extra])
 
 
-def node_rng(seed: int, round_: int, node: int) -> np.random.Generator:
-    """Node ``node``'s generator in round ``round_``: its stochastic rounding, then its noise
-    share, drawn in that order. The protocol's node and the batched engine's direct sum both
-    draw from it, which is what makes the two agree bit for bit."""
-    return np.random.default_rng(noise_seed(seed, round_, node))
+def node_rng(seed: int, round_: int, node: int, stream: int = 0) -> np.random.Generator:
+    """Node ``node``'s generator in round ``round_`` (and secure sum ``stream``): its stochastic
+    rounding, then its noise share, drawn in that order. The protocol's node and the batched
+    engine's direct sum both draw from it, which is what makes the two agree bit for bit."""
+    return np.random.default_rng(noise_seed(seed, round_, node, stream))
 
 
 def noise_share(mechanism: str, variance: float, size: int,

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
-from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout
 from fedswarm.algorithms.compression.kernels import topk_abs_indices
 from fedswarm.algorithms.compression.sketched import fetchsgd_step
@@ -23,6 +22,7 @@ from fedswarm.strategies.federated.sketch_base import SketchClient, SketchStrate
 from fedswarm.strategies.federated.compressed_base import (KNOBS, Accepted, Step, read_payload)
 from fedswarm.hyperparams import SIGNATURE, HyperParam, defaults_from
 from fedswarm.strategies.registry import Batched, BuildContext, StrategyEntry, register
+from fedswarm.strategies.secagg_payload import SUM_KEY
 from fedswarm.payload import PayloadError
 
 __all__ = ["SketchStrategy", "SketchedSGD", "FetchSGD", "GlobalSketchSGD", "SketchClient", "SKETCH_CLIENTS"]
@@ -82,15 +82,17 @@ class SketchedSGD(SketchStrategy):
         second secure sum: each node masks ``n_i v_i[cand]`` with its weight ``n_i`` (its first
         reply's examples, :meth:`SketchClient.phase2`) and the server learns only
         ``Σ n_i v_i[cand] / Σ n_i`` and who is in it. None when that round fails."""
-        ask = RecordDict({KNOBS: ConfigRecord({"round": server_round, "phase": 2, "secagg": True}),
+        # SUM_KEY: the round's second secure sum, whose distributed-DP noise is its own stream
+        ask = RecordDict({KNOBS: ConfigRecord({"round": server_round, "phase": 2, "secagg": True,
+                                               "server-round": server_round, SUM_KEY: 1}),
                           "candidates": ArrayRecord({"indices": Array(cand.to(torch.int32).numpy())})})
         self._phase2_dim = int(cand.numel())
-        loss, self._grid.loss = getattr(self._grid, "loss", False), False  # the values carry no train loss
         try:
-            replies = self.send_and_receive([Message(ask, message_type=self.message_type, dst_node_id=n)
-                                             for n in nodes])
+            with self._grid.second_sum("values"):  # no train loss in it; its figures: the row's secagg_values
+                replies = self.send_and_receive([Message(ask, message_type=self.message_type, dst_node_id=n)
+                                                 for n in nodes])
         finally:
-            self._phase2_dim, self._grid.loss = None, loss
+            self._phase2_dim = None
         if not replies or replies[0].has_error():
             return None
         msg = replies[0]
@@ -281,9 +283,6 @@ _SKETCH_PARAMS = (
 def _builder(cls, extra: tuple[str, ...] = ()):
     def build(params: dict, ctx: BuildContext):
         cfg = ctx.config
-        if cls is SketchedSGD and getattr(cfg, "secagg", False) and cfg.dp:
-            raise ConfigError("--dp with sketched_sgd under --secagg: the nodes' noise draws are keyed by the round, "
-                              "and the round's two secure sums would draw the same noise twice; not supported")
         kw = {k: params[k] for k in ("density", "rows", "cols", "server_lr", *extra)}
         return cls(ctx.layout, fraction_train=cfg.fraction, min_available_nodes=cfg.clients, seed=cfg.seed, **kw)
 

@@ -1,0 +1,126 @@
+"""Sketched-SGD's second secure sum on the batched engine (``sketched_sgd --secagg``, with or
+without ``--dp``): the exact values at the server's candidates, summed directly as the first
+sum (the tables, :mod:`fedswarm.sim.batched_secagg_codec`) is.
+
+In-process, ``SketchedSGD.secure_exact_values`` asks the nodes of the first sum (``SecAggGrid``'s
+``survivors``) through the grid's :meth:`~fedswarm.server.secagg.SecAggGrid.second_sum`, and
+``SecAggGrid`` runs a second protocol round whose masked-input stage carries the ask. Here the
+strategy object asks :class:`SecureSketchExchange` (the batched sketch runner's grid) the same way,
+and the round is the in-process one with the stages replaced by their outcome
+(:class:`~fedswarm.sim.batched_secagg.SecureRound`, the run's :class:`SecureRounds`: the next
+graph seed and dropout draw, DP's round parameters and accountant, as ``SecAggGrid`` counts its
+secure rounds):
+
+1. the protocol's first two stages decide who gets the masked-input stage (the ask): only those
+   nodes answer it, by the strategy's own client half on their Context (its phase-2 branch, which
+   notes the candidates it was asked about, as in-process);
+2. each answer is read as the in-process node reads it (:func:`payload_of`: the values, weighted
+   by the node's first-sum examples); a node whose client half fails or whose values are not
+   finite drops at ``masked_input``;
+3. the senders' vectors are encoded and added in the field with the second sum's rounding and
+   noise streams (stream 1 of :func:`~fedswarm.algorithms.privacy.distributed.node_rng`, as the
+   in-process node's distributed DP draws it for the ask's ``secagg-sum`` = 1);
+4. the strategy gets ONE reply (or none where the sum fails), in the smallest sender's name,
+   carrying the weighted mean values, and ``survivors`` becomes the second sum's senders (the
+   nodes the strategy tells which candidates it used).
+
+The second sum's figures go to the round's row as ``secagg_values`` (and ``secagg_failed``, DP's
+``epsilon`` after both releases), as ``SecAggGrid`` notes them. Bytes: each asked node's plain ask
+and reply, as the runner counts the first sum's (not the protocol's stages).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+from flwr.app import Message
+
+from fedswarm.algorithms.secagg import SecAggFailed
+from fedswarm.server.metered_grid import serialized_size
+from fedswarm.sim.batched_round import make_reply
+from fedswarm.sim.inprocess import client_error_reply
+from fedswarm.strategies.secagg_payload import SUM_KEY, check_specs, payload_of, payload_reply, sum_metrics
+
+__all__ = ["SecureSketchExchange"]
+
+
+class SecureSketchExchange:
+    """Mixed into the batched sketch runner's grid (:class:`~fedswarm.sim.batched_sketched._Exchange`)
+    under ``--secagg``: ``survivors`` and ``second_sum`` as ``SecAggGrid`` has them, and the second
+    sum's ask answered as above. ``secure``: the runner's :class:`SecurePayloadRounds`."""
+
+    secure = None  # set by the runner
+    notes: dict = {}
+    _sum: str | None = None
+
+    @property
+    def survivors(self) -> list[int]:
+        return list(self.secure.survivors)
+
+    @property
+    def loss(self) -> bool:
+        return self.secure.loss
+
+    @contextmanager
+    def second_sum(self, name: str):
+        saved = self.secure.loss
+        self.secure.loss, self._sum = False, name
+        try:
+            yield self
+        finally:
+            self.secure.loss, self._sum = saved, None
+
+    def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
+        if self._sum is None:
+            return super().send_and_receive(messages, timeout=timeout)
+        return self._second_sum(list(messages))
+
+    def _second_sum(self, messages: list[Message]) -> list[Message]:
+        secure = self.secure
+        by_node = {int(m.metadata.dst_node_id): m for m in messages}
+        first = messages[0]
+        dim = int(first.content.array_records["candidates"]["indices"].numpy().size)
+        knobs = next(r for r in first.content.config_records.values() if SUM_KEY in r)
+        stream, server_round = int(knobs[SUM_KEY]), int(knobs["server-round"])
+        rnd = secure.begin(sorted(by_node), dim)
+        failed = None
+        try:
+            trained = rnd.trained()
+        except SecAggFailed as exc:  # before the masked-input stage: nobody is asked
+            trained, failed = set(), str(exc)
+        rows, weights, specs, gone = {}, {}, {}, []
+        cache: dict = {}
+        for nid in sorted(trained):
+            msg = by_node[nid]
+            context = self.contexts[nid - 1]
+            # its first sum's weight, which an in-process node keeps from its sketch's reply (SketchClient.update)
+            sent = context.state.config_records.get(self.client.prefix + ".sent")
+            if sent is not None and nid in secure.weights:
+                sent["num-examples"] = int(secure.weights[nid])
+            down = serialized_size(msg, cache)
+            try:
+                reply = make_reply(msg, self.client.update(msg, context))
+            except Exception as exc:  # as the in-process node: a failing client drops at masked_input
+                reply = client_error_reply(msg, exc)
+            sizes = self.bytes.setdefault(nid, [0, 0])
+            sizes[0] += down
+            sizes[1] += serialized_size(reply)
+            try:
+                vector, weight, spec = payload_of(reply)
+            except (RuntimeError, ValueError):
+                gone.append(nid)
+                continue
+            if not np.isfinite(vector).all():
+                gone.append(nid)
+                continue
+            rows[nid], weights[nid], specs[nid] = vector, weight, spec
+        out, row = secure.finish(rnd, rows, weights, server_round, gone=gone, failed=failed, stream=stream,
+                                 check=lambda senders: check_specs({n: specs[n] for n in senders}, dim))
+        self.notes = {f"secagg_{self._sum}": row.pop("secagg"), **row}
+        if out is None:
+            return []
+        survivor = min(out.senders)
+        content = payload_reply(out.decoded.mean, specs[survivor])
+        content["metrics"] = sum_metrics(out.decoded.total_weight, None)
+        return [make_reply(by_node[survivor], content)]
