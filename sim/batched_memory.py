@@ -16,7 +16,7 @@ from fedswarm.errors import ConfigError
 
 __all__ = ["parse_memory_budget", "default_memory_budget", "available_ram", "MemoryEstimate", "estimate_peak",
            "client_bytes", "one_step_client_bytes", "fitting_fraction", "ram_budget", "STATE_BYTES", "state_bytes",
-           "PROCESS_BYTES"]
+           "sketch_state_bytes", "PROCESS_BYTES"]
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -83,10 +83,31 @@ def state_bytes(runner: str, cfg, d: int) -> tuple[int, int]:
     """What round runner ``runner`` keeps between rounds for run ``cfg`` with a model of ``d``
     parameters: ``(bytes per client that has state, bytes per client of the population)``."""
     if runner == "sketch":  # the Count-Sketch clients' memories (SketchRows)
-        from fedswarm.sim.batched_sketched import sketch_state_bytes
-
         return sketch_state_bytes(cfg, d)
     return (STATE_BYTES[runner](d), 0) if runner in STATE_BYTES else (0, 0)
+
+
+def sketch_state_bytes(cfg, d: int) -> tuple[int, int]:
+    """What :class:`~fedswarm.sim.batched_sketched.SketchRows` holds for run ``cfg`` (strategy and
+    hyperparameters) with a model of ``d`` parameters: ``(bytes per client that has state, bytes
+    per client of the population)``.
+    Rows grow by doubling into storage that is not written (not resident) until a client's row
+    is: the resident bytes are these."""
+    from fedswarm.algorithms.compression.sparse import k_of
+    from fedswarm.strategies.federated.sketched import SKETCH_CLIENTS
+    from fedswarm.strategies.registry import resolve_params
+
+    client = SKETCH_CLIENTS[cfg.strategy]
+    if client.error_key is None:
+        return 0, 0
+    params = resolve_params(cfg.strategy, cfg.params or {})
+    k = k_of(params["density"], d)
+    answered = {"sketched_sgd": min(d, int(params.get("candidates", 0)) * k),
+                "gs_sgd": k if params.get("exact_values") else 0}.get(cfg.strategy, 0)
+    rows = 1 + (client.momentum_key is not None)
+    per_client = 4 * d * rows + 4 * answered
+    per_population = 4 * rows + 4 + (4 if answered else 0)  # each ClientRows' slots, the sent rounds
+    return per_client, per_population
 
 
 @dataclass

@@ -40,7 +40,7 @@ from fedswarm.strategies.federated.compressed_client import SELECT
 from fedswarm.strategies.federated.sketch_base import taken_mask
 from fedswarm.strategies.federated.sketched import SKETCH_CLIENTS, SketchClient
 
-__all__ = ["SketchRounds", "SketchRows", "SKETCH_STRATEGIES", "sketch_state_bytes"]
+__all__ = ["SketchRounds", "SketchRows", "SKETCH_STRATEGIES"]
 
 #: The strategies :class:`SketchRounds` serves.
 SKETCH_STRATEGIES = tuple(SKETCH_CLIENTS)
@@ -53,7 +53,8 @@ class SketchRows:
     the round of each client's last sketch in an int32 array over the population (-1: none),
     and the candidates each last answered in phase 2 as int32 rows (made at the first answer).
     A client with no state reads as the one its ClientApp starts from: zero memories, nothing
-    sent. FetchSGD's stateless clients keep nothing. Its memory: :func:`sketch_state_bytes`."""
+    sent. FetchSGD's stateless clients keep nothing. Its memory:
+    :func:`~fedswarm.sim.batched_memory.sketch_state_bytes`."""
 
     def __init__(self, client: SketchClient, d: int, population: int):
         self.client = client
@@ -118,27 +119,6 @@ def _finite_or_zero(rows: torch.Tensor) -> torch.Tensor:
     if bool(bad.any()):
         rows[bad] = 0.0
     return rows
-
-
-def sketch_state_bytes(cfg, d: int) -> tuple[int, int]:
-    """What :class:`SketchRows` holds for run ``cfg`` (strategy and hyperparameters) with a model
-    of ``d`` parameters: ``(bytes per client that has state, bytes per client of the population)``.
-    Rows grow by doubling into storage that is not written (not resident) until a client's row
-    is: the resident bytes are these."""
-    from fedswarm.algorithms.compression.sparse import k_of
-    from fedswarm.strategies.registry import resolve_params
-
-    client = SKETCH_CLIENTS[cfg.strategy]
-    if client.error_key is None:
-        return 0, 0
-    params = resolve_params(cfg.strategy, cfg.params or {})
-    k = k_of(params["density"], d)
-    answered = {"sketched_sgd": min(d, int(params.get("candidates", 0)) * k),
-                "gs_sgd": k if params.get("exact_values") else 0}.get(cfg.strategy, 0)
-    rows = 1 + (client.momentum_key is not None)
-    per_client = 4 * d * rows + 4 * answered
-    per_population = 4 * rows + 4 + (4 if answered else 0)  # each ClientRows' slots, the sent rounds
-    return per_client, per_population
 
 
 class _Exchange(NodeIds):
