@@ -17,7 +17,15 @@ Rows (each run cell in a fresh interpreter, its resident memory sampled for the 
   several passes, measured between the engine's cells;
 - ``1M population``: 1,000,000 clients at ``--fraction 0.01`` (10,000 a round), digits-mlp and
   synthetic-logreg: seconds per round and peak RSS; and ``compressed_fedavg`` (its default codec,
-  top-k with error feedback) on digits-mlp, 3 rounds.
+  top-k with error feedback) on digits-mlp, 3 rounds;
+- ``sketched_sgd``: the Count-Sketch strategy with the most client state (error and momentum
+  ``[d]`` each, the candidates it answered) and a second exchange a round, digits-mlp at
+  ``--fraction 0.01`` on populations of 100,000 and 1,000,000, 3 rounds: seconds per round and
+  peak RSS against the population, beside the client state the memory estimate states for it
+  (``state_bound_mb``: the bound its arrays stay within); with ``FEDSWARM_BENCH_BEFORE`` each
+  also on the other checkout (``before: ...``), in turn.
+
+``FEDSWARM_BENCH_SCALE_ROWS=WORD`` runs only the rows whose label holds ``WORD`` (e.g. ``sketched``).
 
 ``repeats`` (2; quick 1) runs of every cell, interleaved; the table gives each cell's best
 steady round (the least disturbed by other work on the machine) and the JSON every run. Each
@@ -44,6 +52,7 @@ from rich.table import Table
 __all__ = ["run_scale", "compute_floor", "BEFORE_ENV"]
 
 BEFORE_ENV = "FEDSWARM_BENCH_BEFORE"
+ROWS_ENV = "FEDSWARM_BENCH_SCALE_ROWS"
 BASE = dict(task="digits-mlp", partition="iid", local_steps=1, batch_size=16, lr=0.3, fraction=1.0, seed=0,
             engine="batched")
 
@@ -176,6 +185,16 @@ def run_scale(out_dir: Path, quick: bool = False, console: Console | None = None
     cells.append(("1M population compressed_fedavg digits-mlp",
                   dict(BASE, strategy="compressed_fedavg", clients=1_000_000, fraction=0.01, rounds=3, eval_every=4),
                   False))
+    # the sketch strategy with the most client state, against the population (each before the change too)
+    for population in (100_000, 1_000_000):
+        label = f"{population // 1000:,}k population sketched_sgd digits-mlp".replace("1,000k", "1M")
+        spec = dict(BASE, strategy="sketched_sgd", clients=population, fraction=0.01, rounds=3, eval_every=4)
+        if before:
+            cells.append(("before: " + label, spec, True))
+        cells.append((label, spec, False))
+    only = os.environ.get(ROWS_ENV)
+    if only:
+        cells = [c for c in cells if only in c[0]]
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in cells}
     floors: list[tuple[float, float]] = []  # (wall, CPU) seconds
     with tempfile.TemporaryDirectory() as tmp:
@@ -201,19 +220,38 @@ def run_scale(out_dir: Path, quick: bool = False, console: Console | None = None
                "final_test_accuracy": best.get("final_test_accuracy"), "runs": runs[label]}
         if row["s_per_round"]:
             row["client_rounds_per_s"] = per_round / row["s_per_round"]
+        if spec.get("strategy") == "sketched_sgd" and not old:
+            row["state_bound_mb"] = _state_bound(spec) / 1e6
         rows.append(row)
     floor = min(w for w, _ in floors) if floors else None
+    if not floors:  # the floor is measured beside "now"
+        _ratios(rows)
+        _print(rows, console)
+        _write(out_dir, rows, before, repeats)
+        return rows
     rows.append({"row": "compute floor", "code": "plain torch", "task": "digits-mlp", "clients": clients,
                  "fraction": 1.0, "s_per_round": floor, "client_rounds_per_s": clients / floor if floor else None,
                  "cpu_s_per_round": min(c for _, c in floors) if floors else None,
                  "floors": floors, "status": "measured"})
     _ratios(rows)
     _print(rows, console)
+    _write(out_dir, rows, before, repeats)
+    return rows
+
+
+def _write(out_dir: Path, rows: list[dict], before: str | None, repeats: int) -> None:
     meta = {"load_average": os.getloadavg(), "cpu_count": os.cpu_count(), "base": BASE, "repeats": repeats,
             "before": before}
     (out_dir / "engines-scale.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     _plot(rows, out_dir / "engines-scale.png")
-    return rows
+
+
+def _state_bound(spec: dict) -> int:
+    """The client state the batched engine's memory estimate states for run ``spec`` (its bound)."""
+    from fedswarm.config import RunConfig
+    from fedswarm.sim.batched import memory_estimate
+
+    return memory_estimate(RunConfig(**spec), available=10**15).parts["client state"]
 
 
 def _ratios(rows: list[dict]) -> None:
@@ -229,6 +267,10 @@ def _ratios(rows: list[dict]) -> None:
             now[prefix + "x_before"] = before[key] / now[key]  # client-rounds/s now over before
         if fed.get(key) and now.get(key):
             fed[prefix + "x_without_fed_eval"] = fed[key] / now[key]
+        for label, row in by.items():  # each "before: X" row against its X
+            after = by.get(label.removeprefix("before: ")) if label.startswith("before: ") else None
+            if after is not None and after.get(key) and row.get(key):
+                after[prefix + "x_before"] = row[key] / after[key]
     # the same ratio within each evaluated run (its rounds' CPU seconds over those less the evaluation's):
     # no second cell, so no load that differs between two runs
     within = [c["steady_x_without_fed_eval"] for c in fed.get("runs", []) if c.get("steady_x_without_fed_eval")]
@@ -238,10 +280,10 @@ def _ratios(rows: list[dict]) -> None:
 
 def _print(rows: list[dict], console: Console) -> None:
     load = os.getloadavg()
-    table = Table(title=f"engines scale: batched FedAvg, one local step (load {load[0]:.1f} on {os.cpu_count()} cores)")
+    table = Table(title=f"engines scale: batched engine, one local step (load {load[0]:.1f} on {os.cpu_count()} cores)")
     for col in ("row", "task", "clients", "fraction", "client-rounds/s", "s/round", "x floor", "x before",
                 "x no fed eval", "CPU s/round", "CPU x floor", "CPU x before", "CPU x no fed eval",
-                "CPU x no fed eval (in run)", "peak MB", "note"):
+                "CPU x no fed eval (in run)", "peak MB", "state bound MB", "note"):
         table.add_column(col)
 
     def f(v, spec):
@@ -254,7 +296,7 @@ def _print(rows: list[dict], console: Console) -> None:
                       f(r.get("cpu_s_per_round"), ".3f"), f(r.get("cpu_x_floor"), ".2f"),
                       f(r.get("cpu_x_before"), ".1f"), f(r.get("cpu_x_without_fed_eval"), ".2f"),
                       f(r.get("cpu_x_without_fed_eval_in_run"), ".3f"),
-                      f(r.get("peak_rss_mb"), ".0f"),
+                      f(r.get("peak_rss_mb"), ".0f"), f(r.get("state_bound_mb"), ".0f"),
                       "" if r.get("status") in ("finished", "measured") else str(r.get("status"))[:60])
     console.print(table)
 

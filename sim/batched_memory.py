@@ -15,7 +15,8 @@ import torch
 from fedswarm.errors import ConfigError
 
 __all__ = ["parse_memory_budget", "default_memory_budget", "available_ram", "MemoryEstimate", "estimate_peak",
-           "client_bytes", "one_step_client_bytes", "fitting_fraction", "ram_budget", "STATE_BYTES", "PROCESS_BYTES"]
+           "client_bytes", "one_step_client_bytes", "fitting_fraction", "ram_budget", "STATE_BYTES", "state_bytes",
+           "sketch_state_bytes", "PROCESS_BYTES"]
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -71,11 +72,42 @@ PROCESS_BYTES = 350 * 10**6
 
 #: Per-client state a round runner keeps between rounds, for a model of ``d`` parameters: bytes of a
 #: client that has state (its row, and what holds it: a tensor object in a dict, a Flower Context).
+#: The sketch runner's depends on the strategy and its hyperparameters: :func:`state_bytes`.
 STATE_BYTES: dict[str, Callable[[int], int]] = {
     "codec": lambda d: 4 * d + 16,  # the error-feedback residual [d] (ClientRows: a row and its slot)
     "global_topk": lambda d: 4 * d + 600,  # GTopKClientState: its accumulator [1, d] and round markers
-    "sketch": lambda d: 8 * d + 4000,  # the Context's state: error and momentum vectors [d]
 }
+
+
+def state_bytes(runner: str, cfg, d: int) -> tuple[int, int]:
+    """What round runner ``runner`` keeps between rounds for run ``cfg`` with a model of ``d``
+    parameters: ``(bytes per client that has state, bytes per client of the population)``."""
+    if runner == "sketch":  # the Count-Sketch clients' memories (SketchRows)
+        return sketch_state_bytes(cfg, d)
+    return (STATE_BYTES[runner](d), 0) if runner in STATE_BYTES else (0, 0)
+
+
+def sketch_state_bytes(cfg, d: int) -> tuple[int, int]:
+    """What :class:`~fedswarm.sim.batched_sketched.SketchRows` holds for run ``cfg`` (strategy and
+    hyperparameters) with a model of ``d`` parameters: ``(bytes per client that has state, bytes
+    per client of the population)``.
+    Rows grow by doubling into storage that is not written (not resident) until a client's row
+    is: the resident bytes are these."""
+    from fedswarm.algorithms.compression.sparse import k_of
+    from fedswarm.strategies.federated.sketched import SKETCH_CLIENTS
+    from fedswarm.strategies.registry import resolve_params
+
+    client = SKETCH_CLIENTS[cfg.strategy]
+    if client.error_key is None:
+        return 0, 0
+    params = resolve_params(cfg.strategy, cfg.params or {})
+    k = k_of(params["density"], d)
+    answered = {"sketched_sgd": min(d, int(params.get("candidates", 0)) * k),
+                "gs_sgd": k if params.get("exact_values") else 0}.get(cfg.strategy, 0)
+    rows = 1 + (client.momentum_key is not None)
+    per_client = 4 * d * rows + 4 * answered
+    per_population = 4 * rows + 4 + (4 if answered else 0)  # each ClientRows' slots, the sent rounds
+    return per_client, per_population
 
 
 @dataclass
@@ -125,9 +157,9 @@ def estimate_peak(cfg, *, d: int, x_numel: int, act_per_example: int, n_train: i
     """The peak of a batched run of ``cfg`` (population ``cfg.clients``, ``cfg.fraction`` of it a
     round, ``cfg.rounds`` rounds) for a model of ``d`` parameters: the process, the data and the
     partition, a round's cohort arrays, one chunk of training (at most the memory budget), and
-    the clients' state (``STATE_BYTES[runner]`` for every client that has trained, at most
-    ``rounds x cohort`` of them). Upper bounds where a figure depends on the data (policies'
-    batch sizes and steps: the run's own)."""
+    the clients' state (:func:`state_bytes`: its bytes for every client that has trained, at most
+    ``rounds x cohort`` of them, and its bytes per client of the population). Upper bounds where
+    a figure depends on the data (policies' batch sizes and steps: the run's own)."""
     population = cfg.clients
     k = max(int(population * cfg.fraction), 1)
     per_client_examples = max(1, -(-n_train // population))
@@ -140,7 +172,8 @@ def estimate_peak(cfg, *, d: int, x_numel: int, act_per_example: int, n_train: i
            client_bytes(d, x_numel, act_per_example, steps, batch))
     chunk = min(budget, k * per)
     touched = min(population, cfg.rounds * k)
-    state = touched * STATE_BYTES[runner](d) if runner in STATE_BYTES else 0
+    per_client, per_member = state_bytes(runner, cfg, d)
+    state = touched * per_client + population * per_member
     parts = {
         "process": PROCESS_BYTES,
         "data": 4 * (n_train + n_test) * (x_numel + 1),
@@ -150,7 +183,7 @@ def estimate_peak(cfg, *, d: int, x_numel: int, act_per_example: int, n_train: i
         "client state": state,
         "models": 8 * 6 * d,  # the global model, the running sum (float64) and copies
     }
-    notes = {"client state": f"{touched:,} clients x {human(STATE_BYTES[runner](d))}"} if state else {}
+    notes = {"client state": f"{touched:,} clients x {human(per_client)}"} if state else {}
     if chunk == budget:
         notes["chunk"] = "the memory budget"
     return MemoryEstimate(parts, available, notes)

@@ -3,8 +3,8 @@ HOST:PORT [--workers N]``.
 
 Each round's cohort is split across N workers, each client always on the same one (client
 ``p`` on worker ``p mod N``: sticky, so what a client keeps between rounds, an error-feedback
-residual or a sketch client's ``Context``, stays on its worker in a
-:class:`~fedswarm.sim.batched_round.ClientRows` of its own). A worker
+residual or a sketch client's memory, stays on its worker in arrays of its own,
+:class:`~fedswarm.sim.batched_round.ClientRows`). A worker
 (:class:`ShardWorker`) holds the run's :class:`~fedswarm.sim.batched_trainer.BatchedTrainer`,
 built from the config on its own machine (no data is shipped), and runs the batched trainer on
 its shard; the driver keeps the strategy and reduces what it needs:

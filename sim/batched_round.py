@@ -32,11 +32,12 @@ __all__ = ["ClientMemory", "ClientRows", "NodeIds", "Meter", "ByteCounter", "rou
 
 
 class ClientMemory(dict):
-    """What the batched engine keeps of each client between rounds, by partition id, as objects
-    in a dict (a sketch client's Flower ``Context``; error-feedback residuals are
-    :class:`ClientRows`, gTop-k memories :class:`~fedswarm.sim.batched_compressed.GTopKRows`,
-    arrays). A client's first use makes its state with ``empty(pid)``, what its
-    ClientApp starts from; :meth:`rows` reads a chunk's clients, :meth:`keep` writes them back."""
+    """Per-client state by partition id, as objects in a dict (the round runners keep theirs in
+    arrays instead: error-feedback residuals :class:`ClientRows`, gTop-k memories
+    :class:`~fedswarm.sim.batched_compressed.GTopKRows`, sketch memories
+    :class:`~fedswarm.sim.batched_sketched.SketchRows`). A client's first use makes its state
+    with ``empty(pid)``, what its ClientApp starts from; :meth:`rows` reads a chunk's clients,
+    :meth:`keep` writes them back."""
 
     def __init__(self, empty: Callable[[int], Any]):
         super().__init__()
@@ -105,7 +106,8 @@ class ClientRows:
         if len(new):
             need = self._used + len(new)
             if need > self._rows.shape[0]:  # grow by doubling: amortised copies
-                grown = torch.zeros((max(need, 2 * self._rows.shape[0], 16), self.d), dtype=self._rows.dtype)
+                # empty: a row past the used ones is never read, and its pages are not resident until written
+                grown = torch.empty((max(need, 2 * self._rows.shape[0], 16), self.d), dtype=self._rows.dtype)
                 grown[:self._used] = self._rows[:self._used]
                 self._rows = grown
             self._slot[new] = np.arange(self._used, need, dtype=np.int32)

@@ -37,9 +37,7 @@ import numpy as np
 from flwr.app import Message
 
 from fedswarm.algorithms.secagg import SecAggFailed
-from fedswarm.server.metered_grid import serialized_size
 from fedswarm.sim.batched_round import make_reply
-from fedswarm.sim.inprocess import client_error_reply
 from fedswarm.strategies.secagg_payload import SUM_KEY, check_specs, payload_of, payload_reply, sum_metrics
 
 __all__ = ["SecureSketchExchange"]
@@ -90,22 +88,11 @@ class SecureSketchExchange:
         except SecAggFailed as exc:  # before the masked-input stage: nobody is asked
             trained, failed = set(), str(exc)
         rows, weights, specs, gone = {}, {}, {}, []
-        cache: dict = {}
-        for nid in sorted(trained):
-            msg = by_node[nid]
-            context = self.contexts[nid - 1]
-            # its first sum's weight, which an in-process node keeps from its sketch's reply (SketchClient.update)
-            sent = context.state.config_records.get(self.client.prefix + ".sent")
-            if sent is not None and nid in secure.weights:
-                sent["num-examples"] = int(secure.weights[nid])
-            down = serialized_size(msg, cache)
-            try:
-                reply = make_reply(msg, self.client.update(msg, context))
-            except Exception as exc:  # as the in-process node: a failing client drops at masked_input
-                reply = client_error_reply(msg, exc)
-            sizes = self.bytes.setdefault(nid, [0, 0])
-            sizes[0] += down
-            sizes[1] += serialized_size(reply)
+        asked = sorted(trained)
+        # the asked nodes' answers on their memories, each weighted as its sketch was (its first-sum weight)
+        replies = self.answer_all([by_node[nid] for nid in asked],
+                                  weight_of=lambda nid: int(secure.weights[nid]) if nid in secure.weights else None)
+        for nid, reply in zip(asked, replies, strict=True):
             try:
                 vector, weight, spec = payload_of(reply)
             except (RuntimeError, ValueError):

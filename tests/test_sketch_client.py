@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from fedswarm.algorithms.compression.countsketch import CountSketch
 from fedswarm.algorithms.compression.sketched import SketchClientState, sketch_client_step
@@ -17,6 +17,7 @@ from fedswarm.config import RunConfig
 from fedswarm.params import ParamLayout
 from fedswarm.strategies.federated.compressed_base import KNOBS, ClientRound
 from fedswarm.strategies.federated.compressed_client import SELECT
+from fedswarm.sim.batched_sketched import SketchRows, _Exchange
 from fedswarm.strategies.federated.sketched import SKETCH_CLIENTS
 
 LAYOUT = ParamLayout.from_shapes([("w", (12, 10)), ("b", (12,)), ("v", (7,))])  # d = 139
@@ -106,57 +107,81 @@ class _Model:
     layout: ParamLayout
 
 
-def _rounds(name: str, contexts: list[Context], rnd: int, taken: list[np.ndarray] | None) -> list[ClientRound]:
-    knobs = ConfigRecord({"round": rnd, "rows": ROWS, "cols": COLS, "density": 0.05, "hash_seed": SEED,
-                          "momentum": 0.5, "phase": 1})
-    out = []
-    for i, ctx in enumerate(contexts):
-        content = RecordDict({KNOBS: knobs})
-        if taken is not None:
-            content[SELECT] = ConfigRecord({"round": rnd - 1, "indices": taken[i].astype("<i4").tobytes()})
-        msg = Message(content=content, message_type=f"train.{name}", dst_node_id=ctx.node_id)
-        out.append(ClientRound(msg, ctx, RunConfig(), _Model(LAYOUT), knobs, torch.zeros(D), 0, ""))
-    return out
+def _knobs(rnd: int, phase: int = 1) -> ConfigRecord:
+    return ConfigRecord({"round": rnd, "rows": ROWS, "cols": COLS, "density": 0.05, "hash_seed": SEED,
+                         "momentum": 0.5, "phase": phase})
 
 
-def _commit(rounds: list[ClientRound]) -> None:
-    for cr in rounds:  # what finish() writes
-        for key, value in cr.state.items():
-            cr.context.state[key] = value
+def _round(name: str, ctx: Context, rnd: int, select: ConfigRecord | None) -> ClientRound:
+    content = RecordDict({KNOBS: _knobs(rnd)})
+    if select is not None:
+        content[SELECT] = select
+    msg = Message(content=content, message_type=f"train.{name}", dst_node_id=ctx.node_id)
+    return ClientRound(msg, ctx, RunConfig(), _Model(LAYOUT), content[KNOBS], torch.zeros(D), 0, "")
+
+
+def _commit(cr: ClientRound) -> None:
+    for key, value in cr.state.items():  # what finish() writes
+        cr.context.state[key] = value
+
+
+def _ask(name: str, pid: int, rnd: int, cand: np.ndarray) -> Message:
+    content = RecordDict({KNOBS: _knobs(rnd, phase=2), "candidates": ArrayRecord({"indices": Array(cand)})})
+    return Message(content=content, message_type=f"train.{name}", dst_node_id=pid + 1)
 
 
 @pytest.mark.parametrize("name", sorted(SKETCH_CLIENTS))
-def test_the_strategy_client_on_a_cohort_equals_each_client_alone(name):
-    """Two rounds (the second with the server's selection of the first): the cohort's step
-    (the batched engine's call) and C steps with C = 1 (each Flower client's) give the same
-    tables and leave the same state in every client's Context."""
+def test_the_cohort_on_arrays_equals_each_flower_client_on_its_context(name):
+    """Three rounds (the second's selection by indices of the first's sketch; a phase-2 answer in
+    the second, whose candidates the third's selection masks): the batched engine's call (the
+    cohort's step on its memories in SketchRows) and each Flower client's (its step on its
+    Context) give the same tables and phase-2 replies and leave the same memories."""
     client = SKETCH_CLIENTS[name]
-    c = 4
+    pids = [7, 2, 5, 0]  # out of order, with gaps: the store's slots
+    c = len(pids)
+    store = SketchRows(client, D, population=10)
+    exchange = _Exchange(10, store, client)
+    ctxs = [Context(run_id=0, node_id=p + 1, node_config={}, state=RecordDict(), run_config={}) for p in pids]
     g = torch.Generator().manual_seed(11)
     rng = np.random.default_rng(0)
-
-    def contexts():
-        return [Context(run_id=0, node_id=i + 1, node_config={}, state=RecordDict(), run_config={}) for i in range(c)]
-
-    together, alone = contexts(), contexts()
-    for rnd in (1, 2):
+    taken, cand = None, np.sort(rng.choice(D, size=13, replace=False)).astype(np.int32)
+    for rnd in (1, 2, 3):
         delta = torch.randn(c, D, generator=g)
-        taken = None if rnd == 1 else [np.sort(rng.choice(D, size=9, replace=False)) for _ in range(c)]
-        rounds = _rounds(name, together, rnd, taken)
-        table = client.step(rounds, delta).arrays["table"]
-        _commit(rounds)
+        if rnd == 1:
+            selects = [None] * c
+        elif rnd == 2:
+            taken = [np.sort(rng.choice(D, size=9, replace=False)) for _ in range(c)]
+            selects = [ConfigRecord({"round": 1, "indices": t.astype("<i4").tobytes()}) for t in taken]
+        else:
+            bits = [rng.random(cand.size) < 0.5 for _ in range(c)]
+            taken = [cand[b].astype(np.int64) for b in bits]
+            selects = [ConfigRecord({"round": 2, "mask": np.packbits(b, bitorder="little").tobytes()}) for b in bits]
+        payload, new = client.step(_knobs(rnd), LAYOUT, delta, store.state(pids), store.taken(pids, selects))
+        store.keep(pids, new, rnd)
         for i in range(c):
-            one = _rounds(name, alone[i:i + 1], rnd, None if taken is None else taken[i:i + 1])
-            torch.testing.assert_close(table[i:i + 1], client.step(one, delta[i:i + 1]).arrays["table"],
-                                       rtol=0, atol=1e-6)
-            _commit(one)
-    for a, b in zip(together, alone):
-        assert sorted(a.state.keys()) == sorted(b.state.keys())
-        for key in a.state.array_records:
-            assert np.array_equal(a.state.array_records[key]["vector"].numpy(),
-                                  b.state.array_records[key]["vector"].numpy()), key
-    if client.error_key is not None:  # the server's selection was applied: there, u and v restarted from δ
-        for i, ctx in enumerate(together):
-            v = ctx.state.array_records[client.error_key]["vector"].numpy()
-            np.testing.assert_array_equal(v[taken[i]], delta[i, taken[i]].numpy())
-            assert not np.allclose(np.delete(v, taken[i]), np.delete(delta[i].numpy(), taken[i]))
+            cr = _round(name, ctxs[i], rnd, selects[i])
+            torch.testing.assert_close(payload.arrays["table"][i:i + 1],
+                                       client.step_context(cr, delta[i:i + 1]).arrays["table"], rtol=0, atol=1e-6)
+            _commit(cr)
+        if client.prefix is not None and rnd == 2:  # the second exchange: from the arrays, from each Context
+            replies = exchange.send_and_receive([_ask(name, p, rnd, cand) for p in pids])
+            for reply, ctx in zip(replies, ctxs):
+                assert not reply.has_error()
+                want = client.phase2(_ask(name, ctx.node_id - 1, rnd, cand), ctx)
+                np.testing.assert_array_equal(reply.content.array_records["values"]["values"].numpy(),
+                                              want.array_records["values"]["values"].numpy())
+    if client.error_key is None:  # FetchSGD's clients keep nothing
+        assert len(store) == 0 and store.nbytes() == 0
+        return
+    assert len(store) == c and sorted(store.error) == sorted(pids)  # rows only for the clients that trained
+    for pid, ctx in zip(pids, ctxs):
+        for rows, key in ((store.error, client.error_key), (store.momentum, client.momentum_key)):
+            if key is not None:
+                np.testing.assert_array_equal(rows[pid].numpy(), ctx.state.array_records[key]["vector"].numpy())
+        assert int(store.sent_round[pid]) == int(ctx.state.config_records[client.prefix + ".sent"]["round"]) == 3
+        np.testing.assert_array_equal(store.sent_idx[pid].numpy(),
+                                      ctx.state.array_records[client.prefix + ".sent_idx"]["indices"].numpy())
+    for i, pid in enumerate(pids):  # the server's last selection was applied: there, u and v restarted from δ
+        v = store.error[pid].numpy()
+        np.testing.assert_array_equal(v[taken[i]], delta[i, taken[i]].numpy())
+        assert not np.allclose(np.delete(v, taken[i]), np.delete(delta[i].numpy(), taken[i]))

@@ -14,14 +14,14 @@ from fedswarm.params import ParamLayout
 from fedswarm.algorithms.compression.sketched import SketchClientState, sketch_client_step
 from fedswarm.algorithms.compression.sparse import CountSketchCodec
 from fedswarm.strategies.federated.compressed_base import (KNOBS, Accepted, ClientRound, CompressedStrategy,
-                                                           begin, finish, read_payload, save_sent,
-                                                           taken_indices, train)
+                                                           begin, finish, read_payload, save_sent, train)
+from fedswarm.strategies.federated.compressed_client import SELECT, selected_indices, sent_of
 from fedswarm.strategies.strategy_utils import load_vector, save_vector
 from fedswarm.algorithms.compression.countsketch import CountSketch
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import payload_to_records
 
-__all__ = ["SketchStrategy", "SketchClient"]
+__all__ = ["SketchStrategy", "SketchClient", "taken_mask"]
 
 
 class SketchStrategy(CompressedStrategy):
@@ -132,78 +132,104 @@ class SketchStrategy(CompressedStrategy):
 
 @dataclass(frozen=True)
 class SketchClient:
-    """A sketch strategy's client half, written once for ``C`` clients: a Flower client runs
-    it on itself (``C = 1``, :meth:`update`), the batched engine on a cohort (:meth:`step`).
+    """A sketch strategy's client half, written once for ``C`` clients: :meth:`step` and
+    :meth:`answer` are the math on tensors, which a Flower client runs on itself (``C = 1``,
+    :meth:`update` and :meth:`phase2`, reading and writing its ``Context`` around them) and the
+    batched engine on a cohort, with the memories in arrays
+    (:class:`~fedswarm.sim.batched_sketched.SketchRows`).
 
-    Each client's memory lives in its ``Context.state`` under ``error_key`` (v or e) and
-    ``momentum_key`` (u); None: not kept. ``prefix`` tags what a client sent, to match the
-    server's ``select`` and its phase-2 question; None: a stateless client with one exchange.
-    The math is :func:`~fedswarm.algorithms.compression.sketched.sketch_client_step`.
+    A client's memory: ``error_key`` (v or e, ``[d]``) and ``momentum_key`` (u, ``[d]``), None:
+    not kept; ``prefix`` tags what it sent (``.sent``: the round; ``.sent_idx``: the candidates it
+    answered in phase 2), to match the server's ``select`` and its phase-2 question; None: a
+    stateless client with one exchange. The math is
+    :func:`~fedswarm.algorithms.compression.sketched.sketch_client_step`.
     """
 
     prefix: str | None = None
     error_key: str | None = None
     momentum_key: str | None = None
 
-    def step(self, rounds: list[ClientRound], delta: torch.Tensor) -> Payload:
-        """The clients of ``rounds`` (one round, same knobs) after local training, ``delta``
-        ``[C, d]`` their model changes: each one's memory from its state, cleared where the
-        server used its last sketch; one step and one sketch for all. Each new memory goes
-        into its round's ``state`` (written by ``finish``); returns the ``[C, r, c]`` payload,
-        row ``i`` client ``i``'s table."""
-        knobs, layout = rounds[0].knobs, rounds[0].layout
+    def step(self, knobs: ConfigRecord, layout: ParamLayout, delta: torch.Tensor, state: SketchClientState,
+             taken: torch.Tensor | None) -> tuple[Payload, SketchClientState]:
+        """``C`` clients of one round (same ``knobs``) after local training, ``delta`` ``[C, d]``
+        their model changes, ``state`` their memories, ``taken`` (:func:`taken_mask`) what the
+        server used of each one's last sketch: one step and one sketch for all. Returns the
+        ``[C, r, c]`` payload (row ``i`` client ``i``'s table) and the new memories."""
         codec = CountSketchCodec(rows=int(knobs["rows"]), cols=int(knobs["cols"]), k_ratio=float(knobs["density"]))
-        seed = int(knobs["hash_seed"])
-        if self.error_key is None:
-            return sketch_client_step(SketchClientState(), codec, delta, layout, seed=seed)[0]
-        d = layout.d
-        taken = torch.zeros(len(rounds), d, dtype=torch.bool)
-        for i, cr in enumerate(rounds):
-            used = taken_indices(cr, self.prefix)
-            if used is not None:
-                taken[i, used] = True
-        error = torch.stack([load_vector(cr.context.state, self.error_key, d) for cr in rounds])
-        momentum = (None if self.momentum_key is None else
-                    torch.stack([load_vector(cr.context.state, self.momentum_key, d) for cr in rounds]))
-        payload, new = sketch_client_step(SketchClientState(error, momentum), codec, delta, layout, seed=seed,
-                                          rho=float(knobs.get("momentum", 0.0)), taken=taken)
-        for i, cr in enumerate(rounds):
-            save_vector(cr.state, self.error_key, new.error[i])
-            if self.momentum_key is not None:
-                save_vector(cr.state, self.momentum_key, new.momentum[i])
-            save_sent(cr, self.prefix)
-        return payload
+        return sketch_client_step(state, codec, delta, layout, seed=int(knobs["hash_seed"]),
+                                  rho=float(knobs.get("momentum", 0.0)), taken=taken)
 
-    def update(self, msg: Message, context: Context) -> RecordDict:
-        """The Flower client update: train, :meth:`step` with ``C = 1``, reply with the sketch;
-        a ``phase`` 2 message is answered by :meth:`phase2`."""
-        knobs = msg.content.config_records[KNOBS]
-        if self.prefix is not None and int(knobs.get("phase", 1)) == 2:
-            return self.phase2(msg, context)
-        cr = begin(msg, context)
-        fit = train(cr)
-        payload = self.step([cr], (fit.result.flat - fit.start)[None])
-        if self.prefix is not None:  # its weight, for a secure second exchange (phase2)
-            cr.state[self.prefix + ".sent"]["num-examples"] = int(fit.result.num_examples)
-        return finish(cr, fit, payload_to_records(payload, RecordDict()))
-
-    def phase2(self, msg: Message, context: Context) -> RecordDict:
-        """Reply with the exact values of the vector this node sketched at the candidates."""
-        knobs = msg.content.config_records[KNOBS]
-        sent = context.state.config_records.get(self.prefix + ".sent")
-        if sent is None or int(sent["round"]) != int(knobs["round"]):
+    def answer(self, knobs: ConfigRecord, sent_round: int | None, weight: int | None, error: np.ndarray,
+               cand: np.ndarray) -> RecordDict:
+        """Phase 2: the reply of a client whose last sketch was of round ``sent_round`` (None:
+        none), of ``weight`` examples (None: not kept), its error accumulator ``error`` ``[d]``,
+        asked for the exact values at ``cand`` (int32). Raises as the client fails."""
+        if sent_round is None or sent_round != int(knobs["round"]):
             raise RuntimeError(f"{self.prefix} phase 2 of round {knobs['round']}: this node sent no sketch that round")
-        v = context.state.array_records[self.error_key]["vector"].numpy()
-        cand = msg.content.array_records["candidates"]["indices"].numpy()
-        if cand.dtype != np.int32 or cand.ndim != 1 or (cand.size and (cand.min() < 0 or cand.max() >= v.size)):
+        if cand.dtype != np.int32 or cand.ndim != 1 or (cand.size and (cand.min() < 0 or cand.max() >= error.size)):
             raise PayloadError("candidates must be int32 indices in [0, d)")
-        context.state[self.prefix + ".sent_idx"] = ArrayRecord({"indices": Array(cand.copy())})
-        values = np.ascontiguousarray(v[cand])
+        values = np.ascontiguousarray(error[cand])
         if knobs.get("secagg"):  # a second secure sum: the values as a payload, weighted as its sketch was
-            weight = int(sent.get("num-examples", 0))
-            if weight < 1:
+            if not weight or weight < 1:
                 raise RuntimeError(f"{self.prefix} phase 2 under secagg: this node kept no weight of its sketch")
             return payload_to_records(Payload({"values": values}, {"codec": "values", "K": 1}),
                                       RecordDict({"metrics": MetricRecord({"num-examples": weight, "phase": 2})}))
         return RecordDict({"values": ArrayRecord({"values": Array(values)}),
                            "metrics": MetricRecord({"num-examples": 0, "phase": 2})})
+
+    def update(self, msg: Message, context: Context) -> RecordDict:
+        """The Flower client update: train, :meth:`step` with ``C = 1`` on the memory in its
+        ``Context``, reply with the sketch; a ``phase`` 2 message is answered by :meth:`phase2`."""
+        knobs = msg.content.config_records[KNOBS]
+        if self.prefix is not None and int(knobs.get("phase", 1)) == 2:
+            return self.phase2(msg, context)
+        cr = begin(msg, context)
+        fit = train(cr)
+        payload = self.step_context(cr, (fit.result.flat - fit.start)[None])
+        if self.prefix is not None:  # its weight, for a secure second exchange (phase2)
+            cr.state[self.prefix + ".sent"]["num-examples"] = int(fit.result.num_examples)
+        return finish(cr, fit, payload_to_records(payload, RecordDict()))
+
+    def step_context(self, cr: ClientRound, delta: torch.Tensor) -> Payload:
+        """:meth:`step` of one Flower client (``delta`` ``[1, d]``) on the memory in its
+        ``Context``; the new memory goes into ``cr.state`` (written by ``finish``)."""
+        if self.error_key is None:
+            return self.step(cr.knobs, cr.layout, delta, SketchClientState(), None)[0]
+        d, state = cr.layout.d, cr.context.state
+        memory = SketchClientState(load_vector(state, self.error_key, d)[None], None if self.momentum_key is None
+                                   else load_vector(state, self.momentum_key, d)[None])
+        taken = taken_mask([cr.msg.content.config_records.get(SELECT)], [sent_of(state, self.prefix)], d)
+        payload, new = self.step(cr.knobs, cr.layout, delta, memory, taken)
+        save_vector(cr.state, self.error_key, new.error[0])
+        if self.momentum_key is not None:
+            save_vector(cr.state, self.momentum_key, new.momentum[0])
+        save_sent(cr, self.prefix)
+        return payload
+
+    def phase2(self, msg: Message, context: Context) -> RecordDict:
+        """Reply with the exact values of the vector this node sketched at the candidates
+        (:meth:`answer` on its ``Context``), and remember the candidates it answered."""
+        knobs = msg.content.config_records[KNOBS]
+        sent = context.state.config_records.get(self.prefix + ".sent")
+        rec = context.state.array_records.get(self.error_key)
+        error = rec["vector"].numpy() if rec is not None else np.zeros(0, dtype=np.float32)
+        cand = msg.content.array_records["candidates"]["indices"].numpy()
+        content = self.answer(knobs, None if sent is None else int(sent["round"]),
+                              None if sent is None else int(sent.get("num-examples", 0)), error, cand)
+        context.state[self.prefix + ".sent_idx"] = ArrayRecord({"indices": Array(cand.copy())})
+        return content
+
+
+def taken_mask(selects: list[ConfigRecord | None], sent: list[tuple[int | None, torch.Tensor | None]],
+               d: int) -> torch.Tensor | None:
+    """What the server used of each of ``C`` clients' last sketches, as a bool ``[C, d]`` mask:
+    client ``i``'s train message's ``select`` record ``selects[i]`` read against what it kept of
+    its last message, ``sent[i]`` (round and indices, :func:`sent_of`). None: nothing used."""
+    taken = None
+    for i, (select, (rnd, idx)) in enumerate(zip(selects, sent, strict=True)):
+        used = selected_indices(select, rnd, idx, d)
+        if used is not None:
+            if taken is None:
+                taken = torch.zeros(len(selects), d, dtype=torch.bool)
+            taken[i, used] = True
+    return taken
