@@ -259,16 +259,22 @@ def test_a_malformed_reply_is_rejected_with_its_reason_and_never_folded():
     assert "11" in strategy.notes.rejections and "finite" in strategy.notes.rejections["11"]
 
 
-def test_deployment_path_dispatches_only_nodes_whose_own_telemetry_passes(tmp_path, monkeypatch):
-    """--eligible under FedBuff where each node reports its own telemetry (the deployment's and the flower
-    engine's path, here on the in-process grid): node 3's probe answer says 5 % battery, the others' say
-    nothing of a battery. Node 3 is never sent a model; it has an ``ineligible`` row naming the clause in
-    every aggregation, it is probed again while it does not train, and the others fold K = 2 each time."""
+@pytest.mark.parametrize("path", ["deployment", "flower"])
+def test_probed_eligibility_dispatches_only_nodes_whose_own_telemetry_passes(tmp_path, monkeypatch, path):
+    """--eligible under FedBuff where each node reports its own telemetry, on the in-process grid: the
+    deployment's path (no virtual clock) and the flower engine's (the virtual clock, node ids not
+    partitions). Node 3's probe answer says 5 % battery, the others' say nothing of a battery. Node 3 is
+    never sent a model; it has an ``ineligible`` row naming the clause in every aggregation, it is probed
+    again while it does not train, and the others fold K = 2 each time."""
     from fedswarm.client import app as client_app
     from fedswarm.protocol import TELEMETRY_RECORD
     from fedswarm.strategies.federated.fedbuff import FedBuff
 
-    monkeypatch.setattr(FedBuff, "use_virtual_clock", lambda self, simulated: setattr(self, "simulated", False))
+    def clock(self, simulated):
+        self.simulated = path == "flower"
+        self.partition_nodes = False
+
+    monkeypatch.setattr(FedBuff, "use_virtual_clock", clock)
     answer = client_app.answer_telemetry
     probed: list[int] = []
 
