@@ -293,7 +293,8 @@ class FedBuff(ReportsRounds, FedAvg):
                            eval_cohort=sorted(int(n) for n in by_node))
             counts["lost"] = 0
             if rules is not None and callable(add_rows):
-                add_rows(rules.rows(lambda n: str(n) in by_node))
+                # (a node whose reply is pulled but not yet folded has its train row in this aggregation too)
+                add_rows(rules.rows(lambda n, pulled={s.node for _, s in backlog}: str(n) in by_node or n in pulled))
             by_node.clear()
             if self.simulated and self.duration is not None:
                 metrics["sim_time_s"] = sched.now - t_last_agg
