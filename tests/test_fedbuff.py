@@ -213,6 +213,22 @@ def test_deployment_path_folds_replies_pulled_together_k_at_a_time(tmp_path, mon
     assert not [n for n in nodes if n.status != "ok"]
 
 
+class _QueueGrid:
+    """A fake Grid's push: each message gets an id and waits in ``queue`` for the fake's pull."""
+
+    def __init__(self):
+        self.queue, self.probes = {}, 0
+
+    def push_messages(self, msgs):
+        ids = []
+        for m in msgs:
+            mid = f"m{len(self.queue)}-{m.metadata.dst_node_id}"
+            m.metadata.__dict__["_message_id"] = mid
+            self.queue[mid] = m
+            ids.append(mid)
+        return ids
+
+
 def test_a_malformed_reply_is_rejected_with_its_reason_and_never_folded():
     """Node 11 answers garbage (not finite), node 12 a model one above what it was sent: with K = 1
     and constant weights each aggregation is node 12's model; node 11's replies are refused, named."""
@@ -222,21 +238,9 @@ def test_a_malformed_reply_is_rejected_with_its_reason_and_never_folded():
     from fedswarm.strategies.federated.fedbuff import FedBuff
     from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
-    class Grid:
-        def __init__(self):
-            self.queue = {}
-
+    class Grid(_QueueGrid):
         def get_node_ids(self):
             return [11, 12]
-
-        def push_messages(self, msgs):
-            ids = []
-            for m in msgs:
-                mid = f"m{len(self.queue)}-{m.metadata.dst_node_id}"
-                m.metadata.__dict__["_message_id"] = mid
-                self.queue[mid] = m
-                ids.append(mid)
-            return ids
 
         def pull_messages(self, ids):
             out = []
@@ -310,19 +314,10 @@ def test_deployment_path_fails_when_no_node_is_eligible(monkeypatch):
     from fedswarm.protocol import TELEMETRY_RECORD
     from fedswarm.strategies.federated.fedbuff_eligibility import ProbedRules
 
-    class Grid:
-        def __init__(self):
-            self.queue, self.probes = {}, 0
-
+    class Grid(_QueueGrid):
         def push_messages(self, msgs):
-            ids = []
-            for m in msgs:
-                mid = f"p{len(self.queue)}-{m.metadata.dst_node_id}"
-                m.metadata.__dict__["_message_id"] = mid
-                self.queue[mid] = m
-                ids.append(mid)
             self.probes += 1
-            return ids
+            return super().push_messages(msgs)
 
         def pull_messages(self, ids):
             out = []
