@@ -17,7 +17,9 @@ thermal zone passes ``temp<45``. A node that has reported nothing yet is eligibl
 naming it; :meth:`Rules.why_not` returns why a node's telemetry fails them (None: eligible).
 :func:`class_rules` (a device class's rules), :func:`ineligible_row` (the row of a node left out)
 and :func:`machine_telemetry` (what a simulated node reports) are shared by every place that applies
-the rules: the fleet grid, the batched engine's fleet, and FedBuff's dispatch.
+the rules: the fleet grid, the batched engine's fleet, and FedBuff's dispatch. :func:`probe_messages`
+(the telemetry probe) and :func:`node_report` (what a node's reply says about it) are shared by the two
+places that read real nodes' telemetry: the fleet grid and FedBuff's dispatch in a deployment.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, Callable
 from fedswarm.errors import ConfigError
 
 __all__ = ["Rules", "Clause", "parse_rules", "FIELDS", "class_rules", "rules_by_class", "ineligible_row",
-           "machine_telemetry"]
+           "machine_telemetry", "probe_messages", "node_report"]
 
 #: clause name -> the telemetry key it reads (fedswarm.telemetry.TELEMETRY_KEYS)
 FIELDS = {"battery": "battery_pct", "temp": "cpu_temp_c", "rss": "peak_rss_mb"}
@@ -139,3 +141,31 @@ def machine_telemetry() -> dict:
     tel = round_telemetry(0.0, 0)
     tel.pop("train_s", None)
     return tel
+
+
+def probe_messages(nodes: list[int], group_id: str) -> list:
+    """The telemetry probe to each of ``nodes``: a ``query.fedswarm_telemetry`` message, no model, that
+    the ClientApp answers with its telemetry, device class and partition id
+    (:func:`fedswarm.client.evaluate.answer_telemetry`)."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    from fedswarm.protocol import TELEMETRY_ACTION
+
+    return [Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=n, message_type=f"query.{TELEMETRY_ACTION}",
+                    group_id=group_id) for n in nodes]
+
+
+def node_report(msg: Any) -> tuple[int, dict | None, str | None, int | None] | None:
+    """What a node's reply (a probe answer or a train reply) says about it: ``(node id, telemetry,
+    device class, partition id)``, each None when it says nothing of it; None for an error reply."""
+    from fedswarm.protocol import TELEMETRY_RECORD
+
+    if msg.has_error() or not msg.has_content():
+        return None
+    tel = msg.content.config_records.get(TELEMETRY_RECORD)
+    rec = msg.content.config_records.get("node")
+    cls = pid = None
+    if rec is not None:
+        cls = str(rec["device_class"]) if rec.get("device_class") else None
+        pid = int(rec["partition-id"]) if "partition-id" in rec and int(rec["partition-id"]) >= 0 else None
+    return (int(msg.metadata.src_node_id), None if tel is None else {str(k): v for k, v in tel.items()}, cls, pid)

@@ -101,6 +101,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, store: Store, run_id: str,
         strategy.use_virtual_clock(node_kind == "sim")
     engine_state = grid if callable(getattr(grid, "state_dict", None)) else None  # clients' state, if it has it
     nodes_grid = grid  # the nodes themselves, for the resume query (no attack, no meter)
+    if callable(getattr(strategy, "use_nodes_grid", None)):  # FedBuff: its eligibility probe goes through them
+        strategy.use_nodes_grid(nodes_grid)
     byzantine = None
     if cfg.byzantine:
         from fedswarm.server.byzantine import ByzantineGrid

@@ -49,15 +49,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import Message
 
 from fedswarm.availability import Availability, run_availability
 from fedswarm.config import RunConfig
-from fedswarm.eligibility import Rules, class_rules, ineligible_row, parse_rules
+from fedswarm.eligibility import Rules, class_rules, ineligible_row, node_report, parse_rules, probe_messages
 from fedswarm.errors import ConfigError
 from fedswarm.store.rows import NOT_PICKED  # the statuses of a node left out at sampling
 from fedswarm.policy import DEFAULT_CLASS, PolicyBook
-from fedswarm.protocol import TELEMETRY_ACTION, TELEMETRY_RECORD
 from fedswarm.server.metered_grid import WrappingGrid, serialized_size
 from fedswarm.server.prompt_grid import pull_replies
 from fedswarm.strategies.strategy_utils import wait_for_nodes
@@ -150,20 +149,18 @@ class FleetGrid(WrappingGrid):
 
     # -- what nodes said ------------------------------------------------------------------
     def _learn(self, msg: Message, *, trained: bool = False) -> None:
-        if msg.has_error() or not msg.has_content():
+        report = node_report(msg)
+        if report is None:
             return
-        node = int(msg.metadata.src_node_id)
+        node, tel, cls, pid = report
         if trained:
             self.trained[node] = self.round
-        tel = msg.content.config_records.get(TELEMETRY_RECORD)
         if tel is not None:
-            self.telemetry[node] = {str(k): v for k, v in tel.items()}
-        rec = msg.content.config_records.get("node")
-        if rec is not None:
-            if rec.get("device_class"):
-                self.classes[node] = str(rec["device_class"])
-            if "partition-id" in rec and int(rec["partition-id"]) >= 0:
-                self.partitions[node] = int(rec["partition-id"])
+            self.telemetry[node] = tel
+        if cls is not None:
+            self.classes[node] = cls
+        if pid is not None:
+            self.partitions[node] = pid
 
     def rules_for(self, node: int) -> Rules | None:
         """The rules a node is held to: its device class's ``eligible`` policy, else the run's."""
@@ -177,9 +174,7 @@ class FleetGrid(WrappingGrid):
         ``timeout_s`` (default ``probe_timeout_s``) for the answers."""
         if not nodes:
             return
-        msgs = [Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=n,
-                        message_type=f"query.{TELEMETRY_ACTION}", group_id=f"probe-{self.round}") for n in nodes]
-        waiting = {mid for mid in self.probe_grid.push_messages(msgs) if mid}
+        waiting = {mid for mid in self.probe_grid.push_messages(probe_messages(nodes, f"probe-{self.round}")) if mid}
         timeout = self.probe_timeout_s if timeout_s is None else timeout_s
         for reply in pull_replies(self.probe_grid, waiting, timeout=timeout):
             self._learn(reply)

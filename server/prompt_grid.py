@@ -11,12 +11,12 @@ is Flower's contract unchanged.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from flwr.app import Message
 
 from fedswarm.server.metered_grid import WrappingGrid
+from fedswarm.strategies.strategy_utils import pull_replies  # (named here too, where the server's callers find it)
 
 __all__ = ["PromptGrid", "pull_replies"]
 
@@ -33,24 +33,3 @@ class PromptGrid(WrappingGrid):
         return pull_replies(self.inner, waiting, timeout=timeout, first_s=self.first_s, max_s=self.max_s)
 
 
-def pull_replies(grid, waiting: set[str], *, timeout: float | None = None,
-                 enough: Callable[[list[Message]], bool] | None = None,
-                 first_s: float = 0.05, max_s: float = 0.5) -> list[Message]:
-    """Pull the replies to the pushed messages ``waiting`` (their ids; the set is emptied as they come)
-    from ``grid``, at a growing interval (``first_s``, times 1.5, at most ``max_s``), until every one
-    is in, ``enough(replies so far)`` says so (a quorum), or ``timeout`` seconds have passed."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    replies: list[Message] = []
-    pause = first_s
-    while waiting:
-        got = list(grid.pull_messages(waiting))
-        replies.extend(got)
-        waiting.difference_update(m.metadata.reply_to_message_id for m in got)
-        if not waiting or (enough is not None and enough(replies)):
-            break
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            break
-        time.sleep(pause if left is None else min(pause, left))
-        pause = min(pause * 1.5, max_s)
-    return replies

@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord
 
 from fedswarm.algorithms.decentralized import consensus_distance, make_algorithm
 from fedswarm.algorithms.decentralized.topology import make_topology
+from fedswarm.availability import Availability
 from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.local import round_seed
@@ -33,7 +34,8 @@ from fedswarm.timemodel import BUILTIN_PROFILES, Profile
 from fedswarm.train import evaluate_flat, node_validation, resolve_device, task_data, trainer_for
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
-__all__ = ["ClockedNodes", "run_clocked", "check_clocked", "check_gossip", "own_models_eval", "DEFAULT_PROFILE"]
+__all__ = ["ClockedNodes", "run_clocked", "check_clocked", "check_gossip", "clock_availability", "own_models_eval",
+           "DEFAULT_PROFILE"]
 
 #: Every node's profile when the run names no devices.
 DEFAULT_PROFILE = "datacenter"
@@ -49,6 +51,7 @@ class ClockedNodes:
     _averagings_seen: int = 0
     lost_steps: int = 0
     _lost_seen: int = 0
+    availability: Availability | None = None  # --availability (None: every node always on)
 
     @property
     def now(self) -> float:
@@ -86,6 +89,37 @@ class ClockedNodes:
         """Steps lost since the last call (``--availability``: nodes that went off or dropped mid-iteration)."""
         k, self._lost_seen = self.lost_steps - self._lost_seen, self.lost_steps
         return k
+
+    # -- --availability: what every algorithm on the clock shares (its members carry ``session_end`` and
+    #    ``attempts``; the algorithm's own rules, who averages with whom, are its own) --------------------
+    def _session(self, i: int, t: float) -> bool:
+        """Whether node ``i`` is on at ``t`` to start an iteration (then its session's end and the
+        iteration's number are kept on its member for :meth:`_lost`); off, it is silent: a
+        ``("wake", i)`` event at its next on (none: off for good), and False. Always True without
+        ``--availability``."""
+        if self.availability is None:
+            return True
+        m = self.members[i]
+        end = self.availability.session_end(i, t)
+        if end is None:
+            nxt = self.availability.next_on(i, t)
+            if nxt is not None:
+                self.clock.schedule(nxt, ("wake", i))
+            return False
+        m.session_end, m.attempts = end, m.attempts + 1
+        return True
+
+    def _lost(self, i: int, t: float) -> bool:
+        """Whether node ``i``'s iteration, done computing at ``t``, loses its step: it outlasted the
+        session it started in, or its class's ``dropout`` cut it (drawn per node and iteration).
+        Counted in ``lost_steps``."""
+        if self.availability is None:
+            return False
+        m = self.members[i]
+        if t > m.session_end or self.availability.drops(i, m.attempts):
+            self.lost_steps += 1
+            return True
+        return False
 
     def take_stats(self) -> list[dict[str, float]]:
         """Per-node local steps, mean loss and bytes sent since the last call."""
@@ -210,6 +244,16 @@ def _record(recorder: RoundRecorder, rnd: int, sim: ClockedNodes,
         **fed,
     )
     recorder(rnd, vector_to_arrayrecord(sim.x.mean(dim=0)))
+
+
+def clock_availability(cfg: RunConfig, profiles: list[Profile]) -> Availability | None:
+    """``cfg``'s ``--availability`` over the clock's nodes (each node's class: its profile's name, as
+    ``--devices`` names it), None without it."""
+    if cfg.availability is None:
+        return None
+    from fedswarm.availability import availability_for
+
+    return availability_for(cfg.availability, [p.name for p in profiles], cfg.seed)
 
 
 def check_gossip(cfg: RunConfig, *, topology: bool = True) -> None:

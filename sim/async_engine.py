@@ -58,8 +58,8 @@ from fedswarm.availability import Availability
 from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.server.recorder import RoundListener
-from fedswarm.sim.async_clock import (DEFAULT_PROFILE, ClockedNodes, check_clocked, check_gossip, own_models_eval,
-                                      run_clocked)
+from fedswarm.sim.async_clock import (DEFAULT_PROFILE, ClockedNodes, check_clocked, check_gossip, clock_availability,
+                                      own_models_eval, run_clocked)
 from fedswarm.sim.async_groups import check_config as check_prague
 from fedswarm.sim.async_groups import run_prague
 from fedswarm.sim.async_leaders import check_config as check_lsgd
@@ -129,22 +129,15 @@ class ADPSGDSimulation(ClockedNodes):
         self.averagings = 0
         self._averagings_seen = 0
         self.availability, self.on_step, self.on_average = availability, on_step, on_average
-        self.lost_steps = 0
         self._started = [0.0] * topology.n  # each node's current iteration's start
         for i in range(topology.n):
             self._start(i, 0.0)
 
     # -- events ---------------------------------------------------------------------------
     def _start(self, i: int, t: float) -> None:
+        if not self._session(i, t):  # off: silent until it comes on
+            return
         node = self.nodes[i]
-        if self.availability is not None:
-            end = self.availability.session_end(i, t)
-            if end is None:  # off: silent until it comes on
-                nxt = self.availability.next_on(i, t)
-                if nxt is not None:
-                    self.clock.schedule(nxt, ("wake", i))
-                return
-            node.session_end, node.attempts = end, node.attempts + 1
         self._started[i] = t
         snapshot = self.state.x[i].clone()
         node.grad, node.loss = self.gradient(i, snapshot, node.steps + 1)
@@ -219,8 +212,7 @@ class ADPSGDSimulation(ClockedNodes):
         node = self.nodes[i]
         if not node.grad_done or node.averaging:
             return
-        if self.availability is not None and (t > node.session_end or self.availability.drops(i, node.attempts)):
-            self.lost_steps += 1  # it went off (or dropped) mid-iteration: the step is lost
+        if self._lost(i, t):  # it went off (or dropped) mid-iteration: the step is lost
             node.grad = None
             self._start(i, t)
             return
@@ -271,15 +263,10 @@ def run_adpsgd(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
     check_clocked(cfg.strategy, params)
 
     def make(x: torch.Tensor, profiles: list[Profile], gradient: Callable, steps: int) -> ADPSGDSimulation:
-        availability = None
-        if cfg.availability is not None:  # each node's class: its profile's name, as --devices names it
-            from fedswarm.availability import availability_for
-
-            availability = availability_for(cfg.availability, [p.name for p in profiles], cfg.seed)
         return ADPSGDSimulation(x, make_topology(cfg.topology, cfg.clients, cfg.seed), profiles, gradient,
                                 lr=cfg.lr, samples_per_step=steps * cfg.batch_size,
                                 message_bytes=model_message_nbytes(cfg), weight_decay=params["weight_decay"],
-                                seed=cfg.seed, availability=availability)
+                                seed=cfg.seed, availability=clock_availability(cfg, profiles))
 
     return run_clocked(cfg, store, run_id, listeners, make)
 

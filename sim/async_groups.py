@@ -17,18 +17,31 @@ the slowest worker), the baseline Prague is compared against.
 
 Rounds are recorded as in the AD-PSGD engine: one round every ``n`` local steps, with
 ``sim_time_s``, ``consensus_distance`` and the bytes each worker sent.
+
+Availability (``--availability``, :mod:`fedswarm.availability`, on this clock's simulated
+seconds): a worker that is off neither computes nor joins a group, and starts its next step when it
+comes on. A step that outlasts its worker's session, or that its class's ``dropout`` cuts (drawn per
+worker and step), is lost: nothing is applied and it does not join the queue (``lost_steps``). The
+group all-reduce is among workers that are on: a queued worker whose session ends leaves the queue
+(it starts again when it comes on), and a group needs ``min(group_size, workers on now)`` ready
+workers, so the workers that are on are never held by ones that are off (one worker on alone goes
+on with its next step, no reduce). A member whose session would end before the group's reduce does
+refuses it: it leaves the queue and starts its next step at once, with no averaging, and the group
+is formed from the others.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from fedswarm.availability import Availability
 from fedswarm.config import RunConfig
 from fedswarm.server.recorder import RoundListener
-from fedswarm.sim.async_clock import ClockedNodes, check_clocked, check_gossip, run_clocked
+from fedswarm.sim.async_clock import ClockedNodes, check_clocked, check_gossip, clock_availability, run_clocked
 from fedswarm.sim.simtime import model_message_nbytes
 from fedswarm.store import Store
 from fedswarm.strategies import registry
@@ -51,15 +64,23 @@ class _Worker:
     bytes_sent: int = 0
     waited_s: float = 0.0
     stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "loss": 0.0})
+    started: float = 0.0  # its current step's start
+    session_end: float = math.inf  # --availability: the end of the session its step started in
+    attempts: int = 0  # --availability: steps started (the dropout draw's index)
 
 
 class PragueSimulation(ClockedNodes):
     """The event loop. ``x0 [n, d]`` starting models; ``profiles[i]`` worker ``i``'s device
     and link; ``gradient`` computes a worker's (pseudo-)gradient; ``samples_per_step`` sets
-    one step's compute time; ``message_bytes`` is one full model's size."""
+    one step's compute time; ``message_bytes`` is one full model's size. ``availability``: when each
+    worker (by partition id) is on (the module's docstring); ``on_step(i, start, end)`` hears every step
+    applied, ``on_reduce(group, start, end)`` every group all-reduce (both: checks, traces)."""
 
     def __init__(self, x0: torch.Tensor, profiles: list[Profile], gradient: GradientFn, *, lr: float,
-                 samples_per_step: float, message_bytes: int, group_size: int = 4, weight_decay: float = 0.0):
+                 samples_per_step: float, message_bytes: int, group_size: int = 4, weight_decay: float = 0.0,
+                 availability: Availability | None = None,
+                 on_step: Callable[[int, float, float], None] | None = None,
+                 on_reduce: Callable[[tuple[int, ...], float, float], None] | None = None):
         n = x0.shape[0]
         if len(profiles) != n:
             raise ValueError(f"need one profile per worker ({n} workers, {len(profiles)} profiles)")
@@ -79,6 +100,7 @@ class PragueSimulation(ClockedNodes):
         self.averagings = 0
         self._averagings_seen = 0
         self.groups: list[tuple[int, ...]] = []  # every group formed, in order (for tests)
+        self.availability, self.on_step, self.on_reduce = availability, on_step, on_reduce
         for i in range(n):
             self._start(i, 0.0)
 
@@ -92,13 +114,26 @@ class PragueSimulation(ClockedNodes):
     # -- events ---------------------------------------------------------------------------
     def _start(self, i: int, t: float) -> None:
         w = self.workers[i]
+        end = w.session_end
+        if not self._session(i, t):  # off: silent until it comes on
+            return
+        if w.session_end != end and math.isfinite(w.session_end):  # a new session: its end is an event
+            self.clock.schedule(w.session_end, ("off", i))
+        w.started = t
         w.grad, w.loss = self.gradient(i, self.state.x[i].clone(), w.steps + 1)
         self.clock.schedule(t + w.compute_s, ("grad", i))
 
     def _dispatch(self, t: float, event: tuple) -> None:
-        if event[0] == "grad":
+        kind = event[0]
+        if kind == "grad":
             i = event[1]
             w = self.workers[i]
+            if self._lost(i, t):  # it went off (or dropped) mid-step: nothing applied
+                w.grad = None
+                self._start(i, t)
+                return
+            if self.on_step is not None:
+                self.on_step(i, w.started, t)
             one = GossipState(x=self.state.x[i : i + 1])
             self.algo.local_step(one, w.grad[None], self.lr)
             self.state.x[i] = one.x[0]
@@ -107,22 +142,55 @@ class PragueSimulation(ClockedNodes):
             w.stats["loss"] += w.loss
             self.total_steps += 1
             self.queue.append((i, t))
-            if len(self.queue) >= self.group_size:
-                members, self.queue = self.queue[: self.group_size], self.queue[self.group_size:]
-                group = tuple(j for j, _ in members)
-                for j, since in members:
-                    self.workers[j].waited_s += t - since
-                    self.workers[j].bytes_sent += int(round(2 * (len(group) - 1) / len(group) * self.message_bytes))
-                self.groups.append(group)
-                self.clock.schedule(t + self.reduce_time_s(group), ("reduce", group))
-        elif event[0] == "reduce":
+            self._form_groups(t)
+        elif kind == "reduce":
             group = event[1]
             self.algo.group_average(self.state, group)
             self.averagings += 1
+            if self.on_reduce is not None:
+                self.on_reduce(group, t - self.reduce_time_s(group), t)
             for j in group:
                 self._start(j, t)
+        elif kind == "wake":
+            self._start(event[1], t)
+        elif kind == "off":  # --availability: a session ended; a worker waiting in the queue leaves it
+            i = event[1]
+            if any(j == i for j, _ in self.queue):
+                self.queue = [(j, since) for j, since in self.queue if j != i]
+                self._start(i, t)  # (off now: it starts again when it comes on)
+            self._form_groups(t)  # fewer workers on: the ready ones may be enough now
         else:  # pragma: no cover
             raise ValueError(f"unknown event {event!r}")
+
+    def _needed(self, t: float) -> int:
+        """How many ready workers a group needs at ``t``: ``group_size``, or (``--availability``) at
+        most the workers that are on."""
+        if self.availability is None:
+            return self.group_size
+        on = sum(self.availability.available(j, t) for j in range(len(self.workers)))
+        return max(1, min(self.group_size, on))
+
+    def _form_groups(self, t: float) -> None:
+        """The group generator: the earliest ready workers form a group as soon as there are enough."""
+        while self.queue and len(self.queue) >= (need := self._needed(t)):
+            members, self.queue = self.queue[:need], self.queue[need:]
+            group = tuple(j for j, _ in members)
+            if self.availability is not None:
+                end = t + self.reduce_time_s(group)
+                refused = [m for m in members if self.workers[m[0]].session_end < end]
+                if refused:  # they would go off mid-reduce: each goes on alone, the others wait on
+                    self.queue = [m for m in members if m not in refused] + self.queue
+                    for j, _ in refused:
+                        self._start(j, t)
+                    continue
+                if len(group) == 1:  # the only worker on: its next step, no reduce
+                    self._start(group[0], t)
+                    continue
+            for j, since in members:
+                self.workers[j].waited_s += t - since
+                self.workers[j].bytes_sent += int(round(2 * (len(group) - 1) / len(group) * self.message_bytes))
+            self.groups.append(group)
+            self.clock.schedule(t + self.reduce_time_s(group), ("reduce", group))
 
 
 def check_config(cfg: RunConfig) -> None:
@@ -140,6 +208,6 @@ def run_prague(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Rou
     def make(x: torch.Tensor, profiles: list[Profile], gradient: Callable, steps: int) -> PragueSimulation:
         return PragueSimulation(x, profiles, gradient, lr=cfg.lr, samples_per_step=steps * cfg.batch_size,
                                 message_bytes=model_message_nbytes(cfg), group_size=params["group_size"],
-                                weight_decay=params["weight_decay"])
+                                weight_decay=params["weight_decay"], availability=clock_availability(cfg, profiles))
 
     return run_clocked(cfg, store, run_id, listeners, make)

@@ -25,11 +25,23 @@ with ``sim_time_s``, ``consensus_distance`` and the bytes each worker's exchange
 (its reports, model + 12 bytes of loss, and the leader copies it received, 4d each).
 ``averagings`` counts server exchanges.
 
+Availability (``--availability``, :mod:`fedswarm.availability`, on this clock's simulated
+seconds): a worker that is off neither computes nor reports, and starts its next step when it comes
+on; the servers are always on. A step that outlasts its worker's session, or that its class's
+``dropout`` cuts (drawn per worker and step), is lost: nothing is applied, no report goes out
+(``lost_steps``). A worker reports only while it is on, so only a worker that is on can take a
+server's lead; the leader copy a server holds stays when its worker goes off (it is the server's
+copy of a model, the worker's loss at its report), and the others go on pulling towards it. An
+exchange with a server that would outlast the worker's session (report up, copy down) is refused:
+the worker ends its step without that pull and any later one (it did not report, so its loss
+estimate runs on), then starts its next step if it is still on.
+
     fedswarm sim --engine clock --strategy lsgd --set mode=async --devices phone:2,laptop:2
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,9 +49,10 @@ import torch
 
 from fedswarm.algorithms.decentralized import GossipState, leader_server_update, make_algorithm
 from fedswarm.algorithms.decentralized.leader import LSGD, contiguous_groups
+from fedswarm.availability import Availability
 from fedswarm.config import RunConfig
 from fedswarm.server.recorder import RoundListener
-from fedswarm.sim.async_clock import ClockedNodes, run_clocked
+from fedswarm.sim.async_clock import ClockedNodes, clock_availability, run_clocked
 from fedswarm.sim.simtime import model_message_nbytes
 from fedswarm.store import Store
 from fedswarm.strategies import registry
@@ -62,18 +75,25 @@ class _Worker:
     grad: torch.Tensor | None = None
     loss: float = 0.0
     pending: list[tuple[str, float]] = field(default_factory=list)  # servers still to visit this step
-    reported: bool = False  # this step had a pull due: the loss estimate starts afresh after it
+    reported: bool = False  # this step reported to a server: the loss estimate starts afresh after it
     bytes_sent: int = 0
     stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "loss": 0.0})
+    started: float = 0.0  # its current step's start
+    session_end: float = math.inf  # --availability: the end of the session its step started in
+    attempts: int = 0  # --availability: steps started (the dropout draw's index)
 
 
 class LSGDSimulation(ClockedNodes):
     """The event loop. ``x0 [n, d]`` starting models; ``profiles[i]`` worker ``i``'s device
     and link; ``gradient`` its minibatch gradient and loss; ``algo`` an :class:`LSGD` in
-    ``mode="async"``; ``message_bytes`` one model message's size."""
+    ``mode="async"``; ``message_bytes`` one model message's size. ``availability``: when each worker
+    (by partition id) is on (the module's docstring); ``on_step(i, start, end)`` hears every step
+    applied, ``on_exchange(i, server, start, end)`` every exchange with a server (both: checks, traces)."""
 
     def __init__(self, x0: torch.Tensor, profiles: list[Profile], gradient: GradientFn, algo: LSGD, *,
-                 lr: float, samples_per_step: float, message_bytes: int):
+                 lr: float, samples_per_step: float, message_bytes: int, availability: Availability | None = None,
+                 on_step: Callable[[int, float, float], None] | None = None,
+                 on_exchange: Callable[[int, str, float, float], None] | None = None):
         n = x0.shape[0]
         if len(profiles) != n:
             raise ValueError(f"need one profile per worker ({n} workers, {len(profiles)} profiles)")
@@ -99,6 +119,7 @@ class LSGDSimulation(ClockedNodes):
         self.total_steps = 0
         self.averagings = 0
         self._averagings_seen = 0
+        self.availability, self.on_step, self.on_exchange = availability, on_step, on_exchange
         for i in range(n):
             self._start(i, 0.0)
 
@@ -111,14 +132,25 @@ class LSGDSimulation(ClockedNodes):
 
     # -- events ---------------------------------------------------------------------------
     def _start(self, i: int, t: float) -> None:
+        if not self._session(i, t):  # off: silent until it comes on
+            return
         w = self.workers[i]
+        w.started = t
         w.grad, w.loss = self.gradient(i, w.state.x[0].clone(), w.steps + 1)
         self.clock.schedule(t + w.compute_s, ("grad", i))
 
     def _dispatch(self, t: float, event: tuple) -> None:
         kind, i = event[0], event[1]
         w = self.workers[i]
-        if kind == "grad":
+        if kind == "wake":
+            self._start(i, t)
+        elif kind == "grad":
+            if self._lost(i, t):  # it went off (or dropped) mid-step: nothing applied, nothing reported
+                w.grad = None
+                self._start(i, t)
+                return
+            if self.on_step is not None:
+                self.on_step(i, w.started, t)
             self.algo.local_step(w.state, w.grad[None], self.lr, losses=[w.loss])
             w.stats["steps"] += 1
             w.stats["loss"] += w.loss
@@ -126,7 +158,7 @@ class LSGDSimulation(ClockedNodes):
             local, glob = self.algo.due(w.state.step, i)
             w.pending = ([(self._server_of(i), self.algo.c1)] if local else []) + (
                 [("global", self.algo.c2)] if glob else [])
-            w.reported = bool(w.pending)
+            w.reported = False
             self._next_exchange(i, t)
         elif kind == "serve":  # the report reaches the server now
             server, report_x, report_f = event[2], event[3], event[4]
@@ -136,17 +168,22 @@ class LSGDSimulation(ClockedNodes):
                 self.leaders.append((server, i))
             self.clock.schedule(t + w.send_s, ("pull", i, lead[0].clone()))
         elif kind == "pull":  # the leader copy is back
-            _, c = w.pending.pop(0)
+            server, c = w.pending.pop(0)
             self.algo.node_pull(w.state, event[2], c)
             self.averagings += 1
+            if self.on_exchange is not None:
+                self.on_exchange(i, server, t - 2 * w.send_s, t)
             self._next_exchange(i, t)
         else:  # pragma: no cover
             raise ValueError(f"unknown event {event!r}")
 
     def _next_exchange(self, i: int, t: float) -> None:
         w = self.workers[i]
+        if w.pending and self.availability is not None and t + 2 * w.send_s > w.session_end:
+            w.pending = []  # the exchange would outlast its session: refused, the step ends without it
         if w.pending:
             server = w.pending[0][0]
+            w.reported = True
             w.bytes_sent += 2 * self.message_bytes + _REPORT  # report up, leader copy down
             self.clock.schedule(t + w.send_s, ("serve", i, server, w.state.x[0].clone(),
                                                self.algo.loss_estimate(w.state)))
@@ -185,6 +222,6 @@ def run_lsgd_async(cfg: RunConfig, *, store: Store, run_id: str, listeners: list
 
     def make(x: torch.Tensor, profiles: list[Profile], gradient: Callable, steps: int) -> LSGDSimulation:
         return LSGDSimulation(x, profiles, gradient, algo, lr=cfg.lr, samples_per_step=steps * cfg.batch_size,
-                              message_bytes=model_message_nbytes(cfg))
+                              message_bytes=model_message_nbytes(cfg), availability=clock_availability(cfg, profiles))
 
     return run_clocked(cfg, store, run_id, listeners, make)

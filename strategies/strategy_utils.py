@@ -36,7 +36,8 @@ from fedswarm.params import ParamLayout
 from fedswarm.payload import PayloadError
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
-__all__ = ["load_vector", "save_vector", "load_error_feedback", "save_error_feedback", "layout_of_arrays",
+__all__ = ["pull_replies", "load_vector", "save_vector", "load_error_feedback", "save_error_feedback",
+           "layout_of_arrays",
            "layout_json", "layout_from_json", "RoundNotes", "ReportsRounds", "notes_for", "clean_reason",
            "check_model_reply", "sample_train_nodes", "wait_for_nodes", "SamplesAfterWait"]
 
@@ -57,6 +58,29 @@ def wait_for_nodes(grid: Any, num_nodes: int, timeout_s: float) -> list[int]:
         log(INFO, "Waiting for nodes: %d of %d connected", len(ids), num_nodes)
         time.sleep(1.0)  # polling the grid, as Flower's own sample_nodes does: it has no connect event
     return ids
+
+
+def pull_replies(grid, waiting: set[str], *, timeout: float | None = None,
+                 enough: Callable[[list[Message]], bool] | None = None,
+                 first_s: float = 0.05, max_s: float = 0.5) -> list[Message]:
+    """Pull the replies to the pushed messages ``waiting`` (their ids; the set is emptied as they come)
+    from ``grid``, at a growing interval (``first_s``, times 1.5, at most ``max_s``), until every one
+    is in, ``enough(replies so far)`` says so (a quorum), or ``timeout`` seconds have passed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    replies: list[Message] = []
+    pause = first_s
+    while waiting:
+        got = list(grid.pull_messages(waiting))
+        replies.extend(got)
+        waiting.difference_update(m.metadata.reply_to_message_id for m in got)
+        if not waiting or (enough is not None and enough(replies)):
+            break
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            break
+        time.sleep(pause if left is None else min(pause, left))
+        pause = min(pause * 1.5, max_s)
+    return replies
 
 
 def sample_train_nodes(grid: Any, fraction: float, min_train_nodes: int,

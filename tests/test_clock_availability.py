@@ -1,4 +1,5 @@
-"""--availability on the virtual clock (AD-PSGD, sim/async_engine.py): a node outside its
+"""--availability on the virtual clock (AD-PSGD, sim/async_engine.py; Prague and LSGD:
+tests/test_clock_availability_groups.py): a node outside its
 session neither computes nor gossips, an iteration cut by a session's end or a dropout loses its
 step, and the share of time the nodes work is the share of time the process keeps them on."""
 
@@ -106,10 +107,9 @@ def test_the_clock_and_array_engines_refuse_what_they_do_not_run():
 
     with pytest.raises(ConfigError, match="^--quorum: run on --engine inprocess, flower, batched .*not on the clock"):
         check_config(RunConfig(strategy="adpsgd", clients=4, quorum=2))
-    with pytest.raises(ConfigError, match="^--availability on the clock engine: with AD-PSGD's gossip.*'prague'"):
-        check_config(RunConfig(strategy="prague", clients=4, devices="edge-wifi:4", availability="on=5,off=5"))
     with pytest.raises(ConfigError, match="^--availability: run on --engine .*not on the array engine"):
         check_config(RunConfig(strategy="dpsgd", engine="array", clients=4, devices="edge-wifi:4",
                                availability="on=5,off=5"))
-    assert check_config(RunConfig(strategy="adpsgd", clients=4, devices="edge-wifi:4",
-                                  availability="on=5,off=5")).name == "clock"
+    for strategy, params in (("adpsgd", {}), ("prague", {}), ("lsgd", {"mode": "async"})):
+        assert check_config(RunConfig(strategy=strategy, engine="clock", clients=4, devices="edge-wifi:4",
+                                      params=params, availability="on=5,off=5")).name == "clock"

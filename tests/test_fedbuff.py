@@ -213,6 +213,22 @@ def test_deployment_path_folds_replies_pulled_together_k_at_a_time(tmp_path, mon
     assert not [n for n in nodes if n.status != "ok"]
 
 
+class _QueueGrid:
+    """A fake Grid's push: each message gets an id and waits in ``queue`` for the fake's pull."""
+
+    def __init__(self):
+        self.queue, self.probes = {}, 0
+
+    def push_messages(self, msgs):
+        ids = []
+        for m in msgs:
+            mid = f"m{len(self.queue)}-{m.metadata.dst_node_id}"
+            m.metadata.__dict__["_message_id"] = mid
+            self.queue[mid] = m
+            ids.append(mid)
+        return ids
+
+
 def test_a_malformed_reply_is_rejected_with_its_reason_and_never_folded():
     """Node 11 answers garbage (not finite), node 12 a model one above what it was sent: with K = 1
     and constant weights each aggregation is node 12's model; node 11's replies are refused, named."""
@@ -222,21 +238,9 @@ def test_a_malformed_reply_is_rejected_with_its_reason_and_never_folded():
     from fedswarm.strategies.federated.fedbuff import FedBuff
     from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
-    class Grid:
-        def __init__(self):
-            self.queue = {}
-
+    class Grid(_QueueGrid):
         def get_node_ids(self):
             return [11, 12]
-
-        def push_messages(self, msgs):
-            ids = []
-            for m in msgs:
-                mid = f"m{len(self.queue)}-{m.metadata.dst_node_id}"
-                m.metadata.__dict__["_message_id"] = mid
-                self.queue[mid] = m
-                ids.append(mid)
-            return ids
 
         def pull_messages(self, ids):
             out = []
@@ -279,3 +283,80 @@ def test_a_codec_upload_is_timed_at_its_payload_size_on_the_virtual_clock():
     assert math.isclose(topk.duration(1), down_and_compute + transfer_time_s(p, float(up)), rel_tol=1e-12)
     assert math.isclose(plain.duration(1), down_and_compute + transfer_time_s(p, 4.0 * d), rel_tol=1e-12)
     assert topk.duration(1) < plain.duration(1)
+
+
+@pytest.mark.parametrize("path", ["deployment", "flower"])
+def test_probed_eligibility_dispatches_only_nodes_whose_own_telemetry_passes(tmp_path, monkeypatch, path):
+    """--eligible under FedBuff where each node reports its own telemetry, on the in-process grid: the
+    deployment's path (no virtual clock) and the flower engine's (the virtual clock, node ids not
+    partitions). Node 3's probe answer says 5 % battery, the others' say nothing of a battery. Node 3 is
+    never sent a model; it has an ``ineligible`` row naming the clause in every aggregation, it is probed
+    again while it does not train, and the others fold K = 2 each time."""
+    from fedswarm.client import app as client_app
+    from fedswarm.protocol import TELEMETRY_RECORD
+    from fedswarm.strategies.federated.fedbuff import FedBuff
+
+    def clock(self, simulated):
+        self.simulated = path == "flower"
+        self.partition_nodes = False
+
+    monkeypatch.setattr(FedBuff, "use_virtual_clock", clock)
+    answer = client_app.answer_telemetry
+    probed: list[int] = []
+
+    def low_battery_on_partition_2(msg, context):
+        content = answer(msg, context)
+        pid = int(content["node"]["partition-id"])
+        probed.append(pid)
+        tel = content.config_records[TELEMETRY_RECORD]
+        tel.pop("battery_pct", None)  # the machine's own battery (if any) is no node's here
+        if pid == 2:
+            tel["battery_pct"] = 5.0
+        return content
+
+    monkeypatch.setattr(client_app, "answer_telemetry", low_battery_on_partition_2)
+    res, nodes = _run(tmp_path, "probed", eligible="battery>=40", params={"buffer_size": 2, "concurrency": 6})
+    rows = res["rounds"][1:]
+    assert [r["model_version"] for r in rows] == [1, 2, 3, 4] and all(r["updates"] == 2 for r in rows)
+    mine = sorted((n.round, n.status, n.reason) for n in nodes if n.node_id.endswith("3") and n.round > 0)
+    assert mine == [(k, "ineligible", "not eligible (battery>=40): battery 5 fails battery>=40") for k in (1, 2, 3, 4)]
+    assert all(n.telemetry["battery_pct"] == 5.0 for n in nodes if n.node_id.endswith("3") and n.round > 0)
+    assert not any("3" in r["staleness_by_node"] for r in rows)
+    trained = {node for r in rows for node in r["staleness_by_node"]}
+    assert trained and trained <= {"1", "2", "4", "5", "6"}
+    assert sorted(set(probed)) == list(range(6)) and probed.count(2) >= 3  # the first probe, then again
+
+
+def test_deployment_path_fails_when_no_node_is_eligible(monkeypatch):
+    """Every node's telemetry fails the rules and none is training: the dispatch probes again until
+    round_timeout, then fails naming the clause (a fake grid whose nodes answer a 5 % battery)."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    from fedswarm.eligibility import parse_rules
+    from fedswarm.protocol import TELEMETRY_RECORD
+    from fedswarm.strategies.federated.fedbuff_eligibility import ProbedRules
+
+    class Grid(_QueueGrid):
+        def push_messages(self, msgs):
+            self.probes += 1
+            return super().push_messages(msgs)
+
+        def pull_messages(self, ids):
+            out = []
+            for mid in list(ids):
+                m = self.queue.pop(mid, None)
+                if m is not None:
+                    reply = Message(RecordDict({TELEMETRY_RECORD: ConfigRecord({"battery_pct": 5.0}),
+                                                "node": ConfigRecord({"device_class": "phone"})}), reply_to=m)
+                    reply.metadata.__dict__["_src_node_id"] = m.metadata.dst_node_id
+                    out.append(reply)
+            return out
+
+    grid = Grid()
+    rules = ProbedRules(parse_rules("battery>=40"), grid, wait_s=0.3, retry_s=0.05)
+    with pytest.raises(RuntimeError, match=r"no node is eligible.*battery>=40: battery 5 fails battery>=40"):
+        rules.eligible_idle([7, 8], ConfigRecord({}), busy=False)
+    assert grid.probes >= 2 and rules.classes == {7: "phone", 8: "phone"}
+    # busy: it does not wait; a class's own eligible policy overrides --eligible
+    assert rules.eligible_idle([7, 8], ConfigRecord({"policy.phone": '{"eligible": "battery<=10"}'}),
+                               busy=True) == [7, 8]

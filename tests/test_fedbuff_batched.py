@@ -142,24 +142,22 @@ def test_fedbuff_with_no_eligible_node_fails_saying_why(engine, tmp_path, monkey
         store.close()
 
 
-def test_fedbuff_eligible_refused_where_it_cannot_run():
-    """In a deployment (nodes not simulated) and on the flower engine (node ids are not partitions)."""
+def test_fedbuff_eligible_probes_where_nodes_report_their_own():
+    """In a deployment (nodes not simulated) and on the flower engine (node ids are not partitions)
+    FedBuff's dispatch reads each node's own telemetry (ProbedRules, tests/test_fedbuff.py); it probes
+    only when a rule applies, --eligible or a class's eligible policy."""
     from fedswarm.config import RunConfig
-    from fedswarm.errors import ConfigError
-    from fedswarm.strategies.federated.fedbuff_eligibility import dispatch_rules_for
-
-    rules = dispatch_rules_for(RunConfig(strategy="fedbuff", clients=2, eligible="battery>=40"))
-    with pytest.raises(ConfigError, match="in a deployment its dispatch does not probe"):
-        rules.check_simulated(False, {})
-    rules.check_simulated(True, {})
-    by_policy = dispatch_rules_for(RunConfig(strategy="fedbuff", clients=2))
-    by_policy.check_simulated(False, {})  # no rule at all: a deployment runs
-    with pytest.raises(ConfigError, match="in a deployment"):
-        by_policy.check_simulated(False, {"policy.default": '{"eligible": "charging"}'})
+    from fedswarm.server.app import prepare_strategy
     from fedswarm.sim.engines import check_config
+    from fedswarm.strategies.federated.fedbuff_eligibility import ProbedRules
 
-    with pytest.raises(ConfigError, match="fedbuff --eligible: on --engine inprocess or batched"):
-        check_config(RunConfig(strategy="fedbuff", engine="flower", clients=2, eligible="battery>=40"))
+    cfg = RunConfig(strategy="fedbuff", engine="flower", clients=2, eligible="battery>=40")
+    assert check_config(cfg).name == "flower"
+    assert prepare_strategy(cfg).strategy.partition_nodes is False
+    assert prepare_strategy(cfg.model_copy(update={"engine": "inprocess"})).strategy.partition_nodes is True
+    assert not ProbedRules.active({}, None)
+    assert ProbedRules.active({"policy.default": '{"eligible": "charging"}'}, None)
+    assert not ProbedRules.active({"policy.default": '{"local_steps": 2}'}, None)
 
 
 def test_fedbuff_eligible_with_availability_inprocess(tmp_path, monkeypatch):

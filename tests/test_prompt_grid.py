@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fedswarm.server import prompt_grid
+from fedswarm.strategies import strategy_utils  # where pull_replies, PromptGrid's loop, lives
 from fedswarm.server.prompt_grid import PromptGrid
 
 
@@ -43,7 +43,7 @@ class SlowNodes:
 @pytest.fixture()
 def clock(monkeypatch):
     c = Clock()
-    monkeypatch.setattr(prompt_grid, "time", c)
+    monkeypatch.setattr(strategy_utils, "time", c)
     return c
 
 

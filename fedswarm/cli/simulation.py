@@ -195,13 +195,13 @@ def sim(
         "temp, rss with <, <=, >, >=, ==; charging, !charging); per device class: an 'eligible' key in the class's "
         "policy of a --config file. A node is probed for its telemetry before a round it did not train in the "
         "round before; a skipped node's row says why ('ineligible'). --engine inprocess or flower; batched with "
-        "fedavg; fedbuff dispatches only eligible nodes on --engine inprocess or batched."
+        "fedavg; fedbuff dispatches only eligible nodes (every engine but array and clock, and in a deployment)."
     )),
     availability: Optional[str] = typer.Option(None, "--availability", help=(
         "Simulated availability (needs --devices): on=S,off=S[,diurnal=A,period=S,dropout=P] for every class, "
         "CLASS:on=...;CLASS:... per class, or a trace CSV node,start_s,end_s (docs/devices.md). Offline nodes are "
         "not sampled; a node that drops mid-round loses its update. --engine inprocess or flower; batched with "
-        "fedavg; clock with adpsgd (an offline peer neither trains nor gossips)."
+        "fedavg; clock with adpsgd, prague and lsgd --set mode=async (an offline node neither trains nor exchanges)."
     )),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Strategy hyperparameter KEY=VALUE (repeatable)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help=(

@@ -34,9 +34,11 @@ Two arrival sources:
   whatever reply comes back is folded in, a late node's update arrives stale, a dead node's never
   arrives and is counted as ``lost`` after ``round_timeout`` seconds.
 
-``--eligible`` (or a device class's ``eligible`` policy): on a simulated fleet the dispatch draws
-only eligible idle nodes, and the nodes passed over get an ``ineligible`` row
-(:mod:`fedswarm.strategies.federated.fedbuff_eligibility`); refused in a deployment.
+``--eligible`` (or a device class's ``eligible`` policy): the dispatch draws only eligible idle nodes,
+and the nodes passed over get an ``ineligible`` row
+(:mod:`fedswarm.strategies.federated.fedbuff_eligibility`): on a simulated fleet addressed by
+partition (inprocess, batched) from this machine's telemetry per device class; in a deployment and on
+the flower engine from each node's own telemetry, probed as the fleet grid does.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from flwr.serverapp.strategy import FedAvg, Result
 from fedswarm.algorithms.fedbuff import AsyncSchedule, FedBuffer, Stale, staleness_weight
 from fedswarm.algorithms.compression.codecs import CODECS
 from fedswarm.strategies.federated.compressed_client import KNOBS
-from fedswarm.strategies.federated.fedbuff_eligibility import dispatch_rules_for
+from fedswarm.strategies.federated.fedbuff_eligibility import ProbedRules, dispatch_rules_for
 from fedswarm.errors import ConfigError
 from fedswarm.hyperparams import HyperParam
 from fedswarm.payload import PayloadError
@@ -121,7 +123,7 @@ class FedBuff(ReportsRounds, FedAvg):
                  max_staleness: int | None = None, server_lr: float = 1.0, min_nodes: int = 1, seed: int = 0,
                  duration: Any = None, dp: Any = None, poll_s: float = 0.5, availability: Any = None,
                  codec: str = "none", codec_params: str | dict = "", error_feedback: bool = True,
-                 layout: Any = None, eligibility: Any = None):
+                 layout: Any = None, eligibility: Any = None, partition_nodes: bool = True):
         super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=1, min_evaluate_nodes=0,
                          min_available_nodes=min_nodes)
         self.buffer = FedBuffer(buffer_size, staleness_weight(staleness_weight_spec), max_staleness, server_lr)
@@ -142,6 +144,8 @@ class FedBuff(ReportsRounds, FedAvg):
         self.error_feedback = bool(error_feedback)
         self.layout = layout
         self.eligibility = eligibility  # a DispatchRules (fedbuff_eligibility.py), None: every node may train
+        self.partition_nodes = partition_nodes  # node id = partition id + 1 (not on the flower engine)
+        self.nodes_grid = None  # the nodes themselves, unmetered: the eligibility probe's grid (use_nodes_grid)
 
     def upload_nbytes(self) -> float | None:
         """A node's upload in bytes for the simulated clock: the codec's payload arrays
@@ -175,6 +179,10 @@ class FedBuff(ReportsRounds, FedAvg):
     def use_virtual_clock(self, simulated: bool) -> None:
         self.simulated = simulated
 
+    # ... and the grid of the nodes themselves (no meter), which its eligibility probe goes through
+    def use_nodes_grid(self, grid: Any) -> None:
+        self.nodes_grid = grid
+
     def start(self, grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config=None, evaluate_fn=None) -> Result:
         self.bind_notes(evaluate_fn)
@@ -192,8 +200,9 @@ class FedBuff(ReportsRounds, FedAvg):
             self.layout = layout_of_arrays(initial_arrays)
         start_version = self.version
         rules = self.eligibility
-        if rules is not None:
-            rules.check_simulated(self.simulated, train_config)
+        if rules is not None and not (self.simulated and self.partition_nodes):  # real nodes: probed
+            rules = (ProbedRules(rules.rules, self.nodes_grid if self.nodes_grid is not None else grid,
+                                 wait_s=timeout) if ProbedRules.active(train_config, rules.rules) else None)
         add_rows = getattr(evaluate_fn, "node_rows", None)  # the recorder's: rows of nodes that sent nothing
         sent_models: dict[int, torch.Tensor] = {self.version: x}
         flying: dict[str, _Sent] = {}
@@ -227,6 +236,8 @@ class FedBuff(ReportsRounds, FedAvg):
             sent_models[self.version] = x
 
         def take(reply: Message, sent: _Sent) -> None:
+            if rules is not None:
+                rules.learn(reply)
             if reply.has_error():
                 return  # the recorder writes the node's row as failed
             try:
@@ -258,6 +269,8 @@ class FedBuff(ReportsRounds, FedAvg):
                 busy = {s.node for s in flying.values()}
                 idle = [n for n in sorted(int(n) for n in grid.get_node_ids()) if n not in busy]
                 free = self.concurrency - len(flying)
+                if free > 0 and idle and rules is not None:
+                    idle = rules.eligible_idle(idle, train_config, busy=bool(flying or backlog))
                 if free > 0 and idle:
                     picks = [idle.pop(sched.rng.randrange(len(idle))) for _ in range(min(free, len(idle)))]
                     push([(n, -1) for n in picks])
@@ -294,7 +307,8 @@ class FedBuff(ReportsRounds, FedAvg):
                            eval_cohort=sorted(int(n) for n in by_node))
             counts["lost"] = 0
             if rules is not None and callable(add_rows):
-                add_rows(rules.rows(lambda n: str(n) in by_node))
+                # (a node whose reply is pulled but not yet folded has its train row in this aggregation too)
+                add_rows(rules.rows(lambda n, pulled={s.node for _, s in backlog}: str(n) in by_node or n in pulled))
             by_node.clear()
             if self.simulated and self.duration is not None:
                 metrics["sim_time_s"] = sched.now - t_last_agg
@@ -363,9 +377,6 @@ def build(params: dict, ctx: BuildContext) -> FedBuff:
     fleet = [f for f in used if f not in ("--availability", "--eligible")]
     if fleet:
         raise ConfigError(f"fedbuff does not take {', '.join(fleet)}: it has no rounds to close early or sample")
-    if "--eligible" in used and cfg.engine == "flower":
-        raise ConfigError("fedbuff --eligible: on --engine inprocess or batched (on the flower engine a node's id "
-                          "does not tell its partition, so not its device class)")
     if cfg.devices is not None and cfg.engine == "flower":
         raise ConfigError("fedbuff --devices: its virtual clock runs on --engine inprocess or batched (on the flower "
                           "engine a node's id does not tell its partition, so not its device class)")
@@ -389,7 +400,7 @@ def build(params: dict, ctx: BuildContext) -> FedBuff:
                        min_nodes=cfg.clients, seed=cfg.seed, dp=dp, availability=availability,
                        codec=str(params["codec"]), codec_params=str(params["codec_params"]),
                        error_feedback=bool(params["error_feedback"]), layout=ctx.layout,
-                       eligibility=dispatch_rules_for(cfg))
+                       eligibility=dispatch_rules_for(cfg), partition_nodes=cfg.engine != "flower")
     # the simulated clock's upload: the codec's payload when there is one
     strategy.duration = fleet_durations(cfg, ctx.layout.d, strategy.upload_nbytes())
     return strategy

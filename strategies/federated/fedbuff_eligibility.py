@@ -18,19 +18,34 @@ update of its own arrived in that aggregation (its row is the train row). When n
 flight and no idle node is eligible, the run fails at once saying why: FedBuff does not wait for
 the machine's telemetry to change.
 
-In a deployment (real nodes, each its own telemetry) FedBuff's push/pull does not probe the nodes
-yet: :meth:`DispatchRules.check_simulated` refuses it in one line.
+Where the nodes are real (a deployment, each node its own telemetry) or not addressed by partition
+(the flower engine: its node ids do not tell a partition, so not a class), :class:`ProbedRules` reads
+each node's own telemetry and device class as the synchronous fleet grid does
+(:mod:`fedswarm.server.fleet_grid`): the telemetry probe (:func:`fedswarm.eligibility.probe_messages`,
+through the nodes themselves, not metered) goes to every node before the first dispatch (answers
+awaited up to ``PROBE_TIMEOUT_S``), each train reply's telemetry is kept, and at each aggregation's
+first dispatch the idle nodes that sent nothing in the previous aggregation are probed again, without
+waiting: their answers are read at the next dispatches (FedBuff has no barrier to wait at). A node
+that does not answer keeps what it said last; a node that never said anything is eligible. The rows of
+the nodes passed over are the simulated path's. When nothing is in flight and no idle node is eligible,
+it probes them again every few seconds up to ``round_timeout``, then fails saying why.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any, Callable
 
-from fedswarm.eligibility import Rules, ineligible_row, machine_telemetry, parse_rules, rules_by_class
-from fedswarm.errors import ConfigError
+from fedswarm.eligibility import (Rules, ineligible_row, machine_telemetry, node_report, parse_rules, probe_messages,
+                                  rules_by_class)
 from fedswarm.policy import DEFAULT_CLASS
+from fedswarm.strategies.strategy_utils import pull_replies
 
-__all__ = ["DispatchRules", "dispatch_rules_for"]
+__all__ = ["DispatchRules", "ProbedRules", "dispatch_rules_for", "PROBE_TIMEOUT_S"]
+
+PROBE_TIMEOUT_S = 10.0  # how long the first probe waits for the nodes' answers (the fleet grid's too)
+RETRY_S = 5.0  # with none eligible and none training: the pause between probes
 
 
 class DispatchRules:
@@ -49,11 +64,8 @@ class DispatchRules:
         """Whether any rule applies to any class (``--eligible`` or a class's ``eligible`` policy)."""
         return any(r is not None for r in rules_by_class(train_config, self.names, self.rules))
 
-    def check_simulated(self, simulated: bool, train_config: Any) -> None:
-        """Refuse eligibility rules when FedBuff's nodes are not simulated ones (a deployment)."""
-        if not simulated and self.active(train_config):
-            raise ConfigError("fedbuff --eligible (or a class's eligible policy): on the simulation engines "
-                              "(inprocess, batched) only; in a deployment its dispatch does not probe the nodes yet")
+    def learn(self, reply: Any) -> None:
+        """(A reply's telemetry: every simulated node reports this machine's, read at the dispatch.)"""
 
     def _read(self, train_config: Any) -> None:
         rules = rules_by_class(train_config, self.names, self.rules)
@@ -94,6 +106,122 @@ class DispatchRules:
                 rules, why = self._verdict[self.classes[node - 1]]
                 out.append(ineligible_row(node, rules, why, self._telemetry))
         self.passed.clear()
+        self._fresh = False
+        return out
+
+
+class ProbedRules:
+    """Which nodes FedBuff may dispatch to when each node reports its own telemetry (see the module):
+    ``rules``: ``--eligible`` (None: none; a class's ``eligible`` policy still applies); ``grid``: the
+    nodes themselves, for the probe; ``wait_s``: how long it probes again when nothing is eligible and
+    nothing is training."""
+
+    def __init__(self, rules: Rules | None, grid: Any, *, wait_s: float = 600.0,
+                 probe_timeout_s: float = PROBE_TIMEOUT_S, retry_s: float = RETRY_S):
+        self.rules, self.grid = rules, grid
+        self.wait_s, self.probe_timeout_s, self.retry_s = float(wait_s), float(probe_timeout_s), float(retry_s)
+        self.telemetry: dict[int, dict] = {}
+        self.classes: dict[int, str] = {}
+        self.asked: dict[str, int] = {}  # probe message id -> node, not answered yet
+        self.heard: set[int] = set()  # nodes that sent a train reply in this aggregation
+        self.before: set[int] | None = None  # ... in the previous one (None: none yet, the first probe is due)
+        self.passed: dict[int, tuple[Rules, str]] = {}  # nodes passed over in this aggregation, and why
+        self._fresh = False
+        self._probes = 0
+
+    @staticmethod
+    def active(train_config: Any, rules: Rules | None) -> bool:
+        """Whether ``rules`` or any class's ``eligible`` policy (the train config's ``policy.<class>``) applies."""
+        return rules is not None or any(str(k).startswith("policy.") and json.loads(v).get("eligible")
+                                        for k, v in train_config.items())
+
+    def learn(self, reply: Any) -> None:
+        """What a reply (a probe answer, a train reply) says of its node: its telemetry and class."""
+        report = node_report(reply)
+        if report is None:
+            return
+        node, tel, cls, _ = report
+        if tel is not None:
+            self.telemetry[node] = tel
+        if cls is not None:
+            self.classes[node] = cls
+        if not str(reply.metadata.message_type).startswith("query."):
+            self.heard.add(node)  # it trained: not probed at the next aggregation (the fleet grid's rule)
+
+    def why_not(self, node: int, train_config: Any) -> tuple[Rules, str] | None:
+        """Why ``node`` may not train now (its class's rules, the failing clauses), None: it may."""
+        (rules,) = rules_by_class(train_config, [self.classes.get(node, DEFAULT_CLASS)], self.rules)
+        why = None if rules is None else rules.why_not(self.telemetry.get(node))
+        return None if why is None else (rules, why)
+
+    def _ask(self, nodes: list[int]) -> set[str]:
+        pending = set(self.asked.values())
+        nodes = [n for n in nodes if n not in pending]
+        if not nodes:
+            return set()
+        self._probes += 1
+        ids = list(self.grid.push_messages(probe_messages(nodes, f"probe-fedbuff-{self._probes}")))
+        for node, mid in zip(nodes, ids):
+            if mid:
+                self.asked[mid] = node
+        return {mid for mid in ids if mid}
+
+    def _read(self, replies: list) -> None:
+        for reply in replies:
+            if self.asked.pop(reply.metadata.reply_to_message_id, None) is not None:
+                self.learn(reply)
+
+    def _probe(self, nodes: list[int]) -> None:
+        """Probe ``nodes`` and wait for their answers (up to ``probe_timeout_s``)."""
+        self._read(pull_replies(self.grid, self._ask(nodes), timeout=self.probe_timeout_s))
+
+    def eligible_idle(self, idle: list[int], train_config: Any, *, busy: bool) -> list[int]:
+        """The eligible nodes among ``idle`` (called at a dispatch with a free slot; the others are passed
+        over, remembered for :meth:`rows`). ``busy``: some node is training; when none is and none of
+        ``idle`` is eligible, it probes them again up to ``wait_s`` seconds, then raises RuntimeError."""
+        if not self.active(train_config, self.rules):
+            return list(idle)
+        if self.before is None:  # the first dispatch: every node, answers awaited (the fleet grid's round 1)
+            self.before = set()
+            self._probe(list(idle))
+        elif not self._fresh:  # an aggregation's first dispatch: those silent in the last one, not awaited
+            self._ask([n for n in idle if n not in self.before])
+        self._fresh = True
+        if self.asked:
+            self._read(list(self.grid.pull_messages(list(self.asked))))
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            verdict = {n: self.why_not(n, train_config) for n in idle}
+            ok = [n for n in idle if verdict[n] is None]
+            if ok or busy or not idle:
+                break
+            if time.monotonic() > deadline:
+                reasons = "; ".join(sorted({f"{rules}: {why}" for rules, why in verdict.values()})[:3])
+                raise RuntimeError(f"FedBuff: no node is eligible to train and none is training after "
+                                   f"{self.wait_s:.0f} s ({reasons})")
+            time.sleep(min(self.retry_s, max(0.0, deadline - time.monotonic())))  # their telemetry may change
+            self._probe(list(idle))
+        for n, v in verdict.items():
+            if v is None:
+                self.passed.pop(n, None)
+            else:
+                self.passed[n] = v
+        return ok
+
+    def dispatch(self, sched: Any, version: int, train_config: Any) -> list:
+        """``sched.dispatch(version)`` (the virtual clock's schedule, the flower engine) over the eligible
+        idle nodes."""
+        if sched.in_flight >= sched.concurrency or not sched.idle:
+            return []
+        ok = set(self.eligible_idle(list(sched.idle), train_config, busy=sched.in_flight > 0))
+        return sched.dispatch(version, eligible=ok.__contains__)
+
+    def rows(self, arrived: Callable[[int], bool]) -> list[dict]:
+        """The aggregation's rows of the nodes passed over (not those with an update in it, ``arrived``)."""
+        out = [ineligible_row(node, rules, why, self.telemetry.get(node))
+               for node, (rules, why) in sorted(self.passed.items()) if not arrived(node)]
+        self.passed.clear()
+        self.before, self.heard = self.heard, set()
         self._fresh = False
         return out
 
