@@ -37,30 +37,24 @@ import numpy as np
 from flwr.app import Message
 
 from fedswarm.algorithms.secagg import SecAggFailed
-from fedswarm.server.metered_grid import serialized_size
 from fedswarm.sim.batched_round import make_reply
-from fedswarm.sim.inprocess import client_error_reply
 from fedswarm.strategies.secagg_payload import SUM_KEY, check_specs, payload_of, payload_reply, sum_metrics
 
 __all__ = ["SecureSketchExchange"]
 
 
 class SecureSketchExchange:
-    """Mixed into the batched sketch runner's grid (:class:`~fedswarm.sim.batched_sketched._Exchange`)
-    under ``--secagg``: ``survivors`` and ``second_sum`` as ``SecAggGrid`` has them, and the second
-    sum's ask answered as above. ``secure``: the runner's :class:`SecurePayloadRounds`."""
+    """Mixed into the batched sketch runner's grid (:class:`~fedswarm.sim.batched_sketched._Exchange`:
+    ``contexts``, ``client``, ``answer``, ``notes``) under ``--secagg``: ``survivors`` and
+    ``second_sum`` as ``SecAggGrid`` has them, and the second sum's ask answered as above.
+    ``secure``: the runner's :class:`~fedswarm.sim.batched_secagg_codec.SecurePayloadRounds`."""
 
-    secure = None  # set by the runner
-    notes: dict = {}
-    _sum: str | None = None
+    _sum: str | None = None  # the second sum's name while it runs (second_sum)
 
     @property
     def survivors(self) -> list[int]:
+        """The last secure sum's senders (``SecAggGrid.survivors``)."""
         return list(self.secure.survivors)
-
-    @property
-    def loss(self) -> bool:
-        return self.secure.loss
 
     @contextmanager
     def second_sum(self, name: str):
@@ -92,21 +86,12 @@ class SecureSketchExchange:
         rows, weights, specs, gone = {}, {}, {}, []
         cache: dict = {}
         for nid in sorted(trained):
-            msg = by_node[nid]
-            context = self.contexts[nid - 1]
             # its first sum's weight, which an in-process node keeps from its sketch's reply (SketchClient.update)
-            sent = context.state.config_records.get(self.client.prefix + ".sent")
+            sent = self.contexts[nid - 1].state.config_records.get(self.client.prefix + ".sent")
             if sent is not None and nid in secure.weights:
                 sent["num-examples"] = int(secure.weights[nid])
-            down = serialized_size(msg, cache)
-            try:
-                reply = make_reply(msg, self.client.update(msg, context))
-            except Exception as exc:  # as the in-process node: a failing client drops at masked_input
-                reply = client_error_reply(msg, exc)
-            sizes = self.bytes.setdefault(nid, [0, 0])
-            sizes[0] += down
-            sizes[1] += serialized_size(reply)
-            try:
+            reply = self.answer(by_node[nid], cache)
+            try:  # a failing client (an error reply) drops at masked_input, as the in-process node
                 vector, weight, spec = payload_of(reply)
             except (RuntimeError, ValueError):
                 gone.append(nid)

@@ -60,19 +60,22 @@ class _Exchange(NodeIds):
         self.secure = None  # --secagg: the runner's secure rounds
 
     def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
-        replies, cache = [], {}
-        for msg in messages:
-            nid = msg.metadata.dst_node_id
-            down = serialized_size(msg, cache)  # as the metered grid: before the push gives it an id
-            try:
-                reply = make_reply(msg, self.client.update(msg, self.contexts[nid - 1]))
-            except Exception as exc:  # as the in-process grid: a failing client costs its reply
-                reply = client_error_reply(msg, exc)
-            sizes = self.bytes.setdefault(nid, [0, 0])
-            sizes[0] += down
-            sizes[1] += serialized_size(reply)
-            replies.append(reply)
-        return replies
+        cache: dict = {}
+        return [self.answer(msg, cache) for msg in messages]
+
+    def answer(self, msg: Message, cache: dict) -> Message:
+        """``msg`` answered by its node's client update (an error reply where it raises), both
+        messages' bytes counted on the node."""
+        nid = msg.metadata.dst_node_id
+        down = serialized_size(msg, cache)  # as the metered grid: before the push gives it an id
+        try:
+            reply = make_reply(msg, self.client.update(msg, self.contexts[nid - 1]))
+        except Exception as exc:  # as the in-process grid: a failing client costs its reply
+            reply = client_error_reply(msg, exc)
+        sizes = self.bytes.setdefault(nid, [0, 0])
+        sizes[0] += down
+        sizes[1] += serialized_size(reply)
+        return reply
 
 
 def _secure_exchange() -> type:
