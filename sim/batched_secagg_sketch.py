@@ -44,21 +44,17 @@ __all__ = ["SecureSketchExchange"]
 
 
 class SecureSketchExchange:
-    """Mixed into the batched sketch runner's grid (:class:`~fedswarm.sim.batched_sketched._Exchange`)
-    under ``--secagg``: ``survivors`` and ``second_sum`` as ``SecAggGrid`` has them, and the second
-    sum's ask answered as above. ``secure``: the runner's :class:`SecurePayloadRounds`."""
+    """Mixed into the batched sketch runner's grid (:class:`~fedswarm.sim.batched_sketched._Exchange`:
+    ``contexts``, ``client``, ``answer``, ``notes``) under ``--secagg``: ``survivors`` and
+    ``second_sum`` as ``SecAggGrid`` has them, and the second sum's ask answered as above.
+    ``secure``: the runner's :class:`~fedswarm.sim.batched_secagg_codec.SecurePayloadRounds`."""
 
-    secure = None  # set by the runner
-    notes: dict = {}
-    _sum: str | None = None
+    _sum: str | None = None  # the second sum's name while it runs (second_sum)
 
     @property
     def survivors(self) -> list[int]:
+        """The last secure sum's senders (``SecAggGrid.survivors``)."""
         return list(self.secure.survivors)
-
-    @property
-    def loss(self) -> bool:
-        return self.secure.loss
 
     @contextmanager
     def second_sum(self, name: str):
