@@ -189,12 +189,12 @@ class CompressedRounds:
         x = self.model
         replies = self._train_replies(x, sched, messages, node_ids, classes, pols, policy_json, total)
         replies.sort(key=lambda r: r.k)
+        if self.byzantine is not None:  # (under the fleet options, on every reply: as the fleet grid's inner grid)
+            self._attack(messages, [r for r in replies if r.error is None])
         if fleet is not None:  # every sampled client trained; the strategy gets the replies the fleet keeps
             fraction, min_train, _ = self.fleet_sampling
             replies, lost, lost_down = self.fleet.kept_replies(replies, max(int(len(fleet[0]) * fraction), min_train),
                                                                server_round, fleet[2])
-        if self.byzantine is not None:
-            self._attack(messages, [r for r in replies if r.error is None])
         traffic = Traffic()
         node_rows: list[dict] | None = [] if total <= NODE_ROWS_MAX else None
         accepted: list[Accepted] = []

@@ -64,14 +64,28 @@ from fedswarm.server.fleet_grid import drop_reason, late_row, none_on_again, too
 from fedswarm.sim.batched_round import NODE_ROWS_MAX, ByteCounter, _device_classes, cohort_schedule
 from fedswarm.wire import vector_to_arrayrecord
 
-__all__ = ["BatchedFleet", "check_batched_fleet", "Presence", "machine_telemetry", "FLEET_RUNNER"]
+__all__ = ["BatchedFleet", "check_batched_fleet", "Presence", "machine_telemetry", "FLEET_RUNNER", "FLEET_CODEC_RUNNERS"]
 
 FLEET_RUNNER = "weighted_mean"  # the batched round runner the fleet options run with (FedAvg's) ...
-FLEET_CODEC = ("codec", "compressed_fedavg")  # ... and the codec runner's, with compressed_fedavg (every codec)
+#: ... and the runners whose round is CompressedRounds.round (sim/batched_compressed.py), whose clients all train
+#: and run their client step before BatchedFleet.kept_replies keeps the quorum's: every strategy of the codec runner
+#: (compressed_fedavg, onebit, the robust rules, signum) and gtopk's
+FLEET_CODEC_RUNNERS = ("codec", "global_topk")
+#: a sketch strategy the fleet runs with: FetchSGD (one exchange a round); Sketched-SGD and gs-SGD ask the kept
+#: nodes a second time within the round, which the fleet grid would hold to the quorum and the availability again
+FLEET_SKETCH = ("sketch", "fetchsgd")
 RETRY_S = 5.0  # no eligible node: how often the telemetry is read again (the fleet grid's probe interval)
 LOOKAHEAD_S = 365 * 86_400.0  # how far an off node's next session is looked for (Availability.next_on's)
 
 Train = Callable[[list[int]], "tuple[torch.Tensor, dict, list[dict]]"]
+
+#: why a runner the batched engine has keeps refusing the fleet options (one line each)
+REFUSED = {
+    "sketch": "Sketched-SGD and gs-SGD ask the kept nodes again for exact values within the round (a second "
+              "exchange the fleet grid holds to the quorum and availability again), not run here",
+    "variable_subsets": "PVT's batched round trains its subsets' clients without the fleet's sampling hook",
+    "stages": "ProgFed's batched round trains its stages' clients without the fleet's sampling hook",
+}
 
 
 def check_batched_fleet(cfg: RunConfig, runner: object) -> None:
@@ -79,12 +93,14 @@ def check_batched_fleet(cfg: RunConfig, runner: object) -> None:
     used = cfg.fleet_options()
     if not used or (runner == "fedbuff" and used == ["--eligible"]):  # fedbuff's dispatch: batched_fedbuff.py
         return
-    if runner != FLEET_RUNNER and (runner, cfg.strategy) != FLEET_CODEC:
-        raise ConfigError(f"{', '.join(used)} on the batched engine: with fedavg's round (and the strategies "
-                          f"sharing it) and compressed_fedavg's, not '{cfg.strategy}'; use --engine inprocess")
-    if cfg.byzantine:
-        raise ConfigError(f"{', '.join(used)} with --byzantine on the batched engine: not supported; use "
-                          "--engine inprocess")
+    if runner == FLEET_RUNNER or runner in FLEET_CODEC_RUNNERS or (runner, cfg.strategy) == FLEET_SKETCH:
+        if cfg.byzantine and runner == FLEET_RUNNER:  # (the batched FedAvg round runs no attack at all)
+            raise ConfigError(f"{', '.join(used)} with --byzantine on the batched engine: with the codec runner's "
+                              f"strategies and gtopk, not '{cfg.strategy}'; use --engine inprocess")
+        return
+    why = REFUSED.get(str(runner), f"not with the '{runner}' round")
+    raise ConfigError(f"{', '.join(used)} on the batched engine: not with '{cfg.strategy}' ({why}); use "
+                      "--engine inprocess")
 
 
 class Presence:
