@@ -60,17 +60,19 @@ from fedswarm.availability import Availability, availability_for
 from fedswarm.config import RunConfig
 from fedswarm.eligibility import Rules, ineligible_row, machine_telemetry, parse_rules, rules_by_class
 from fedswarm.errors import ConfigError
-from fedswarm.server.fleet_grid import drop_reason, late_row, none_on_again, too_few_eligible, unavailable_row
+from fedswarm.server.fleet_grid import (drop_reason, late_row, none_on_again, take_sampling, too_few_eligible,
+                                        unavailable_row)
 from fedswarm.sim.batched_round import NODE_ROWS_MAX, ByteCounter, _device_classes, cohort_schedule
 from fedswarm.wire import vector_to_arrayrecord
 
-__all__ = ["BatchedFleet", "check_batched_fleet", "Presence", "machine_telemetry", "FLEET_RUNNER", "FLEET_CODEC_RUNNERS"]
+__all__ = ["BatchedFleet", "check_batched_fleet", "Presence", "machine_telemetry", "FLEET_RUNNER", "FLEET_ALL_TRAIN", "fleet_of"]
 
 FLEET_RUNNER = "weighted_mean"  # the batched round runner the fleet options run with (FedAvg's) ...
-#: ... and the runners whose round is CompressedRounds.round (sim/batched_compressed.py), whose clients all train
-#: and run their client step before BatchedFleet.kept_replies keeps the quorum's: every strategy of the codec runner
-#: (compressed_fedavg, onebit, the robust rules, signum) and gtopk's
-FLEET_CODEC_RUNNERS = ("codec", "global_topk")
+#: ... and the runners whose clients all train before the fleet keeps the quorum's replies (a late or dropped
+#: in-process node has trained, and its client state moved): CompressedRounds.round (sim/batched_compressed.py,
+#: BatchedFleet.kept_replies) with every strategy of the codec runner (compressed_fedavg, onebit, the robust rules,
+#: signum) and gtopk's; PVT's and ProgFed's rounds (BatchedFleet.kept_messages)
+FLEET_ALL_TRAIN = ("codec", "global_topk", "variable_subsets", "stages")
 #: a sketch strategy the fleet runs with: FetchSGD (one exchange a round); Sketched-SGD and gs-SGD ask the kept
 #: nodes a second time within the round, which the fleet grid would hold to the quorum and the availability again
 FLEET_SKETCH = ("sketch", "fetchsgd")
@@ -83,8 +85,6 @@ Train = Callable[[list[int]], "tuple[torch.Tensor, dict, list[dict]]"]
 REFUSED = {
     "sketch": "Sketched-SGD and gs-SGD ask the kept nodes again for exact values within the round (a second "
               "exchange the fleet grid holds to the quorum and availability again), not run here",
-    "variable_subsets": "PVT's batched round trains its subsets' clients without the fleet's sampling hook",
-    "stages": "ProgFed's batched round trains its stages' clients without the fleet's sampling hook",
 }
 
 
@@ -93,7 +93,7 @@ def check_batched_fleet(cfg: RunConfig, runner: object) -> None:
     used = cfg.fleet_options()
     if not used or (runner == "fedbuff" and used == ["--eligible"]):  # fedbuff's dispatch: batched_fedbuff.py
         return
-    if runner == FLEET_RUNNER or runner in FLEET_CODEC_RUNNERS or (runner, cfg.strategy) == FLEET_SKETCH:
+    if runner == FLEET_RUNNER or runner in FLEET_ALL_TRAIN or (runner, cfg.strategy) == FLEET_SKETCH:
         if cfg.byzantine and runner == FLEET_RUNNER:  # (the batched FedAvg round runs no attack at all)
             raise ConfigError(f"{', '.join(used)} with --byzantine on the batched engine: with the codec runner's "
                               f"strategies and gtopk, not '{cfg.strategy}'; use --engine inprocess")
@@ -101,6 +101,16 @@ def check_batched_fleet(cfg: RunConfig, runner: object) -> None:
     why = REFUSED.get(str(runner), f"not with the '{runner}' round")
     raise ConfigError(f"{', '.join(used)} on the batched engine: not with '{cfg.strategy}' ({why}); use "
                       "--engine inprocess")
+
+
+def fleet_of(run, strategy) -> "BatchedFleet | None":
+    """The run's :class:`BatchedFleet` for a round runner whose ``strategy`` object samples itself (it
+    then samples from the round's pool, :meth:`BatchedFleet.take_sampling`); None without the fleet options."""
+    if not run.cfg.fleet_options():
+        return None
+    fleet = BatchedFleet(run.cfg, run.train_config, run.n_examples, None, run.meter)
+    fleet.take_sampling(strategy)
+    return fleet
 
 
 class Presence:
@@ -281,6 +291,26 @@ class BatchedFleet:
         self._stalled = self.timed and bool(dropped.any()) and (k is None or len(kept) < k)
         self._slowest = float(t[kept].max()) if self.timed and len(kept) else None
         return np.sort(kept), late, dropped, lost
+
+    def take_sampling(self, strategy) -> None:
+        """A strategy object that samples itself samples from the round's pool (:meth:`get_node_ids`),
+        its ``fraction_train`` scaled by ``--over-select``, as the fleet grid's strategy does."""
+        self.sampling = take_sampling(self.cfg, strategy)  # (fraction, min train nodes, min connected nodes)
+
+    def kept_messages(self, replies: list, down: list[int], up: list[int], server_round: int,
+                      counts: dict) -> tuple[list[int], list[dict], int]:
+        """:meth:`keep` on a round's real train replies (``replies``, in sampling order; ``down`` and ``up``:
+        their bytes), every one of whose clients trained (a strategy object's round whose replies are
+        messages: PVT's, ProgFed's): the kept positions (sampling order), the rows of those left out,
+        the bytes sent to them. :meth:`take_sampling` first."""
+        fraction, min_train, _ = self.sampling
+        needed = max(int(len(self._pool) * fraction), min_train)
+        ids = np.array([int(r.metadata.src_node_id) for r in replies], dtype=np.int64)
+        steps = np.array([int(r.content.metric_records["metrics"].get("steps", 0)) for r in replies])
+        d = np.asarray(down, dtype=np.int64)
+        t = self.seconds(ids, d, np.asarray(up, dtype=np.int64), steps)
+        kept, late, dropped, lost = self.keep(ids.tolist(), t, d, server_round, needed, counts)
+        return kept.tolist(), lost, int(d[late].sum() + d[dropped].sum())
 
     def kept_replies(self, replies: list, needed: int, server_round: int, counts: dict) -> tuple[list, list[dict], int]:
         """:meth:`keep` on a codec round's replies (:mod:`fedswarm.sim.batched_compressed`'s, each with

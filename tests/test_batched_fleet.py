@@ -14,6 +14,8 @@ from fedswarm.availability import Availability, OnOff
 from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.store import Store
+from fedswarm.tasks import TASKS
+from fedswarm.tasks.staged import STAGED_TASKS
 from tests.test_batched import same_models_on_both_engines
 
 TASK = "synthetic-logreg"
@@ -81,6 +83,16 @@ CASES = {
     "fetchsgd-over-select-availability": dict(clients=12, rounds=4, local_steps=2, fraction=0.3, over_select=1.5,
                                               devices="edge-wifi:8,straggler:4", round_timeout=30.0,
                                               availability="on=6,off=4,dropout=0.2", strategy="fetchsgd"),
+    # PVT: each node's own variable subset; ProgFed: the stage schedule (its staged digits CNN), a stage boundary
+    "pvt-quorum": dict(clients=12, rounds=3, local_steps=2, fraction=0.5, quorum=3, devices="edge-wifi:9,cpu:3",
+                       strategy="pvt"),
+    "pvt-over-select-availability": dict(clients=12, rounds=4, local_steps=2, fraction=0.3, over_select=1.5,
+                                         devices="edge-wifi:8,straggler:4", round_timeout=30.0,
+                                         availability="on=6,off=4,dropout=0.2", strategy="pvt"),
+    "progfed-quorum-availability": dict(task="digits-cnn4", clients=8, rounds=2, local_steps=1, lr=0.1,
+                                        fraction=0.75, quorum=3, devices="edge-wifi:6,straggler:2",
+                                        round_timeout=30.0, availability="on=20,off=5,dropout=0.2",
+                                        strategy="progfed", params={"stage_rounds": 1}),
 }
 
 #: what each case must exercise (its rows' statuses)
@@ -93,7 +105,9 @@ EXPECTED = {"over-select": {"late"}, "dp-over-select": {"late"}, "quorum-ties": 
             "median-over-select-availability": {"late", "unavailable", "dropped"},
             "krum-signflip-quorum": {"late"}, "trimmed-alie-availability": {"late", "unavailable", "dropped"},
             "gtopk-quorum": {"late"}, "gtopk-over-select-availability": {"late", "unavailable", "dropped"},
-            "fetchsgd-quorum": {"late"}, "fetchsgd-over-select-availability": {"late", "unavailable", "dropped"}}
+            "fetchsgd-quorum": {"late"}, "fetchsgd-over-select-availability": {"late", "unavailable", "dropped"},
+            "pvt-quorum": {"late"}, "pvt-over-select-availability": {"late", "unavailable", "dropped"},
+            "progfed-quorum-availability": {"late", "unavailable"}}
 
 
 def _rows(tmp_path, engine: str) -> list[tuple]:
@@ -108,7 +122,10 @@ def _rows(tmp_path, engine: str) -> list[tuple]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_batched_fleet_rounds_are_the_inprocess_ones(case, tmp_path, monkeypatch):
     monkeypatch.setenv("FEDSWARM_FAKE_BATTERY", "5")
-    kw = dict(task=TASK, seed=3, lr=0.5, **CASES[case])
+    if CASES[case].get("strategy") == "progfed":  # its staged tasks
+        for name, task in STAGED_TASKS.items():
+            monkeypatch.setitem(TASKS, name, task)
+    kw = {"task": TASK, "seed": 3, "lr": 0.5, **CASES[case]}
     _, _, rounds = same_models_on_both_engines(kw, tmp_path, monkeypatch)
     ref, got = _rows(tmp_path, "inprocess"), _rows(tmp_path, "batched")
     assert got == ref
@@ -189,12 +206,12 @@ def test_the_batched_engine_refuses_the_fleet_options_it_does_not_run():
     assert check_config(RunConfig(task=TASK, engine="batched", quorum=3)).name == "batched"
     codec = RunConfig(task=TASK, engine="batched", strategy="compressed_fedavg", quorum=3)
     assert check_config(codec).name == "batched"
-    for strategy in ("onebit", "median", "krum", "signum", "gtopk", "fetchsgd"):  # served
-        assert check_config(RunConfig(task=TASK, engine="batched", strategy=strategy, quorum=3)).name == "batched"
+    for strategy in ("onebit", "median", "krum", "signum", "gtopk", "fetchsgd", "pvt", "progfed"):  # served
+        task = "digits-cnn4" if strategy == "progfed" else TASK  # (a staged model)
+        assert check_config(RunConfig(task=task, engine="batched", strategy=strategy, quorum=3)).name == "batched"
     byz = RunConfig(task=TASK, engine="batched", strategy="median", over_select=1.5, fraction=0.5, byzantine=1)
     assert check_config(byz).name == "batched"
-    for strategy, why in (("sketched_sgd", "second exchange"), ("gs_sgd", "second exchange"), ("pvt", "PVT"),
-                          ("progfed", "ProgFed")):
+    for strategy, why in (("sketched_sgd", "second exchange"), ("gs_sgd", "second exchange")):
         with pytest.raises(ConfigError, match=f"^--quorum on the batched engine: not with '{strategy}' .*{why}"):
             check_config(RunConfig(task=TASK, engine="batched", strategy=strategy, quorum=3))
     with pytest.raises(ConfigError, match="^--over-select with --byzantine on the batched engine: with the codec"):
