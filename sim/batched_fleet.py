@@ -1,7 +1,9 @@
 """Quorum rounds, over-selection, eligibility and availability on the batched engine.
 
-The batched engine's FedAvg round (``weighted_mean``) and compressed_fedavg's (the ``codec`` runner,
-every codec) with ``--quorum``, ``--over-select``, ``--eligible`` or ``--availability``:
+The batched engine's rounds with ``--quorum``, ``--over-select``, ``--eligible`` or ``--availability``:
+FedAvg's (``weighted_mean``), every ``codec`` strategy's (compressed_fedavg with every codec, onebit,
+the robust rules, signum; ``--byzantine`` too), gtopk's, FetchSGD's, PVT's and ProgFed's
+(:func:`check_batched_fleet` refuses the rest in one line, saying why):
 :class:`BatchedFleet` does what the in-process engine's
 :class:`~fedswarm.server.fleet_grid.FleetGrid` does, on the same seed to the same result, as
 arrays over the population and the cohort:
@@ -24,11 +26,15 @@ arrays over the population and the cohort:
   or whose session ends before its part of the round does loses its update (``dropped``); of the
   others, the quorum keeps the K that finish first (equal times: the earlier sampled), the rest
   are ``late``. Under FedAvg only the kept nodes train (its nodes keep no state, so what the others
-  would have computed changes nothing); under compressed_fedavg every sampled node trains and runs
-  its client step, since a late or dropped in-process node did, and its error-feedback residual moved
-  (:meth:`BatchedFleet.kept_replies` then hands the strategy the kept replies, the strategy sampling
-  from the round's pool, :meth:`BatchedFleet.get_node_ids`, with ``fraction_train`` scaled as the
-  fleet grid scales it). The bytes sent to every sampled node are counted. The round's
+  would have computed changes nothing); under the other runners every sampled node trains and runs
+  its client step, since a late or dropped in-process node did, and its client state moved (an
+  error-feedback residual, a gTop-k accumulator, a FetchSGD sketch memory):
+  :meth:`BatchedFleet.kept_replies` (the compressed runners' replies) or
+  :meth:`BatchedFleet.kept_messages` (PVT's and ProgFed's real replies) then hands the strategy the
+  kept replies, the strategy sampling from the round's pool, :meth:`BatchedFleet.get_node_ids`, with
+  ``fraction_train`` scaled as the fleet grid scales it (:func:`fleet_of`). Under ``--byzantine`` the
+  attack rewrites every reply that arrived before the quorum keeps its K, as in-process, where the
+  fleet grid sits over the attacking grid. The bytes sent to every sampled node are counted. The round's
   simulated time is the slowest kept node's (``round_timeout`` when it waited for a dropped node
   it needed), plus the time it waited for nodes to come on; it moves the clock and is recorded.
 
@@ -65,7 +71,8 @@ from fedswarm.server.fleet_grid import (drop_reason, late_row, none_on_again, ta
 from fedswarm.sim.batched_round import NODE_ROWS_MAX, ByteCounter, _device_classes, cohort_schedule
 from fedswarm.wire import vector_to_arrayrecord
 
-__all__ = ["BatchedFleet", "check_batched_fleet", "Presence", "machine_telemetry", "FLEET_RUNNER", "FLEET_ALL_TRAIN", "fleet_of"]
+__all__ = ["BatchedFleet", "check_batched_fleet", "Presence", "machine_telemetry", "FLEET_RUNNER", "FLEET_ALL_TRAIN",
+           "fleet_of"]
 
 FLEET_RUNNER = "weighted_mean"  # the batched round runner the fleet options run with (FedAvg's) ...
 #: ... and the runners whose clients all train before the fleet keeps the quorum's replies (a late or dropped
