@@ -310,16 +310,19 @@ class BatchedFleet:
         their bytes), every one of whose clients trained (a strategy object's round whose replies are
         messages: PVT's, ProgFed's): the kept positions (sampling order), the rows of those left out,
         the bytes sent to them. :meth:`take_sampling` first."""
-        fraction, min_train, _ = self.sampling
-        needed = max(int(len(self._pool) * fraction), min_train)
         ids = np.array([int(r.metadata.src_node_id) for r in replies], dtype=np.int64)
         steps = np.array([int(r.content.metric_records["metrics"].get("steps", 0)) for r in replies])
         d = np.asarray(down, dtype=np.int64)
         t = self.seconds(ids, d, np.asarray(up, dtype=np.int64), steps)
-        kept, late, dropped, lost = self.keep(ids.tolist(), t, d, server_round, needed, counts)
+        kept, late, dropped, lost = self.keep(ids.tolist(), t, d, server_round, self._needed(), counts)
         return kept.tolist(), lost, int(d[late].sum() + d[dropped].sum())
 
-    def kept_replies(self, replies: list, needed: int, server_round: int, counts: dict) -> tuple[list, list[dict], int]:
+    def _needed(self) -> int:
+        """The nodes the strategy needs of this round's pool (its sampling before :meth:`take_sampling`)."""
+        fraction, min_train, _ = self.sampling
+        return max(int(len(self._pool) * fraction), min_train)
+
+    def kept_replies(self, replies: list, server_round: int, counts: dict) -> tuple[list, list[dict], int]:
         """:meth:`keep` on a codec round's replies (:mod:`fedswarm.sim.batched_compressed`'s, each with
         ``k``, ``node_id``, ``down``, ``up``, ``steps``, ``error``), all of whose clients trained (their
         error-feedback residuals moved, as the in-process nodes' whose replies the fleet grid discards):
@@ -329,7 +332,8 @@ class BatchedFleet:
         ids = np.array([r.node_id for r in good], dtype=np.int64)
         down = np.array([r.down for r in good], dtype=np.int64)
         t = self.seconds(ids, down, np.array([r.up for r in good]), np.array([r.steps for r in good]))
-        kept, late, dropped, lost = self.keep(ids.tolist(), t, down, server_round, needed, counts, sent=len(replies))
+        kept, late, dropped, lost = self.keep(ids.tolist(), t, down, server_round, self._needed(), counts,
+                                              sent=len(replies))
         out = [good[i] for i in kept.tolist()] + [r for r in replies if r.error is not None]
         return sorted(out, key=lambda r: r.k), lost, int(down[late].sum() + down[dropped].sum())
 
