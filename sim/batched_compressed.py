@@ -39,11 +39,10 @@ from fedswarm.algorithms.compression.error_feedback import ErrorFeedbackState
 from fedswarm.local import node_report, train_reply
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.params import all_finite
-from fedswarm.server.fleet_grid import take_sampling
 from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ClientRows, NodeIds, add_client, make_reply,
                                         reply_size, strategy_round, varint_len)
-from fedswarm.sim.batched_fleet import BatchedFleet
+from fedswarm.sim.batched_fleet import fleet_of
 from fedswarm.sim.inprocess import client_error_reply
 from fedswarm.strategies.federated import gtopk
 from fedswarm.strategies.federated.compressed_base import KNOBS, Accepted
@@ -159,10 +158,8 @@ class CompressedRounds:
             from fedswarm.sim.batched_secagg_codec import SecurePayloadRounds
 
             self.secure = SecurePayloadRounds(cfg)
-        self.fleet = None  # --quorum, --over-select, --eligible, --availability: sim/batched_fleet.py
-        if cfg.fleet_options():
-            self.fleet = BatchedFleet(cfg, run.train_config, run.n_examples, None, run.meter)
-            self.fleet_sampling = take_sampling(cfg, self.strategy)  # (fraction, min train nodes, _)
+        # --quorum, --over-select, --eligible, --availability: sim/batched_fleet.py
+        self.fleet = fleet_of(run, self.strategy)
 
     @property
     def model(self) -> torch.Tensor:
@@ -189,12 +186,10 @@ class CompressedRounds:
         x = self.model
         replies = self._train_replies(x, sched, messages, node_ids, classes, pols, policy_json, total)
         replies.sort(key=lambda r: r.k)
-        if fleet is not None:  # every sampled client trained; the strategy gets the replies the fleet keeps
-            fraction, min_train, _ = self.fleet_sampling
-            replies, lost, lost_down = self.fleet.kept_replies(replies, max(int(len(fleet[0]) * fraction), min_train),
-                                                               server_round, fleet[2])
-        if self.byzantine is not None:
+        if self.byzantine is not None:  # (under the fleet options, on every reply: as the fleet grid's inner grid)
             self._attack(messages, [r for r in replies if r.error is None])
+        if fleet is not None:  # every sampled client trained; the strategy gets the replies the fleet keeps
+            replies, lost, lost_down = self.fleet.kept_replies(replies, server_round, fleet[2])
         traffic = Traffic()
         node_rows: list[dict] | None = [] if total <= NODE_ROWS_MAX else None
         accepted: list[Accepted] = []

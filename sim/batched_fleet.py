@@ -1,7 +1,9 @@
 """Quorum rounds, over-selection, eligibility and availability on the batched engine.
 
-The batched engine's FedAvg round (``weighted_mean``) and compressed_fedavg's (the ``codec`` runner,
-every codec) with ``--quorum``, ``--over-select``, ``--eligible`` or ``--availability``:
+The batched engine's rounds with ``--quorum``, ``--over-select``, ``--eligible`` or ``--availability``:
+FedAvg's (``weighted_mean``), every ``codec`` strategy's (compressed_fedavg with every codec, onebit,
+the robust rules, signum; ``--byzantine`` too), gtopk's, FetchSGD's, PVT's and ProgFed's
+(:func:`check_batched_fleet` refuses the rest in one line, saying why):
 :class:`BatchedFleet` does what the in-process engine's
 :class:`~fedswarm.server.fleet_grid.FleetGrid` does, on the same seed to the same result, as
 arrays over the population and the cohort:
@@ -24,11 +26,15 @@ arrays over the population and the cohort:
   or whose session ends before its part of the round does loses its update (``dropped``); of the
   others, the quorum keeps the K that finish first (equal times: the earlier sampled), the rest
   are ``late``. Under FedAvg only the kept nodes train (its nodes keep no state, so what the others
-  would have computed changes nothing); under compressed_fedavg every sampled node trains and runs
-  its client step, since a late or dropped in-process node did, and its error-feedback residual moved
-  (:meth:`BatchedFleet.kept_replies` then hands the strategy the kept replies, the strategy sampling
-  from the round's pool, :meth:`BatchedFleet.get_node_ids`, with ``fraction_train`` scaled as the
-  fleet grid scales it). The bytes sent to every sampled node are counted. The round's
+  would have computed changes nothing); under the other runners every sampled node trains and runs
+  its client step, since a late or dropped in-process node did, and its client state moved (an
+  error-feedback residual, a gTop-k accumulator, a FetchSGD sketch memory):
+  :meth:`BatchedFleet.kept_replies` (the compressed runners' replies) or
+  :meth:`BatchedFleet.kept_messages` (PVT's and ProgFed's real replies) then hands the strategy the
+  kept replies, the strategy sampling from the round's pool, :meth:`BatchedFleet.get_node_ids`, with
+  ``fraction_train`` scaled as the fleet grid scales it (:func:`fleet_of`). Under ``--byzantine`` the
+  attack rewrites every reply that arrived before the quorum keeps its K, as in-process, where the
+  fleet grid sits over the attacking grid. The bytes sent to every sampled node are counted. The round's
   simulated time is the slowest kept node's (``round_timeout`` when it waited for a dropped node
   it needed), plus the time it waited for nodes to come on; it moves the clock and is recorded.
 
@@ -60,18 +66,33 @@ from fedswarm.availability import Availability, availability_for
 from fedswarm.config import RunConfig
 from fedswarm.eligibility import Rules, ineligible_row, machine_telemetry, parse_rules, rules_by_class
 from fedswarm.errors import ConfigError
-from fedswarm.server.fleet_grid import drop_reason, late_row, none_on_again, too_few_eligible, unavailable_row
+from fedswarm.server.fleet_grid import (drop_reason, late_row, none_on_again, take_sampling, too_few_eligible,
+                                        unavailable_row)
 from fedswarm.sim.batched_round import NODE_ROWS_MAX, ByteCounter, _device_classes, cohort_schedule
 from fedswarm.wire import vector_to_arrayrecord
 
-__all__ = ["BatchedFleet", "check_batched_fleet", "Presence", "machine_telemetry", "FLEET_RUNNER"]
+__all__ = ["BatchedFleet", "check_batched_fleet", "Presence", "machine_telemetry", "FLEET_RUNNER", "FLEET_ALL_TRAIN",
+           "fleet_of"]
 
 FLEET_RUNNER = "weighted_mean"  # the batched round runner the fleet options run with (FedAvg's) ...
-FLEET_CODEC = ("codec", "compressed_fedavg")  # ... and the codec runner's, with compressed_fedavg (every codec)
+#: ... and the runners whose clients all train before the fleet keeps the quorum's replies (a late or dropped
+#: in-process node has trained, and its client state moved): CompressedRounds.round (sim/batched_compressed.py,
+#: BatchedFleet.kept_replies) with every strategy of the codec runner (compressed_fedavg, onebit, the robust rules,
+#: signum) and gtopk's; PVT's and ProgFed's rounds (BatchedFleet.kept_messages)
+FLEET_ALL_TRAIN = ("codec", "global_topk", "variable_subsets", "stages")
+#: a sketch strategy the fleet runs with: FetchSGD (one exchange a round); Sketched-SGD and gs-SGD ask the kept
+#: nodes a second time within the round, which the fleet grid would hold to the quorum and the availability again
+FLEET_SKETCH = ("sketch", "fetchsgd")
 RETRY_S = 5.0  # no eligible node: how often the telemetry is read again (the fleet grid's probe interval)
 LOOKAHEAD_S = 365 * 86_400.0  # how far an off node's next session is looked for (Availability.next_on's)
 
 Train = Callable[[list[int]], "tuple[torch.Tensor, dict, list[dict]]"]
+
+#: why a runner the batched engine has keeps refusing the fleet options (one line each)
+REFUSED = {
+    "sketch": "Sketched-SGD and gs-SGD ask the kept nodes again for exact values within the round (a second "
+              "exchange the fleet grid holds to the quorum and availability again), not run here",
+}
 
 
 def check_batched_fleet(cfg: RunConfig, runner: object) -> None:
@@ -80,12 +101,24 @@ def check_batched_fleet(cfg: RunConfig, runner: object) -> None:
     if not used or (runner == "fedbuff" and set(used) <= {"--eligible", "--availability"}):
         # fedbuff's dispatch and schedule honour these two itself (batched_fedbuff.py)
         return
-    if runner != FLEET_RUNNER and (runner, cfg.strategy) != FLEET_CODEC:
-        raise ConfigError(f"{', '.join(used)} on the batched engine: with fedavg's round (and the strategies "
-                          f"sharing it) and compressed_fedavg's, not '{cfg.strategy}'; use --engine inprocess")
-    if cfg.byzantine:
-        raise ConfigError(f"{', '.join(used)} with --byzantine on the batched engine: not supported; use "
-                          "--engine inprocess")
+    if runner == FLEET_RUNNER or runner in FLEET_ALL_TRAIN or (runner, cfg.strategy) == FLEET_SKETCH:
+        if cfg.byzantine and runner == FLEET_RUNNER:  # (the batched FedAvg round runs no attack at all)
+            raise ConfigError(f"{', '.join(used)} with --byzantine on the batched engine: with the codec runner's "
+                              f"strategies and gtopk, not '{cfg.strategy}'; use --engine inprocess")
+        return
+    why = REFUSED.get(str(runner), f"not with the '{runner}' round")
+    raise ConfigError(f"{', '.join(used)} on the batched engine: not with '{cfg.strategy}' ({why}); use "
+                      "--engine inprocess")
+
+
+def fleet_of(run, strategy) -> "BatchedFleet | None":
+    """The run's :class:`BatchedFleet` for a round runner whose ``strategy`` object samples itself (it
+    then samples from the round's pool, :meth:`BatchedFleet.take_sampling`); None without the fleet options."""
+    if not run.cfg.fleet_options():
+        return None
+    fleet = BatchedFleet(run.cfg, run.train_config, run.n_examples, None, run.meter)
+    fleet.take_sampling(strategy)
+    return fleet
 
 
 class Presence:
@@ -267,7 +300,30 @@ class BatchedFleet:
         self._slowest = float(t[kept].max()) if self.timed and len(kept) else None
         return np.sort(kept), late, dropped, lost
 
-    def kept_replies(self, replies: list, needed: int, server_round: int, counts: dict) -> tuple[list, list[dict], int]:
+    def take_sampling(self, strategy) -> None:
+        """A strategy object that samples itself samples from the round's pool (:meth:`get_node_ids`),
+        its ``fraction_train`` scaled by ``--over-select``, as the fleet grid's strategy does."""
+        self.sampling = take_sampling(self.cfg, strategy)  # (fraction, min train nodes, min connected nodes)
+
+    def kept_messages(self, replies: list, down: list[int], up: list[int], server_round: int,
+                      counts: dict) -> tuple[list[int], list[dict], int]:
+        """:meth:`keep` on a round's real train replies (``replies``, in sampling order; ``down`` and ``up``:
+        their bytes), every one of whose clients trained (a strategy object's round whose replies are
+        messages: PVT's, ProgFed's): the kept positions (sampling order), the rows of those left out,
+        the bytes sent to them. :meth:`take_sampling` first."""
+        ids = np.array([int(r.metadata.src_node_id) for r in replies], dtype=np.int64)
+        steps = np.array([int(r.content.metric_records["metrics"].get("steps", 0)) for r in replies])
+        d = np.asarray(down, dtype=np.int64)
+        t = self.seconds(ids, d, np.asarray(up, dtype=np.int64), steps)
+        kept, late, dropped, lost = self.keep(ids.tolist(), t, d, server_round, self._needed(), counts)
+        return kept.tolist(), lost, int(d[late].sum() + d[dropped].sum())
+
+    def _needed(self) -> int:
+        """The nodes the strategy needs of this round's pool (its sampling before :meth:`take_sampling`)."""
+        fraction, min_train, _ = self.sampling
+        return max(int(len(self._pool) * fraction), min_train)
+
+    def kept_replies(self, replies: list, server_round: int, counts: dict) -> tuple[list, list[dict], int]:
         """:meth:`keep` on a codec round's replies (:mod:`fedswarm.sim.batched_compressed`'s, each with
         ``k``, ``node_id``, ``down``, ``up``, ``steps``, ``error``), all of whose clients trained (their
         error-feedback residuals moved, as the in-process nodes' whose replies the fleet grid discards):
@@ -277,7 +333,8 @@ class BatchedFleet:
         ids = np.array([r.node_id for r in good], dtype=np.int64)
         down = np.array([r.down for r in good], dtype=np.int64)
         t = self.seconds(ids, down, np.array([r.up for r in good]), np.array([r.steps for r in good]))
-        kept, late, dropped, lost = self.keep(ids.tolist(), t, down, server_round, needed, counts, sent=len(replies))
+        kept, late, dropped, lost = self.keep(ids.tolist(), t, down, server_round, self._needed(), counts,
+                                              sent=len(replies))
         out = [good[i] for i in kept.tolist()] + [r for r in replies if r.error is not None]
         return sorted(out, key=lambda r: r.k), lost, int(down[late].sum() + down[dropped].sum())
 

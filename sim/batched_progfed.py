@@ -32,6 +32,7 @@ from fedswarm.local import node_report
 
 from fedswarm.algorithms.selection.progfed import samples_processed
 from fedswarm.server.metered_grid import Traffic, serialized_size
+from fedswarm.sim.batched_fleet import fleet_of
 from fedswarm.sim.batched_round import (NODE_ROWS_MAX, NodeIds, add_client, make_reply, mark_rejected,
                                         strategy_round, varint_len)
 from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
@@ -56,6 +57,7 @@ class ProgFedRounds:
         self.strategy.bind_notes(notes)
         self.model = model
         self.grid = NodeIds(run.cfg.clients)
+        self.fleet = fleet_of(run, self.strategy)  # --quorum, --over-select, --eligible, --availability
         self.staged = run.trainer.task.model(run.cfg.seed)  # the clients' model: its stages' sub-models
         self._trainers: dict[int, BatchedTrainer] = {}
         self._samples: dict[tuple[int, int, int], int] = {}
@@ -79,7 +81,9 @@ class ProgFedRounds:
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         run, strategy, arrays = self.run, self.strategy, vector_to_arrayrecord(self.model)
-        messages, node_ids, sched, classes, pols = strategy_round(run, strategy, self.grid, arrays, server_round)
+        fleet = self.fleet.start(server_round) if self.fleet is not None else None  # the pool it samples from
+        grid = self.grid if fleet is None else self.fleet
+        messages, node_ids, sched, classes, pols = strategy_round(run, strategy, grid, arrays, server_round)
         total = len(node_ids)
         start = arrayrecord_to_vector(messages[0].content.array_records["arrays"])  # every message's arrays
         # what each class trains (one reading of the message per class: they all carry the same records)
@@ -120,10 +124,14 @@ class ProgFedRounds:
                     ups[k] = serialized_size(replies[k])  # measured before the server reads (and marks) it
         traffic = Traffic()
         node_rows: list[dict] | None = [] if total <= NODE_ROWS_MAX else None
-        for k in range(total):
+        kept = list(range(total))
+        if fleet is not None:  # every sampled client trained; the strategy gets the replies the fleet keeps
+            kept, lost, lost_down = self.fleet.kept_messages(replies, downs, ups, server_round, fleet[2])
+        for k in kept:
             metrics = replies[k].content.metric_records["metrics"]
             add_client(traffic, node_rows, node_ids[k], ups[k], downs[k], int(metrics["num-examples"]),
                        float(metrics["train_loss"]), classes[k], pols[k])
+        replies = [replies[k] for k in kept]
         arrays, metrics = strategy.aggregate_train(server_round, replies)
         mark_rejected(node_rows, replies)
         if arrays is not None:
@@ -131,4 +139,8 @@ class ProgFedRounds:
         strategy.evaluate_stage(self.model)  # as the evaluation ProgFed.start wraps: the stage's sub-model
         run.meter.traffic = traffic
         train_loss = float(metrics["train_loss"]) if metrics is not None else None
-        return {"train_loss": train_loss, "num_clients": total}, node_rows or []
+        row = {"train_loss": train_loss, "num_clients": len(kept)}
+        if fleet is not None:  # sent, never answered in time: their bytes down count
+            traffic.bytes_down += lost_down
+            return row, self.fleet.close(row, node_rows or [], fleet[1], fleet[2], lost)
+        return row, node_rows or []

@@ -23,6 +23,7 @@ import torch
 from fedswarm.local import node_report
 
 from fedswarm.server.metered_grid import Traffic, serialized_size
+from fedswarm.sim.batched_fleet import fleet_of
 from fedswarm.sim.batched_round import (NODE_ROWS_MAX, NodeIds, add_client, make_reply, mark_rejected,
                                         strategy_round, varint_len)
 from fedswarm.strategies.edge.pvt import client_variables, reply_content
@@ -43,6 +44,7 @@ class PVTRounds:
         self.params = resolve_params(run.cfg.strategy, run.cfg.params)
         self.model = model
         self.grid = NodeIds(run.cfg.clients)
+        self.fleet = fleet_of(run, self.strategy)  # --quorum, --over-select, --eligible, --availability
 
     def _selection(self, node_ids: list[int], pols: list[dict], server_round: int) -> tuple[list, torch.Tensor]:
         """Each client's variable ids (as its ``client_update`` draws them) and the ``[K, d]`` mask of them."""
@@ -57,14 +59,16 @@ class PVTRounds:
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         run, strategy, arrays = self.run, self.strategy, vector_to_arrayrecord(self.model)
-        messages, node_ids, sched, classes, pols = strategy_round(run, strategy, self.grid, arrays, server_round)
+        fleet = self.fleet.start(server_round) if self.fleet is not None else None  # the pool it samples from
+        grid = self.grid if fleet is None else self.fleet
+        messages, node_ids, sched, classes, pols = strategy_round(run, strategy, grid, arrays, server_round)
         total = len(node_ids)
         ids, mask = self._selection(node_ids, pols, server_round)
         x = self.model
         traffic = Traffic()
         node_rows: list[dict] | None = [] if total <= NODE_ROWS_MAX else None
         down_cache: dict[int, int] = {}
-        replies = []
+        replies, downs, ups, metrics_of = [], [], [], []
         for rows, new, loss, n in run.trainer.fit(x, sched, momentum=run.cfg.momentum, chunk_size=run.chunk_size,
                                                   memory_budget=run.memory_budget, on_chunk=run.progress(total),
                                                   trained=mask):
@@ -81,12 +85,24 @@ class PVTRounds:
                     down_cache[key] = serialized_size(ins)
                 reply = make_reply(ins, content)
                 replies.append(reply)
-                add_client(traffic, node_rows, node_ids[k], serialized_size(reply), down_cache[key],
-                           n_list[j], loss_list[j], classes[k], pols[k])
+                downs.append(down_cache[key])
+                ups.append(serialized_size(reply))
+                metrics_of.append((n_list[j], loss_list[j]))
+        kept = list(range(total))
+        if fleet is not None:  # every sampled client trained; the strategy gets the replies the fleet keeps
+            kept, lost, lost_down = self.fleet.kept_messages(replies, downs, ups, server_round, fleet[2])
+        for k in kept:
+            add_client(traffic, node_rows, node_ids[k], ups[k], downs[k], metrics_of[k][0], metrics_of[k][1],
+                       classes[k], pols[k])
+        replies = [replies[k] for k in kept]
         arrays, metrics = strategy.aggregate_train(server_round, replies)
         mark_rejected(node_rows, replies)  # a diverged client's non-finite reply, refused by the strategy
         if arrays is not None:
             self.model = arrayrecord_to_vector(arrays, self.layout.d)
         run.meter.traffic = traffic
         train_loss = float(metrics["train_loss"]) if metrics is not None else None
-        return {"train_loss": train_loss, "num_clients": total}, node_rows or []
+        row = {"train_loss": train_loss, "num_clients": len(kept)}
+        if fleet is not None:  # sent, never answered in time: their bytes down count
+            traffic.bytes_down += lost_down
+            return row, self.fleet.close(row, node_rows or [], fleet[1], fleet[2], lost)
+        return row, node_rows or []

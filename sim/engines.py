@@ -205,7 +205,7 @@ def check_run(cfg: RunConfig, *, resume: bool = False) -> Checked:
 
 
 #: The engines that run quorum rounds, over-selection, eligibility and availability: through
-#: fedswarm.server.fleet_grid (inprocess, flower), or the batched FedAvg round's
+#: fedswarm.server.fleet_grid (inprocess, flower), or the batched rounds'
 #: fedswarm.sim.batched_fleet (the same nodes, rows and model on the same seed).
 FLEET_ENGINES = ("inprocess", "flower", "batched")
 
@@ -213,8 +213,8 @@ FLEET_ENGINES = ("inprocess", "flower", "batched")
 def check_fleet_engine(cfg: RunConfig, engine: str) -> None:
     """Refuse, in one line, quorum/over-selection/eligibility/availability on an engine that does not run them
     (the array and clock engines have no federated rounds to sample or close; the batched engine runs them
-    with FedAvg's and compressed_fedavg's rounds, in this process; the clock engine runs --availability with
-    every algorithm it runs)."""
+    with every synchronous strategy it serves but Sketched-SGD and gs-SGD, in this process (batched_fleet's
+    check_batched_fleet says which); the clock engine runs --availability with every algorithm it runs)."""
     used = cfg.fleet_options()
     if not used:
         return

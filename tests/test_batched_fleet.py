@@ -14,6 +14,8 @@ from fedswarm.availability import Availability, OnOff
 from fedswarm.config import RunConfig
 from fedswarm.errors import ConfigError
 from fedswarm.store import Store
+from fedswarm.tasks import TASKS
+from fedswarm.tasks.staged import STAGED_TASKS
 from tests.test_batched import same_models_on_both_engines
 
 TASK = "synthetic-logreg"
@@ -50,7 +52,62 @@ CASES = {
                                           availability="on=6,off=4,dropout=0.2", **TOPK),
     "topk-eligible": dict(clients=12, rounds=4, local_steps=2, fraction=0.5, quorum=2, devices="edge-wifi:6,cpu:6",
                           eligible="battery>=40", policies={"cpu": {"eligible": "battery<=10"}}, **TOPK),
+    # the other strategies of the codec runner: 1-bit SGD (its quantization residuals move on every sampled node) ...
+    "onebit-quorum": dict(clients=12, rounds=4, local_steps=2, fraction=0.5, quorum=3, devices="edge-wifi:9,cpu:3",
+                          strategy="onebit"),
+    "onebit-over-select-availability": dict(clients=12, rounds=4, local_steps=2, fraction=0.3, over_select=1.5,
+                                            devices="edge-wifi:8,straggler:4", round_timeout=30.0,
+                                            availability="on=6,off=4,dropout=0.2", strategy="onebit"),
+    # ... the robust rules, over the kept replies only ...
+    "median-over-select-availability": dict(clients=12, rounds=4, local_steps=2, fraction=0.3, over_select=1.5,
+                                            devices="edge-wifi:8,straggler:4", round_timeout=30.0,
+                                            availability="on=6,off=4,dropout=0.2", strategy="median"),
+    # ... and under --byzantine: the attack on every reply that arrived (the fleet grid's inner grid attacks), the
+    # quorum then keeping the first K of them
+    "krum-signflip-quorum": dict(clients=12, rounds=4, local_steps=2, fraction=0.75, quorum=6,
+                                 devices="edge-wifi:8,cpu:4", strategy="krum", byzantine=1, attack="signflip:scale=5"),
+    "trimmed-alie-availability": dict(clients=16, rounds=4, local_steps=2, fraction=0.75, quorum=4,
+                                      devices="edge-wifi:10,straggler:6", round_timeout=30.0,
+                                      availability="on=20,off=5,dropout=0.1", strategy="trimmed_mean", byzantine=1,
+                                      attack="alie"),
+    # gTop-k: every sampled node's accumulator moves and takes the server's selection when next sampled
+    "gtopk-quorum": dict(clients=12, rounds=4, local_steps=2, fraction=0.5, quorum=3, devices="edge-wifi:9,cpu:3",
+                         strategy="gtopk", params={"density": 0.1}),
+    "gtopk-over-select-availability": dict(clients=12, rounds=4, local_steps=2, fraction=0.3, over_select=1.5,
+                                           devices="edge-wifi:8,straggler:4", round_timeout=30.0,
+                                           availability="on=6,off=4,dropout=0.2", strategy="gtopk",
+                                           params={"density": 0.1}),
+    # FetchSGD: every sampled node's sketch state (momentum, error) moves in its Context
+    "fetchsgd-quorum": dict(clients=12, rounds=4, local_steps=2, fraction=0.5, quorum=3, devices="edge-wifi:9,cpu:3",
+                            strategy="fetchsgd"),
+    "fetchsgd-over-select-availability": dict(clients=12, rounds=4, local_steps=2, fraction=0.3, over_select=1.5,
+                                              devices="edge-wifi:8,straggler:4", round_timeout=30.0,
+                                              availability="on=6,off=4,dropout=0.2", strategy="fetchsgd"),
+    # PVT: each node's own variable subset; ProgFed: the stage schedule (its staged digits CNN), a stage boundary
+    "pvt-quorum": dict(clients=12, rounds=3, local_steps=2, fraction=0.5, quorum=3, devices="edge-wifi:9,cpu:3",
+                       strategy="pvt"),
+    "pvt-over-select-availability": dict(clients=12, rounds=4, local_steps=2, fraction=0.3, over_select=1.5,
+                                         devices="edge-wifi:8,straggler:4", round_timeout=30.0,
+                                         availability="on=6,off=4,dropout=0.2", strategy="pvt"),
+    "progfed-quorum-availability": dict(task="digits-cnn4", clients=8, rounds=2, local_steps=1, lr=0.1,
+                                        fraction=0.75, quorum=3, devices="edge-wifi:6,straggler:2",
+                                        round_timeout=30.0, availability="on=20,off=5,dropout=0.2",
+                                        strategy="progfed", params={"stage_rounds": 1}),
 }
+
+#: what each case must exercise (its rows' statuses)
+EXPECTED = {"over-select": {"late"}, "dp-over-select": {"late"}, "quorum-ties": {"late"},
+            "eligible": {"ineligible"}, "availability": {"unavailable", "dropped"},
+            "all": {"late", "ineligible", "unavailable"}, "topk-quorum": {"late"},
+            "topk-over-select-availability": {"late", "unavailable", "dropped"},
+            "topk-eligible": {"late", "ineligible"}, "onebit-quorum": {"late"},
+            "onebit-over-select-availability": {"late", "unavailable", "dropped"},
+            "median-over-select-availability": {"late", "unavailable", "dropped"},
+            "krum-signflip-quorum": {"late"}, "trimmed-alie-availability": {"late", "unavailable", "dropped"},
+            "gtopk-quorum": {"late"}, "gtopk-over-select-availability": {"late", "unavailable", "dropped"},
+            "fetchsgd-quorum": {"late"}, "fetchsgd-over-select-availability": {"late", "unavailable", "dropped"},
+            "pvt-quorum": {"late"}, "pvt-over-select-availability": {"late", "unavailable", "dropped"},
+            "progfed-quorum-availability": {"late", "unavailable"}}
 
 
 def _rows(tmp_path, engine: str) -> list[tuple]:
@@ -65,22 +122,23 @@ def _rows(tmp_path, engine: str) -> list[tuple]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_batched_fleet_rounds_are_the_inprocess_ones(case, tmp_path, monkeypatch):
     monkeypatch.setenv("FEDSWARM_FAKE_BATTERY", "5")
-    kw = dict(task=TASK, seed=3, lr=0.5, **CASES[case])
+    if CASES[case].get("strategy") == "progfed":  # its staged tasks
+        for name, task in STAGED_TASKS.items():
+            monkeypatch.setitem(TASKS, name, task)
+    kw = {"task": TASK, "seed": 3, "lr": 0.5, **CASES[case]}
     _, _, rounds = same_models_on_both_engines(kw, tmp_path, monkeypatch)
     ref, got = _rows(tmp_path, "inprocess"), _rows(tmp_path, "batched")
     assert got == ref
     statuses = {status for _, _, status, _ in ref}
-    expected = {"over-select": {"late"}, "dp-over-select": {"late"}, "quorum-ties": {"late"},
-                "eligible": {"ineligible"}, "availability": {"unavailable", "dropped"},
-                "all": {"late", "ineligible", "unavailable"}, "topk-quorum": {"late"},
-                "topk-over-select-availability": {"late", "unavailable", "dropped"},
-                "topk-eligible": {"late", "ineligible"}}[case]
-    assert expected <= statuses, statuses  # the case exercises what it names
+    assert EXPECTED[case] <= statuses, statuses  # the case exercises what it names
     if "strategy" in CASES[case]:  # a node left out (it trained, its residual moved) is kept in a later round
         left = {(node, rnd) for rnd, node, status, _ in ref if status in ("late", "dropped")}
         assert any(status == "ok" and any(n == node and r < rnd for n, r in left) for rnd, node, status, _ in ref)
+    if CASES[case].get("byzantine"):  # the attack did happen, on a reply the quorum then kept or left out
+        assert any(a.get("byzantine_nodes") for a, _ in rounds), rounds
     for a, b in rounds:  # the simulated clock (its reasons' times agree above) and what the round counted
         assert a["num_clients"] == b["num_clients"]
+        assert a.get("byzantine_nodes") == b.get("byzantine_nodes")  # the same nodes attacked
         assert math.isclose(a["sim_time_s"], b["sim_time_s"], rel_tol=1e-5), (a["sim_time_s"], b["sim_time_s"])
         assert abs(a["bytes_down"] - b["bytes_down"]) <= 4 * 16  # the engines' messages differ by 2 bytes a node
 
@@ -148,9 +206,15 @@ def test_the_batched_engine_refuses_the_fleet_options_it_does_not_run():
     assert check_config(RunConfig(task=TASK, engine="batched", quorum=3)).name == "batched"
     codec = RunConfig(task=TASK, engine="batched", strategy="compressed_fedavg", quorum=3)
     assert check_config(codec).name == "batched"
-    with pytest.raises(ConfigError, match="^--quorum on the batched engine: with fedavg.s round.*.onebit."):
-        check_config(RunConfig(task=TASK, engine="batched", strategy="onebit", quorum=3))
-    with pytest.raises(ConfigError, match="^--over-select with --byzantine on the batched engine"):
+    for strategy in ("onebit", "median", "krum", "signum", "gtopk", "fetchsgd", "pvt", "progfed"):  # served
+        task = "digits-cnn4" if strategy == "progfed" else TASK  # (a staged model)
+        assert check_config(RunConfig(task=task, engine="batched", strategy=strategy, quorum=3)).name == "batched"
+    byz = RunConfig(task=TASK, engine="batched", strategy="median", over_select=1.5, fraction=0.5, byzantine=1)
+    assert check_config(byz).name == "batched"
+    for strategy, why in (("sketched_sgd", "second exchange"), ("gs_sgd", "second exchange")):
+        with pytest.raises(ConfigError, match=f"^--quorum on the batched engine: not with '{strategy}' .*{why}"):
+            check_config(RunConfig(task=TASK, engine="batched", strategy=strategy, quorum=3))
+    with pytest.raises(ConfigError, match="^--over-select with --byzantine on the batched engine: with the codec"):
         check_config(RunConfig(task=TASK, engine="batched", over_select=1.5, fraction=0.5, byzantine=1))
     with pytest.raises(ConfigError, match="^--eligible on the batched engine: in this process, not sharded"):
         check_config(RunConfig(task=TASK, engine="batched", eligible="charging", workers=2))
