@@ -24,21 +24,29 @@ issue 45's fleet work (RunConfig ``quorum``/``over_select``, ``availability``) r
 checkout has those options; the JSON says which were left out and why.
 
     fedswarm bench async [--quick] --out DIR
+    FEDSWARM_ASYNC_SEEDS=0-9 FEDSWARM_ASYNC_ARMS="fedavg (sync),fedbuff" fedswarm bench async --out DIR
 
 Writes ``DIR/async.json`` (per-seed rows and the per-arm means) and ``DIR/async.png`` (accuracy
-against simulated time); prints the table.
+against simulated time); prints the table. Each arm's final accuracy comes with its spread over
+the seeds (sample standard deviation), and its points against synchronous FedAvg with the spread of
+the per-seed differences (paired by seed: the same initial model and partition): digits' test set
+has 359 examples, so one example is 0.28 points and a difference of a point is within seed noise.
+``FEDSWARM_ASYNC_SEEDS`` (``0-9`` or ``0,3,5``) runs other seeds, ``FEDSWARM_ASYNC_ARMS`` (arm names,
+comma-separated; synchronous FedAvg, the reference, always runs) a subset of the arms.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 
 from fedswarm.bench.arms import run_arm, scratch_store, start_bench
+from fedswarm.bench.papers.report import seed_stats
 from fedswarm.config import RunConfig
 
-__all__ = ["run", "TARGET", "arms"]
+__all__ = ["run", "TARGET", "arms", "seeds_from_env"]
 
 TARGET = 0.90
 BASE = dict(task="digits-mlp", clients=100, devices="edge-wifi:80,straggler:20", local_steps=10, batch_size=32,
@@ -86,6 +94,34 @@ def arms(quick: bool) -> tuple[dict[str, dict], list[str]]:
     return out, missing
 
 
+def seeds_from_env(default: list[int]) -> list[int]:
+    """``FEDSWARM_ASYNC_SEEDS`` (``0-9``, ``0,3,5``) or ``default``; SystemExit naming a bad value."""
+    text = os.environ.get("FEDSWARM_ASYNC_SEEDS", "").strip()
+    if not text:
+        return default
+    try:
+        if "-" in text:
+            lo, hi = (int(x) for x in text.split("-"))
+            seeds = list(range(lo, hi + 1))
+        else:
+            seeds = [int(x) for x in text.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0:
+        raise SystemExit(f"FEDSWARM_ASYNC_SEEDS must be 'A-B' or 'A,B,...' of seeds >= 0 (e.g. 0-9), got {text!r}")
+    return seeds
+
+
+def _arms_from_env(options: dict[str, dict]) -> dict[str, dict]:
+    """The arms ``FEDSWARM_ASYNC_ARMS`` names (synchronous FedAvg always), or all; SystemExit naming
+    an unknown arm."""
+    names = [x.strip() for x in os.environ.get("FEDSWARM_ASYNC_ARMS", "").split(",") if x.strip()]
+    unknown = [n for n in names if n not in options]
+    if unknown:
+        raise SystemExit(f"FEDSWARM_ASYNC_ARMS: no arm {', '.join(map(repr, unknown))} (arms: {', '.join(options)})")
+    return {k: v for k, v in options.items() if not names or k == "fedavg (sync)" or k in names}
+
+
 def sections() -> tuple[dict[str, dict], list[str]]:
     """The fleet of each section (name -> RunConfig fields), and the notes on those left out."""
     out: dict[str, dict] = {"always available": {}}
@@ -113,9 +149,10 @@ def run(out_dir: Path, quick: bool = False) -> list[dict]:
     """Run every arm for every seed; write ``async.json`` and ``async.png``; print the table."""
     out_dir = start_bench(out_dir)
     options, missing = arms(quick)
+    options = _arms_from_env(options)
     fleets, left = sections()
     missing += left
-    seeds = [0] if quick else [0, 1, 2]
+    seeds = seeds_from_env([0] if quick else [0, 1, 2])
     rounds = 2 if quick else ROUNDS
     budget = rounds * (QUICK_PER_ROUND if quick else PER_ROUND)
     base = {**BASE, **(QUICK if quick else {})}
@@ -179,11 +216,16 @@ def _summarize_section(rows: list[dict]) -> list[dict]:
     ref = [r for r in rows if r["arm"] == "fedavg (sync)"]
     ref_t = _mean([r["time_to_target_s"] for r in ref])
     ref_acc = _mean([r["final_acc"] for r in ref])
+    ref_by_seed = {r["seed"]: r["final_acc"] for r in ref}
     for name in dict.fromkeys(r["arm"] for r in rows):
         mine = [r for r in rows if r["arm"] == name]
         t = _mean([r["time_to_target_s"] for r in mine])
         acc = _mean([r["final_acc"] for r in mine])
+        paired = [100 * (r["final_acc"] - ref_by_seed[r["seed"]]) for r in mine if r["seed"] in ref_by_seed]
         out.append({"section": mine[0]["section"], "arm": name, "seeds": len(mine),
+                    "final_acc_std": seed_stats([r["final_acc"] for r in mine])["std"],
+                    # the spread of the per-seed differences (same seed: same initial model and partition)
+                    "acc_points_vs_sync_std": seed_stats(paired)["std"],
                     "reached": sum(r["time_to_target_s"] is not None for r in mine),
                     "client_updates": _mean([r["client_updates"] for r in mine]),
                     "time_to_target_s": t, "x_sync": None if t is None or not ref_t else t / ref_t,
@@ -203,7 +245,8 @@ def _print(summary: list[dict], missing: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"async: time to {TARGET:.2f} test accuracy, simulated seconds (means over seeds)")
+    table = Table(title=f"async: time to {TARGET:.2f} test accuracy, simulated seconds (means over seeds; "
+                        f"± the seeds' standard deviation)")
     for c in ("section", "arm", "reached", "client updates", "to target (s)", "x sync", "final acc",
               "vs sync (points)", "simulated s"):
         table.add_column(c, justify="left" if c in ("section", "arm") else "right")
@@ -213,8 +256,10 @@ def _print(summary: list[dict], missing: list[str]) -> None:
 
     for r in summary:
         table.add_row(r["section"], r["arm"], f"{r['reached']}/{r['seeds']}", f(r["client_updates"], ".0f"),
-                      f(r["time_to_target_s"], ".1f"), f(r["x_sync"], ".2f"), f(r["final_acc"], ".4f"),
-                      f(r["acc_points_vs_sync"], "+.2f"), f(r["sim_time_s"], ".1f"))
+                      f(r["time_to_target_s"], ".1f"), f(r["x_sync"], ".2f"),
+                      f"{f(r['final_acc'], '.4f')} ± {f(r['final_acc_std'], '.4f')}",
+                      f"{f(r['acc_points_vs_sync'], '+.2f')} ± {f(r['acc_points_vs_sync_std'], '.2f')}",
+                      f(r["sim_time_s"], ".1f"))
     console = Console()
     (console if console.is_terminal else Console(width=200)).print(table)
     for m in missing:

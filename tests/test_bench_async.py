@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 
 def test_bench_async_quick_writes_its_figures(tmp_path):
     from fedswarm.bench import async_fedbuff
@@ -27,3 +29,42 @@ def test_bench_async_quick_writes_its_figures(tmp_path):
         assert sync["acc_points_vs_sync"] == 0
     # an arm left out says why
     assert all(isinstance(m, str) and ":" in m for m in data["left_out"])
+
+
+def test_summary_spreads_are_the_seeds_and_the_paired_differences_by_hand():
+    """Two seeds: sync 0.90, 0.94; FedBuff 0.89, 0.95 (differences -1 and +1 points). By hand:
+    FedBuff's mean 0.92 with std sqrt(2 * 0.03^2) = 0.0424, -0.00 points against sync with paired
+    std sqrt(2) = 1.414 (the unpaired spreads would not say that)."""
+    from fedswarm.bench.async_fedbuff import _summarize
+
+    def row(arm, seed, acc):
+        return {"section": "s", "arm": arm, "seed": seed, "final_acc": acc, "time_to_target_s": 1.0,
+                "client_updates": 4, "sim_time_s": 2.0}
+
+    rows = [row("fedavg (sync)", 0, 0.90), row("fedavg (sync)", 1, 0.94), row("fedbuff", 1, 0.95),
+            row("fedbuff", 0, 0.89)]
+    sync, buff = _summarize(rows)
+    assert sync["final_acc_std"] == pytest.approx(0.02 * 2 ** 0.5) and sync["acc_points_vs_sync_std"] == 0
+    assert buff["final_acc"] == pytest.approx(0.92) and buff["final_acc_std"] == pytest.approx(0.03 * 2 ** 0.5)
+    assert buff["acc_points_vs_sync"] == pytest.approx(0.0, abs=1e-9)
+    assert buff["acc_points_vs_sync_std"] == pytest.approx(2 ** 0.5)
+
+
+def test_seeds_and_arms_from_the_environment(monkeypatch):
+    from fedswarm.bench.async_fedbuff import _arms_from_env, arms, seeds_from_env
+
+    assert seeds_from_env([0, 1, 2]) == [0, 1, 2]
+    monkeypatch.setenv("FEDSWARM_ASYNC_SEEDS", "3-6")
+    assert seeds_from_env([0]) == [3, 4, 5, 6]
+    monkeypatch.setenv("FEDSWARM_ASYNC_SEEDS", "0,7")
+    assert seeds_from_env([0]) == [0, 7]
+    for bad in ("x", "5-", "-1,2"):
+        monkeypatch.setenv("FEDSWARM_ASYNC_SEEDS", bad)
+        with pytest.raises(SystemExit, match="FEDSWARM_ASYNC_SEEDS"):
+            seeds_from_env([0])
+    options, _ = arms(quick=True)
+    monkeypatch.setenv("FEDSWARM_ASYNC_ARMS", "fedbuff")
+    assert list(_arms_from_env(options)) == ["fedavg (sync)", "fedbuff"]
+    monkeypatch.setenv("FEDSWARM_ASYNC_ARMS", "fedbuf")
+    with pytest.raises(SystemExit, match="no arm 'fedbuf'"):
+        _arms_from_env(options)
