@@ -41,12 +41,12 @@ from fedswarm.payload import Payload, PayloadError
 from fedswarm.params import all_finite
 from fedswarm.server.fleet_grid import take_sampling
 from fedswarm.server.metered_grid import Traffic, serialized_size
-from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ClientRows, NodeIds, add_client, make_reply,
-                                        reply_size, strategy_round, varint_len)
+from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ClientRows, NodeIds, add_clients, cohort_rows, make_reply,
+                                        reply_size, round_schedule, varint_lens)
 from fedswarm.sim.batched_fleet import BatchedFleet
 from fedswarm.sim.inprocess import client_error_reply
 from fedswarm.strategies.federated import gtopk
-from fedswarm.strategies.federated.compressed_base import KNOBS, Accepted
+from fedswarm.strategies.federated.compressed_base import KNOBS, Accepted, TrainPlan
 from fedswarm.strategies.federated.compressed_client import SELECT
 from fedswarm.strategies.federated.compressed_fedavg import Uplink, client_step, uplink_of
 from fedswarm.strategies.federated.gtopk import GTopKClientState
@@ -152,8 +152,6 @@ class CompressedRounds:
                                                byzantine_nodes=[str(n) for n in nodes], attack=spec))
         # partition id -> the client's error-feedback residual [d], zeros before its first round
         self.residuals = ClientRows(self.layout.d, cfg.clients)  # arrays: only the clients that have one
-        self._down: dict[tuple, int] = {}
-        self._up: dict[tuple, int] = {}
         self.secure = None  # --secagg (a linear codec): the round's sum computed directly
         if cfg.secagg:
             from fedswarm.sim.batched_secagg_codec import SecurePayloadRounds
@@ -177,8 +175,10 @@ class CompressedRounds:
         # under the fleet options the strategy samples from the round's pool, as from the fleet grid
         fleet = self.fleet.start(server_round) if self.fleet is not None else None
         grid = self.grid if fleet is None else self.fleet
-        messages, node_ids, sched, classes, pols = strategy_round(run, strategy, grid, self.arrays, server_round)
-        self._down = {}  # the sync bodies are this version's
+        # the strategy's configure_train with the messages unbuilt (each built when read)
+        messages = strategy.plan_train(server_round, self.arrays, run.train_config, grid)
+        node_ids = messages.node_ids
+        sched, classes, pols = round_schedule(run.cfg, node_ids, run.train_config, run.n_examples, server_round)
         total = len(node_ids)
         if self.byzantine is not None and self.byzantine.attack.kind == "data":  # labelflip
             # the chosen nodes train on flipped labels; the record that tells them so is added
@@ -196,21 +196,36 @@ class CompressedRounds:
         if self.byzantine is not None:
             self._attack(messages, [r for r in replies if r.error is None])
         traffic = Traffic()
-        node_rows: list[dict] | None = [] if total <= NODE_ROWS_MAX else None
+        good = [r for r in replies if r.error is None]
+        up = np.fromiter((r.up for r in good), dtype=np.int64, count=len(good))
+        down = np.fromiter((r.down for r in good), dtype=np.int64, count=len(good))
+        good_ids = [r.node_id for r in good]
+        add_clients(traffic, good_ids, up, down)  # the content replies' bytes at once
+        node_rows: list[dict] | None = None
+        row_of: dict[int, dict] = {}  # position in the sample -> its node row
+        if total <= NODE_ROWS_MAX:  # rows in sample order, a failed node's where its reply is
+            rows = iter(cohort_rows(good_ids, up, down, [r.n for r in good], [r.loss for r in good],
+                                    [classes[r.k] for r in good], [pols[r.k] for r in good]))
+            node_rows = []
+            for r in replies:
+                if r.error is None:
+                    node_rows.append(row_of.setdefault(r.k, next(rows)))
+                else:  # as the strategy's aggregate_train: a failed node, its replica maybe gone
+                    self._failed(traffic, node_rows, r)
+        else:
+            for r in replies:
+                if r.error is not None:
+                    self._failed(traffic, None, r)
         accepted: list[Accepted] = []
         loss_sum = weight_sum = 0.0
-        for r in replies:
-            if r.error is not None:  # as the strategy's aggregate_train: a failed node, its replica maybe gone
-                self._failed(traffic, node_rows, r)
-                continue
-            add_client(traffic, node_rows, r.node_id, r.up, r.down, r.n, r.loss, classes[r.k], pols[r.k])
+        for r in good:
             strategy.sync.ack(r.node_id)  # a content reply: the client saved its replica
             strategy.pending.pop(r.node_id, None)  # ... and applied the selection it was sent
             if r.rejected is None and not (r.finite if r.finite is not None else _finite(r.value)):
                 r.rejected = self._refuse(messages[r.k], r)
             if r.rejected is not None:
                 if node_rows is not None:
-                    node_rows[-1].update(status="rejected", reason=r.rejected)
+                    row_of[r.k].update(status="rejected", reason=r.rejected)
                 continue
             accepted.append(Accepted(r.node_id, None, float(r.n), r.value))
             loss_sum += r.n * r.loss
@@ -248,7 +263,7 @@ class CompressedRounds:
                 sub = delta if len(members) == len(ks) else delta[members]
                 try:
                     decoded, sent = self._client_step(sub, [pids[j] for j in members],
-                                                      [messages[ks[j]] for j in members],
+                                                      _configs(messages, [ks[j] for j in members]),
                                                       [pols[ks[j]] for j in members])
                 except Exception as exc:
                     if finite[members[0]]:
@@ -264,18 +279,15 @@ class CompressedRounds:
                     if ok is not None and isinstance(reply, _Reply):  # (a Ray worker's _reply returns its own record)
                         reply.finite = ok[i]
                     replies.append(reply)
-        return replies
+        return self._measured(messages, replies)
 
     def _reply(self, messages: list[Message], node_ids: list[int], classes: list[str], policy_json: dict[str, str],
                k: int, sent: tuple[Payload, tuple], n: int, loss: float, steps: int, value) -> _Reply:
         """Client ``k``'s reply: its one-row payload and size key ``sent``, what the server
-        reads of it (``value``), its bytes measured."""
+        reads of it (``value``); its bytes are measured with the round's (:meth:`_measured`)."""
         if self.capture is not None:
             return self.capture.reply(k, n, loss, steps)
-        r = _Reply(k, node_ids[k], sent[0], sent[1], n, loss, steps, classes[k], policy_json[classes[k]], value)
-        r.down = self._down_size(messages[k])  # first: measuring a reply gives the message its id
-        r.up = self._up_size(messages[k], r)
-        return r
+        return _Reply(k, node_ids[k], sent[0], sent[1], n, loss, steps, classes[k], policy_json[classes[k]], value)
 
     def _error_reply(self, messages: list[Message], node_ids: list[int], classes: list[str], k: int, n: int,
                      exc: BaseException) -> _Reply:
@@ -284,8 +296,7 @@ class CompressedRounds:
             return self.capture.error(k, n, exc)
         r = _Reply(k, node_ids[k], None, (), n, float("nan"), 0, classes[k], "", None,
                    error=client_error_reply(messages[k], exc))
-        r.down = self._down_size(messages[k])
-        r.up = serialized_size(r.error)
+        r.up = serialized_size(r.error)  # its message's bytes: with the round's (:meth:`_measured`)
         return r
 
     # -- replies the server does not aggregate -----------------------------------------------
@@ -387,23 +398,78 @@ class CompressedRounds:
                     out[j] = float("nan")  # refused by the strategy's parse_reply in round()
 
     # -- bytes ---------------------------------------------------------------------------------
-    def _down_size(self, msg: Message) -> int:
-        """The train message's bytes: its body depends on the version the node holds (and a
-        pending selection, measured as it is), its metadata on the node id's length."""
-        nid = msg.metadata.dst_node_id
-        if nid in self.strategy.pending:
-            return serialized_size(msg)
-        key = (self.strategy.sync.nodes.get(nid), varint_len(nid))
-        if key not in self._down:
-            self._down[key] = serialized_size(msg)
-        return self._down[key]
+    def _measured(self, messages: TrainPlan | list[Message], replies: list[_Reply]) -> list[_Reply]:
+        """``replies`` with their bytes: every train message's and every content reply's size,
+        measured on a real message once per distinct size key of the round and read back by
+        the key's index (an error reply's own size is its own: :meth:`_error_reply`).
+        The train message's body depends on the version its node holds and a pending selection
+        (its round, kind and length), its metadata on the node id's length; a reply on its
+        payload's size key, examples, steps, class, policy and the node id's length."""
+        if self.capture is not None or not replies:  # a shard worker's records: the driver measures
+            return replies
+        ks = np.fromiter((r.k for r in replies), dtype=np.int64, count=len(replies))
+        ids = np.fromiter((r.node_id for r in replies), dtype=np.int64, count=len(replies))
+        lens = varint_lens(ids)
+        if isinstance(messages, TrainPlan):
+            bases, pending, fresh = messages.bases, messages.pending, messages.fresh
+        else:  # a list of built messages (a secure round's cohort): each one's state, as planned
+            nodes = self.strategy.sync.nodes
+            bases = [nodes.get(m.metadata.dst_node_id) for m in messages]
+            pending, fresh = self.strategy.pending, messages.__getitem__
+        codes: dict = {}
+        body = np.fromiter((codes.setdefault(bases[k], len(codes)) for k in ks.tolist()), dtype=np.int64,
+                           count=len(ks))
+        sels: dict = {None: 0}
+        sel = np.fromiter((sels.setdefault(None if p is None else (p[0], p[1], len(p[2])), len(sels))
+                           for p in map(pending.get, ids.tolist())), dtype=np.int64, count=len(ids)) \
+            if pending else np.zeros(len(ids), dtype=np.int64)
+        down = _by_key(np.stack([body, sel, lens], axis=1),
+                       lambda i: serialized_size(fresh(int(ks[i]))))  # each measured before any reply's id
+        content = [i for i, r in enumerate(replies) if r.error is None]
+        up = np.zeros(len(replies), dtype=np.int64)
+        if content:
+            keys: dict = {}
+            strings: dict = {}
+            cols = np.array([(keys.setdefault(r.size_key, len(keys)), r.n, r.steps,
+                              strings.setdefault((r.device_class, r.policy_json), len(strings)))
+                             for r in (replies[i] for i in content)], dtype=np.int64).reshape(-1, 4)
+            sub = np.asarray(content, dtype=np.int64)
+            up[sub] = _by_key(np.concatenate([cols, lens[sub, None]], axis=1),
+                              lambda i: reply_size(messages[int(ks[sub[i]])], replies[int(sub[i])].content()))
+        for r, d, u in zip(replies, down.tolist(), up.tolist()):
+            r.down = d
+            if r.error is None:
+                r.up = u
+        return replies
 
-    def _up_size(self, ins: Message, r: _Reply) -> int:
-        """The reply's bytes, measured on a real reply once per size class."""
-        key = (r.size_key, r.n, r.steps, r.device_class, r.policy_json, varint_len(r.node_id))
-        if key not in self._up:
-            self._up[key] = reply_size(ins, r.content())
-        return self._up[key]
+
+def _by_key(keys: np.ndarray, measure) -> np.ndarray:
+    """``measure(i)`` once per distinct row of ``keys`` ``[K, m]`` (at its first row ``i``), read
+    back for every row: an int64 array ``[K]``."""
+    _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    sizes = np.fromiter((measure(int(i)) for i in first.tolist()), dtype=np.int64, count=len(first))
+    return sizes[inverse.reshape(-1)]
+
+
+class _Configs:
+    """What the client step reads of a train message (its config records), without the message."""
+
+    __slots__ = ("config_records",)
+
+    def __init__(self, records: dict):
+        self.config_records = records
+
+    @property
+    def content(self) -> _Configs:
+        return self
+
+
+def _configs(messages: TrainPlan | list, ks: list[int]) -> list:
+    """The train messages ``ks`` as the client step reads them: a :class:`TrainPlan`'s config
+    records (no message built), else the messages themselves."""
+    if isinstance(messages, TrainPlan):
+        return [_Configs(messages.config_records(k)) for k in ks]
+    return [messages[k] for k in ks]
 
 
 class GTopKRows:
