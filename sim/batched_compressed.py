@@ -446,7 +446,14 @@ class CompressedRounds:
 def _by_key(keys: np.ndarray, measure) -> np.ndarray:
     """``measure(i)`` once per distinct row of ``keys`` ``[K, m]`` (at its first row ``i``), read
     back for every row: an int64 array ``[K]``."""
-    _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    spans = keys.max(axis=0, initial=0) + 1 if keys.min(initial=0) >= 0 else None
+    if spans is not None and float(np.prod(spans.astype(np.float64))) < 2.0**62:  # one int64 key a row
+        flat = np.zeros(len(keys), dtype=np.int64)
+        for col, span in zip(keys.T, spans.tolist()):
+            flat = flat * span + col
+        _, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
+    else:
+        _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
     sizes = np.fromiter((measure(int(i)) for i in first.tolist()), dtype=np.int64, count=len(first))
     return sizes[inverse.reshape(-1)]
 
