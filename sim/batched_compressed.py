@@ -4,11 +4,13 @@
 (:func:`fedswarm.strategies.federated.gtopk.client_step`).
 
 Server half: the strategy object itself, built as :func:`fedswarm.server.app.build_strategy`
-builds it. Its ``configure_train`` samples the nodes and writes every train message (the
-``compress`` knobs, the replica-sync body), so the downlink bytes are measured on those real
-messages; once the clients are done, its ``apply_accepted`` aggregates (its own
-``aggregate``: the weighted average, ``server_lr``, the downlink codec with the server's
-residual) and commits the update to the public model.
+builds it. Its ``plan_train`` (``configure_train``'s work with the messages unbuilt: a
+:class:`~fedswarm.strategies.federated.compressed_base.TrainPlan`) samples the nodes, writes the
+``compress`` knobs, one replica-sync body per version the nodes hold, each node's sync
+bookkeeping and pending selection; a node's real train message is built only when read (its
+bytes, a refused or failed reply, an attack). Once the clients are done, its ``apply_accepted``
+aggregates (its own ``aggregate``: the weighted average, ``server_lr``, the downlink codec with
+the server's residual) and commits the update to the public model.
 
 Client half, on the client axis: the batched trainer trains every sampled client from the
 public model (every replica equals it), ``delta = theta_k - x`` is ``[C, d]``, and the
@@ -20,8 +22,11 @@ error-feedback residuals. The server decodes the batched payload with the codec 
 names (what ``parse_reply`` does with each client's) and hands the rows to the strategy as
 its accepted replies.
 
-Bytes up: a real reply (the client's own one-row payload, ``metrics``, ``node``) is built
-and serialized for every size class of the round and counted once per client of that class.
+Bytes (:meth:`CompressedRounds._measured`): a real train message and a real reply (the
+client's own one-row payload, ``metrics``, ``node``) are built and serialized once per distinct
+size key of the round, read back for every client as arrays over the cohort; traffic and node
+rows are written in bulk (:func:`~fedswarm.sim.batched_round.add_clients`,
+:func:`~fedswarm.sim.batched_round.cohort_rows`).
 """
 
 from __future__ import annotations
@@ -241,11 +246,12 @@ class CompressedRounds:
             node_rows = self.fleet.close(row, node_rows or [], fleet[1], fleet[2], lost)
         return row, node_rows or []
 
-    def _train_replies(self, x: torch.Tensor, sched, messages: list[Message], node_ids: list[int],
+    def _train_replies(self, x: torch.Tensor, sched, messages: TrainPlan | list[Message], node_ids: list[int],
                        classes: list[str], pols: list[dict], policy_json: dict[str, str], total: int
                        ) -> list[_Reply]:
         """The round's clients trained from ``x`` and their client half run: each one's reply
-        (in any order), its bytes measured. The hook a sharded engine replaces
+        (in any order), its bytes measured (:meth:`_measured`, which a replacement calls too). The hook a
+        sharded engine replaces
         (:mod:`fedswarm.sim.batched_ray`: the shards trained where their clients live)."""
         run, trainer, cfg = self.run, self.run.trainer, self.run.cfg
         replies: list[_Reply] = []
