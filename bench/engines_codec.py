@@ -58,7 +58,9 @@ def run_codec(out_dir: Path, quick: bool = False, console: Console | None = None
                     console.print(f"[dim]engines codec: {label} ({n:,} clients), run {rep + 1} ...[/]")
                     runs[label, n].append(_cell(dict(SPEC, clients=n), tree if label == "before" else None,
                                                 timeout_s=1800))
+                    _partial(out_dir, runs, floors)
                 floors[n].append(compute_floor(n))
+                _partial(out_dir, runs, floors)
     rows = []
     for n in populations:
         for label in labels:
@@ -84,6 +86,14 @@ def run_codec(out_dir: Path, quick: bool = False, console: Console | None = None
             "before": before}
     (out_dir / "engines-codec.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     return rows
+
+
+def _partial(out_dir: Path, runs: dict, floors: dict) -> None:
+    """Every cell measured so far, after each one (``DIR/engines-codec.partial.json``): a long
+    run stopped early still leaves what it measured."""
+    cells = [{"row": label, "clients": n, "runs": cs} for (label, n), cs in runs.items() if cs]
+    cells += [{"row": "compute floor", "clients": n, "floors": fs} for n, fs in floors.items() if fs]
+    (out_dir / "engines-codec.partial.json").write_text(json.dumps(cells, indent=2))
 
 
 def _ratios(rows: list[dict]) -> None:
