@@ -23,7 +23,10 @@ accuracy, and each engine's ratio to Flower at the same size. JSON + a log-log P
 Then the ``scale`` section (:mod:`fedswarm.bench.engines_scale`, ``DIR/engines-scale.json`` and
 ``.png``): the batched engine at 100,000 clients against its compute floor, before and after
 (``FEDSWARM_BENCH_BEFORE=CHECKOUT``), with federated evaluation, and a 1,000,000-client population;
-``FEDSWARM_BENCH_ENGINES_SECTION=scale`` runs that section alone.
+``FEDSWARM_BENCH_ENGINES_SECTION=scale`` runs that section alone. Then the ``codec`` section
+(:mod:`fedswarm.bench.engines_codec`, ``DIR/engines-codec.json``): the codec runner
+(``compressed_fedavg``, top-k with error feedback) at 10,000 and 100,000 clients, before and after,
+beside the compute floor; ``FEDSWARM_BENCH_ENGINES_SECTION=codec`` runs it alone.
 
 ``--device cuda`` (or cuda:N) adds the batched engine on that GPU (``batched@cuda``, with its
 peak ``torch.cuda.max_memory_allocated``) beside every CPU row; ``scripts/gpu-check`` measures
@@ -46,7 +49,7 @@ from fedswarm.bench.cells import sampled_cell
 __all__ = ["run", "run_cell", "run_in_store", "ENGINES"]
 
 ENGINES = ("flower", "pfl", "inprocess", "batched")
-SECTION_ENV = "FEDSWARM_BENCH_ENGINES_SECTION"  # "scale": only the scale section
+SECTION_ENV = "FEDSWARM_BENCH_ENGINES_SECTION"  # "scale" / "codec": only that section
 TASK = dict(task="digits-mlp", partition="iid", local_steps=1, batch_size=16, lr=0.3, fraction=1.0, seed=0)
 
 
@@ -194,6 +197,8 @@ def run(out_dir: Path, quick: bool = False, *, sizes: list[int] | None = None, r
     gpu = check_node_device(device).type != "cpu"
     if os.environ.get(SECTION_ENV) == "scale":  # the scale section alone
         return _scale(out_dir, quick)
+    if os.environ.get(SECTION_ENV) == "codec":  # the codec section alone
+        return _codec(out_dir, quick)
     sizes = sizes or ([100, 1000] if quick else [100, 1000, 10_000])
     rounds = rounds or (2 if quick else 5)
     cap_s = cap_s or (60.0 if quick else 600.0)
@@ -240,7 +245,7 @@ def run(out_dir: Path, quick: bool = False, *, sizes: list[int] | None = None, r
     if "batched" in engines:  # its Ray section: a table, engines-ray.json and .png of its own
         from fedswarm.bench.engines_ray import run as run_ray
         run_ray(out_dir, quick)
-    return rows + _scale(out_dir, quick)
+    return rows + _scale(out_dir, quick) + _codec(out_dir, quick)
 
 
 def _scale(out_dir: Path, quick: bool) -> list[dict]:
@@ -248,6 +253,13 @@ def _scale(out_dir: Path, quick: bool) -> list[dict]:
     from fedswarm.bench.engines_scale import run_scale
 
     return [dict(r, engine="batched", section="scale") for r in run_scale(out_dir, quick)]
+
+
+def _codec(out_dir: Path, quick: bool) -> list[dict]:
+    """The ``codec`` section (:mod:`fedswarm.bench.engines_codec`): its own JSON."""
+    from fedswarm.bench.engines_codec import run_codec
+
+    return [dict(r, engine="batched", section="codec") for r in run_codec(out_dir, quick)]
 
 
 def _ratios(rows: list[dict]) -> None:

@@ -4,11 +4,13 @@
 (:func:`fedswarm.strategies.federated.gtopk.client_step`).
 
 Server half: the strategy object itself, built as :func:`fedswarm.server.app.build_strategy`
-builds it. Its ``configure_train`` samples the nodes and writes every train message (the
-``compress`` knobs, the replica-sync body), so the downlink bytes are measured on those real
-messages; once the clients are done, its ``apply_accepted`` aggregates (its own
-``aggregate``: the weighted average, ``server_lr``, the downlink codec with the server's
-residual) and commits the update to the public model.
+builds it. Its ``plan_train`` (``configure_train``'s work with the messages unbuilt: a
+:class:`~fedswarm.strategies.federated.compressed_base.TrainPlan`) samples the nodes, writes the
+``compress`` knobs, one replica-sync body per version the nodes hold, each node's sync
+bookkeeping and pending selection; a node's real train message is built only when read (its
+bytes, a refused or failed reply, an attack). Once the clients are done, its ``apply_accepted``
+aggregates (its own ``aggregate``: the weighted average, ``server_lr``, the downlink codec with
+the server's residual) and commits the update to the public model.
 
 Client half, on the client axis: the batched trainer trains every sampled client from the
 public model (every replica equals it), ``delta = theta_k - x`` is ``[C, d]``, and the
@@ -20,8 +22,11 @@ error-feedback residuals. The server decodes the batched payload with the codec 
 names (what ``parse_reply`` does with each client's) and hands the rows to the strategy as
 its accepted replies.
 
-Bytes up: a real reply (the client's own one-row payload, ``metrics``, ``node``) is built
-and serialized for every size class of the round and counted once per client of that class.
+Bytes (:meth:`CompressedRounds._measured`): a real train message and a real reply (the
+client's own one-row payload, ``metrics``, ``node``) are built and serialized once per distinct
+size key of the round, read back for every client as arrays over the cohort; traffic and node
+rows are written in bulk (:func:`~fedswarm.sim.batched_round.add_clients`,
+:func:`~fedswarm.sim.batched_round.cohort_rows`).
 """
 
 from __future__ import annotations
@@ -40,12 +45,12 @@ from fedswarm.local import node_report, train_reply
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.params import all_finite
 from fedswarm.server.metered_grid import Traffic, serialized_size
-from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ClientRows, NodeIds, add_client, make_reply,
-                                        reply_size, strategy_round, varint_len)
+from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ClientRows, NodeIds, add_clients, cohort_rows, make_reply,
+                                        reply_size, round_schedule, varint_lens)
 from fedswarm.sim.batched_fleet import fleet_of
 from fedswarm.sim.inprocess import client_error_reply
 from fedswarm.strategies.federated import gtopk
-from fedswarm.strategies.federated.compressed_base import KNOBS, Accepted
+from fedswarm.strategies.federated.compressed_base import KNOBS, Accepted, TrainPlan
 from fedswarm.strategies.federated.compressed_client import SELECT
 from fedswarm.strategies.federated.compressed_fedavg import Uplink, client_step, uplink_of
 from fedswarm.strategies.federated.gtopk import GTopKClientState
@@ -151,8 +156,6 @@ class CompressedRounds:
                                                byzantine_nodes=[str(n) for n in nodes], attack=spec))
         # partition id -> the client's error-feedback residual [d], zeros before its first round
         self.residuals = ClientRows(self.layout.d, cfg.clients)  # arrays: only the clients that have one
-        self._down: dict[tuple, int] = {}
-        self._up: dict[tuple, int] = {}
         self.secure = None  # --secagg (a linear codec): the round's sum computed directly
         if cfg.secagg:
             from fedswarm.sim.batched_secagg_codec import SecurePayloadRounds
@@ -174,8 +177,10 @@ class CompressedRounds:
         # under the fleet options the strategy samples from the round's pool, as from the fleet grid
         fleet = self.fleet.start(server_round) if self.fleet is not None else None
         grid = self.grid if fleet is None else self.fleet
-        messages, node_ids, sched, classes, pols = strategy_round(run, strategy, grid, self.arrays, server_round)
-        self._down = {}  # the sync bodies are this version's
+        # the strategy's configure_train with the messages unbuilt (each built when read)
+        messages = strategy.plan_train(server_round, self.arrays, run.train_config, grid)
+        node_ids = messages.node_ids
+        sched, classes, pols = round_schedule(run.cfg, node_ids, run.train_config, run.n_examples, server_round)
         total = len(node_ids)
         if self.byzantine is not None and self.byzantine.attack.kind == "data":  # labelflip
             # the chosen nodes train on flipped labels; the record that tells them so is added
@@ -191,21 +196,36 @@ class CompressedRounds:
         if fleet is not None:  # every sampled client trained; the strategy gets the replies the fleet keeps
             replies, lost, lost_down = self.fleet.kept_replies(replies, server_round, fleet[2])
         traffic = Traffic()
-        node_rows: list[dict] | None = [] if total <= NODE_ROWS_MAX else None
+        good = [r for r in replies if r.error is None]
+        up = np.fromiter((r.up for r in good), dtype=np.int64, count=len(good))
+        down = np.fromiter((r.down for r in good), dtype=np.int64, count=len(good))
+        good_ids = [r.node_id for r in good]
+        add_clients(traffic, good_ids, up, down)  # the content replies' bytes at once
+        node_rows: list[dict] | None = None
+        row_of: dict[int, dict] = {}  # position in the sample -> its node row
+        if total <= NODE_ROWS_MAX:  # rows in sample order, a failed node's where its reply is
+            rows = iter(cohort_rows(good_ids, up, down, [r.n for r in good], [r.loss for r in good],
+                                    [classes[r.k] for r in good], [pols[r.k] for r in good]))
+            node_rows = []
+            for r in replies:
+                if r.error is None:
+                    node_rows.append(row_of.setdefault(r.k, next(rows)))
+                else:  # as the strategy's aggregate_train: a failed node, its replica maybe gone
+                    self._failed(traffic, node_rows, r)
+        else:
+            for r in replies:
+                if r.error is not None:
+                    self._failed(traffic, None, r)
         accepted: list[Accepted] = []
         loss_sum = weight_sum = 0.0
-        for r in replies:
-            if r.error is not None:  # as the strategy's aggregate_train: a failed node, its replica maybe gone
-                self._failed(traffic, node_rows, r)
-                continue
-            add_client(traffic, node_rows, r.node_id, r.up, r.down, r.n, r.loss, classes[r.k], pols[r.k])
+        for r in good:
             strategy.sync.ack(r.node_id)  # a content reply: the client saved its replica
             strategy.pending.pop(r.node_id, None)  # ... and applied the selection it was sent
             if r.rejected is None and not (r.finite if r.finite is not None else _finite(r.value)):
                 r.rejected = self._refuse(messages[r.k], r)
             if r.rejected is not None:
                 if node_rows is not None:
-                    node_rows[-1].update(status="rejected", reason=r.rejected)
+                    row_of[r.k].update(status="rejected", reason=r.rejected)
                 continue
             accepted.append(Accepted(r.node_id, None, float(r.n), r.value))
             loss_sum += r.n * r.loss
@@ -221,11 +241,12 @@ class CompressedRounds:
             node_rows = self.fleet.close(row, node_rows or [], fleet[1], fleet[2], lost)
         return row, node_rows or []
 
-    def _train_replies(self, x: torch.Tensor, sched, messages: list[Message], node_ids: list[int],
+    def _train_replies(self, x: torch.Tensor, sched, messages: TrainPlan | list[Message], node_ids: list[int],
                        classes: list[str], pols: list[dict], policy_json: dict[str, str], total: int
                        ) -> list[_Reply]:
         """The round's clients trained from ``x`` and their client half run: each one's reply
-        (in any order), its bytes measured. The hook a sharded engine replaces
+        (in any order), its bytes measured (:meth:`_measured`, which a replacement calls too). The hook a
+        sharded engine replaces
         (:mod:`fedswarm.sim.batched_ray`: the shards trained where their clients live)."""
         run, trainer, cfg = self.run, self.run.trainer, self.run.cfg
         replies: list[_Reply] = []
@@ -243,7 +264,7 @@ class CompressedRounds:
                 sub = delta if len(members) == len(ks) else delta[members]
                 try:
                     decoded, sent = self._client_step(sub, [pids[j] for j in members],
-                                                      [messages[ks[j]] for j in members],
+                                                      _configs(messages, [ks[j] for j in members]),
                                                       [pols[ks[j]] for j in members])
                 except Exception as exc:
                     if finite[members[0]]:
@@ -259,18 +280,15 @@ class CompressedRounds:
                     if ok is not None and isinstance(reply, _Reply):  # (a Ray worker's _reply returns its own record)
                         reply.finite = ok[i]
                     replies.append(reply)
-        return replies
+        return self._measured(messages, replies)
 
     def _reply(self, messages: list[Message], node_ids: list[int], classes: list[str], policy_json: dict[str, str],
                k: int, sent: tuple[Payload, tuple], n: int, loss: float, steps: int, value) -> _Reply:
         """Client ``k``'s reply: its one-row payload and size key ``sent``, what the server
-        reads of it (``value``), its bytes measured."""
+        reads of it (``value``); its bytes are measured with the round's (:meth:`_measured`)."""
         if self.capture is not None:
             return self.capture.reply(k, n, loss, steps)
-        r = _Reply(k, node_ids[k], sent[0], sent[1], n, loss, steps, classes[k], policy_json[classes[k]], value)
-        r.down = self._down_size(messages[k])  # first: measuring a reply gives the message its id
-        r.up = self._up_size(messages[k], r)
-        return r
+        return _Reply(k, node_ids[k], sent[0], sent[1], n, loss, steps, classes[k], policy_json[classes[k]], value)
 
     def _error_reply(self, messages: list[Message], node_ids: list[int], classes: list[str], k: int, n: int,
                      exc: BaseException) -> _Reply:
@@ -279,8 +297,7 @@ class CompressedRounds:
             return self.capture.error(k, n, exc)
         r = _Reply(k, node_ids[k], None, (), n, float("nan"), 0, classes[k], "", None,
                    error=client_error_reply(messages[k], exc))
-        r.down = self._down_size(messages[k])
-        r.up = serialized_size(r.error)
+        r.up = serialized_size(r.error)  # its message's bytes: with the round's (:meth:`_measured`)
         return r
 
     # -- replies the server does not aggregate -----------------------------------------------
@@ -382,23 +399,85 @@ class CompressedRounds:
                     out[j] = float("nan")  # refused by the strategy's parse_reply in round()
 
     # -- bytes ---------------------------------------------------------------------------------
-    def _down_size(self, msg: Message) -> int:
-        """The train message's bytes: its body depends on the version the node holds (and a
-        pending selection, measured as it is), its metadata on the node id's length."""
-        nid = msg.metadata.dst_node_id
-        if nid in self.strategy.pending:
-            return serialized_size(msg)
-        key = (self.strategy.sync.nodes.get(nid), varint_len(nid))
-        if key not in self._down:
-            self._down[key] = serialized_size(msg)
-        return self._down[key]
+    def _measured(self, messages: TrainPlan | list[Message], replies: list[_Reply]) -> list[_Reply]:
+        """``replies`` with their bytes: every train message's and every content reply's size,
+        measured on a real message once per distinct size key of the round and read back by
+        the key's index (an error reply's own size is its own: :meth:`_error_reply`).
+        The train message's body depends on the version its node holds and a pending selection
+        (its round, kind and length), its metadata on the node id's length; a reply on its
+        payload's size key, examples, steps, class, policy and the node id's length."""
+        if self.capture is not None or not replies:  # a shard worker's records: the driver measures
+            return replies
+        ks = np.fromiter((r.k for r in replies), dtype=np.int64, count=len(replies))
+        ids = np.fromiter((r.node_id for r in replies), dtype=np.int64, count=len(replies))
+        lens = varint_lens(ids)
+        if isinstance(messages, TrainPlan):
+            bases, pending, fresh = messages.bases, messages.pending, messages.fresh
+        else:  # a list of built messages (a secure round's cohort): each one's state, as planned
+            nodes = self.strategy.sync.nodes
+            bases = [nodes.get(m.metadata.dst_node_id) for m in messages]
+            pending, fresh = self.strategy.pending, messages.__getitem__
+        codes: dict = {}
+        body = np.fromiter((codes.setdefault(bases[k], len(codes)) for k in ks.tolist()), dtype=np.int64,
+                           count=len(ks))
+        sels: dict = {None: 0}
+        sel = np.fromiter((sels.setdefault(None if p is None else (p[0], p[1], len(p[2])), len(sels))
+                           for p in map(pending.get, ids.tolist())), dtype=np.int64, count=len(ids)) \
+            if pending else np.zeros(len(ids), dtype=np.int64)
+        down = _by_key(np.stack([body, sel, lens], axis=1),
+                       lambda i: serialized_size(fresh(int(ks[i]))))  # each measured before any reply's id
+        content = [i for i, r in enumerate(replies) if r.error is None]
+        up = np.zeros(len(replies), dtype=np.int64)
+        if content:
+            keys: dict = {}
+            strings: dict = {}
+            cols = np.array([(keys.setdefault(r.size_key, len(keys)), r.n, r.steps,
+                              strings.setdefault((r.device_class, r.policy_json), len(strings)))
+                             for r in (replies[i] for i in content)], dtype=np.int64).reshape(-1, 4)
+            sub = np.asarray(content, dtype=np.int64)
+            up[sub] = _by_key(np.concatenate([cols, lens[sub, None]], axis=1),
+                              lambda i: reply_size(messages[int(ks[sub[i]])], replies[int(sub[i])].content()))
+        for r, d, u in zip(replies, down.tolist(), up.tolist()):
+            r.down = d
+            if r.error is None:
+                r.up = u
+        return replies
 
-    def _up_size(self, ins: Message, r: _Reply) -> int:
-        """The reply's bytes, measured on a real reply once per size class."""
-        key = (r.size_key, r.n, r.steps, r.device_class, r.policy_json, varint_len(r.node_id))
-        if key not in self._up:
-            self._up[key] = reply_size(ins, r.content())
-        return self._up[key]
+
+def _by_key(keys: np.ndarray, measure) -> np.ndarray:
+    """``measure(i)`` once per distinct row of ``keys`` ``[K, m]`` (at its first row ``i``), read
+    back for every row: an int64 array ``[K]``."""
+    spans = keys.max(axis=0, initial=0) + 1 if keys.min(initial=0) >= 0 else None
+    if spans is not None and float(np.prod(spans.astype(np.float64))) < 2.0**62:  # one int64 key a row
+        flat = np.zeros(len(keys), dtype=np.int64)
+        for col, span in zip(keys.T, spans.tolist()):
+            flat = flat * span + col
+        _, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
+    else:
+        _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    sizes = np.fromiter((measure(int(i)) for i in first.tolist()), dtype=np.int64, count=len(first))
+    return sizes[inverse.reshape(-1)]
+
+
+class _Configs:
+    """What the client step reads of a train message (its config records), without the message."""
+
+    __slots__ = ("config_records",)
+
+    def __init__(self, records: dict):
+        self.config_records = records
+
+    @property
+    def content(self) -> _Configs:
+        return self
+
+
+def _configs(messages: TrainPlan | list, ks: list[int]) -> list:
+    """The train messages ``ks`` as the client step reads them: a :class:`TrainPlan`'s config
+    records (no message built), else the messages themselves."""
+    if isinstance(messages, TrainPlan):
+        return [_Configs(messages.config_records(k)) for k in ks]
+    return [messages[k] for k in ks]
 
 
 class GTopKRows:

@@ -256,7 +256,7 @@ class _ShardedReplies(_Sharded):
                     replies.append(self._reply(messages, node_ids, classes, policy_json, k, row, n, reply[2],
                                                reply[3], value))
         self.run.progress(total)(total)
-        return replies
+        return self._measured(messages, replies)
 
     def _group_values(self, payload, seed: int, rows: int) -> list:
         """What the server's ``parse_reply`` makes of each row of a batched codec payload."""

@@ -64,7 +64,6 @@ class SecurePayloadRounds(SecureRounds):
         run, strategy = runner.run, runner.strategy
         messages, node_ids, sched, classes, pols = strategy_round(run, strategy, runner.grid, runner.arrays,
                                                                   server_round)
-        runner._down = {}  # the sync bodies are this version's
         dim = strategy.secagg_dim
         if not dim:
             raise RuntimeError(f"--secagg: strategy '{strategy.name}' has no linear payload to sum (secagg_dim)")

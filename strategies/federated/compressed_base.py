@@ -22,7 +22,7 @@ reply with the payload, ``metrics`` and the ``node`` report.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
@@ -47,7 +47,7 @@ from fedswarm.strategies.strategy_utils import (ReportsRounds, layout_json, layo
 from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import (array_keys, arrayrecord_to_vector, payload_from_records, vector_to_arrays_like)
 
-__all__ = ["CompressedStrategy", "Accepted", "Step", "ClientRound", "begin", "train", "finish",
+__all__ = ["CompressedStrategy", "TrainPlan", "Accepted", "Step", "ClientRound", "begin", "train", "finish",
            "taken_indices", "save_sent", "read_payload", "KNOBS", "UserTraining", "user_training"]
 
 
@@ -177,6 +177,16 @@ class CompressedStrategy(ReportsRounds, Strategy):
         self._ensure_model(arrays)
         if self.dp is not None:
             self.dp.before_round()  # refuses a round past the privacy budget
+        return list(self.plan_train(server_round, arrays, config, grid))
+
+    def plan_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> TrainPlan:
+        """:meth:`configure_train`'s work (sampling, the round's knobs, each node's sync
+        bookkeeping and pending selection) with the messages left unbuilt: a
+        :class:`TrainPlan` builds node ``k``'s when it is read (``--engine batched`` reads few)."""
+        self._grid = grid
+        self._ensure_model(arrays)
+        if self.dp is not None:
+            self.dp.before_round()  # refuses a round past the privacy budget
         node_ids, available = sample_train_nodes(grid, self.fraction_train, self.min_train_nodes,
                                                  self.min_available_nodes)
         log(INFO, "configure_train: sampled %s nodes (out of %s)", len(node_ids), len(available))
@@ -187,15 +197,10 @@ class CompressedStrategy(ReportsRounds, Strategy):
         knobs = ConfigRecord({"round": self.round, **self.knobs(self.round)})
         if self.plain_train:  # what compression_mod needs to run this strategy's client half
             knobs.update({"strategy": self.name, "seed": self.seed, "layout": layout_json(self.layout)})
-        messages = []
-        for nid in node_ids:
-            content = RecordDict({"config": config, KNOBS: knobs})
-            self.sync.write(content, nid)
-            if nid in self.pending:
-                rnd, kind, data = self.pending[nid]
-                content[SELECT] = ConfigRecord({"round": rnd, kind: data})
-            messages.append(Message(content=content, message_type=self.message_type, dst_node_id=nid))
-        return messages
+        bases = self.sync.send_all(node_ids)
+        bodies = {base: self.sync.body(base) for base in set(bases)}
+        pending = {nid: self.pending[nid] for nid in node_ids if nid in self.pending} if self.pending else {}
+        return TrainPlan(node_ids, config, knobs, bases, bodies, pending, self.message_type)
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -339,6 +344,55 @@ class CompressedStrategy(ReportsRounds, Strategy):
             self.on_layout()
         self._keys = array_keys(arrays)
         self.sync.reset(arrayrecord_to_vector(arrays, self.layout.d))
+
+
+class TrainPlan(Sequence):
+    """A round's train messages (:meth:`CompressedStrategy.plan_train`), message ``k`` built
+    when read, once: its content as :meth:`configure_train` writes it (``config``, the knobs,
+    the sync body of the version its node holds, its pending selection as it was at planning).
+    :meth:`fresh` builds one anew, :meth:`config_records` reads its configs without a message."""
+
+    def __init__(self, node_ids: list[int], config: ConfigRecord, knobs: ConfigRecord, bases: list,
+                 bodies: dict, pending: dict, message_type: str):
+        self.node_ids, self.config, self.knobs, self.bases = node_ids, config, knobs, bases
+        self.bodies, self.pending, self.message_type = bodies, pending, message_type
+        self._built: dict[int, Message] = {}
+        self._plain = {KNOBS: knobs}  # the config records of a node with no pending selection
+
+    def __len__(self) -> int:
+        return len(self.node_ids)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        msg = self._built.get(k)
+        if msg is None:
+            msg = self._built[k] = self.fresh(k)
+        return msg
+
+    def select(self, k: int) -> ConfigRecord | None:
+        """Node ``k``'s ``select`` record (its pending selection), or None."""
+        sel = self.pending.get(self.node_ids[k])
+        return None if sel is None else ConfigRecord({"round": sel[0], sel[1]: sel[2]})
+
+    def config_records(self, k: int) -> dict:
+        """Node ``k``'s message's config records that the client step reads: the knobs and its
+        ``select`` record's values as a dict (read as the record is, with no ConfigRecord built)."""
+        sel = self.pending.get(self.node_ids[k])
+        if sel is None:
+            return self._plain
+        return {KNOBS: self.knobs, SELECT: {"round": sel[0], sel[1]: sel[2]}}
+
+    def fresh(self, k: int) -> Message:
+        """Node ``k``'s message, built anew (no message id yet)."""
+        nid = self.node_ids[k]
+        content = RecordDict({"config": self.config, KNOBS: self.knobs})
+        for key, rec in self.bodies[self.bases[k]].items():
+            content[key] = rec
+        sel = self.select(k)
+        if sel is not None:
+            content[SELECT] = sel
+        return Message(content=content, message_type=self.message_type, dst_node_id=nid)
 
 
 def _num_examples(msg: Message) -> float:

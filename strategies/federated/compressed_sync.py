@@ -113,15 +113,26 @@ class ReplicaSync:
     def write(self, content: RecordDict, node_id: int) -> None:
         """Put the smallest body that brings ``node_id`` to the current version into
         ``content``."""
-        base = self.nodes.get(node_id)
+        for key, rec in self.body(self.nodes.get(node_id)).items():
+            content[key] = rec
+        self.sent[node_id] = self.version
+
+    def body(self, base: int | None) -> dict:
+        """The records :meth:`write` puts into the message of a node that holds version ``base``
+        (``None``: no replica): the body's records, then the ``sync`` record (a new one)."""
         if base not in self._bodies:
             self._bodies[base] = self._plan(base)
         mode, records = self._bodies[base]
-        for key, rec in records.items():
-            content[key] = rec
-        content[SYNC] = ConfigRecord({"mode": mode, "base": -1 if base is None else base, "version": self.version,
-                                      "epoch": self.epoch, "crc": self.crc, "n": len(records) // 2})
-        self.sent[node_id] = self.version
+        return {**records, SYNC: ConfigRecord({"mode": mode, "base": -1 if base is None else base,
+                                               "version": self.version, "epoch": self.epoch, "crc": self.crc,
+                                               "n": len(records) // 2})}
+
+    def send_all(self, node_ids: list[int]) -> list[int | None]:
+        """:meth:`write`'s bookkeeping for every node of ``node_ids`` at once, without a message:
+        each node is sent the current version; returns the version each holds (its body's base)."""
+        bases = [self.nodes.get(nid) for nid in node_ids]
+        self.sent.update(dict.fromkeys(node_ids, self.version))
+        return bases
 
     def ack(self, node_id: int) -> None:
         """The node replied: it now holds the version it was sent."""
