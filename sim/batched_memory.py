@@ -79,6 +79,13 @@ STATE_BYTES: dict[str, Callable[[int], int]] = {
 }
 
 
+#: ``[C, d]`` float32 tensors a round runner's client step holds at once for a chunk of C clients,
+#: beside the chunk's training (upper bounds): the codec's delta, residual, their sum, the encoded
+#: and decoded rows; a sketch client's delta, error and momentum rows before and after, its tables
+#: and masks (sketched_sgd at 100,000 clients, --fraction 0.01: ~9 rows measured beyond the chunk)
+STEP_ROWS: dict[str, int] = {"codec": 6, "global_topk": 6, "sketch": 12}
+
+
 def state_bytes(runner: str, cfg, d: int) -> tuple[int, int]:
     """What round runner ``runner`` keeps between rounds for run ``cfg`` with a model of ``d``
     parameters: ``(bytes per client that has state, bytes per client of the population)``."""
@@ -157,7 +164,7 @@ def estimate_peak(cfg, *, d: int, x_numel: int, act_per_example: int, n_train: i
     """The peak of a batched run of ``cfg`` (population ``cfg.clients``, ``cfg.fraction`` of it a
     round, ``cfg.rounds`` rounds) for a model of ``d`` parameters: the process, the data and the
     partition, a round's cohort arrays, one chunk of training (at most the memory budget), and
-    the clients' state (:func:`state_bytes`: its bytes for every client that has trained, at most
+    the client step's rows on that chunk (:data:`STEP_ROWS`), the clients' state (:func:`state_bytes`: its bytes for every client that has trained, at most
     ``rounds x cohort`` of them, and its bytes per client of the population). Upper bounds where
     a figure depends on the data (policies' batch sizes and steps: the run's own)."""
     population = cfg.clients
@@ -171,6 +178,7 @@ def estimate_peak(cfg, *, d: int, x_numel: int, act_per_example: int, n_train: i
     per = (one_step_client_bytes(x_numel, act_per_example, batch) if one_step else
            client_bytes(d, x_numel, act_per_example, steps, batch))
     chunk = min(budget, k * per)
+    step = min(k, max(1, chunk // max(per, 1))) * 4 * d * STEP_ROWS.get(runner, 0)  # the client step's rows
     touched = min(population, cfg.rounds * k)
     per_client, per_member = state_bytes(runner, cfg, d)
     state = touched * per_client + population * per_member
@@ -180,6 +188,7 @@ def estimate_peak(cfg, *, d: int, x_numel: int, act_per_example: int, n_train: i
         "partition": 16 * (population + 1) + 8 * (max(n_train, population) + max(n_test, population)),
         "cohort": k * (9 * steps * batch + 400),  # schedule, minibatch indices, byte sizes, bookkeeping
         "chunk": chunk,
+        "client step": step,
         "client state": state,
         "models": 8 * 6 * d,  # the global model, the running sum (float64) and copies
     }
