@@ -21,11 +21,22 @@ _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _MASK64 = (1 << 64) - 1
 
 
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
 def _mix(z: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser on a uint64 array (arithmetic mod 2^64)."""
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
+
+
+def _mix_int(z: int) -> int:
+    """:func:`_mix` of one value as a Python int (one client's states: no array overhead)."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * int(_M1)) & _MASK64
+    z = ((z ^ (z >> 27)) * int(_M2)) & _MASK64
+    return z ^ (z >> 31)
 
 
 def _as_u64(seeds) -> np.ndarray:
@@ -140,12 +151,32 @@ def minibatch_plan(n: int, steps: int, batch_size: int, seed: int) -> tuple[torc
     rest of the row is 0). The definition is :func:`minibatch_plans`' (a permutation of the
     ``n`` examples keyed by the seed, batches of ``batch_size`` cut from it in order, the last
     one short when ``batch_size`` does not divide ``n``, a fresh permutation when one is used
-    up): this is its one-client row. A client with no examples gets empty batches."""
+    up): this is its one-client row, bit for bit. A client with no examples gets empty batches."""
     if n < 0 or steps < 0 or batch_size < 1:
         raise ValueError(f"minibatch_plan needs n >= 0, steps >= 0 and batch_size >= 1; got n={n}, "
                          f"steps={steps}, batch_size={batch_size}")
-    pos, size = minibatch_plans([n], [steps], [batch_size], np.array([int(seed) & _MASK64], dtype=np.uint64))
-    return pos[0], size[0]
+    # minibatch_plans' row, without its cohort bookkeeping (one client: its handful of array
+    # operations is the cost; tests/test_minibatch_draw.py holds the two equal bit for bit)
+    if n == 0:
+        return torch.zeros((steps, 0), dtype=torch.int64), torch.zeros(steps, dtype=torch.int64)
+    per_perm = -(-n // batch_size)
+    perms = max(1, -(-steps // per_perm))
+    if n == 1:
+        order = np.zeros((perms, 1), dtype=np.int64)
+    else:  # sort_keys(seed, e, 0..n-1) with the per-client stages in Python ints
+        client = _mix_int(int(seed) + int(_GAMMA))
+        states = np.array([_mix_int(client + (e + 1) * int(_GAMMA)) for e in range(perms)], dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            keys = _mix(states[:, None] + np.arange(1, n + 1, dtype=np.uint64)[None, :] * _GAMMA)
+        order = np.argsort(keys, axis=1, kind="stable")  # [perms, n]
+    if steps * batch_size <= n:  # the usual case: one permutation covers every step
+        pos = order[0, :steps * batch_size].reshape(steps, batch_size)
+        return torch.from_numpy(np.ascontiguousarray(pos)), torch.full((steps,), batch_size, dtype=torch.int64)
+    padded = np.zeros((perms, per_perm * batch_size), dtype=np.int64)
+    padded[:, :n] = order
+    pos = padded.reshape(perms * per_perm, batch_size)[:steps, :min(batch_size, n)]
+    size = np.minimum(n - np.arange(per_perm, dtype=np.int64) * batch_size, batch_size)
+    return torch.from_numpy(np.ascontiguousarray(pos)), torch.from_numpy(np.tile(size, perms)[:steps])
 
 
 def sgd_step(params: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, lr: torch.Tensor | float,
