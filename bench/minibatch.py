@@ -30,7 +30,7 @@ from rich.table import Table
 __all__ = ["run", "SHAPE"]
 
 BEFORE_ENV = "FEDSWARM_BENCH_BEFORE"
-SHAPE = dict(clients=10_000, examples=8, batch_size=4, steps=2, rounds=4)
+SHAPE = dict(clients=10_000, examples=8, batch_size=4, steps=2, rounds=3)
 
 # One cell: uses only what the code before the change has too (BatchedTrainer, ClientSchedule, round_seeds)
 _CELL = r"""
@@ -91,7 +91,7 @@ def run(out_dir: Path, quick: bool = False, console: Console | None = None) -> l
 
     console = console or Console(width=200)
     spec = dict(SHAPE, clients=SHAPE["clients"] // 5 if quick else SHAPE["clients"])
-    repeats = 1 if quick else 3
+    repeats = 1 if quick else 2
     before = os.environ.get(BEFORE_ENV) or None
     labels = (["before"] if before else []) + ["now"]
     runs: dict[str, list[dict]] = {label: [] for label in labels}

@@ -23,6 +23,7 @@ from fedswarm.store import Store
 from fedswarm.tasks import get_task
 from fedswarm.train import node_validation, task_data
 from tests.helpers import record_run
+from tests.minibatch_oracle import batches
 
 TASK = "digits-mlp"
 
@@ -281,8 +282,7 @@ def test_clock_engine_trains_on_client_data_and_scores_own_models_every_eval_eve
     for i, path in enumerate(sorted(root.iterdir())):
         own = load_local(TASK, LocalDataSpec(str(path), "label", 0.2), cfg.seed)
         assert rows[(1, str(i + 1))].num_examples == cfg.batch_size  # one step each in round 1
-        g = torch.Generator().manual_seed(round_seed(cfg.seed, 1, i))
-        batch = torch.randperm(own.train_y.shape[0], generator=g)[:cfg.batch_size]
+        batch = batches(own.train_y.shape[0], 1, cfg.batch_size, round_seed(cfg.seed, 1, i))[0]
         with torch.no_grad():
             set_flat(model, x0)
             first = float(task.objective(model, own.train_x[batch], own.train_y[batch]))
