@@ -89,10 +89,10 @@ def test_central_eval_off_loads_no_server_test_set(tmp_path, monkeypatch):
         raise AssertionError("the server loaded the task's data with central_eval off")
 
     monkeypatch.setattr(server_app, "task_data", no_data)
-    cfg = RunConfig(task=TASK, clients=3, rounds=2, seed=1, local_steps=2, central_eval=False)
+    cfg = RunConfig(task=TASK, clients=3, rounds=2, seed=1, local_steps=4, central_eval=False)
     res, _ = _run(cfg, tmp_path, monkeypatch, "nocentral")
     assert all(r["test_accuracy"] is None for r in res["rounds"])
-    assert all(r["fed_accuracy"] > 0.2 for r in res["rounds"][1:])
+    assert all(r["fed_accuracy"] > 0.2 for r in res["rounds"][1:]), [r["fed_accuracy"] for r in res["rounds"]]
     s = res["summary"]
     assert s["final_test_accuracy"] is None and s["final_fed_accuracy"] == res["rounds"][-1]["fed_accuracy"]
     assert s["best_fed_accuracy"] == max(r["fed_accuracy"] for r in res["rounds"][1:])
