@@ -4,7 +4,8 @@ Every runtime that trains a client locally (the ClientApp's :class:`~fedswarm.tr
 one client at a time; the batched engine's :class:`~fedswarm.sim.batched_trainer.BatchedTrainer`,
 a whole cohort on a leading client axis; a decentralized node's
 :func:`~fedswarm.algorithms.decentralized.steps.minibatch_gradient`) draws its minibatches
-with :func:`minibatch_plan` and moves its parameters with :func:`sgd_step`, so the same round
+with :func:`minibatch_plan` (the batched trainer with :func:`minibatch_plans`, every client's row
+at once, bit for bit the same) and moves its parameters with :func:`sgd_step`, so the same round
 seed gives the same examples and the same arithmetic on each of them.
 """
 
