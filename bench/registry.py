@@ -32,6 +32,7 @@ BENCHMARKS = {
     "footprint": "fedswarm.bench.footprint",
     "async": "fedswarm.bench.async_fedbuff",
     "secagg": "fedswarm.bench.secagg",
+    "minibatch": "fedswarm.bench.minibatch",
 }
 
 

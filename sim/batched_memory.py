@@ -163,9 +163,10 @@ def estimate_peak(cfg, *, d: int, x_numel: int, act_per_example: int, n_train: i
                   runner: str, available: int, memory_budget: int | None = None) -> MemoryEstimate:
     """The peak of a batched run of ``cfg`` (population ``cfg.clients``, ``cfg.fraction`` of it a
     round, ``cfg.rounds`` rounds) for a model of ``d`` parameters: the process, the data and the
-    partition, a round's cohort arrays, one chunk of training (at most the memory budget), and
-    the client step's rows on that chunk (:data:`STEP_ROWS`), the clients' state (:func:`state_bytes`: its bytes for every client that has trained, at most
-    ``rounds x cohort`` of them, and its bytes per client of the population). Upper bounds where
+    partition, a round's cohort arrays, one chunk of training (at most the memory budget), the
+    client step's rows on that chunk (:data:`STEP_ROWS`), and the clients' state
+    (:func:`state_bytes`: its bytes for every client that has trained, at most ``rounds x cohort``
+    of them, and its bytes per client of the population). Upper bounds where
     a figure depends on the data (policies' batch sizes and steps: the run's own)."""
     population = cfg.clients
     k = max(int(population * cfg.fraction), 1)

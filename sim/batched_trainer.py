@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from fedswarm.algorithms.local_sgd import minibatch_plan, sgd_step
+from fedswarm.algorithms.local_sgd import minibatch_plans, sgd_step
 from fedswarm.algorithms.privacy.dp_fedavg import clip_sum
 from fedswarm.errors import ConfigError
 from fedswarm.params import ParamLayout
@@ -117,41 +117,17 @@ class BatchedTrainer:
     # the minibatches -------------------------------------------------------------------
     def minibatches(self, schedule: ClientSchedule) -> tuple[torch.Tensor, torch.Tensor]:
         """Training-row indices ``[K, S, B]`` and validity mask ``[K, S, B]`` of every
-        client's local steps: each client's :func:`~fedswarm.algorithms.local_sgd.minibatch_plan`
-        from its round seed, as :meth:`LocalTrainer.fit` draws it.
-
-        The draws loop over clients in Python: torch's generator is the definition of
-        the order, and one ``randperm`` per client costs microseconds; the training
-        itself is never a loop over clients."""
-        k_total = schedule.partitions.numel()
+        client's local steps: :func:`~fedswarm.algorithms.local_sgd.minibatch_plans` of the
+        cohort from its round seeds (each row the client's ``minibatch_plan``, as
+        :meth:`LocalTrainer.fit` draws it), mapped to training rows; array operations over
+        the cohort, no loop over clients."""
         n_k = self.num_examples(schedule.partitions)
-        s_max = int(schedule.steps.max()) if k_total else 0
-        # a batch never holds more than the client's examples: pad only to what is used
-        b_max = int(torch.minimum(schedule.batch_size, n_k).max()) if k_total else 0
-        idx = torch.zeros((k_total, s_max, b_max), dtype=torch.int64)
-        valid = torch.zeros((k_total, s_max, b_max), dtype=torch.bool)
-        # one example: every step is that example, as minibatch_plan gives it (vectorized:
-        # the many-clients-on-a-small-task case)
-        single = (n_k == 1).numpy()
-        every = bool(single.all())
-        if every or single.any():
-            ks = slice(None) if every else torch.from_numpy(np.nonzero(single)[0])  # all of them: no gather
-            step_ok = torch.arange(s_max)[None, :] < schedule.steps[ks][:, None]  # [k1, S]
-            rows1 = torch.from_numpy(self.flat_idx[self.offsets[schedule.partitions[ks].numpy()]])
-            idx[ks, :, 0] = torch.where(step_ok, rows1[:, None], torch.zeros((), dtype=torch.int64))
-            valid[ks, :, 0] = step_ok
-        many = np.nonzero(~single)[0]
-        parts, steps, bss, seeds = ((getattr(schedule, f)[torch.from_numpy(many)].tolist() if len(many) else [])
-                                    for f in ("partitions", "steps", "batch_size", "seeds"))  # these clients only
-        for j, k in enumerate(many.tolist()):
-            lo, hi = int(self.offsets[parts[j]]), int(self.offsets[parts[j] + 1])
-            s_k = steps[j]
-            pos, size = minibatch_plan(hi - lo, s_k, bss[j], seeds[j])
-            ok = torch.arange(pos.shape[1])[None, :] < size[:, None]
-            rows = torch.from_numpy(self.flat_idx[lo:hi])
-            idx[k, :s_k, :pos.shape[1]] = torch.where(ok, rows[pos], torch.zeros((), dtype=torch.int64))
-            valid[k, :s_k, :pos.shape[1]] = ok
-        return idx, valid
+        pos, size = minibatch_plans(n_k, schedule.steps, schedule.batch_size, schedule.seeds)
+        valid = torch.arange(pos.shape[2])[None, None, :] < size[:, :, None]
+        lo = torch.from_numpy(self.offsets[schedule.partitions.numpy()])
+        at = torch.where(valid, lo[:, None, None] + pos, torch.zeros((), dtype=torch.int64))
+        idx = torch.from_numpy(self.flat_idx)[at] if at.numel() else at
+        return torch.where(valid, idx, torch.zeros((), dtype=torch.int64)), valid
 
     # training ----------------------------------------------------------------------------
     def fit(self, start: torch.Tensor, schedule: ClientSchedule, *, momentum: float = 0.0,

@@ -26,9 +26,10 @@ CASES = {
     # the bench's 1-bit claim on the CNN (conv, GroupNorm, max-pool: vmapped). At the bench's lr 0.3
     # an epoch can pass near a max-pool or ReLU tie that float rounding decides: the in-process
     # engine alone moves a client's model by 7e-3 when its start moves by 2e-7 (one start in five),
-    # so the engines are held together at a rate where no tie is near
+    # so the engines are held together at a rate where no tie is near (lr 0.05 until the counter-based
+    # minibatch draw brought one into round 3, a max diff of 8.9e-3 there; 0.04 since)
     "onebit-cnn4": dict(strategy="onebit", task="digits-cnn4", clients=6, fraction=1.0, local_epochs=1,
-                        local_steps=None, lr=0.05, params={"scale": "block"}),
+                        local_steps=None, lr=0.04, params={"scale": "block"}),
     "class-codec": dict(strategy="compressed_fedavg", clients=8, fraction=1.0,
                         params={"codec": "topk", "codec_params": "ratio=0.1"}, devices="gpu:4,edge-wifi:4",
                         policies={"edge-wifi": {"codec": "randk", "codec_params": {"ratio": 0.3},

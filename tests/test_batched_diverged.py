@@ -153,7 +153,8 @@ def test_average_leaves_out_a_diverged_client(steps):
 
 
 def test_a_run_where_every_client_diverges_keeps_its_model(tmp_path, monkeypatch):
-    kw = dict(DIVERGING, task="digits-cnn4", strategy="fedavg", lr=100.0, local_steps=30, rounds=1)
+    # seed 1: at seed 0 (and 2) one client of the counter-based minibatch draw stays finite (~2.5e7) at lr 100
+    kw = dict(DIVERGING, task="digits-cnn4", strategy="fedavg", lr=100.0, local_steps=30, rounds=1, seed=1)
     ref = RunConfig(engine="inprocess", **kw)
     got = RunConfig(engine="batched", **kw)
     from tests.test_batched import _models

@@ -25,6 +25,7 @@ from fedswarm.algorithms.decentralized.topology import make_topology
 from fedswarm.tasks import get_task
 from fedswarm.train import trainer_for
 from fedswarm.wire import vector_to_arrayrecord
+from tests.minibatch_oracle import batches
 
 torch.set_num_threads(1)  # tiny models: threads only add overhead on a shared machine
 
@@ -72,8 +73,7 @@ def _oracle(cfg: RunConfig) -> torch.Tensor:
     def grad(i: int, x: torch.Tensor, t: int) -> torch.Tensor:
         set_flat(model, x)
         model.zero_grad()
-        g = torch.Generator().manual_seed(round_seed(cfg.seed, t, i))
-        idx = torch.randperm(data[i].num_examples, generator=g)[: cfg.batch_size]
+        idx = batches(data[i].num_examples, 1, cfg.batch_size, round_seed(cfg.seed, t, i))[0]
         task.objective(model, data[i].x[idx], data[i].y[idx]).backward()
         return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 

@@ -1,5 +1,6 @@
 """The local-SGD math every runtime shares (fedswarm.algorithms.local_sgd), against
-independent oracles: the lazy draw-a-permutation-when-used-up loop, and torch.optim.SGD."""
+independent oracles: the lazy draw-a-permutation-when-used-up loop (tests/minibatch_oracle.py),
+and torch.optim.SGD. The draw's statistics: tests/test_minibatch_draw.py."""
 
 from __future__ import annotations
 
@@ -7,18 +8,7 @@ import pytest
 import torch
 
 from fedswarm.algorithms.local_sgd import minibatch_plan, sgd_step
-
-
-def _lazy_batches(n: int, steps: int, batch_size: int, seed: int) -> list[list[int]]:
-    """The definition, step by step: permute, cut in order, permute again when used up."""
-    g = torch.Generator().manual_seed(seed)
-    order, pos, out = torch.randperm(n, generator=g), 0, []
-    for _ in range(steps):
-        if pos >= n:
-            order, pos = torch.randperm(n, generator=g), 0
-        out.append(order[pos:pos + batch_size].tolist())
-        pos += batch_size
-    return out
+from tests.minibatch_oracle import batches
 
 
 @pytest.mark.parametrize("n,steps,bs", [(10, 3, 3), (10, 4, 3), (10, 9, 3), (7, 5, 7), (5, 6, 8), (1, 4, 2),
@@ -27,7 +17,7 @@ def test_plan_is_the_lazy_permutation_loop(n, steps, bs):
     pos, size = minibatch_plan(n, steps, bs, seed=1234)
     assert pos.shape == (steps, min(bs, n)) and size.shape == (steps,)
     got = [pos[s, :int(size[s])].tolist() for s in range(steps)]
-    assert got == _lazy_batches(n, steps, bs, 1234)
+    assert got == batches(n, steps, bs, 1234)
     for s in range(steps):  # the padding is zeros
         assert pos[s, int(size[s]):].eq(0).all()
 
