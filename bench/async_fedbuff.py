@@ -7,8 +7,9 @@ same budget, :data:`BUDGET` client updates *folded into the model* (one count fo
 a synchronous round's replies less those failed, refused, dropped or late; a FedBuff aggregation's
 ``updates``), and is stopped after the round that reaches it: synchronous FedAvg samples 10% of the
 nodes on offer each round; FedBuff keeps 20 nodes training and folds K = 10 updates per
-aggregation; a second FedBuff arm keeps 10 training (concurrency = K: half the staleness, the
-accuracy-gap diagnosis). Figures, all on
+aggregation at server learning rate :data:`SERVER_LR` (chosen on other seeds); a second FedBuff arm
+keeps 10 training (concurrency = K: half the staleness, the accuracy-gap diagnosis);
+``FEDSWARM_ASYNC_SERVER_LRS`` adds one FedBuff arm per server learning rate (the sweep). Figures, all on
 *simulated* time: the time to 0.90 test accuracy (the first recorded round at or above it) and the
 final accuracy, per seed and their mean, and each arm's time to target as a multiple of synchronous
 FedAvg's.
@@ -25,6 +26,7 @@ checkout has those options; the JSON says which were left out and why.
 
     fedswarm bench async [--quick] --out DIR
     FEDSWARM_ASYNC_SEEDS=0-9 FEDSWARM_ASYNC_ARMS="fedavg (sync),fedbuff" fedswarm bench async --out DIR
+    FEDSWARM_ASYNC_SEEDS=10-39 FEDSWARM_ASYNC_SERVER_LRS=1,1.5 FEDSWARM_ASYNC_ARMS=fedbuff fedswarm bench async
 
 Writes ``DIR/async.json`` (per-seed rows and the per-arm means) and ``DIR/async.png`` (accuracy
 against simulated time); prints the table. Each arm's final accuracy comes with its spread over
@@ -32,7 +34,8 @@ the seeds (sample standard deviation), and its points against synchronous FedAvg
 the per-seed differences (paired by seed: the same initial model and partition): digits' test set
 has 359 examples, so one example is 0.28 points and a difference of a point is within seed noise.
 ``FEDSWARM_ASYNC_SEEDS`` (``0-9`` or ``0,3,5``) runs other seeds, ``FEDSWARM_ASYNC_ARMS`` (arm names,
-comma-separated; synchronous FedAvg, the reference, always runs) a subset of the arms.
+comma-separated; synchronous FedAvg, the reference, always runs) a subset of the arms (the sweep's arms are
+always kept when ``FEDSWARM_ASYNC_SERVER_LRS`` is set).
 """
 
 from __future__ import annotations
@@ -64,6 +67,13 @@ BUDGET_RULE = ("client updates folded into the model, counted the same way for e
 TIMEOUT_RULE = ("a node that drops mid-training (availability dropout, or its session ends first) is given up "
                 "after round_timeout (600 s simulated) in every arm: a synchronous round waiting for it (no "
                 "quorum, or a quorum the drops left short) takes 600 s; a FedBuff slot stays taken for 600 s")
+#: FedBuff's server learning rate in its arms. Its fold, ``x + server_lr (1/K) sum w(tau) delta``, shrinks a
+#: stale update by ``w`` = 1/sqrt(1 + tau) (about 0.6 at the 2K arm's mean staleness of 1.7 versions), so at rate 1
+#: an aggregation moves the model less than a synchronous round of as many updates. 1.5 was the best of 1, 1.25,
+#: 1.5, 1.75 and 2 on seeds 10-39 (not the bench's seeds 0-2): -0.42 points against synchronous FedAvg on 30
+#: seeds, against -0.85 at rate 1 (`FEDSWARM_ASYNC_SEEDS=10-39 FEDSWARM_ASYNC_SERVER_LRS=1,1.25,1.5,1.75,2
+#: FEDSWARM_ASYNC_ARMS=fedbuff fedswarm bench async` reruns the sweep). The strategy's own default stays 1.
+SERVER_LR = 1.5
 QUICK = dict(clients=8, devices="edge-wifi:6,straggler:2", local_steps=2)
 QUICK_PER_ROUND = 2
 #: The second section's fleet (fedswarm/availability.py): sessions of 30 min on and 30 min off on
@@ -80,11 +90,16 @@ def arms(quick: bool) -> tuple[dict[str, dict], list[str]]:
     fraction = k / clients
     out = {
         "fedavg (sync)": dict(strategy="fedavg", fraction=fraction),
-        "fedbuff": dict(strategy="fedbuff", params={"buffer_size": k, "concurrency": 2 * k}),
+        "fedbuff": dict(strategy="fedbuff", params={"buffer_size": k, "concurrency": 2 * k, "server_lr": SERVER_LR}),
     }
     # the same FedBuff with as many nodes in flight as it folds (concurrency = K): about half the
     # staleness of 2K (mean ~0.9 versions against ~1.7), the diagnosis of the 2K arm's accuracy gap
-    out["fedbuff (concurrency K)"] = dict(strategy="fedbuff", params={"buffer_size": k, "concurrency": k})
+    out["fedbuff (concurrency K)"] = dict(strategy="fedbuff", params={"buffer_size": k, "concurrency": k,
+                                                                      "server_lr": SERVER_LR})
+    # the server learning rate's sweep (FEDSWARM_ASYNC_SERVER_LRS): FedBuff at concurrency 2K, one arm a rate
+    for lr in server_lrs_from_env():
+        out[f"fedbuff (server_lr {lr:g})"] = dict(strategy="fedbuff", params={"buffer_size": k, "concurrency": 2 * k,
+                                                                               "server_lr": lr})
     missing = []
     if "quorum" in RunConfig.model_fields:
         out["fedavg --over-select 1.3 --quorum"] = dict(strategy="fedavg", fraction=fraction, over_select=1.3,
@@ -112,14 +127,32 @@ def seeds_from_env(default: list[int]) -> list[int]:
     return seeds
 
 
+def server_lrs_from_env() -> list[float]:
+    """``FEDSWARM_ASYNC_SERVER_LRS`` (``1,1.25,1.5``): one extra FedBuff arm per server learning rate
+    (the sweep :data:`SERVER_LR` was chosen by, on other seeds); none when unset. SystemExit naming a
+    bad value."""
+    text = os.environ.get("FEDSWARM_ASYNC_SERVER_LRS", "").strip()
+    if not text:
+        return []
+    try:
+        lrs = [float(x) for x in text.split(",")]
+    except ValueError:
+        lrs = []
+    if not lrs or not all(0 < lr < float("inf") for lr in lrs):
+        raise SystemExit(f"FEDSWARM_ASYNC_SERVER_LRS must be server learning rates > 0, comma-separated "
+                         f"(e.g. 1,1.5,2), got {text!r}")
+    return lrs
+
+
 def _arms_from_env(options: dict[str, dict]) -> dict[str, dict]:
-    """The arms ``FEDSWARM_ASYNC_ARMS`` names (synchronous FedAvg always), or all; SystemExit naming
-    an unknown arm."""
+    """The arms ``FEDSWARM_ASYNC_ARMS`` names (synchronous FedAvg and the server learning rate sweep's
+    always), or all; SystemExit naming an unknown arm."""
     names = [x.strip() for x in os.environ.get("FEDSWARM_ASYNC_ARMS", "").split(",") if x.strip()]
     unknown = [n for n in names if n not in options]
     if unknown:
         raise SystemExit(f"FEDSWARM_ASYNC_ARMS: no arm {', '.join(map(repr, unknown))} (arms: {', '.join(options)})")
-    return {k: v for k, v in options.items() if not names or k == "fedavg (sync)" or k in names}
+    return {k: v for k, v in options.items()
+            if not names or k == "fedavg (sync)" or k in names or k.startswith("fedbuff (server_lr ")}
 
 
 def sections() -> tuple[dict[str, dict], list[str]]:

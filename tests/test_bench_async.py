@@ -68,3 +68,26 @@ def test_seeds_and_arms_from_the_environment(monkeypatch):
     monkeypatch.setenv("FEDSWARM_ASYNC_ARMS", "fedbuf")
     with pytest.raises(SystemExit, match="no arm 'fedbuf'"):
         _arms_from_env(options)
+
+
+def test_server_learning_rate_sweep_from_the_environment(monkeypatch):
+    """FEDSWARM_ASYNC_SERVER_LRS adds one FedBuff arm per rate (at the main arm's concurrency), kept by
+    FEDSWARM_ASYNC_ARMS; a bad value is refused naming the variable; the main arm runs at SERVER_LR."""
+    from fedswarm.bench.async_fedbuff import SERVER_LR, _arms_from_env, arms
+
+    options, _ = arms(quick=True)
+    assert options["fedbuff"]["params"]["server_lr"] == SERVER_LR
+    assert not any(name.startswith("fedbuff (server_lr") for name in options)
+    monkeypatch.setenv("FEDSWARM_ASYNC_SERVER_LRS", "1,2.5")
+    options, _ = arms(quick=True)
+    sweep = {k: v["params"] for k, v in options.items() if k.startswith("fedbuff (server_lr")}
+    main = options["fedbuff"]["params"]
+    assert sweep == {"fedbuff (server_lr 1)": {**main, "server_lr": 1.0},
+                     "fedbuff (server_lr 2.5)": {**main, "server_lr": 2.5}}
+    monkeypatch.setenv("FEDSWARM_ASYNC_ARMS", "fedbuff")
+    assert list(_arms_from_env(options)) == ["fedavg (sync)", "fedbuff", "fedbuff (server_lr 1)",
+                                             "fedbuff (server_lr 2.5)"]
+    for bad in ("x", "0", "1,-2", "inf"):
+        monkeypatch.setenv("FEDSWARM_ASYNC_SERVER_LRS", bad)
+        with pytest.raises(SystemExit, match="FEDSWARM_ASYNC_SERVER_LRS"):
+            arms(quick=True)
