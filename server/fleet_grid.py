@@ -320,8 +320,10 @@ class FleetGrid(WrappingGrid):
             good.sort(key=lambda g: (g[0], g[1]))
         kept = good if k is None else good[:k]
         # a simulated node that dropped never replies: without a quorum, or with one it left short, the
-        # server waits for it until round_timeout (the round's simulated time says so, :meth:`timed`)
-        self.stalled = simulated and any(r["status"] == "dropped" for r in rows) and (k is None or len(kept) < k)
+        # server waits for it until round_timeout (the round's simulated time says so, :meth:`timed`); a later
+        # exchange of the round (Sketched-SGD's exact values) does not undo that wait
+        self.stalled = self.stalled or (simulated and any(r["status"] == "dropped" for r in rows)
+                                        and (k is None or len(kept) < k))
         for t, _, node, _r in good[len(kept):]:
             rows.append(late_row(node, k, t, down.get(node, 0)))
         answered = {r.metadata.reply_to_message_id for r in replies}
