@@ -2,8 +2,9 @@
 
 The batched engine's rounds with ``--quorum``, ``--over-select``, ``--eligible`` or ``--availability``:
 FedAvg's (``weighted_mean``), every ``codec`` strategy's (compressed_fedavg with every codec, onebit,
-the robust rules, signum; ``--byzantine`` too), gtopk's, FetchSGD's, PVT's and ProgFed's
-(:func:`check_batched_fleet` refuses the rest in one line, saying why):
+the robust rules, signum; ``--byzantine`` too), gtopk's, the Count-Sketch strategies' (FetchSGD,
+Sketched-SGD, gs-SGD), PVT's and ProgFed's (:func:`check_batched_fleet` refuses the rest in one line,
+saying why):
 :class:`BatchedFleet` does what the in-process engine's
 :class:`~fedswarm.server.fleet_grid.FleetGrid` does, on the same seed to the same result, as
 arrays over the population and the cohort:
@@ -28,7 +29,7 @@ arrays over the population and the cohort:
   are ``late``. Under FedAvg only the kept nodes train (its nodes keep no state, so what the others
   would have computed changes nothing); under the other runners every sampled node trains and runs
   its client step, since a late or dropped in-process node did, and its client state moved (an
-  error-feedback residual, a gTop-k accumulator, a FetchSGD sketch memory):
+  error-feedback residual, a gTop-k accumulator, a sketch strategy's memory):
   :meth:`BatchedFleet.kept_replies` (the compressed runners' replies) or
   :meth:`BatchedFleet.kept_messages` (PVT's and ProgFed's real replies) then hands the strategy the
   kept replies, the strategy sampling from the round's pool, :meth:`BatchedFleet.get_node_ids`, with
@@ -37,6 +38,15 @@ arrays over the population and the cohort:
   fleet grid sits over the attacking grid. The bytes sent to every sampled node are counted. The round's
   simulated time is the slowest kept node's (``round_timeout`` when it waited for a dropped node
   it needed), plus the time it waited for nodes to come on; it moves the clock and is recorded.
+- **A second exchange within the round** (Sketched-SGD's and gs-SGD's exact values, asked of the
+  nodes whose sketches the strategy accepted): the strategy sends it through the grid it sampled
+  from, :meth:`BatchedFleet.send_and_receive`, to the runner's grid, and :meth:`BatchedFleet.again`
+  holds its replies as the fleet grid holds every train exchange: the same dropout draw (a node kept
+  once is not dropped by it) and its session against this exchange's own simulated seconds from the
+  round's start, a quorum of ``min(K, asked)``, the rows of those left out, the kept replies first to
+  finish first. Every asked client answers (its memory of the candidates moves, as in-process). The
+  round's simulated time then reads every kept reply of both exchanges with its node's bytes of the
+  whole round (the in-process meter's per-node totals), and a stall of the first exchange stays.
 
 Without ``--devices`` (a quorum or over-selection on real time) the quorum keeps the first K
 sampled, where the in-process engine keeps the first K its grid hands back.
@@ -371,13 +381,13 @@ class BatchedFleet:
     def again(self, sent: list[int], replies: list, down: list[int], up: list[int]) -> list[int]:
         """A further train exchange within the round (the strategy asks nodes again: Sketched-SGD's and
         gs-SGD's exact values), held to the fleet as the fleet grid holds every train exchange. ``replies``:
-        one from each node of ``sent``, in the order sent (``down``, ``up``: their bytes). A node that drops (the round's dropout
-        draw, its session against this exchange's own seconds from the round's start) loses its reply; of
-        the others the quorum keeps the first ``min(K, sent)`` to finish; each left out gets its row, and a
-        drop that leaves the exchange short stalls the round. Returns the positions of the replies the
-        strategy gets, in the fleet grid's order: the kept ones first to finish first (equal times: as
-        sent), then the error replies. The bytes sent and the kept replies' count towards the round's
-        simulated time (:meth:`close`)."""
+        one from each node of ``sent``, in the order sent (``down``, ``up``: their bytes). A node that
+        drops (the round's dropout draw, its session against this exchange's own seconds from the round's
+        start) loses its reply; of the others the quorum keeps the first ``min(K, sent)`` to finish; each
+        left out gets its row, and a drop that leaves the exchange short stalls the round. Returns the
+        positions of the replies the strategy gets, in the fleet grid's order: the kept ones first to
+        finish first (equal times: as sent), then the error replies. The bytes sent and the kept replies'
+        count towards the round's simulated time (:meth:`close`)."""
         from fedswarm.sim.simtime import _samples_of  # the examples a reply says it computed on
 
         ok = [i for i, r in enumerate(replies) if not r.has_error()]

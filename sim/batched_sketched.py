@@ -7,8 +7,9 @@ train messages (knobs, replica sync, the ``select`` of what it used last time), 
 ``apply_accepted`` sums the sketches and takes the top k. Sketched-SGD and gs-SGD (with
 ``exact_values``) ask the same clients a second time in the round, for the exact values at
 the candidates: the strategy builds those messages and reads the replies itself
-(``exact_values``) through the grid it was given, which here is :class:`_Exchange`: each
-message is answered by the strategy's client half
+(``exact_values``) through the grid it was given, which here is :class:`_Exchange` (under the
+fleet options :class:`~fedswarm.sim.batched_fleet.BatchedFleet`, which passes it on and holds the
+replies to the quorum and availability again): each message is answered by the strategy's client half
 (:meth:`~fedswarm.strategies.federated.sketch_base.SketchClient.answer`) on that client's
 memory, and both the message and the real reply are serialized and counted, as the metered
 grid counts them.

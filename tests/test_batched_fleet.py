@@ -236,3 +236,34 @@ def test_the_batched_engine_refuses_the_fleet_options_it_does_not_run():
         check_config(RunConfig(task=TASK, engine="batched", over_select=1.5, fraction=0.5, byzantine=1))
     with pytest.raises(ConfigError, match="^--eligible on the batched engine: in this process, not sharded"):
         check_config(RunConfig(task=TASK, engine="batched", eligible="charging", workers=2))
+
+
+def test_a_second_exchange_in_the_round_is_held_to_the_fleet_again(tmp_path):
+    """BatchedFleet.again (Sketched-SGD's and gs-SGD's exact values, asked of the kept nodes): a node whose
+    session ends before its part of that exchange does loses the reply, with its row; the others come back
+    first to finish first; the quorum it leaves short stalls the round (round_timeout simulated seconds).
+    The equality cases above cannot reach this: a node kept in the first exchange passed the same dropout
+    draw, and the second exchange's small messages finish before the first's."""
+    from types import SimpleNamespace
+
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+    from fedswarm.sim.batched_fleet import BatchedFleet
+    from fedswarm.sim.batched_round import make_reply
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("node,start_s,end_s\n0,0,100\n1,0,0.01\n2,0,100\n")  # node 2 goes off at t=0.01 s
+    cfg = RunConfig(task=TASK, engine="batched", clients=3, quorum=3, devices="edge-lte:1,edge-wifi:2",
+                    availability=str(trace), round_timeout=40.0)
+    fleet = BatchedFleet(cfg, ConfigRecord({}), np.ones(3), None, None)
+    fleet.take_sampling(SimpleNamespace(fraction_train=1.0, min_train_nodes=1, min_available_nodes=3))
+    assert fleet.start(1)[0] == [1, 2, 3]
+    asks = [Message(RecordDict({}), message_type="train.sketched_sgd", dst_node_id=n) for n in (1, 2, 3)]
+    replies = [make_reply(m, RecordDict({"metrics": MetricRecord({"num-examples": 0, "phase": 2})})) for m in asks]
+    # edge-wifi: 10 ms and 50 Mbit/s each way, so node 2's part ends at 0.02024 s; node 1 (edge-lte, 50 ms) last
+    assert fleet.again([1, 2, 3], replies, [1000] * 3, [500] * 3) == [2, 0]
+    row: dict = {}
+    rows = fleet.close(row, [], lambda limit: [], {}, [])
+    assert [(r["node_id"], r["status"], r["bytes_down"]) for r in rows] == [("2", "dropped", 1000)]
+    assert "went offline mid-round at t=0 s" in rows[0]["reason"]
+    assert row["sim_time_s"] == 40.0  # the quorum of 3 it left short waited for it
