@@ -358,12 +358,12 @@ class BatchedFleet:
         good = [r for r in replies if r.error is None]
         ids = np.array([r.node_id for r in good], dtype=np.int64)
         down = np.array([r.down for r in good], dtype=np.int64)
-        t = self.seconds(ids, down, np.array([r.up for r in good]), np.array([r.steps for r in good]))
+        up, steps = np.array([r.up for r in good], dtype=np.int64), np.array([r.steps for r in good])
+        t = self.seconds(ids, down, up, steps)
         kept, late, dropped, lost = self.keep(ids.tolist(), t, down, server_round, self._needed(), counts,
                                               sent=len(replies))
-        steps = np.array([r.steps for r in good], dtype=np.float64)
-        self._kept_parts = (ids[kept], down[kept], np.array([r.up for r in good], dtype=np.int64)[kept],
-                            steps[kept] * self.cfg.batch_size)
+        # (a further exchange within the round adds to the kept nodes' bytes: _slowest_with_more)
+        self._kept_parts = (ids[kept], down[kept], up[kept], steps[kept].astype(np.float64) * self.cfg.batch_size)
         out = [good[i] for i in kept.tolist()] + [r for r in replies if r.error is not None]
         return sorted(out, key=lambda r: r.k), lost, int(down[late].sum() + down[dropped].sum())
 
