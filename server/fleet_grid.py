@@ -37,6 +37,10 @@ when the run asks for one of these; otherwise nothing changes):
   what it computed: the simulated node got that far. A round that waits for such a node (no quorum,
   or a quorum the drops left short) takes ``round_timeout`` simulated seconds: the server waited
   for it until it gave up.
+- **A second exchange within the round** (a train message to nodes already asked: Sketched-SGD's and
+  gs-SGD's exact values) goes through the same rules: the round's dropout draw again, the node's
+  session against that exchange's own simulated seconds, a quorum of at most the nodes asked. A wait
+  for a dropped node in either exchange makes the round take ``round_timeout``.
 
 Rows for nodes that sent no usable reply go to the recorder through ``on_rows``
 (:meth:`~fedswarm.server.recorder.RoundRecorder.node_rows`).
