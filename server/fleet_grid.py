@@ -37,6 +37,10 @@ when the run asks for one of these; otherwise nothing changes):
   what it computed: the simulated node got that far. A round that waits for such a node (no quorum,
   or a quorum the drops left short) takes ``round_timeout`` simulated seconds: the server waited
   for it until it gave up.
+- **A second exchange within the round** (a train message to nodes already asked: Sketched-SGD's and
+  gs-SGD's exact values) goes through the same rules: the round's dropout draw again, the node's
+  session against that exchange's own simulated seconds, a quorum of at most the nodes asked. A wait
+  for a dropped node in either exchange makes the round take ``round_timeout``.
 
 Rows for nodes that sent no usable reply go to the recorder through ``on_rows``
 (:meth:`~fedswarm.server.recorder.RoundRecorder.node_rows`).
@@ -320,8 +324,10 @@ class FleetGrid(WrappingGrid):
             good.sort(key=lambda g: (g[0], g[1]))
         kept = good if k is None else good[:k]
         # a simulated node that dropped never replies: without a quorum, or with one it left short, the
-        # server waits for it until round_timeout (the round's simulated time says so, :meth:`timed`)
-        self.stalled = simulated and any(r["status"] == "dropped" for r in rows) and (k is None or len(kept) < k)
+        # server waits for it until round_timeout (the round's simulated time says so, :meth:`timed`); a later
+        # exchange of the round (Sketched-SGD's exact values) does not undo that wait
+        self.stalled = self.stalled or (simulated and any(r["status"] == "dropped" for r in rows)
+                                        and (k is None or len(kept) < k))
         for t, _, node, _r in good[len(kept):]:
             rows.append(late_row(node, k, t, down.get(node, 0)))
         answered = {r.metadata.reply_to_message_id for r in replies}

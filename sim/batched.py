@@ -57,7 +57,7 @@ one data attack served: the chosen clients train on flipped labels). What it doe
 strategies without a runner (they run on ``--engine inprocess``; :func:`check_supported` says so
 in one line), ``--dp-sgd``, models with buffers (batch-norm statistics), and the ``--devices``
 time model's simulated seconds (rows carry ``sim_time_s = null``; FedBuff's runner carries its virtual
-clock's, and every synchronous runner's rounds but the two-exchange sketch strategies' under ``--quorum``,
+clock's, and every synchronous runner's rounds under ``--quorum``,
 ``--over-select``, ``--eligible`` or ``--availability`` the fleet's, :mod:`fedswarm.sim.batched_fleet`).
 """
 

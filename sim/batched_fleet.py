@@ -2,8 +2,9 @@
 
 The batched engine's rounds with ``--quorum``, ``--over-select``, ``--eligible`` or ``--availability``:
 FedAvg's (``weighted_mean``), every ``codec`` strategy's (compressed_fedavg with every codec, onebit,
-the robust rules, signum; ``--byzantine`` too), gtopk's, FetchSGD's, PVT's and ProgFed's
-(:func:`check_batched_fleet` refuses the rest in one line, saying why):
+the robust rules, signum; ``--byzantine`` too), gtopk's, the Count-Sketch strategies' (FetchSGD,
+Sketched-SGD, gs-SGD), PVT's and ProgFed's (:func:`check_batched_fleet` refuses the rest in one line,
+saying why):
 :class:`BatchedFleet` does what the in-process engine's
 :class:`~fedswarm.server.fleet_grid.FleetGrid` does, on the same seed to the same result, as
 arrays over the population and the cohort:
@@ -28,7 +29,7 @@ arrays over the population and the cohort:
   are ``late``. Under FedAvg only the kept nodes train (its nodes keep no state, so what the others
   would have computed changes nothing); under the other runners every sampled node trains and runs
   its client step, since a late or dropped in-process node did, and its client state moved (an
-  error-feedback residual, a gTop-k accumulator, a FetchSGD sketch memory):
+  error-feedback residual, a gTop-k accumulator, a sketch strategy's memory):
   :meth:`BatchedFleet.kept_replies` (the compressed runners' replies) or
   :meth:`BatchedFleet.kept_messages` (PVT's and ProgFed's real replies) then hands the strategy the
   kept replies, the strategy sampling from the round's pool, :meth:`BatchedFleet.get_node_ids`, with
@@ -37,6 +38,15 @@ arrays over the population and the cohort:
   fleet grid sits over the attacking grid. The bytes sent to every sampled node are counted. The round's
   simulated time is the slowest kept node's (``round_timeout`` when it waited for a dropped node
   it needed), plus the time it waited for nodes to come on; it moves the clock and is recorded.
+- **A second exchange within the round** (Sketched-SGD's and gs-SGD's exact values, asked of the
+  nodes whose sketches the strategy accepted): the strategy sends it through the grid it sampled
+  from, :meth:`BatchedFleet.send_and_receive`, to the runner's grid, and :meth:`BatchedFleet.again`
+  holds its replies as the fleet grid holds every train exchange: the same dropout draw (a node kept
+  once is not dropped by it) and its session against this exchange's own simulated seconds from the
+  round's start, a quorum of ``min(K, asked)``, the rows of those left out, the kept replies first to
+  finish first. Every asked client answers (its memory of the candidates moves, as in-process). The
+  round's simulated time then reads every kept reply of both exchanges with its node's bytes of the
+  whole round (the in-process meter's per-node totals), and a stall of the first exchange stays.
 
 Without ``--devices`` (a quorum or over-selection on real time) the quorum keeps the first K
 sampled, where the in-process engine keeps the first K its grid hands back.
@@ -78,21 +88,16 @@ FLEET_RUNNER = "weighted_mean"  # the batched round runner the fleet options run
 #: ... and the runners whose clients all train before the fleet keeps the quorum's replies (a late or dropped
 #: in-process node has trained, and its client state moved): CompressedRounds.round (sim/batched_compressed.py,
 #: BatchedFleet.kept_replies) with every strategy of the codec runner (compressed_fedavg, onebit, the robust rules,
-#: signum) and gtopk's; PVT's and ProgFed's rounds (BatchedFleet.kept_messages)
-FLEET_ALL_TRAIN = ("codec", "global_topk", "variable_subsets", "stages")
-#: a sketch strategy the fleet runs with: FetchSGD (one exchange a round); Sketched-SGD and gs-SGD ask the kept
-#: nodes a second time within the round, which the fleet grid would hold to the quorum and the availability again
-FLEET_SKETCH = ("sketch", "fetchsgd")
+#: signum), gtopk's and the Count-Sketch strategies' (Sketched-SGD's and gs-SGD's second exchange held to the fleet
+#: again: BatchedFleet.again); PVT's and ProgFed's rounds (BatchedFleet.kept_messages)
+FLEET_ALL_TRAIN = ("codec", "global_topk", "sketch", "variable_subsets", "stages")
 RETRY_S = 5.0  # no eligible node: how often the telemetry is read again (the fleet grid's probe interval)
 LOOKAHEAD_S = 365 * 86_400.0  # how far an off node's next session is looked for (Availability.next_on's)
 
 Train = Callable[[list[int]], "tuple[torch.Tensor, dict, list[dict]]"]
 
 #: why a runner the batched engine has keeps refusing the fleet options (one line each)
-REFUSED = {
-    "sketch": "Sketched-SGD and gs-SGD ask the kept nodes again for exact values within the round (a second "
-              "exchange the fleet grid holds to the quorum and availability again), not run here",
-}
+REFUSED: dict[str, str] = {}
 
 
 def check_batched_fleet(cfg: RunConfig, runner: object) -> None:
@@ -101,7 +106,7 @@ def check_batched_fleet(cfg: RunConfig, runner: object) -> None:
     if not used or (runner == "fedbuff" and set(used) <= {"--eligible", "--availability"}):
         # fedbuff's dispatch and schedule honour these two itself (batched_fedbuff.py)
         return
-    if runner == FLEET_RUNNER or runner in FLEET_ALL_TRAIN or (runner, cfg.strategy) == FLEET_SKETCH:
+    if runner == FLEET_RUNNER or runner in FLEET_ALL_TRAIN:
         if cfg.byzantine and runner == FLEET_RUNNER:  # (the batched FedAvg round runs no attack at all)
             raise ConfigError(f"{', '.join(used)} with --byzantine on the batched engine: with the codec runner's "
                               f"strategies and gtopk, not '{cfg.strategy}'; use --engine inprocess")
@@ -176,6 +181,12 @@ class BatchedFleet:
         self.idle = 0.0  # simulated seconds this round waited for nodes to come on
         self._pool: list[int] = []  # this round's pool (start)
         self._stalled, self._slowest = False, None  # this round's (keep)
+        self._round = 0  # this round's number (start)
+        # a further exchange within the round (again): the kept first replies' (node ids, bytes down, bytes up,
+        # examples), its bytes per node and what it computed on, its rows
+        self._kept_parts: tuple[np.ndarray, ...] | None = None
+        self._more: tuple[dict[int, list[int]], list[tuple[int, float]]] | None = None
+        self._more_rows: list[dict] = []
 
     # -- sampling ------------------------------------------------------------------------------
     def _class_rules(self) -> list[Rules | None]:
@@ -243,9 +254,11 @@ class BatchedFleet:
                                              server_round)
         return self.seconds(ids, down, up, steps), down
 
-    def seconds(self, ids: np.ndarray, down: np.ndarray, up: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    def seconds(self, ids: np.ndarray, down: np.ndarray, up: np.ndarray, steps: np.ndarray | None,
+                samples: np.ndarray | None = None) -> np.ndarray:
         """Nodes ``ids``' simulated seconds of the round (zeros without devices): ``down`` and ``up``
-        bytes on their links, ``steps`` batches on their devices (the time model's node time)."""
+        bytes on their links, ``steps`` batches (or ``samples`` examples) on their devices (the time
+        model's node time)."""
         if not self.timed:
             return np.zeros(len(ids))
         pids = np.asarray(ids, dtype=np.int64) - 1
@@ -254,7 +267,9 @@ class BatchedFleet:
         # transfer_time_s's terms (nothing sent: no time), then compute_time_s's, summed in its order
         t_down = np.where(down == 0, 0.0, lat + down * 8.0 / bw)
         t_up = np.where(up == 0, 0.0, lat + up * 8.0 / bw)
-        samples = np.asarray(steps, dtype=np.float64) * self.cfg.batch_size  # what the reply's steps say it computed on
+        if samples is None:  # what the reply's steps say it computed on
+            samples = np.asarray(steps, dtype=np.float64) * self.cfg.batch_size
+        samples = np.asarray(samples, dtype=np.float64)
         return t_down + samples / self.speed[pids] + t_up
 
     def start(self, server_round: int) -> tuple[list[int], Callable[[int], list[dict]], dict]:
@@ -262,7 +277,8 @@ class BatchedFleet:
         until the next start), the rows of the nodes left out, how many of each."""
         self.idle = 0.0
         pool, left_out, counts = self._offer(server_round)
-        self._pool = pool
+        self._pool, self._round = pool, server_round
+        self._kept_parts, self._more, self._more_rows = None, None, []
         return pool, left_out, counts
 
     def get_node_ids(self) -> list[int]:
@@ -276,9 +292,22 @@ class BatchedFleet:
         mid-round and, of the others, those the quorum keeps (the first ``K`` to finish; equal times:
         the earlier sampled) and those late: (kept positions in sampling order, late positions,
         dropped mask, the left-out rows); ``counts`` gets how many were late and dropped."""
+        k = self._k(needed, len(sample) if sent is None else sent)
+        kept, late, dropped, lost = self._hold(sample, t, down, server_round, k)
+        counts.update(fleet_late=len(late), fleet_dropped=int(dropped.sum()))
+        self._stalled = self.timed and bool(dropped.any()) and (k is None or len(kept) < k)
+        self._slowest = float(t[kept].max()) if self.timed and len(kept) else None
+        return np.sort(kept), late, dropped, lost
+
+    def _k(self, needed: int, sent: int) -> int | None:
+        """The replies a train exchange of ``sent`` messages closes on (None: all of them)."""
         cfg = self.cfg
         k = cfg.quorum if cfg.quorum is not None else (needed if cfg.over_select > 1.0 else None)
-        k = None if k is None else min(k, len(sample) if sent is None else sent)
+        return None if k is None else min(k, sent)
+
+    def _hold(self, sample: list[int], t: np.ndarray, down: np.ndarray, server_round: int, k: int | None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict]]:
+        """:meth:`keep`'s rule: (kept positions, first to finish first; late positions; dropped mask; rows)."""
         dropped = np.zeros(len(sample), dtype=bool)
         lost: list[dict] = []
         if self.availability is not None:
@@ -295,10 +324,7 @@ class BatchedFleet:
         kept = good if k is None else good[:k]
         late = good[len(kept):]
         lost += [late_row(sample[i], k, float(t[i]) if self.timed else math.inf, int(down[i])) for i in late.tolist()]
-        counts.update(fleet_late=len(late), fleet_dropped=int(dropped.sum()))
-        self._stalled = self.timed and bool(dropped.any()) and (k is None or len(kept) < k)
-        self._slowest = float(t[kept].max()) if self.timed and len(kept) else None
-        return np.sort(kept), late, dropped, lost
+        return kept, late, dropped, lost
 
     def take_sampling(self, strategy) -> None:
         """A strategy object that samples itself samples from the round's pool (:meth:`get_node_ids`),
@@ -332,17 +358,83 @@ class BatchedFleet:
         good = [r for r in replies if r.error is None]
         ids = np.array([r.node_id for r in good], dtype=np.int64)
         down = np.array([r.down for r in good], dtype=np.int64)
-        t = self.seconds(ids, down, np.array([r.up for r in good]), np.array([r.steps for r in good]))
+        up, steps = np.array([r.up for r in good], dtype=np.int64), np.array([r.steps for r in good])
+        t = self.seconds(ids, down, up, steps)
         kept, late, dropped, lost = self.keep(ids.tolist(), t, down, server_round, self._needed(), counts,
                                               sent=len(replies))
+        # (a further exchange within the round adds to the kept nodes' bytes: _slowest_with_more)
+        self._kept_parts = (ids[kept], down[kept], up[kept], steps[kept].astype(np.float64) * self.cfg.batch_size)
         out = [good[i] for i in kept.tolist()] + [r for r in replies if r.error is not None]
         return sorted(out, key=lambda r: r.k), lost, int(down[late].sum() + down[dropped].sum())
+
+    #: the runner's grid that answers a further exchange within the round (:meth:`send_and_receive`)
+    exchange = None
+
+    def send_and_receive(self, messages, *, timeout=None) -> list:
+        """A further exchange within the round that the strategy sends through the grid it sampled from
+        (Sketched-SGD's and gs-SGD's exact values): answered by the runner's :attr:`exchange`, which holds
+        its replies to the fleet with :meth:`again`."""
+        if self.exchange is None:
+            raise RuntimeError("this batched round runner answers no further exchange within a round")
+        return self.exchange.send_and_receive(messages, timeout=timeout)
+
+    def again(self, sent: list[int], replies: list, down: list[int], up: list[int]) -> list[int]:
+        """A further train exchange within the round (the strategy asks nodes again: Sketched-SGD's and
+        gs-SGD's exact values), held to the fleet as the fleet grid holds every train exchange. ``replies``:
+        one from each node of ``sent``, in the order sent (``down``, ``up``: their bytes). A node that
+        drops (the round's dropout draw, its session against this exchange's own seconds from the round's
+        start) loses its reply; of the others the quorum keeps the first ``min(K, sent)`` to finish; each
+        left out gets its row, and a drop that leaves the exchange short stalls the round. Returns the
+        positions of the replies the strategy gets, in the fleet grid's order: the kept ones first to
+        finish first (equal times: as sent), then the error replies. The bytes sent and the kept replies'
+        count towards the round's simulated time (:meth:`close`)."""
+        from fedswarm.sim.simtime import _samples_of  # the examples a reply says it computed on
+
+        ok = [i for i, r in enumerate(replies) if not r.has_error()]
+        samples = [_samples_of(self.cfg, r) if not r.has_error() else 0.0 for r in replies]
+        nodes = [int(sent[i]) for i in ok]
+        d = np.asarray([down[i] for i in ok], dtype=np.int64)
+        t = self.seconds(np.asarray(nodes, dtype=np.int64), d, np.asarray([up[i] for i in ok], dtype=np.int64),
+                         None, np.asarray([samples[i] for i in ok], dtype=np.float64))
+        k = self._k(self._needed(), len(replies))
+        kept, _, dropped, lost = self._hold(nodes, t, d, self._round, k)
+        self._more_rows += lost
+        self._stalled = self._stalled or (self.timed and bool(dropped.any()) and (k is None or len(kept) < k))
+        more, computed = self._more if self._more is not None else ({}, [])
+        for node, nbytes in zip(sent, down):
+            more.setdefault(int(node), [0, 0])[0] += int(nbytes)
+        for j in kept.tolist():
+            more[nodes[j]][1] += int(up[ok[j]])
+            computed.append((nodes[j], float(samples[ok[j]])))
+        self._more = (more, computed)
+        return [ok[j] for j in kept.tolist()] + [i for i, r in enumerate(replies) if r.has_error()]
+
+    def _slowest_with_more(self) -> float | None:
+        """The round's slowest node, as the time model reads the round's kept replies of every exchange:
+        each with its node's bytes of the whole round and the examples the reply says it computed on."""
+        if not self.timed:
+            return None
+        more, computed = self._more
+        ids, down, up, samples = self._kept_parts if self._kept_parts is not None else ((np.zeros(0),) * 4)
+        node = ids.tolist() + [n for n, _ in computed]
+        first = {n: (int(dn), int(u)) for n, dn, u in zip(ids.tolist(), down.tolist(), up.tolist())}
+        tot_d = [first.get(n, (0, 0))[0] + more.get(n, [0, 0])[0] for n in node]
+        tot_u = [first.get(n, (0, 0))[1] + more.get(n, [0, 0])[1] for n in node]
+        t = self.seconds(np.asarray(node, dtype=np.int64), np.asarray(tot_d), np.asarray(tot_u), None,
+                         np.concatenate([np.asarray(samples, dtype=np.float64), [s for _, s in computed]]))
+        return float(t.max()) if len(t) else None
 
     def close(self, row: dict, node_rows: list[dict], left_out: Callable[[int], list[dict]], counts: dict,
               lost: list[dict]) -> list[dict]:
         """The round's end: its simulated seconds on ``row`` (the clock moved on by them), the rows of
         the nodes left out added to ``node_rows`` (or, past ``NODE_ROWS_MAX``, counted on ``row``)."""
+        if self._more is not None:  # a further exchange within the round: its bytes and its own replies' time
+            self._slowest = self._slowest_with_more()
         row["sim_time_s"] = self._advance(self._slowest, self._stalled)
+        lost = lost + self._more_rows
+        for status in ("late", "dropped"):
+            counts[f"fleet_{status}"] = counts.get(f"fleet_{status}", 0) + sum(
+                r["status"] == status for r in self._more_rows)
         if sum(counts.values()) <= NODE_ROWS_MAX:
             return node_rows + left_out(NODE_ROWS_MAX) + lost
         row.update({key: n for key, n in counts.items() if n})  # too many for rows: the round counts them

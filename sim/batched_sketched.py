@@ -7,8 +7,9 @@ train messages (knobs, replica sync, the ``select`` of what it used last time), 
 ``apply_accepted`` sums the sketches and takes the top k. Sketched-SGD and gs-SGD (with
 ``exact_values``) ask the same clients a second time in the round, for the exact values at
 the candidates: the strategy builds those messages and reads the replies itself
-(``exact_values``) through the grid it was given, which here is :class:`_Exchange`: each
-message is answered by the strategy's client half
+(``exact_values``) through the grid it was given, which here is :class:`_Exchange` (under the
+fleet options :class:`~fedswarm.sim.batched_fleet.BatchedFleet`, which passes it on and holds the
+replies to the quorum and availability again): each message is answered by the strategy's client half
 (:meth:`~fedswarm.strategies.federated.sketch_base.SketchClient.answer`) on that client's
 memory, and both the message and the real reply are serialized and counted, as the metered
 grid counts them.
@@ -132,21 +133,26 @@ class _Exchange(NodeIds):
         self.bytes: dict[int, list[int]] = {}  # node id -> [down, up] of this round's further exchanges
         self.notes: dict = {}  # the round row's figures of a second secure sum (--secagg)
         self.secure = None  # --secagg: the runner's secure rounds
+        self.fleet = None  # the fleet options: the runner's BatchedFleet, which holds the replies again
 
     def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
-        return self.answer_all(list(messages))
+        return self.answer_all(list(messages), keep=self.fleet.again if self.fleet is not None else None)
 
-    def answer_all(self, messages: list[Message], weight_of=None) -> list[Message]:
+    def answer_all(self, messages: list[Message], weight_of=None, keep=None) -> list[Message]:
         """Each message's reply from its client's :meth:`SketchClient.answer` (an error reply
-        where the client fails), the bytes both ways counted; ``weight_of(node id)``: the weight
-        its sketch was sent with (a secure second sum's), None where not kept."""
+        where the client fails), the bytes down counted, and up those of the replies returned;
+        ``weight_of(node id)``: the weight its sketch was sent with (a secure second sum's), None
+        where not kept; ``keep(node ids, replies, down, up)``: the positions of the replies
+        returned, in their order (:meth:`~fedswarm.sim.batched_fleet.BatchedFleet.again`; default:
+        every reply, as sent). Every client that answered remembers what it was asked, as an
+        in-process node whose reply the fleet grid discards did."""
         pids = [msg.metadata.dst_node_id - 1 for msg in messages]
         store = self.rows
         error = store.error.stack(pids).numpy() if store.error is not None and pids else None
-        replies, cache, answered, cands = [], {}, [], {}
+        replies, cache, answered, cands, down, up = [], {}, [], {}, [], []
         for i, msg in enumerate(messages):
             nid = msg.metadata.dst_node_id
-            down = serialized_size(msg, cache)  # as the metered grid: before the push gives it an id
+            down.append(serialized_size(msg, cache))  # as the metered grid: before the push gives it an id
             try:
                 knobs = msg.content.config_records[KNOBS]
                 if self.client.prefix is None or int(knobs.get("phase", 1)) != 2:
@@ -160,9 +166,7 @@ class _Exchange(NodeIds):
                 cands[i] = cand
             except Exception as exc:  # as the in-process grid: a failing client costs its reply
                 reply = client_error_reply(msg, exc)
-            sizes = self.bytes.setdefault(nid, [0, 0])
-            sizes[0] += down
-            sizes[1] += serialized_size(reply)
+            up.append(serialized_size(reply))
             replies.append(reply)
         # what each answering client remembers: the candidates it answered (one write per distinct question)
         groups: dict[int, list[int]] = {}
@@ -170,7 +174,13 @@ class _Exchange(NodeIds):
             groups.setdefault(id(cands[i]), []).append(i)
         for members in groups.values():
             store.keep_answered([pids[i] for i in members], cands[members[0]])
-        return replies
+        nodes = [int(msg.metadata.dst_node_id) for msg in messages]
+        for node, nbytes in zip(nodes, down):
+            self.bytes.setdefault(node, [0, 0])[0] += nbytes
+        order = range(len(replies)) if keep is None else keep(nodes, replies, down, up)
+        for i in order:
+            self.bytes[nodes[i]][1] += up[i]
+        return [replies[i] for i in order]
 
 
 def _secure_exchange() -> type:
@@ -190,6 +200,8 @@ class SketchRounds(CompressedRounds):
         self.grid = (_Exchange if self.secure is None else _secure_exchange())(run.cfg.clients, self.memory,
                                                                               self.client)
         self.grid.secure = self.secure  # --secagg: Sketched-SGD's second secure sum (sim/batched_secagg_sketch.py)
+        if self.fleet is not None:  # the exact values' exchange, held to the quorum and availability again
+            self.fleet.exchange, self.grid.fleet = self.grid, self.fleet
 
     def round(self, server_round: int) -> tuple[dict, list[dict]]:
         """The round of :class:`CompressedRounds`, plus the second exchange's bytes, per node too."""

@@ -213,8 +213,8 @@ FLEET_ENGINES = ("inprocess", "flower", "batched")
 def check_fleet_engine(cfg: RunConfig, engine: str) -> None:
     """Refuse, in one line, quorum/over-selection/eligibility/availability on an engine that does not run them
     (the array and clock engines have no federated rounds to sample or close; the batched engine runs them
-    with every synchronous strategy it serves but Sketched-SGD and gs-SGD, in this process (batched_fleet's
-    check_batched_fleet says which); the clock engine runs --availability with every algorithm it runs)."""
+    with every synchronous strategy it serves, in this process, and FedBuff's --eligible and --availability
+    (batched_fleet's check_batched_fleet); the clock engine runs --availability with every algorithm it runs)."""
     used = cfg.fleet_options()
     if not used:
         return

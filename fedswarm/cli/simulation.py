@@ -184,26 +184,26 @@ def sim(
         "Federated strategies: close each round once K replies are in instead of waiting for every sampled node "
         "(up to round_timeout, 600 s); later replies are discarded and recorded as 'late'. Default with --over-select: "
         "the nodes the strategy needs. --engine inprocess or flower; batched with every strategy it serves but "
-        "sketched_sgd, gs_sgd, fedbuff."
+        "fedbuff."
     )),
     over_select: Optional[float] = typer.Option(None, "--over-select", help=(
         "Federated strategies: sample F >= 1 times the nodes the strategy needs each round (e.g. 1.3, with "
         "--fraction below 1/F); the round closes on the first replies of the nodes needed (--quorum to say how many)."
-        " --engine inprocess or flower; batched with every strategy it serves but sketched_sgd, gs_sgd, fedbuff."
+        " --engine inprocess or flower; batched with every strategy it serves but fedbuff."
     )),
     eligible: Optional[str] = typer.Option(None, "--eligible", help=(
         "Sample only nodes whose last telemetry passes these rules, e.g. 'battery>=40,charging,temp<45' (battery, "
         "temp, rss with <, <=, >, >=, ==; charging, !charging); per device class: an 'eligible' key in the class's "
         "policy of a --config file. A node is probed for its telemetry before a round it did not train in the "
         "round before; a skipped node's row says why ('ineligible'). --engine inprocess or flower; batched with "
-        "every strategy it serves but sketched_sgd, gs_sgd; fedbuff dispatches only eligible nodes (every engine "
+        "every strategy it serves; fedbuff dispatches only eligible nodes (every engine "
         "but array and clock, and in a deployment)."
     )),
     availability: Optional[str] = typer.Option(None, "--availability", help=(
         "Simulated availability (needs --devices): on=S,off=S[,diurnal=A,period=S,dropout=P] for every class, "
         "CLASS:on=...;CLASS:... per class, or a trace CSV node,start_s,end_s (docs/devices.md). Offline nodes are "
         "not sampled; a node that drops mid-round loses its update. --engine inprocess or flower; batched with "
-        "every strategy it serves but sketched_sgd, gs_sgd (fedbuff: inprocess and batched); clock with adpsgd, "
+        "every strategy it serves (fedbuff: inprocess and batched); clock with adpsgd, "
         "prague and lsgd --set mode=async (an offline node neither trains nor exchanges)."
     )),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Strategy hyperparameter KEY=VALUE (repeatable)."),
