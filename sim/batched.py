@@ -90,6 +90,7 @@ from fedswarm.sim.batched_pvt import PVTRounds
 from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ByteCounter, Meter, add_client, add_clients, cohort_nodes,
                                         cohort_rows, cohort_schedule, reject_diverged, round_schedule)
 from fedswarm.sim.batched_secagg_round import SecureFedAvg
+from fedswarm.sim.batched_simtime import round_clock_for
 from fedswarm.sim.batched_sketched import SketchRounds
 from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
 from fedswarm.store import Store
@@ -360,6 +361,7 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     evaluator.scorer = getattr(rounds_of, "score_cohort", None)  # a sharded runner's: on its workers
     recorder.min_train_nodes = getattr(getattr(rounds_of, "strategy", None), "min_train_nodes", None)
     recorder.eval_every = cfg.eval_every
+    clock = round_clock_for(run)  # --devices alone: the rounds' simulated time (sim/batched_simtime.py)
 
     def loop() -> None:
         recorder(0, rounds_of.model)
@@ -368,6 +370,8 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
             for _ in range(rounds):
                 done += 1
                 row, node_rows = rounds_of.round(done)
+                if clock is not None and "sim_time_s" not in row:
+                    row["sim_time_s"] = clock.round_time(done, meter.traffic, node_rows)
                 if recorder.eval_due(done):  # the round's cohort: the clients it sampled
                     row.update(evaluator.round_figures(done, rounds_of.model, cohort_nodes(meter.traffic.node_down),
                                                        node_rows))
