@@ -42,14 +42,14 @@ def node_bytes(counts, ids: np.ndarray) -> np.ndarray:
     :class:`~fedswarm.sim.batched_round.CohortBytes`; a node given twice counts the sum), as int64."""
     ids = np.asarray(ids, dtype=np.int64)
     if isinstance(counts, CohortBytes) and counts._dict is None:
-        if not ids.size:
-            return np.zeros(0, dtype=np.int64)
+        if not ids.size or not counts.ids.size:
+            return np.zeros(len(ids), dtype=np.int64)
         # the cohort's (id, bytes) pairs summed per id, read back at ``ids`` (sorted: cohort_nodes')
         uniq, inv = np.unique(counts.ids, return_inverse=True)
-        sums = np.bincount(inv.reshape(-1), weights=counts.values.astype(np.float64), minlength=len(uniq))
-        pos = np.searchsorted(uniq, ids)
-        found = (pos < len(uniq)) & (uniq[np.minimum(pos, len(uniq) - 1)] == ids)
-        return np.where(found, np.rint(sums[np.minimum(pos, len(uniq) - 1)]), 0).astype(np.int64)
+        sums = np.zeros(len(uniq), dtype=np.int64)
+        np.add.at(sums, inv.reshape(-1), counts.values)
+        pos = np.minimum(np.searchsorted(uniq, ids), len(uniq) - 1)
+        return np.where(uniq[pos] == ids, sums[pos], 0).astype(np.int64)
     return np.fromiter((int(counts.get(int(i), 0)) for i in ids.tolist()), dtype=np.int64, count=len(ids))
 
 
