@@ -55,10 +55,12 @@ Which strategies it serves, and with which options, each strategy's registry ent
 :data:`ROUND_RUNNERS`, and whether it takes ``--dp`` and ``--byzantine`` here; ``labelflip`` is the
 one data attack served: the chosen clients train on flipped labels). What it does not do: the
 strategies without a runner (they run on ``--engine inprocess``; :func:`check_supported` says so
-in one line), ``--dp-sgd``, models with buffers (batch-norm statistics), and the ``--devices``
-time model's simulated seconds (rows carry ``sim_time_s = null``; FedBuff's runner carries its virtual
-clock's, and every synchronous runner's rounds but the two-exchange sketch strategies' under ``--quorum``,
-``--over-select``, ``--eligible`` or ``--availability`` the fleet's, :mod:`fedswarm.sim.batched_fleet`).
+in one line), ``--dp-sgd`` and models with buffers (batch-norm statistics).
+
+Simulated time (``--devices``): every round runner's rounds carry the in-process engine's ``sim_time_s``,
+the slowest sampled node's download + compute + upload (:mod:`fedswarm.sim.batched_simtime`, from the
+round's metered bytes); under ``--quorum``, ``--over-select``, ``--eligible`` or ``--availability`` the
+fleet's (:mod:`fedswarm.sim.batched_fleet`), and FedBuff's runner its virtual clock's.
 """
 
 from __future__ import annotations
