@@ -59,8 +59,9 @@ in one line), ``--dp-sgd`` and models with buffers (batch-norm statistics).
 
 Simulated time (``--devices``): every round runner's rounds carry the in-process engine's ``sim_time_s``,
 the slowest sampled node's download + compute + upload (:mod:`fedswarm.sim.batched_simtime`, from the
-round's metered bytes); under ``--quorum``, ``--over-select``, ``--eligible`` or ``--availability`` the
-fleet's (:mod:`fedswarm.sim.batched_fleet`), and FedBuff's runner its virtual clock's.
+round's metered bytes; none under ``--secagg``); under ``--quorum``, ``--over-select``, ``--eligible``
+or ``--availability`` the fleet's (:mod:`fedswarm.sim.batched_fleet`); FedBuff's runner its virtual
+clock's.
 """
 
 from __future__ import annotations

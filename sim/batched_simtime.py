@@ -23,8 +23,12 @@ Under the fleet options the fleet's rounds carry their own simulated time (:mod:
 and FedBuff's runner its virtual clock's; the engine asks :class:`RoundClock` only for a row that
 has none. Past :data:`~fedswarm.sim.batched_round.NODE_ROWS_MAX` clients a round keeps no node
 rows, so a node that failed there (its own code raised: rare) would count in the round's time.
-Under ``--secagg`` the batched engine counts the plain train message and reply, not the
-protocol's stages (its byte rows say so), and the time follows those bytes.
+
+Not under ``--secagg`` (rows carry ``sim_time_s = null``): there the in-process meter sees the
+protocol's stage messages, whose replies carry no ``steps`` (its round timer counts their transfers
+and no compute: 0.02 s a round for 2 steps on a 10x-slow straggler, which takes 3.2 s), and the
+batched engine counts the plain train message and reply instead; neither figure is the other's,
+so none is recorded here.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ class RoundClock:
 
 
 def round_clock_for(run) -> RoundClock | None:
-    """The run's :class:`RoundClock`: with ``--devices`` and none of the fleet options (they time their
-    rounds themselves), else None."""
+    """The run's :class:`RoundClock`: with ``--devices``, none of the fleet options (they time their
+    rounds themselves) and no ``--secagg`` (see the module's docstring), else None."""
     cfg = run.cfg
-    return RoundClock(run) if cfg.devices and not cfg.fleet_options() else None
+    return RoundClock(run) if cfg.devices and not cfg.fleet_options() and not cfg.secagg else None

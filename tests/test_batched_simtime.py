@@ -92,3 +92,26 @@ def test_node_bytes_reads_a_cohort_as_a_dict():
         [0, 7, 10, 7, 1, 0]
     assert node_bytes(dict(table), ask).tolist() == [0, 7, 10, 7, 1, 0]
     assert node_bytes(CohortBytes(ids[:0], values[:0]), ask).tolist() == [0] * 6
+
+
+def test_a_failed_node_is_left_out_of_the_round_time(tmp_path, monkeypatch):
+    """The two stragglers' training data is poisoned (tests/test_batched_diverged.py): their 1-bit codec
+    raises, their error replies fail them, and the in-process timer skips error replies: the round
+    is the edge-wifi nodes' (under a second), on both engines."""
+    from fedswarm.tasks import TASKS
+    from fedswarm.tasks.staged import STAGED_TASKS
+    from tests.test_batched_diverged import DIVERGING, POISONED, _poisoned
+
+    monkeypatch.setitem(TASKS, "digits-cnn4-inf", _poisoned(STAGED_TASKS["digits-cnn4"]))
+    kw = {**DIVERGING, "strategy": "onebit", "devices": "edge-wifi:6,straggler:2"}
+    assert {p + 1 for p in POISONED} == {7, 8}  # the stragglers
+    # 1-bit quantizes: a tie may go either way on the two engines (same_models_on_both_engines' ties)
+    _, _, rounds = same_models_on_both_engines(kw, tmp_path, monkeypatch, ties=True)
+    ref, got = _node_rows(tmp_path, "inprocess"), _node_rows(tmp_path, "batched")
+    assert [r[:3] for r in got] == [r[:3] for r in ref]
+    assert {(node, status) for _, node, status, *_ in ref if status != "ok"} == {(7, "failed"), (8, "failed")}
+    oracle = _oracle(ref, kw)  # the nodes that did not fail
+    for rnd, (a, b) in enumerate(rounds, start=1):
+        assert a["nodes_failed"] == b["nodes_failed"] == 2
+        assert math.isclose(a["sim_time_s"], b["sim_time_s"], rel_tol=1e-5), (rnd, a["sim_time_s"], b["sim_time_s"])
+        assert math.isclose(b["sim_time_s"], oracle[rnd], rel_tol=1e-5) and b["sim_time_s"] < 1.0
