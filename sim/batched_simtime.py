@@ -48,10 +48,13 @@ def node_bytes(counts, ids: np.ndarray) -> np.ndarray:
     if isinstance(counts, CohortBytes) and counts._dict is None:
         if not ids.size or not counts.ids.size:
             return np.zeros(len(ids), dtype=np.int64)
-        # the cohort's (id, bytes) pairs summed per id, read back at ``ids`` (sorted: cohort_nodes')
-        uniq, inv = np.unique(counts.ids, return_inverse=True)
-        sums = np.zeros(len(uniq), dtype=np.int64)
-        np.add.at(sums, inv.reshape(-1), counts.values)
+        order = np.argsort(counts.ids, kind="stable")
+        sid, sval = counts.ids[order], counts.values[order].astype(np.int64)
+        if np.array_equal(sid, ids):  # each node once, and the nodes asked: a round's cohort
+            return sval
+        # the cohort's (id, bytes) pairs summed per id, read back at ``ids``
+        starts = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]])
+        uniq, sums = sid[starts], np.add.reduceat(sval, starts)
         pos = np.minimum(np.searchsorted(uniq, ids), len(uniq) - 1)
         return np.where(uniq[pos] == ids, sums[pos], 0).astype(np.int64)
     return np.fromiter((int(counts.get(int(i), 0)) for i in ids.tolist()), dtype=np.int64, count=len(ids))
@@ -69,7 +72,8 @@ class RoundClock:
 
     def round_time(self, server_round: int, traffic: Traffic, node_rows: list[dict]) -> float | None:
         """Round ``server_round``'s simulated seconds: the slowest node that replied (None: none did)."""
-        ids = np.union1d(cohort_nodes(traffic.node_down), cohort_nodes(traffic.node_up))
+        down_ids, up_ids = cohort_nodes(traffic.node_down), cohort_nodes(traffic.node_up)  # sorted, distinct
+        ids = down_ids if np.array_equal(down_ids, up_ids) else np.union1d(down_ids, up_ids)
         failed = [int(r["node_id"]) for r in node_rows if r.get("status") == "failed"]
         if failed:
             ids = np.setdiff1d(ids, np.asarray(failed, dtype=np.int64))
