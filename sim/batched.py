@@ -55,10 +55,13 @@ Which strategies it serves, and with which options, each strategy's registry ent
 :data:`ROUND_RUNNERS`, and whether it takes ``--dp`` and ``--byzantine`` here; ``labelflip`` is the
 one data attack served: the chosen clients train on flipped labels). What it does not do: the
 strategies without a runner (they run on ``--engine inprocess``; :func:`check_supported` says so
-in one line), ``--dp-sgd``, models with buffers (batch-norm statistics), and the ``--devices``
-time model's simulated seconds (rows carry ``sim_time_s = null``; FedBuff's runner carries its virtual
-clock's, and every synchronous runner's rounds under ``--quorum``,
-``--over-select``, ``--eligible`` or ``--availability`` the fleet's, :mod:`fedswarm.sim.batched_fleet`).
+in one line), ``--dp-sgd`` and models with buffers (batch-norm statistics).
+
+Simulated time (``--devices``): every round runner's rounds carry the in-process engine's ``sim_time_s``,
+the slowest sampled node's download + compute + upload (:mod:`fedswarm.sim.batched_simtime`, from the
+round's metered bytes; none under ``--secagg``); under ``--quorum``, ``--over-select``, ``--eligible``
+or ``--availability`` the fleet's (:mod:`fedswarm.sim.batched_fleet`); FedBuff's runner its virtual
+clock's.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ from fedswarm.sim.batched_pvt import PVTRounds
 from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ByteCounter, Meter, add_client, add_clients, cohort_nodes,
                                         cohort_rows, cohort_schedule, reject_diverged, round_schedule)
 from fedswarm.sim.batched_secagg_round import SecureFedAvg
+from fedswarm.sim.batched_simtime import round_clock_for
 from fedswarm.sim.batched_sketched import SketchRounds
 from fedswarm.sim.batched_trainer import BatchedTrainer, ClientSchedule
 from fedswarm.store import Store
@@ -360,6 +364,7 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
     evaluator.scorer = getattr(rounds_of, "score_cohort", None)  # a sharded runner's: on its workers
     recorder.min_train_nodes = getattr(getattr(rounds_of, "strategy", None), "min_train_nodes", None)
     recorder.eval_every = cfg.eval_every
+    clock = round_clock_for(run)  # --devices alone: the rounds' simulated time (sim/batched_simtime.py)
 
     def loop() -> None:
         recorder(0, rounds_of.model)
@@ -368,6 +373,8 @@ def run_batched(cfg: RunConfig, *, store: Store, run_id: str, listeners: list[Ro
             for _ in range(rounds):
                 done += 1
                 row, node_rows = rounds_of.round(done)
+                if clock is not None and "sim_time_s" not in row:
+                    row["sim_time_s"] = clock.round_time(done, meter.traffic, node_rows)
                 if recorder.eval_due(done):  # the round's cohort: the clients it sampled
                     row.update(evaluator.round_figures(done, rounds_of.model, cohort_nodes(meter.traffic.node_down),
                                                        node_rows))

@@ -3,7 +3,8 @@
 :func:`make_round_timer` turns a run config into the ``sim_time(round, traffic)`` callback
 the engines hand to ``run_server``; the recorder stores its value as the round's
 ``sim_time_s``. It is **simulated** seconds on the devices named by ``--devices``, not
-wall time, and it is None when the run names no devices.
+wall time, and it is None when the run names no devices. The batched engine computes the same
+figure from its own bookkeeping (:mod:`fedswarm.sim.batched_simtime`).
 
 - Federated rounds (``sync_round_time_s``): ``max`` over the nodes that replied of
   download + compute + upload, with each node's bytes as measured on the grid and its

@@ -109,7 +109,8 @@ def sim(
     name: Optional[str] = typer.Option(None, "--name", help="A label for the run."),
     devices: Optional[str] = typer.Option(None, "--devices", help=(
         "Device classes for the time model, e.g. gpu:4,edge-wifi:12 (profiles: datacenter, gpu, cpu, edge-wifi, "
-        "edge-lte, straggler); rounds then report simulated time."
+        "edge-lte, straggler); rounds then report simulated time (inprocess, flower, batched: the slowest sampled "
+        "node's round; round_timeout is wall time and cuts no slow node short unless a fleet option says so)."
     )),
     profiles: Optional[str] = typer.Option(None, "--profiles", help=(
         "A TOML file of device/link profiles merged over the built-in ones."
