@@ -174,7 +174,7 @@ class FleetGrid(WrappingGrid):
         ``timeout_s`` (default ``probe_timeout_s``) for the answers."""
         if not nodes:
             return
-        waiting = {mid for mid in self.probe_grid.push_messages(probe_messages(nodes, f"probe-{self.round}")) if mid}
+        waiting = [mid for mid in self.probe_grid.push_messages(probe_messages(nodes, f"probe-{self.round}")) if mid]
         timeout = self.probe_timeout_s if timeout_s is None else timeout_s
         for reply in pull_replies(self.probe_grid, waiting, timeout=timeout):
             self._learn(reply)
@@ -299,7 +299,9 @@ class FleetGrid(WrappingGrid):
         def enough(got: list[Message]) -> bool:  # real time: the first K good replies close the round
             return not simulated and k is not None and sum(not r.has_error() for r in got) >= k
 
-        replies = pull_replies(self.inner, set(to_node), timeout=timeout, enough=enough)
+        # asked for in the order sent (the sampled order), so a grid that answers in the order asked (the
+        # in-process engine's) runs the nodes and hands their replies to the attack below in that order
+        replies = pull_replies(self.inner, list(to_node), timeout=timeout, enough=enough)
         sent = {node: i for i, node in enumerate(to_node.values())}  # equal finish times: the sampling order decides
         rows: list[dict] = []
         good, out = [], []
