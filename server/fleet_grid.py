@@ -40,6 +40,12 @@ when the run asks for one of these; otherwise nothing changes):
 
 Rows for nodes that sent no usable reply go to the recorder through ``on_rows``
 (:meth:`~fedswarm.server.recorder.RoundRecorder.node_rows`).
+
+A round's replies are asked for in the order the messages were sent (the strategy's sampled order,
+never a ``set``'s): the in-process grid runs the nodes and hands their replies back in that order. Under
+``--byzantine`` the attacking grid sits below this one: it rewrites the replies before the quorum and the
+drops are decided, reading them in the order sent (:mod:`fedswarm.server.byzantine`), so the batched
+engine, which attacks its replies in the sampled order, gives the same model.
 """
 
 from __future__ import annotations
