@@ -19,11 +19,18 @@ strategy is never told: it sees only replies.
 
 After each exchange ``on_attack(nodes, attack_spec)`` is called with the node ids that
 attacked, so the recorder puts them in the round's row.
+
+The attack reads the replies in the order their messages were sent (the strategy's sampled
+order; a node's latest message counts), whatever order the grid hands them back in: an attack
+that draws noise (``gaussian``, ``random``) gives each attacker its draw by that order, so the
+same seed gives the same attack on every engine, with or without the fleet options, whether the
+grid answers in the order asked (in-process) or as replies arrive (Ray, a deployment).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import random
 from collections.abc import Callable, Iterable
 
@@ -64,6 +71,8 @@ class ByzantineGrid(WrappingGrid):
         self.on_attack = on_attack
         self._byzantine: list[int] | None = None
         self._sent: dict[int, ArrayRecord] = {}  # node -> the model arrays it was last sent
+        self._sent_at: dict[int, int] = {}  # node -> when its latest message was sent (a count): the attack's order
+        self._sends = itertools.count()
         self._generator = torch.Generator().manual_seed(seed + 7919)
         self._rng = np.random.default_rng(seed + 104729)
 
@@ -103,6 +112,7 @@ class ByzantineGrid(WrappingGrid):
         bad = set(self.byzantine)
         for msg in messages:
             nid = msg.metadata.dst_node_id
+            self._sent_at[nid] = next(self._sends)
             if nid not in bad or not msg.has_content():
                 continue
             arrays = msg.content.array_records.get("arrays")
@@ -116,10 +126,14 @@ class ByzantineGrid(WrappingGrid):
 
     def _incoming(self, replies: list[Message]) -> list[Message]:
         bad = set(self.byzantine)
-        attacked = [m for m in replies if m.metadata.src_node_id in bad and not m.has_error() and m.has_content()]
+        # read in the order sent (see the module's doc); the replies go on in the order they came
+        sent_at = self._sent_at  # (a reply to a message this grid did not send: after the others, by node id)
+        ordered = sorted(replies, key=lambda m: (m.metadata.src_node_id not in sent_at,
+                                                 sent_at.get(m.metadata.src_node_id, 0), m.metadata.src_node_id))
+        attacked = [m for m in ordered if m.metadata.src_node_id in bad and not m.has_error() and m.has_content()]
         if attacked:
             if self.attack.kind == "update":
-                self._rewrite(replies, attacked)
+                self._rewrite(ordered, attacked)
             elif self.attack.kind == "bytes":
                 for m in attacked:
                     self._scramble(m)

@@ -44,6 +44,12 @@ when the run asks for one of these; otherwise nothing changes):
 
 Rows for nodes that sent no usable reply go to the recorder through ``on_rows``
 (:meth:`~fedswarm.server.recorder.RoundRecorder.node_rows`).
+
+A round's replies are asked for in the order the messages were sent (the strategy's sampled order,
+never a ``set``'s): the in-process grid runs the nodes and hands their replies back in that order. Under
+``--byzantine`` the attacking grid sits below this one: it rewrites the replies before the quorum and the
+drops are decided, reading them in the order sent (:mod:`fedswarm.server.byzantine`), so the batched
+engine, which attacks its replies in the sampled order, gives the same model.
 """
 
 from __future__ import annotations
@@ -178,7 +184,7 @@ class FleetGrid(WrappingGrid):
         ``timeout_s`` (default ``probe_timeout_s``) for the answers."""
         if not nodes:
             return
-        waiting = {mid for mid in self.probe_grid.push_messages(probe_messages(nodes, f"probe-{self.round}")) if mid}
+        waiting = [mid for mid in self.probe_grid.push_messages(probe_messages(nodes, f"probe-{self.round}")) if mid]
         timeout = self.probe_timeout_s if timeout_s is None else timeout_s
         for reply in pull_replies(self.probe_grid, waiting, timeout=timeout):
             self._learn(reply)
@@ -303,7 +309,9 @@ class FleetGrid(WrappingGrid):
         def enough(got: list[Message]) -> bool:  # real time: the first K good replies close the round
             return not simulated and k is not None and sum(not r.has_error() for r in got) >= k
 
-        replies = pull_replies(self.inner, set(to_node), timeout=timeout, enough=enough)
+        # asked for in the order sent (the sampled order), so a grid that answers in the order asked (the
+        # in-process engine's) runs the nodes and hands their replies to the attack below in that order
+        replies = pull_replies(self.inner, list(to_node), timeout=timeout, enough=enough)
         sent = {node: i for i, node in enumerate(to_node.values())}  # equal finish times: the sampling order decides
         rows: list[dict] = []
         good, out = [], []

@@ -29,7 +29,7 @@ class PromptGrid(WrappingGrid):
         self.first_s, self.max_s = first_s, max_s
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        waiting = {mid for mid in self.inner.push_messages(messages) if mid}
+        waiting = [mid for mid in self.inner.push_messages(messages) if mid]
         return pull_replies(self.inner, waiting, timeout=timeout, first_s=self.first_s, max_s=self.max_s)
 
 

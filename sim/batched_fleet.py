@@ -34,8 +34,9 @@ arrays over the population and the cohort:
   :meth:`BatchedFleet.kept_messages` (PVT's and ProgFed's real replies) then hands the strategy the
   kept replies, the strategy sampling from the round's pool, :meth:`BatchedFleet.get_node_ids`, with
   ``fraction_train`` scaled as the fleet grid scales it (:func:`fleet_of`). Under ``--byzantine`` the
-  attack rewrites every reply that arrived before the quorum keeps its K, as in-process, where the
-  fleet grid sits over the attacking grid. The bytes sent to every sampled node are counted. The round's
+  attack rewrites every sampled node's reply (a late or dropped one's too) before the quorum keeps its K,
+  in the sampled order, as in-process, where the fleet grid sits over the attacking grid and pulls the
+  replies in the order sent. The bytes sent to every sampled node are counted. The round's
   simulated time is the slowest kept node's (``round_timeout`` when it waited for a dropped node
   it needed), plus the time it waited for nodes to come on; it moves the clock and is recorded.
 - **A second exchange within the round** (Sketched-SGD's and gs-SGD's exact values, asked of the

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from logging import INFO, WARNING
 from typing import Any
 
@@ -60,20 +60,25 @@ def wait_for_nodes(grid: Any, num_nodes: int, timeout_s: float) -> list[int]:
     return ids
 
 
-def pull_replies(grid, waiting: set[str], *, timeout: float | None = None,
+def pull_replies(grid, waiting: Iterable[str], *, timeout: float | None = None,
                  enough: Callable[[list[Message]], bool] | None = None,
                  first_s: float = 0.05, max_s: float = 0.5) -> list[Message]:
-    """Pull the replies to the pushed messages ``waiting`` (their ids; the set is emptied as they come)
-    from ``grid``, at a growing interval (``first_s``, times 1.5, at most ``max_s``), until every one
-    is in, ``enough(replies so far)`` says so (a quorum), or ``timeout`` seconds have passed."""
+    """Pull the replies to the pushed messages ``waiting`` (their ids) from ``grid``, at a growing
+    interval (``first_s``, times 1.5, at most ``max_s``), until every one is in, ``enough(replies so
+    far)`` says so (a quorum), or ``timeout`` seconds have passed. The ids still missing are asked for
+    in the order given (the order they were pushed, for a caller that passes them so): a grid that
+    answers in the order asked, as the in-process engine's does (it runs each node as its message is
+    pulled), then hands them back in that order, never in a ``set``'s."""
     deadline = None if timeout is None else time.monotonic() + timeout
     replies: list[Message] = []
     pause = first_s
-    while waiting:
-        got = list(grid.pull_messages(waiting))
+    pending = dict.fromkeys(waiting)  # (ordered: the caller's order)
+    while pending:
+        got = list(grid.pull_messages(list(pending)))
         replies.extend(got)
-        waiting.difference_update(m.metadata.reply_to_message_id for m in got)
-        if not waiting or (enough is not None and enough(replies)):
+        for m in got:
+            pending.pop(m.metadata.reply_to_message_id, None)
+        if not pending or (enough is not None and enough(replies)):
             break
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:

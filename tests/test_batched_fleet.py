@@ -105,6 +105,23 @@ CASES = {
                                         fraction=0.75, quorum=3, devices="edge-wifi:6,straggler:2",
                                         round_timeout=30.0, availability="on=20,off=5,dropout=0.2",
                                         strategy="progfed", params={"stage_rounds": 1}),
+    # two attackers that draw noise (gaussian) or random bytes, one of them kept and the other left out by the
+    # quorum in a round: the attack's draws go to the attackers in the sampled order on both engines (before, the
+    # in-process order followed a set of message ids, and the kept attacker's draw changed from run to run)
+    "topk-gaussian2-quorum": dict(clients=8, rounds=2, local_steps=2, fraction=1.0, quorum=5,
+                                  devices="edge-wifi:6,cpu:2", byzantine=2, attack="gaussian", **TOPK),
+    "median-random2-quorum": dict(clients=8, rounds=2, local_steps=2, fraction=1.0, quorum=5,
+                                  devices="edge-wifi:6,cpu:2", strategy="median", byzantine=2, attack="random"),
+    "signum-random2-over-select": dict(seed=4, clients=8, rounds=2, local_steps=2, fraction=0.75, over_select=1.3,
+                                       devices="straggler:4,edge-wifi:4", strategy="signum", byzantine=2,
+                                       attack="random"),
+    "gtopk-gaussian2-over-select": dict(seed=7, clients=8, rounds=2, local_steps=2, fraction=0.5, over_select=1.5,
+                                        devices="edge-wifi:4,straggler:4", strategy="gtopk", params={"density": 0.1},
+                                        byzantine=2, attack="gaussian"),
+    # (gTop-k refuses a random payload: the draw each attacker got shows in its refusal's reason)
+    "gtopk-random2-quorum": dict(clients=8, rounds=2, local_steps=2, fraction=1.0, quorum=5,
+                                 devices="edge-wifi:6,cpu:2", strategy="gtopk", params={"density": 0.1}, byzantine=2,
+                                 attack="random"),
 }
 
 #: what each case must exercise (its rows' statuses)
@@ -121,7 +138,10 @@ EXPECTED = {"over-select": {"late"}, "dp-over-select": {"late"}, "quorum-ties": 
             "sketched-quorum": {"late"}, "sketched-availability": {"unavailable", "dropped"},
             "gs-over-select": {"late"}, "gs-quorum-availability": {"late", "unavailable", "dropped"},
             "pvt-quorum": {"late"}, "pvt-over-select-availability": {"late", "unavailable", "dropped"},
-            "progfed-quorum-availability": {"late", "unavailable"}}
+            "progfed-quorum-availability": {"late", "unavailable"},
+            "topk-gaussian2-quorum": {"late"}, "median-random2-quorum": {"late"},
+            "signum-random2-over-select": {"late"}, "gtopk-gaussian2-over-select": {"late"},
+            "gtopk-random2-quorum": {"late", "rejected"}}
 
 
 def _rows(tmp_path, engine: str) -> list[tuple]:
