@@ -183,15 +183,18 @@ def sim(
         "(every engine)."
     )),
     quorum: Optional[int] = typer.Option(None, "--quorum", help=(
-        "Federated strategies: close each round once K replies are in instead of waiting for every sampled node "
-        "(up to round_timeout, 600 s); later replies are discarded and recorded as 'late'. Default with --over-select: "
+        "Federated strategies: close each round once K replies are in (K at most the nodes a round samples) instead "
+        "of waiting for every sampled node (up to round_timeout, 600 s); later replies are discarded and recorded as "
+        "'late'. The first K in simulated time with --devices, else in wall time (in-process: can vary between runs). "
+        "Default with --over-select: "
         "the nodes the strategy needs. --engine inprocess or flower; batched with every strategy it serves but "
         "sketched_sgd, gs_sgd, fedbuff."
     )),
     over_select: Optional[float] = typer.Option(None, "--over-select", help=(
         "Federated strategies: sample F >= 1 times the nodes the strategy needs each round (e.g. 1.3, with "
-        "--fraction below 1/F); the round closes on the first replies of the nodes needed (--quorum to say how many)."
-        " --engine inprocess or flower; batched with every strategy it serves but sketched_sgd, gs_sgd, fedbuff."
+        "--fraction below 1/F: refused at fraction 1); the round closes on the first replies of the nodes needed "
+        "(--quorum to say how many). --engine inprocess or flower; batched with every strategy it serves but "
+        "sketched_sgd, gs_sgd, fedbuff."
     )),
     eligible: Optional[str] = typer.Option(None, "--eligible", help=(
         "Sample only nodes whose last telemetry passes these rules, e.g. 'battery>=40,charging,temp<45' (battery, "
