@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -239,11 +240,11 @@ class RunConfig(TrainingSpec):
     over_select: float = Field(1.0, ge=1.0, le=100.0, description=(
         "Sample F times the nodes the strategy needs each round (with quorum: the round closes on the first K)."))
     eligible: str | None = Field(None, description=(
-        "Eligibility rules on the nodes' telemetry, e.g. 'battery>=40,charging,temp<45' (see fedswarm/"
-        "eligibility.py); a node failing them is not sampled and its row says why."))
+        "Eligibility rules on the nodes' telemetry, e.g. 'battery>=40,charging,temp<45' (docs/devices.md "
+        "section 7); a node failing them is not sampled and its row says why."))
     availability: str | None = Field(None, description=(
         "Simulated availability: 'on=S,off=S[,diurnal=A,period=S,dropout=P]' (or CLASS:...;CLASS:...) or a "
-        "trace CSV 'node,start_s,end_s' (see fedswarm/availability.py); needs devices (simulated time)."))
+        "trace CSV 'node,start_s,end_s' (docs/devices.md section 7); needs devices (simulated time)."))
     secagg: bool = Field(False, description=(
         "Secure aggregation (SecAgg+, docs/secagg.md): the server learns only the sum of the nodes' quantized "
         "updates; for strategies whose registry entry says secagg."))
@@ -315,6 +316,16 @@ class RunConfig(TrainingSpec):
     def _check_fleet(self) -> "RunConfig":
         if self.quorum is not None and self.quorum > self.clients:
             raise ValueError(f"quorum: {self.quorum} replies asked for, the run has {self.clients} clients")
+        share = min(1.0, self.fraction * self.over_select)  # what a round samples with every node on
+        if self.quorum is not None and self.quorum > max(int(self.clients * share), 1) and self.strategy != "fedbuff":
+            raise ValueError(f"quorum: {self.quorum} replies asked for, a round samples only "
+                             f"{max(int(self.clients * share), 1)} of the {self.clients} clients (fraction "
+                             f"{self.fraction:g} x over_select {self.over_select:g}): ask for at most that many, "
+                             "or raise --fraction or --over-select")
+        if self.over_select > 1.0 and self.fraction >= 1.0 and self.strategy != "fedbuff":  # fedbuff refuses it
+            raise ValueError(f"over_select: {self.over_select:g} samples no more nodes at fraction 1 (every node is "
+                             f"sampled already): give --fraction below 1/F, e.g. --fraction "
+                             f"{math.floor(100 / self.over_select) / 100:g}")
         if self.eligible is not None:
             from fedswarm.eligibility import parse_rules
 
@@ -323,15 +334,21 @@ class RunConfig(TrainingSpec):
             except ConfigError as exc:
                 raise ValueError(str(exc)) from None
         if self.availability is not None:
-            from fedswarm.availability import is_trace, parse_process
+            from fedswarm.availability import check_classes, is_trace, parse_process
 
             if self.devices is None:
                 raise ValueError("availability: simulated availability runs on simulated time: give --devices too")
             try:
-                _check_trace(self.availability, self.clients) if is_trace(self.availability) else parse_process(
-                    self.availability)
+                if is_trace(self.availability):
+                    _check_trace(self.availability, self.clients)
+                elif set(per_class := parse_process(self.availability)) - {"*"}:  # classes named: in --devices?
+                    from fedswarm.timemodel import load_profiles, parse_devices
+
+                    profiles = load_profiles(self.profiles) if self.profiles else None
+                    check_classes(per_class, parse_devices(self.devices, self.clients, profiles))
             except ConfigError as exc:
-                raise ValueError(str(exc)) from None
+                msg = str(exc)  # a trace's refusal names the file, not the key
+                raise ValueError(msg if msg.startswith("availability:") else f"availability: {msg}") from None
         return self
 
     def fleet_options(self) -> list[str]:

@@ -221,8 +221,9 @@ def check_fleet_engine(cfg: RunConfig, engine: str) -> None:
     if engine == "clock" and used == ["--availability"]:
         return  # every clock runner: a node off neither computes nor exchanges (sim/async_*.py)
     if engine not in FLEET_ENGINES:
+        also = " (--availability also on the clock engine, without the others)" if "--availability" in used else ""
         raise ConfigError(f"{', '.join(used)}: run on --engine {', '.join(FLEET_ENGINES)} (or in a deployment), not "
-                          f"on the {engine} engine: it has no federated rounds to sample or close")
+                          f"on the {engine} engine: it has no federated rounds to sample or close{also}")
     if engine == "batched":
         from fedswarm.sim.batched_fleet import check_batched_fleet
         from fedswarm.strategies import registry

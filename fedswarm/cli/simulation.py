@@ -132,13 +132,15 @@ def sim(
         "random (default signflip)."
     )),
     dp: Optional[str] = typer.Option(None, "--dp", help=(
-        "Client-level DP-FedAvg: noise_multiplier=N[,clip=C,delta=D,adaptive=true,target_epsilon=E] or "
+        "Client-level DP-FedAvg: noise_multiplier=N, then optionally ,clip=C ,delta=D ,adaptive=true "
+        ",target_epsilon=E; or "
         "target_epsilon=E[,delta=D] (noise calibrated to the rounds). Epsilon is reported every round. With "
         "--secagg: distributed DP, each node clips and adds its share of integer noise before masking "
         "(mechanism=dgauss|skellam, default dgauss; noise_multiplier=N needed; secure=true draws it from the OS)."
     )),
     dp_sgd: Optional[str] = typer.Option(None, "--dp-sgd", help=(
-        "Example-level DP-SGD in every client (opacus): noise_multiplier=N[,clip=C,delta=D,target_epsilon=E]."
+        "Example-level DP-SGD in every client (opacus): noise_multiplier=N, then optionally ,clip=C ,delta=D "
+        ",target_epsilon=E."
     )),
     secagg: bool = typer.Option(False, "--secagg", help=(
         "Secure aggregation (SecAgg+): the server learns only the sum of the nodes' quantized updates "
@@ -182,15 +184,18 @@ def sim(
         "(every engine)."
     )),
     quorum: Optional[int] = typer.Option(None, "--quorum", help=(
-        "Federated strategies: close each round once K replies are in instead of waiting for every sampled node "
-        "(up to round_timeout, 600 s); later replies are discarded and recorded as 'late'. Default with --over-select: "
+        "Federated strategies: close each round once K replies are in (K at most the nodes a round samples) instead "
+        "of waiting for every sampled node (up to round_timeout, 600 s); later replies are discarded and recorded as "
+        "'late'. The first K in simulated time with --devices, else in wall time (in-process: can vary between runs). "
+        "Default with --over-select: "
         "the nodes the strategy needs. --engine inprocess or flower; batched with every strategy it serves but "
         "fedbuff."
     )),
     over_select: Optional[float] = typer.Option(None, "--over-select", help=(
         "Federated strategies: sample F >= 1 times the nodes the strategy needs each round (e.g. 1.3, with "
-        "--fraction below 1/F); the round closes on the first replies of the nodes needed (--quorum to say how many)."
-        " --engine inprocess or flower; batched with every strategy it serves but fedbuff."
+        "--fraction below 1/F: refused at fraction 1); the round closes on the first replies of the nodes needed "
+        "(--quorum to say how many). --engine inprocess or flower; batched with every strategy it serves but "
+        "fedbuff."
     )),
     eligible: Optional[str] = typer.Option(None, "--eligible", help=(
         "Sample only nodes whose last telemetry passes these rules, e.g. 'battery>=40,charging,temp<45' (battery, "
@@ -201,8 +206,9 @@ def sim(
         "but array and clock, and in a deployment)."
     )),
     availability: Optional[str] = typer.Option(None, "--availability", help=(
-        "Simulated availability (needs --devices): on=S,off=S[,diurnal=A,period=S,dropout=P] for every class, "
-        "CLASS:on=...;CLASS:... per class, or a trace CSV node,start_s,end_s (docs/devices.md). Offline nodes are "
+        "Simulated availability (needs --devices): on=S,off=S (mean seconds on and off), then optionally ,diurnal=A "
+        "(in [0, 1)) ,period=S ,dropout=P (in [0, 1)), for every class; CLASS:on=S,off=S;CLASS:... per class; or a "
+        "trace CSV file with the header node,start_s,end_s (docs/devices.md section 7). Offline nodes are "
         "not sampled; a node that drops mid-round loses its update. --engine inprocess or flower; batched with "
         "every strategy it serves (fedbuff: inprocess and batched); clock with adpsgd, "
         "prague and lsgd --set mode=async (an offline node neither trains nor exchanges)."
@@ -241,6 +247,8 @@ def sim(
     }
     log_file = log_file_for(out)
     try:
+        if quorum is not None and quorum < 1:  # the run config reads 0 as "no quorum" (Flower's has no null)
+            raise ConfigError(f"--quorum must be at least 1 reply, got {quorum}")
         values: dict[str, Any] = load_config(config) if config else {}
         values.update({k: v for k, v in cli_values.items() if v is not None})
         params = dict(values.get("params", {}) or {})
