@@ -201,8 +201,8 @@ class FedBuff(ReportsRounds, FedAvg):
         start_version = self.version
         rules = self.eligibility
         if rules is not None and not (self.simulated and self.partition_nodes):  # real nodes: probed
-            rules = (ProbedRules(rules.rules, self.nodes_grid if self.nodes_grid is not None else grid,
-                                 wait_s=timeout) if ProbedRules.active(train_config, rules.rules) else None)
+            # (kept even with no rule yet: a class's eligible policy may come with a policy control mid-run)
+            rules = ProbedRules(rules.rules, self.nodes_grid if self.nodes_grid is not None else grid, wait_s=timeout)
         add_rows = getattr(evaluate_fn, "node_rows", None)  # the recorder's: rows of nodes that sent nothing
         sent_models: dict[int, torch.Tensor] = {self.version: x}
         flying: dict[str, _Sent] = {}
