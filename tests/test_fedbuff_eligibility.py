@@ -85,22 +85,37 @@ def test_a_node_whose_probe_has_not_answered_is_never_dispatched():
 def test_an_ineligible_idle_node_is_probed_again_only_after_the_back_off():
     """Node 7 (5 %) idles while 8 trains: one probe at the start, none at the aggregations within
     ``reprobe_s`` of it, one again after; its answer then (charged: 80 %) makes it eligible. Node 9
-    (eligible, idle, silent) is probed at every aggregation, as the fleet grid does."""
+    (eligible, left idle, silent) is probed at every aggregation, as the fleet grid does, but not when
+    it is sent a model."""
     now = [0.0]
     grid = ProbeGrid({7: 5.0, 8: None, 9: None})
     rules = ProbedRules(RULES, grid, reprobe_s=30.0, clock=lambda: now[0])
     cfg = ConfigRecord({})
     assert rules.eligible_idle([7, 8, 9], cfg, busy=False) == [8, 9]
     rules.rows(lambda n: False)
-    for t in (10.0, 20.0, 29.0):  # aggregations within the back-off
+    for t in (10.0, 20.0, 29.0):  # aggregations within the back-off; 9 left idle (no free slot)
         now[0] = t
         assert rules.eligible_idle([7, 9], cfg, busy=True) == [9]
+        rules.probe_left([7, 9], cfg)
+        rules.probe_left([7, 9], cfg)  # (once an aggregation)
         assert [r["node_id"] for r in rules.rows(lambda n: False)] == ["7"]
     assert grid.probes == {7: 1, 8: 1, 9: 4}
-    grid.battery[7] = 80.0
     now[0] = 30.0
-    assert rules.eligible_idle([7, 9], cfg, busy=True) == [7, 9]
-    assert grid.probes == {7: 2, 8: 1, 9: 5}
+    assert rules.eligible_idle([7], cfg, busy=True) == []
+    rules.probe_left([7], cfg)  # 9 was sent a model: not probed (its train reply will say)
+    assert grid.probes == {7: 2, 8: 1, 9: 4}
+    rules.rows(lambda n: False)
+    now[0] = 45.0
+    assert rules.eligible_idle([7], cfg, busy=True) == []  # its answer (5 % still) read
+    rules.probe_left([7], cfg)  # within the back-off of its probe at 30 s
+    rules.rows(lambda n: False)
+    grid.battery[7] = 80.0
+    now[0] = 61.0
+    assert rules.eligible_idle([7], cfg, busy=True) == []
+    rules.probe_left([7], cfg)
+    assert grid.probes == {7: 3, 8: 1, 9: 4}
+    rules.rows(lambda n: False)
+    assert rules.eligible_idle([7], cfg, busy=True) == [7]  # charged: its answer read at the next dispatch
     assert rules.rows(lambda n: False) == []
 
 
@@ -117,8 +132,7 @@ def test_a_class_eligible_policy_changed_mid_run_is_read_at_the_next_dispatch():
     assert rules.eligible_idle([7, 8], cfg, busy=False) == [8] and grid.probes == {7: 1, 8: 1}
     rules.rows(lambda n: False)
     cfg["policy.phone"] = '{"eligible": "battery>=3", "local_steps": 2}'
-    assert rules.eligible_idle([7], cfg, busy=True) == [7]
-    assert grid.probes == {7: 2, 8: 1}  # eligible now, idle and silent: probed as every such node
+    assert rules.eligible_idle([7], cfg, busy=True) == [7] and grid.probes == {7: 1, 8: 1}
 
 
 @pytest.mark.parametrize("path", ["deployment", "flower"])

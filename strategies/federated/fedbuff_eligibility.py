@@ -36,12 +36,13 @@ through the nodes themselves, not metered):
   5 % battery must never get a model. Its row says ``not eligible: no telemetry yet``; it is
   dispatched at the first dispatch after its answer arrives and passes. (The synchronous fleet grid,
   which must fill a round, samples such a node.)
-- **Probed again.** Each train reply's telemetry is kept. At each aggregation's first dispatch the idle
-  nodes that sent nothing in the previous aggregation are probed again without waiting (FedBuff has
-  no barrier to wait at): their answers count from the next dispatches. An idle node whose last
-  report failed its rules is probed again only once ``REPROBE_S`` seconds have passed since its last
-  probe (each probe starts a ClientApp process on the node, and a phone on low battery should not be
-  woken every aggregation). A node that does not answer keeps what it said last.
+- **Probed again.** Each train reply's telemetry is kept. Once an aggregation, after a dispatch, the
+  nodes left idle (sent no model) that sent nothing in the previous aggregation are probed again
+  without waiting (FedBuff has no barrier to wait at): their answers count from the next dispatches. A
+  node sent a model is not probed (the probe would run first on the node and hold its training up).
+  An idle node whose last report failed its rules is probed again only once ``REPROBE_S`` seconds have
+  passed since its last probe (each probe starts a ClientApp process on the node, and a phone on low
+  battery should not be woken every aggregation). A node that does not answer keeps what it said last.
 - **Nothing to dispatch.** When nothing is in flight and no idle node is eligible, it waits for the
   answers out and probes the idle nodes again every ``RETRY_S`` seconds up to ``round_timeout``, then
   fails saying why.
@@ -152,7 +153,7 @@ class ProbedRules:
         self.before: set[int] | None = None  # ... in the previous one (None: no aggregation yet)
         self.passed: dict[int, tuple[Rules | None, str]] = {}  # nodes passed over in this aggregation, and why
         self._started = False  # rules applied at a dispatch already (the first probe is done)
-        self._fresh = False
+        self._fresh = False  # probe_left done in this aggregation
         self._probes = 0
 
     @staticmethod
@@ -227,10 +228,6 @@ class ProbedRules:
             self._ask([n for n in idle if self.before is None or n not in self.before])
             if not busy:
                 self._await(self.probe_timeout_s)
-        elif not self._fresh:  # an aggregation's first dispatch: the silent ones, not awaited (with a back-off)
-            now = self.clock()
-            self._ask([n for n in idle if self._due(n, train_config, now)])
-        self._fresh = True
         if self.asked:
             self._read(list(self.grid.pull_messages(list(self.asked))))
         deadline = time.monotonic() + self.wait_s
@@ -255,13 +252,26 @@ class ProbedRules:
                 self.passed[n] = v
         return ok
 
+    def probe_left(self, idle: list[int], train_config: Any) -> None:
+        """Once an aggregation, after its dispatch: probe the nodes left ``idle`` (sent no model) that are
+        due (:meth:`_due`), without waiting. A node being sent a model now is not probed: the answer
+        would come after the decision, and the probe would hold its training up (one ClientApp
+        process before the train message); its train reply carries its telemetry."""
+        if self._fresh or not idle or not self.active(train_config, self.rules):
+            return
+        self._fresh = True
+        now = self.clock()
+        self._ask([n for n in idle if self._due(n, train_config, now)])
+
     def dispatch(self, sched: Any, version: int, train_config: Any) -> list:
         """``sched.dispatch(version)`` (the virtual clock's schedule, the flower engine) over the eligible
-        idle nodes."""
-        if sched.in_flight >= sched.concurrency or not sched.idle:
-            return []
-        ok = set(self.eligible_idle(list(sched.idle), train_config, busy=sched.in_flight > 0))
-        return sched.dispatch(version, eligible=ok.__contains__)
+        idle nodes, then :meth:`probe_left` on those left idle."""
+        jobs = []
+        if sched.in_flight < sched.concurrency and sched.idle:
+            ok = set(self.eligible_idle(list(sched.idle), train_config, busy=sched.in_flight > 0))
+            jobs = sched.dispatch(version, eligible=ok.__contains__)
+        self.probe_left(list(sched.idle), train_config)
+        return jobs
 
     def rows(self, arrived: Callable[[int], bool]) -> list[dict]:
         """The aggregation's rows of the nodes passed over (not those with an update in it, ``arrived``)."""
