@@ -326,7 +326,8 @@ def test_probed_eligibility_dispatches_only_nodes_whose_own_telemetry_passes(tmp
     assert not any("3" in r["staleness_by_node"] for r in rows)
     trained = {node for r in rows for node in r["staleness_by_node"]}
     assert trained and trained <= {"1", "2", "4", "5", "6"}
-    assert sorted(set(probed)) == list(range(6)) and probed.count(2) == 1  # the first probe, then its back-off
+    # one probe each: the first; then node 3's back-off, and the others are being sent models (not probed)
+    assert sorted(probed) == list(range(6)), probed
 
 
 def test_deployment_path_fails_when_no_node_is_eligible(monkeypatch):
