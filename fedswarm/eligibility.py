@@ -32,7 +32,7 @@ from typing import Any, Callable
 from fedswarm.errors import ConfigError
 
 __all__ = ["Rules", "Clause", "parse_rules", "FIELDS", "class_rules", "rules_by_class", "ineligible_row",
-           "machine_telemetry", "probe_messages", "node_report"]
+           "machine_telemetry", "probe_messages", "node_report", "rules_on", "policies_in"]
 
 #: clause name -> the telemetry key it reads (fedswarm.telemetry.TELEMETRY_KEYS)
 FIELDS = {"battery": "battery_pct", "temp": "cpu_temp_c", "rss": "peak_rss_mb"}
@@ -115,21 +115,33 @@ def class_rules(policy: dict | None, rules: Rules | None) -> Rules | None:
     return parse_rules(spec) if spec else rules
 
 
-def rules_by_class(train_config: Any, class_names: list[str], rules: Rules | None) -> list[Rules | None]:
-    """Each of ``class_names``' rules, from the ``policy.<class>`` keys of the round's train config
-    (the policies as they are now, :meth:`fedswarm.policy.PolicyBook.write`), else the run's ``rules``."""
+def policies_in(train_config: Any) -> dict[str, dict]:
+    """Every class's policy in a round's train config (its ``policy.<class>`` keys, the policies as they
+    are now: :meth:`fedswarm.policy.PolicyBook.write`)."""
     import json
 
-    out = []
-    for name in class_names:
-        raw = train_config.get(f"policy.{name}")
-        out.append(class_rules(json.loads(raw) if raw else None, rules))
-    return out
+    return {str(k)[len("policy."):]: json.loads(v) for k, v in train_config.items()
+            if str(k).startswith("policy.") and v}
 
 
-def ineligible_row(node: int, rules: Rules, why: str, telemetry: dict | None) -> dict:
-    """The row of node ``node``, left out because its ``telemetry`` fails ``rules`` (``why``)."""
-    return {"node_id": str(node), "status": "ineligible", "reason": f"not eligible ({rules}): {why}",
+def rules_on(policies: dict[str, dict], rules: Rules | None) -> bool:
+    """Whether any rule applies: the run's ``rules`` or a class's ``eligible`` policy (``policies``: class ->
+    policy, :meth:`fedswarm.policy.PolicyBook.as_dict` or :func:`policies_in`)."""
+    return rules is not None or any(p.get("eligible") for p in policies.values())
+
+
+def rules_by_class(train_config: Any, class_names: list[str], rules: Rules | None) -> list[Rules | None]:
+    """Each of ``class_names``' rules, from the ``policy.<class>`` keys of the round's train config
+    (:func:`policies_in`), else the run's ``rules``."""
+    policies = policies_in(train_config)
+    return [class_rules(policies.get(name), rules) for name in class_names]
+
+
+def ineligible_row(node: int, rules: Rules | None, why: str, telemetry: dict | None) -> dict:
+    """The row of node ``node``, left out because its ``telemetry`` fails ``rules`` (``why``; ``rules``
+    None: no rules could be checked, e.g. it has reported nothing yet)."""
+    which = f" ({rules})" if rules is not None else ""
+    return {"node_id": str(node), "status": "ineligible", "reason": f"not eligible{which}: {why}",
             "telemetry": telemetry}
 
 

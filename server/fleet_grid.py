@@ -63,7 +63,8 @@ from flwr.app import Message
 
 from fedswarm.availability import Availability, run_availability
 from fedswarm.config import RunConfig
-from fedswarm.eligibility import Rules, class_rules, ineligible_row, node_report, parse_rules, probe_messages
+from fedswarm.eligibility import (Rules, class_rules, ineligible_row, node_report, parse_rules, probe_messages,
+                                  rules_on)
 from fedswarm.errors import ConfigError
 from fedswarm.store.rows import NOT_PICKED  # the statuses of a node left out at sampling
 from fedswarm.policy import DEFAULT_CLASS, PolicyBook
@@ -177,7 +178,7 @@ class FleetGrid(WrappingGrid):
         return class_rules(self.policies.as_dict().get(self.classes.get(node, DEFAULT_CLASS)), self.rules)
 
     def _eligibility_on(self) -> bool:
-        return self.rules is not None or any("eligible" in p for p in self.policies.as_dict().values())
+        return rules_on(self.policies.as_dict(), self.rules)
 
     def probe(self, nodes: list[int], timeout_s: float | None = None) -> None:
         """Ask ``nodes`` for their telemetry (the ClientApp's ``query.fedswarm_telemetry``), waiting

@@ -1,7 +1,11 @@
-"""FedBuff on a real deployment: a SuperLink and 4 SuperNodes on loopback, one of them slowed
+"""FedBuff on a real deployment: a SuperLink and 5 SuperNodes on loopback, one of them slowed
 about 10x by the test-only node config ``test-step-delay-s``. With K = 2 the run makes its 10
 aggregations from whatever arrives: the slow node's updates come in stale and no aggregation
-waits for it (read from the recorded staleness and node ids, not from timings)."""
+waits for it (read from the recorded staleness and node ids, not from timings). The fifth node is
+started with ``FEDSWARM_FAKE_BATTERY=5`` and the run asks ``eligible='battery>=40'``: FedBuff's
+dispatch probes the nodes' telemetry and never sends that node a model (not before its probe
+answer either: :mod:`fedswarm.strategies.federated.fedbuff_eligibility`); it has an ``ineligible``
+row in every aggregation, naming the clause from its first answer on."""
 
 from __future__ import annotations
 
@@ -25,6 +29,11 @@ DELAY_S = 5.0
 
 
 def test_fedbuff_does_not_wait_for_a_slow_supernode(tmp_path):
+    from fedswarm.telemetry import battery
+
+    real = battery().get("battery_pct")
+    if real is not None and real < 40:
+        pytest.skip(f"this machine's own battery is at {real} %: every node would be ineligible")
     dep = Deployment(tmp_path, hold="")
     db = tmp_path / "store.db"
     t0 = time.perf_counter()
@@ -32,15 +41,16 @@ def test_fedbuff_does_not_wait_for_a_slow_supernode(tmp_path):
         dep._spawn(dep.superlink_command())
         wait_until(lambda: port_open("127.0.0.1", dep.port), 60, interval=0.2, what="the SuperLink listening")
         for i in range(3):
-            dep.start_node(i, 4)
-        slow = supernode_command(f"127.0.0.1:{dep.port}", 3, 4, device_class="straggler", insecure=True,
+            dep.start_node(i, 5)
+        dep.start_node(4, 5, env={"FEDSWARM_FAKE_BATTERY": "5"})  # its telemetry says 5 % battery
+        slow = supernode_command(f"127.0.0.1:{dep.port}", 3, 5, device_class="straggler", insecure=True,
                                  clientappio_port=free_port(), state_dir=tmp_path / "node-state-3")
         at = slow.index("--node-config") + 1
         slow[at] += f" {TEST_STEP_DELAY_KEY}={DELAY_S}"
         dep.nodes[3] = dep._spawn(slow)
         dep.flwr("run", str(ROOT), "test", "--run-config",
-                 "rounds=10 clients=4 strategy='fedbuff' params='{\"buffer_size\": 2, \"concurrency\": 4}' "
-                 f"local_epochs=1 batch_size={BATCH} seed=5 eval_every=1000 db='{db}'")
+                 "rounds=10 clients=5 strategy='fedbuff' params='{\"buffer_size\": 2, \"concurrency\": 4}' "
+                 f"local_epochs=1 batch_size={BATCH} seed=5 eval_every=1000 eligible='battery>=40' db='{db}'")
         run = dep.wait(lambda: status_of(db, "finished", "failed", "stopped"), 600, what="the run ending")
         wall = time.perf_counter() - t0
         assert run.status == "finished", dep.logs()
@@ -61,6 +71,17 @@ def test_fedbuff_does_not_wait_for_a_slow_supernode(tmp_path):
     for r in rounds:
         for node, stal in r.metrics["staleness_by_node"].items():
             by_node.setdefault(node, []).extend(stal)
+    # the node on 5 %: never dispatched, an ineligible row in every aggregation (no telemetry yet, until
+    # its probe's answer came in; then its battery, naming the clause)
+    low = {n.node_id for n in nodes if n.telemetry and n.telemetry.get("battery_pct") == 5.0}
+    assert len(low) == 1, [(n.round, n.node_id, n.status, n.reason, n.telemetry) for n in nodes]
+    low_id = low.pop()
+    assert low_id not in by_node, by_node
+    mine = sorted((n for n in nodes if n.node_id == low_id), key=lambda n: n.round)
+    assert [n.round for n in mine] == list(range(1, 11)) and all(n.status == "ineligible" for n in mine), mine
+    first = min(n.round for n in mine if n.telemetry)
+    assert all("no telemetry yet" in n.reason for n in mine if n.round < first), mine
+    assert all("battery 5 fails battery>=40" in n.reason for n in mine if n.round >= first), mine
     contributions = {n: len(s) for n, s in by_node.items()}
     fast = [n for n in by_node if n != slow_id]
     # the slow node contributes, and every one of its updates is stale: aggregations were made from

@@ -201,8 +201,8 @@ class FedBuff(ReportsRounds, FedAvg):
         start_version = self.version
         rules = self.eligibility
         if rules is not None and not (self.simulated and self.partition_nodes):  # real nodes: probed
-            rules = (ProbedRules(rules.rules, self.nodes_grid if self.nodes_grid is not None else grid,
-                                 wait_s=timeout) if ProbedRules.active(train_config, rules.rules) else None)
+            # (kept even with no rule yet: a class's eligible policy may come with a policy control mid-run)
+            rules = ProbedRules(rules.rules, self.nodes_grid if self.nodes_grid is not None else grid, wait_s=timeout)
         add_rows = getattr(evaluate_fn, "node_rows", None)  # the recorder's: rows of nodes that sent nothing
         sent_models: dict[int, torch.Tensor] = {self.version: x}
         flying: dict[str, _Sent] = {}
@@ -267,13 +267,17 @@ class FedBuff(ReportsRounds, FedAvg):
                     take(reply, sent)
             else:
                 busy = {s.node for s in flying.values()}
-                idle = [n for n in sorted(int(n) for n in grid.get_node_ids()) if n not in busy]
+                connected = sorted(int(n) for n in grid.get_node_ids())
+                idle = [n for n in connected if n not in busy]
                 free = self.concurrency - len(flying)
                 if free > 0 and idle and rules is not None:
                     idle = rules.eligible_idle(idle, train_config, busy=bool(flying or backlog))
                 if free > 0 and idle:
                     picks = [idle.pop(sched.rng.randrange(len(idle))) for _ in range(min(free, len(idle)))]
                     push([(n, -1) for n in picks])
+                if rules is not None:  # once an aggregation: the nodes left without a model, probed if due
+                    busy = {s.node for s in flying.values()}
+                    rules.probe_left([n for n in connected if n not in busy], train_config)
                 if not backlog:
                     got = list(grid.pull_messages(list(flying))) if flying else []
                     for reply in got:

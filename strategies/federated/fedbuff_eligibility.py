@@ -21,31 +21,51 @@ the machine's telemetry to change.
 Where the nodes are real (a deployment, each node its own telemetry) or not addressed by partition
 (the flower engine: its node ids do not tell a partition, so not a class), :class:`ProbedRules` reads
 each node's own telemetry and device class as the synchronous fleet grid does
-(:mod:`fedswarm.server.fleet_grid`): the telemetry probe (:func:`fedswarm.eligibility.probe_messages`,
-through the nodes themselves, not metered) goes to every node before the first dispatch (answers
-awaited up to ``PROBE_TIMEOUT_S``), each train reply's telemetry is kept, and at each aggregation's
-first dispatch the idle nodes that sent nothing in the previous aggregation are probed again, without
-waiting: their answers are read at the next dispatches (FedBuff has no barrier to wait at). A node
-that does not answer keeps what it said last; a node that never said anything is eligible. The rows of
-the nodes passed over are the simulated path's. When nothing is in flight and no idle node is eligible,
-it probes them again every few seconds up to ``round_timeout``, then fails saying why.
+(:mod:`fedswarm.server.fleet_grid`), with the telemetry probe (:func:`fedswarm.eligibility.probe_messages`,
+through the nodes themselves, not metered):
+
+- **Rules on or off at each dispatch.** Whether any rule applies is read at every dispatch from the
+  policies as they are now (the train config's ``policy.<class>`` keys, which a ``policy`` control
+  rewrites between aggregations: :func:`fedswarm.eligibility.rules_on`, the fleet grid's test too), so
+  a class ``eligible`` policy added or changed mid-run counts from the next dispatch.
+- **The first probe.** At the first dispatch under rules (the run's first, or the first after a policy
+  turned them on), every idle node that did not train in the previous aggregation is probed; when no
+  node is training, the answers are awaited up to ``PROBE_TIMEOUT_S``.
+- **No telemetry, no model.** A node that has not said anything yet (no probe answer, no train reply)
+  is never dispatched while rules apply: its class and its telemetry are not known, and a node on
+  5 % battery must never get a model. Its row says ``not eligible: no telemetry yet``; it is
+  dispatched at the first dispatch after its answer arrives and passes. (The synchronous fleet grid,
+  which must fill a round, samples such a node.)
+- **Probed again.** Each train reply's telemetry is kept. Once an aggregation, after a dispatch, the
+  nodes left idle (sent no model) that sent nothing in the previous aggregation are probed again
+  without waiting (FedBuff has no barrier to wait at): their answers count from the next dispatches. A
+  node sent a model is not probed (the probe would run first on the node and hold its training up).
+  An idle node whose last report failed its rules is probed again only once ``REPROBE_S`` seconds have
+  passed since its last probe (each probe starts a ClientApp process on the node, and a phone on low
+  battery should not be woken every aggregation). A node that does not answer keeps what it said last.
+- **Nothing to dispatch.** When nothing is in flight and no idle node is eligible, it waits for the
+  answers out and probes the idle nodes again every ``RETRY_S`` seconds up to ``round_timeout``, then
+  fails saying why.
+
+The rows of the nodes passed over are the simulated path's (:func:`fedswarm.eligibility.ineligible_row`).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Callable
 
-from fedswarm.eligibility import (Rules, ineligible_row, machine_telemetry, node_report, parse_rules, probe_messages,
-                                  rules_by_class)
+from fedswarm.eligibility import (Rules, ineligible_row, machine_telemetry, node_report, parse_rules, policies_in,
+                                  probe_messages, rules_by_class, rules_on)
 from fedswarm.policy import DEFAULT_CLASS
 from fedswarm.strategies.strategy_utils import pull_replies
 
-__all__ = ["DispatchRules", "ProbedRules", "dispatch_rules_for", "PROBE_TIMEOUT_S"]
+__all__ = ["DispatchRules", "ProbedRules", "dispatch_rules_for", "PROBE_TIMEOUT_S", "REPROBE_S", "NO_REPORT"]
 
 PROBE_TIMEOUT_S = 10.0  # how long the first probe waits for the nodes' answers (the fleet grid's too)
 RETRY_S = 5.0  # with none eligible and none training: the pause between probes
+REPROBE_S = 60.0  # an idle node whose last report failed its rules: probed again at most this often
+NO_REPORT = "no telemetry yet (it has not answered the telemetry probe)"  # why a silent node is not dispatched
 
 
 class DispatchRules:
@@ -114,26 +134,32 @@ class ProbedRules:
     """Which nodes FedBuff may dispatch to when each node reports its own telemetry (see the module):
     ``rules``: ``--eligible`` (None: none; a class's ``eligible`` policy still applies); ``grid``: the
     nodes themselves, for the probe; ``wait_s``: how long it probes again when nothing is eligible and
-    nothing is training."""
+    nothing is training; ``reprobe_s``: the back-off of an ineligible idle node's probe (None:
+    ``REPROBE_S``); ``clock``: the seconds the back-off is measured in."""
 
     def __init__(self, rules: Rules | None, grid: Any, *, wait_s: float = 600.0,
-                 probe_timeout_s: float = PROBE_TIMEOUT_S, retry_s: float = RETRY_S):
+                 probe_timeout_s: float = PROBE_TIMEOUT_S, retry_s: float = RETRY_S, reprobe_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.rules, self.grid = rules, grid
         self.wait_s, self.probe_timeout_s, self.retry_s = float(wait_s), float(probe_timeout_s), float(retry_s)
+        self.reprobe_s = float(REPROBE_S if reprobe_s is None else reprobe_s)  # (None: the module's, read now)
+        self.clock = clock
         self.telemetry: dict[int, dict] = {}
         self.classes: dict[int, str] = {}
+        self.known: set[int] = set()  # nodes that said something of themselves (a probe answer, a train reply)
+        self.probed_at: dict[int, float] = {}  # node -> when its last probe was sent (clock)
         self.asked: dict[str, int] = {}  # probe message id -> node, not answered yet
         self.heard: set[int] = set()  # nodes that sent a train reply in this aggregation
-        self.before: set[int] | None = None  # ... in the previous one (None: none yet, the first probe is due)
-        self.passed: dict[int, tuple[Rules, str]] = {}  # nodes passed over in this aggregation, and why
-        self._fresh = False
+        self.before: set[int] | None = None  # ... in the previous one (None: no aggregation yet)
+        self.passed: dict[int, tuple[Rules | None, str]] = {}  # nodes passed over in this aggregation, and why
+        self._started = False  # rules applied at a dispatch already (the first probe is done)
+        self._fresh = False  # probe_left done in this aggregation
         self._probes = 0
 
     @staticmethod
     def active(train_config: Any, rules: Rules | None) -> bool:
         """Whether ``rules`` or any class's ``eligible`` policy (the train config's ``policy.<class>``) applies."""
-        return rules is not None or any(str(k).startswith("policy.") and json.loads(v).get("eligible")
-                                        for k, v in train_config.items())
+        return rules_on(policies_in(train_config), rules)
 
     def learn(self, reply: Any) -> None:
         """What a reply (a probe answer, a train reply) says of its node: its telemetry and class."""
@@ -141,6 +167,7 @@ class ProbedRules:
         if report is None:
             return
         node, tel, cls, _ = report
+        self.known.add(node)
         if tel is not None:
             self.telemetry[node] = tel
         if cls is not None:
@@ -148,45 +175,59 @@ class ProbedRules:
         if not str(reply.metadata.message_type).startswith("query."):
             self.heard.add(node)  # it trained: not probed at the next aggregation (the fleet grid's rule)
 
-    def why_not(self, node: int, train_config: Any) -> tuple[Rules, str] | None:
-        """Why ``node`` may not train now (its class's rules, the failing clauses), None: it may."""
+    def why_not(self, node: int, train_config: Any) -> tuple[Rules | None, str] | None:
+        """Why ``node`` may not train now (its class's rules, the failing clauses; a node that said nothing
+        yet: no rules, :data:`NO_REPORT`), None: it may. Call it only while :meth:`active`."""
+        if node not in self.known:
+            return None, NO_REPORT
         (rules,) = rules_by_class(train_config, [self.classes.get(node, DEFAULT_CLASS)], self.rules)
         why = None if rules is None else rules.why_not(self.telemetry.get(node))
         return None if why is None else (rules, why)
 
-    def _ask(self, nodes: list[int]) -> set[str]:
+    def _ask(self, nodes: list[int]) -> None:
         pending = set(self.asked.values())
         nodes = [n for n in nodes if n not in pending]
         if not nodes:
-            return set()
+            return
         self._probes += 1
+        now = self.clock()
         ids = list(self.grid.push_messages(probe_messages(nodes, f"probe-fedbuff-{self._probes}")))
         for node, mid in zip(nodes, ids):
             if mid:
                 self.asked[mid] = node
-        return {mid for mid in ids if mid}
+                self.probed_at[node] = now
 
     def _read(self, replies: list) -> None:
         for reply in replies:
             if self.asked.pop(reply.metadata.reply_to_message_id, None) is not None:
                 self.learn(reply)
 
-    def _probe(self, nodes: list[int]) -> None:
-        """Probe ``nodes`` and wait for their answers (up to ``probe_timeout_s``)."""
-        self._read(pull_replies(self.grid, self._ask(nodes), timeout=self.probe_timeout_s))
+    def _await(self, timeout: float) -> None:
+        """The answers of every probe out, waited for up to ``timeout`` seconds."""
+        if self.asked:
+            self._read(pull_replies(self.grid, set(self.asked), timeout=timeout))
+
+    def _due(self, node: int, train_config: Any, now: float) -> bool:
+        """Whether idle ``node`` is probed at this aggregation: it sent nothing in the previous one, and
+        its last report did not fail its rules less than ``reprobe_s`` seconds after its last probe."""
+        if self.before is not None and node in self.before:
+            return False
+        if node in self.known and self.why_not(node, train_config) is not None:
+            return now - self.probed_at.get(node, -float("inf")) >= self.reprobe_s
+        return True
 
     def eligible_idle(self, idle: list[int], train_config: Any, *, busy: bool) -> list[int]:
         """The eligible nodes among ``idle`` (called at a dispatch with a free slot; the others are passed
         over, remembered for :meth:`rows`). ``busy``: some node is training; when none is and none of
-        ``idle`` is eligible, it probes them again up to ``wait_s`` seconds, then raises RuntimeError."""
+        ``idle`` is eligible, it waits for the probes' answers and probes again up to ``wait_s`` seconds,
+        then raises RuntimeError."""
         if not self.active(train_config, self.rules):
             return list(idle)
-        if self.before is None:  # the first dispatch: every node, answers awaited (the fleet grid's round 1)
-            self.before = set()
-            self._probe(list(idle))
-        elif not self._fresh:  # an aggregation's first dispatch: those silent in the last one, not awaited
-            self._ask([n for n in idle if n not in self.before])
-        self._fresh = True
+        if not self._started:  # the first dispatch under rules: every node that did not just train
+            self._started = self._fresh = True
+            self._ask([n for n in idle if self.before is None or n not in self.before])
+            if not busy:
+                self._await(self.probe_timeout_s)
         if self.asked:
             self._read(list(self.grid.pull_messages(list(self.asked))))
         deadline = time.monotonic() + self.wait_s
@@ -195,12 +236,15 @@ class ProbedRules:
             ok = [n for n in idle if verdict[n] is None]
             if ok or busy or not idle:
                 break
-            if time.monotonic() > deadline:
-                reasons = "; ".join(sorted({f"{rules}: {why}" for rules, why in verdict.values()})[:3])
+            left = deadline - time.monotonic()
+            if left <= 0:
+                reasons = "; ".join(sorted({f"{rules or 'eligible'}: {why}" for rules, why in verdict.values()})[:3])
                 raise RuntimeError(f"FedBuff: no node is eligible to train and none is training after "
                                    f"{self.wait_s:.0f} s ({reasons})")
-            time.sleep(min(self.retry_s, max(0.0, deadline - time.monotonic())))  # their telemetry may change
-            self._probe(list(idle))
+            if not self.asked:  # every answer is in and none passes: their telemetry may change
+                time.sleep(min(self.retry_s, left))
+            self._ask(list(idle))  # (not those whose probe is still out)
+            self._await(min(self.probe_timeout_s, max(0.0, deadline - time.monotonic())))
         for n, v in verdict.items():
             if v is None:
                 self.passed.pop(n, None)
@@ -208,13 +252,26 @@ class ProbedRules:
                 self.passed[n] = v
         return ok
 
+    def probe_left(self, idle: list[int], train_config: Any) -> None:
+        """Once an aggregation, after its dispatch: probe the nodes left ``idle`` (sent no model) that are
+        due (:meth:`_due`), without waiting. A node being sent a model now is not probed: the answer
+        would come after the decision, and the probe would hold its training up (one ClientApp
+        process before the train message); its train reply carries its telemetry."""
+        if self._fresh or not idle or not self.active(train_config, self.rules):
+            return
+        self._fresh = True
+        now = self.clock()
+        self._ask([n for n in idle if self._due(n, train_config, now)])
+
     def dispatch(self, sched: Any, version: int, train_config: Any) -> list:
         """``sched.dispatch(version)`` (the virtual clock's schedule, the flower engine) over the eligible
-        idle nodes."""
-        if sched.in_flight >= sched.concurrency or not sched.idle:
-            return []
-        ok = set(self.eligible_idle(list(sched.idle), train_config, busy=sched.in_flight > 0))
-        return sched.dispatch(version, eligible=ok.__contains__)
+        idle nodes, then :meth:`probe_left` on those left idle."""
+        jobs = []
+        if sched.in_flight < sched.concurrency and sched.idle:
+            ok = set(self.eligible_idle(list(sched.idle), train_config, busy=sched.in_flight > 0))
+            jobs = sched.dispatch(version, eligible=ok.__contains__)
+        self.probe_left(list(sched.idle), train_config)
+        return jobs
 
     def rows(self, arrived: Callable[[int], bool]) -> list[dict]:
         """The aggregation's rows of the nodes passed over (not those with an update in it, ``arrived``)."""
