@@ -34,7 +34,7 @@ __all__ = ["ClientMemory", "ClientRows", "NodeIds", "Meter", "ByteCounter", "rou
 class ClientMemory(dict):
     """Per-client state by partition id, as objects in a dict (the round runners keep theirs in
     arrays instead: error-feedback residuals :class:`ClientRows`, gTop-k memories
-    :class:`~fedswarm.sim.batched_compressed.GTopKRows`, sketch memories
+    :class:`~fedswarm.sim.batched_gtopk.GTopKRows`, sketch memories
     :class:`~fedswarm.sim.batched_sketched.SketchRows`). A client's first use makes its state
     with ``empty(pid)``, what its ClientApp starts from; :meth:`rows` reads a chunk's clients,
     :meth:`keep` writes them back."""
