@@ -172,11 +172,7 @@ class CompressedStrategy(ReportsRounds, Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        self._grid = grid
-        self._ensure_model(arrays)
-        if self.dp is not None:
-            self.dp.before_round()  # refuses a round past the privacy budget
-        return list(self.plan_train(server_round, arrays, config, grid))
+        return list(self.plan_train(server_round, arrays, config, grid))  # every message built
 
     def plan_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> TrainPlan:
         """:meth:`configure_train`'s work (sampling, the round's knobs, each node's sync
