@@ -27,8 +27,9 @@ class GTopKRows:
     """The gTop-k clients' memories held as arrays, for the clients that have one: accumulators
     and last sent indices as rows (:class:`~fedswarm.sim.batched_round.ClientRows`, ``[d]`` and
     ``[k]``), the round of the last message in an int32 array over the population (-1: none
-    yet, the state :meth:`GTopKClientState.empty` a client starts from). Its memory: ``8 x
-    population`` bytes of slots and rounds, plus ``4 d + 8 k`` bytes per client that has state."""
+    yet, the state :meth:`GTopKClientState.empty` a client starts from). Its memory: ``12 x
+    population`` bytes of slots (the two row sets') and rounds, plus ``4 d + 8 k`` bytes per client
+    that has state."""
 
     def __init__(self, d: int, population: int):
         self.acc = ClientRows(d, population)
