@@ -84,10 +84,11 @@ from fedswarm.server.app import PreparedStrategy, strategy_for
 from fedswarm.server.metered_grid import Traffic
 from fedswarm.server.recorder import RoundListener, RoundRecorder, run_recorded
 from fedswarm.sim.batched_memory import available_ram, default_memory_budget, parse_memory_budget
-from fedswarm.sim.batched_compressed import CompressedRounds, GTopKRounds
+from fedswarm.sim.batched_compressed import CompressedRounds
 from fedswarm.sim.batched_eval import CohortEvaluator
 from fedswarm.sim.batched_fedbuff import FedBuffRounds
 from fedswarm.sim.batched_fleet import BatchedFleet
+from fedswarm.sim.batched_gtopk import GTopKRounds
 from fedswarm.sim.batched_progfed import ProgFedRounds
 from fedswarm.sim.batched_pvt import PVTRounds
 from fedswarm.sim.batched_round import (NODE_ROWS_MAX, ByteCounter, Meter, add_client, add_clients, cohort_nodes,
@@ -114,7 +115,7 @@ __all__ = ["BatchedTrainer", "ClientSchedule", "run_batched", "parse_memory_budg
 #: once per round by the strategy's own mechanism); ``codec``: the strategies whose client half is
 #: :func:`fedswarm.strategies.federated.compressed_fedavg.client_update` (the compressed ones and the
 #: Byzantine-robust rules; with ``--dp`` the clients clip, the strategy object noises) and
-#: ``global_topk`` (:mod:`fedswarm.sim.batched_compressed`); ``variable_subsets``: PVT's
+#: ``global_topk`` (:mod:`fedswarm.sim.batched_gtopk`); ``variable_subsets``: PVT's
 #: (:mod:`fedswarm.sim.batched_pvt`); ``stages``: ProgFed's (:mod:`fedswarm.sim.batched_progfed`);
 #: ``sketch``: the Count-Sketch strategies' (:mod:`fedswarm.sim.batched_sketched`); ``fedbuff``: FedBuff's
 #: asynchronous aggregations, each a recorded round (:mod:`fedswarm.sim.batched_fedbuff`).

@@ -71,11 +71,13 @@ def available_ram() -> int:
 PROCESS_BYTES = 350 * 10**6
 
 #: Per-client state a round runner keeps between rounds, for a model of ``d`` parameters: bytes of a
-#: client that has state (its row, and what holds it: a tensor object in a dict, a Flower Context).
+#: client that has state (its rows in arrays, :class:`~fedswarm.sim.batched_round.ClientRows`).
 #: The sketch runner's depends on the strategy and its hyperparameters: :func:`state_bytes`.
 STATE_BYTES: dict[str, Callable[[int], int]] = {
     "codec": lambda d: 4 * d + 16,  # the error-feedback residual [d] (ClientRows: a row and its slot)
-    "global_topk": lambda d: 4 * d + 600,  # GTopKClientState: its accumulator [1, d] and round markers
+    # GTopKRows: the accumulator row [d], plus 600 for the last message's k int64 indices (8 k bytes:
+    # enough while k <= 75; GTopKRows' 12 bytes of slots and rounds per client of the population are not counted)
+    "global_topk": lambda d: 4 * d + 600,
 }
 
 

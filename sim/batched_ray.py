@@ -296,7 +296,7 @@ def sharded_runner(strategy: str, pool: _Pool) -> Callable[..., Any]:
     """The round runner of ``strategy`` with its cohort on ``pool``'s workers: called as a
     round runner class, ``(run, model, notes=...)``."""
     from fedswarm.sim.batched import round_runner
-    from fedswarm.sim.batched_compressed import GTopKRounds
+    from fedswarm.sim.batched_gtopk import GTopKRounds
     from fedswarm.sim.batched_sketched import SketchRounds
 
     entry = registry.get(strategy)

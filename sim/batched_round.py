@@ -9,7 +9,7 @@ import json
 from collections import defaultdict
 from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Sequence
 from uuid import uuid4
 
 import numpy as np
@@ -24,36 +24,11 @@ from fedswarm.server.metered_grid import Traffic, serialized_size
 from fedswarm.sim.batched_trainer import ClientSchedule
 from fedswarm.wire import vector_to_arrayrecord
 
-__all__ = ["ClientMemory", "ClientRows", "NodeIds", "Meter", "ByteCounter", "round_schedule", "strategy_round",
+__all__ = ["ClientRows", "NodeIds", "Meter", "ByteCounter", "round_schedule", "strategy_round",
            "varint_len",
            "make_reply", "reply_size", "mark_rejected", "reject_diverged", "NODE_ROWS_MAX",
            "add_client", "add_clients", "cohort_rows", "cohort_schedule", "CohortSchedule", "round_seeds",
            "varint_lens", "CohortBytes", "cohort_nodes"]
-
-
-class ClientMemory(dict):
-    """Per-client state by partition id, as objects in a dict (the round runners keep theirs in
-    arrays instead: error-feedback residuals :class:`ClientRows`, gTop-k memories
-    :class:`~fedswarm.sim.batched_compressed.GTopKRows`, sketch memories
-    :class:`~fedswarm.sim.batched_sketched.SketchRows`). A client's first use makes its state
-    with ``empty(pid)``, what its ClientApp starts from; :meth:`rows` reads a chunk's clients,
-    :meth:`keep` writes them back."""
-
-    def __init__(self, empty: Callable[[int], Any]):
-        super().__init__()
-        self.empty = empty
-
-    def __missing__(self, pid: int) -> Any:
-        state = self[pid] = self.empty(pid)
-        return state
-
-    def rows(self, pids: Sequence[int]) -> list:
-        """The states of clients ``pids``, in order."""
-        return [self[pid] for pid in pids]
-
-    def keep(self, pids: Sequence[int], states: Sequence) -> None:
-        """Clients ``pids``' states after their round."""
-        self.update(zip(pids, states, strict=True))
 
 
 class ClientRows:
@@ -63,8 +38,9 @@ class ClientRows:
     client with no state yet, whose row reads as zeros, what its ClientApp starts from). Its
     memory: ``4 x population`` bytes of slots plus ``4 x d`` bytes per client that has state
     (:data:`fedswarm.sim.batched_memory.STATE_BYTES`). :meth:`stack` reads a chunk's clients as
-    one tensor, :meth:`keep_stacked` writes them back; :meth:`rows`/:meth:`keep` are
-    :class:`ClientMemory`'s interface."""
+    one tensor, :meth:`keep_stacked` writes them back. The other multi-row memories build on it:
+    gTop-k's :class:`~fedswarm.sim.batched_gtopk.GTopKRows`, the sketch clients'
+    :class:`~fedswarm.sim.batched_sketched.SketchRows`."""
 
     def __init__(self, d: int, population: int, dtype: torch.dtype = torch.float32):
         self.d = d
@@ -79,7 +55,7 @@ class ClientRows:
         return bool(self._slot[pid] >= 0)
 
     def __iter__(self):
-        """The partition ids of the clients that have state (a dict's keys, as :class:`ClientMemory`)."""
+        """The partition ids of the clients that have state."""
         return iter(np.flatnonzero(self._slot >= 0).tolist())
 
     def __getitem__(self, pid: int) -> torch.Tensor:
@@ -113,14 +89,6 @@ class ClientRows:
             self._slot[new] = np.arange(self._used, need, dtype=np.int32)
             self._used = need
         self._rows[torch.from_numpy(self._slot[p].astype(np.int64))] = rows.to(self._rows.dtype)
-
-    def rows(self, pids: Sequence[int]) -> list:
-        """The rows of clients ``pids``, in order (:class:`ClientMemory`'s interface)."""
-        return list(self.stack(pids))
-
-    def keep(self, pids: Sequence[int], states: Sequence) -> None:
-        """Clients ``pids``' rows after their round (:class:`ClientMemory`'s interface)."""
-        self.keep_stacked(pids, torch.stack(list(states)) if len(states) else torch.zeros((0, self.d)))
 
 
 # Rounds with more clients than this record the round's totals but no per-node rows:

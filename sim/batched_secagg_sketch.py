@@ -12,8 +12,10 @@ graph seed and dropout draw, DP's round parameters and accountant, as ``SecAggGr
 secure rounds):
 
 1. the protocol's first two stages decide who gets the masked-input stage (the ask): only those
-   nodes answer it, by the strategy's own client half on their Context (its phase-2 branch, which
-   notes the candidates it was asked about, as in-process);
+   nodes answer it, by the strategy's own client half on their memories
+   (:meth:`~fedswarm.strategies.federated.sketch_base.SketchClient.answer` on their rows of
+   :class:`~fedswarm.sim.batched_sketched.SketchRows`, which note the candidates each was asked
+   about, as the in-process node's Context does);
 2. each answer is read as the in-process node reads it (:func:`payload_of`: the values, weighted
    by the node's first-sum examples); a node whose client half fails or whose values are not
    finite drops at ``masked_input``;
@@ -45,7 +47,7 @@ __all__ = ["SecureSketchExchange"]
 
 class SecureSketchExchange:
     """Mixed into the batched sketch runner's grid (:class:`~fedswarm.sim.batched_sketched._Exchange`:
-    ``contexts``, ``client``, ``answer``, ``notes``) under ``--secagg``: ``survivors`` and
+    ``rows``, ``client``, ``answer_all``, ``notes``) under ``--secagg``: ``survivors`` and
     ``second_sum`` as ``SecAggGrid`` has them, and the second sum's ask answered as above.
     ``secure``: the runner's :class:`~fedswarm.sim.batched_secagg_codec.SecurePayloadRounds`."""
 

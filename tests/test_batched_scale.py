@@ -172,19 +172,19 @@ def test_a_run_that_cannot_fit_is_refused_before_it_starts_with_the_fraction_tha
 
 
 def test_client_rows_hold_only_the_clients_with_state_and_read_back_what_was_kept():
-    from fedswarm.sim.batched_round import ClientRows, ClientMemory
+    from fedswarm.sim.batched_round import ClientRows
 
     d, population = 6, 1_000_000
-    rows, oracle = ClientRows(d, population), ClientMemory(lambda pid: torch.zeros(d))
+    rows, oracle = ClientRows(d, population), {}  # the oracle: each client's row by partition id, zeros when absent
     gen = torch.Generator().manual_seed(0)
     rng = random.Random(0)
     for _ in range(40):  # rounds of random cohorts, some clients seen again
         pids = rng.sample(range(0, 3000), rng.randint(1, 50)) + [population - 1]
-        before = torch.stack(oracle.rows(pids))
+        before = torch.stack([oracle.get(pid, torch.zeros(d)) for pid in pids])
         assert torch.equal(rows.stack(pids), before)
         after = before + torch.randn(len(pids), d, generator=gen)
         rows.keep_stacked(pids, after)
-        oracle.keep(pids, list(after.clone()))
+        oracle.update(zip(pids, after.clone()))
     assert len(rows) == len(oracle)  # only the clients that have state
     assert rows.nbytes() <= 4 * population + 2 * 4 * d * max(len(oracle), 16)
     assert torch.equal(rows.stack([population - 1, 5_000]), torch.stack([oracle[population - 1], torch.zeros(d)]))

@@ -111,9 +111,16 @@ def test_gtopk_step_by_hand():
     assert torch.equal(state.acc, acc)  # the old state is left as it was (a failed round keeps it)
 
 
+def _gtopk_rows(state: gtopk.GTopKClientState) -> list[gtopk.GTopKClientState]:
+    """Each client's own state of a batch (C = 1), as a Flower client holds it."""
+    return [gtopk.GTopKClientState(state.acc[i:i + 1].clone(), state.sent_round[i:i + 1], (idx,))
+            for i, idx in enumerate(state.sent_idx)]
+
+
 def test_gtopk_step_on_c_clients_is_c_steps_of_one():
     layout, density = LAYOUT, 0.1
-    state = gtopk.GTopKClientState.concat([gtopk.GTopKClientState.empty(layout.d) for _ in range(C)])
+    empty = gtopk.GTopKClientState.empty(layout.d)
+    state = gtopk.GTopKClientState(empty.acc.repeat(C, 1), empty.sent_round * C, empty.sent_idx * C)
     for rnd in (1, 2, 3):
         delta = _changes(rnd)
         # the server used a different part of each client's last message (none before the first)
@@ -122,7 +129,7 @@ def test_gtopk_step_on_c_clients_is_c_steps_of_one():
         if rnd == 3:
             selects[1] = _select(1, [True] * 4)  # a note about an older message: nothing cleared
         payload, new = gtopk.client_step(state, selects, delta, density, rnd, layout)
-        rows = state.rows()
+        rows = _gtopk_rows(state)
         for i in range(C):
             one, one_new = gtopk.client_step(rows[i], selects[i:i + 1], delta[i:i + 1], density, rnd, layout)
             for name, arr in payload.arrays.items():

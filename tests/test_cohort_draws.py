@@ -88,7 +88,7 @@ def test_cohort_bytes_are_the_dict_add_client_builds():
 def test_gtopk_rows_read_back_what_was_kept_and_the_empty_state_for_the_rest():
     import torch
 
-    from fedswarm.sim.batched_compressed import GTopKRows
+    from fedswarm.sim.batched_gtopk import GTopKRows
     from fedswarm.strategies.federated.gtopk import GTopKClientState
 
     rows = GTopKRows(d=5, population=10)

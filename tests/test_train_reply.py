@@ -9,7 +9,6 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedswarm.local import node_report, train_reply
-from fedswarm.sim.batched_round import ClientMemory
 
 
 def test_train_reply_records():
@@ -23,15 +22,3 @@ def test_train_reply_records():
     assert dict(content.config_records["node"]) == {"device_class": "edge", "policy": '{"lr": 0.1}',
                                                     "partition-id": 2}
 
-
-def test_client_memory_starts_each_client_from_empty_and_keeps_its_state():
-    made = []
-
-    def empty(pid):
-        made.append(pid)
-        return [pid]
-
-    mem = ClientMemory(empty)
-    assert mem.rows([3, 1]) == [[3], [1]] and made == [3, 1]
-    mem.keep([3], [["after"]])
-    assert mem.rows([1, 3]) == [[1], ["after"]] and made == [3, 1]  # no client is made twice

@@ -37,8 +37,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from fedswarm.params import ParamLayout, all_finite
 # The client half (begin/train/finish) lives in compressed_client; its names stay importable from here.
 from fedswarm.strategies.federated.compressed_client import (KNOBS, SELECT, ClientRound, UserTraining, begin,
-                                                             finish, save_sent, taken_indices, train,
-                                                             user_training)
+                                                             finish, save_sent, train, user_training)
 from fedswarm.strategies.federated.compressed_sync import ReplicaSync
 from fedswarm.strategies.registry import message_type_of
 from fedswarm.strategies.resumable import capture, restore
@@ -48,7 +47,7 @@ from fedswarm.payload import Payload, PayloadError
 from fedswarm.wire import (array_keys, arrayrecord_to_vector, payload_from_records, vector_to_arrays_like)
 
 __all__ = ["CompressedStrategy", "TrainPlan", "Accepted", "Step", "ClientRound", "begin", "train", "finish",
-           "taken_indices", "save_sent", "read_payload", "KNOBS", "UserTraining", "user_training"]
+           "save_sent", "read_payload", "KNOBS", "UserTraining", "user_training"]
 
 
 
@@ -173,11 +172,7 @@ class CompressedStrategy(ReportsRounds, Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        self._grid = grid
-        self._ensure_model(arrays)
-        if self.dp is not None:
-            self.dp.before_round()  # refuses a round past the privacy budget
-        return list(self.plan_train(server_round, arrays, config, grid))
+        return list(self.plan_train(server_round, arrays, config, grid))  # every message built
 
     def plan_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> TrainPlan:
         """:meth:`configure_train`'s work (sampling, the round's knobs, each node's sync

@@ -27,7 +27,7 @@ from fedswarm.strategies.strategy_utils import layout_from_json
 from fedswarm.train import LocalTrainer, TrainResult, trainer_for
 from fedswarm.wire import arrayrecord_to_vector, vector_to_arrayrecord
 
-__all__ = ["ClientRound", "begin", "train", "finish", "taken_indices", "selected_indices", "sent_of", "save_sent",
+__all__ = ["ClientRound", "begin", "train", "finish", "selected_indices", "sent_of", "save_sent",
            "KNOBS", "SELECT", "UserTraining", "user_training"]
 
 KNOBS = "compress"  # the ConfigRecord of strategy knobs in every train message
@@ -201,9 +201,3 @@ def selected_indices(select: ConfigRecord | None, sent_round: int | None, sent_i
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= d):
         raise PayloadError(f"selection indices must lie in [0, {d})")
     return idx
-
-
-def taken_indices(cr: ClientRound, key: str) -> torch.Tensor | None:
-    """:func:`selected_indices` of this client round: the train message's ``select`` read
-    against what this node kept under ``key``."""
-    return selected_indices(cr.msg.content.config_records.get(SELECT), *sent_of(cr.context.state, key), cr.layout.d)

@@ -143,19 +143,6 @@ class GTopKClientState:
         """One client's state before its first round."""
         return cls(torch.zeros(1, d, dtype=torch.float32), (None,), (None,))
 
-    @classmethod
-    def concat(cls, states: Sequence[GTopKClientState]) -> GTopKClientState:
-        """The states of several groups of clients as one, in order."""
-        return cls(torch.cat([s.acc for s in states]), sum((s.sent_round for s in states), ()),
-                   sum((s.sent_idx for s in states), ()))
-
-    def rows(self) -> list[GTopKClientState]:
-        """Each client's own state (C = 1), copied out of the batch's tensors (a row kept
-        between rounds must not hold its whole batch in memory)."""
-        return [GTopKClientState(self.acc[i:i + 1].clone(), self.sent_round[i:i + 1],
-                                 (None if idx is None else idx.clone(),))
-                for i, idx in enumerate(self.sent_idx)]
-
 
 def client_step(state: GTopKClientState, selects: Sequence[ConfigRecord | None], delta: torch.Tensor,
                 density: float, server_round: int, layout: ParamLayout) -> tuple[Payload, GTopKClientState]:
