@@ -133,15 +133,12 @@ class Presence:
         self.on = np.zeros(n, dtype=bool)
 
     def at(self, t: float) -> np.ndarray:
-        av = self.availability
-        for pid in np.flatnonzero(~((self.lo <= t) & (t < self.hi))).tolist():
-            end = av.session_end(pid, t)
-            if end is not None:
-                self.on[pid], self.hi[pid] = True, end
-            else:
-                nxt = av.next_on(pid, t, limit=LOOKAHEAD_S)  # None: off for all that span
-                self.on[pid], self.hi[pid] = False, (t + LOOKAHEAD_S if nxt is None else nxt)
-            self.lo[pid] = t
+        stale = np.flatnonzero(~((self.lo <= t) & (t < self.hi)))
+        if len(stale):
+            on, change = self.availability.at(stale, t, limit=LOOKAHEAD_S)  # (inf: off for all that span)
+            self.on[stale] = on
+            self.hi[stale] = np.where(on | np.isfinite(change), change, t + LOOKAHEAD_S)
+            self.lo[stale] = t
         return self.on
 
 
