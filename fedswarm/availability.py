@@ -15,7 +15,10 @@
   is available, from ``start_s`` to ``end_s`` simulated seconds after the run started. A node may
   have many windows; a node with none is never available; the trace is not repeated.
 
-Everything is deterministic for a seed. Time is the simulated time of the time model
+Everything is deterministic for a seed: a process's windows are a function of the run's seed,
+the node and the draw's number (a counter-based hash, :class:`Availability`), so they can be drawn
+for every node at once as arrays (:meth:`Availability.at`, the batched engine's fleet) or node by
+node (the other engines), the same windows either way. Time is the simulated time of the time model
 (``--devices``), so availability needs it. The server side (:mod:`fedswarm.server.fleet_grid`)
 samples only nodes that are on at the round's start, and loses the update of a node that drops
 (``dropout``) or whose session ends before its own part of the round does.

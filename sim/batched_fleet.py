@@ -46,10 +46,11 @@ the fleet grid writes them (its row functions) when a round leaves out at most
 :data:`~fedswarm.sim.batched_round.NODE_ROWS_MAX` nodes; past that the round's row counts them
 instead (``fleet_ineligible``, ``fleet_unavailable``, ``fleet_late``, ``fleet_dropped``).
 
-Cost: the checks are arrays over the population, but a node's availability windows are drawn
-from its own generator (seeded by the run's seed and its partition, so that every engine sees the
-same windows): the first round builds one per node, about 0.1 ms each (10 s for 100,000 nodes on
-a 2-core VM); later rounds ask again only for the nodes whose session ended since.
+Cost: the checks are arrays over the population, the availability windows too: :class:`Presence`
+asks :meth:`Availability.at <fedswarm.availability.Availability.at>` for all the nodes whose
+state it does not know at once, which draws their periods as arrays (the same windows the
+other engines draw node by node); later rounds ask again only for the nodes whose session ended
+since.
 """
 
 from __future__ import annotations
