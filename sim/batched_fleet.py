@@ -217,12 +217,13 @@ class BatchedFleet:
                 return pool.tolist(), rows, {"fleet_unavailable": len(off), "fleet_ineligible": len(bad)}
             if self.availability is not None:  # simulated time: wait for the next node to come on
                 after = math.nextafter(self.clock, math.inf)
-                times = [t for pid in range(self.cfg.clients)
-                         if (t := self.availability.next_on(pid, after)) is not None and t > self.clock]
-                if not times:
+                on, change = self.availability.at(ids - 1, after)  # each node's next_on(after), all at once
+                times = np.where(on, after, change)
+                times = times[np.isfinite(times) & (times > self.clock)]
+                if not len(times):
                     raise none_on_again(server_round, 1, self.clock)
-                self.idle += min(times) - self.clock
-                self.clock = min(times)
+                self.idle += float(times.min()) - self.clock
+                self.clock = float(times.min())
                 continue
             if time.monotonic() > deadline:
                 raise too_few_eligible(server_round, 0, 1, self.wait_s, rows(NODE_ROWS_MAX))

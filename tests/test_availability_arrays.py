@@ -147,3 +147,28 @@ def test_a_trace_at_many_nodes_is_its_one_node_queries(tmp_path):
         for limit in (365 * 86_400.0, 10.0):
             on, change = av.at(np.arange(5), t, limit)
             assert list(zip(on.tolist(), change.tolist())) == [_one_node(av, p, t, limit) for p in range(5)], t
+
+
+def test_a_batched_round_waits_for_the_first_node_to_come_on_as_inprocess(tmp_path):
+    """No node on at the start: the round waits, in simulated time, for the first to come on (the
+    batched fleet asks every node's next on-time at once), the in-process fleet grid's wait."""
+    from fedswarm.config import RunConfig
+    from fedswarm.sim.engines import run_engine
+    from fedswarm.store import Store
+
+    trace = tmp_path / "late.csv"
+    trace.write_text("node,start_s,end_s\n0,400,1e9\n1,250,1e9\n2,900,1e9\n")
+    waited = {}
+    for engine in ("inprocess", "batched"):
+        cfg = RunConfig(task="synthetic-logreg", clients=4, rounds=1, seed=0, local_steps=1, devices="edge-wifi:4",
+                        availability=str(trace), engine=engine)
+        store = Store(tmp_path / f"{engine}.db")
+        rid = store.create_run(cfg.model_dump())
+        run_engine(cfg, store=store, run_id=rid)
+        (first,) = [r for r in store.rounds(rid) if r.round == 1]
+        rows = {(r.node_id, r.status) for r in store.node_rounds(rid) if r.round == 1}
+        waited[engine] = (first.sim_time_s, rows)
+    assert waited["batched"][1] == waited["inprocess"][1]
+    assert ("2", "ok") in waited["batched"][1]  # node 1 (partition 1), the first on, at 250 s
+    assert waited["batched"][0] == pytest.approx(waited["inprocess"][0], rel=1e-6)  # (its own part: float32 sizes)
+    assert 250.0 < waited["batched"][0] < 400.0
