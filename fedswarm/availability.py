@@ -250,10 +250,11 @@ class Availability:
     ``u_0 < on / (on + off)``; its ``k``-th period (``k >= 1``), starting at ``t`` (the first at 0),
     lasts ``-ln(u_k)`` times its mean (``on``; ``off · (1 + diurnal · cos(2πt / period))``), at
     least one ulp, and on and off periods alternate. :meth:`at` draws them for many nodes at once
-    (arrays over the nodes, one period per step); the one-node queries draw through the same
-    function, so both see the same windows. A node's state is kept as arrays (its next draw, the
-    start and end of its current period); its past on-windows only for a query about an earlier
-    time (kept as arrays until one asks).
+    (arrays over the nodes, one period per step, :meth:`_advance`); the one-node queries draw a
+    node's periods in a loop (:meth:`_extend`) from the same draws with the same arithmetic, so
+    both see the same windows, bit for bit (tests/test_availability_arrays.py holds them equal).
+    A node's state is kept as arrays (its next draw, the start and end of its current period); its
+    past on-windows only for a query about an earlier time (kept as arrays until one asks).
     """
 
     def __init__(self, num_nodes: int, *, processes: list[OnOff | None] | None = None,
