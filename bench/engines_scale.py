@@ -25,6 +25,14 @@ Rows (each run cell in a fresh interpreter, its resident memory sampled for the 
   (``state_bound_mb``: the bound its arrays stay within); with ``FEDSWARM_BENCH_BEFORE`` each
   also on the other checkout (``before: ...``), in turn.
 
+- ``availability first round``: FedAvg under ``--availability on=1800,off=1800,diurnal=0.5,dropout=0.1``
+  (``--devices`` half gpu, half edge-wifi), digits-mlp at ``--fraction 0.01`` on populations of
+  10,000 and 100,000, 2 rounds: the first round's seconds (``first_round_s``: every node's
+  availability windows are drawn at its start), the whole run's (``run_s``, the process's
+  setup included) and the availability part's CPU seconds (``availability_cpu_s``: building the
+  fleet's ``Availability`` and the first round's ``Presence.at``, timed inside the run); with
+  ``FEDSWARM_BENCH_BEFORE`` each also on the other checkout, in turn.
+
 ``FEDSWARM_BENCH_SCALE_ROWS=WORD`` runs only the rows whose label holds ``WORD`` (e.g. ``sketched``).
 
 ``repeats`` (2; quick 1) runs of every cell, interleaved; the table gives each cell's best
@@ -53,6 +61,8 @@ __all__ = ["run_scale", "compute_floor", "BEFORE_ENV"]
 
 BEFORE_ENV = "FEDSWARM_BENCH_BEFORE"
 ROWS_ENV = "FEDSWARM_BENCH_SCALE_ROWS"
+#: the availability rows' fleet: sessions of 30 min on and off on average, diurnal, 10 % dropouts
+AVAILABILITY = "on=1800,off=1800,diurnal=0.5,dropout=0.1"
 BASE = dict(task="digits-mlp", partition="iid", local_steps=1, batch_size=16, lr=0.3, fraction=1.0, seed=0,
             engine="batched")
 
@@ -79,6 +89,21 @@ try:
     CohortEvaluator.round_figures = timed(CohortEvaluator.round_figures)
 except (ImportError, AttributeError):  # code without it (a checkout from before)
     pass
+fleet_cpu = {"setup": [], "presence": []}  # availability: CPU seconds of the windows' setup and of each Presence.at
+try:
+    import fedswarm.sim.batched_fleet as bf
+    def timed_as(key, fn):
+        def call(*args, **kwargs):
+            c0 = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                fleet_cpu[key].append(time.process_time() - c0)
+        return call
+    bf.availability_for = timed_as("setup", bf.availability_for)
+    bf.Presence.at = timed_as("presence", bf.Presence.at)
+except (ImportError, AttributeError):
+    pass
 t0 = time.perf_counter()
 with scratch_store() as store:
     arm = run_arm(RunConfig(**spec), store, listeners=[lambda rnd, row: marks.append((rnd, time.process_time()))],
@@ -87,6 +112,7 @@ cpu = [b[1] - a[1] for a, b in zip(marks, marks[1:]) if b[0] == a[0] + 1 and a[0
 walls = [r["wall_s"] for r in arm.result["rounds"] if r["round"] > 0]
 with open(sys.argv[2], "w") as fh:
     json.dump({"status": arm.status, "walls": walls, "cpu": cpu, "eval_cpu": evals, "total_s": time.perf_counter() - t0,
+               "availability_setup_cpu": fleet_cpu["setup"], "presence_cpu": fleet_cpu["presence"],
                "final_test_accuracy": arm.result["summary"]["final_test_accuracy"]}, fh)
 """
 
@@ -192,6 +218,15 @@ def run_scale(out_dir: Path, quick: bool = False, console: Console | None = None
         if before:
             cells.append(("before: " + label, spec, True))
         cells.append((label, spec, False))
+    # the fleet's first round under --availability (each node's windows drawn at the round's start), against the
+    # population (each before the change too): 2 rounds at --fraction 0.01
+    for population in (10_000, 100_000):
+        label = f"{population // 1000:,}k population availability first round"
+        spec = dict(BASE, clients=population, fraction=0.01, rounds=2, eval_every=3, availability=AVAILABILITY,
+                    devices=f"gpu:{population // 2},edge-wifi:{population - population // 2}")
+        if before:
+            cells.append(("before: " + label, spec, True))
+        cells.append((label, spec, False))
     only = os.environ.get(ROWS_ENV)
     if only:
         cells = [c for c in cells if only in c[0]]
@@ -220,6 +255,12 @@ def run_scale(out_dir: Path, quick: bool = False, console: Console | None = None
                "final_test_accuracy": best.get("final_test_accuracy"), "runs": runs[label]}
         if row["s_per_round"]:
             row["client_rounds_per_s"] = per_round / row["s_per_round"]
+        if spec.get("availability"):  # its first round (the median below is the second's), and the whole run
+            row["first_round_s"] = min((c["walls"][0] for c in ok if c.get("walls")), default=None)
+            row["run_s"] = min((c["total_s"] for c in ok if c.get("total_s")), default=None)
+            # the availability part of it, CPU seconds: the windows' setup, the first round's Presence.at
+            row["availability_cpu_s"] = min((sum(c["availability_setup_cpu"]) + c["presence_cpu"][0] for c in ok
+                                             if c.get("presence_cpu")), default=None)
         if spec.get("strategy") == "sketched_sgd" and not old:
             row["state_bound_mb"] = _state_bound(spec) / 1e6
         rows.append(row)
@@ -271,6 +312,9 @@ def _ratios(rows: list[dict]) -> None:
             after = by.get(label.removeprefix("before: ")) if label.startswith("before: ") else None
             if after is not None and after.get(key) and row.get(key):
                 after[prefix + "x_before"] = row[key] / after[key]
+            for part in ("first_round_s", "availability_cpu_s"):
+                if key == "s_per_round" and after is not None and after.get(part) and row.get(part):
+                    after[part.removesuffix("_s") + "_x_before"] = row[part] / after[part]
     # the same ratio within each evaluated run (its rounds' CPU seconds over those less the evaluation's):
     # no second cell, so no load that differs between two runs
     within = [c["steady_x_without_fed_eval"] for c in fed.get("runs", []) if c.get("steady_x_without_fed_eval")]
@@ -283,7 +327,8 @@ def _print(rows: list[dict], console: Console) -> None:
     table = Table(title=f"engines scale: batched engine, one local step (load {load[0]:.1f} on {os.cpu_count()} cores)")
     for col in ("row", "task", "clients", "fraction", "client-rounds/s", "s/round", "x floor", "x before",
                 "x no fed eval", "CPU s/round", "CPU x floor", "CPU x before", "CPU x no fed eval",
-                "CPU x no fed eval (in run)", "peak MB", "state bound MB", "note"):
+                "CPU x no fed eval (in run)", "peak MB", "state bound MB", "first round s", "first round x before",
+                "availability CPU s", "availability x before", "note"):
         table.add_column(col)
 
     def f(v, spec):
@@ -297,6 +342,8 @@ def _print(rows: list[dict], console: Console) -> None:
                       f(r.get("cpu_x_before"), ".1f"), f(r.get("cpu_x_without_fed_eval"), ".2f"),
                       f(r.get("cpu_x_without_fed_eval_in_run"), ".3f"),
                       f(r.get("peak_rss_mb"), ".0f"), f(r.get("state_bound_mb"), ".0f"),
+                      f(r.get("first_round_s"), ".3f"), f(r.get("first_round_x_before"), ".1f"),
+                      f(r.get("availability_cpu_s"), ".3f"), f(r.get("availability_cpu_x_before"), ".0f"),
                       "" if r.get("status") in ("finished", "measured") else str(r.get("status"))[:60])
     console.print(table)
 
@@ -307,13 +354,14 @@ def _plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [r for r in rows if r.get("s_per_round")]
+    shown = [r for r in rows if r.get("first_round_s") or r.get("s_per_round")]
+    secs = [r.get("first_round_s") or r["s_per_round"] for r in shown]  # the availability rows: their first round
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.barh([f"{r['row']} ({r['clients'] * r['fraction']:,.0f}/round)" for r in shown],
-            [r["s_per_round"] for r in shown], color=[f"C{i}" for i in range(len(shown))])
-    for i, r in enumerate(shown):
-        ax.text(r["s_per_round"], i, f" {r['s_per_round']:.3f} s", va="center", fontsize=8)
-    ax.set_xlabel("seconds per round (steady; floor: one plain torch forward+backward)")
+    ax.barh([f"{r['row']} ({r['clients'] * r['fraction']:,.0f}/round)" for r in shown], secs,
+            color=[f"C{i}" for i in range(len(shown))])
+    for i, s in enumerate(secs):
+        ax.text(s, i, f" {s:.3f} s", va="center", fontsize=8)
+    ax.set_xlabel("seconds per round (steady; availability rows: the first; floor: one plain torch forward+backward)")
     ax.set_title("batched engine at scale: digits-mlp, one local step")
     ax.invert_yaxis()
     fig.tight_layout()

@@ -15,7 +15,10 @@
   is available, from ``start_s`` to ``end_s`` simulated seconds after the run started. A node may
   have many windows; a node with none is never available; the trace is not repeated.
 
-Everything is deterministic for a seed. Time is the simulated time of the time model
+Everything is deterministic for a seed: a process's windows are a function of the run's seed,
+the node and the draw's number (a counter-based hash, :class:`Availability`), so they can be drawn
+for every node at once as arrays (:meth:`Availability.at`, the batched engine's fleet) or node by
+node (the other engines), the same windows either way. Time is the simulated time of the time model
 (``--devices``), so availability needs it. The server side (:mod:`fedswarm.server.fleet_grid`)
 samples only nodes that are on at the round's start, and loses the update of a node that drops
 (``dropout``) or whose session ends before its own part of the round does.
@@ -27,19 +30,20 @@ import bisect
 import csv
 import math
 import re
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from fedswarm.errors import ConfigError
 
-__all__ = ["OnOff", "Availability", "parse_process", "load_trace", "availability_for", "is_trace",
+__all__ = ["OnOff", "Availability", "Trace", "parse_process", "load_trace", "availability_for", "is_trace",
            "run_availability"]
 
 _KEYS = ("on", "off", "diurnal", "period", "dropout")
-NEXT_ON_STEP_S = 3600.0  # next_on draws a process's windows this far ahead first, then 4x as far each time
 _CLASS = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -111,13 +115,50 @@ def parse_process(spec: str) -> dict[str, OnOff]:
     return out
 
 
-def load_trace(path: str | Path, num_nodes: int) -> dict[int, list[tuple[float, float]]]:
-    """Read a trace CSV (``node,start_s,end_s``): each node's windows, sorted and merged. A
-    malformed file raises ``ConfigError`` naming the file and the line."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"availability trace '{p}' does not exist")
-    windows: dict[int, list[tuple[float, float]]] = {}
+class Trace(NamedTuple):
+    """A trace's windows as arrays, sorted by node then start and merged (no two of a node's overlap
+    or touch): node ``i``'s are ``start[offsets[i]:offsets[i + 1]]`` to ``end[...]``."""
+
+    start: np.ndarray
+    end: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def build(cls, node, start, end, num_nodes: int) -> "Trace":
+        """Windows ``(node[j], start[j], end[j])`` in any order, sorted and merged: a node's windows
+        that overlap or touch become one (their union)."""
+        node = np.asarray(node, dtype=np.int64)
+        start, end = np.asarray(start, dtype=np.float64), np.asarray(end, dtype=np.float64)
+        order = np.lexsort((start, node))
+        node, start, end = node[order], start[order], end[order]
+        # a window opens a new merged one when it starts after every earlier end of its node: compared as
+        # int64 keys node·(R+1) + rank of the time among all R distinct times (exact; no float offsets)
+        times = np.unique(np.concatenate([start, end]))
+        base = node * (len(times) + 1)
+        s_key, e_key = base + np.searchsorted(times, start), base + np.searchsorted(times, end)
+        first = np.ones(len(node), dtype=bool)
+        first[1:] = s_key[1:] > np.maximum.accumulate(e_key)[:-1]
+        at = np.flatnonzero(first)
+        merged_end = np.maximum.reduceat(end, at) if len(at) else end[:0]
+        offsets = np.searchsorted(node[at], np.arange(num_nodes + 1))
+        return cls(start[at], merged_end, offsets)
+
+    @classmethod
+    def from_windows(cls, windows: dict[int, list[tuple[float, float]]], num_nodes: int) -> "Trace":
+        """From ``{node: [(start, end), ...]}``."""
+        rows = [(node, s, e) for node, ws in windows.items() for s, e in ws]
+        node, start, end = (list(col) for col in zip(*rows)) if rows else ([], [], [])
+        return cls.build(node, start, end, num_nodes)
+
+    def windows(self) -> dict[int, list[tuple[float, float]]]:
+        """``{node: [(start, end), ...]}`` for the nodes with a window."""
+        return {i: list(zip(self.start[a:b].tolist(), self.end[a:b].tolist()))
+                for i, (a, b) in enumerate(zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist())) if b > a}
+
+
+def _read_rows(p: Path, num_nodes: int) -> tuple[list[int], list[float], list[float]]:
+    """A trace CSV's rows, line by line, each checked: the first bad line raises ``ConfigError``."""
+    nodes, starts, ends = [], [], []
     with p.open(newline="") as f:
         for lineno, row in enumerate(csv.reader(f), start=1):
             where = f"availability trace '{p}' line {lineno}"
@@ -140,67 +181,238 @@ def load_trace(path: str | Path, num_nodes: int) -> dict[int, list[tuple[float, 
                 raise ConfigError(f"{where}: node {node} is not a partition id of this run (0..{num_nodes - 1})")
             if not (math.isfinite(start) and math.isfinite(end)) or start < 0 or end <= start:
                 raise ConfigError(f"{where}: need 0 <= start_s < end_s, got {start:g}, {end:g}")
-            windows.setdefault(node, []).append((start, end))
-    if not windows:
+            nodes.append(node)
+            starts.append(start)
+            ends.append(end)
+    return nodes, starts, ends
+
+
+def _parse_rows(p: Path, num_nodes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The rows of a well-formed trace CSV as arrays, in one numpy parse; None when anything in it is
+    not plainly well formed (then :func:`_read_rows` reads it, and names the line that is wrong). It
+    accepts only what :func:`_read_rows` accepts, with the same values (numpy's parser is Python's)."""
+    with p.open(newline="") as f:
+        if [c.strip() for c in next(csv.reader([f.readline()]), [])] != ["node", "start_s", "end_s"]:
+            return None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # (a trace of no windows: "input contained no data")
+                rows = np.loadtxt(f, delimiter=",", comments=None, ndmin=1,
+                                  dtype=[("node", np.int64), ("start", np.float64), ("end", np.float64)])
+        except ValueError:
+            return None
+    node, start, end = rows["node"], rows["start"], rows["end"]
+    ok = ((node >= 0) & (node < num_nodes) & np.isfinite(start) & np.isfinite(end) & (start >= 0)
+          & (end > start))
+    return (node, start, end) if ok.all() else None
+
+
+def load_trace(path: str | Path, num_nodes: int) -> Trace:
+    """Read a trace CSV (``node,start_s,end_s``): each node's windows, sorted and merged. A
+    malformed file raises ``ConfigError`` naming the file and the line."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"availability trace '{p}' does not exist")
+    rows = _parse_rows(p, num_nodes) or _read_rows(p, num_nodes)
+    if not len(rows[0]):  # (every node off for ever: a run on it would wait for nothing)
         raise ConfigError(f"availability trace '{p}' has no windows: its first line must be the header "
                           "'node,start_s,end_s', then one line per window a node is on")
-    for node, ws in windows.items():
-        ws.sort()
-        merged = [ws[0]]
-        for s, e in ws[1:]:
-            if s <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], e))
-            else:
-                merged.append((s, e))
-        windows[node] = merged
-    return windows
+    return Trace.build(*rows, num_nodes)
+
+
+_BLOCK = 64  # a node's uniforms drawn at once when its periods are drawn one by one (Availability._extend)
+
+
+class _Windows(dict):
+    """``pid -> [(start, end), ...]``: a node's on-windows drawn so far (a process) or given (a trace),
+    built on first use (a process's are kept as arrays, :meth:`Availability._history`, until asked for)."""
+
+    def __init__(self, fill):
+        super().__init__()
+        self._fill = fill
+
+    def __missing__(self, pid: int) -> list[tuple[float, float]]:
+        return self._fill(pid)
+
+
+def _uniform(seed: int, tag: int, a, b) -> np.ndarray:
+    """Uniform draws in (0, 1), one per ``(a, b)`` (broadcast): a counter-based hash of ``(seed, tag,
+    a, b)`` (:func:`~fedswarm.algorithms.local_sgd.sort_keys`, splitmix64), so any set of them is one
+    array expression and none depends on which others were drawn, or in which order."""
+    from fedswarm.algorithms.local_sgd import sort_keys
+
+    keys = sort_keys(sort_keys(seed, tag, 0), np.asarray(a, dtype=np.uint64), np.asarray(b, dtype=np.uint64))
+    return ((keys >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
 
 
 class Availability:
-    """Each node's on-windows (generated lazily for a process, fixed for a trace) and dropouts."""
+    """Each node's on-windows (drawn lazily for a process, fixed for a trace) and dropouts.
+
+    **A process's windows** (the definition every engine reads, here only): node ``pid``'s ``k``-th
+    draw is ``u_k`` = :func:`_uniform` ``(seed, pid, k)`` in (0, 1). It starts on iff
+    ``u_0 < on / (on + off)``; its ``k``-th period (``k >= 1``), starting at ``t`` (the first at 0),
+    lasts ``-ln(u_k)`` times its mean (``on``; ``off · (1 + diurnal · cos(2πt / period))``), at
+    least one ulp, and on and off periods alternate. :meth:`at` draws them for many nodes at once
+    (arrays over the nodes, one period per step, :meth:`_advance`); the one-node queries draw a
+    node's periods in a loop (:meth:`_extend`) from the same draws with the same arithmetic, so
+    both see the same windows, bit for bit (tests/test_availability_arrays.py holds them equal).
+    A node's state is kept as arrays (its next draw, the start and end of its current period); its
+    past on-windows only for a query about an earlier time (kept as arrays until one asks).
+    """
 
     def __init__(self, num_nodes: int, *, processes: list[OnOff | None] | None = None,
-                 trace: dict[int, list[tuple[float, float]]] | None = None, seed: int = 0):
+                 trace: "dict[int, list[tuple[float, float]]] | Trace | None" = None, seed: int = 0):
         self.num_nodes = num_nodes
         self.seed = int(seed)
         self.processes = processes
-        self._windows: list[list[tuple[float, float]]] = [list((trace or {}).get(i, [])) for i in range(num_nodes)]
-        self._horizon = [math.inf if trace is not None else 0.0] * num_nodes  # windows known up to here
-        self._starts: list[list[float]] = [[s for s, _ in w] for w in self._windows]
-        self._rngs: dict[int, np.random.Generator] = {}
-        self._on_now: list[bool] = [False] * num_nodes
+        self.trace = None if trace is None else (trace if isinstance(trace, Trace) else
+                                                 Trace.from_windows(trace, num_nodes))
+        if processes is not None and len(processes) != num_nodes:
+            raise ValueError(f"processes: {len(processes)} given for {num_nodes} nodes")
+        table = list(dict.fromkeys(processes or []))  # the distinct processes (None: always on)
+        index = {proc: i for i, proc in enumerate(table)}
+        self._code = np.fromiter((index[proc] for proc in processes), np.int64, num_nodes) if processes else None
+        if self._code is not None:
+            procs = [p or OnOff(1.0, 1.0) for p in table]
+            self._none = np.array([p is None for p in table])
+            self._on_mean = np.array([p.on for p in procs])
+            self._off_mean = np.array([p.off for p in procs])
+            self._diurnal = np.array([p.diurnal for p in procs])
+            self._period = np.array([p.period for p in procs])
+            self._fraction = np.array([p.fraction for p in procs])
+            self._k = np.zeros(num_nodes, dtype=np.int64)  # the next draw (0: not started)
+            self._start = np.zeros(num_nodes)  # the current period's start ...
+            self._end = np.zeros(num_nodes)  # ... and end: windows are drawn up to here
+            self._next_on = np.zeros(num_nodes, dtype=bool)  # the next period (from _end) is on
+        self._drawn: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # on-windows not yet in _windows
+        self._windows = _Windows(self._node_windows)
+
+    # -- drawing a process's windows ---------------------------------------------------------------
+    def _advance(self, pids: np.ndarray, until: float) -> None:
+        """Draw periods of process nodes ``pids`` (int64) until each one's current period ends after ``until``."""
+        fresh = pids[self._k[pids] == 0]
+        if len(fresh):
+            code = self._code[fresh]
+            self._next_on[fresh] = _uniform(self.seed, 0xA7A1, fresh, 0) < self._fraction[code]
+            self._k[fresh] = 1
+        pids = pids[self._end[pids] <= until]
+        while len(pids):
+            k, t, on, code = self._k[pids], self._end[pids], self._next_on[pids], self._code[pids]
+            scale = 1.0 + self._diurnal[code] * np.cos(2 * math.pi * t / self._period[code])
+            mean = np.where(on, self._on_mean[code], self._off_mean[code] * scale)
+            end = t + mean * -np.log(_uniform(self.seed, 0xA7A1, pids, k))
+            end = np.where(end > t, end, np.nextafter(t, math.inf))
+            if on.any():
+                self._drawn.append((pids[on], t[on], end[on]))
+            self._start[pids], self._end[pids], self._next_on[pids], self._k[pids] = t, end, ~on, k + 1
+            pids = pids[end <= until]
 
     def _extend(self, pid: int, until: float) -> None:
-        proc = self.processes[pid] if self.processes is not None else None
-        if proc is None:
-            self._windows[pid], self._starts[pid], self._horizon[pid] = [(0.0, math.inf)], [0.0], math.inf
+        """:meth:`_advance` for one node, ``pid``: the same periods, drawn in a loop over its periods
+        (a node may need many, one by one: the uniforms are drawn :data:`_BLOCK` at a time; ``np.log``
+        and ``np.cos``, numpy's loops as in :meth:`_advance`: ``math``'s may differ in the last bit)."""
+        if self._code is None or self._none[self._code[pid]] or self._end[pid] > until:
             return
-        rng = self._rngs.get(pid)
-        if rng is None:
-            rng = self._rngs[pid] = np.random.default_rng([self.seed, 0xA7A1, pid])
-            self._on_now[pid] = bool(rng.random() < proc.fraction)
-        t = self._horizon[pid]
+        one = np.array([pid], dtype=np.int64)
+        if self._k[pid] == 0:
+            self._advance(one, -math.inf)  # its first draw: on or off at 0
+        code = int(self._code[pid])
+        on_mean, off_mean = float(self._on_mean[code]), float(self._off_mean[code])
+        diurnal, period = float(self._diurnal[code]), float(self._period[code])
+        k, t, on = int(self._k[pid]), float(self._end[pid]), bool(self._next_on[pid])
+        start, starts, ends = t, [], []
         while t <= until:
-            if self._on_now[pid]:
-                end = t + float(rng.exponential(proc.on))
-                self._windows[pid].append((t, end))
-                self._starts[pid].append(t)
-            else:
-                scale = 1.0 + proc.diurnal * math.cos(2 * math.pi * t / proc.period)
-                end = t + float(rng.exponential(proc.off * scale))
-            self._on_now[pid] = not self._on_now[pid]
-            t = end
-        self._horizon[pid] = t
+            e = (-np.log(_uniform(self.seed, 0xA7A1, pid, np.arange(k, k + _BLOCK, dtype=np.uint64)))).tolist()
+            for j in range(_BLOCK):
+                if on:
+                    mean = on_mean
+                elif diurnal:  # (without: 1 + 0·cos = 1 exactly)
+                    mean = off_mean * (1.0 + diurnal * float(np.cos(2 * math.pi * t / period)))
+                else:
+                    mean = off_mean
+                end = t + mean * e[j]
+                if not end > t:
+                    end = math.nextafter(t, math.inf)
+                if on:
+                    starts.append(t)
+                    ends.append(end)
+                start, t, on, k = t, end, not on, k + 1
+                if t > until:
+                    break
+        if starts:
+            self._drawn.append((np.full(len(starts), pid, dtype=np.int64), np.array(starts), np.array(ends)))
+        self._start[pid], self._end[pid], self._next_on[pid], self._k[pid] = start, t, on, k
+
+    def _node_windows(self, pid: int) -> list[tuple[float, float]]:
+        if self.trace is not None:
+            a, b = self.trace.offsets[pid], self.trace.offsets[pid + 1]
+            return list(zip(self.trace.start[a:b].tolist(), self.trace.end[a:b].tolist()))
+        if self._code is None or self._none[self._code[pid]]:
+            return [(0.0, math.inf)]
+        for pids, starts, ends in self._drawn:  # what was drawn so far, for every node, in order
+            for p, s, e in zip(pids.tolist(), starts.tolist(), ends.tolist()):
+                dict.setdefault(self._windows, p, []).append((s, e))
+        self._drawn.clear()
+        return dict.setdefault(self._windows, pid, [])
+
+    def _history(self, pid: int) -> list[tuple[float, float]]:
+        if self._drawn:
+            self._node_windows(pid)  # (files what is pending)
+        return self._windows[pid]
+
+    # -- queries ---------------------------------------------------------------------------------
+    def at(self, pids, t: float, limit: float = 365 * 86_400.0) -> tuple[np.ndarray, np.ndarray]:
+        """Nodes ``pids`` at time ``t``, as arrays: whether each is on, and when that changes (an on
+        node's session end, ``inf`` for one always there; an off node's next on, ``inf`` when not
+        within ``limit`` seconds after ``t``): :meth:`session_end` and :meth:`next_on`, for many nodes."""
+        pids = np.asarray(pids, dtype=np.int64)
+        on, change = np.zeros(len(pids), dtype=bool), np.full(len(pids), math.inf)
+        if self.trace is not None:
+            tr = self.trace
+            upto = np.concatenate([[0], np.cumsum(tr.start <= t)])  # windows starting at or before t, cumulated
+            a, b = tr.offsets[pids], tr.offsets[pids + 1]
+            last = a + (upto[b] - upto[a]) - 1  # each node's last window starting at or before t (< a: none)
+            has = last >= a
+            end = tr.end[np.where(has, last, 0)] if len(tr.end) else np.zeros(len(pids))
+            on = has & (t < end)
+            nxt = last + 1
+            more = nxt < b
+            start = tr.start[np.where(more, nxt, 0)] if len(tr.start) else np.zeros(len(pids))
+            change = np.where(on, end, np.where(more & (start <= t + limit), start, math.inf))
+            return on, change
+        if self._code is None:
+            return ~on, change
+        always = self._none[self._code[pids]]
+        on[always] = t >= 0
+        drawn = pids[~always]
+        self._advance(drawn, t)
+        now = self._start[drawn] <= t  # else t is before the current period: ask the past, node by node
+        cur = ~self._next_on[drawn]
+        end = self._end[drawn]
+        on[~always] = now & cur
+        change[~always] = np.where(cur, end, np.where(end <= t + limit, end, math.inf))
+        for i in np.flatnonzero(~always)[~now].tolist():
+            pid = int(pids[i])
+            w = self._window(pid, t)
+            on[i] = w is not None
+            nxt = w[1] if w is not None else self.next_on(pid, t, limit)
+            change[i] = math.inf if nxt is None else nxt
+        return on, change
 
     def _window(self, pid: int, t: float) -> tuple[float, float] | None:
-        if t >= self._horizon[pid]:
-            self._extend(pid, t)
-        i = bisect.bisect_right(self._starts[pid], t) - 1
-        if i >= 0:
-            s, e = self._windows[pid][i]
-            if s <= t < e:
-                return s, e
-        return None
+        if self.trace is not None:
+            tr = self.trace
+            a = int(tr.offsets[pid])
+            i = a + int(np.searchsorted(tr.start[a:tr.offsets[pid + 1]], t, side="right")) - 1
+            return (float(tr.start[i]), float(tr.end[i])) if i >= a and t < tr.end[i] else None
+        if self._code is None or self._none[self._code[pid]]:
+            return (0.0, math.inf) if t >= 0 else None
+        self._extend(pid, t)
+        if self._start[pid] <= t:  # the current period
+            return None if self._next_on[pid] else (float(self._start[pid]), float(self._end[pid]))
+        ws = self._history(pid)
+        i = bisect.bisect_right(ws, (t, math.inf)) - 1
+        return ws[i] if i >= 0 and ws[i][0] <= t < ws[i][1] else None
 
     def available(self, pid: int, t: float) -> bool:
         """Whether node ``pid`` is on at simulated time ``t``."""
@@ -215,16 +427,18 @@ class Availability:
         """The first time >= ``t`` node ``pid`` is on (None: never, within ``limit`` seconds after ``t``)."""
         if self.available(pid, t):
             return t
-        reach = min(limit, NEXT_ON_STEP_S)  # windows drawn only as far as the answer needs, not all of limit
-        while True:
-            if self._horizon[pid] < t + reach:
-                self._extend(pid, t + reach)
-            i = bisect.bisect_right(self._starts[pid], t)
-            if i < len(self._starts[pid]) and self._starts[pid][i] <= t + limit:
-                return self._starts[pid][i]
-            if reach >= limit:
-                return None
-            reach = min(limit, 4 * reach)
+        if self.trace is not None:
+            tr = self.trace
+            a, b = int(tr.offsets[pid]), int(tr.offsets[pid + 1])
+            i = a + int(np.searchsorted(tr.start[a:b], t, side="right"))
+            nxt = float(tr.start[i]) if i < b else None
+        elif self._start[pid] <= t:  # off in its current period: the next one is on
+            nxt = float(self._end[pid])
+        else:  # before the current period: the first window drawn after t (the current one at the latest)
+            ws = self._history(pid)
+            i = bisect.bisect_right(ws, (t, math.inf))
+            nxt = ws[i][0] if i < len(ws) else float(self._end[pid])
+        return nxt if nxt is not None and nxt <= t + limit else None
 
     def drops(self, pid: int, server_round: int) -> bool:
         """Whether node ``pid``, sampled in ``server_round``, drops mid-round (its class's ``dropout``)."""
@@ -254,20 +468,15 @@ class Availability:
         return None
 
 
-def check_classes(per_class: dict[str, OnOff], classes: Iterable[str]) -> None:
-    """Refuse a process for a device class the run's ``--devices`` does not have."""
-    unknown = sorted(set(per_class) - set(classes) - {"*"})
-    if unknown:
-        raise ConfigError(f"availability: device class(es) {', '.join(unknown)} not in this run's --devices "
-                          f"({', '.join(sorted(set(classes)))})")
-
-
 def availability_for(spec: str, classes: list[str], seed: int) -> Availability:
     """The availability of a run's nodes (``classes``: each node's device class, by partition id)."""
     if is_trace(spec):
         return Availability(len(classes), trace=load_trace(spec, len(classes)), seed=seed)
     per_class = parse_process(spec)
-    check_classes(per_class, classes)
+    unknown = sorted(set(per_class) - set(classes) - {"*"})
+    if unknown:
+        raise ConfigError(f"availability: device class(es) {', '.join(unknown)} not in this run's --devices "
+                          f"({', '.join(sorted(set(classes)))})")
     procs = [per_class.get(c, per_class.get("*")) for c in classes]
     return Availability(len(classes), processes=procs, seed=seed)
 

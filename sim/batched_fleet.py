@@ -57,10 +57,11 @@ the fleet grid writes them (its row functions) when a round leaves out at most
 :data:`~fedswarm.sim.batched_round.NODE_ROWS_MAX` nodes; past that the round's row counts them
 instead (``fleet_ineligible``, ``fleet_unavailable``, ``fleet_late``, ``fleet_dropped``).
 
-Cost: the checks are arrays over the population, but a node's availability windows are drawn
-from its own generator (seeded by the run's seed and its partition, so that every engine sees the
-same windows): the first round builds one per node, about 0.1 ms each (10 s for 100,000 nodes on
-a 2-core VM); later rounds ask again only for the nodes whose session ended since.
+Cost: the checks are arrays over the population, the availability windows too: :class:`Presence`
+asks :meth:`Availability.at <fedswarm.availability.Availability.at>` for all the nodes whose
+state it does not know at once, which draws their periods as arrays (the same windows the
+other engines draw node by node); later rounds ask again only for the nodes whose session ended
+since.
 """
 
 from __future__ import annotations
@@ -139,15 +140,12 @@ class Presence:
         self.on = np.zeros(n, dtype=bool)
 
     def at(self, t: float) -> np.ndarray:
-        av = self.availability
-        for pid in np.flatnonzero(~((self.lo <= t) & (t < self.hi))).tolist():
-            end = av.session_end(pid, t)
-            if end is not None:
-                self.on[pid], self.hi[pid] = True, end
-            else:
-                nxt = av.next_on(pid, t, limit=LOOKAHEAD_S)  # None: off for all that span
-                self.on[pid], self.hi[pid] = False, (t + LOOKAHEAD_S if nxt is None else nxt)
-            self.lo[pid] = t
+        stale = np.flatnonzero(~((self.lo <= t) & (t < self.hi)))
+        if len(stale):
+            on, change = self.availability.at(stale, t, limit=LOOKAHEAD_S)  # (inf: off for all that span)
+            self.on[stale] = on
+            self.hi[stale] = np.where(on | np.isfinite(change), change, t + LOOKAHEAD_S)
+            self.lo[stale] = t
         return self.on
 
 
@@ -231,12 +229,13 @@ class BatchedFleet:
                 return pool.tolist(), rows, {"fleet_unavailable": len(off), "fleet_ineligible": len(bad)}
             if self.availability is not None:  # simulated time: wait for the next node to come on
                 after = math.nextafter(self.clock, math.inf)
-                times = [t for pid in range(self.cfg.clients)
-                         if (t := self.availability.next_on(pid, after)) is not None and t > self.clock]
-                if not times:
+                on, change = self.availability.at(ids - 1, after)  # each node's next_on(after), all at once
+                times = np.where(on, after, change)
+                times = times[np.isfinite(times) & (times > self.clock)]
+                if not len(times):
                     raise none_on_again(server_round, 1, self.clock)
-                self.idle += min(times) - self.clock
-                self.clock = min(times)
+                self.idle += float(times.min()) - self.clock
+                self.clock = float(times.min())
                 continue
             if time.monotonic() > deadline:
                 raise too_few_eligible(server_round, 0, 1, self.wait_s, rows(NODE_ROWS_MAX))
