@@ -468,15 +468,20 @@ class Availability:
         return None
 
 
+def check_classes(per_class: dict[str, OnOff], classes: Iterable[str]) -> None:
+    """Refuse a process for a device class the run's ``--devices`` does not have."""
+    unknown = sorted(set(per_class) - set(classes) - {"*"})
+    if unknown:
+        raise ConfigError(f"availability: device class(es) {', '.join(unknown)} not in this run's --devices "
+                          f"({', '.join(sorted(set(classes)))})")
+
+
 def availability_for(spec: str, classes: list[str], seed: int) -> Availability:
     """The availability of a run's nodes (``classes``: each node's device class, by partition id)."""
     if is_trace(spec):
         return Availability(len(classes), trace=load_trace(spec, len(classes)), seed=seed)
     per_class = parse_process(spec)
-    unknown = sorted(set(per_class) - set(classes) - {"*"})
-    if unknown:
-        raise ConfigError(f"availability: device class(es) {', '.join(unknown)} not in this run's --devices "
-                          f"({', '.join(sorted(set(classes)))})")
+    check_classes(per_class, classes)
     procs = [per_class.get(c, per_class.get("*")) for c in classes]
     return Availability(len(classes), processes=procs, seed=seed)
 
