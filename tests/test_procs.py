@@ -8,21 +8,14 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from fedswarm.procs import pid_alive, processes, stat_fields
+from tests.helpers import wait_until
 
 # a child that holds 64 MB, and its child, a sleep whose command name has a space and a parenthesis
 _CHILD = ("import subprocess, sys, time; x = bytearray(64 << 20); "
           "c = subprocess.Popen([sys.argv[1], '60']); print(c.pid, flush=True); time.sleep(60)")
-
-
-def _wait(cond, what: str, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_processes_read_state_and_parent_past_odd_command_names(tmp_path):
@@ -35,7 +28,7 @@ def test_processes_read_state_and_parent_past_odd_command_names(tmp_path):
                          start_new_session=True)
     try:
         grandchild = int(p.stdout.readline())
-        _wait(lambda: Path(f"/proc/{grandchild}/comm").read_text().strip() == odd.name, "the odd name")
+        wait_until(lambda: Path(f"/proc/{grandchild}/comm").read_text().strip() == odd.name, 30, what="the odd name")
         table = dict(processes())
         assert table[p.pid][1] == str(os.getpid()) and table[grandchild][1] == str(p.pid)
         assert table[grandchild][0] in "SR"  # its state, past the ')' in its command name
@@ -44,5 +37,5 @@ def test_processes_read_state_and_parent_past_odd_command_names(tmp_path):
     finally:
         os.killpg(p.pid, 9)
         p.wait()
-    _wait(lambda: not session_alive(p.pid), "the session's end")
+    wait_until(lambda: not session_alive(p.pid), 30, what="the session's end")
     assert stat_fields(p.pid) is None and not pid_alive(p.pid)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from tests.helpers import wait_until
 from tests.swarm_helpers import make_peers, run_all
 
 
@@ -131,9 +131,8 @@ def test_a_round_waits_for_the_gossiped_stats_of_every_member(ingest):
         return {b["round"]: [n["node_id"][0] for n in b["nodes"]] for p, _, b in list(posts) if p.endswith("/rounds")}
 
     rec.heartbeat(force=True, telemetry={"train_s": 1.5})  # the queue is FIFO: once this beat is posted, so is
-    deadline = time.monotonic() + 10                       # every round submitted before it
-    while not any(b.get("telemetry") for _, _, b in list(posts)) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: any(b.get("telemetry") for _, _, b in list(posts)), 30, interval=0.01,  # every round
+               what="the heartbeat posted")                                                   # before it
     assert rounds() == {1: ["a", "b"], 2: ["a", "b"], 3: ["a", "b"], 4: ["a"]}
     rec.finish({})  # the rounds "c" holds back go with what they have
     assert rounds() == {**{r: ["a", "b"] for r in (1, 2, 3)}, **{r: ["a"] for r in range(4, 5 + WAIT_ROUNDS)}}
