@@ -205,7 +205,7 @@ class ProbedRules:
     def _await(self, timeout: float) -> None:
         """The answers of every probe out, waited for up to ``timeout`` seconds."""
         if self.asked:
-            self._read(pull_replies(self.grid, set(self.asked), timeout=timeout))
+            self._read(pull_replies(self.grid, list(self.asked), timeout=timeout))
 
     def _due(self, node: int, train_config: Any, now: float) -> bool:
         """Whether idle ``node`` is probed at this aggregation: it sent nothing in the previous one, and
