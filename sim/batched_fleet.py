@@ -388,10 +388,10 @@ class BatchedFleet:
         positions of the replies the strategy gets, in the fleet grid's order: the kept ones first to
         finish first (equal times: as sent), then the error replies. The bytes sent and the kept replies'
         count towards the round's simulated time (:meth:`close`)."""
-        from fedswarm.sim.simtime import _samples_of  # the examples a reply says it computed on
+        from fedswarm.sim.simtime import samples_of  # the examples a reply says it computed on (the time model's)
 
         ok = [i for i, r in enumerate(replies) if not r.has_error()]
-        samples = [_samples_of(self.cfg, r) if not r.has_error() else 0.0 for r in replies]
+        samples = [samples_of(self.cfg, r) if not r.has_error() else 0.0 for r in replies]
         nodes = [int(sent[i]) for i in ok]
         d = np.asarray([down[i] for i in ok], dtype=np.int64)
         t = self.seconds(np.asarray(nodes, dtype=np.int64), d, np.asarray([up[i] for i in ok], dtype=np.int64),

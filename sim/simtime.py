@@ -43,7 +43,7 @@ from fedswarm.algorithms.decentralized.topology import make_topology
 from fedswarm.tasks import get_task
 from fedswarm.wire import PAYLOAD_ARRAYS, PAYLOAD_META, vector_to_arrayrecord
 
-__all__ = ["RoundTimer", "node_profiles", "model_message_nbytes", "make_round_timer", "make_node_timer"]
+__all__ = ["RoundTimer", "node_profiles", "model_message_nbytes", "samples_of", "make_round_timer", "make_node_timer"]
 
 RoundTimer = Callable[[int, Traffic], "float | None"]
 
@@ -92,7 +92,7 @@ def make_round_timer(cfg: RunConfig, *, server_link: Link | None = None) -> Roun
     return _federated_timer(cfg, profiles, server_link)
 
 
-def _samples_of(cfg: RunConfig, msg: Message) -> float:
+def samples_of(cfg: RunConfig, msg: Message) -> float:
     """The examples a train reply's node computed on (its steps times the batch, else its epochs' examples)."""
     metrics = next(iter(msg.content.metric_records.values()), {})
     steps = metrics.get("steps")
@@ -113,7 +113,7 @@ def make_node_timer(cfg: RunConfig) -> Callable[[Message, int, int], float | Non
         pid = None if msg.has_error() else _partition_of(msg, n)
         if pid is None or not 0 <= pid < n:
             return None
-        return sync_round_time_s([profiles[pid]], [_samples_of(cfg, msg)], [down], [up])
+        return sync_round_time_s([profiles[pid]], [samples_of(cfg, msg)], [down], [up])
 
     return node_time
 
@@ -130,7 +130,7 @@ def _federated_timer(cfg: RunConfig, profiles: list[Profile], server_link: Link 
             if pid is None or not 0 <= pid < n:
                 continue
             nodes.append(profiles[pid])
-            samples.append(_samples_of(cfg, msg))
+            samples.append(samples_of(cfg, msg))
             nid = msg.metadata.src_node_id
             down.append(traffic.node_down.get(nid, 0))
             up.append(traffic.node_up.get(nid, 0))
